@@ -1,0 +1,1 @@
+"""The psflow chief process."""

@@ -1,0 +1,1 @@
+"""The psflow ps_server process."""
