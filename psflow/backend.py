@@ -1,0 +1,175 @@
+"""The array backend: NumPy on CPUs, CuPy on NVIDIA GPUs, behind one dispatch point.
+
+Every op is written once against an array module ``xp`` obtained from its
+inputs with :func:`xp_of`. CuPy is imported lazily, the first time a GPU is
+asked for, never at import time.
+
+Arrays are placed by the current device (:func:`device`), which is per thread so
+that MirroredStrategy's replica threads each compute on their own device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from psflow import errors
+
+_cupy: Any = None
+_cupy_checked = False
+_cupy_lock = threading.Lock()
+
+
+def cupy_or_none() -> Any:
+    """Returns the ``cupy`` module if it imports and sees a GPU, else ``None``."""
+    global _cupy, _cupy_checked
+    if _cupy_checked:
+        return _cupy
+    with _cupy_lock:
+        if not _cupy_checked:
+            try:
+                import cupy
+
+                if cupy.cuda.runtime.getDeviceCount() > 0:
+                    _cupy = cupy
+            except Exception:  # no CuPy, no driver, no device: CPU only
+                _cupy = None
+            _cupy_checked = True
+    return _cupy
+
+
+def gpu_count() -> int:
+    """Number of CUDA GPUs CuPy can see (0 without CuPy)."""
+    cp = cupy_or_none()
+    return cp.cuda.runtime.getDeviceCount() if cp is not None else 0
+
+
+def xp_of(array: Any) -> Any:
+    """The array module (``numpy`` or ``cupy``) that owns ``array``."""
+    if type(array) is np.ndarray or isinstance(array, (np.ndarray, np.generic)):
+        return np
+    if type(array).__module__.startswith("cupy"):
+        return cupy_or_none()
+    return np
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """Copies a CuPy array to the host; NumPy arrays pass through."""
+    if isinstance(array, np.ndarray):
+        return array
+    if type(array).__module__.startswith("cupy"):
+        return array.get()
+    return np.asarray(array)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A device: ``CPU:i`` (a logical CPU device) or ``GPU:i``."""
+
+    device_type: str
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        """TensorFlow's full device name, e.g. ``/job:localhost/replica:0/task:0/device:GPU:0``."""
+        return f"/job:localhost/replica:0/task:0/device:{self.device_type}:{self.index}"
+
+    @property
+    def is_gpu(self) -> bool:
+        """Whether arrays on this device are CuPy arrays."""
+        return self.device_type == "GPU"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_DEVICE_RE = re.compile(r"(?:.*/)?(?:device:)?(?P<type>CPU|GPU|cpu|gpu)(?::(?P<index>\d+))?$")
+
+
+def parse_device(spec: str | Device) -> Device:
+    """Parses ``"/gpu:1"``, ``"GPU:0"``, ``"/job:localhost/.../device:CPU:0"``.
+
+    Raises:
+        InvalidArgumentError: the spec names no CPU or GPU device.
+    """
+    if isinstance(spec, Device):
+        return spec
+    m = _DEVICE_RE.match(str(spec).strip())
+    if m is None:
+        raise errors.InvalidArgumentError(f"Cannot parse device specification {spec!r}")
+    return Device(m.group("type").upper(), int(m.group("index") or 0))
+
+
+_local = threading.local()
+CPU0 = Device("CPU", 0)
+
+
+def default_device() -> Device:
+    """GPU:0 when CuPy sees a GPU (TensorFlow's default), else CPU:0."""
+    return Device("GPU", 0) if cupy_or_none() is not None else CPU0
+
+
+def current_device() -> Device:
+    """The device new arrays of this thread are placed on."""
+    dev = getattr(_local, "device", None)
+    return dev if dev is not None else default_device()
+
+
+@contextlib.contextmanager
+def device(spec: str | Device) -> Iterator[Device]:
+    """Places arrays created in this thread on ``spec`` (TensorFlow's ``tf.device``).
+
+    Example:
+        >>> import psflow as pf
+        >>> with pf.device("/CPU:0"):
+        ...     x = pf.constant([1.0])
+    """
+    dev = parse_device(spec)
+    if dev.is_gpu and dev.index >= gpu_count():
+        raise errors.InvalidArgumentError(
+            f"Device {spec!r} does not exist: {gpu_count()} GPU(s) visible"
+        )
+    prev = getattr(_local, "device", None)
+    _local.device = dev
+    try:
+        yield dev
+    finally:
+        _local.device = prev
+
+
+def xp_for(dev: Device) -> Any:
+    """The array module for arrays on ``dev``."""
+    return cupy_or_none() if dev.is_gpu else np
+
+
+def place(array: Any, dev: Device | None = None) -> Any:
+    """Moves (or copies) ``array`` to ``dev`` (the current device by default)."""
+    dev = dev or current_device()
+    if not dev.is_gpu:
+        return to_numpy(array)
+    cp = cupy_or_none()
+    with cp.cuda.Device(dev.index):
+        return cp.asarray(array)
+
+
+def device_of(array: Any) -> Device:
+    """The device an array lives on."""
+    if isinstance(array, (np.ndarray, np.generic)):
+        return CPU0
+    return Device("GPU", int(array.device.id))
+
+
+def scatter_add(out: Any, indices: Any, values: Any) -> None:
+    """``out[indices] += values`` with repeated indices adding up, in place."""
+    if isinstance(out, np.ndarray):
+        np.add.at(out, indices, values)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(out, indices, values)

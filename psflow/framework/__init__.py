@@ -1,0 +1,1 @@
+"""The engine's core: tensors, variables, sparse slices and the gradient tape."""

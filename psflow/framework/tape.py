@@ -1,0 +1,311 @@
+"""Reverse-mode automatic differentiation: ``psflow.GradientTape``.
+
+Ops call :func:`record` with their inputs, their output and a backward
+function (one vector-Jacobian product per op). Every active tape of the
+current thread that watches one of the inputs keeps the record; ``gradient``
+replays the records backwards from the target.
+
+Backward functions have the signature ``backward(upstream, needs)``, where
+``upstream`` is the gradient array of the op's output and ``needs`` a tuple of
+booleans saying which inputs want a gradient (so a matmul skips the product it
+does not need). They return one entry per input: an array, an
+:class:`IndexedSlices` for sparse row gradients, or ``None``.
+
+Example:
+    >>> import psflow as pf
+    >>> x = pf.Variable(3.0)
+    >>> with pf.GradientTape() as tape:
+    ...     y = x * x
+    >>> float(tape.gradient(y, x))
+    6.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from psflow import backend, errors
+from psflow.framework.indexed_slices import IndexedSlices
+
+_local = threading.local()
+
+Backward = Callable[[Any, tuple[bool, ...]], tuple[Any, ...]]
+
+
+class UnconnectedGradients(enum.Enum):
+    """What ``gradient`` returns for a source the target does not depend on."""
+
+    NONE = "none"
+    ZERO = "zero"
+
+
+def _tapes() -> list[GradientTape]:
+    tapes = getattr(_local, "tapes", None)
+    if tapes is None:
+        tapes = _local.tapes = []
+    return tapes
+
+
+def is_recording() -> bool:
+    """Whether any tape of this thread is recording (ops skip bookkeeping otherwise)."""
+    tapes = getattr(_local, "tapes", None)
+    return bool(tapes)
+
+
+def record(inputs: tuple[Any, ...], output: Any, backward: Backward) -> None:
+    """Offers one op's record to every recording tape of this thread."""
+    tapes = getattr(_local, "tapes", None)
+    if not tapes:
+        return
+    for tape in tapes:
+        if tape._recording:
+            tape._record(inputs, output, backward)
+
+
+def _is_float(node: Any) -> bool:
+    return node._array().dtype.kind == "f"
+
+
+def _accumulate(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if isinstance(a, IndexedSlices) and isinstance(b, IndexedSlices):
+        xp = backend.xp_of(a._values)
+        return IndexedSlices._raw(
+            xp.concatenate([a._values, b._values]),
+            xp.concatenate([a._indices, b._indices]),
+            a._dense_shape,
+        )
+    if isinstance(a, IndexedSlices):
+        a = a.dense_array()
+    if isinstance(b, IndexedSlices):
+        b = b.dense_array()
+    return a + b
+
+
+class GradientTape:
+    """Records ops for automatic differentiation (TensorFlow's ``tf.GradientTape``).
+
+    Args:
+        persistent: allow several ``gradient`` calls on this tape.
+        watch_accessed_variables: watch every trainable variable an op reads.
+
+    Example:
+        >>> import psflow as pf
+        >>> w = pf.Variable([[1.0], [2.0]])
+        >>> x = pf.constant([[3.0, 4.0]])
+        >>> with pf.GradientTape() as tape:
+        ...     loss = pf.reduce_sum(pf.matmul(x, w))
+        >>> tape.gradient(loss, w).numpy().ravel().tolist()
+        [3.0, 4.0]
+    """
+
+    def __init__(self, persistent: bool = False, watch_accessed_variables: bool = True) -> None:
+        self._persistent = persistent
+        self._watch_accessed = watch_accessed_variables
+        self._recording = False
+        self._used = False
+        self._watched: dict[int, Any] = {}
+        self._variables: dict[int, Any] = {}
+        self._ops: list[tuple[tuple[Any, ...], Any, Backward]] = []
+
+    def __enter__(self) -> GradientTape:
+        self._recording = True
+        _tapes().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._recording = False
+        tapes = _tapes()
+        if self in tapes:
+            tapes.remove(self)
+
+    # -- what to watch ---------------------------------------------------------------
+    def watch(self, tensor: Any) -> None:
+        """Watches a tensor or variable (or a nest of them) so gradients reach it."""
+        from psflow.framework.tensor import Tensor
+        from psflow.framework.variable import Variable
+        from psflow.util import nest
+
+        for t in nest.flatten(tensor):
+            if not isinstance(t, (Tensor, Variable)):
+                raise errors.InvalidArgumentError(
+                    f"GradientTape.watch takes tensors or variables, got {type(t).__name__}: {t!r}"
+                )
+            if _is_float(t):
+                self._watched[id(t)] = t
+                if isinstance(t, Variable):
+                    self._variables[id(t)] = t
+
+    def watched_variables(self) -> tuple[Any, ...]:
+        """The variables this tape watched, in the order it first saw them."""
+        return tuple(self._variables.values())
+
+    @contextlib.contextmanager
+    def stop_recording(self) -> Iterator[None]:
+        """Pauses recording inside the ``with`` block."""
+        prev = self._recording
+        self._recording = False
+        try:
+            yield
+        finally:
+            self._recording = prev
+
+    def reset(self) -> None:
+        """Forgets everything recorded so far."""
+        self._watched.clear()
+        self._variables.clear()
+        self._ops.clear()
+        self._used = False
+
+    def _record(self, inputs: tuple[Any, ...], output: Any, backward: Backward) -> None:
+        watched = self._watched
+        hit = False
+        for x in inputs:
+            key = id(x)
+            if key in watched:
+                hit = True
+            elif (
+                self._watch_accessed
+                and getattr(x, "_is_variable", False)
+                and x.trainable
+                and _is_float(x)
+            ):
+                watched[key] = x
+                self._variables[key] = x
+                hit = True
+        if hit and output._array().dtype.kind == "f":
+            watched[id(output)] = output
+            self._ops.append((inputs, output, backward))
+
+    # -- differentiation -------------------------------------------------------------
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: UnconnectedGradients | str = UnconnectedGradients.NONE,
+    ) -> Any:
+        """Gradients of ``target`` (summed over a nest of targets) w.r.t. ``sources``.
+
+        Returns the structure of ``sources``: arrays as tensors, sparse row
+        gradients as :class:`IndexedSlices`, ``None`` (or zeros) where unconnected.
+
+        Raises:
+            RuntimeError: a non-persistent tape is asked a second time.
+            InvalidArgumentError: a source is not a tensor or variable.
+        """
+        from psflow.framework.tensor import Tensor, to_array
+        from psflow.framework.variable import Variable
+        from psflow.util import nest
+
+        if self._used and not self._persistent:
+            raise RuntimeError(
+                "A non-persistent GradientTape can only be used to compute one set of gradients"
+                " (or jacobians); create it with persistent=True to call gradient() again"
+            )
+        self._used = True
+        unconnected = UnconnectedGradients(
+            unconnected_gradients.value
+            if isinstance(unconnected_gradients, UnconnectedGradients)
+            else str(unconnected_gradients).lower()
+        )
+        flat_sources = nest.flatten(sources)
+        for s in flat_sources:
+            if not isinstance(s, (Tensor, Variable)):
+                raise errors.InvalidArgumentError(
+                    f"gradient sources must be tensors or variables, got {type(s).__name__}: {s!r}"
+                )
+        flat_targets = nest.flatten(target)
+        flat_upstream = (
+            nest.flatten(output_gradients)
+            if output_gradients is not None
+            else [None] * len(flat_targets)
+        )
+        if len(flat_upstream) != len(flat_targets):
+            raise errors.InvalidArgumentError(
+                f"output_gradients has {len(flat_upstream)} entries for {len(flat_targets)} targets"
+            )
+        grads: dict[int, Any] = {}
+        for t, up in zip(flat_targets, flat_upstream):
+            if not isinstance(t, (Tensor, Variable)) or id(t) not in self._watched:
+                continue
+            arr = t._array()
+            xp = backend.xp_of(arr)
+            g = xp.ones_like(arr) if up is None else xp.asarray(to_array(up), dtype=arr.dtype)
+            grads[id(t)] = _accumulate(grads.get(id(t)), g)
+
+        keep = {id(s) for s in flat_sources}
+        recording, self._recording = self._recording, False
+        try:
+            for inputs, output, backward in reversed(self._ops):
+                key = id(output)
+                g = grads.get(key) if key in keep else grads.pop(key, None)
+                if g is None:
+                    continue
+                if isinstance(g, IndexedSlices):
+                    g = g.dense_array()
+                needs = tuple(id(x) in self._watched for x in inputs)
+                for x, gx in zip(inputs, backward(g, needs)):
+                    if gx is not None and id(x) in self._watched:
+                        grads[id(x)] = _accumulate(grads.get(id(x)), gx)
+        finally:
+            self._recording = recording
+
+        results = []
+        for s in flat_sources:
+            g = grads.get(id(s))
+            if g is None:
+                if unconnected is UnconnectedGradients.ZERO:
+                    arr = s._array()
+                    results.append(Tensor._wrap(backend.xp_of(arr).zeros_like(arr)))
+                else:
+                    results.append(None)
+            elif isinstance(g, IndexedSlices):
+                results.append(g)
+            else:
+                results.append(Tensor._wrap(g))
+        if not self._persistent:
+            self._ops = []
+        return nest.pack_sequence_as(sources, results)
+
+    def jacobian(self, target: Any, sources: Any) -> Any:
+        """Jacobian of every element of ``target`` w.r.t. ``sources`` (a slow, exact loop).
+
+        Needs ``persistent=True`` when called more than once; the result for a
+        source has shape ``target.shape + source.shape``.
+        """
+        from psflow.framework.tensor import Tensor
+        from psflow.util import nest
+
+        t_arr = target._array()
+        xp = backend.xp_of(t_arr)
+        flat_sources = nest.flatten(sources)
+        rows: list[list[Any]] = [[] for _ in flat_sources]
+        persistent, self._persistent = self._persistent, True
+        try:
+            for i in range(t_arr.size):
+                up = xp.zeros(t_arr.size, dtype=t_arr.dtype)
+                up[i] = 1
+                gs = self.gradient(target, flat_sources, output_gradients=up.reshape(t_arr.shape))
+                for k, (s, g) in enumerate(zip(flat_sources, gs)):
+                    if g is None:
+                        g_arr = xp.zeros_like(s._array())
+                    elif isinstance(g, IndexedSlices):
+                        g_arr = g.dense_array()
+                    else:
+                        g_arr = g._array()
+                    rows[k].append(g_arr)
+        finally:
+            self._persistent = persistent
+        out = [
+            Tensor._wrap(xp.stack(r).reshape(t_arr.shape + s._array().shape))
+            if r
+            else Tensor._wrap(xp.zeros(t_arr.shape + s._array().shape, t_arr.dtype))
+            for r, s in zip(rows, flat_sources)
+        ]
+        return nest.pack_sequence_as(sources, out)

@@ -1,0 +1,1 @@
+"""``psflow.math``: TensorFlow's ``tf.math`` names."""

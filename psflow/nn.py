@@ -1,0 +1,1 @@
+"""``psflow.nn``: TensorFlow's ``tf.nn`` names."""

@@ -1,0 +1,1 @@
+"""Ops with TensorFlow's names, each with its vector-Jacobian product."""

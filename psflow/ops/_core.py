@@ -1,0 +1,126 @@
+"""Plumbing shared by every op: operand conversion, output wrapping, broadcasting.
+
+An op converts its operands to *nodes* (tensors or variables, which the tape
+tracks by identity), computes on their raw arrays and wraps the result; while
+a tape records, it also hands the tape a backward function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from psflow import backend, dtypes, errors
+from psflow.framework import tape as tape_lib
+from psflow.framework.tensor import Tensor, convert_to_tensor
+
+record = tape_lib.record
+recording = tape_lib.is_recording
+
+
+def node(x: Any, dtype: Any = None) -> Any:
+    """A tensor or variable for ``x`` (variables stay themselves so tapes see them)."""
+    if type(x) is Tensor or getattr(x, "_is_variable", False):
+        if dtype is not None and x._array().dtype != dtypes.as_dtype(dtype).np:
+            raise errors.InvalidArgumentError(
+                f"Expected dtype {dtypes.as_dtype(dtype).name}, got {x._array().dtype.name}: {x!r}"
+            )
+        return x
+    return convert_to_tensor(x, dtype=dtype)
+
+
+def _is_weak(x: Any) -> bool:
+    """Python scalars and lists adopt the other operand's dtype, as in TensorFlow."""
+    return isinstance(x, (int, float, bool, list, tuple)) and not isinstance(x, np.generic)
+
+
+def binary(x: Any, y: Any, op_name: str) -> tuple[Any, Any]:
+    """Converts two operands to nodes of one dtype.
+
+    Raises:
+        InvalidArgumentError: the dtypes differ (TensorFlow never promotes).
+    """
+    if _is_weak(x) and not _is_weak(y):
+        y = node(y)
+        x = convert_to_tensor(x, dtype=_weak_dtype(x, y._array().dtype))
+    elif _is_weak(y) and not _is_weak(x):
+        x = node(x)
+        y = convert_to_tensor(y, dtype=_weak_dtype(y, x._array().dtype))
+    else:
+        x, y = node(x), node(y)
+    dx, dy = x._array().dtype, y._array().dtype
+    if dx != dy:
+        raise errors.InvalidArgumentError(
+            f"{op_name}: cannot compute on a {dx.name} tensor and a {dy.name} tensor "
+            f"(shapes {tuple(x._array().shape)} and {tuple(y._array().shape)}); cast one first"
+        )
+    return x, y
+
+
+def _weak_dtype(value: Any, other: np.dtype) -> dtypes.DType:
+    if other.kind in "iub":
+        flat = np.asarray(value)
+        if flat.dtype.kind == "f":
+            raise errors.InvalidArgumentError(
+                f"Cannot convert {value!r} to the integer dtype {other.name} without losing data"
+            )
+    return dtypes.from_numpy(other)
+
+
+def out(array: Any, inputs: tuple[Any, ...], backward: Any = None) -> Tensor:
+    """Wraps an op's result and records it on the active tapes."""
+    t = Tensor._wrap(array)
+    if backward is not None and tape_lib._local.__dict__.get("tapes"):
+        record(inputs, t, backward)
+    return t
+
+
+def xp(a: Any) -> Any:
+    """The array module of ``a``."""
+    return backend.xp_of(a)
+
+
+def unbroadcast(g: Any, shape: tuple[int, ...]) -> Any:
+    """Sums ``g`` down to ``shape`` (the VJP of NumPy broadcasting)."""
+    if g.shape == shape:
+        return g
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        i + lead for i, d in enumerate(shape) if d == 1 and g.shape[i + lead] != 1
+    )
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    if lead:
+        g = g.reshape(g.shape[lead:])
+    return g.reshape(shape)
+
+
+def check_broadcast(a: Any, b: Any, op_name: str) -> None:
+    """Raises InvalidArgumentError naming the shapes when they cannot broadcast."""
+    sa, sb = a.shape, b.shape
+    if sa == sb:
+        return
+    for da, db in zip(reversed(sa), reversed(sb)):
+        if da != db and da != 1 and db != 1:
+            raise errors.InvalidArgumentError(
+                f"{op_name}: incompatible shapes {list(sa)} and {list(sb)}"
+            )
+
+
+def normalize_axis(axis: Any, ndim: int, op_name: str) -> tuple[int, ...] | None:
+    """Turns an axis argument (int, list, tensor, None) into a tuple of positive axes."""
+    if axis is None:
+        return None
+    if isinstance(axis, Tensor) or getattr(axis, "_is_variable", False):
+        axis = backend.to_numpy(axis._array()).tolist()
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    result = []
+    for a in axes:
+        a = int(a)
+        if not -max(ndim, 1) <= a < max(ndim, 1):
+            raise errors.InvalidArgumentError(
+                f"{op_name}: axis {a} is out of range for a tensor of rank {ndim}"
+            )
+        result.append(a % max(ndim, 1))
+    return tuple(result)
