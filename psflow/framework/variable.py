@@ -365,3 +365,12 @@ class Variable(metaclass=_VariableMeta):
         from psflow.ops import array_ops
 
         return array_ops._getitem(self, key)
+
+
+def local_variable(
+    initial_value: Any, *, name: str | None = None, trainable: bool = False, dtype: Any = None
+) -> Variable:
+    """A plain in-process variable, bypassing any strategy's variable creator."""
+    v = object.__new__(Variable)
+    v._init_attrs(initial_array(initial_value, dtype), trainable=trainable, name=name)
+    return v

@@ -1,0 +1,16 @@
+"""``psflow.distribute``: strategies, distributed values and cluster resolvers."""
+
+from psflow.distribute.distribute_lib import (
+    InputContext,
+    InputOptions,
+    OneDeviceStrategy,
+    ReplicaContext,
+    RunOptions,
+    Strategy,
+    StrategyExtended,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from psflow.distribute.reduce_util import ReduceOp

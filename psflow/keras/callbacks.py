@@ -1,0 +1,383 @@
+"""Training callbacks (Keras's ``keras.callbacks``)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from psflow import errors
+from psflow.keras.utils.progbar import Progbar
+
+
+class Callback:
+    """Base class: hooks called by ``fit``, ``evaluate`` and ``predict``."""
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.params: dict[str, Any] = {}
+
+    def set_model(self, model: Any) -> None:
+        """Attaches the model being trained."""
+        self.model = model
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        """Receives ``epochs``, ``steps`` and ``verbose``."""
+        self.params = params
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Called once when training starts."""
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Called once when training ends."""
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Called at the start of each epoch."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Called at the end of each epoch with its logs (validation ones too)."""
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Called before each training step."""
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Called after each training step with the running logs."""
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        """Called when evaluation starts."""
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        """Called when evaluation ends."""
+
+    def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Called before each evaluation step."""
+
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Called after each evaluation step."""
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        """Called when prediction starts."""
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        """Called when prediction ends."""
+
+    def on_predict_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Called before each prediction step."""
+
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Called after each prediction step."""
+
+
+class CallbackList:
+    """Calls a hook on every callback in order."""
+
+    def __init__(
+        self, callbacks: list[Callback] | None, model: Any, params: dict[str, Any]
+    ) -> None:
+        self.callbacks = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be keras Callback objects, got {cb!r}")
+            cb.set_model(model)
+            cb.set_params(params)
+
+    def __getattr__(self, hook: str) -> Callable[..., None]:
+        if not hook.startswith("on_"):
+            raise AttributeError(hook)
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            for cb in self.callbacks:
+                getattr(cb, hook)(*args, **kwargs)
+
+        return call
+
+
+class History(Callback):
+    """Records every epoch's logs: ``history.history["loss"]`` is a list per epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, list[float]] = {}
+        self.epoch: list[int] = []
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.epoch = []
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch.append(epoch)
+        for k, v in (logs or {}).items():
+            self.history.setdefault(k, []).append(v)
+
+
+class ProgbarLogger(Callback):
+    """Prints ``Epoch i/n`` and a progress bar per epoch (Keras 2's format)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bar: Progbar | None = None
+        self._seen = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        verbose, epochs = self.params.get("verbose", 1), self.params.get("epochs", 1)
+        if verbose and epochs > 1:
+            print(f"Epoch {epoch + 1}/{epochs}", flush=True)
+        self._bar = Progbar(self.params.get("steps"), verbose=verbose)
+        self._seen = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._seen = batch + 1
+        if self._bar is not None and self._bar._interactive:
+            self._bar.update(self._seen, list((logs or {}).items()), finalize=False)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._bar is not None:
+            if self._bar.target is None:
+                self._bar.target = self._seen
+            self._bar.update(self._seen, list((logs or {}).items()), finalize=True)
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        if self.params.get("_evaluate_alone"):
+            self._bar = Progbar(self.params.get("steps"), verbose=self.params.get("verbose", 1))
+            self._seen = 0
+
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.params.get("_evaluate_alone"):
+            self.on_train_batch_end(batch, logs)
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        if self.params.get("_evaluate_alone") and self._bar is not None:
+            if self._bar.target is None:
+                self._bar.target = self._seen
+            self._bar.update(self._seen, list((logs or {}).items()), finalize=True)
+
+
+def _improved(monitor: str, mode: str, current: float, best: float, min_delta: float) -> bool:
+    if mode == "auto":
+        mode = (
+            "max"
+            if ("acc" in monitor or monitor.startswith("fmeasure") or "auc" in monitor)
+            else "min"
+        )
+    if mode == "min":
+        return current < best - min_delta
+    return current > best + min_delta
+
+
+def _initial_best(monitor: str, mode: str) -> float:
+    if mode == "auto":
+        mode = "max" if ("acc" in monitor or "auc" in monitor) else "min"
+    return math.inf if mode == "min" else -math.inf
+
+
+class EarlyStopping(Callback):
+    """Stops training when ``monitor`` stops improving for ``patience`` epochs."""
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        verbose: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
+    ) -> None:
+        super().__init__()
+        if mode not in ("auto", "min", "max"):
+            raise errors.InvalidArgumentError(
+                f"EarlyStopping: mode must be auto, min or max, got {mode!r}"
+            )
+        self.monitor, self.min_delta, self.patience = monitor, abs(min_delta), patience
+        self.mode, self.baseline, self.restore_best_weights = mode, baseline, restore_best_weights
+        self.start_from_epoch, self.verbose = start_from_epoch, verbose
+        self.stopped_epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.best = (
+            _initial_best(self.monitor, self.mode) if self.baseline is None else self.baseline
+        )
+        self.best_weights = None
+        self.best_epoch = 0
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        current = (logs or {}).get(self.monitor)
+        if current is None or epoch < self.start_from_epoch:
+            return
+        if self.restore_best_weights and self.best_weights is None:
+            self.best_weights = self.model.get_weights()
+        self.wait += 1
+        if _improved(self.monitor, self.mode, current, self.best, self.min_delta):
+            self.best, self.best_epoch, self.wait = current, epoch, 0
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.stopped_epoch and self.verbose:
+            print(f"Epoch {self.stopped_epoch + 1}: early stopping", flush=True)
+        if self.restore_best_weights and self.best_weights is not None and self.stopped_epoch:
+            self.model.set_weights(self.best_weights)
+
+
+class ModelCheckpoint(Callback):
+    """Saves the model's weights (``save_weights_only``) after epochs, optionally only the best.
+
+    ``filepath`` may hold ``{epoch}`` and log names, e.g. ``"ckpt-{epoch:02d}.weights.h5"``;
+    files are written in psflow's weights format (safetensors) whatever the suffix.
+    """
+
+    def __init__(
+        self,
+        filepath: str,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = True,
+        mode: str = "auto",
+        save_freq: Any = "epoch",
+        initial_value_threshold: float | None = None,
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch" and not isinstance(save_freq, int):
+            raise errors.InvalidArgumentError(
+                f"ModelCheckpoint: save_freq must be 'epoch' or an int, got {save_freq!r}"
+            )
+        self.filepath, self.monitor, self.verbose = os.fspath(filepath), monitor, verbose
+        self.save_best_only, self.mode, self.save_freq = save_best_only, mode, save_freq
+        self.best = (
+            initial_value_threshold
+            if initial_value_threshold is not None
+            else _initial_best(monitor, mode)
+        )
+        self._batches = 0
+
+    def _save(self, epoch: int, logs: dict | None) -> None:
+        logs = logs or {}
+        path = self.filepath.format(epoch=epoch + 1, **logs)
+        if self.save_best_only:
+            current = logs.get(self.monitor)
+            if current is None or not _improved(self.monitor, self.mode, current, self.best, 0.0):
+                return
+            self.best = current
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.model.save_weights(path)
+        if self.verbose:
+            print(f"Epoch {epoch + 1}: saving model to {path}", flush=True)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if isinstance(self.save_freq, int):
+            self._batches += 1
+            if self._batches % self.save_freq == 0:
+                self._save(self._epoch, logs)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch, logs)
+
+
+class CSVLogger(Callback):
+    """Appends (or writes) every epoch's logs as a CSV row."""
+
+    def __init__(self, filename: str, separator: str = ",", append: bool = False) -> None:
+        super().__init__()
+        self.filename, self.sep, self.append = os.fspath(filename), separator, append
+        self._file: Any = None
+        self._writer: Any = None
+        self._keys: list[str] | None = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        exists = (
+            self.append and os.path.exists(self.filename) and os.path.getsize(self.filename) > 0
+        )
+        self._file = open(self.filename, "a" if self.append else "w", newline="")  # noqa: SIM115
+        self._header_written = exists
+        self._keys = None
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        logs = logs or {}
+        if self._keys is None:
+            self._keys = sorted(logs)
+            self._writer = csv.DictWriter(
+                self._file, fieldnames=["epoch", *self._keys], delimiter=self.sep
+            )
+            if not self._header_written:
+                self._writer.writeheader()
+        row = {"epoch": epoch, **{k: logs.get(k, "NA") for k in self._keys}}
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class LambdaCallback(Callback):
+    """Callbacks from plain functions: ``LambdaCallback(on_epoch_end=lambda epoch, logs: ...)``."""
+
+    def __init__(
+        self,
+        on_epoch_begin: Callable | None = None,
+        on_epoch_end: Callable | None = None,
+        on_train_begin: Callable | None = None,
+        on_train_end: Callable | None = None,
+        on_train_batch_begin: Callable | None = None,
+        on_train_batch_end: Callable | None = None,
+        **kwargs: Callable,
+    ) -> None:
+        super().__init__()
+        hooks = {
+            "on_epoch_begin": on_epoch_begin,
+            "on_epoch_end": on_epoch_end,
+            "on_train_begin": on_train_begin,
+            "on_train_end": on_train_end,
+            "on_train_batch_begin": on_train_batch_begin or kwargs.pop("on_batch_begin", None),
+            "on_train_batch_end": on_train_batch_end or kwargs.pop("on_batch_end", None),
+            **kwargs,
+        }
+        for name, fn in hooks.items():
+            if fn is None:
+                continue
+            if not hasattr(Callback, name):
+                raise errors.InvalidArgumentError(f"LambdaCallback: unknown hook {name!r}")
+            setattr(self, name, fn)
+
+
+class TerminateOnNaN(Callback):
+    """Stops training when the loss becomes NaN or infinite."""
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.isfinite(loss):
+            print(f"Batch {batch}: Invalid loss, terminating training", flush=True)
+            self.model.stop_training = True
+
+
+class LearningRateScheduler(Callback):
+    """Sets the optimizer's learning rate to ``schedule(epoch, lr)`` at each epoch's start."""
+
+    def __init__(self, schedule: Callable[[int, float], float], verbose: int = 0) -> None:
+        super().__init__()
+        self.schedule, self.verbose = schedule, verbose
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        lr = float(self.schedule(epoch, self.model.optimizer.learning_rate))
+        self.model.optimizer.learning_rate = lr
+        if self.verbose:
+            print(
+                f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {lr}.",
+                flush=True,
+            )

@@ -1,0 +1,1 @@
+"""Keras's training machinery: data adaptation, step runners, the Model class."""

@@ -1,0 +1,264 @@
+"""Turns what ``fit`` is given (arrays, tensors, datasets) into per-epoch batch streams.
+
+Arrays are sliced into batches directly (no per-example pipeline), reshuffled
+each epoch from ``psflow.random`` so a seeded run is reproducible. Datasets are
+iterated as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from psflow import backend, errors
+from psflow import random as random_lib
+from psflow.framework.tensor import Tensor, convert_to_tensor, is_tensor
+from psflow.util import nest
+
+
+def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:
+    """Splits a batch into ``(x, y, sample_weight)`` (Keras's rule for tuples)."""
+    if isinstance(data, list):
+        data = tuple(data)
+    if not isinstance(data, tuple):
+        return data, None, None
+    if len(data) == 1:
+        return data[0], None, None
+    if len(data) == 2:
+        return data[0], data[1], None
+    if len(data) == 3:
+        return data
+    raise errors.InvalidArgumentError(
+        f"Data is expected to be (x,), (x, y) or (x, y, sample_weight), got a tuple of {len(data)}"
+    )
+
+
+def _is_dataset(x: Any) -> bool:
+    import sys
+
+    data = sys.modules.get("psflow.data")  # no dataset exists unless psflow.data was imported
+    return data is not None and isinstance(x, data.Dataset)
+
+
+def is_distributed(x: Any) -> bool:
+    """Whether ``x`` came from ``strategy.experimental_distribute_dataset`` or the like."""
+    return getattr(x, "_is_distributed_dataset", False)
+
+
+def _to_numpy(value: Any, what: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {k: _to_numpy(v, f"{what}[{k!r}]") for k, v in value.items()}
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and (is_tensor(value[0]) or isinstance(value[0], np.ndarray))
+    ):
+        return type(value)(_to_numpy(v, f"{what}[{i}]") for i, v in enumerate(value))
+    try:
+        arr = backend.to_numpy(value._array()) if is_tensor(value) else np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise errors.InvalidArgumentError(
+            f"{what} could not be converted to an array: {e}"
+        ) from None
+    if arr.dtype.kind not in "fiub":
+        raise TypeError(
+            f"{what} must be numeric, got elements of type {arr.dtype} (e.g. {arr.ravel()[:1]!r})"
+        )
+    if arr.dtype == np.float64:  # Keras casts float inputs to floatx (float32)
+        arr = arr.astype(np.float32)
+    return arr
+
+
+def _num_examples(arrays: Any, names: list[str]) -> int:
+    lengths = {}
+    for name, structure in zip(names, arrays):
+        for leaf in nest.flatten(structure):
+            if leaf is None:
+                continue
+            if np.ndim(leaf) == 0:
+                raise errors.InvalidArgumentError(
+                    f"{name} must have a batch dimension, got a scalar"
+                )
+            lengths.setdefault(name, set()).add(len(leaf))
+    sizes = {n for s in lengths.values() for n in s}
+    if len(sizes) > 1:
+        detail = ", ".join(f"{k}: {sorted(v)}" for k, v in lengths.items())
+        raise errors.InvalidArgumentError(
+            f"Data cardinality is ambiguous: make sure all arrays contain the same number of samples ({detail})"
+        )
+    return sizes.pop() if sizes else 0
+
+
+def _take(structure: Any, idx: Any) -> Any:
+    return nest.map_structure(lambda a: None if a is None else Tensor._wrap(a[idx]), structure)
+
+
+class ArrayBatches:
+    """Batches of in-memory arrays, reshuffled each epoch when ``shuffle``.
+
+    Example:
+        >>> import numpy as np
+        >>> src = ArrayBatches(np.arange(5.0), np.arange(5.0), None, batch_size=2, shuffle=False)
+        >>> [len(x) for x, y in src]
+        [2, 2, 1]
+    """
+
+    def __init__(
+        self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool = False
+    ) -> None:
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.num_examples = _num_examples([x, y, sample_weight], ["x", "y", "sample_weight"])
+        batch_size = 32 if batch_size is None else batch_size
+        if int(batch_size) <= 0:
+            raise errors.InvalidArgumentError(
+                f"batch_size must be a positive integer, got {batch_size!r}"
+            )
+        self.batch_size = int(batch_size)
+        self.shuffle = shuffle
+
+    @property
+    def steps(self) -> int:
+        """Batches per epoch."""
+        return math.ceil(self.num_examples / self.batch_size)
+
+    def _pack(self, idx: Any) -> tuple[Any, ...]:
+        parts = [_take(self.x, idx)]
+        if self.y is not None:
+            parts.append(_take(self.y, idx))
+        if self.sample_weight is not None:
+            parts.append(_take(self.sample_weight, idx))
+        return tuple(parts) if len(parts) > 1 else (parts[0],)
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        n, bs = self.num_examples, self.batch_size
+        order = random_lib.new_generator().permutation(n) if self.shuffle else None
+        for start in range(0, n, bs):
+            stop = min(start + bs, n)
+            idx = order[start:stop] if order is not None else slice(start, stop)
+            yield self._pack(idx)
+
+    def peek(self) -> tuple[Any, ...]:
+        """The first batch, without disturbing iteration."""
+        return self._pack(slice(0, min(self.batch_size, self.num_examples)))
+
+    def split(self, fraction: float) -> tuple[ArrayBatches, ArrayBatches]:
+        """Keras's ``validation_split``: the last ``fraction`` of examples, before shuffling."""
+        if not 0 < fraction < 1:
+            raise errors.InvalidArgumentError(
+                f"validation_split must be in (0, 1), got {fraction!r}"
+            )
+        cut = int(self.num_examples * (1 - fraction))
+        if cut == 0 or cut == self.num_examples:
+            raise errors.InvalidArgumentError(
+                f"validation_split={fraction} leaves no examples for training or validation "
+                f"({self.num_examples} examples)"
+            )
+
+        def part(s: slice) -> Any:
+            return lambda st: nest.map_structure(lambda a: None if a is None else a[s], st)
+
+        head, tail = part(slice(0, cut)), part(slice(cut, None))
+        train = ArrayBatches(
+            head(self.x), head(self.y), head(self.sample_weight), self.batch_size, self.shuffle
+        )
+        val = ArrayBatches(
+            tail(self.x), tail(self.y), tail(self.sample_weight), self.batch_size, False
+        )
+        return train, val
+
+
+class DatasetBatches:
+    """A dataset's elements as batches; a new pass each epoch unless ``steps`` is given."""
+
+    def __init__(self, dataset: Any, steps: int | None = None) -> None:
+        self.dataset = dataset
+        self._steps = steps
+        self._persistent: Iterator | None = None
+
+    @property
+    def steps(self) -> int | None:
+        """Batches per epoch, when known."""
+        if self._steps is not None:
+            return self._steps
+        card = getattr(self.dataset, "cardinality", None)
+        if card is None:
+            return None
+        n = int(card())
+        return n if n >= 0 else None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._steps is None:
+            return iter(self.dataset)
+        if self._persistent is None:
+            self._persistent = iter(self.dataset)
+        return self._persistent
+
+    def peek(self) -> Any:
+        """The first element of a fresh pass."""
+        for element in self.dataset:
+            return element
+        raise errors.InvalidArgumentError("The dataset is empty")
+
+
+def make_batches(
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    batch_size: int | None = None,
+    shuffle: bool = False,
+    steps: int | None = None,
+    what: str = "fit",
+) -> Any:
+    """The batch source for ``x`` (and ``y``, ``sample_weight``).
+
+    Raises:
+        InvalidArgumentError: ``y`` given with a dataset, missing ``x``, or
+            arrays of different lengths.
+        TypeError: non-numeric data.
+    """
+    if x is None:
+        raise errors.InvalidArgumentError(f"{what}: x is required")
+    if _is_dataset(x) or is_distributed(x):
+        if y is not None:
+            raise errors.InvalidArgumentError(
+                f"{what}: y must not be given when x is a dataset (it yields (x, y))"
+            )
+        if batch_size is not None and _is_dataset(x):
+            raise errors.InvalidArgumentError(
+                f"{what}: batch_size must not be given when x is a dataset (batch it)"
+            )
+        return DatasetBatches(x, steps)
+    if hasattr(x, "__next__"):
+        return DatasetBatches(_Reiterable(x), steps)
+    xs = _to_numpy(x, "x")
+    ys = _to_numpy(y, "y")
+    sw = _to_numpy(sample_weight, "sample_weight")
+    return ArrayBatches(xs, ys, sw, batch_size, shuffle)
+
+
+class _Reiterable:
+    """A Python iterator/generator used as a (single-pass) dataset."""
+
+    def __init__(self, it: Iterator) -> None:
+        self._it = it
+
+    def __iter__(self) -> Iterator:
+        return self._it
+
+
+def batch_size_of(x: Any) -> int:
+    """Examples in a batch: the first dimension of its first array."""
+    leaf = nest.flatten(x)[0]
+    return int(leaf.shape[0]) if len(leaf.shape) else 1
+
+
+def as_tensors(batch: Any) -> Any:
+    """Converts every leaf of a batch into a tensor."""
+    return nest.map_structure(
+        lambda v: v if v is None or is_tensor(v) else convert_to_tensor(v), batch
+    )

@@ -1,0 +1,108 @@
+"""``keras.Sequential``: a stack of layers, each feeding the next."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psflow import errors
+from psflow.framework.tensor import TensorShape
+from psflow.keras.engine.training import Model
+from psflow.keras.layers.base import Layer
+from psflow.keras.layers.core import InputLayer, KerasInput
+
+
+class Sequential(Model):
+    """A linear stack of layers (Keras's ``keras.Sequential``).
+
+    The model builds when its input shape becomes known: at construction if
+    the first layer has ``input_shape`` (or an ``Input`` comes first), else on
+    the first call or ``fit``.
+
+    Example:
+        >>> import psflow as pf
+        >>> model = pf.keras.Sequential([pf.keras.layers.Dense(4, activation="relu"),
+        ...                              pf.keras.layers.Dense(1)])
+        >>> model(pf.ones([2, 3])).shape
+        TensorShape([2, 1])
+    """
+
+    def __init__(
+        self, layers: list[Any] | None = None, name: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(name=name, **kwargs)
+        self._layers: list[Layer] = []
+        for layer in layers or []:
+            self.add(layer)
+
+    @property
+    def layers(self) -> list[Layer]:
+        """The layers in order (an ``Input`` is not listed)."""
+        return [layer for layer in self._layers if not isinstance(layer, InputLayer)]
+
+    def add(self, layer: Any) -> None:
+        """Appends a layer (or an ``Input``, only first).
+
+        Raises:
+            TypeError: ``layer`` is not a layer.
+            InvalidArgumentError: an ``Input`` after other layers.
+        """
+        if isinstance(layer, KerasInput):
+            layer = layer._layer
+        if not isinstance(layer, Layer):
+            raise TypeError(
+                f"Sequential.add expects a Layer, got {type(layer).__name__}: {layer!r}"
+            )
+        if isinstance(layer, InputLayer) and self._layers:
+            raise errors.InvalidArgumentError(
+                "An Input can only be the first element of a Sequential model"
+            )
+        self._layers.append(layer)
+        self._sublayers.append(layer)
+        self.built = False
+        first = self._layers[0]
+        if first._batch_input_shape is not None:
+            self._batch_input_shape = first._batch_input_shape
+            self.build(self._batch_input_shape)
+
+    def pop(self) -> Layer:
+        """Removes and returns the last layer."""
+        if not self._layers:
+            raise errors.InvalidArgumentError("There are no layers to pop")
+        layer = self._layers.pop()
+        self._sublayers.remove(layer)
+        return layer
+
+    def build(self, input_shape: Any = None) -> None:
+        """Builds every layer in turn from the input shape."""
+        if input_shape is None:
+            input_shape = self._batch_input_shape
+        if input_shape is None:
+            raise errors.InvalidArgumentError(f"{self.name}: build needs an input shape")
+        shape = TensorShape(input_shape)
+        self._batch_input_shape = tuple(shape)
+        with self._strategy_scope():
+            for layer in self._layers:
+                layer._maybe_build(shape)
+                shape = TensorShape(layer.compute_output_shape(shape))
+        self.built = True
+
+    def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
+        x = inputs
+        for layer in self._layers:
+            x = layer(x, training=training)
+        return x
+
+    def compute_output_shape(self, input_shape: Any) -> TensorShape:
+        shape = TensorShape(input_shape)
+        for layer in self._layers:
+            shape = TensorShape(layer.compute_output_shape(shape))
+        return shape
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "layers": [
+                {"class_name": type(layer).__name__, "config": layer.get_config()}
+                for layer in self._layers
+            ],
+        }

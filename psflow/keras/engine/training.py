@@ -1,0 +1,468 @@
+"""``keras.Model``: ``compile``, ``fit``, ``evaluate``, ``predict`` and weight files."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from psflow import errors
+from psflow.distribute import distribute_lib
+from psflow.framework.tape import GradientTape
+from psflow.framework.tensor import Tensor
+from psflow.keras import callbacks as callbacks_lib
+from psflow.keras import losses as losses_lib
+from psflow.keras import metrics as metrics_lib
+from psflow.keras import optimizers as optimizers_lib
+from psflow.keras.engine import data_adapter
+from psflow.keras.engine.runner import LocalRunner
+from psflow.keras.layers.base import Layer
+from psflow.ops import math_ops
+from psflow.util import nest
+
+
+class Model(Layer):
+    """A layer with training methods (Keras's ``keras.Model``).
+
+    Subclass it and define ``call``; or use :class:`Sequential`. The
+    functional form ``Model(inputs, outputs)`` is not supported.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args or "inputs" in kwargs or "outputs" in kwargs:
+            raise errors.UnimplementedError(
+                "The functional API Model(inputs, outputs) is not supported; use Sequential or "
+                "subclass Model and define call()"
+            )
+        super().__init__(**kwargs)
+        self.optimizer: Any = None
+        self.loss: Any = None
+        self.compiled = False
+        self.stop_training = False
+        self._loss_tracker = metrics_lib.Mean(name="loss")
+        self._compiled_metrics: list[metrics_lib.Metric] = []
+        self._global_batch_size: int | None = None
+
+    # -- compile ---------------------------------------------------------------------
+    def compile(
+        self,
+        optimizer: Any = "rmsprop",
+        loss: Any = None,
+        metrics: Any = None,
+        loss_weights: Any = None,
+        weighted_metrics: Any = None,
+        run_eagerly: Any = None,
+        steps_per_execution: Any = None,
+        jit_compile: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Sets the optimizer, the loss and the metrics used by ``fit`` and ``evaluate``.
+
+        Raises:
+            ValueError: an unknown optimizer, loss or metric name (quoted).
+        """
+        with self._strategy_scope():
+            self.optimizer = optimizers_lib.get(optimizer)
+        self.loss = None if loss is None else losses_lib.get(loss)
+        if isinstance(metrics, dict):
+            raise errors.UnimplementedError(
+                "Per-output metric dicts are not supported (single-output models)"
+            )
+        self._compiled_metrics = [metrics_lib.get(m) for m in (metrics or [])]
+        self._compiled_metrics += [metrics_lib.get(m) for m in (weighted_metrics or [])]
+        self.compiled = True
+
+    def _strategy_scope(self) -> Any:
+        import contextlib
+
+        if self._strategy is not None and not distribute_lib.has_strategy():
+            return self._strategy.scope()
+        return contextlib.nullcontext()
+
+    @property
+    def distribute_strategy(self) -> Any:
+        """The strategy the model was created under (the default strategy otherwise)."""
+        return self._strategy or distribute_lib.get_strategy()
+
+    @property
+    def metrics(self) -> list[metrics_lib.Metric]:
+        """The loss tracker and the compiled metrics."""
+        return [self._loss_tracker, *self._compiled_metrics] if self.compiled else []
+
+    @property
+    def metrics_names(self) -> list[str]:
+        """Names of :attr:`metrics`."""
+        return [m.name for m in self.metrics]
+
+    def reset_metrics(self) -> None:
+        """Clears every metric's state."""
+        for m in self.metrics:
+            m.reset_state()
+
+    def _current_logs(self) -> dict[str, float]:
+        return {m.name: float(m.result()._value) for m in self.metrics}
+
+    def _assert_compiled(self, what: str) -> None:
+        if not self.compiled:
+            raise errors.FailedPreconditionError(f"You must call compile() before {what}()")
+
+    # -- steps -----------------------------------------------------------------------
+    def compute_loss(
+        self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None
+    ) -> Tensor:
+        """The compiled loss of a batch plus the model's regularization losses."""
+        if self.loss is None:
+            raise errors.FailedPreconditionError(
+                "compile() was called without a loss; train_step needs one"
+            )
+        if y is None:
+            raise errors.InvalidArgumentError(
+                "Training needs targets: give y (or a dataset of (x, y))"
+            )
+        loss = self.loss(y, y_pred, sample_weight)
+        extra = self.losses
+        if extra:
+            loss = math_ops.add(loss, math_ops.add_n([math_ops.cast(e, loss.dtype) for e in extra]))
+        return loss
+
+    def _loss_scale(self, batch_size: int) -> float:
+        ctx = distribute_lib.get_replica_context()
+        if ctx is None or not distribute_lib.has_strategy():
+            return 1.0
+        n = ctx.num_replicas_in_sync
+        if n <= 1:
+            return 1.0
+        global_batch = self._global_batch_size or batch_size * n
+        return batch_size / global_batch
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        """One step: forward, loss, gradients, optimizer update, metrics. Override to customize."""
+        x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
+        batch_size = data_adapter.batch_size_of(x)
+        with GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
+            scale = self._loss_scale(batch_size)
+            scaled = math_ops.multiply(loss, scale) if scale != 1.0 else loss
+        variables = self.trainable_variables
+        grads = tape.gradient(scaled, variables)
+        self.optimizer.apply_gradients(zip(grads, variables))
+        return self._update_metrics(loss, y, y_pred, sample_weight, batch_size)
+
+    def test_step(self, data: Any) -> dict[str, Any]:
+        """One evaluation step: forward, loss, metrics."""
+        x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(x, y, y_pred, sample_weight)
+        return self._update_metrics(loss, y, y_pred, sample_weight, data_adapter.batch_size_of(x))
+
+    def predict_step(self, data: Any) -> Any:
+        """One prediction step."""
+        x, _, _ = data_adapter.unpack_x_y_sample_weight(data)
+        return self(x, training=False)
+
+    def _update_metrics(
+        self, loss: Any, y: Any, y_pred: Any, sample_weight: Any, batch_size: int
+    ) -> dict[str, Any]:
+        self._loss_tracker.update_state(loss, sample_weight=np.float64(batch_size))
+        for m in self._compiled_metrics:
+            m.update_state(y, y_pred, sample_weight)
+        return {m.name: m.result() for m in self.metrics}
+
+    def _runner(self) -> Any:
+        strategy = self.distribute_strategy
+        make = getattr(strategy.extended, "_keras_runner", None)
+        return make(self) if make is not None else LocalRunner(self, strategy)
+
+    def _ensure_built(self, source: Any) -> None:
+        if self.built:
+            return
+        first = source.peek()
+        if data_adapter.is_distributed(getattr(source, "dataset", None)):
+            first = first.values[0] if hasattr(first, "values") else first
+        x, _, _ = data_adapter.unpack_x_y_sample_weight(first)
+        x = data_adapter.as_tensors(x)
+        if hasattr(x, "_is_per_replica"):
+            x = x.values[0]
+        with self._strategy_scope():
+            self(x, training=False)
+
+    # -- fit / evaluate / predict ------------------------------------------------------
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: Any = "auto",
+        callbacks: Any = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
+        shuffle: bool = True,
+        class_weight: Any = None,
+        sample_weight: Any = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int = 1,
+        **kwargs: Any,
+    ) -> callbacks_lib.History:
+        """Trains for ``epochs`` epochs; returns a :class:`History` of per-epoch logs.
+
+        Raises:
+            FailedPreconditionError: ``compile`` was not called.
+            InvalidArgumentError: mismatched x/y lengths, bad batch size, bad split.
+            TypeError: non-numeric data.
+        """
+        self._assert_compiled("fit")
+        if class_weight is not None:
+            raise errors.UnimplementedError("class_weight is not supported; pass sample_weight")
+        if int(epochs) < 0 or (steps_per_epoch is not None and int(steps_per_epoch) <= 0):
+            raise errors.InvalidArgumentError(
+                f"epochs must be >= 0 and steps_per_epoch > 0, got {epochs}, {steps_per_epoch}"
+            )
+        verbose = 1 if verbose == "auto" else int(verbose)
+        train = data_adapter.make_batches(x, y, sample_weight, batch_size, shuffle, steps_per_epoch)
+        val = None
+        if validation_split:
+            if not isinstance(train, data_adapter.ArrayBatches):
+                raise errors.InvalidArgumentError(
+                    "validation_split is only supported for array inputs"
+                )
+            train, val = train.split(validation_split)
+        if validation_data is not None:
+            vx, vy, vsw = (
+                data_adapter.unpack_x_y_sample_weight(validation_data)
+                if isinstance(validation_data, (tuple, list))
+                else (validation_data, None, None)
+            )
+            val = data_adapter.make_batches(
+                vx,
+                vy,
+                vsw,
+                validation_batch_size or (batch_size if not data_adapter._is_dataset(vx) else None),
+                False,
+                validation_steps,
+                "validation_data",
+            )
+        self._ensure_built(train)
+        runner = self._runner()
+        source = runner.prepare(train) if hasattr(runner, "prepare") else train
+        steps = steps_per_epoch or getattr(source, "steps", None)
+        history = callbacks_lib.History()
+        cb_list = list(callbacks or [])
+        if verbose:
+            cb_list.append(callbacks_lib.ProgbarLogger())
+        cb_list.append(history)
+        cbs = callbacks_lib.CallbackList(
+            cb_list, self, {"verbose": verbose, "epochs": epochs, "steps": steps}
+        )
+        self.stop_training = False
+        logs: dict[str, Any] = {}
+        cbs.on_train_begin()
+        for epoch in range(initial_epoch, epochs):
+            self.reset_metrics()
+            cbs.on_epoch_begin(epoch)
+            runner.train_epoch(source, steps_per_epoch, cbs)
+            logs = self._current_logs()
+            if val is not None and (epoch + 1) % validation_freq == 0:
+                val_logs = self._evaluate_source(
+                    val, validation_steps, callbacks_lib.CallbackList([], self, {})
+                )
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            cbs.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
+        cbs.on_train_end(logs)
+        self.history = history
+        return history
+
+    def _evaluate_source(self, source: Any, steps: int | None, cbs: Any) -> dict[str, float]:
+        self._ensure_built(source)
+        runner = self._runner()
+        source = runner.prepare(source) if hasattr(runner, "prepare") else source
+        self.reset_metrics()
+        cbs.on_test_begin()
+        runner.test_epoch(source, steps, cbs)
+        logs = self._current_logs()
+        cbs.on_test_end(logs)
+        return logs
+
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: Any = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Any = None,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """The loss and metrics over the data: a scalar, a list, or a dict with ``return_dict``."""
+        self._assert_compiled("evaluate")
+        verbose = 1 if verbose == "auto" else int(verbose)
+        source = data_adapter.make_batches(
+            x, y, sample_weight, batch_size, False, steps, "evaluate"
+        )
+        cb_list = list(callbacks or [])
+        if verbose:
+            cb_list.append(callbacks_lib.ProgbarLogger())
+        cbs = callbacks_lib.CallbackList(
+            cb_list,
+            self,
+            {
+                "verbose": verbose,
+                "steps": steps or getattr(source, "steps", None),
+                "_evaluate_alone": True,
+            },
+        )
+        logs = self._evaluate_source(source, steps, cbs)
+        if return_dict:
+            return logs
+        values = [logs[name] for name in self.metrics_names]
+        return values[0] if len(values) == 1 else values
+
+    def predict(
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: Any = "auto",
+        steps: int | None = None,
+        callbacks: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Predictions for every example, concatenated into NumPy arrays."""
+        source = data_adapter.make_batches(x, None, None, batch_size, False, steps, "predict")
+        self._ensure_built(source)
+        runner = self._runner()
+        source = runner.prepare(source) if hasattr(runner, "prepare") else source
+        cbs = callbacks_lib.CallbackList(list(callbacks or []), self, {"steps": steps})
+        cbs.on_predict_begin()
+        outputs = runner.predict(source, steps, cbs)
+        cbs.on_predict_end()
+        if not outputs:
+            raise errors.InvalidArgumentError("predict: the input produced no batches")
+        return nest.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+
+    def train_on_batch(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """One training step on one batch; returns the batch's loss (and metrics)."""
+        self._assert_compiled("train_on_batch")
+        batch = data_adapter.as_tensors((x, y) if sample_weight is None else (x, y, sample_weight))
+        self.reset_metrics()
+        self.distribute_strategy.run(self.train_step, args=(batch,))
+        logs = self._current_logs()
+        return (
+            logs
+            if return_dict
+            else ([logs[n] for n in self.metrics_names] if len(logs) > 1 else logs["loss"])
+        )
+
+    def test_on_batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False
+    ) -> Any:
+        """The loss (and metrics) of one batch."""
+        self._assert_compiled("test_on_batch")
+        batch = data_adapter.as_tensors((x, y) if sample_weight is None else (x, y, sample_weight))
+        self.reset_metrics()
+        self.distribute_strategy.run(self.test_step, args=(batch,))
+        logs = self._current_logs()
+        return (
+            logs
+            if return_dict
+            else ([logs[n] for n in self.metrics_names] if len(logs) > 1 else logs["loss"])
+        )
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """Predictions for one batch, as NumPy arrays."""
+        y = self.predict_step(data_adapter.as_tensors(x))
+        return nest.map_structure(lambda t: t.numpy(), y)
+
+    # -- weights files -----------------------------------------------------------------
+    def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        """Writes every weight to ``filepath`` (safetensors format; written atomically)."""
+        from psflow.io import safetensors
+
+        filepath = os.fspath(filepath)
+        if not overwrite and os.path.exists(filepath):
+            raise errors.AlreadyExistsError(f"{filepath} exists and overwrite=False")
+        tensors = {f"{i:04d}:{v.name}": v.numpy() for i, v in enumerate(self.weights)}
+        safetensors.save_file(tensors, filepath, metadata={"format": "psflow-keras-weights"})
+
+    def load_weights(self, filepath: str, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        """Loads weights written by :meth:`save_weights`, in order.
+
+        Raises:
+            NotFoundError: no such file.
+            InvalidArgumentError: the file holds a different number or shape of weights.
+        """
+        from psflow.io import safetensors
+
+        filepath = os.fspath(filepath)
+        if not os.path.exists(filepath):
+            raise errors.NotFoundError(f"No weights file at {filepath!r}")
+        loaded = safetensors.load_file(filepath)
+        arrays = [loaded[k] for k in sorted(loaded)]
+        if not self.built:
+            raise errors.FailedPreconditionError(
+                "Build the model (call it or fit it) before load_weights"
+            )
+        self.set_weights(arrays)
+
+    def summary(self, line_length: int = 65, print_fn: Any = None, **kwargs: Any) -> None:
+        """Prints a table of layers, output shapes and parameter counts (Keras's format)."""
+        out = print_fn or print
+        layers = getattr(self, "layers", None) or self._sublayers
+        widths = [28, 26, line_length - 54]
+        out(f'Model: "{self.name}"')
+        out("_" * line_length)
+        out(
+            " "
+            + "Layer (type)".ljust(widths[0])
+            + "Output Shape".ljust(widths[1])
+            + "Param #".ljust(widths[2])
+        )
+        out("=" * line_length)
+        shape = getattr(self, "_batch_input_shape", None)
+        for i, layer in enumerate(layers):
+            if shape is not None:
+                try:
+                    shape = tuple(layer.compute_output_shape(shape))
+                    shown = str(shape).replace(",)", ")") if len(shape) != 1 else str(shape)
+                except Exception:
+                    shown, shape = "?", None
+            else:
+                shown = "?" if not layer.built else "(unknown)"
+            name = f"{layer.name} ({type(layer).__name__})"
+            out(
+                " "
+                + name.ljust(widths[0])
+                + shown.ljust(widths[1])
+                + str(layer.count_params()).ljust(widths[2])
+            )
+            out(("=" if i == len(layers) - 1 else " ") * line_length)
+        total = self.count_params()
+        trainable = int(sum(int(np.prod(v.shape)) for v in self.trainable_weights))
+        out(f"Total params: {total} ({_bytes(total)})")
+        out(f"Trainable params: {trainable} ({_bytes(trainable)})")
+        out(f"Non-trainable params: {total - trainable} ({_bytes(total - trainable)})")
+        out("_" * line_length)
+
+
+def _bytes(n_params: int) -> str:
+    size = n_params * 4.0
+    for unit in ("Byte", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{size:.2f} GB"

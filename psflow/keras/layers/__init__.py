@@ -1,0 +1,13 @@
+"""Keras layers."""
+
+from psflow.keras.layers.base import Layer
+from psflow.keras.layers.core import (
+    Activation,
+    Dense,
+    Dropout,
+    Flatten,
+    Input,
+    InputLayer,
+    Reshape,
+)
+from psflow.keras.layers.embedding import Embedding

@@ -1,0 +1,450 @@
+"""The Keras optimizer classes: hyperparameters, step counter, slots, ``apply_gradients``.
+
+Where the update happens depends on the variable: an in-process variable is
+updated here with :mod:`psflow.update_rules`; a variable that belongs to an
+update group (a parameter-server handle, a mirrored variable) is handed to its
+group, which applies the very same rule where the value lives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from psflow import backend, errors, update_rules
+from psflow.distribute import distribute_lib
+from psflow.distribute.reduce_util import ReduceOp
+from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.tensor import Tensor, to_array
+from psflow.keras.optimizers.schedules import LearningRateSchedule
+from psflow.ops import clip_ops
+
+
+class Optimizer:
+    """Base optimizer (Keras 3's ``keras.optimizers.Optimizer``).
+
+    Args:
+        learning_rate: a float or a :class:`LearningRateSchedule`.
+        clipnorm: clip each gradient to this L2 norm.
+        clipvalue: clip each gradient element into ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        name: the optimizer's name.
+    """
+
+    _rule_cls: type[update_rules.UpdateRule] | None = None
+
+    def __init__(
+        self,
+        learning_rate: Any = 0.001,
+        name: str | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        **hyper: Any,
+    ) -> None:
+        self.name = name or type(self).__name__.lower()
+        if sum(c is not None for c in (clipnorm, clipvalue, global_clipnorm)) > 1:
+            raise errors.InvalidArgumentError(
+                "Only one of clipnorm, clipvalue and global_clipnorm can be set, got "
+                f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
+            )
+        self.clipnorm, self.clipvalue, self.global_clipnorm = clipnorm, clipvalue, global_clipnorm
+        self._learning_rate = self._check_lr(learning_rate)
+        self._hyper = hyper
+        self._iterations = 0
+        self._slots: dict[tuple[int, int], dict[str, Any]] = {}
+        self._slot_owner: dict[tuple[int, int], Any] = {}
+        self._lock = threading.Lock()
+        self._rule_cache: tuple[float, update_rules.UpdateRule] | None = None
+        _ = self.rule  # validates the hyperparameters now, naming a bad one
+
+    @staticmethod
+    def _check_lr(lr: Any) -> Any:
+        if isinstance(lr, LearningRateSchedule) or callable(lr):
+            return lr
+        try:
+            value = float(lr)
+        except (TypeError, ValueError):
+            raise errors.InvalidArgumentError(
+                f"learning_rate must be a number or a schedule, got {lr!r}"
+            ) from None
+        if value < 0:
+            raise errors.InvalidArgumentError(f"learning_rate must be >= 0, got {lr!r}")
+        return value
+
+    # -- hyperparameters -------------------------------------------------------------
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate at the current step (a schedule is evaluated)."""
+        lr = self._learning_rate
+        if isinstance(lr, (int, float)):
+            return float(lr)
+        return float(lr(self._iterations))
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        self._learning_rate = self._check_lr(value)
+
+    lr = learning_rate
+
+    @property
+    def iterations(self) -> Tensor:
+        """How many updates were applied, an int64 scalar tensor."""
+        import numpy as np
+
+        return Tensor._wrap(np.asarray(self._iterations, dtype=np.int64))
+
+    @iterations.setter
+    def iterations(self, value: Any) -> None:
+        self._iterations = int(value)
+
+    @property
+    def rule(self) -> update_rules.UpdateRule:
+        """The update rule with the current learning rate."""
+        lr = self.learning_rate
+        cached = self._rule_cache
+        if cached is not None and cached[0] == lr:
+            return cached[1]
+        if self._rule_cls is None:
+            raise errors.UnimplementedError(f"{type(self).__name__} has no update rule")
+        try:
+            rule = self._rule_cls(learning_rate=lr, **self._hyper)
+        except TypeError as e:
+            raise errors.InvalidArgumentError(f"{type(self).__name__}: {e}") from None
+        self._rule_cache = (lr, rule)
+        return rule
+
+    def get_config(self) -> dict[str, Any]:
+        """Constructor arguments (a schedule is serialized by class name and config)."""
+        lr = self._learning_rate
+        if isinstance(lr, LearningRateSchedule):
+            lr = {"class_name": type(lr).__name__, "config": lr.get_config()}
+        return {
+            "name": self.name,
+            "learning_rate": lr,
+            "clipnorm": self.clipnorm,
+            "clipvalue": self.clipvalue,
+            "global_clipnorm": self.global_clipnorm,
+            **self._hyper,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Optimizer:
+        """Rebuilds from :meth:`get_config`."""
+        config = dict(config)
+        lr = config.get("learning_rate")
+        if isinstance(lr, dict):
+            from psflow.keras.optimizers import schedules
+
+            config["learning_rate"] = getattr(schedules, lr["class_name"]).from_config(lr["config"])
+        return cls(**config)
+
+    # -- state -----------------------------------------------------------------------
+    def slot_arrays(self, var: Any, replica: int = 0, array: Any = None) -> dict[str, Any]:
+        """The slot arrays of ``var``'s copy on ``replica`` (created on first use)."""
+        key = (id(var), replica)
+        slots = self._slots.get(key)
+        if slots is None:
+            with self._lock:
+                slots = self._slots.get(key)
+                if slots is None:
+                    arr = var._array() if array is None else array
+                    slots = self.rule.init_slots(arr)
+                    self._slots[key] = slots
+                    self._slot_owner[key] = var
+        return slots
+
+    def build(self, var_list: Iterable[Any]) -> None:
+        """Creates the slots of in-process variables now rather than at the first update."""
+        for v in var_list:
+            if getattr(v, "_update_group", None) is None:
+                self.slot_arrays(v)
+
+    @property
+    def variables(self) -> list[Any]:
+        """Slot arrays wrapped as tensors, in creation order (for inspection and checkpoints)."""
+        out = []
+        for slots in self._slots.values():
+            out.extend(Tensor._wrap(a) for a in slots.values())
+        return out
+
+    def _state_for_checkpoint(self) -> dict[str, Any]:
+        """Step and slots by variable name, as host arrays."""
+        state: dict[str, Any] = {"iterations": self._iterations}
+        for key, slots in self._slots.items():
+            var = self._slot_owner[key]
+            for name, arr in slots.items():
+                state[f"{var.name}/{name}/{key[1]}"] = backend.to_numpy(arr)
+        return state
+
+    # -- applying --------------------------------------------------------------------
+    def _clip(self, grads: list[Any]) -> list[Any]:
+        if self.global_clipnorm is not None:
+            grads, _ = clip_ops.clip_by_global_norm(grads, self.global_clipnorm)
+            return grads
+        if self.clipnorm is not None:
+            return [
+                None if g is None else clip_ops.clip_by_global_norm([g], self.clipnorm)[0][0]
+                for g in grads
+            ]
+        if self.clipvalue is not None:
+            c = self.clipvalue
+            return [
+                None
+                if g is None
+                else IndexedSlices._raw(
+                    backend.xp_of(g._values).clip(g._values, -c, c), g._indices, g._dense_shape
+                )
+                if isinstance(g, IndexedSlices)
+                else clip_ops.clip_by_value(g, -c, c)
+                for g in grads
+            ]
+        return grads
+
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Any, Any]],
+        name: str | None = None,
+        skip_gradients_aggregation: bool = False,
+        **kwargs: Any,
+    ) -> Tensor:
+        """Applies ``(gradient, variable)`` pairs; returns the new step count.
+
+        Inside ``strategy.run`` with several replicas, gradients are first
+        summed across replicas (all-reduce), then every replica's copy gets
+        the same update (TensorFlow's rule; scale losses by the global batch).
+
+        Raises:
+            InvalidArgumentError: a gradient whose shape differs from its variable's.
+        """
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            return self.iterations
+        for g, v in pairs:
+            gshape = g._dense_shape if isinstance(g, IndexedSlices) else tuple(to_array(g).shape)
+            if tuple(gshape) != tuple(v.shape):
+                raise errors.InvalidArgumentError(
+                    f"Gradient of shape {list(gshape)} does not match variable {v.name} of shape "
+                    f"{list(v.shape)}"
+                )
+        grads = self._clip([g for g, _ in pairs])
+        variables = [v for _, v in pairs]
+        ctx = distribute_lib.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1 and distribute_lib.has_strategy():
+            if not (
+                skip_gradients_aggregation
+                or kwargs.get("experimental_aggregate_gradients") is False
+            ):
+                grads = ctx.all_reduce(ReduceOp.SUM, grads)
+            ctx.merge_call(
+                lambda strategy, gs, vs: self._distributed_apply(strategy, gs, vs),
+                args=(grads, variables),
+            )
+        else:
+            self._distributed_apply(distribute_lib.get_strategy(), grads, variables)
+        return self.iterations
+
+    def _distributed_apply(self, strategy: Any, grads: Any, variables: list[Any]) -> None:
+        """Applies gradients in cross-replica context, grouped by where variables live."""
+        step = self._iterations + 1
+        groups: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
+        local: list[tuple[Any, Any]] = []
+        grads = list(grads) if not hasattr(grads, "_is_per_replica") else grads
+        for i, v in enumerate(variables):
+            g = grads[i] if isinstance(grads, list) else grads
+            group = getattr(v, "_update_group", None)
+            if group is None:
+                local.append((g, v))
+            else:
+                groups.setdefault(id(group), (group, []))[1].append((g, v))
+        for g, v in local:
+            self._apply_local(v, g, step)
+        for group, group_pairs in groups.values():
+            group.apply_optimizer(self, group_pairs, step)
+        self._iterations = step
+
+    def _apply_local(
+        self, var: Any, grad: Any, step: int, replica: int = 0, array: Any = None
+    ) -> None:
+        """Updates one in-process array with the rule (``array`` defaults to the variable's)."""
+        arr = var._array() if array is None else array
+        slots = self.slot_arrays(var, replica, arr)
+        rule = self.rule
+        if isinstance(grad, IndexedSlices):
+            values = grad._values
+            if values.dtype != arr.dtype:
+                values = values.astype(arr.dtype)
+            rule.apply_sparse(arr, grad._indices, values, slots, step)
+        else:
+            g = to_array(grad)
+            if g.dtype != arr.dtype:
+                g = g.astype(arr.dtype)
+            rule.apply_dense(arr, g, slots, step)
+        if var.constraint is not None:
+            projected = to_array(var.constraint(Tensor._wrap(arr)))
+            backend.xp_of(arr).copyto(arr, projected)
+
+    def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Tensor:
+        """Keras 3's form: gradients and variables as two lists."""
+        if trainable_variables is None:
+            raise errors.InvalidArgumentError("apply needs trainable_variables")
+        return self.apply_gradients(zip(grads, trainable_variables))
+
+    def minimize(self, loss: Any, var_list: Any, tape: Any = None) -> Tensor:
+        """Computes gradients of ``loss`` (a tensor with ``tape``, or a callable) and applies them."""
+        from psflow.framework.tape import GradientTape
+
+        if callable(var_list):
+            var_list = var_list()
+        if tape is None:
+            if not callable(loss):
+                raise errors.InvalidArgumentError("minimize needs a tape when loss is a tensor")
+            with GradientTape() as tape:
+                loss = loss()
+        grads = tape.gradient(loss, list(var_list))
+        return self.apply_gradients(zip(grads, var_list))
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d.pop("_lock", None)
+        d["_slots"] = {}
+        d["_slot_owner"] = {}
+        d["_rule_cache"] = None
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
+
+
+class SGD(Optimizer):
+    """Gradient descent with optional (Nesterov) momentum; Keras's defaults (lr 0.01)."""
+
+    _rule_cls = update_rules.SGD
+
+    def __init__(
+        self,
+        learning_rate: Any = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        name: str = "SGD",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(learning_rate, name, momentum=momentum, nesterov=nesterov, **kwargs)
+
+
+class Adam(Optimizer):
+    """Adam; Keras's defaults (lr 0.001, beta_1 0.9, beta_2 0.999, epsilon 1e-7)."""
+
+    _rule_cls = update_rules.Adam
+
+    def __init__(
+        self,
+        learning_rate: Any = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        name: str = "adam",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            name,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            epsilon=epsilon,
+            amsgrad=amsgrad,
+            **kwargs,
+        )
+
+
+class Adagrad(Optimizer):
+    """Adagrad; Keras's defaults (lr 0.001, initial accumulator 0.1, epsilon 1e-7)."""
+
+    _rule_cls = update_rules.Adagrad
+
+    def __init__(
+        self,
+        learning_rate: Any = 0.001,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        name: str = "adagrad",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            name,
+            initial_accumulator_value=initial_accumulator_value,
+            epsilon=epsilon,
+            **kwargs,
+        )
+
+
+class RMSprop(Optimizer):
+    """RMSprop; Keras's defaults (lr 0.001, rho 0.9, momentum 0, epsilon 1e-7)."""
+
+    _rule_cls = update_rules.RMSprop
+
+    def __init__(
+        self,
+        learning_rate: Any = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        centered: bool = False,
+        name: str = "rmsprop",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            name,
+            rho=rho,
+            momentum=momentum,
+            epsilon=epsilon,
+            centered=centered,
+            **kwargs,
+        )
+
+
+_BY_NAME: dict[str, type[Optimizer]] = {
+    "sgd": SGD,
+    "adam": Adam,
+    "adagrad": Adagrad,
+    "rmsprop": RMSprop,
+}
+
+
+def get(identifier: Any) -> Optimizer:
+    """An optimizer from a name (``"sgd"``, ``"adam"``...), an instance, or a config dict.
+
+    Raises:
+        ValueError: an unknown name, quoted with the known ones.
+    """
+    if isinstance(identifier, Optimizer):
+        return identifier
+    if isinstance(identifier, str):
+        cls = _BY_NAME.get(identifier.lower())
+        if cls is None:
+            raise errors.InvalidArgumentError(
+                f"Unknown optimizer {identifier!r}; known: {sorted(_BY_NAME)}"
+            )
+        return cls()
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    raise TypeError(f"Could not interpret optimizer {identifier!r}")
+
+
+def serialize(optimizer: Optimizer) -> dict[str, Any]:
+    """An optimizer's class name and config."""
+    return {"class_name": type(optimizer).__name__, "config": optimizer.get_config()}
+
+
+def deserialize(config: dict[str, Any]) -> Optimizer:
+    """Rebuilds an optimizer from :func:`serialize`'s output."""
+    name = config.get("class_name", "")
+    cls = _BY_NAME.get(str(name).lower())
+    if cls is None:
+        raise errors.InvalidArgumentError(f"Unknown optimizer class {name!r}")
+    return cls.from_config(config.get("config", {}))
