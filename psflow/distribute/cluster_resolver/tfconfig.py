@@ -340,27 +340,22 @@ class TFConfigClusterResolver(ClusterResolver):
     ) -> str:
         """Returns the address of a task, with ``rpc_layer://`` when there is one.
 
-        With both ``task_type`` and ``task_id``, that task's address.
-        Otherwise, as in TF: ``session_master`` if ``TF_CONFIG`` has one;
-        ``""`` when ``cluster_spec()`` has no job, or one job of one task; else this
-        resolver's own task's address (either argument overriding its part).
+        TF's rule, in order: ``TF_CONFIG['session_master']`` if set; ``""``
+        when ``cluster_spec()`` has no job, or one job of one task (a local
+        session); else the address of ``task_type:task_id``, each defaulting to
+        this resolver's own.
 
         Raises:
             FailedPreconditionError: the task to look up is unknown (no task in
                 ``TF_CONFIG`` and none given).
             TaskNotFoundError: the task is not in the cluster.
         """
-        rpc_layer = rpc_layer if rpc_layer is not None else self.rpc_layer
-        if task_type == MASTER:
-            task_type = CHIEF
-        if task_type is not None and task_id is not None:
-            address = self._config.cluster.task_address(task_type, task_id)
-            return format_master_url(address, rpc_layer)
         if self._config.session_master is not None:
             return self._config.session_master
         spec = self.cluster_spec()
         if not spec.jobs or (len(spec.jobs) == 1 and len(spec.job_tasks(spec.jobs[0])) == 1):
             return ""
+        task_type = CHIEF if task_type == MASTER else task_type
         task_type = task_type if task_type is not None else self.task_type
         task_id = task_id if task_id is not None else self.task_id
         if task_type is None or task_id is None:
@@ -368,6 +363,7 @@ class TFConfigClusterResolver(ClusterResolver):
                 f"no task to look up (task_type={task_type!r}, task_id={task_id!r}): set "
                 "TF_CONFIG['task'] or pass task_type and task_id"
             )
+        rpc_layer = rpc_layer if rpc_layer is not None else self.rpc_layer
         return format_master_url(spec.task_address(task_type, task_id), rpc_layer)
 
     @property
