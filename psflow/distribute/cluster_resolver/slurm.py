@@ -252,6 +252,7 @@ class SlurmClusterResolver(ClusterResolver):
     ) -> None:
         env = os.environ if environ is None else environ
         self.gpu_probe = gpu_probe
+        self._rpc_layer = check_rpc_layer(rpc_layer)
         rank = _int_var(env, "SLURM_PROCID")
         layout = self._task_layout(env, tasks_per_node)
         num_tasks = sum(count for _, count in layout)
@@ -312,7 +313,6 @@ class SlurmClusterResolver(ClusterResolver):
         self._gpus_per_task = gpus_per_task
         self._allocations = tuple(allocations)
         self._cluster_spec = ClusterSpec(cluster)
-        self._rpc_layer = check_rpc_layer(rpc_layer)
         if auto_set_gpu and gpus_per_task > 0:
             if not isinstance(env, MutableMapping):
                 raise InvalidArgumentError(

@@ -25,6 +25,7 @@ from psflow.distribute.cluster_resolver.cluster_spec import (
 )
 from psflow.errors import InvalidArgumentError
 
+# The job names TF gives the roles of a parameter-server cluster.
 CHIEF = "chief"
 WORKER = "worker"
 PS = "ps"
