@@ -1,5 +1,6 @@
 """``psflow.distribute``: strategies, distributed values and cluster resolvers."""
 
+from psflow.distribute import cluster_resolver
 from psflow.distribute.distribute_lib import (
     InputContext,
     InputOptions,
