@@ -131,16 +131,40 @@ def device(spec: str | Device) -> Iterator[Device]:
         ...     x = pf.constant([1.0])
     """
     dev = parse_device(spec)
-    if dev.is_gpu and dev.index >= gpu_count():
+    if dev.is_gpu and dev.index >= (len(_gpu_map) if _gpu_map is not None else gpu_count()):
         raise errors.InvalidArgumentError(
             f"Device {spec!r} does not exist: {gpu_count()} GPU(s) visible"
         )
     prev = getattr(_local, "device", None)
     _local.device = dev
     try:
-        yield dev
+        if dev.is_gpu:  # CuPy allocates and launches on its own current device
+            with cupy_or_none().cuda.Device(physical_gpu(dev.index)):
+                yield dev
+        else:
+            yield dev
     finally:
         _local.device = prev
+
+
+_gpu_map: list[int] | None = None
+
+
+def set_gpu_map(mapping: list[int]) -> None:
+    """Sets which physical GPU each logical GPU index runs on (``psflow.config`` calls it)."""
+    global _gpu_map
+    _gpu_map = list(mapping)
+
+
+def physical_gpu(index: int) -> int:
+    """The CUDA device id of logical GPU ``index``."""
+    if _gpu_map is None:
+        return index
+    if not 0 <= index < len(_gpu_map):
+        raise errors.InvalidArgumentError(
+            f"Logical GPU {index} does not exist ({len(_gpu_map)} configured)"
+        )
+    return _gpu_map[index]
 
 
 def xp_for(dev: Device) -> Any:
@@ -154,7 +178,7 @@ def place(array: Any, dev: Device | None = None) -> Any:
     if not dev.is_gpu:
         return to_numpy(array)
     cp = cupy_or_none()
-    with cp.cuda.Device(dev.index):
+    with cp.cuda.Device(physical_gpu(dev.index)):
         return cp.asarray(array)
 
 

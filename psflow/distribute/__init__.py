@@ -14,4 +14,10 @@ from psflow.distribute.distribute_lib import (
     has_strategy,
     in_cross_replica_context,
 )
+from psflow.distribute.mirrored_strategy import MirroredStrategy
 from psflow.distribute.reduce_util import ReduceOp
+from psflow.distribute.values import MirroredVariable, PerReplica
+from psflow.collective import CommunicationImplementation, CommunicationOptions
+from psflow.collective import ReductionToOneDevice, RingAllReduce, CrossDeviceOps
+
+from psflow.distribute import experimental

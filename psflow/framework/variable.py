@@ -79,7 +79,9 @@ def variable_creator_scope(creator: Creator, *, global_scope: bool = False) -> I
 
 
 def _default_creator(**kwargs: Any) -> Variable:
-    return Variable._create(**kwargs)
+    v = object.__new__(Variable)  # not Variable(...): that would consult the creators again
+    v.__init__(**kwargs)
+    return v
 
 
 class _VariableMeta(type):
@@ -180,10 +182,6 @@ class Variable(metaclass=_VariableMeta):
             synchronization=synchronization,
             aggregation=aggregation,
         )
-
-    @classmethod
-    def _create(cls, **kwargs: Any) -> Variable:
-        return cls(**kwargs)
 
     def _init_attrs(
         self,

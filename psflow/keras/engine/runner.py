@@ -95,3 +95,108 @@ def _host(value: Any) -> Any:
     return nest.map_structure(
         lambda v: backend.to_numpy(v._array()) if hasattr(v, "_array") else v, value
     )
+
+
+class _SplitBatches:
+    """Global batches from ``source``, each split across the strategy's replicas."""
+
+    def __init__(self, source: Any, devices: list[Any]) -> None:
+        self.source = source
+        self.devices = devices
+
+    @property
+    def steps(self) -> int | None:
+        return getattr(self.source, "steps", None)
+
+    def __iter__(self) -> Iterator[Any]:
+        from psflow.distribute import input_lib
+
+        for batch in self.source:
+            yield input_lib.split_element(batch, self.devices)
+
+    def peek(self) -> Any:
+        return self.source.peek()
+
+
+class MirroredRunner(LocalRunner):
+    """Splits every global batch across the replicas and runs them in step."""
+
+    def prepare(self, source: Any) -> Any:
+        """Distributes a source of global batches unless it is distributed already."""
+        from psflow.keras.engine import data_adapter
+
+        if data_adapter.is_distributed(getattr(source, "dataset", None)):
+            return source
+        return _SplitBatches(source, list(self.strategy._devices))
+
+    def _run(self, fn: Any, batch: Any) -> Any:
+        from psflow.distribute.values import PerReplica
+        from psflow.keras.engine import data_adapter
+
+        if isinstance(batch, PerReplica):
+            sizes = [
+                data_adapter.batch_size_of(data_adapter.unpack_x_y_sample_weight(b)[0])
+                for b in batch.values
+            ]
+            self.model._global_batch_size = sum(sizes)
+        else:
+            self.model._global_batch_size = None
+        try:
+            return self.strategy.run(fn, args=(batch,))
+        finally:
+            self.model._global_batch_size = None
+
+    def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
+        return self._steps(
+            source,
+            steps,
+            lambda b: self._run(self.model.train_step, b),
+            callbacks.on_train_batch_begin,
+            callbacks.on_train_batch_end,
+        )
+
+    def test_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
+        return self._steps(
+            source,
+            steps,
+            lambda b: self._run(self.model.test_step, b),
+            callbacks.on_test_batch_begin,
+            callbacks.on_test_batch_end,
+        )
+
+    def predict(self, source: Any, steps: int | None, callbacks: Any) -> list[Any]:
+        from psflow.distribute.values import PerReplica
+
+        outputs: list[Any] = []
+
+        def step_fn(batch: Any) -> None:
+            y = self._run(self.model.predict_step, batch)
+            parts = y.values if isinstance(y, PerReplica) else (y,)
+            import numpy as np
+
+            outputs.append(
+                np.concatenate([_host(p) for p in parts], axis=0)
+                if len(parts) > 1
+                else _host(parts[0])
+            )
+
+        self._steps(
+            source,
+            steps,
+            step_fn,
+            callbacks.on_predict_batch_begin,
+            lambda s, logs: callbacks.on_predict_batch_end(s, {}),
+        )
+        return outputs
+
+
+def runner_for(model: Any, strategy: Any) -> LocalRunner:
+    """The runner for ``strategy``: a strategy may provide ``extended._keras_runner(model)``."""
+    make = getattr(strategy.extended, "_keras_runner", None)
+    if make is not None:
+        return make(model)
+    from psflow.distribute.mirrored_strategy import MirroredStrategy
+
+    if isinstance(strategy, MirroredStrategy) and strategy.num_replicas_in_sync > 1:
+        return MirroredRunner(model, strategy)
+    return LocalRunner(model, strategy)

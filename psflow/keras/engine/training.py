@@ -16,7 +16,7 @@ from psflow.keras import losses as losses_lib
 from psflow.keras import metrics as metrics_lib
 from psflow.keras import optimizers as optimizers_lib
 from psflow.keras.engine import data_adapter
-from psflow.keras.engine.runner import LocalRunner
+from psflow.keras.engine.runner import runner_for
 from psflow.keras.layers.base import Layer
 from psflow.ops import math_ops
 from psflow.util import nest
@@ -171,9 +171,7 @@ class Model(Layer):
         return {m.name: m.result() for m in self.metrics}
 
     def _runner(self) -> Any:
-        strategy = self.distribute_strategy
-        make = getattr(strategy.extended, "_keras_runner", None)
-        return make(self) if make is not None else LocalRunner(self, strategy)
+        return runner_for(self, self.distribute_strategy)
 
     def _ensure_built(self, source: Any) -> None:
         if self.built:

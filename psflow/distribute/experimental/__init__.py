@@ -1,0 +1,22 @@
+"""``psflow.distribute.experimental``: TensorFlow's experimental distribution names."""
+
+import importlib as _importlib
+
+from psflow.collective import CommunicationImplementation, CommunicationOptions
+
+CollectiveCommunication = CommunicationImplementation
+
+_LAZY = {
+    "coordinator": "psflow.distribute.experimental.coordinator",
+    "partitioners": "psflow.distribute.partitioners",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return _importlib.import_module(_LAZY[name])
+    if name == "ParameterServerStrategy":
+        from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
+
+        return ParameterServerStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

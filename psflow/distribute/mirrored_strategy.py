@@ -1,0 +1,457 @@
+"""``MirroredStrategy``: synchronous data parallelism over one machine's devices.
+
+One replica per device, each in its own thread. Variables created in
+``scope()`` become :class:`MirroredVariable`s (a copy per device). Inside
+``run``, replicas compute on their slice of the batch; ``all_reduce`` (the ring
+by default) sums their gradients, and the optimizer applies the same update
+to every copy, so N replicas train exactly like one device on the global batch.
+
+Example:
+    >>> import psflow as tf
+    >>> strategy = tf.distribute.MirroredStrategy()
+    >>> print(strategy.num_replicas_in_sync)
+    1
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from psflow import backend, errors
+from psflow import config as config_lib
+from psflow.collective import CommunicationOptions, Communicator, CrossDeviceOps
+from psflow.collective import create_cross_device_ops, default_cross_device_ops
+from psflow.distribute import distribute_lib, input_lib
+from psflow.distribute.reduce_util import ReduceOp
+from psflow.distribute.replica_pool import ReplicaPool
+from psflow.distribute.values import MirroredVariable, PerReplica, regroup, select_replica
+from psflow.framework import variable as variable_lib
+from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.tensor import Tensor, to_array
+from psflow.util import nest
+
+
+class _MergeRendezvous:
+    """Meets the N replicas' ``merge_call``s; the last to arrive runs the merge function."""
+
+    def __init__(self, num_replicas: int, timeout: float) -> None:
+        self._n = num_replicas
+        self._timeout = timeout
+        self._cond = threading.Condition()
+        self._round = 0
+        self._args: dict[int, Any] = {}
+        self._outcome: tuple[Any, BaseException | None] = (None, None)
+        self._aborted = False
+
+    def abort(self) -> None:
+        """Fails every replica waiting here now (another replica failed)."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def call(self, replica: int, args: Any, run: Callable[[list[Any]], Any]) -> Any:
+        with self._cond:
+            if self._aborted:
+                raise errors.CancelledError("merge_call cancelled: another replica failed")
+            my_round = self._round
+            self._args[replica] = args
+            if len(self._args) == self._n:
+                ordered = [self._args[i] for i in range(self._n)]
+                self._args = {}
+                try:
+                    self._outcome = (run(ordered), None)
+                except BaseException as e:  # every replica sees the failure
+                    self._outcome = (None, e)
+                self._round += 1
+                self._cond.notify_all()
+            else:
+                deadline = time.monotonic() + self._timeout
+                while self._round == my_round:
+                    if self._aborted:
+                        raise errors.CancelledError("merge_call cancelled: another replica failed")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = sorted(set(range(self._n)) - set(self._args))
+                        raise errors.DeadlineExceededError(
+                            f"merge_call: replica(s) {missing} did not arrive within {self._timeout}s"
+                        )
+                    self._cond.wait(left)
+            value, error = self._outcome
+        if error is not None:
+            raise error
+        return value
+
+
+class MirroredReplicaContext(distribute_lib.ReplicaContext):
+    """The replica context inside ``MirroredStrategy.run``: collectives across devices."""
+
+    def all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
+        """Sums (or averages) ``value`` across replicas; sparse gradients are densified first."""
+        op = ReduceOp.from_value(reduce_op)
+        strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
+        flat = nest.flatten(value)
+        arrays = [x.dense_array() if isinstance(x, IndexedSlices) else to_array(x) for x in flat]
+        reduced = strategy._communicator.all_reduce(self._replica_id, arrays, op.value)
+        return nest.pack_sequence_as(value, [Tensor._wrap(a) for a in reduced])
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenates ``value`` from every replica along ``axis``."""
+        strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
+        flat = nest.flatten(value)
+        out = [
+            Tensor._wrap(strategy._communicator.all_gather(self._replica_id, to_array(x), axis))
+            for x in flat
+        ]
+        return nest.pack_sequence_as(value, out)
+
+    def merge_call(
+        self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        """Runs ``merge_fn(strategy, *args)`` once, with per-replica arguments grouped."""
+        strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
+        kwargs = kwargs or {}
+
+        def run(all_args: list[Any]) -> Any:
+            grouped_args, grouped_kwargs = regroup(all_args) if len(all_args) > 1 else all_args[0]
+            with distribute_lib._enter(distribute_lib._Context(strategy, None)):
+                return merge_fn(strategy, *grouped_args, **grouped_kwargs)
+
+        if strategy.num_replicas_in_sync == 1:
+            return run([(args, kwargs)])
+        return strategy._merge.call(self._replica_id, (args, kwargs), run)
+
+
+class MirroredExtended(distribute_lib.StrategyExtended):
+    """MirroredStrategy's internals: mirrored variables and their updates."""
+
+    def __init__(self, strategy: MirroredStrategy, devices: list[backend.Device]) -> None:
+        super().__init__(strategy)
+        self._devices = devices
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self._devices)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return self.worker_devices
+
+    def _create_variable(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+        strategy: MirroredStrategy = self._container_strategy()  # type: ignore[assignment]
+        ctx = distribute_lib.get_replica_context()
+        if isinstance(ctx, MirroredReplicaContext) and strategy.num_replicas_in_sync > 1:
+            # every replica asks; one creates, all receive the same variable
+            return ctx.merge_call(
+                lambda s, kw: self._create_mirrored(
+                    next_creator, kw.values[0] if isinstance(kw, PerReplica) else kw
+                ),
+                args=(kwargs,),
+            )
+        return self._create_mirrored(next_creator, kwargs)
+
+    def _create_mirrored(
+        self, next_creator: Callable[..., Any], kwargs: dict[str, Any]
+    ) -> MirroredVariable:
+        kwargs = dict(kwargs)
+        aggregation = variable_lib.VariableAggregation(
+            kwargs.get("aggregation") or variable_lib.VariableAggregation.NONE
+        )
+        base = (kwargs.get("name") or "Variable").split(":")[0]
+        copies: list[variable_lib.Variable] = []
+        for i, dev in enumerate(self._devices):
+            with backend.device(dev):
+                if i == 0:
+                    copies.append(next_creator(**kwargs))
+                else:
+                    copies.append(
+                        next_creator(
+                            **{
+                                **kwargs,
+                                "initial_value": backend.place(copies[0]._value, dev),
+                                "name": f"{base}/replica_{i}",
+                            }
+                        )
+                    )
+        return MirroredVariable(self._container_strategy(), copies, aggregation=aggregation)
+
+    def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
+        """Applies reduced gradients to every replica's copy (called in cross-replica context)."""
+        for grad, var in pairs:
+            for i, copy in enumerate(var.values):
+                g = grad.values[i] if isinstance(grad, PerReplica) else grad
+                optimizer._apply_local(var, g, step, replica=i, array=copy._value)
+
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
+        return self._container_strategy().reduce(reduce_op, value, axis=None)
+
+
+class MirroredStrategy(distribute_lib.Strategy):
+    """Synchronous training on several devices of one machine (``tf.distribute.MirroredStrategy``).
+
+    Args:
+        devices: device names (default: every GPU, else every logical CPU device).
+        cross_device_ops: a ``psflow.collective.CrossDeviceOps`` (ring, reduce-to-one,
+            NCCL) or its registered name; chosen from the devices by default.
+        cluster_spec: a cluster spec naming this machine's single task (optional).
+        compute_devices: the subset of ``devices`` replicas run on (default: all).
+        communication_options: ``CommunicationOptions(bytes_per_pack, timeout_seconds,
+            implementation)``.
+
+    Raises:
+        InvalidArgumentError: unknown or duplicate devices, compute devices not
+            among ``devices``, or a cluster of more than one task.
+    """
+
+    def __init__(
+        self,
+        devices: list[str] | None = None,
+        cross_device_ops: Any = None,
+        cluster_spec: Any = None,
+        compute_devices: list[str] | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ) -> None:
+        names = list(devices) if devices is not None else config_lib.default_devices()
+        if not names:
+            raise errors.InvalidArgumentError("MirroredStrategy needs at least one device")
+        parsed = [backend.parse_device(d) for d in names]
+        if len(set(parsed)) != len(parsed):
+            raise errors.InvalidArgumentError(f"MirroredStrategy: duplicate devices in {names}")
+        available = {backend.parse_device(d.name) for d in config_lib.list_logical_devices()}
+        for name, dev in zip(names, parsed):
+            if dev not in available:
+                raise errors.InvalidArgumentError(
+                    f"MirroredStrategy: device {name!r} does not exist; logical devices are "
+                    f"{sorted(d.name for d in config_lib.list_logical_devices())}"
+                )
+        if compute_devices is not None:
+            compute = [backend.parse_device(d) for d in compute_devices]
+            for name, dev in zip(compute_devices, compute):
+                if dev not in parsed:
+                    raise errors.InvalidArgumentError(
+                        f"MirroredStrategy: compute device {name!r} is not among devices {names}"
+                    )
+            parsed = compute
+        self._cluster_spec = self._check_cluster_spec(cluster_spec)
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise errors.InvalidArgumentError(
+                f"communication_options must be a CommunicationOptions, got {options!r}"
+            )
+        if cross_device_ops is None:
+            ops = default_cross_device_ops([d.name for d in parsed], options=options)
+        elif isinstance(cross_device_ops, str):
+            ops = create_cross_device_ops(cross_device_ops)
+        elif isinstance(cross_device_ops, CrossDeviceOps):
+            ops = cross_device_ops
+        else:
+            raise errors.InvalidArgumentError(
+                f"cross_device_ops must be a CrossDeviceOps or a name, got {cross_device_ops!r}"
+            )
+        super().__init__(MirroredExtended(self, parsed))
+        self._devices = parsed
+        self._cross_device_ops = ops
+        self._options = options
+        self._reset_collectives()
+        self._pool: ReplicaPool | None = None
+        self._pool_lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, MirroredStrategy._shutdown, [None])
+
+    def _reset_collectives(self) -> None:
+        n = len(self._devices)
+        self._communicator = Communicator(n, self._cross_device_ops, self._options)
+        self._merge = _MergeRendezvous(n, self._communicator.timeout)
+
+    def _abort_collectives(self) -> None:
+        """A replica failed: wake the replicas waiting for it instead of letting them time out."""
+        self._communicator.close()
+        self._merge.abort()
+
+    @staticmethod
+    def _shutdown(holder: list[Any]) -> None:
+        pool = holder[0]
+        if pool is not None:
+            pool.close()
+
+    @staticmethod
+    def _check_cluster_spec(cluster_spec: Any) -> Any:
+        if cluster_spec is None:
+            return None
+        from psflow.distribute.cluster_resolver import ClusterSpec
+
+        spec = cluster_spec if isinstance(cluster_spec, ClusterSpec) else ClusterSpec(cluster_spec)
+        tasks = sum(spec.num_tasks(job) for job in spec.jobs)
+        if tasks > 1:
+            raise errors.InvalidArgumentError(
+                f"MirroredStrategy trains on one machine, but cluster_spec {spec.as_dict()} has "
+                f"{tasks} tasks; use ParameterServerStrategy for several machines"
+            )
+        return spec
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices replicas compute on."""
+        return tuple(d.name for d in self._devices)
+
+    @property
+    def cluster_spec(self) -> Any:
+        """The cluster spec given at construction (or None)."""
+        return self._cluster_spec
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        """The cross-device ops used for all-reduce."""
+        return self._cross_device_ops
+
+    # -- run -------------------------------------------------------------------------
+    def _replica_pool(self) -> ReplicaPool:
+        if self._pool is None:
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = ReplicaPool(len(self._devices), name="mirrored-replica")
+                    self._finalizer.detach()
+                    self._finalizer = weakref.finalize(
+                        self, MirroredStrategy._shutdown, [self._pool]
+                    )
+        return self._pool
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        options: Any = None,
+    ) -> Any:
+        """Runs ``fn`` on every replica with its share of ``args``; returns per-replica results.
+
+        ``PerReplica`` arguments (from a distributed dataset) give each replica
+        its own component; other arguments go to every replica as they are.
+        """
+        kwargs = kwargs or {}
+        n = len(self._devices)
+
+        def replica_call(i: int) -> Callable[[], Any]:
+            def call() -> Any:
+                my_args = select_replica(i, args)
+                my_kwargs = select_replica(i, kwargs)
+                ctx = MirroredReplicaContext(self, i)
+                with (
+                    backend.device(self._devices[i]),
+                    distribute_lib._enter(distribute_lib._Context(self, ctx)),
+                    variable_lib.variable_creator_scope(self._variable_creator),
+                ):
+                    return fn(*my_args, **my_kwargs)
+
+            def guarded() -> Any:
+                try:
+                    return call()
+                except BaseException:
+                    self._abort_collectives()
+                    raise
+
+            return call if n == 1 else guarded
+
+        if n == 1:
+            return replica_call(0)()
+        outcomes = self._replica_pool().run_collecting([replica_call(i) for i in range(n)])
+        errors_seen = [e for _, e in outcomes if e is not None]
+        if errors_seen:
+            self._reset_collectives()
+            # the replica that failed first caused the others' CancelledErrors: report it
+            root = next(
+                (e for e in errors_seen if not isinstance(e, errors.CancelledError)), errors_seen[0]
+            )
+            raise root
+        return regroup([v for v, _ in outcomes])
+
+    # -- reduce and gather -------------------------------------------------------------
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None) -> Any:
+        """Combines per-replica values into one tensor (TF's numerator/denominator MEAN with ``axis``).
+
+        Raises:
+            InvalidArgumentError: SUM of a value that is not per-replica, with several replicas.
+        """
+        from psflow.ops import math_ops
+
+        op = ReduceOp.from_value(reduce_op)
+
+        def reduce_leaf(v: Any) -> Any:
+            parts = list(v.values) if isinstance(v, PerReplica) else None
+            if parts is None:
+                if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+                    raise errors.InvalidArgumentError(
+                        f"A non-distributed value {v!r} cannot be reduced with SUM across "
+                        f"{self.num_replicas_in_sync} replicas; return it from strategy.run"
+                    )
+                if axis is None:
+                    return v
+                fn = math_ops.reduce_sum if op is ReduceOp.SUM else math_ops.reduce_mean
+                return fn(v, axis=axis)
+            host = [backend.place(to_array(p), self._devices[0]) for p in parts]
+            xp = backend.xp_of(host[0])
+            if axis is None:
+                total = host[0].copy()
+                for h in host[1:]:
+                    total = total + h
+                if op is ReduceOp.MEAN:
+                    total = total / len(host) if total.dtype.kind == "f" else total // len(host)
+                return Tensor._wrap(xp.asarray(total))
+            sums = [h.sum(axis=axis) for h in host]
+            total = sums[0]
+            for s in sums[1:]:
+                total = total + s
+            if op is ReduceOp.MEAN:
+                count = sum(h.shape[axis] for h in host)
+                total = total / max(count, 1)
+            return Tensor._wrap(total)
+
+        if isinstance(value, PerReplica):
+            return reduce_leaf(value)
+        return nest.map_structure(reduce_leaf, value)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        if isinstance(value, PerReplica):
+            return value.values
+        if isinstance(value, MirroredVariable):
+            return value.values
+        return (value,)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        from psflow.ops import array_ops
+
+        parts = [
+            Tensor._wrap(backend.place(to_array(p), self._devices[0]))
+            for p in self.experimental_local_results(value)
+        ]
+        return parts[0] if len(parts) == 1 else array_ops.concat(parts, axis=axis)
+
+    # -- input -----------------------------------------------------------------------
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: Any = None
+    ) -> input_lib.DistributedDataset:
+        """Splits every global batch of ``dataset`` across the replicas."""
+        return input_lib.DistributedDataset(dataset, list(self._devices))
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Any], options: Any = None
+    ) -> input_lib.DistributedDatasetsFromFunction:
+        """Calls ``dataset_fn(InputContext)`` once; replicas take consecutive per-replica batches."""
+        ctx = distribute_lib.InputContext(1, 0, self.num_replicas_in_sync)
+        return input_lib.DistributedDatasetsFromFunction(dataset_fn, ctx, list(self._devices))
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
+        """``PerReplica`` of ``value_fn(ValueContext(i, N))`` for every replica."""
+        n = self.num_replicas_in_sync
+        values = [value_fn(distribute_lib.ValueContext(i, n)) for i in range(n)]
+        return values[0] if n == 1 else PerReplica(values)
+
+    def __repr__(self) -> str:
+        return f"MirroredStrategy(devices={list(self.devices)})"
