@@ -1,6 +1,13 @@
 """``psflow.distribute``: strategies, distributed values and cluster resolvers."""
 
-from psflow.distribute import cluster_resolver
+from psflow.collective import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    CrossDeviceOps,
+    ReductionToOneDevice,
+    RingAllReduce,
+)
+from psflow.distribute import cluster_resolver, experimental
 from psflow.distribute.distribute_lib import (
     InputContext,
     InputOptions,
@@ -17,7 +24,3 @@ from psflow.distribute.distribute_lib import (
 from psflow.distribute.mirrored_strategy import MirroredStrategy
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.values import MirroredVariable, PerReplica
-from psflow.collective import CommunicationImplementation, CommunicationOptions
-from psflow.collective import ReductionToOneDevice, RingAllReduce, CrossDeviceOps
-
-from psflow.distribute import experimental

@@ -23,8 +23,13 @@ from typing import Any
 
 from psflow import backend, errors
 from psflow import config as config_lib
-from psflow.collective import CommunicationOptions, Communicator, CrossDeviceOps
-from psflow.collective import create_cross_device_ops, default_cross_device_ops
+from psflow.collective import (
+    CommunicationOptions,
+    Communicator,
+    CrossDeviceOps,
+    create_cross_device_ops,
+    default_cross_device_ops,
+)
 from psflow.distribute import distribute_lib, input_lib
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.replica_pool import ReplicaPool
