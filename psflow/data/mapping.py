@@ -8,8 +8,10 @@ the current device, as tf.data functions run on the host.
 TensorFlow learns a ``map`` function's output structure by tracing it. psflow
 takes it from the function's first real output while iterating, and checks
 every later output against it; ``element_spec`` asked before that calls the
-function on two placeholder elements of zeros (unknown dimensions 1, then 2)
-and marks the dimensions that differ as unknown.
+function on two placeholder elements (all ones with unknown dimensions 1
+long, then all twos with unknown dimensions 2 long) and marks the output
+dimensions that differ as unknown. A function that rejects the placeholders
+gets one real element instead.
 """
 
 from __future__ import annotations
@@ -41,13 +43,18 @@ def call_on_host(fn: Callable[..., Any], element: Any) -> Any:
 
 
 def _dummy_element(spec: Any, fill: int) -> Any:
-    """Zeros shaped like ``spec`` (unknown dimensions ``fill``, unknown rank a scalar)."""
+    """A placeholder element: every value ``fill``, unknown dimensions ``fill`` long.
 
-    def zeros(s: TensorSpec) -> Tensor:
+    Two such calls (fill 1, then 2) reveal output dimensions that depend on
+    the input's unknown dimensions or on its values (``pf.fill([x], x)``).
+    An unknown rank becomes a scalar.
+    """
+
+    def placeholder(s: TensorSpec) -> Tensor:
         dims = () if s._dims is None else tuple(fill if d is None else d for d in s._dims)
-        return Tensor._wrap(np.zeros(dims, dtype=s.dtype.np))
+        return Tensor._wrap(np.full(dims, fill, dtype=s.dtype.np))
 
-    return structure.map_structure(zeros, spec)
+    return structure.map_structure(placeholder, spec)
 
 
 def _relax(a: Any, b: Any) -> Any:
@@ -128,7 +135,7 @@ class MapDataset(Dataset):
                     for fill in (1, 2)
                 ]
             return _relax(*outs)
-        except Exception as e:  # the function may reject zeros; fall back to a real element
+        except Exception as e:  # the function may reject placeholders: use a real element
             if self._out.template is not None:
                 return self._out.template
             logger.debug("map: placeholder call failed (%s); reading one real element", e)
@@ -136,7 +143,7 @@ class MapDataset(Dataset):
             if first is None:
                 raise errors.InvalidArgumentError(
                     f"Cannot determine the output of {self._fn!r}: calling it on placeholder "
-                    f"zeros failed ({e}) and the input is empty"
+                    f"elements failed ({e}) and the input is empty"
                 ) from e
             return self._out.template
 

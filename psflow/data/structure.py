@@ -173,6 +173,11 @@ def flatten_up_to(template: Any, value: Any, what: str = "value") -> list[Any]:
                 )
             for tc, vc in zip(t, v):
                 walk(tc, vc)
+        elif is_structure(v):
+            raise TypeError(
+                f"The {what} {v!r} is a structure where the expected structure "
+                f"{template!r} has a single tensor"
+            )
         else:
             out.append(v)
 
