@@ -273,6 +273,8 @@ def convert_to_dtype(value: Any, spec: TensorSpec, what: str = "value") -> np.nd
     want = spec.dtype.np
     if is_tensor(value):
         arr = _host(value._array())
+    elif type(value).__module__.startswith("cupy"):
+        arr = backend.to_numpy(value)
     else:
         try:
             arr = np.asarray(value)
