@@ -282,6 +282,8 @@ MODULES = [
     "psflow.data.mapping",
     "psflow.data.options",
     "psflow.data.ordering",
+    "psflow.data.prefetch",
+    "psflow.data.shuffle",
     "psflow.data.sources",
     "psflow.data.structure",
 ]

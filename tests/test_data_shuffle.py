@@ -12,7 +12,7 @@ import pytest
 
 import psflow as pf
 from psflow.data import Dataset
-from psflow.data.ordering import buffer_shuffle
+from psflow.data.shuffle import buffer_shuffle
 
 
 def values(ds):

@@ -385,7 +385,7 @@ class Dataset:
             >>> sorted(pf.data.Dataset.range(5).shuffle(5, seed=1).as_numpy_iterator())
             [np.int64(0), np.int64(1), np.int64(2), np.int64(3), np.int64(4)]
         """
-        from psflow.data.ordering import ShuffleDataset
+        from psflow.data.shuffle import ShuffleDataset
 
         return ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
 
@@ -481,7 +481,7 @@ class Dataset:
         The order never changes. ``buffer_size`` 0 prefetches nothing;
         AUTOTUNE picks a small buffer.
         """
-        from psflow.data.ordering import PrefetchDataset
+        from psflow.data.prefetch import PrefetchDataset
 
         return PrefetchDataset(self, buffer_size)
 

@@ -1,28 +1,23 @@
-"""Transformations that choose, reorder or combine elements without computing on them.
+"""Transformations that choose or combine elements without computing on them.
 
-``shuffle``, ``repeat``, ``take``, ``skip``, ``shard`` and ``cache`` work on an
-index plan when their input has one (so ``batch`` above them can gather whole
-batches), and element by element otherwise; both give the same order.
-``prefetch`` runs its input in a background thread behind a bounded queue;
-``zip``, ``concatenate`` and ``enumerate`` combine element streams.
+``repeat``, ``take``, ``skip``, ``shard`` and ``cache`` work on an index plan
+when their input has one (so ``batch`` above them can gather whole batches),
+and element by element otherwise; both give the same order. ``zip``,
+``concatenate`` and ``enumerate`` combine element streams.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from psflow import dtypes, errors
-from psflow import random as pf_random
 from psflow.data import structure
 from psflow.data.dataset import (
-    AUTOTUNE,
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
     Dataset,
@@ -33,132 +28,6 @@ from psflow.data.options import Options
 from psflow.data.structure import TensorSpec
 
 logger = logging.getLogger(__name__)
-
-_MASK63 = (1 << 63) - 1
-_DEFAULT_GLOBAL_SEED = 87654321  # TensorFlow's graph seed when only an op seed is given
-_DRAW_BLOCK = 1024
-_COUNTER_LOCK = threading.Lock()
-
-
-# -- shuffle ----------------------------------------------------------------------------------
-
-
-def buffer_shuffle(
-    source: Iterator[Any], buffer_size: int | None, rng: np.random.Generator
-) -> Iterator[Any]:
-    """TensorFlow's shuffle buffer over any stream (``buffer_size=None``: unbounded).
-
-    The buffer is a queue in arrival order. Before each output it is topped up
-    to ``buffer_size`` from ``source``; then a slot is drawn uniformly, its
-    element is produced, and the oldest element moves into that slot (TF's
-    swap with the front). The draws depend only on the buffer's fill, never on
-    the data, so shuffling row positions and shuffling elements agree.
-    """
-    buf: list[Any] = []
-    head = 0
-    draws: list[int] = []
-    exhausted = False
-    while True:
-        # Phase 1: top up the buffer from the input.
-        while not exhausted and (buffer_size is None or len(buf) - head < buffer_size):
-            try:
-                buf.append(next(source))
-            except StopIteration:
-                exhausted = True
-        size = len(buf) - head
-        if size == 0:
-            return
-        # Phase 2: produce a uniformly chosen element; the front fills its slot.
-        if not draws:
-            draws = rng.integers(0, _MASK63, _DRAW_BLOCK, dtype=np.int64).tolist()
-        pos = head + draws.pop() % size
-        out = buf[pos]
-        buf[pos] = buf[head]
-        buf[head] = None
-        head += 1
-        if head >= 4096 and 2 * head >= len(buf):  # drop the consumed front now and then
-            del buf[:head]
-            head = 0
-        yield out
-
-
-def _positions(chunks: Iterator[np.ndarray]) -> Iterator[int]:
-    for c in chunks:
-        yield from c.tolist()
-
-
-def _rechunk(positions: Iterator[int], rows: int) -> Iterator[np.ndarray]:
-    while True:
-        block = list(itertools.islice(positions, rows))
-        if not block:
-            return
-        yield np.array(block, dtype=np.int64)
-
-
-def _seed_key(seed: Any) -> tuple[int, int, int]:
-    """The entropy a shuffle derives its per-pass generators from (TF's seeding rules).
-
-    Op seed given: (global seed or TF's default, op seed), the same for every
-    dataset built with it. Only a global seed: a draw from the global stream,
-    so successive shuffles differ but a rerun repeats them. Neither: fresh entropy.
-    """
-    glob = pf_random.get_global_seed()
-    if seed is not None:
-        s = int_arg(seed, "seed")
-        g = glob if glob is not None else _DEFAULT_GLOBAL_SEED
-        return (g & _MASK63, s & _MASK63, 1)
-    if glob is not None:
-        return (int(pf_random.new_generator().integers(0, _MASK63)), 0, 2)
-    return (int(np.random.SeedSequence().entropy) & _MASK63, 0, 3)
-
-
-class ShuffleDataset(Dataset):
-    """``Dataset.shuffle``: TF's buffer shuffle, reseeded per pass if asked."""
-
-    def __init__(
-        self, input_dataset: Dataset, buffer_size: Any, seed: Any, reshuffle: bool
-    ) -> None:
-        super().__init__(input_dataset)
-        b = int_arg(buffer_size, "buffer_size")
-        if b == UNKNOWN_CARDINALITY:
-            n = input_dataset._cardinality()
-            if n == INFINITE_CARDINALITY:
-                raise errors.InvalidArgumentError(
-                    "shuffle: buffer_size UNKNOWN_CARDINALITY (-2) buffers the whole input, "
-                    "which is infinite here"
-                )
-            self._buffer: int | None = None if n == UNKNOWN_CARDINALITY else max(n, 1)
-        elif b <= 0:
-            raise errors.InvalidArgumentError(
-                f"shuffle: buffer_size must be greater than zero or UNKNOWN_CARDINALITY (-2), "
-                f"got {b}"
-            )
-        else:
-            self._buffer = b
-        self._reshuffle = bool(reshuffle)
-        self._seed = _seed_key(seed)
-        self._passes = 0
-
-    def _next_rng(self) -> np.random.Generator:
-        with _COUNTER_LOCK:
-            n = self._passes
-            if self._reshuffle:
-                self._passes += 1
-        return np.random.default_rng(np.random.SeedSequence([*self._seed, n]))
-
-    def _has_plan(self) -> bool:
-        return self._inputs[0]._has_plan()
-
-    def _plan(self) -> _Plan:
-        rng = self._next_rng()
-        inner = self._inputs[0]._plan()
-        order = buffer_shuffle(_positions(inner.chunks), self._buffer, rng)
-        return _Plan(inner.gather, _rechunk(order, inner.rows), inner.rows)
-
-    def _iter_elements(self) -> Iterator[tuple[Any, ...]]:
-        rng = self._next_rng()
-        return buffer_shuffle(self._inputs[0]._iter_flat(), self._buffer, rng)
-
 
 # -- repeat / take / skip / shard -------------------------------------------------------------
 
@@ -408,110 +277,6 @@ class CacheDataset(Dataset):
                 self._elements = seen
 
         return record()
-
-
-# -- prefetch ---------------------------------------------------------------------------------
-
-_POLL_S = 0.05
-_AUTOTUNE_BUFFER = 4
-_ITEM, _END, _ERROR = 0, 1, 2
-
-
-def _produce(source: Iterator[Any], q: queue.Queue, stop: threading.Event) -> None:
-    """The prefetch thread: runs ``source`` and queues its items, then an end marker.
-
-    It holds no reference to the consuming iterator, so dropping that iterator
-    sets ``stop`` (from ``__del__``) and this thread ends within one poll.
-    """
-
-    def put(item: tuple[int, Any]) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for item in source:
-            if not put((_ITEM, item)):
-                return
-        put((_END, None))
-    except BaseException as e:  # handed to the consumer, raised there
-        put((_ERROR, e))
-    finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
-
-
-class _PrefetchIterator:
-    """The consuming side of a prefetch: items in the producer's order."""
-
-    def __init__(self, source: Iterator[Any], size: int) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=size)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(source, self._queue, self._stop),
-            name="psflow-data-prefetch",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def __iter__(self) -> _PrefetchIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        while True:  # bounded by the producer: it either queues something or dies
-            try:
-                kind, payload = self._queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    self._done = True
-                    raise errors.InternalError(
-                        "The prefetch thread ended without a result"
-                    ) from None
-        if kind == _ITEM:
-            return payload
-        self._done = True
-        if kind == _END:
-            raise StopIteration
-        raise payload
-
-    def close(self) -> None:
-        """Stops the producer thread (it exits within one poll interval)."""
-        self._done = True
-        self._stop.set()
-
-    def __del__(self) -> None:
-        self._stop.set()
-
-
-class PrefetchDataset(Dataset):
-    """``Dataset.prefetch``: a background thread keeps up to ``buffer_size`` elements ready."""
-
-    def __init__(self, input_dataset: Dataset, buffer_size: Any) -> None:
-        super().__init__(input_dataset)
-        b = int_arg(buffer_size, "buffer_size")
-        if b == AUTOTUNE:
-            b = _AUTOTUNE_BUFFER
-        elif b < 0:
-            raise errors.InvalidArgumentError(
-                f"prefetch: buffer_size must be >= 0 or AUTOTUNE (-1), got {b}"
-            )
-        self._buffer = b
-
-    def _iter_elements(self) -> Iterator[tuple[Any, ...]]:
-        src = self._inputs[0]._iter_flat()
-        if self._buffer == 0:
-            return src
-        return _PrefetchIterator(src, self._buffer)
 
 
 # -- combining --------------------------------------------------------------------------------
