@@ -129,6 +129,12 @@ from psflow.ops.math_ops import (
 )
 from psflow.util import nest
 
+
+def __getattr_tensorspec():  # TensorSpec lives with the data package; loaded on first use
+    from psflow.data.structure import TensorSpec
+
+    return TensorSpec
+
 __version__ = "0.1.0"
 
 _operators.install(Tensor)
@@ -151,6 +157,10 @@ _LAZY = {
 
 
 def __getattr__(name: str):
+    if name == "TensorSpec":
+        value = __getattr_tensorspec()
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'psflow' has no attribute {name!r}")

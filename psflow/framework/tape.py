@@ -67,6 +67,8 @@ def record(inputs: tuple[Any, ...], output: Any, backward: Backward) -> None:
 
 
 def _is_float(node: Any) -> bool:
+    if getattr(node, "_is_variable", False):
+        return node.dtype.is_floating  # no read: a variable may live on a parameter server
     return node._array().dtype.kind == "f"
 
 

@@ -1,0 +1,237 @@
+"""How the coordinator reaches a worker: over gRPC, or in this process (embedded mode).
+
+Both run a :class:`Closure` and return its value or raise its error; they
+differ only in transport. A gRPC worker that cannot be reached raises
+:class:`psflow.errors.WorkerUnavailableError` naming its task, so the
+coordinator can re-queue the closure elsewhere.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+import grpc
+
+from psflow import errors
+from psflow.distribute.coordinator import closure as closure_lib
+from psflow.distribute.coordinator.remote_value import RemoteValue
+from psflow.util import nest
+
+#: gRPC options for every psflow channel: no 4 MB cap (psflow streams big tensors itself).
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.enable_retries", 0),
+]
+
+
+def closure_timeout() -> float:
+    """Seconds one closure may run on a worker (``PSFLOW_CLOSURE_TIMEOUT``, default 3600)."""
+    raw = os.environ.get("PSFLOW_CLOSURE_TIMEOUT", "3600")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise errors.InvalidArgumentError(f"PSFLOW_CLOSURE_TIMEOUT must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise errors.InvalidArgumentError(f"PSFLOW_CLOSURE_TIMEOUT must be > 0, got {raw!r}")
+    return value
+
+
+@dataclasses.dataclass
+class Closure:
+    """A function call scheduled on some worker (or on one worker, for resources)."""
+
+    closure_id: int
+    fn: Any
+    args: tuple
+    kwargs: dict
+    remote_value: RemoteValue
+    resource_key: str | None = None
+    step: int = 0
+
+    def args_for(self, worker_index: int) -> tuple[tuple, dict]:
+        """The arguments with every per-worker value replaced by this worker's component."""
+
+        def pick(x: Any) -> Any:
+            if getattr(x, "_is_per_worker", False):
+                comp = x.values[worker_index]
+                return comp.get() if isinstance(comp, RemoteValue) else comp
+            return x
+
+        args = nest.map_structure(pick, tuple(self.args)) if self.args else ()
+        kwargs = nest.map_structure(pick, dict(self.kwargs)) if self.kwargs else {}
+        return tuple(args), dict(kwargs)
+
+
+class Worker(abc.ABC):
+    """A worker task the coordinator can run closures on."""
+
+    def __init__(self, index: int, task: str) -> None:
+        self.index = index
+        self.task = task
+
+    @abc.abstractmethod
+    def run(self, session_id: str, closure: Closure, functions: closure_lib.FunctionCache) -> Any:
+        """Runs the closure and returns its value (or raises its error)."""
+
+    def end_session(self, session_id: str) -> None:
+        """Forgets the session's state on the worker."""
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """Whether the worker answers now."""
+        return True
+
+    def close(self) -> None:
+        """Releases connections."""
+
+
+class InProcessWorker(Worker):
+    """The chief itself as the only worker (embedded mode): no pickling, no RPC."""
+
+    def __init__(self, index: int = 0, task: str = "worker:0", enter: Any = None) -> None:
+        super().__init__(index, task)
+        self._resources: dict[str, Any] = {}
+        self._enter = enter
+
+    def run(self, session_id: str, closure: Closure, functions: closure_lib.FunctionCache) -> Any:
+        args, kwargs = closure.args_for(self.index)
+        resolve = self._resolve
+        args = nest.map_structure(resolve, args) if args else ()
+        kwargs = nest.map_structure(resolve, kwargs) if kwargs else {}
+        if self._enter is not None:
+            with self._enter(closure.step):
+                value = closure.fn(*args, **kwargs)
+        else:
+            value = closure.fn(*args, **kwargs)
+        if closure.resource_key is not None:
+            self._resources[closure.resource_key] = value
+            return closure_lib.ResourceHandle(closure.resource_key)
+        return value
+
+    def _resolve(self, x: Any) -> Any:
+        if isinstance(x, closure_lib.ResourceHandle):
+            return self._resources[x.key]
+        return x
+
+    def end_session(self, session_id: str) -> None:
+        self._resources.clear()
+
+
+class GrpcWorker(Worker):
+    """A worker process reached over gRPC.
+
+    Args:
+        index: the worker's task index.
+        address: ``host:port``.
+        credentials: channel credentials, or None for an insecure loopback channel.
+        call_credentials_metadata: extra metadata (an auth token) sent with every call.
+    """
+
+    def __init__(self, index: int, address: str, *, credentials: Any = None, metadata: tuple = ()) -> None:
+        super().__init__(index, f"worker:{index}")
+        from psflow.proto import worker_pb2, worker_pb2_grpc
+
+        self._pb = worker_pb2
+        self.address = address
+        if credentials is not None:
+            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._metadata = tuple(metadata)
+        self._sent: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._timeout = closure_timeout()
+
+    def _call(self, method: Any, request: Any, timeout: float) -> Any:
+        try:
+            return method(request, timeout=timeout, metadata=self._metadata or None)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise errors.WorkerUnavailableError(
+                    f"{self.task} at {self.address} is unavailable: {code.name}: {e.details()}", task=self.task
+                ) from None
+            raise errors.from_grpc(e, task=self.task) from None
+
+    def run(self, session_id: str, closure: Closure, functions: closure_lib.FunctionCache) -> Any:
+        key, fn_bytes = functions.key_and_bytes(closure.fn)
+        args, kwargs = closure.args_for(self.index)
+        arg_bytes = closure_lib.pickle_arguments(args, kwargs)
+        for _attempt in range(2):
+            with self._lock:
+                known = (session_id, key) in self._sent
+            request = self._pb.RunClosureRequest(
+                session_id=session_id,
+                closure_id=closure.closure_id,
+                function_key=key,
+                function=b"" if known else fn_bytes,
+                arguments=arg_bytes,
+                resource_key=closure.resource_key or "",
+                step=closure.step,
+            )
+            reply = self._call(self._stub.RunClosure, request, self._timeout)
+            if reply.function_missing:
+                with self._lock:
+                    self._sent.discard((session_id, key))
+                continue
+            with self._lock:
+                self._sent.add((session_id, key))
+            if reply.missing_resource:
+                raise closure_lib.MissingResourceError(reply.missing_resource, task=self.task)
+            if reply.HasField("error"):
+                raise closure_lib.rebuild_error(reply.error, self.task)
+            if closure.resource_key is not None:
+                return closure_lib.ResourceHandle(closure.resource_key)
+            return cloudpickle.loads(reply.result) if reply.result else None
+        raise errors.InternalError(f"{self.task} kept losing function {key!r}", task=self.task)
+
+    def forget_functions(self) -> None:
+        """The worker restarted: every function must be sent again."""
+        with self._lock:
+            self._sent.clear()
+
+    def end_session(self, session_id: str) -> None:
+        try:
+            self._call(self._stub.EndSession, self._pb.EndSessionRequest(session_id=session_id), 5.0)
+        except errors.OpError:
+            pass
+
+    def status(self, timeout: float = 2.0) -> Any:
+        """The worker's GetStatus reply."""
+        return self._call(self._stub.GetStatus, self._pb.GetStatusRequest(), timeout)
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            self.status(timeout)
+            return True
+        except errors.OpError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits until the worker answers.
+
+        Raises:
+            WorkerUnavailableError: it did not answer within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=max(min(left, 2.0), 0.01))
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise errors.WorkerUnavailableError(
+                        f"{self.task} at {self.address} did not become reachable within {timeout}s",
+                        task=self.task,
+                    ) from None
+
+    def close(self) -> None:
+        self._channel.close()

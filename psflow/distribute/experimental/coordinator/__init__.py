@@ -1,0 +1,8 @@
+"""``psflow.distribute.experimental.coordinator``: TensorFlow's coordinator namespace."""
+
+from psflow.distribute.coordinator import (
+    ClusterCoordinator,
+    PerWorkerValues,
+    RemoteValue,
+    RemoteValueStatus,
+)

@@ -1,0 +1,380 @@
+"""``ParameterServerStrategy``: variables on parameter servers, steps on workers.
+
+Variables created in ``scope()`` are placed on the PS tasks round-robin (in
+creation order, as TensorFlow does), or split into shards by a
+``variable_partitioner``. Workers pull values, compute gradients and push
+them; each PS applies the optimizer's update rule next to its variables.
+
+Training modes (psflow's additions; TensorFlow 2 has only the first):
+
+* ``"async"``: every push is applied on arrival (the default);
+* ``"sync"``: each step takes one gradient from every worker and applies
+  their mean once (the PS's aggregation primitive);
+* ``"bounded"`` with ``staleness=k``: asynchronous, but no worker starts a
+  step more than ``k`` steps ahead of the slowest.
+
+With no cluster resolver and no ``TF_CONFIG`` the strategy runs *embedded*:
+a parameter server inside this process and this process as the only worker,
+so scripts written for a cluster run anywhere.
+
+Example:
+    >>> import psflow as tf
+    >>> strategy = tf.distribute.ParameterServerStrategy()
+    >>> with strategy.scope():
+    ...     v = tf.Variable([1, 2, 3, 4, 5], name="weights")
+    >>> print(v)
+    <psflow.Variable 'weights:0' shape=(5,) dtype=int32, numpy=array([1, 2, 3, 4, 5], dtype=int32)>
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from psflow import backend, errors
+from psflow.distribute import distribute_lib
+from psflow.distribute.ps import session as session_lib
+from psflow.distribute.ps.values import PSVariable, ShardedVariable, split_rows
+from psflow.framework import variable as variable_lib
+
+log = logging.getLogger("psflow.distribute")
+_embedded_logged = threading.Event()
+
+
+class PSExtended(distribute_lib.StrategyExtended):
+    """ParameterServerStrategy's internals: placement, partitioning, workers, datasets."""
+
+    def __init__(self, strategy: ParameterServerStrategy, session: session_lib.PSSession, *, partitioner: Any, staleness: int | None, worker_addresses: list[str], embedded: bool, num_replicas: int) -> None:
+        super().__init__(strategy)
+        self._session = session
+        self._partitioner = partitioner
+        self.staleness = staleness
+        self._worker_addresses = worker_addresses
+        self.embedded = embedded
+        self._num_replicas = num_replicas
+        self._next_ps = itertools.count()
+        self._names: dict[str, int] = {}
+        self._names_lock = threading.Lock()
+        self._coordinator: Any = None
+
+    @property
+    def num_ps(self) -> int:
+        """Parameter-server tasks."""
+        return len(self._session.connections)
+
+    @property
+    def num_workers(self) -> int:
+        """Worker tasks (1 when embedded)."""
+        return 1 if self.embedded else len(self._worker_addresses)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return tuple(f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(self.num_ps))
+
+    # -- variables -----------------------------------------------------------------------
+    def _unique_key(self, base: str) -> str:
+        with self._names_lock:
+            n = self._names.get(base, 0)
+            self._names[base] = n + 1
+        return base if n == 0 else f"{base}_{n}"
+
+    def _create_variable(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+        initial = kwargs.get("initial_value")
+        if initial is None:
+            raise errors.InvalidArgumentError("Variable needs an initial_value")
+        value = variable_lib.initial_array(initial, kwargs.get("dtype"), kwargs.get("shape"))
+        host = np.ascontiguousarray(backend.to_numpy(value))
+        name = (kwargs.get("name") or "Variable").split(":")[0]
+        sync = kwargs.get("synchronization") or variable_lib.VariableSynchronization.AUTO
+        trainable = kwargs.get("trainable")
+        if trainable is None:
+            trainable = variable_lib.VariableSynchronization(sync) is not variable_lib.VariableSynchronization.ON_READ
+        common = {
+            "synchronization": sync,
+            "aggregation": kwargs.get("aggregation") or variable_lib.VariableAggregation.NONE,
+            "constraint": kwargs.get("constraint"),
+        }
+        num_shards = 1
+        if self._partitioner is not None and host.ndim >= 1 and host.shape[0] > 1:
+            parts = self._partitioner(shape=host.shape, dtype=host.dtype.name)
+            num_shards = int(parts[0])
+        if num_shards <= 1:
+            key = self._unique_key(name)
+            handle = PSVariable(self._session, key, name, next(self._next_ps) % self.num_ps, host.shape, host.dtype, trainable, **common)
+            self._session.create([handle], [host])
+            return self._session.handle(key)
+        shards = []
+        values = split_rows(host, num_shards)
+        for i, part in enumerate(values):
+            key = self._unique_key(f"{name}/part_{i}")
+            shards.append(PSVariable(self._session, key, f"{name}/part_{i}", next(self._next_ps) % self.num_ps, part.shape, host.dtype, trainable, **common))
+        self._session.create(shards, [np.ascontiguousarray(v) for v in values])
+        return ShardedVariable([self._session.handle(s.key) for s in shards], name)
+
+    # -- workers and datasets ------------------------------------------------------------
+    def _make_workers(self) -> list[Any]:
+        from psflow.distribute.coordinator.workers import GrpcWorker, InProcessWorker
+
+        if self.embedded:
+            session = self._session
+
+            def enter(step: int) -> Any:
+                return session.step(step)
+
+            return [InProcessWorker(0, "worker:0", enter=enter)]
+        return [GrpcWorker(i, addr) for i, addr in enumerate(self._worker_addresses)]
+
+    def _dataset_factory(self, dataset_fn: Any, num_workers: int) -> Callable[[int], Any]:
+        """A picklable ``make(worker_index) -> dataset`` for ``create_per_worker_dataset``."""
+        from psflow.distribute import input_lib
+
+        if isinstance(dataset_fn, _PSDistributedDataset):
+            return functools.partial(_shard_dataset, dataset_fn._dataset, num_workers)
+        if isinstance(dataset_fn, input_lib.DistributedDataset):
+            return functools.partial(_shard_dataset, dataset_fn._dataset, num_workers)
+        if isinstance(dataset_fn, _DatasetFromFunction):
+            dataset_fn = dataset_fn._fn
+        if callable(dataset_fn) and not hasattr(dataset_fn, "cardinality"):
+            return functools.partial(_call_dataset_fn, dataset_fn, num_workers, self._num_replicas)
+        return functools.partial(_replicate_dataset, dataset_fn)
+
+    def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
+        """Pushes gradients (the session groups them per PS task)."""
+        self._session.apply_optimizer(optimizer, pairs, step)
+
+
+def _shard_dataset(dataset: Any, num_workers: int, worker: int) -> Any:
+    return dataset.shard(num_workers, worker) if num_workers > 1 else dataset
+
+
+def _replicate_dataset(dataset: Any, worker: int) -> Any:
+    return dataset
+
+
+def _call_dataset_fn(fn: Callable[..., Any], num_workers: int, num_replicas: int, worker: int) -> Any:
+    try:
+        params = inspect.signature(fn).parameters
+        takes_context = len(params) >= 1
+    except (TypeError, ValueError):
+        takes_context = True
+    if takes_context:
+        return fn(distribute_lib.InputContext(num_workers, worker, num_replicas))
+    return fn()
+
+
+class _PSDistributedDataset:
+    """What ``experimental_distribute_dataset`` returns: sharded per worker when scheduled."""
+
+    _is_distributed_dataset = False
+
+    def __init__(self, dataset: Any) -> None:
+        self._dataset = dataset
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._dataset)
+
+    def cardinality(self) -> Any:
+        """The underlying dataset's cardinality."""
+        return self._dataset.cardinality()
+
+
+class _DatasetFromFunction:
+    """What ``distribute_datasets_from_function`` returns: a function for the workers to call."""
+
+    def __init__(self, fn: Callable[..., Any], strategy: ParameterServerStrategy) -> None:
+        self._fn = fn
+        self._strategy = strategy
+
+    def __iter__(self) -> Iterator[Any]:
+        ctx = distribute_lib.InputContext(1, 0, self._strategy.num_replicas_in_sync)
+        return iter(self._fn(ctx))
+
+
+class ParameterServerStrategy(distribute_lib.Strategy):
+    """Parameter-server training (TensorFlow's ``tf.distribute.ParameterServerStrategy``).
+
+    Args:
+        cluster_resolver: where the PS, worker and chief tasks are
+            (``TFConfigClusterResolver()`` by default); an empty cluster means
+            embedded mode.
+        variable_partitioner: splits large variables into shards (see
+            ``psflow.distribute.experimental.partitioners``).
+        mode: ``"async"`` (default), ``"sync"`` or ``"bounded"``.
+        staleness: with ``mode="bounded"``, the most steps a worker may run ahead.
+        sync_timeout: seconds a synchronous step waits for every worker's gradient.
+
+    Raises:
+        InvalidArgumentError: a cluster without ps or worker tasks, a bad mode,
+            or this process being a ps or worker task.
+    """
+
+    def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None, *, mode: str = "async", staleness: int | None = None, sync_timeout: float = 300.0) -> None:
+        from psflow.distribute.cluster_resolver import TFConfigClusterResolver
+
+        if mode not in ("async", "sync", "bounded"):
+            raise errors.InvalidArgumentError(f"Unknown mode {mode!r}; expected 'async', 'sync' or 'bounded'")
+        if mode == "bounded":
+            if staleness is None or int(staleness) < 0:
+                raise errors.InvalidArgumentError(f"mode='bounded' needs staleness >= 0, got {staleness!r}")
+        elif staleness is not None:
+            raise errors.InvalidArgumentError(f"staleness={staleness} needs mode='bounded'")
+        resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        spec = resolver.cluster_spec()
+        embedded = not spec.jobs
+        self._cluster_resolver = resolver
+        self._mode = mode
+        if embedded:
+            session, workers, replicas = self._embedded_session(mode, sync_timeout)
+        else:
+            session, workers, replicas = self._cluster_session(resolver, spec, mode, sync_timeout)
+        super().__init__(
+            PSExtended(self, session, partitioner=variable_partitioner, staleness=int(staleness) if staleness is not None else None, worker_addresses=workers, embedded=embedded, num_replicas=replicas)
+        )
+        session.strategy = self
+        session_lib.set_default(session)
+        self._local_mirrored: Any = None
+
+    @staticmethod
+    def _embedded_session(mode: str, sync_timeout: float) -> tuple[session_lib.PSSession, list[str], int]:
+        from psflow import config
+        from psflow.distribute.ps.inprocess import InProcessPSConnection
+
+        if not _embedded_logged.is_set():
+            _embedded_logged.set()
+            log.info("ParameterServerStrategy: no cluster configured; running embedded (an in-process PS, this process as the only worker)")
+        connection = InProcessPSConnection(task="ps:0")
+        sync = session_lib.SyncConfig(mode, num_workers=1, timeout=sync_timeout)
+        replicas = len(config.default_devices()) if backend.gpu_count() else 1
+        return session_lib.PSSession([connection], sync, task="chief:0"), [], replicas
+
+    @staticmethod
+    def _cluster_session(resolver: Any, spec: Any, mode: str, sync_timeout: float) -> tuple[session_lib.PSSession, list[str], int]:
+        from psflow.distribute.cluster_resolver import validate_ps_cluster
+        from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+
+        validate_ps_cluster(spec)
+        task_type = getattr(resolver, "task_type", None)
+        if task_type in ("ps", "worker"):
+            raise errors.InvalidArgumentError(
+                f"This process is task {task_type}:{resolver.task_id} of the cluster; "
+                f"ParameterServerStrategy runs on the chief. Start {task_type} tasks with "
+                f"`python -m {'ps_server' if task_type == 'ps' else 'worker'}`"
+            )
+        ps_addresses = [spec.task_address("ps", i) for i in sorted(spec.task_indices("ps"))]
+        workers = [spec.task_address("worker", i) for i in sorted(spec.task_indices("worker"))]
+        connections = [GrpcPSConnection(addr, task=f"ps:{i}") for i, addr in enumerate(ps_addresses)]
+        sync = session_lib.SyncConfig(mode, num_workers=len(workers), timeout=sync_timeout)
+        gpus = int(resolver.num_accelerators().get("GPU", 0)) if hasattr(resolver, "num_accelerators") else 0
+        return session_lib.PSSession(connections, sync, task="chief:0"), workers, max(gpus, 1)
+
+    @classmethod
+    def _for_worker(cls, ps_addresses: list[str], num_workers: int, task: str, mode: str = "async", sync_timeout: float = 300.0) -> ParameterServerStrategy:
+        """The strategy a worker process runs closures with (no cluster resolution)."""
+        from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+
+        self = cls.__new__(cls)
+        self._cluster_resolver = None
+        self._mode = mode
+        connections = [GrpcPSConnection(addr, task=f"ps:{i}") for i, addr in enumerate(ps_addresses)]
+        session = session_lib.PSSession(connections, session_lib.SyncConfig(mode, num_workers, sync_timeout), task=task)
+        from psflow import config
+
+        replicas = len(config.list_logical_devices("GPU")) or 1
+        distribute_lib.Strategy.__init__(self, PSExtended(self, session, partitioner=None, staleness=None, worker_addresses=[], embedded=False, num_replicas=replicas))
+        session.strategy = self
+        self._local_mirrored = None
+        return self
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas per worker: its GPUs, else 1 (as TensorFlow)."""
+        return self._extended._num_replicas  # type: ignore[attr-defined]
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._cluster_resolver
+
+    @property
+    def mode(self) -> str:
+        """``"async"``, ``"sync"`` or ``"bounded"``."""
+        return self._mode
+
+    @property
+    def _session(self) -> session_lib.PSSession:
+        return self._extended._session  # type: ignore[attr-defined]
+
+    # -- running ---------------------------------------------------------------------------
+    def _mirrored(self) -> Any:
+        if self._local_mirrored is None:
+            from psflow import config
+            from psflow.distribute.mirrored_strategy import MirroredStrategy
+
+            self._local_mirrored = MirroredStrategy(config.default_devices()[: self.num_replicas_in_sync])
+        return self._local_mirrored
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        """Runs ``fn`` on this worker's replicas (inside a scheduled closure, or here).
+
+        With several devices, replicas' gradients are all-reduced on the worker
+        and pushed once.
+        """
+        kwargs = kwargs or {}
+        if self.num_replicas_in_sync > 1:
+            return self._mirrored().run(fn, args, kwargs)
+        with self.scope(), distribute_lib._enter(distribute_lib._Context(self, self._default_replica_context)):
+            return fn(*args, **kwargs)
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None) -> Any:
+        if self._local_mirrored is not None and self.num_replicas_in_sync > 1:
+            return self._local_mirrored.reduce(reduce_op, value, axis)
+        return super().reduce(reduce_op, value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        if self._local_mirrored is not None:
+            return self._local_mirrored.experimental_local_results(value)
+        return super().experimental_local_results(value)
+
+    # -- input -----------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Marks ``dataset`` to be sharded across workers by ``create_per_worker_dataset``."""
+        return _PSDistributedDataset(dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+        """Wraps ``dataset_fn`` for ``create_per_worker_dataset`` (each worker calls it)."""
+        return _DatasetFromFunction(dataset_fn, self)
+
+    # -- checkpoints and stats -----------------------------------------------------------------
+    def ps_stats(self, include_log: bool = False) -> list[dict[str, Any]]:
+        """Every PS task's counters (bytes, pushes, staleness; the push log on request)."""
+        return self._session.stats(include_log)
+
+    def __reduce__(self) -> tuple:
+        sync = self._session.sync
+        return (_current_strategy, (self._mode, sync.num_workers, sync.timeout))
+
+    def __repr__(self) -> str:
+        ext = self._extended
+        where = "embedded" if ext.embedded else f"{ext.num_ps} ps, {ext.num_workers} workers"  # type: ignore[attr-defined]
+        return f"ParameterServerStrategy({where}, mode={self._mode!r})"
+
+
+def _current_strategy(mode: str = "async", num_workers: int = 1, sync_timeout: float = 300.0) -> ParameterServerStrategy:
+    """Unpickles a strategy reference as this process's strategy, in the chief's training mode."""
+    session = session_lib.current()
+    strategy = getattr(session, "strategy", None)
+    if strategy is None:
+        raise errors.FailedPreconditionError("No ParameterServerStrategy in this process")
+    sync = session.sync
+    if (sync.mode, sync.num_workers, sync.timeout) != (mode, num_workers, sync_timeout):
+        session.sync = session_lib.SyncConfig(mode, num_workers, sync_timeout)
+        strategy._mode = mode
+    return strategy
+

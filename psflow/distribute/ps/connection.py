@@ -1,0 +1,89 @@
+"""A connection to one parameter-server task: over gRPC, or to a store in this process.
+
+The session talks to PS tasks only through this small interface, so the
+embedded mode (a PS inside the chief) and a real cluster run the same code.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class VarSpec:
+    """What a PS needs to create a variable."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    trainable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Grad:
+    """One gradient of a push: dense ``values``, or rows ``values`` at ``indices``."""
+
+    name: str
+    values: np.ndarray
+    indices: np.ndarray | None = None
+    base_version: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class PushReply:
+    """A PS's answer to a push."""
+
+    versions: tuple[int, ...]
+    applied: bool
+    duplicate: bool = False
+    staleness: tuple[int, ...] = ()
+
+
+class PSConnection(abc.ABC):
+    """The operations a session needs from one PS task."""
+
+    task: str
+
+    @abc.abstractmethod
+    def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
+        """Creates variables (idempotent for identical specs); returns their versions."""
+
+    @abc.abstractmethod
+    def configure_optimizer(self, names: Sequence[str], config: dict[str, Any]) -> None:
+        """Attaches an update rule (``psflow.update_rules`` config) to variables."""
+
+    @abc.abstractmethod
+    def pull(self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None) -> list[tuple[np.ndarray, int]]:
+        """Values (or rows, for the items in ``rows``) and their versions."""
+
+    @abc.abstractmethod
+    def push(self, grads: Sequence[Grad], *, push_id: tuple[str, int], step: int | None = None, num_required: int = 0, wait_applied: bool = False, timeout: float | None = None) -> PushReply:
+        """Applies gradients through the variables' rules, once per ``push_id``."""
+
+    @abc.abstractmethod
+    def write(self, op: str, names: Sequence[str], values: Sequence[np.ndarray], request_id: tuple[str, int] | None = None) -> list[int]:
+        """``assign``, ``assign_add`` or ``assign_sub``; returns the new versions."""
+
+    @abc.abstractmethod
+    def list_variables(self) -> list[dict[str, Any]]:
+        """Every variable: name, dtype, shape, trainable, version, optimizer step."""
+
+    @abc.abstractmethod
+    def save(self, directory: str, step: int = 0, prefix: str = "") -> str:
+        """Writes this task's shard; returns the path of its manifest."""
+
+    @abc.abstractmethod
+    def restore(self, directory: str, prefix: str = "") -> int:
+        """Loads this task's shard from a checkpoint; returns the recorded step."""
+
+    @abc.abstractmethod
+    def stats(self, include_log: bool = False) -> dict[str, Any]:
+        """Counters of the task (bytes, pushes, staleness; the push log on request)."""
+
+    def close(self) -> None:
+        """Releases the connection."""

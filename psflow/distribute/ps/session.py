@@ -1,0 +1,314 @@
+"""A process's session with the parameter servers: handles, step cache, pushes.
+
+One session per process and strategy. During a training step (a closure on a
+worker) the first read of any variable pulls every small variable the session
+knows in one call per PS task, in parallel, and later reads hit that cache;
+``apply_gradients`` pushes all gradients in one call per PS task and clears
+the cache. Outside a step every read pulls afresh.
+
+Large variables (above ``PREFETCH_LIMIT_BYTES``) and embedding tables are not
+prefetched: a dense read pulls them alone, and ``embedding_lookup`` pulls only
+the rows a batch uses and pushes back only their gradients.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from psflow import backend, errors
+from psflow.distribute.ps.connection import Grad, PSConnection, VarSpec
+from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.tensor import to_array
+
+PREFETCH_LIMIT_BYTES = 16 << 20
+
+_local = threading.local()
+_default: list[PSSession | None] = [None]
+
+
+def current() -> PSSession:
+    """The session of this thread (a worker's closure), else the process default.
+
+    Raises:
+        FailedPreconditionError: no ParameterServerStrategy is set up in this process.
+    """
+    session = getattr(_local, "session", None) or _default[0]
+    if session is None:
+        raise errors.FailedPreconditionError(
+            "No parameter-server session in this process: create a ParameterServerStrategy first"
+        )
+    return session
+
+
+@contextlib.contextmanager
+def using(session: PSSession) -> Iterator[PSSession]:
+    """Makes ``session`` current in this thread (workers run closures inside this)."""
+    prev = getattr(_local, "session", None)
+    _local.session = session
+    try:
+        yield session
+    finally:
+        _local.session = prev
+
+
+def set_default(session: PSSession | None) -> None:
+    """Makes ``session`` the process default (the chief's)."""
+    _default[0] = session
+
+
+class SyncConfig:
+    """How pushes are applied: ``async``, ``sync`` (mean of one push per worker per step)."""
+
+    def __init__(self, mode: str = "async", num_workers: int = 1, timeout: float = 300.0) -> None:
+        if mode not in ("async", "sync", "bounded"):
+            raise errors.InvalidArgumentError(f"Unknown training mode {mode!r}; expected async, sync or bounded")
+        self.mode = mode
+        self.num_workers = num_workers
+        self.timeout = timeout
+
+
+class PSSession:
+    """Connections to every PS task and the state of this process's reads and pushes.
+
+    Args:
+        connections: one per PS task, in task order.
+        sync: the training mode.
+        task: this process's task (``"worker:1"``, ``"chief:0"``), for messages.
+    """
+
+    def __init__(self, connections: Sequence[PSConnection], sync: SyncConfig | None = None, task: str = "chief:0") -> None:
+        if not connections:
+            raise errors.InvalidArgumentError("A parameter-server session needs at least one PS task")
+        self.connections = list(connections)
+        self.sync = sync or SyncConfig()
+        self.task = task
+        self.client_id = f"{task}-{uuid.uuid4().hex[:12]}"
+        self._seq = [itertools.count(1) for _ in self.connections]
+        self._handles: dict[str, Any] = {}
+        self._handles_lock = threading.Lock()
+        self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
+        self._versions: dict[str, int] = {}
+        self._cache_lock = threading.RLock()
+        self._configured: dict[str, str] = {}
+        self._step: int | None = None
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=len(self.connections), thread_name_prefix="ps-call")
+            if len(self.connections) > 1
+            else None
+        )
+        self.bytes_pulled = 0
+        self.bytes_pushed = 0
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _next_id(self, ps: int) -> tuple[str, int]:
+        return (self.client_id, next(self._seq[ps]))
+
+    def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+        """Runs one call per PS task, concurrently when there are several."""
+        if len(work) <= 1 or self._pool is None:
+            return {ps: fn() for ps, fn in work.items()}
+        futures = {ps: self._pool.submit(fn) for ps, fn in work.items()}
+        return {ps: f.result() for ps, f in futures.items()}
+
+    def close(self) -> None:
+        """Closes every connection and the call pool."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        for c in self.connections:
+            c.close()
+
+    # -- handles -----------------------------------------------------------------------
+    def register(self, handle: Any) -> Any:
+        """Keeps one handle object per PS variable (so tapes and models share it)."""
+        with self._handles_lock:
+            existing = self._handles.get(handle.key)
+            if existing is not None:
+                return existing
+            self._handles[handle.key] = handle
+            return handle
+
+    def handle(self, key: str) -> Any:
+        """The handle of a PS variable this session knows."""
+        return self._handles[key]
+
+    def create(self, handles: Sequence[Any], values: Sequence[np.ndarray]) -> None:
+        """Creates variables on their PS tasks (grouped per task, in parallel)."""
+        by_ps: dict[int, list[tuple[Any, np.ndarray]]] = {}
+        for h, v in zip(handles, values):
+            by_ps.setdefault(h.ps_index, []).append((h, v))
+        work = {
+            ps: (lambda items=items, ps=ps: self.connections[ps].create(
+                [VarSpec(h.key, np.dtype(h.np_dtype), tuple(h.shape_tuple), h.trainable) for h, _ in items],
+                [v for _, v in items],
+            ))
+            for ps, items in by_ps.items()
+        }
+        results = self._on_each(work)
+        for ps, versions in results.items():
+            for (h, _), version in zip(by_ps[ps], versions):
+                self._versions[h.key] = version
+        for h in handles:
+            self.register(h)
+
+    # -- steps -------------------------------------------------------------------------
+    def begin_step(self, step: int | None = None) -> None:
+        """Starts a training step: reads are cached until :meth:`end_step`."""
+        with self._cache_lock:
+            self._cache = {}
+            self._step = step
+
+    def end_step(self) -> None:
+        """Ends the step: reads pull afresh again."""
+        with self._cache_lock:
+            self._cache = None
+            self._step = None
+
+    @contextlib.contextmanager
+    def step(self, step: int | None = None) -> Iterator[None]:
+        """``begin_step`` ... ``end_step``."""
+        self.begin_step(step)
+        try:
+            yield
+        finally:
+            self.end_step()
+
+    # -- reads -------------------------------------------------------------------------
+    def _prefetchable(self, h: Any) -> bool:
+        return not h.sparse_access and h.nbytes <= PREFETCH_LIMIT_BYTES
+
+    def _pull_into_cache(self, handles: Sequence[Any]) -> dict[str, tuple[np.ndarray, int]]:
+        by_ps: dict[int, list[Any]] = {}
+        for h in handles:
+            by_ps.setdefault(h.ps_index, []).append(h)
+        work = {ps: (lambda hs=hs, ps=ps: self.connections[ps].pull([h.key for h in hs])) for ps, hs in by_ps.items()}
+        out: dict[str, tuple[np.ndarray, int]] = {}
+        for ps, pulled in self._on_each(work).items():
+            for h, (value, version) in zip(by_ps[ps], pulled):
+                out[h.key] = (value, version)
+                self.bytes_pulled += value.nbytes
+        return out
+
+    def read(self, handle: Any) -> Any:
+        """The value of a PS variable on the current device (cached inside a step)."""
+        dev = backend.current_device()
+        with self._cache_lock:
+            cache = self._cache
+            if cache is None:
+                value, version = self._pull_into_cache([handle])[handle.key]
+                self._versions[handle.key] = version
+                return backend.place(value, dev) if dev.is_gpu else value
+            hit = cache.get((handle.key, dev))
+            if hit is not None:
+                return hit[0]
+            host = cache.get((handle.key, None))
+            if host is None:
+                wanted = [handle]
+                if self._prefetchable(handle):
+                    wanted += [
+                        h for k, h in self._handles.items()
+                        if k != handle.key and (k, None) not in cache and self._prefetchable(h)
+                    ]
+                for key, (value, version) in self._pull_into_cache(wanted).items():
+                    cache[(key, None)] = (value, version)
+                    self._versions[key] = version
+                host = cache[(handle.key, None)]
+            if not dev.is_gpu:
+                return host[0]
+            placed = backend.place(host[0], dev)
+            cache[(handle.key, dev)] = (placed, host[1])
+            return placed
+
+    def read_rows(self, handle: Any, indices: np.ndarray) -> np.ndarray:
+        """Rows of a PS variable (no caching: each lookup pulls only what it needs)."""
+        (rows, version), = self.connections[handle.ps_index].pull([handle.key], rows={0: indices})
+        self.bytes_pulled += rows.nbytes + indices.nbytes
+        self._versions.setdefault(handle.key, version)
+        return rows
+
+    # -- writes ------------------------------------------------------------------------
+    def write(self, handle: Any, op: str, value: Any) -> None:
+        """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
+        arr = np.ascontiguousarray(backend.to_numpy(to_array(value)).astype(handle.np_dtype, copy=False))
+        ps = handle.ps_index
+        (version,) = self.connections[ps].write(op, [handle.key], [arr], request_id=self._next_id(ps))
+        self._versions[handle.key] = version
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        with self._cache_lock:
+            if self._cache is not None:
+                self._cache = {}
+
+    # -- optimizer updates ---------------------------------------------------------------
+    def apply_optimizer(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int) -> None:
+        """Pushes ``(gradient, variable)`` pairs; each PS applies ``optimizer``'s rule."""
+        config = optimizer.rule.get_config()
+        config_json = json.dumps(config, sort_keys=True)
+        to_configure: dict[int, list[str]] = {}
+        grads: dict[int, list[Grad]] = {}
+        for grad, var in pairs:
+            if hasattr(grad, "_is_per_replica"):
+                grad = grad.values[0]  # already all-reduced: every replica holds the same
+            h = var
+            if self._configured.get(h.key) != config_json:
+                to_configure.setdefault(h.ps_index, []).append(h.key)
+            if isinstance(grad, IndexedSlices):
+                values = backend.to_numpy(grad._values).astype(h.np_dtype, copy=False)
+                indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
+                g = Grad(h.key, np.ascontiguousarray(values.reshape((indices.size, *h.shape_tuple[1:]))), indices, self._versions.get(h.key, -1))
+            else:
+                values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
+                g = Grad(h.key, np.ascontiguousarray(values), None, self._versions.get(h.key, -1))
+            grads.setdefault(h.ps_index, []).append(g)
+        if to_configure:
+            self._on_each({
+                ps: (lambda names=names, ps=ps: self.connections[ps].configure_optimizer(names, config))
+                for ps, names in to_configure.items()
+            })
+            for names in to_configure.values():
+                for n in names:
+                    self._configured[n] = config_json
+        sync = self.sync.mode == "sync"
+        step_id = self._step if sync else None
+        if sync and step_id is None:
+            raise errors.FailedPreconditionError(
+                "Synchronous training applies gradients only inside scheduled closures "
+                "(coordinator.schedule or model.fit)"
+            )
+
+        def push(ps: int, items: list[Grad]) -> Any:
+            return self.connections[ps].push(
+                items,
+                push_id=self._next_id(ps),
+                step=step_id,
+                num_required=self.sync.num_workers if sync else 0,
+                wait_applied=sync,
+                timeout=self.sync.timeout if sync else None,
+            )
+
+        replies = self._on_each({ps: (lambda ps=ps, items=items: push(ps, items)) for ps, items in grads.items()})
+        for ps, reply in replies.items():
+            for g, version in zip(grads[ps], reply.versions):
+                self._versions[g.name] = version
+            self.bytes_pushed += sum(g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0) for g in grads[ps])
+        self._invalidate()
+
+    # -- whole-cluster operations --------------------------------------------------------
+    def save(self, directory: str, step: int = 0) -> list[str]:
+        """Every PS task writes its shard under ``directory``; returns the manifests."""
+        results = self._on_each({ps: (lambda ps=ps: c.save(directory, step, prefix=f"ps-{ps}")) for ps, c in enumerate(self.connections)})
+        return [results[ps] for ps in sorted(results)]
+
+    def stats(self, include_log: bool = False) -> list[dict[str, Any]]:
+        """Every PS task's counters."""
+        results = self._on_each({ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)})
+        return [results[ps] for ps in sorted(results)]

@@ -1,0 +1,91 @@
+"""Running a psflow gRPC server process: readiness line, health, signals, graceful drain.
+
+Shared by ``python -m ps_server`` and ``python -m worker``: both print one
+machine-readable line once bound (``PSFLOW_READY <role> port=<port> task=<task>
+pid=<pid>``), answer the standard gRPC health check (NOT_SERVING until ready,
+SERVING while up, NOT_SERVING again on SIGTERM), and on SIGTERM or SIGINT let
+in-flight calls finish within a grace period before exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+log = logging.getLogger("psflow.serving")
+
+READY_FORMAT = "PSFLOW_READY {role} port={port} task={task} pid={pid}"
+
+
+def host_port(bind: str, port: int) -> str:
+    """``host:port``, with IPv6 hosts bracketed."""
+    if ":" in bind and not bind.startswith("["):
+        bind = f"[{bind}]"
+    return f"{bind}:{port}"
+
+
+def set_health(servicer: health.HealthServicer, services: Sequence[str], serving: bool) -> None:
+    """Sets the overall and per-service health status."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *services):
+        servicer.set(name, status)
+
+
+def install_stop_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop`` (only from the main thread, where Python allows it)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+
+
+def run_until_stopped(
+    server: grpc.Server,
+    port: int,
+    health_servicer: health.HealthServicer,
+    services: Sequence[str],
+    *,
+    role: str,
+    task: str,
+    grace: float = 10.0,
+    stop_event: threading.Event | None = None,
+    before_serving: Callable[[], None] | None = None,
+    after_drain: Callable[[], None] | None = None,
+) -> int:
+    """Starts ``server``, announces readiness, serves until a stop signal, drains; returns 0.
+
+    ``before_serving`` runs after the ready line and before health turns SERVING
+    (e.g. a restore); ``after_drain`` runs once in-flight calls finished (e.g. a
+    final checkpoint).
+    """
+    stop = stop_event or threading.Event()
+    install_stop_signals(stop)
+    set_health(health_servicer, services, serving=False)
+    server.start()
+    sys.stdout.write(READY_FORMAT.format(role=role, port=port, task=task, pid=os.getpid()) + "\n")
+    sys.stdout.flush()
+    try:
+        if before_serving is not None:
+            before_serving()
+    except BaseException:
+        server.stop(0)
+        raise
+    set_health(health_servicer, services, serving=True)
+    log.info("serving on port %d", port)
+    while not stop.wait(1.0):
+        pass
+    log.info("stopping: health NOT_SERVING, draining in-flight calls for up to %.1fs", grace)
+    health_servicer.enter_graceful_shutdown()
+    start = time.monotonic()
+    server.stop(grace).wait(grace + 5.0)
+    log.info("drained in %.2fs", time.monotonic() - start)
+    if after_drain is not None:
+        after_drain()
+    return 0

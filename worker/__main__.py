@@ -1,0 +1,92 @@
+"""``python -m worker``: run one worker task.
+
+Examples::
+
+    python -m worker --port 0 --ps 127.0.0.1:5000,127.0.0.1:5001 --workers 2 --task worker:0
+    TF_CONFIG='{"cluster": {"ps": ["ps0:2222"], "worker": ["w0:2222"]},
+                "task": {"type": "worker", "index": 0}}' python -m worker
+
+Once bound it prints ``PSFLOW_READY worker port=<port> task=<task> pid=<pid>``
+on stdout; logs go to stderr. SIGTERM: health NOT_SERVING, the running closure
+finishes (``--grace`` seconds), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from psflow.errors import OpError
+from worker.executor import ClosureExecutor
+from worker.server import serve
+
+log = logging.getLogger("psflow.worker")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, help="port to listen on (0: any); default from TF_CONFIG")
+    p.add_argument("--bind", help="address to bind (default 127.0.0.1; 0.0.0.0 with TF_CONFIG)")
+    p.add_argument("--task", help="task name, e.g. worker:0 (default from TF_CONFIG)")
+    p.add_argument("--ps", help="comma-separated PS addresses (default from TF_CONFIG)")
+    p.add_argument("--workers", type=int, help="number of worker tasks (default from TF_CONFIG)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to finish a closure on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _from_tf_config() -> tuple[str, int, str, list[str], int]:
+    """``(bind, port, task, ps_addresses, num_workers)`` from TF_CONFIG."""
+    from psflow.distribute.cluster_resolver import TFConfigClusterResolver, validate_ps_cluster
+
+    resolver = TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
+    if resolver.task_type != "worker":
+        raise ValueError(f"TF_CONFIG says this task is {resolver.task_type}:{resolver.task_id}, not a worker")
+    validate_ps_cluster(spec)
+    address = spec.task_address("worker", resolver.task_id)
+    ps = [spec.task_address("ps", i) for i in sorted(spec.task_indices("ps"))]
+    return "0.0.0.0", int(address.rpartition(":")[2]), f"worker:{resolver.task_id}", ps, spec.num_tasks("worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    bind, port, task = args.bind, args.port, args.task
+    ps = [a for a in (args.ps or "").split(",") if a]
+    num_workers = args.workers
+    if port is None or not ps:
+        try:
+            tf_bind, tf_port, tf_task, tf_ps, tf_workers = _from_tf_config()
+        except (OpError, ValueError, KeyError) as e:
+            sys.stderr.write(f"worker: give --port and --ps, or a TF_CONFIG naming this worker: {e}\n")
+            return 2
+        bind = bind or tf_bind
+        port = tf_port if port is None else port
+        task = task or tf_task
+        ps = ps or tf_ps
+        num_workers = num_workers or tf_workers
+    bind = bind or "127.0.0.1"
+    task = task or "worker:0"
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s role=worker task={task} %(name)s: %(message)s",
+    )
+
+    def strategy_factory():
+        from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
+
+        return ParameterServerStrategy._for_worker(ps, num_workers or 1, task)
+
+    executor = ClosureExecutor(task, strategy_factory)
+    try:
+        return serve(executor, bind, port, grace=args.grace)
+    except OpError as e:
+        log.error("worker failed: %s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
