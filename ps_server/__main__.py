@@ -21,10 +21,9 @@ import ctypes
 import logging
 import sys
 
+from ps_server.server import serve
 from psflow.errors import OpError
-
-from .server import serve
-from .store import VariableStore
+from psflow.ps.store import VariableStore
 
 log = logging.getLogger("ps_server")
 

@@ -21,17 +21,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_server.servicer import ParameterServerServicer
 from psflow.errors import UnavailableError
+from psflow.ps.checkpoint import restore_shard, save_shard
+from psflow.ps.store import VariableStore
 from psflow.transport.options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     server_options,
 )
 from psflow.transport.service import SERVICE
-
-from .checkpoint import restore_shard, save_shard
-from .servicer import ParameterServerServicer
-from .store import VariableStore
 
 __all__ = ["READY_PREFIX", "create_server", "serve"]
 

@@ -21,13 +21,12 @@ import numpy as np
 
 from psflow.errors import InvalidArgumentError, OpError, to_grpc_code
 from psflow.proto import ps_pb2
+from psflow.ps.checkpoint import restore_shard, save_shard
+from psflow.ps.store import Gradient, VariableMeta, VariableStore
+from psflow.ps.tensors import segments_from_pieces
 from psflow.transport import codec, framing
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
-
-from .checkpoint import restore_shard, save_shard
-from .store import Gradient, VariableMeta, VariableStore
-from .tensors import segments_from_pieces
 
 __all__ = ["ParameterServerServicer"]
 

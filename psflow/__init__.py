@@ -135,6 +135,7 @@ def __getattr_tensorspec():  # TensorSpec lives with the data package; loaded on
 
     return TensorSpec
 
+
 __version__ = "0.1.0"
 
 _operators.install(Tensor)

@@ -34,7 +34,11 @@ def host_port(bind: str, port: int) -> str:
 
 def set_health(servicer: health.HealthServicer, services: Sequence[str], serving: bool) -> None:
     """Sets the overall and per-service health status."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     for name in ("", *services):
         servicer.set(name, status)
 

@@ -31,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="task name, e.g. worker:0 (default from TF_CONFIG)")
     p.add_argument("--ps", help="comma-separated PS addresses (default from TF_CONFIG)")
     p.add_argument("--workers", type=int, help="number of worker tasks (default from TF_CONFIG)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds to finish a closure on SIGTERM")
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds to finish a closure on SIGTERM"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -43,11 +45,19 @@ def _from_tf_config() -> tuple[str, int, str, list[str], int]:
     resolver = TFConfigClusterResolver()
     spec = resolver.cluster_spec()
     if resolver.task_type != "worker":
-        raise ValueError(f"TF_CONFIG says this task is {resolver.task_type}:{resolver.task_id}, not a worker")
+        raise ValueError(
+            f"TF_CONFIG says this task is {resolver.task_type}:{resolver.task_id}, not a worker"
+        )
     validate_ps_cluster(spec)
     address = spec.task_address("worker", resolver.task_id)
     ps = [spec.task_address("ps", i) for i in sorted(spec.task_indices("ps"))]
-    return "0.0.0.0", int(address.rpartition(":")[2]), f"worker:{resolver.task_id}", ps, spec.num_tasks("worker")
+    return (
+        "0.0.0.0",
+        int(address.rpartition(":")[2]),
+        f"worker:{resolver.task_id}",
+        ps,
+        spec.num_tasks("worker"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tf_bind, tf_port, tf_task, tf_ps, tf_workers = _from_tf_config()
         except (OpError, ValueError, KeyError) as e:
-            sys.stderr.write(f"worker: give --port and --ps, or a TF_CONFIG naming this worker: {e}\n")
+            sys.stderr.write(
+                f"worker: give --port and --ps, or a TF_CONFIG naming this worker: {e}\n"
+            )
             return 2
         bind = bind or tf_bind
         port = tf_port if port is None else port

@@ -76,7 +76,15 @@ class ClosureExecutor:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
 
-    def run(self, session_id: str, function_key: str, function: bytes, arguments: bytes, resource_key: str = "", step: int = 0) -> Outcome:
+    def run(
+        self,
+        session_id: str,
+        function_key: str,
+        function: bytes,
+        arguments: bytes,
+        resource_key: str = "",
+        step: int = 0,
+    ) -> Outcome:
         """Runs one closure and describes how it ended (never raises for the closure's errors)."""
         with self._lock:
             state = self._sessions.setdefault(session_id, _Session())
@@ -115,6 +123,8 @@ class ClosureExecutor:
                 except Exception as e:
                     self.closures_failed += 1
                     log.info("closure %s raised %s: %s", function_key, type(e).__name__, e)
-                    return Outcome(error=closure_lib.describe_error(e), run_seconds=time.monotonic() - start)
+                    return Outcome(
+                        error=closure_lib.describe_error(e), run_seconds=time.monotonic() - start
+                    )
             self.closures_run += 1
             return Outcome(result=payload, run_seconds=time.monotonic() - start)

@@ -19,7 +19,14 @@ SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 MAX_MESSAGE_BYTES = 2**31 - 1  # closure results are whatever the user returns
 
 
-def create_server(executor: ClosureExecutor, bind: str = "127.0.0.1", port: int = 0, *, health_servicer: health.HealthServicer | None = None, max_workers: int = 16) -> tuple[grpc.Server, int]:
+def create_server(
+    executor: ClosureExecutor,
+    bind: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    health_servicer: health.HealthServicer | None = None,
+    max_workers: int = 16,
+) -> tuple[grpc.Server, int]:
     """Builds and binds (does not start) a worker server; returns ``(server, port)``.
 
     Raises:
@@ -40,7 +47,9 @@ def create_server(executor: ClosureExecutor, bind: str = "127.0.0.1", port: int 
         health_servicer = health.HealthServicer()
         serving.set_health(health_servicer, (SERVICE,), serving=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     address = serving.host_port(bind, port)
     try:
         bound = server.add_insecure_port(address)
@@ -51,10 +60,24 @@ def create_server(executor: ClosureExecutor, bind: str = "127.0.0.1", port: int 
     return server, bound
 
 
-def serve(executor: ClosureExecutor, bind: str = "127.0.0.1", port: int = 0, *, grace: float = 10.0, stop_event: threading.Event | None = None) -> int:
+def serve(
+    executor: ClosureExecutor,
+    bind: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    grace: float = 10.0,
+    stop_event: threading.Event | None = None,
+) -> int:
     """Runs a worker until SIGTERM/SIGINT (or ``stop_event``); returns 0."""
     health_servicer = health.HealthServicer()
     server, bound = create_server(executor, bind, port, health_servicer=health_servicer)
     return serving.run_until_stopped(
-        server, bound, health_servicer, (SERVICE,), role="worker", task=executor.task, grace=grace, stop_event=stop_event
+        server,
+        bound,
+        health_servicer,
+        (SERVICE,),
+        role="worker",
+        task=executor.task,
+        grace=grace,
+        stop_event=stop_event,
     )

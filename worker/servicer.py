@@ -17,7 +17,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, executor: ClosureExecutor) -> None:
         self._executor = executor
 
-    def RunClosure(self, request: worker_pb2.RunClosureRequest, context: grpc.ServicerContext) -> worker_pb2.RunClosureResponse:
+    def RunClosure(
+        self, request: worker_pb2.RunClosureRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.RunClosureResponse:
         if not request.session_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RunClosure needs a session_id")
         if not request.function_key:
@@ -43,10 +45,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             reply.error.CopyFrom(worker_pb2.ClosureError(**outcome.error))
         return reply
 
-    def EndSession(self, request: worker_pb2.EndSessionRequest, context: grpc.ServicerContext) -> worker_pb2.EndSessionResponse:
+    def EndSession(
+        self, request: worker_pb2.EndSessionRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.EndSessionResponse:
         return worker_pb2.EndSessionResponse(existed=self._executor.end_session(request.session_id))
 
-    def GetStatus(self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext) -> worker_pb2.GetStatusResponse:
+    def GetStatus(
+        self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.GetStatusResponse:
         ex = self._executor
         return worker_pb2.GetStatusResponse(
             task=ex.task,

@@ -22,5 +22,6 @@ from psflow.distribute.distribute_lib import (
     in_cross_replica_context,
 )
 from psflow.distribute.mirrored_strategy import MirroredStrategy
+from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.values import MirroredVariable, PerReplica

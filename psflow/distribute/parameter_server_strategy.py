@@ -51,7 +51,17 @@ _embedded_logged = threading.Event()
 class PSExtended(distribute_lib.StrategyExtended):
     """ParameterServerStrategy's internals: placement, partitioning, workers, datasets."""
 
-    def __init__(self, strategy: ParameterServerStrategy, session: session_lib.PSSession, *, partitioner: Any, staleness: int | None, worker_addresses: list[str], embedded: bool, num_replicas: int) -> None:
+    def __init__(
+        self,
+        strategy: ParameterServerStrategy,
+        session: session_lib.PSSession,
+        *,
+        partitioner: Any,
+        staleness: int | None,
+        worker_addresses: list[str],
+        embedded: bool,
+        num_replicas: int,
+    ) -> None:
         super().__init__(strategy)
         self._session = session
         self._partitioner = partitioner
@@ -95,7 +105,10 @@ class PSExtended(distribute_lib.StrategyExtended):
         sync = kwargs.get("synchronization") or variable_lib.VariableSynchronization.AUTO
         trainable = kwargs.get("trainable")
         if trainable is None:
-            trainable = variable_lib.VariableSynchronization(sync) is not variable_lib.VariableSynchronization.ON_READ
+            trainable = (
+                variable_lib.VariableSynchronization(sync)
+                is not variable_lib.VariableSynchronization.ON_READ
+            )
         common = {
             "synchronization": sync,
             "aggregation": kwargs.get("aggregation") or variable_lib.VariableAggregation.NONE,
@@ -107,14 +120,34 @@ class PSExtended(distribute_lib.StrategyExtended):
             num_shards = int(parts[0])
         if num_shards <= 1:
             key = self._unique_key(name)
-            handle = PSVariable(self._session, key, name, next(self._next_ps) % self.num_ps, host.shape, host.dtype, trainable, **common)
+            handle = PSVariable(
+                self._session,
+                key,
+                name,
+                next(self._next_ps) % self.num_ps,
+                host.shape,
+                host.dtype,
+                trainable,
+                **common,
+            )
             self._session.create([handle], [host])
             return self._session.handle(key)
         shards = []
         values = split_rows(host, num_shards)
         for i, part in enumerate(values):
             key = self._unique_key(f"{name}/part_{i}")
-            shards.append(PSVariable(self._session, key, f"{name}/part_{i}", next(self._next_ps) % self.num_ps, part.shape, host.dtype, trainable, **common))
+            shards.append(
+                PSVariable(
+                    self._session,
+                    key,
+                    f"{name}/part_{i}",
+                    next(self._next_ps) % self.num_ps,
+                    part.shape,
+                    host.dtype,
+                    trainable,
+                    **common,
+                )
+            )
         self._session.create(shards, [np.ascontiguousarray(v) for v in values])
         return ShardedVariable([self._session.handle(s.key) for s in shards], name)
 
@@ -158,7 +191,9 @@ def _replicate_dataset(dataset: Any, worker: int) -> Any:
     return dataset
 
 
-def _call_dataset_fn(fn: Callable[..., Any], num_workers: int, num_replicas: int, worker: int) -> Any:
+def _call_dataset_fn(
+    fn: Callable[..., Any], num_workers: int, num_replicas: int, worker: int
+) -> Any:
     try:
         params = inspect.signature(fn).parameters
         takes_context = len(params) >= 1
@@ -215,14 +250,26 @@ class ParameterServerStrategy(distribute_lib.Strategy):
             or this process being a ps or worker task.
     """
 
-    def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None, *, mode: str = "async", staleness: int | None = None, sync_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        cluster_resolver: Any = None,
+        variable_partitioner: Any = None,
+        *,
+        mode: str = "async",
+        staleness: int | None = None,
+        sync_timeout: float = 300.0,
+    ) -> None:
         from psflow.distribute.cluster_resolver import TFConfigClusterResolver
 
         if mode not in ("async", "sync", "bounded"):
-            raise errors.InvalidArgumentError(f"Unknown mode {mode!r}; expected 'async', 'sync' or 'bounded'")
+            raise errors.InvalidArgumentError(
+                f"Unknown mode {mode!r}; expected 'async', 'sync' or 'bounded'"
+            )
         if mode == "bounded":
             if staleness is None or int(staleness) < 0:
-                raise errors.InvalidArgumentError(f"mode='bounded' needs staleness >= 0, got {staleness!r}")
+                raise errors.InvalidArgumentError(
+                    f"mode='bounded' needs staleness >= 0, got {staleness!r}"
+                )
         elif staleness is not None:
             raise errors.InvalidArgumentError(f"staleness={staleness} needs mode='bounded'")
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
@@ -235,27 +282,42 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         else:
             session, workers, replicas = self._cluster_session(resolver, spec, mode, sync_timeout)
         super().__init__(
-            PSExtended(self, session, partitioner=variable_partitioner, staleness=int(staleness) if staleness is not None else None, worker_addresses=workers, embedded=embedded, num_replicas=replicas)
+            PSExtended(
+                self,
+                session,
+                partitioner=variable_partitioner,
+                staleness=int(staleness) if staleness is not None else None,
+                worker_addresses=workers,
+                embedded=embedded,
+                num_replicas=replicas,
+            )
         )
         session.strategy = self
         session_lib.set_default(session)
         self._local_mirrored: Any = None
 
     @staticmethod
-    def _embedded_session(mode: str, sync_timeout: float) -> tuple[session_lib.PSSession, list[str], int]:
+    def _embedded_session(
+        mode: str, sync_timeout: float
+    ) -> tuple[session_lib.PSSession, list[str], int]:
         from psflow import config
         from psflow.distribute.ps.inprocess import InProcessPSConnection
 
         if not _embedded_logged.is_set():
             _embedded_logged.set()
-            log.info("ParameterServerStrategy: no cluster configured; running embedded (an in-process PS, this process as the only worker)")
+            log.info(
+                "ParameterServerStrategy: no cluster configured; running embedded "
+                "(an in-process PS, this process as the only worker)"
+            )
         connection = InProcessPSConnection(task="ps:0")
         sync = session_lib.SyncConfig(mode, num_workers=1, timeout=sync_timeout)
         replicas = len(config.default_devices()) if backend.gpu_count() else 1
         return session_lib.PSSession([connection], sync, task="chief:0"), [], replicas
 
     @staticmethod
-    def _cluster_session(resolver: Any, spec: Any, mode: str, sync_timeout: float) -> tuple[session_lib.PSSession, list[str], int]:
+    def _cluster_session(
+        resolver: Any, spec: Any, mode: str, sync_timeout: float
+    ) -> tuple[session_lib.PSSession, list[str], int]:
         from psflow.distribute.cluster_resolver import validate_ps_cluster
         from psflow.distribute.ps.grpc_connection import GrpcPSConnection
 
@@ -269,25 +331,53 @@ class ParameterServerStrategy(distribute_lib.Strategy):
             )
         ps_addresses = [spec.task_address("ps", i) for i in sorted(spec.task_indices("ps"))]
         workers = [spec.task_address("worker", i) for i in sorted(spec.task_indices("worker"))]
-        connections = [GrpcPSConnection(addr, task=f"ps:{i}") for i, addr in enumerate(ps_addresses)]
+        connections = [
+            GrpcPSConnection(addr, task=f"ps:{i}") for i, addr in enumerate(ps_addresses)
+        ]
         sync = session_lib.SyncConfig(mode, num_workers=len(workers), timeout=sync_timeout)
-        gpus = int(resolver.num_accelerators().get("GPU", 0)) if hasattr(resolver, "num_accelerators") else 0
+        gpus = (
+            int(resolver.num_accelerators().get("GPU", 0))
+            if hasattr(resolver, "num_accelerators")
+            else 0
+        )
         return session_lib.PSSession(connections, sync, task="chief:0"), workers, max(gpus, 1)
 
     @classmethod
-    def _for_worker(cls, ps_addresses: list[str], num_workers: int, task: str, mode: str = "async", sync_timeout: float = 300.0) -> ParameterServerStrategy:
+    def _for_worker(
+        cls,
+        ps_addresses: list[str],
+        num_workers: int,
+        task: str,
+        mode: str = "async",
+        sync_timeout: float = 300.0,
+    ) -> ParameterServerStrategy:
         """The strategy a worker process runs closures with (no cluster resolution)."""
         from psflow.distribute.ps.grpc_connection import GrpcPSConnection
 
         self = cls.__new__(cls)
         self._cluster_resolver = None
         self._mode = mode
-        connections = [GrpcPSConnection(addr, task=f"ps:{i}") for i, addr in enumerate(ps_addresses)]
-        session = session_lib.PSSession(connections, session_lib.SyncConfig(mode, num_workers, sync_timeout), task=task)
+        connections = [
+            GrpcPSConnection(addr, task=f"ps:{i}") for i, addr in enumerate(ps_addresses)
+        ]
+        session = session_lib.PSSession(
+            connections, session_lib.SyncConfig(mode, num_workers, sync_timeout), task=task
+        )
         from psflow import config
 
         replicas = len(config.list_logical_devices("GPU")) or 1
-        distribute_lib.Strategy.__init__(self, PSExtended(self, session, partitioner=None, staleness=None, worker_addresses=[], embedded=False, num_replicas=replicas))
+        distribute_lib.Strategy.__init__(
+            self,
+            PSExtended(
+                self,
+                session,
+                partitioner=None,
+                staleness=None,
+                worker_addresses=[],
+                embedded=False,
+                num_replicas=replicas,
+            ),
+        )
         session.strategy = self
         self._local_mirrored = None
         return self
@@ -317,10 +407,18 @@ class ParameterServerStrategy(distribute_lib.Strategy):
             from psflow import config
             from psflow.distribute.mirrored_strategy import MirroredStrategy
 
-            self._local_mirrored = MirroredStrategy(config.default_devices()[: self.num_replicas_in_sync])
+            self._local_mirrored = MirroredStrategy(
+                config.default_devices()[: self.num_replicas_in_sync]
+            )
         return self._local_mirrored
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        options: Any = None,
+    ) -> Any:
         """Runs ``fn`` on this worker's replicas (inside a scheduled closure, or here).
 
         With several devices, replicas' gradients are all-reduced on the worker
@@ -329,7 +427,10 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         kwargs = kwargs or {}
         if self.num_replicas_in_sync > 1:
             return self._mirrored().run(fn, args, kwargs)
-        with self.scope(), distribute_lib._enter(distribute_lib._Context(self, self._default_replica_context)):
+        with (
+            self.scope(),
+            distribute_lib._enter(distribute_lib._Context(self, self._default_replica_context)),
+        ):
             return fn(*args, **kwargs)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None) -> Any:
@@ -347,7 +448,9 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         """Marks ``dataset`` to be sharded across workers by ``create_per_worker_dataset``."""
         return _PSDistributedDataset(dataset)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[..., Any], options: Any = None
+    ) -> Any:
         """Wraps ``dataset_fn`` for ``create_per_worker_dataset`` (each worker calls it)."""
         return _DatasetFromFunction(dataset_fn, self)
 
@@ -366,7 +469,9 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         return f"ParameterServerStrategy({where}, mode={self._mode!r})"
 
 
-def _current_strategy(mode: str = "async", num_workers: int = 1, sync_timeout: float = 300.0) -> ParameterServerStrategy:
+def _current_strategy(
+    mode: str = "async", num_workers: int = 1, sync_timeout: float = 300.0
+) -> ParameterServerStrategy:
     """Unpickles a strategy reference as this process's strategy, in the chief's training mode."""
     session = session_lib.current()
     strategy = getattr(session, "strategy", None)
@@ -377,4 +482,3 @@ def _current_strategy(mode: str = "async", num_workers: int = 1, sync_timeout: f
         session.sync = session_lib.SyncConfig(mode, num_workers, sync_timeout)
         strategy._mode = mode
     return strategy
-

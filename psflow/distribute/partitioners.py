@@ -78,22 +78,32 @@ class MinSizePartitioner(Partitioner):
     Shards: ``max(1, min(rows, max_shards, ceil(total_bytes / min_shard_bytes)))``.
     """
 
-    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16) -> None:
+    def __init__(
+        self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16
+    ) -> None:
         if min_shard_bytes < 1:
-            raise errors.InvalidArgumentError(f"min_shard_bytes must be >= 1, got {min_shard_bytes}")
+            raise errors.InvalidArgumentError(
+                f"min_shard_bytes must be >= 1, got {min_shard_bytes}"
+            )
         if max_shards < 1:
             raise errors.InvalidArgumentError(f"max_shards must be >= 1, got {max_shards}")
         if bytes_per_string < 1:
-            raise errors.InvalidArgumentError(f"bytes_per_string must be >= 1, got {bytes_per_string}")
+            raise errors.InvalidArgumentError(
+                f"bytes_per_string must be >= 1, got {bytes_per_string}"
+            )
         self._min_shard_bytes = min_shard_bytes
         self._max_shards = max_shards
         self._bytes_per_string = bytes_per_string
 
     def __call__(self, shape: Any, dtype: Any, axis: int = 0) -> list[int]:
         dims = _shape(shape)
-        total = int(np.prod(dims, dtype=np.int64)) * _bytes_per_element(dtype, self._bytes_per_string)
+        total = int(np.prod(dims, dtype=np.int64)) * _bytes_per_element(
+            dtype, self._bytes_per_string
+        )
         out = [1] * len(dims)
-        out[axis] = max(1, min(dims[axis], self._max_shards, int(math.ceil(total / self._min_shard_bytes))))
+        out[axis] = max(
+            1, min(dims[axis], self._max_shards, int(math.ceil(total / self._min_shard_bytes)))
+        )
         return out
 
 
@@ -104,13 +114,19 @@ class MaxSizePartitioner(Partitioner):
     shards: ``ceil(rows / rows_per_shard)``.
     """
 
-    def __init__(self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16) -> None:
+    def __init__(
+        self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16
+    ) -> None:
         if max_shard_bytes < 1:
-            raise errors.InvalidArgumentError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+            raise errors.InvalidArgumentError(
+                f"max_shard_bytes must be >= 1, got {max_shard_bytes}"
+            )
         if max_shards is not None and max_shards < 1:
             raise errors.InvalidArgumentError(f"max_shards must be >= 1, got {max_shards}")
         if bytes_per_string < 1:
-            raise errors.InvalidArgumentError(f"bytes_per_string must be >= 1, got {bytes_per_string}")
+            raise errors.InvalidArgumentError(
+                f"bytes_per_string must be >= 1, got {bytes_per_string}"
+            )
         self._max_shard_bytes = max_shard_bytes
         self._max_shards = max_shards
         self._bytes_per_string = bytes_per_string
@@ -118,8 +134,12 @@ class MaxSizePartitioner(Partitioner):
     def __call__(self, shape: Any, dtype: Any, axis: int = 0) -> list[int]:
         dims = _shape(shape)
         rows = dims[axis]
-        per_row = (int(np.prod(dims, dtype=np.int64)) // rows if rows else 0) * _bytes_per_element(dtype, self._bytes_per_string)
-        rows_per_shard = max(1, math.floor(self._max_shard_bytes / per_row)) if per_row else max(rows, 1)
+        per_row = (int(np.prod(dims, dtype=np.int64)) // rows if rows else 0) * _bytes_per_element(
+            dtype, self._bytes_per_string
+        )
+        rows_per_shard = (
+            max(1, math.floor(self._max_shard_bytes / per_row)) if per_row else max(rows, 1)
+        )
         shards = int(math.ceil(rows / rows_per_shard)) if rows else 1
         if self._max_shards:
             shards = min(self._max_shards, shards)

@@ -103,7 +103,9 @@ class ClusterCoordinator:
         self._unavailable_timeout = _env_float("PSFLOW_WORKER_UNAVAILABLE_TIMEOUT", 600.0)
         self._states = [_WorkerState(w) for w in strategy.extended._make_workers()]
         self._threads = [
-            threading.Thread(target=self._dispatch, args=(s,), name=f"coordinator-{s.worker.task}", daemon=True)
+            threading.Thread(
+                target=self._dispatch, args=(s,), name=f"coordinator-{s.worker.task}", daemon=True
+            )
             for s in self._states
         ]
         strategy.extended._coordinator = self
@@ -156,7 +158,9 @@ class ClusterCoordinator:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (self._queue or self._inflight or any(s.targeted for s in self._states)) and self._error is None:
+            while (
+                self._queue or self._inflight or any(s.targeted for s in self._states)
+            ) and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise errors.DeadlineExceededError(
@@ -190,9 +194,13 @@ class ClusterCoordinator:
         return self._per_worker_resource("ds", lambda w: (make, (w,)), kind="dataset")
 
     def _create_per_worker_iterators(self, datasets: PerWorkerValues) -> PerWorkerValues:
-        return self._per_worker_resource("it", lambda w: (_make_iterator, (datasets.values[w],)), kind="iterator")
+        return self._per_worker_resource(
+            "it", lambda w: (_make_iterator, (datasets.values[w],)), kind="iterator"
+        )
 
-    def _per_worker_resource(self, prefix: str, spec: Callable[[int], tuple], kind: str) -> PerWorkerValues:
+    def _per_worker_resource(
+        self, prefix: str, spec: Callable[[int], tuple], kind: str
+    ) -> PerWorkerValues:
         values = []
         n = next(self._ids)
         for s in self._states:
@@ -203,7 +211,9 @@ class ClusterCoordinator:
         result_cls = _PerWorkerIterator if kind == "iterator" else PerWorkerValues
         return result_cls(tuple(values), self, kind)
 
-    def _schedule_on(self, state: _WorkerState, fn: Callable[..., Any], args: tuple, resource_key: str | None) -> RemoteValue:
+    def _schedule_on(
+        self, state: _WorkerState, fn: Callable[..., Any], args: tuple, resource_key: str | None
+    ) -> RemoteValue:
         closure_id = next(self._ids)
         rv = RemoteValue(closure_id, resource_key or "")
         with self._cond:
@@ -241,7 +251,9 @@ class ClusterCoordinator:
             self._cond.notify_all()
         for c in cancelled:
             c.remote_value._set_error(
-                errors.CancelledError(f"Closure {c.closure_id} was cancelled because an earlier closure failed")
+                errors.CancelledError(
+                    f"Closure {c.closure_id} was cancelled because an earlier closure failed"
+                )
             )
 
     def _stall_report(self) -> str:
@@ -299,7 +311,9 @@ class ClusterCoordinator:
             try:
                 value = state.worker.run(self._session_id, closure, self._functions)
             except errors.WorkerUnavailableError as e:
-                log.warning("%s lost (%s); re-queuing closure %d", state.worker.task, e, closure.closure_id)
+                log.warning(
+                    "%s lost (%s); re-queuing closure %d", state.worker.task, e, closure.closure_id
+                )
                 self._worker_lost(state, closure)
             except closure_lib.MissingResourceError:
                 self._worker_restarted(state, closure)
@@ -336,7 +350,12 @@ class ClusterCoordinator:
         self._requeue(state, closure)
         if not state.recovering:
             state.recovering = True
-            threading.Thread(target=self._recover, args=(state,), name=f"recover-{state.worker.task}", daemon=True).start()
+            threading.Thread(
+                target=self._recover,
+                args=(state,),
+                name=f"recover-{state.worker.task}",
+                daemon=True,
+            ).start()
 
     def _worker_restarted(self, state: _WorkerState, closure: Closure) -> None:
         self._requeue(state, closure)
@@ -364,7 +383,8 @@ class ClusterCoordinator:
         with self._cond:
             specs = [r for r in self._resources if r[1] == state.worker.index]
             rebuilt = collections.deque(
-                Closure(next(self._ids), fn, args, {}, RemoteValue(0, key), resource_key=key) for key, _, fn, args in specs
+                Closure(next(self._ids), fn, args, {}, RemoteValue(0, key), resource_key=key)
+                for key, _, fn, args in specs
             )
             # resources first, in creation order, then whatever was waiting for this worker
             pending = [c for c in state.targeted if c.resource_key not in {k for k, *_ in specs}]

@@ -91,7 +91,9 @@ class PerWorkerValues:
 
     _is_per_worker = True
 
-    def __init__(self, values: tuple[Any, ...], coordinator: Any = None, kind: str = "value") -> None:
+    def __init__(
+        self, values: tuple[Any, ...], coordinator: Any = None, kind: str = "value"
+    ) -> None:
         self._values = tuple(values)
         self._coordinator = coordinator
         self._kind = kind

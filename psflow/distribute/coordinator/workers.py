@@ -9,6 +9,7 @@ coordinator can re-queue the closure elsewhere.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import os
 import threading
@@ -37,7 +38,9 @@ def closure_timeout() -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise errors.InvalidArgumentError(f"PSFLOW_CLOSURE_TIMEOUT must be a number, got {raw!r}") from None
+        raise errors.InvalidArgumentError(
+            f"PSFLOW_CLOSURE_TIMEOUT must be a number, got {raw!r}"
+        ) from None
     if value <= 0:
         raise errors.InvalidArgumentError(f"PSFLOW_CLOSURE_TIMEOUT must be > 0, got {raw!r}")
     return value
@@ -60,9 +63,8 @@ class Closure:
 
         def pick(x: Any) -> Any:
             if getattr(x, "_is_per_worker", False):
-                comp = x.values[worker_index]
-                return comp.get() if isinstance(comp, RemoteValue) else comp
-            return x
+                x = x.values[worker_index]
+            return x.get() if isinstance(x, RemoteValue) else x
 
         args = nest.map_structure(pick, tuple(self.args)) if self.args else ()
         kwargs = nest.map_structure(pick, dict(self.kwargs)) if self.kwargs else {}
@@ -133,7 +135,9 @@ class GrpcWorker(Worker):
         call_credentials_metadata: extra metadata (an auth token) sent with every call.
     """
 
-    def __init__(self, index: int, address: str, *, credentials: Any = None, metadata: tuple = ()) -> None:
+    def __init__(
+        self, index: int, address: str, *, credentials: Any = None, metadata: tuple = ()
+    ) -> None:
         super().__init__(index, f"worker:{index}")
         from psflow.proto import worker_pb2, worker_pb2_grpc
 
@@ -154,9 +158,14 @@ class GrpcWorker(Worker):
             return method(request, timeout=timeout, metadata=self._metadata or None)
         except grpc.RpcError as e:
             code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            if code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED,
+            ):
                 raise errors.WorkerUnavailableError(
-                    f"{self.task} at {self.address} is unavailable: {code.name}: {e.details()}", task=self.task
+                    f"{self.task} at {self.address} is unavailable: {code.name}: {e.details()}",
+                    task=self.task,
                 ) from None
             raise errors.from_grpc(e, task=self.task) from None
 
@@ -198,10 +207,10 @@ class GrpcWorker(Worker):
             self._sent.clear()
 
     def end_session(self, session_id: str) -> None:
-        try:
-            self._call(self._stub.EndSession, self._pb.EndSessionRequest(session_id=session_id), 5.0)
-        except errors.OpError:
-            pass
+        with contextlib.suppress(errors.OpError):
+            self._call(
+                self._stub.EndSession, self._pb.EndSessionRequest(session_id=session_id), 5.0
+            )
 
     def status(self, timeout: float = 2.0) -> Any:
         """The worker's GetStatus reply."""

@@ -58,15 +58,32 @@ class PSConnection(abc.ABC):
         """Attaches an update rule (``psflow.update_rules`` config) to variables."""
 
     @abc.abstractmethod
-    def pull(self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None) -> list[tuple[np.ndarray, int]]:
+    def pull(
+        self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
+    ) -> list[tuple[np.ndarray, int]]:
         """Values (or rows, for the items in ``rows``) and their versions."""
 
     @abc.abstractmethod
-    def push(self, grads: Sequence[Grad], *, push_id: tuple[str, int], step: int | None = None, num_required: int = 0, wait_applied: bool = False, timeout: float | None = None) -> PushReply:
+    def push(
+        self,
+        grads: Sequence[Grad],
+        *,
+        push_id: tuple[str, int],
+        step: int | None = None,
+        num_required: int = 0,
+        wait_applied: bool = False,
+        timeout: float | None = None,
+    ) -> PushReply:
         """Applies gradients through the variables' rules, once per ``push_id``."""
 
     @abc.abstractmethod
-    def write(self, op: str, names: Sequence[str], values: Sequence[np.ndarray], request_id: tuple[str, int] | None = None) -> list[int]:
+    def write(
+        self,
+        op: str,
+        names: Sequence[str],
+        values: Sequence[np.ndarray],
+        request_id: tuple[str, int] | None = None,
+    ) -> list[int]:
         """``assign``, ``assign_add`` or ``assign_sub``; returns the new versions."""
 
     @abc.abstractmethod

@@ -70,7 +70,9 @@ class SyncConfig:
 
     def __init__(self, mode: str = "async", num_workers: int = 1, timeout: float = 300.0) -> None:
         if mode not in ("async", "sync", "bounded"):
-            raise errors.InvalidArgumentError(f"Unknown training mode {mode!r}; expected async, sync or bounded")
+            raise errors.InvalidArgumentError(
+                f"Unknown training mode {mode!r}; expected async, sync or bounded"
+            )
         self.mode = mode
         self.num_workers = num_workers
         self.timeout = timeout
@@ -85,9 +87,16 @@ class PSSession:
         task: this process's task (``"worker:1"``, ``"chief:0"``), for messages.
     """
 
-    def __init__(self, connections: Sequence[PSConnection], sync: SyncConfig | None = None, task: str = "chief:0") -> None:
+    def __init__(
+        self,
+        connections: Sequence[PSConnection],
+        sync: SyncConfig | None = None,
+        task: str = "chief:0",
+    ) -> None:
         if not connections:
-            raise errors.InvalidArgumentError("A parameter-server session needs at least one PS task")
+            raise errors.InvalidArgumentError(
+                "A parameter-server session needs at least one PS task"
+            )
         self.connections = list(connections)
         self.sync = sync or SyncConfig()
         self.task = task
@@ -101,7 +110,9 @@ class PSSession:
         self._configured: dict[str, str] = {}
         self._step: int | None = None
         self._pool = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=len(self.connections), thread_name_prefix="ps-call")
+            concurrent.futures.ThreadPoolExecutor(
+                max_workers=len(self.connections), thread_name_prefix="ps-call"
+            )
             if len(self.connections) > 1
             else None
         )
@@ -146,10 +157,15 @@ class PSSession:
         for h, v in zip(handles, values):
             by_ps.setdefault(h.ps_index, []).append((h, v))
         work = {
-            ps: (lambda items=items, ps=ps: self.connections[ps].create(
-                [VarSpec(h.key, np.dtype(h.np_dtype), tuple(h.shape_tuple), h.trainable) for h, _ in items],
-                [v for _, v in items],
-            ))
+            ps: (
+                lambda items=items, ps=ps: self.connections[ps].create(
+                    [
+                        VarSpec(h.key, np.dtype(h.np_dtype), tuple(h.shape_tuple), h.trainable)
+                        for h, _ in items
+                    ],
+                    [v for _, v in items],
+                )
+            )
             for ps, items in by_ps.items()
         }
         results = self._on_each(work)
@@ -189,7 +205,10 @@ class PSSession:
         by_ps: dict[int, list[Any]] = {}
         for h in handles:
             by_ps.setdefault(h.ps_index, []).append(h)
-        work = {ps: (lambda hs=hs, ps=ps: self.connections[ps].pull([h.key for h in hs])) for ps, hs in by_ps.items()}
+        work = {
+            ps: (lambda hs=hs, ps=ps: self.connections[ps].pull([h.key for h in hs]))
+            for ps, hs in by_ps.items()
+        }
         out: dict[str, tuple[np.ndarray, int]] = {}
         for ps, pulled in self._on_each(work).items():
             for h, (value, version) in zip(by_ps[ps], pulled):
@@ -214,7 +233,8 @@ class PSSession:
                 wanted = [handle]
                 if self._prefetchable(handle):
                     wanted += [
-                        h for k, h in self._handles.items()
+                        h
+                        for k, h in self._handles.items()
                         if k != handle.key and (k, None) not in cache and self._prefetchable(h)
                     ]
                 for key, (value, version) in self._pull_into_cache(wanted).items():
@@ -229,7 +249,7 @@ class PSSession:
 
     def read_rows(self, handle: Any, indices: np.ndarray) -> np.ndarray:
         """Rows of a PS variable (no caching: each lookup pulls only what it needs)."""
-        (rows, version), = self.connections[handle.ps_index].pull([handle.key], rows={0: indices})
+        ((rows, version),) = self.connections[handle.ps_index].pull([handle.key], rows={0: indices})
         self.bytes_pulled += rows.nbytes + indices.nbytes
         self._versions.setdefault(handle.key, version)
         return rows
@@ -237,9 +257,13 @@ class PSSession:
     # -- writes ------------------------------------------------------------------------
     def write(self, handle: Any, op: str, value: Any) -> None:
         """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
-        arr = np.ascontiguousarray(backend.to_numpy(to_array(value)).astype(handle.np_dtype, copy=False))
+        arr = np.ascontiguousarray(
+            backend.to_numpy(to_array(value)).astype(handle.np_dtype, copy=False)
+        )
         ps = handle.ps_index
-        (version,) = self.connections[ps].write(op, [handle.key], [arr], request_id=self._next_id(ps))
+        (version,) = self.connections[ps].write(
+            op, [handle.key], [arr], request_id=self._next_id(ps)
+        )
         self._versions[handle.key] = version
         self._invalidate()
 
@@ -264,16 +288,27 @@ class PSSession:
             if isinstance(grad, IndexedSlices):
                 values = backend.to_numpy(grad._values).astype(h.np_dtype, copy=False)
                 indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
-                g = Grad(h.key, np.ascontiguousarray(values.reshape((indices.size, *h.shape_tuple[1:]))), indices, self._versions.get(h.key, -1))
+                g = Grad(
+                    h.key,
+                    np.ascontiguousarray(values.reshape((indices.size, *h.shape_tuple[1:]))),
+                    indices,
+                    self._versions.get(h.key, -1),
+                )
             else:
                 values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
                 g = Grad(h.key, np.ascontiguousarray(values), None, self._versions.get(h.key, -1))
             grads.setdefault(h.ps_index, []).append(g)
         if to_configure:
-            self._on_each({
-                ps: (lambda names=names, ps=ps: self.connections[ps].configure_optimizer(names, config))
-                for ps, names in to_configure.items()
-            })
+            self._on_each(
+                {
+                    ps: (
+                        lambda names=names, ps=ps: self.connections[ps].configure_optimizer(
+                            names, config
+                        )
+                    )
+                    for ps, names in to_configure.items()
+                }
+            )
             for names in to_configure.values():
                 for n in names:
                     self._configured[n] = config_json
@@ -295,20 +330,32 @@ class PSSession:
                 timeout=self.sync.timeout if sync else None,
             )
 
-        replies = self._on_each({ps: (lambda ps=ps, items=items: push(ps, items)) for ps, items in grads.items()})
+        replies = self._on_each(
+            {ps: (lambda ps=ps, items=items: push(ps, items)) for ps, items in grads.items()}
+        )
         for ps, reply in replies.items():
             for g, version in zip(grads[ps], reply.versions):
                 self._versions[g.name] = version
-            self.bytes_pushed += sum(g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0) for g in grads[ps])
+            self.bytes_pushed += sum(
+                g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0)
+                for g in grads[ps]
+            )
         self._invalidate()
 
     # -- whole-cluster operations --------------------------------------------------------
     def save(self, directory: str, step: int = 0) -> list[str]:
         """Every PS task writes its shard under ``directory``; returns the manifests."""
-        results = self._on_each({ps: (lambda ps=ps: c.save(directory, step, prefix=f"ps-{ps}")) for ps, c in enumerate(self.connections)})
+        results = self._on_each(
+            {
+                ps: (lambda ps=ps, c=c: c.save(directory, step, prefix=f"ps-{ps}"))
+                for ps, c in enumerate(self.connections)
+            }
+        )
         return [results[ps] for ps in sorted(results)]
 
     def stats(self, include_log: bool = False) -> list[dict[str, Any]]:
         """Every PS task's counters."""
-        results = self._on_each({ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)})
+        results = self._on_each(
+            {ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)}
+        )
         return [results[ps] for ps in sorted(results)]

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, dtypes, errors
-from psflow.distribute.ps import session as session_lib
 from psflow.distribute.partitioners import shard_sizes
+from psflow.distribute.ps import session as session_lib
 from psflow.framework import variable as variable_lib
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, TensorShape, to_array
@@ -31,7 +31,20 @@ class PSVariable(variable_lib.Variable):
         shape, dtype, trainable: its spec.
     """
 
-    def __init__(self, session: session_lib.PSSession, key: str, name: str, ps_index: int, shape: tuple[int, ...], dtype: Any, trainable: bool, *, synchronization: Any = variable_lib.VariableSynchronization.AUTO, aggregation: Any = variable_lib.VariableAggregation.NONE, constraint: Any = None) -> None:
+    def __init__(
+        self,
+        session: session_lib.PSSession,
+        key: str,
+        name: str,
+        ps_index: int,
+        shape: tuple[int, ...],
+        dtype: Any,
+        trainable: bool,
+        *,
+        synchronization: Any = variable_lib.VariableSynchronization.AUTO,
+        aggregation: Any = variable_lib.VariableAggregation.NONE,
+        constraint: Any = None,
+    ) -> None:
         self._session = session
         self.key = key
         self.ps_index = ps_index
@@ -86,7 +99,9 @@ class PSVariable(variable_lib.Variable):
         self.sparse_access = True
         idx = backend.to_numpy(to_array(ids))
         if idx.dtype.kind not in "iu":
-            raise errors.InvalidArgumentError(f"embedding_lookup: ids must be integers, got {idx.dtype.name}")
+            raise errors.InvalidArgumentError(
+                f"embedding_lookup: ids must be integers, got {idx.dtype.name}"
+            )
         flat = idx.reshape(-1).astype(np.int64)
         rows_total = self.shape_tuple[0]
         if flat.size and (flat.min() < 0 or flat.max() >= rows_total):
@@ -114,25 +129,32 @@ class PSVariable(variable_lib.Variable):
             raise errors.InvalidArgumentError(
                 f"{op} on {self.name} of shape {list(self.shape_tuple)} got shape {list(arr.shape)}"
             )
-        if getattr(value, "_is_variable", False) or type(value) is Tensor:
-            if arr.dtype != self.np_dtype:
-                raise errors.InvalidArgumentError(
-                    f"{op} on {self.name} of dtype {self._dtype.name} got dtype {arr.dtype.name}"
-                )
+        if (
+            getattr(value, "_is_variable", False) or type(value) is Tensor
+        ) and arr.dtype != self.np_dtype:
+            raise errors.InvalidArgumentError(
+                f"{op} on {self.name} of dtype {self._dtype.name} got dtype {arr.dtype.name}"
+            )
         self._session.write(self, op, arr)
 
     def _write(self, array: Any) -> None:
         self._session.write(self, "assign", array)
 
-    def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+    def assign(
+        self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> Any:
         self._remote("assign", value)
         return self if read_value else None
 
-    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+    def assign_add(
+        self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> Any:
         self._remote("assign_add", delta)
         return self if read_value else None
 
-    def assign_sub(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+    def assign_sub(
+        self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> Any:
         self._remote("assign_sub", delta)
         return self if read_value else None
 
@@ -238,11 +260,15 @@ class ShardedVariable:
         """The whole value as NumPy."""
         return backend.to_numpy(self._array()).copy()
 
-    def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+    def assign(
+        self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> Any:
         """Splits ``value`` by rows and assigns each shard its part."""
         arr = to_array(value)
         if tuple(arr.shape) != self._shape:
-            raise errors.InvalidArgumentError(f"assign on {self.name} of shape {list(self._shape)} got {list(arr.shape)}")
+            raise errors.InvalidArgumentError(
+                f"assign on {self.name} of shape {list(self._shape)} got {list(arr.shape)}"
+            )
         for s, lo, hi in zip(self._shards, self._offsets[:-1], self._offsets[1:]):
             s.assign(arr[lo:hi])
         return self if read_value else None
@@ -253,7 +279,10 @@ class ShardedVariable:
         return nn_ops._sharded_lookup(self._shards, ids)
 
     def __repr__(self) -> str:
-        return f"<psflow.distribute.ShardedVariable '{self.name}' shape={self._shape} dtype={self.dtype.name} shards={len(self._shards)}>"
+        return (
+            f"<psflow.distribute.ShardedVariable '{self.name}' shape={self._shape} "
+            f"dtype={self.dtype.name} shards={len(self._shards)}>"
+        )
 
 
 def split_rows(value: np.ndarray, num_shards: int) -> list[np.ndarray]:

@@ -196,7 +196,12 @@ def runner_for(model: Any, strategy: Any) -> LocalRunner:
     if make is not None:
         return make(model)
     from psflow.distribute.mirrored_strategy import MirroredStrategy
+    from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 
+    if isinstance(strategy, ParameterServerStrategy):
+        from psflow.keras.engine.ps_runner import PSRunner
+
+        return PSRunner(model, strategy)
     if isinstance(strategy, MirroredStrategy) and strategy.num_replicas_in_sync > 1:
         return MirroredRunner(model, strategy)
     return LocalRunner(model, strategy)

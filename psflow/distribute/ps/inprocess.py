@@ -1,0 +1,102 @@
+"""A connection to a variable store in this process (ParameterServerStrategy's embedded mode)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from psflow.distribute.ps.connection import Grad, PSConnection, PushReply, VarSpec
+from psflow.ps.checkpoint import restore_shard, save_shard
+from psflow.ps.store import Gradient, VariableMeta, VariableStore
+
+
+class InProcessPSConnection(PSConnection):
+    """Calls a :class:`VariableStore` directly: the same semantics as a PS task, no RPC.
+
+    Args:
+        store: the store to use (a new one by default).
+        task: the task name used in messages.
+    """
+
+    def __init__(self, store: VariableStore | None = None, task: str = "ps:0") -> None:
+        self.store = store or VariableStore(task=task)
+        self.task = task
+
+    def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
+        metas = [
+            VariableMeta(s.name, np.dtype(s.dtype), tuple(s.shape), s.trainable) for s in specs
+        ]
+        return [version for _, version in self.store.create(metas, list(values))]
+
+    def configure_optimizer(self, names: Sequence[str], config: dict[str, Any]) -> None:
+        self.store.configure_optimizer(list(names), config)
+
+    def pull(
+        self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
+    ) -> list[tuple[np.ndarray, int]]:
+        return [(t.value, t.version) for t in self.store.pull(list(names), rows)]
+
+    def push(
+        self,
+        grads: Sequence[Grad],
+        *,
+        push_id: tuple[str, int],
+        step: int | None = None,
+        num_required: int = 0,
+        wait_applied: bool = False,
+        timeout: float | None = None,
+    ) -> PushReply:
+        converted = [Gradient(g.name, g.values, g.indices, g.base_version) for g in grads]
+        result = self.store.push(
+            converted,
+            push_id=push_id,
+            step=step,
+            num_required=num_required,
+            wait_applied=wait_applied,
+            timeout=timeout,
+        )
+        return PushReply(
+            tuple(result.versions), result.applied, result.duplicate, tuple(result.staleness)
+        )
+
+    def write(
+        self,
+        op: str,
+        names: Sequence[str],
+        values: Sequence[np.ndarray],
+        request_id: tuple[str, int] | None = None,
+    ) -> list[int]:
+        return self.store.assign(op, list(names), list(values), request_id=request_id)
+
+    def list_variables(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": info.meta.name,
+                "dtype": info.meta.dtype.name,
+                "shape": tuple(info.meta.shape),
+                "trainable": info.meta.trainable,
+                "version": info.version,
+                "optimizer_step": info.optimizer_step,
+                "slot_names": tuple(info.slot_names),
+            }
+            for info in self.store.list_variables()
+        ]
+
+    def save(self, directory: str, step: int = 0, prefix: str = "") -> str:
+        return save_shard(
+            self.store, directory, prefix or self.task.replace(":", "-"), step
+        ).manifest_path
+
+    def restore(self, directory: str, prefix: str = "") -> int:
+        return restore_shard(self.store, directory, prefix or self.task.replace(":", "-")).step
+
+    def stats(self, include_log: bool = False) -> dict[str, Any]:
+        out = self.store.stats_snapshot(include_log)
+        if include_log:
+            out["log"] = [
+                dataclasses.astuple(e) if dataclasses.is_dataclass(e) else e for e in out["log"]
+            ]
+        return out
