@@ -259,7 +259,7 @@ class ParameterServerServicer:
                 )
             return framing.encode_message(
                 self._pull_header(tensors),
-                [framing.byte_view(np.ascontiguousarray(t.value)) for t in tensors],
+                [framing.byte_view(_contiguous(t.value)) for t in tensors],
             )
 
     def PullStream(self, request, context) -> Iterator[bytes]:
@@ -268,7 +268,7 @@ class ParameterServerServicer:
         with self.store.reading(names, rows) as tensors:
             yield from framing.payload_messages(
                 self._pull_header(tensors),
-                [np.ascontiguousarray(t.value) for t in tensors],
+                [_contiguous(t.value) for t in tensors],
                 self.chunk_bytes,
             )
 
@@ -410,3 +410,8 @@ def _optimizer(text: str, what: str) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         raise InvalidArgumentError(f"optimizer config of {what!r} is not an object: {text!r}")
     return config
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray would not)."""
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

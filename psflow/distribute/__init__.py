@@ -1,4 +1,4 @@
-"""``psflow.distribute``: strategies, distributed values and cluster resolvers."""
+"""``psflow.distribute``: strategies, distributed values, the coordinator and cluster resolvers."""
 
 from psflow.collective import (
     CommunicationImplementation,
@@ -7,7 +7,7 @@ from psflow.collective import (
     ReductionToOneDevice,
     RingAllReduce,
 )
-from psflow.distribute import cluster_resolver, experimental
+from psflow.distribute import cluster_resolver, coordinator, experimental
 from psflow.distribute.distribute_lib import (
     InputContext,
     InputOptions,
@@ -23,5 +23,6 @@ from psflow.distribute.distribute_lib import (
 )
 from psflow.distribute.mirrored_strategy import MirroredStrategy
 from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
+from psflow.distribute.ps.values import ShardedVariable
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.values import MirroredVariable, PerReplica

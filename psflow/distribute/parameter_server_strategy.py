@@ -100,7 +100,7 @@ class PSExtended(distribute_lib.StrategyExtended):
         if initial is None:
             raise errors.InvalidArgumentError("Variable needs an initial_value")
         value = variable_lib.initial_array(initial, kwargs.get("dtype"), kwargs.get("shape"))
-        host = np.ascontiguousarray(backend.to_numpy(value))
+        host = _contiguous(backend.to_numpy(value))
         name = (kwargs.get("name") or "Variable").split(":")[0]
         sync = kwargs.get("synchronization") or variable_lib.VariableSynchronization.AUTO
         trainable = kwargs.get("trainable")
@@ -148,7 +148,7 @@ class PSExtended(distribute_lib.StrategyExtended):
                     **common,
                 )
             )
-        self._session.create(shards, [np.ascontiguousarray(v) for v in values])
+        self._session.create(shards, [_contiguous(v) for v in values])
         return ShardedVariable([self._session.handle(s.key) for s in shards], name)
 
     # -- workers and datasets ------------------------------------------------------------
@@ -177,6 +177,12 @@ class PSExtended(distribute_lib.StrategyExtended):
         if callable(dataset_fn) and not hasattr(dataset_fn, "cardinality"):
             return functools.partial(_call_dataset_fn, dataset_fn, num_workers, self._num_replicas)
         return functools.partial(_replicate_dataset, dataset_fn)
+
+    def _metric_backing(self, metric: Any) -> Any:
+        """Puts a metric's state on the parameter servers (metrics created in scope)."""
+        from psflow.distribute.ps.metric_state import PSMetricState
+
+        return PSMetricState(metric, self._container_strategy())
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
         """Pushes gradients (the session groups them per PS task)."""
@@ -482,3 +488,9 @@ def _current_strategy(
         session.sync = session_lib.SyncConfig(mode, num_workers, sync_timeout)
         strategy._mode = mode
     return strategy
+
+
+def _contiguous(array: Any) -> np.ndarray:
+    """A C-contiguous host array of the same shape (0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

@@ -90,7 +90,8 @@ def save_file(
         code = _code(arr.dtype, name)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
-        arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d 1-d)
+            arr = np.ascontiguousarray(arr)
         header[name] = {
             "dtype": code,
             "shape": list(arr.shape),

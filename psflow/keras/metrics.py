@@ -15,8 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -32,13 +33,65 @@ def _host(x: Any) -> np.ndarray:
     return backend.to_numpy(to_array(x))
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def local_metrics() -> Iterator[None]:
+    """Metrics created inside stay in this process even under a ParameterServerStrategy."""
+    prev = getattr(_local, "force_local", False)
+    _local.force_local = True
+    try:
+        yield
+    finally:
+        _local.force_local = prev
+
+
 class Metric:
-    """Base class: ``update_state``, ``result``, ``reset_state``, ``merge_state``."""
+    """Base class: ``update_state``, ``result``, ``reset_state``, ``merge_state``.
+
+    The built-in metrics keep their state as a few float64 arrays. Created in a
+    ParameterServerStrategy's scope, that state lives on the parameter servers:
+    workers add their updates to it when a closure ends, and ``result()`` on
+    the chief reads the sum of every worker's contributions (TensorFlow's
+    behaviour for metrics created in scope).
+    """
 
     def __init__(self, name: str | None = None, dtype: Any = None) -> None:
         self.name = name or losses_lib._snake(type(self).__name__)
         self._lock = threading.Lock()
+        self._ps: Any = None
         self.reset_state()
+        if self._initial_state() is not None and not getattr(_local, "force_local", False):
+            from psflow.distribute import distribute_lib
+
+            backing = getattr(distribute_lib.get_strategy().extended, "_metric_backing", None)
+            if backing is not None:
+                self._ps = backing(self)
+
+    # -- state ---------------------------------------------------------------------------
+    def _initial_state(self) -> list[np.ndarray] | None:
+        """Fresh state arrays (float64), or None for a metric that manages its own state."""
+        return None
+
+    def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:
+        """The metric's value for a state."""
+        raise NotImplementedError
+
+    def _accumulate(self, deltas: list[np.ndarray]) -> None:
+        with self._lock:
+            for arr, d in zip(self._state, deltas):
+                arr += d
+        if self._ps is not None:
+            self._ps.after_update(self)
+
+    def _local_state(self) -> tuple[np.ndarray, ...]:
+        with self._lock:
+            return tuple(a.copy() for a in self._state)
+
+    def _clear_local(self) -> None:
+        with self._lock:
+            self._state = self._initial_state()
 
     def update_state(self, *args: Any, **kwargs: Any) -> None:
         """Accumulates a batch."""
@@ -46,11 +99,17 @@ class Metric:
 
     def result(self) -> Tensor:
         """The current value, a float32 scalar tensor."""
-        raise NotImplementedError
+        return self._result_from(self.get_state())
 
     def reset_state(self) -> None:
-        """Clears the accumulated state."""
-        raise NotImplementedError
+        """Clears the accumulated state (on the parameter servers too, when it lives there)."""
+        initial = self._initial_state()
+        if initial is None:
+            raise NotImplementedError
+        with self._lock:
+            self._state = initial
+        if self._ps is not None:
+            self._ps.reset(self)
 
     def reset_states(self) -> None:
         """Clears the accumulated state (Keras 2's name)."""
@@ -58,11 +117,20 @@ class Metric:
 
     def get_state(self) -> tuple[np.ndarray, ...]:
         """A copy of the state (host arrays), for merging elsewhere."""
-        raise NotImplementedError
+        if self._ps is not None:
+            return self._ps.state(self)
+        return self._local_state()
 
     def merge_state(self, states: Any) -> None:
         """Adds states (from :meth:`get_state` of same-kind metrics) into this one."""
-        raise NotImplementedError
+        for state in states if isinstance(states, list) else [states]:
+            deltas = [np.asarray(x, dtype=np.float64) for x in state]
+            if self._ps is not None:
+                self._ps.add(self, deltas)
+            else:
+                with self._lock:
+                    for arr, d in zip(self._state, deltas):
+                        arr += d
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         self.update_state(*args, **kwargs)
@@ -88,9 +156,8 @@ class Metric:
 class _TotalCount(Metric):
     """A weighted mean: total of values and total of weights."""
 
-    def reset_state(self) -> None:
-        self._total = 0.0
-        self._count = 0.0
+    def _initial_state(self) -> list[np.ndarray]:
+        return [np.zeros((), np.float64), np.zeros((), np.float64)]
 
     def _add(self, values: np.ndarray, weights: np.ndarray | None) -> None:
         values = np.asarray(values, dtype=np.float64)
@@ -102,19 +169,7 @@ class _TotalCount(Metric):
                 w = w[..., 0]
             w = np.broadcast_to(w, values.shape)
             total, count = float((values * w).sum()), float(w.sum())
-        with self._lock:
-            self._total += total
-            self._count += count
-
-    def get_state(self) -> tuple[np.ndarray, ...]:
-        with self._lock:
-            return (np.float64(self._total), np.float64(self._count))
-
-    def merge_state(self, states: Any) -> None:
-        for total, count in states if isinstance(states, list) else [states]:
-            with self._lock:
-                self._total += float(total)
-                self._count += float(count)
+        self._accumulate([np.float64(total), np.float64(count)])
 
 
 class Mean(_TotalCount):
@@ -124,10 +179,9 @@ class Mean(_TotalCount):
         """Adds values (with optional weights)."""
         self._add(_host(values), _host(sample_weight))
 
-    def result(self) -> Tensor:
-        with self._lock:
-            value = self._total / self._count if self._count else 0.0
-        return Tensor._wrap(np.asarray(value, dtype=np.float32))
+    def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:
+        total, count = float(state[0]), float(state[1])
+        return Tensor._wrap(np.asarray(total / count if count else 0.0, dtype=np.float32))
 
 
 class Sum(_TotalCount):
@@ -137,9 +191,8 @@ class Sum(_TotalCount):
         """Adds values (with optional weights)."""
         self._add(_host(values), _host(sample_weight))
 
-    def result(self) -> Tensor:
-        with self._lock:
-            return Tensor._wrap(np.asarray(self._total, dtype=np.float32))
+    def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:
+        return Tensor._wrap(np.asarray(float(state[0]), dtype=np.float32))
 
 
 def _squeeze_like(y_true: np.ndarray, y_pred: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -294,8 +347,8 @@ class RootMeanSquaredError(MeanMetricWrapper):
     def __init__(self, name: str = "root_mean_squared_error", dtype: Any = None) -> None:
         super().__init__(_mse, name, dtype)
 
-    def result(self) -> Tensor:
-        return Tensor._wrap(np.sqrt(super().result()._value))
+    def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:
+        return Tensor._wrap(np.sqrt(super()._result_from(state)._value))
 
 
 class _Confusion(Metric):
@@ -305,9 +358,8 @@ class _Confusion(Metric):
         self._thresholds = np.asarray(thresholds, dtype=np.float64)
         super().__init__(name=name, dtype=dtype)
 
-    def reset_state(self) -> None:
-        n = len(self._thresholds)
-        self._counts = np.zeros((4, n), dtype=np.float64)  # tp, fp, tn, fn
+    def _initial_state(self) -> list[np.ndarray]:
+        return [np.zeros((4, len(self._thresholds)), dtype=np.float64)]  # tp, fp, tn, fn
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Adds one batch of binary labels and scores."""
@@ -332,17 +384,7 @@ class _Confusion(Metric):
                 (~above & pos) @ w,
             ]
         )
-        with self._lock:
-            self._counts += counts
-
-    def get_state(self) -> tuple[np.ndarray, ...]:
-        with self._lock:
-            return (self._counts.copy(),)
-
-    def merge_state(self, states: Any) -> None:
-        for (counts,) in states if isinstance(states, list) else [states]:
-            with self._lock:
-                self._counts += counts
+        self._accumulate([counts])
 
 
 class Precision(_Confusion):
@@ -351,8 +393,8 @@ class Precision(_Confusion):
     def __init__(self, thresholds: float = 0.5, name: str = "precision", dtype: Any = None) -> None:
         super().__init__([thresholds], name, dtype)
 
-    def result(self) -> Tensor:
-        tp, fp = self._counts[0, 0], self._counts[1, 0]
+    def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:
+        tp, fp = state[0][0, 0], state[0][1, 0]
         return Tensor._wrap(np.asarray(tp / (tp + fp) if tp + fp else 0.0, np.float32))
 
 
@@ -362,8 +404,8 @@ class Recall(_Confusion):
     def __init__(self, thresholds: float = 0.5, name: str = "recall", dtype: Any = None) -> None:
         super().__init__([thresholds], name, dtype)
 
-    def result(self) -> Tensor:
-        tp, fn = self._counts[0, 0], self._counts[3, 0]
+    def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:
+        tp, fn = state[0][0, 0], state[0][3, 0]
         return Tensor._wrap(np.asarray(tp / (tp + fn) if tp + fn else 0.0, np.float32))
 
 
@@ -383,8 +425,8 @@ class AUC(_Confusion):
         inner = [(i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2)]
         super().__init__([0.0 - eps, *inner, 1.0 + eps], name, dtype)
 
-    def result(self) -> Tensor:
-        tp, fp, tn, fn = self._counts
+    def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:
+        tp, fp, tn, fn = state[0]
         tpr = np.divide(tp, tp + fn, out=np.zeros_like(tp), where=(tp + fn) > 0)
         fpr = np.divide(fp, fp + tn, out=np.zeros_like(fp), where=(fp + tn) > 0)
         area = np.sum((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2)

@@ -64,7 +64,9 @@ def as_segments(value: Any) -> Segments:
     """Wraps an array (or returns ``Segments`` unchanged)."""
     if isinstance(value, Segments):
         return value
-    arr = np.ascontiguousarray(value)
+    arr = np.asarray(value)
+    if not arr.flags.c_contiguous:  # np.ascontiguousarray would also turn 0-d into 1-d
+        arr = np.ascontiguousarray(arr)
     return Segments(arr.dtype, arr.shape, [(0, arr.reshape(-1))])
 
 

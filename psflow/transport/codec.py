@@ -136,7 +136,8 @@ def to_host(array: Any) -> np.ndarray:
     dtype_to_wire(arr.dtype)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(arr)
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def tensor_from_buffer(

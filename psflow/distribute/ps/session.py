@@ -109,6 +109,7 @@ class PSSession:
         self._cache_lock = threading.RLock()
         self._configured: dict[str, str] = {}
         self._step: int | None = None
+        self._dirty_metrics: dict[int, Any] = {}
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(
                 max_workers=len(self.connections), thread_name_prefix="ps-call"
@@ -183,10 +184,25 @@ class PSSession:
             self._step = step
 
     def end_step(self) -> None:
-        """Ends the step: reads pull afresh again."""
+        """Ends the step: metrics updated in it are flushed; reads pull afresh again."""
         with self._cache_lock:
-            self._cache = None
-            self._step = None
+            dirty = list(self._dirty_metrics.values())
+            self._dirty_metrics.clear()
+        try:
+            for metric in dirty:
+                metric._ps.flush(metric)
+        finally:
+            with self._cache_lock:
+                self._cache = None
+                self._step = None
+
+    def defer_flush(self, metric: Any) -> bool:
+        """Remembers a metric to flush when the running step ends; False outside a step."""
+        with self._cache_lock:
+            if self._cache is None:
+                return False
+            self._dirty_metrics[id(metric)] = metric
+            return True
 
     @contextlib.contextmanager
     def step(self, step: int | None = None) -> Iterator[None]:
@@ -257,9 +273,7 @@ class PSSession:
     # -- writes ------------------------------------------------------------------------
     def write(self, handle: Any, op: str, value: Any) -> None:
         """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
-        arr = np.ascontiguousarray(
-            backend.to_numpy(to_array(value)).astype(handle.np_dtype, copy=False)
-        )
+        arr = _contiguous(backend.to_numpy(to_array(value)).astype(handle.np_dtype, copy=False))
         ps = handle.ps_index
         (version,) = self.connections[ps].write(
             op, [handle.key], [arr], request_id=self._next_id(ps)
@@ -290,13 +304,13 @@ class PSSession:
                 indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
                 g = Grad(
                     h.key,
-                    np.ascontiguousarray(values.reshape((indices.size, *h.shape_tuple[1:]))),
+                    _contiguous(values.reshape((indices.size, *h.shape_tuple[1:]))),
                     indices,
                     self._versions.get(h.key, -1),
                 )
             else:
                 values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
-                g = Grad(h.key, np.ascontiguousarray(values), None, self._versions.get(h.key, -1))
+                g = Grad(h.key, _contiguous(values), None, self._versions.get(h.key, -1))
             grads.setdefault(h.ps_index, []).append(g)
         if to_configure:
             self._on_each(
@@ -359,3 +373,9 @@ class PSSession:
             {ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)}
         )
         return [results[ps] for ps in sorted(results)]
+
+
+def _contiguous(array: Any) -> np.ndarray:
+    """A C-contiguous host array of the same shape (0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

@@ -40,7 +40,8 @@ class Model(Layer):
         self.loss: Any = None
         self.compiled = False
         self.stop_training = False
-        self._loss_tracker = metrics_lib.Mean(name="loss")
+        with metrics_lib.local_metrics():  # fit aggregates these itself, on the chief
+            self._loss_tracker = metrics_lib.Mean(name="loss")
         self._compiled_metrics: list[metrics_lib.Metric] = []
         self._global_batch_size: int | None = None
 
@@ -69,8 +70,12 @@ class Model(Layer):
             raise errors.UnimplementedError(
                 "Per-output metric dicts are not supported (single-output models)"
             )
-        self._compiled_metrics = [metrics_lib.get(m) for m in (metrics or [])]
-        self._compiled_metrics += [metrics_lib.get(m) for m in (weighted_metrics or [])]
+        with metrics_lib.local_metrics():
+            compiled = [metrics_lib.get(m) for m in [*(metrics or []), *(weighted_metrics or [])]]
+        # a metric the user built in a parameter-server scope: fit keeps a local twin of it
+        self._compiled_metrics = [
+            m if getattr(m, "_ps", None) is None else _local_twin(m) for m in compiled
+        ]
         self.compiled = True
 
     def _strategy_scope(self) -> Any:
@@ -455,6 +460,16 @@ class Model(Layer):
         out(f"Trainable params: {trainable} ({_bytes(trainable)})")
         out(f"Non-trainable params: {total - trainable} ({_bytes(total - trainable)})")
         out("_" * line_length)
+
+
+def _local_twin(metric: metrics_lib.Metric) -> metrics_lib.Metric:
+    import copy
+
+    twin = copy.copy(metric)
+    twin._ps = None
+    twin._lock = type(metric._lock)()
+    twin._clear_local()
+    return twin
 
 
 def _bytes(n_params: int) -> str:
