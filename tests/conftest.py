@@ -171,3 +171,77 @@ def ps_client(ps_server):
 def unique():
     """A unique prefix for variable names on the shared PS."""
     return f"t{uuid.uuid4().hex[:8]}/"
+
+
+@dataclasses.dataclass
+class Cluster:
+    """PS and worker processes on loopback, for a chief running in the test process."""
+
+    ps: list[ServerProcess]
+    workers: list[ServerProcess]
+
+    def spec(self) -> dict[str, list[str]]:
+        """The cluster as TF_CONFIG's ``cluster`` dict."""
+        return {"ps": [p.address for p in self.ps], "worker": [w.address for w in self.workers]}
+
+    def resolver(self):
+        """A resolver naming this process as the chief."""
+        from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+
+        spec = {**self.spec(), "chief": ["127.0.0.1:1"]}
+        return SimpleClusterResolver(ClusterSpec(spec), task_type="chief", task_id=0)
+
+
+@pytest.fixture
+def start_cluster(tmp_path):
+    """Factory: ``start_cluster(num_ps, num_workers, worker_env=None)`` -> a ready :class:`Cluster`.
+
+    Workers get the PS addresses on their command line; every process is reaped
+    at the end of the test, and coordinators the test created are shut down.
+    """
+    started: list[ServerProcess] = []
+
+    def start(
+        num_ps: int = 1, num_workers: int = 1, worker_env: dict[str, str] | None = None
+    ) -> Cluster:
+        ps = []
+        for i in range(num_ps):
+            server = start_server(
+                "ps_server",
+                ["--port", "0", "--task", f"ps:{i}"],
+                "PSFLOW_READY ps",
+                log_dir=tmp_path,
+            )
+            started.append(server)
+            ps.append(server)
+        addresses = ",".join(p.address for p in ps)
+        workers = []
+        for i in range(num_workers):
+            server = start_server(
+                "worker",
+                [
+                    "--port",
+                    "0",
+                    "--task",
+                    f"worker:{i}",
+                    "--ps",
+                    addresses,
+                    "--workers",
+                    str(num_workers),
+                ],
+                "PSFLOW_READY worker",
+                log_dir=tmp_path,
+                env=worker_env,
+            )
+            started.append(server)
+            workers.append(server)
+        return Cluster(ps, workers)
+
+    try:
+        yield start
+    finally:
+        from psflow.distribute.coordinator.cluster_coordinator import shutdown_all
+
+        shutdown_all()
+        for server in started:
+            server.reap()

@@ -29,6 +29,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,14 @@ from psflow.distribute.coordinator.workers import Closure, Worker
 from psflow.util import nest
 
 log = logging.getLogger("psflow.coordinator")
+
+_alive: weakref.WeakSet = weakref.WeakSet()
+
+
+def shutdown_all() -> None:
+    """Shuts down every coordinator of this process (tests and interpreter exit use it)."""
+    for coordinator in list(_alive):
+        coordinator.shutdown()
 
 
 def _env_float(name: str, default: float) -> float:
@@ -110,6 +119,7 @@ class ClusterCoordinator:
         ]
         strategy.extended._coordinator = self
         self._initialized = True
+        _alive.add(self)
         for t in self._threads:
             t.start()
 
