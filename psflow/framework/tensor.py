@@ -126,6 +126,8 @@ def _array_from(value: Any, dtype: dtypes.DType | None, copy: bool) -> Any:
         return value.copy() if copy else value
     if isinstance(value, np.generic):
         return _array_from(np.asarray(value), dtype, copy)
+    if hasattr(value, "_shard_variables"):  # a ShardedVariable: its shards joined
+        return _array_from(Tensor._wrap(value._array()), dtype, copy)
     from psflow.framework.indexed_slices import IndexedSlices
 
     if isinstance(value, IndexedSlices):

@@ -21,6 +21,11 @@ recording = tape_lib.is_recording
 
 def node(x: Any, dtype: Any = None) -> Any:
     """A tensor or variable for ``x`` (variables stay themselves so tapes see them)."""
+    shards = getattr(x, "_shard_variables", None)
+    if shards is not None:  # a sharded variable reads as its shards joined, differentiably
+        from psflow.ops import array_ops
+
+        x = array_ops.concat(list(shards), axis=0)
     if type(x) is Tensor or getattr(x, "_is_variable", False):
         if dtype is not None and x._array().dtype != dtypes.as_dtype(dtype).np:
             raise errors.InvalidArgumentError(

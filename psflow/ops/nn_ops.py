@@ -269,7 +269,7 @@ def embedding_lookup(
 
 def _sharded_lookup(shards: list[Any], ids: Any) -> Tensor:
     """TensorFlow's "div" partition: shard i holds a contiguous block of rows."""
-    sizes = [node(s)._array().shape[0] for s in shards]
+    sizes = [int(s.shape[0]) for s in shards]  # the shape only: a shard may live on a PS
     offsets = np.cumsum([0, *sizes])
     idx = node(ids)._array()
     flat = idx.reshape(-1)
@@ -279,7 +279,9 @@ def _sharded_lookup(shards: list[Any], ids: Any) -> Tensor:
     for i, shard in enumerate(shards):
         pos = m.nonzero(which == i)[0]
         if pos.size:
-            parts.append(array_ops.gather(shard, flat[pos] - int(offsets[i])))
+            local = Tensor._wrap(flat[pos] - int(offsets[i]))
+            lookup = getattr(shard, "_embedding_lookup", None)
+            parts.append(lookup(local) if lookup is not None else array_ops.gather(shard, local))
             positions.append(pos)
     if not parts:
         raise errors.InvalidArgumentError("embedding_lookup: empty ids")

@@ -139,10 +139,13 @@ class Layer:
 
     @property
     def weights(self) -> list[Variable]:
-        """All weights: this layer's, then its sublayers', in creation order."""
+        """All weights: this layer's, then its sublayers', in creation order (shards listed)."""
         seen: set[int] = set()
         out = []
-        for v in [*self._own_weights, *(w for layer in self._sublayers for w in layer.weights)]:
+        for v in [
+            *_expand(self._own_weights),
+            *(w for layer in self._sublayers for w in layer.weights),
+        ]:
             if id(v) not in seen:
                 seen.add(id(v))
                 out.append(v)
@@ -158,7 +161,7 @@ class Layer:
         """The weights a tape should differentiate."""
         if not self._trainable:
             return []
-        own = [v for v in self._own_weights if v.trainable]
+        own = [v for v in _expand(self._own_weights) if v.trainable]
         return own + [w for layer in self._sublayers for w in layer.trainable_weights]
 
     @property
@@ -292,11 +295,17 @@ class Layer:
     def _maybe_build(self, input_shape: Any) -> None:
         if self.built:
             return
+        flat = isinstance(input_shape, (tuple, list)) and all(
+            d is None or isinstance(d, (int, np.integer)) for d in input_shape
+        )
+        shape = (
+            TensorShape(input_shape) if flat else input_shape
+        )  # nested inputs keep nested shapes
         if self._strategy is not None and not distribute_lib.has_strategy():
             with self._strategy.scope():
-                self.build(TensorShape(input_shape))
+                self.build(shape)
         else:
-            self.build(TensorShape(input_shape))
+            self.build(shape)
         self.built = True
 
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -325,6 +334,15 @@ class Layer:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name}, built={self.built}>"
+
+
+def _expand(weights: list[Any]) -> list[Any]:
+    """Weights with every sharded variable replaced by its shards (TensorFlow lists shards too)."""
+    out = []
+    for w in weights:
+        shards = getattr(w, "_shard_variables", None)
+        out.extend(shards if shards is not None else [w])
+    return out
 
 
 def _shape_of(inputs: Any) -> tuple:

@@ -53,6 +53,11 @@ class Embedding(Layer):
             regularizer=self.embeddings_regularizer,
             constraint=self.embeddings_constraint,
         )
+        # On parameter servers, a table is read and updated by the rows a batch uses.
+        for table in getattr(self.embeddings, "_shard_variables", None) or [self.embeddings]:
+            mark = getattr(table, "_mark_sparse_access", None)
+            if mark is not None:
+                mark()
         self.built = True
 
     def call(self, inputs: Any) -> Any:
