@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from psflow import errors
-from psflow.distribute import distribute_lib
 from psflow.framework.tensor import Tensor
 from psflow.keras.engine import data_adapter
 
@@ -144,6 +143,15 @@ class PSRunner:
     def prepare(self, source: Any) -> Any:
         """Nothing to do here: sharding happens per worker, per epoch."""
         return source
+
+    def steps_estimate(self, source: Any) -> int | None:
+        """Steps of an epoch over every worker's shard, when known (for the progress bar)."""
+        if self.strategy.mode == "sync":
+            try:
+                return self._steps_for_sync(self._maker(source), None)
+            except errors.InvalidArgumentError:
+                return None
+        return steps_per_epoch_estimate(source, self.num_workers)
 
     def _maker(self, source: Any) -> Any:
         key = id(source)
@@ -278,5 +286,3 @@ def steps_per_epoch_estimate(source: Any, num_workers: int) -> int | None:
         return sum(math.ceil(len(range(w, n, num_workers)) / bs) for w in range(num_workers))
     return getattr(source, "steps", None)
 
-
-del distribute_lib

@@ -253,7 +253,8 @@ class Model(Layer):
         self._ensure_built(train)
         runner = self._runner()
         source = runner.prepare(train) if hasattr(runner, "prepare") else train
-        steps = steps_per_epoch or getattr(source, "steps", None)
+        estimate = getattr(runner, "steps_estimate", None)
+        steps = steps_per_epoch or (estimate(source) if estimate else getattr(source, "steps", None))
         history = callbacks_lib.History()
         cb_list = list(callbacks or [])
         if verbose:
