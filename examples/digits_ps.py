@@ -57,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=2)
     seconds = time.perf_counter() - start
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    print(f"trained {args.epochs} epochs in {seconds:.1f}s; test loss {loss:.4f}, test accuracy {accuracy:.4f}")
+    print(
+        f"trained {args.epochs} epochs in {seconds:.1f}s; test loss {loss:.4f}, test accuracy {accuracy:.4f}"
+    )
     return 0 if accuracy >= args.min_accuracy else 1
 
 

@@ -20,7 +20,7 @@ def embedded():
 
 def test_schedule_rejects_a_non_callable(embedded):
     _, coordinator = embedded
-    with pytest.raises(TypeError, match="callable.*int"):
+    with pytest.raises(TypeError, match=r"callable.*int"):
         coordinator.schedule(42)
 
 
@@ -84,7 +84,7 @@ def test_fetch_maps_structures(embedded):
 
 
 def test_per_worker_dataset_and_iterator(embedded):
-    strategy, coordinator = embedded
+    _, coordinator = embedded
 
     def dataset_fn(ctx):
         return pf.data.Dataset.range(10).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)

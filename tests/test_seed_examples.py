@@ -40,7 +40,12 @@ def test_seed_example_prints_what_the_spec_shows(name: str, tmp_path: pathlib.Pa
     env = child_env({"TF_CONFIG": "", "PSFLOW_NUM_CPU_DEVICES": "1"})
     env.pop("TF_CONFIG")
     out = subprocess.run(
-        [sys.executable, str(SEEDS / name)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+        [sys.executable, str(SEEDS / name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.strip()]

@@ -285,4 +285,3 @@ def steps_per_epoch_estimate(source: Any, num_workers: int) -> int | None:
         n, bs = source.num_examples, source.batch_size
         return sum(math.ceil(len(range(w, n, num_workers)) / bs) for w in range(num_workers))
     return getattr(source, "steps", None)
-

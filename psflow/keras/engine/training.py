@@ -254,7 +254,9 @@ class Model(Layer):
         runner = self._runner()
         source = runner.prepare(train) if hasattr(runner, "prepare") else train
         estimate = getattr(runner, "steps_estimate", None)
-        steps = steps_per_epoch or (estimate(source) if estimate else getattr(source, "steps", None))
+        steps = steps_per_epoch or (
+            estimate(source) if estimate else getattr(source, "steps", None)
+        )
         history = callbacks_lib.History()
         cb_list = list(callbacks or [])
         if verbose:
