@@ -15,12 +15,17 @@ SEEDS = ROOT / "examples" / "seeds"
 
 # TensorFlow's code from the spec pages (shared/seeds/*.ru.txt), per example.
 TF_SOURCES = {
-    "mirrored_num_replicas.py": "strategy = tf.distribute.MirroredStrategy()\nprint(strategy.num_replicas_in_sync)",
+    "mirrored_num_replicas.py": (
+        "strategy = tf.distribute.MirroredStrategy()\nprint(strategy.num_replicas_in_sync)"
+    ),
     "mirrored_run.py": "res = strategy.run(lambda x: x + 1, args=(t,))",
     "ps_num_replicas.py": "strategy = tf.distribute.ParameterServerStrategy(resolver)",
     "ps_variable.py": "v = tf.Variable([1, 2, 3, 4, 5], name='weights')",
     "ps_fit.py": "history = model.fit(x, y, epochs=5, verbose=0)\nprint(history.history['loss'][-1])",
-    "mirrored_fit.py": "dist_dataset = strategy.experimental_distribute_dataset(dataset)\n\nmodel.fit(dist_dataset, epochs=1)",
+    "mirrored_fit.py": (
+        "dist_dataset = strategy.experimental_distribute_dataset(dataset)\n\n"
+        "model.fit(dist_dataset, epochs=1)"
+    ),
 }
 
 EXPECTED = {
