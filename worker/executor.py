@@ -84,6 +84,7 @@ class ClosureExecutor:
         arguments: bytes,
         resource_key: str = "",
         step: int = 0,
+        closure_id: int = 0,
     ) -> Outcome:
         """Runs one closure and describes how it ended (never raises for the closure's errors)."""
         with self._lock:
@@ -111,7 +112,8 @@ class ClosureExecutor:
                     self.closures_failed += 1
                     return Outcome(error=closure_lib.describe_error(e))
                 try:
-                    with ps.step(step or None):
+                    key = f"{session_id}/c{closure_id}" if closure_id else None
+                    with ps.step(step or None, key):
                         value = fn(*args, **kwargs)
                     if resource_key:
                         state.resources[resource_key] = value

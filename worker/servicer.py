@@ -32,6 +32,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request.arguments,
                 request.resource_key,
                 request.step,
+                request.closure_id,
             )
         except errors.OpError as e:  # the worker itself failed (e.g. its PS session)
             context.abort(errors.to_grpc_code(e), str(e))

@@ -158,8 +158,8 @@ class PSExtended(distribute_lib.StrategyExtended):
         if self.embedded:
             session = self._session
 
-            def enter(step: int) -> Any:
-                return session.step(step)
+            def enter(step: int, closure_key: str) -> Any:
+                return session.step(step, closure_key)
 
             return [InProcessWorker(0, "worker:0", enter=enter)]
         return [GrpcWorker(i, addr) for i, addr in enumerate(self._worker_addresses)]

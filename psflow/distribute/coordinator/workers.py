@@ -107,7 +107,7 @@ class InProcessWorker(Worker):
         args = nest.map_structure(resolve, args) if args else ()
         kwargs = nest.map_structure(resolve, kwargs) if kwargs else {}
         if self._enter is not None:
-            with self._enter(closure.step):
+            with self._enter(closure.step, f"{session_id}/c{closure.closure_id}"):
                 value = closure.fn(*args, **kwargs)
         else:
             value = closure.fn(*args, **kwargs)

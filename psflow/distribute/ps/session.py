@@ -109,6 +109,7 @@ class PSSession:
         self._cache_lock = threading.RLock()
         self._configured: dict[str, str] = {}
         self._step: int | None = None
+        self._closure: tuple[str, dict[int, int]] | None = None
         self._dirty_metrics: dict[int, Any] = {}
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(
@@ -122,6 +123,12 @@ class PSSession:
 
     # -- plumbing ----------------------------------------------------------------------
     def _next_id(self, ps: int) -> tuple[str, int]:
+        """A request id; inside a closure it derives from the closure, so a re-run is deduplicated."""
+        closure = self._closure
+        if closure is not None:
+            key, counters = closure
+            counters[ps] = counters.get(ps, 0) + 1
+            return (f"{key}/ps{ps}", counters[ps])
         return (self.client_id, next(self._seq[ps]))
 
     def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
@@ -177,11 +184,17 @@ class PSSession:
             self.register(h)
 
     # -- steps -------------------------------------------------------------------------
-    def begin_step(self, step: int | None = None) -> None:
-        """Starts a training step: reads are cached until :meth:`end_step`."""
+    def begin_step(self, step: int | None = None, closure_key: str | None = None) -> None:
+        """Starts a training step: reads are cached until :meth:`end_step`.
+
+        ``closure_key`` names the closure being run (coordinator session and
+        closure id): its pushes carry ids derived from it, so a closure re-run
+        on another worker after a failure is applied at most once.
+        """
         with self._cache_lock:
             self._cache = {}
             self._step = step
+            self._closure = (closure_key, {}) if closure_key else None
 
     def end_step(self) -> None:
         """Ends the step: metrics updated in it are flushed; reads pull afresh again."""
@@ -195,6 +208,7 @@ class PSSession:
             with self._cache_lock:
                 self._cache = None
                 self._step = None
+                self._closure = None
 
     def defer_flush(self, metric: Any) -> bool:
         """Remembers a metric to flush when the running step ends; False outside a step."""
@@ -205,9 +219,9 @@ class PSSession:
             return True
 
     @contextlib.contextmanager
-    def step(self, step: int | None = None) -> Iterator[None]:
+    def step(self, step: int | None = None, closure_key: str | None = None) -> Iterator[None]:
         """``begin_step`` ... ``end_step``."""
-        self.begin_step(step)
+        self.begin_step(step, closure_key)
         try:
             yield
         finally:
