@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Any
 
 import pytest
 
@@ -179,6 +180,15 @@ class Cluster:
 
     ps: list[ServerProcess]
     workers: list[ServerProcess]
+    restart: Any = None
+
+    def restart_worker(self, index: int) -> ServerProcess:
+        """Starts a new worker process in slot ``index`` (same port), after the old one died."""
+        return self.restart("worker", index)
+
+    def restart_ps(self, index: int, *args: str) -> ServerProcess:
+        """Starts a new PS process in slot ``index`` (same port), after the old one died."""
+        return self.restart("ps", index, *args)
 
     def spec(self) -> dict[str, list[str]]:
         """The cluster as TF_CONFIG's ``cluster`` dict."""
@@ -235,7 +245,24 @@ def start_cluster(tmp_path):
             )
             started.append(server)
             workers.append(server)
-        return Cluster(ps, workers)
+        cluster = Cluster(ps, workers)
+
+        def restart(role: str, index: int, *extra: str) -> ServerProcess:
+            old = (cluster.ps if role == "ps" else cluster.workers)[index]
+            old.reap()
+            if role == "ps":
+                args = ["--port", str(old.port), "--task", f"ps:{index}", *extra]
+                server = start_server("ps_server", args, "PSFLOW_READY ps", log_dir=tmp_path)
+                cluster.ps[index] = server
+            else:
+                args = ["--port", str(old.port), "--task", f"worker:{index}", "--ps", addresses, "--workers", str(num_workers)]
+                server = start_server("worker", args, "PSFLOW_READY worker", log_dir=tmp_path, env=worker_env)
+                cluster.workers[index] = server
+            started.append(server)
+            return server
+
+        cluster.restart = restart
+        return cluster
 
     try:
         yield start

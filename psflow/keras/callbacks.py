@@ -381,3 +381,71 @@ class LearningRateScheduler(Callback):
                 f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {lr}.",
                 flush=True,
             )
+
+
+class BackupAndRestore(Callback):
+    """Fault tolerance for ``fit`` (TensorFlow's ``BackupAndRestore``).
+
+    Saves the model, its optimizer and the epoch to ``backup_dir`` at the end of
+    every epoch (or every ``save_freq`` batches). When ``fit`` starts and a
+    backup exists — the chief was restarted — it restores it and continues with
+    the next epoch, so ``fit(epochs=E)`` completes E epochs in total. Under a
+    ParameterServerStrategy it also lets ``fit`` survive a lost parameter
+    server: once the PS task is back, every PS rolls back to the last backup and
+    training resumes from there. With ``delete_checkpoint`` the backup is
+    removed when training completes.
+    """
+
+    def __init__(self, backup_dir: str, save_freq: Any = "epoch", delete_checkpoint: bool = True, save_before_preemption: bool = False) -> None:
+        super().__init__()
+        if not backup_dir:
+            raise errors.InvalidArgumentError("BackupAndRestore needs a backup_dir")
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+            raise errors.InvalidArgumentError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}")
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self._manager: Any = None
+        self._epoch = 0
+        self._batches = 0
+
+    def _ensure_manager(self) -> Any:
+        if self._manager is None:
+            from psflow.train import Checkpoint, CheckpointManager
+
+            ckpt = Checkpoint(model=self.model)
+            self._manager = CheckpointManager(ckpt, self.backup_dir, max_to_keep=2, checkpoint_name="backup")
+        return self._manager
+
+    def restore(self) -> int | None:
+        """Restores the latest backup; returns the epoch to continue with (None: no backup)."""
+        manager = self._ensure_manager()
+        latest = manager.latest_checkpoint
+        if latest is None:
+            return None
+        status = manager._checkpoint.restore(latest)
+        return int(status.scalars.get("next_epoch", 0))
+
+    def save(self, next_epoch: int) -> str | None:
+        """Backs up the model with the epoch training should continue from."""
+        return self._ensure_manager().save(check_interval=False, extra={"next_epoch": int(next_epoch)})
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if isinstance(self.save_freq, int):
+            self._batches += 1
+            if self._batches % self.save_freq == 0:
+                self.save(self._epoch)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.save_freq == "epoch":
+            self.save(epoch + 1)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.delete_checkpoint:  # only reached when fit completes
+            import shutil
+
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            self._manager = None

@@ -95,8 +95,12 @@ class PSConnection(abc.ABC):
         """Writes this task's shard; returns the path of its manifest."""
 
     @abc.abstractmethod
-    def restore(self, directory: str, prefix: str = "") -> int:
-        """Loads this task's shard from a checkpoint; returns the recorded step."""
+    def restore(self, directory: str, prefix: str = "", names: Sequence[str] | None = None) -> int:
+        """Replaces this task's shard by a checkpoint's; returns the recorded step.
+
+        With ``names``: exactly those variables, gathered from any shard of the
+        checkpoint (a checkpoint written by another number of PS tasks).
+        """
 
     @abc.abstractmethod
     def stats(self, include_log: bool = False) -> dict[str, Any]:

@@ -105,8 +105,8 @@ class GrpcPSConnection(PSConnection):
     def save(self, directory: str, step: int = 0, prefix: str = "") -> str:
         return self.client.save(directory, prefix=prefix, step=step)["manifest_path"]
 
-    def restore(self, directory: str, prefix: str = "") -> int:
-        return int(self.client.restore(directory, prefix=prefix)["step"])
+    def restore(self, directory: str, prefix: str = "", names: Sequence[str] | None = None) -> int:
+        return int(self.client.restore(directory, prefix=prefix, names=list(names or []))["step"])
 
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         return self.client.stats(include_log=include_log)

@@ -90,8 +90,9 @@ class InProcessPSConnection(PSConnection):
             self.store, directory, prefix or self.task.replace(":", "-"), step
         ).manifest_path
 
-    def restore(self, directory: str, prefix: str = "") -> int:
-        return restore_shard(self.store, directory, prefix or self.task.replace(":", "-")).step
+    def restore(self, directory: str, prefix: str = "", names: Sequence[str] | None = None) -> int:
+        prefix = prefix or self.task.replace(":", "-")
+        return restore_shard(self.store, directory, prefix, list(names) if names else None).step
 
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         out = self.store.stats_snapshot(include_log)

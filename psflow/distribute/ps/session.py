@@ -381,6 +381,58 @@ class PSSession:
         )
         return [results[ps] for ps in sorted(results)]
 
+    def restore(self, directory: str, names_per_ps: dict[int, list[str]] | None = None, prefix: str = "ps") -> int:
+        """Every PS task replaces its shard from ``directory``; returns the checkpoint's step.
+
+        With ``names_per_ps`` each task restores exactly those variables,
+        gathered from any shard file (the checkpoint may come from another
+        number of tasks); otherwise task ``i`` restores ``{prefix}-{i}``.
+        """
+        work = {
+            ps: (
+                lambda ps=ps, c=c: c.restore(
+                    directory,
+                    prefix=f"{prefix}-{ps}",
+                    names=(names_per_ps or {}).get(ps) if names_per_ps is not None else None,
+                )
+            )
+            for ps, c in enumerate(self.connections)
+            if names_per_ps is None or (names_per_ps.get(ps))
+        }
+        steps = self._on_each(work)
+        self._configured.clear()
+        self._invalidate()
+        return max(steps.values()) if steps else 0
+
+    def handles_by_ps(self) -> dict[int, list[Any]]:
+        """The variable handles this session knows, grouped by PS task."""
+        out: dict[int, list[Any]] = {}
+        with self._handles_lock:
+            for h in self._handles.values():
+                out.setdefault(h.ps_index, []).append(h)
+        return out
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits until every PS task answers (after a restart).
+
+        Raises:
+            PSUnavailableError: a task still does not answer after ``timeout`` seconds.
+        """
+        import time
+
+        deadline = time.monotonic() + timeout
+        for c in self.connections:
+            while True:
+                try:
+                    c.list_variables()
+                    break
+                except errors.UnavailableError as e:
+                    if time.monotonic() >= deadline:
+                        raise errors.PSUnavailableError(
+                            f"{c.task} did not come back within {timeout}s: {e}", task=c.task
+                        ) from None
+                    time.sleep(0.2)
+
     def stats(self, include_log: bool = False) -> list[dict[str, Any]]:
         """Every PS task's counters."""
         results = self._on_each(

@@ -236,8 +236,8 @@ class PSRunner:
                 break
             try:
                 worker, states, ran = pending.popleft().get()
-            except errors.CancelledError:
-                self.coordinator.join()  # raises the error that caused the cancellation
+            except Exception:
+                self.coordinator.join()  # raises the first error: the cause of the others
                 raise
             if not ran:
                 exhausted.add(worker)
@@ -251,6 +251,23 @@ class PSRunner:
                 break
         self.coordinator.join()
         return done
+
+    def wait_for_parameter_servers(self) -> None:
+        """After a PS loss: let in-flight closures finish or fail, then wait for every PS task.
+
+        Bounded by ``PSFLOW_PS_RECOVERY_TIMEOUT`` seconds (default 300).
+
+        Raises:
+            PSUnavailableError: a PS task did not come back in time.
+        """
+        import os
+
+        timeout = float(os.environ.get("PSFLOW_PS_RECOVERY_TIMEOUT", "300"))
+        try:
+            self.coordinator.join()
+        except Exception:  # the closures that hit the lost PS; their errors are this failure
+            pass
+        self.strategy._session.wait_ready(timeout)
 
     def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
         """One epoch of closures; returns the steps that ran."""

@@ -267,23 +267,56 @@ class Model(Layer):
         )
         self.stop_training = False
         logs: dict[str, Any] = {}
+        backups = [cb for cb in cb_list if isinstance(cb, callbacks_lib.BackupAndRestore)]
         cbs.on_train_begin()
-        for epoch in range(initial_epoch, epochs):
+        epoch = initial_epoch
+        for cb in backups:  # a restarted chief continues where the backup left off
+            resumed = cb.restore()
+            if resumed is not None:
+                epoch = max(epoch, resumed)
+        while epoch < epochs:
             self.reset_metrics()
             cbs.on_epoch_begin(epoch)
-            runner.train_epoch(source, steps_per_epoch, cbs)
+            try:
+                runner.train_epoch(source, steps_per_epoch, cbs)
+            except (errors.UnavailableError, errors.NotFoundError) as e:
+                # a PS task that died (unavailable) or came back empty (variables not found)
+                epoch = self._recover_from_ps_loss(e, backups, runner)
+                continue
             logs = self._current_logs()
             if val is not None and (epoch + 1) % validation_freq == 0:
-                val_logs = self._evaluate_source(
-                    val, validation_steps, callbacks_lib.CallbackList([], self, {})
-                )
+                val_logs = self._evaluate_source(val, validation_steps, callbacks_lib.CallbackList([], self, {}))
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             cbs.on_epoch_end(epoch, logs)
+            epoch += 1
             if self.stop_training:
                 break
         cbs.on_train_end(logs)
         self.history = history
         return history
+
+    def _recover_from_ps_loss(self, error: errors.OpError, backups: list[Any], runner: Any) -> int:
+        """A parameter server was lost mid-epoch: roll every PS back to the last backup.
+
+        Returns the epoch to continue from.
+
+        Raises:
+            PSUnavailableError: no BackupAndRestore callback (automatic recovery is
+                off), or the PS did not come back in time; names the task.
+        """
+        task = error.task or ""
+        recover = getattr(runner, "wait_for_parameter_servers", None)
+        if not task.startswith("ps") or recover is None:
+            raise error
+        if not backups:
+            raise errors.PSUnavailableError(
+                f"Parameter server {task} was lost and automatic recovery is off (add a "
+                f"keras.callbacks.BackupAndRestore to fit): {error.message}",
+                task=task,
+            ) from error
+        recover()
+        resumed = backups[0].restore()
+        return resumed if resumed is not None else 0
 
     def _evaluate_source(self, source: Any, steps: int | None, cbs: Any) -> dict[str, float]:
         self._ensure_built(source)

@@ -55,6 +55,7 @@ class Optimizer:
         self._iterations = 0
         self._slots: dict[tuple[int, int], dict[str, Any]] = {}
         self._slot_owner: dict[tuple[int, int], Any] = {}
+        self._pending_slots: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._rule_cache: tuple[float, update_rules.UpdateRule] | None = None
         _ = self.rule  # validates the hyperparameters now, naming a bad one
@@ -151,6 +152,10 @@ class Optimizer:
                 if slots is None:
                     arr = var._array() if array is None else array
                     slots = self.rule.init_slots(arr)
+                    pending = self._pending_slots.pop((var.name, replica), {})
+                    for name, saved in pending.items():  # restored before the slots existed
+                        if name in slots and slots[name].shape == saved.shape:
+                            backend.xp_of(slots[name]).copyto(slots[name], backend.place(saved, backend.device_of(slots[name])))
                     self._slots[key] = slots
                     self._slot_owner[key] = var
         return slots
@@ -310,6 +315,7 @@ class Optimizer:
         d.pop("_lock", None)
         d["_slots"] = {}
         d["_slot_owner"] = {}
+        d["_pending_slots"] = {}
         d["_rule_cache"] = None
         return d
 
