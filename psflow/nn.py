@@ -1,1 +1,28 @@
 """``psflow.nn``: TensorFlow's ``tf.nn`` names."""
+
+from psflow.ops.nn_ops import (
+    bias_add,
+    compute_average_loss,
+    dropout,
+    elu,
+    embedding_lookup,
+    gelu,
+    l2_loss,
+    l2_normalize,
+    leaky_relu,
+    log_softmax,
+    moments,
+    relu,
+    relu6,
+    scale_regularization_loss,
+    selu,
+    sigmoid,
+    sigmoid_cross_entropy_with_logits,
+    silu,
+    softmax,
+    softmax_cross_entropy_with_logits,
+    softplus,
+    sparse_softmax_cross_entropy_with_logits,
+    swish,
+    tanh,
+)
