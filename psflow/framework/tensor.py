@@ -230,6 +230,20 @@ def constant(value: Any, dtype: Any = None, shape: Any = None, name: str | None 
     return Tensor._wrap(_place(arr))
 
 
+def numpy_text(value: Any, is_repr: bool = False) -> str:
+    """A value's text as TensorFlow prints it inside a tensor's or variable's str/repr.
+
+    Reprs show scalars as Python values (``3.0``, not NumPy 2's ``np.float32(3.0)``);
+    text that spans lines starts on a new line.
+    """
+    arr = np.asarray(value)
+    if is_repr:
+        text = repr(arr.item()) if arr.ndim == 0 else repr(arr)
+    else:
+        text = str(arr[()] if arr.ndim == 0 else arr)
+    return "\n" + text if "\n" in text else text
+
+
 class Tensor:
     """An immutable multidimensional array (TensorFlow's eager ``tf.Tensor``).
 
@@ -294,15 +308,13 @@ class Tensor:
 
     # -- printing --------------------------------------------------------------------
     def __str__(self) -> str:
-        body = str(self.numpy())
-        sep = "\n" if "\n" in body else ""
-        return (
-            f"psflow.Tensor({sep}{body}, shape={tuple(self._value.shape)}, dtype={self.dtype.name})"
-        )
+        body = numpy_text(self.numpy())
+        return f"psflow.Tensor({body}, shape={tuple(self._value.shape)}, dtype={self.dtype.name})"
 
     def __repr__(self) -> str:
         shape = tuple(self._value.shape)
-        return f"<psflow.Tensor: shape={shape}, dtype={self.dtype.name}, numpy={self.numpy()!r}>"
+        body = numpy_text(self.numpy(), is_repr=True)
+        return f"<psflow.Tensor: shape={shape}, dtype={self.dtype.name}, numpy={body}>"
 
     # -- Python protocols ------------------------------------------------------------
     __hash__ = None  # type: ignore[assignment]  # == is elementwise, as in TensorFlow 2

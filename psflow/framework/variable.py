@@ -334,7 +334,7 @@ class Variable(metaclass=_VariableMeta):
         arr = backend.to_numpy(self._array())
         return (
             f"<psflow.Variable '{self._name}' shape={tuple(arr.shape)} dtype={self.dtype.name}, "
-            f"numpy={arr!r}>"
+            f"numpy={tensor_lib.numpy_text(arr, is_repr=True)}>"
         )
 
     __hash__ = object.__hash__
