@@ -77,35 +77,41 @@ class TensorShape(tuple):
 
 
 def _python_array(value: Any, dtype: dtypes.DType | None) -> np.ndarray:
-    """A NumPy array from Python data with TensorFlow's dtype inference."""
-    if dtype is not None:
-        try:
-            arr = np.asarray(value, dtype=dtype.np)
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"Cannot convert {value!r} to a tensor of dtype {dtype.name}: {e}"
-            ) from None
-        return arr
+    """A NumPy array from Python data with TensorFlow's dtype inference.
+
+    With ``dtype``, a conversion that would lose data is refused as TensorFlow
+    refuses it: floats into integers or bool, integers into bool, integers
+    out of the target's range.
+    """
     try:
         arr = np.asarray(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise errors.InvalidArgumentError(
             f"Cannot convert {value!r} to a tensor: ragged or malformed ({e})"
         ) from None
     kind = arr.dtype.kind
+    if kind == "c":
+        raise TypeError(f"Complex values are not supported: {value!r}")
+    if kind not in "fiub":
+        raise TypeError(
+            f"Cannot convert {value!r} (element type {arr.dtype}) to a psflow tensor: not numeric"
+        )
+    if dtype is not None:
+        want = dtype.np
+        lossy = (kind == "f" and want.kind in "iub") or (kind in "iu" and want.kind == "b")
+        if not lossy and kind in "iu" and want.kind in "iu" and arr.size:
+            info = np.iinfo(want)
+            lossy = int(arr.max()) > info.max or int(arr.min()) < info.min
+        if lossy:
+            raise TypeError(f"Cannot convert {value!r} to a tensor of dtype {dtype.name}")
+        return arr.astype(want)
     if kind == "f":
         return arr.astype(np.float32)
     if kind in "iu":
         if arr.size and (arr.max() > np.iinfo(np.int32).max or arr.min() < np.iinfo(np.int32).min):
             return arr.astype(np.int64)
         return arr.astype(np.int32)
-    if kind == "b":
-        return arr
-    if kind == "c":
-        raise TypeError(f"Complex values are not supported: {value!r}")
-    raise TypeError(
-        f"Cannot convert {value!r} (element type {arr.dtype}) to a psflow tensor: not numeric"
-    )
+    return arr
 
 
 def _array_from(value: Any, dtype: dtypes.DType | None, copy: bool) -> Any:
