@@ -265,6 +265,8 @@ class Tensor:
 
     __slots__ = ("__weakref__", "_value")
     _is_variable = False
+    # NumPy defers to our reflected operators: ``np.float32(2) * t`` is a tensor op.
+    __array_priority__ = 100
 
     def __init__(self, value: Any, dtype: Any = None) -> None:
         self._value = constant(value, dtype)._value

@@ -153,6 +153,7 @@ class Variable(metaclass=_VariableMeta):
     """
 
     _is_variable = True
+    __array_priority__ = 100  # NumPy defers to our reflected operators, as for tensors
 
     def __init__(
         self,
