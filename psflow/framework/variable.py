@@ -184,7 +184,8 @@ class Variable(metaclass=_VariableMeta):
 
     @classmethod
     def _create(cls, **kwargs: Any) -> Variable:
-        return cls(**kwargs)
+        # type.__call__, not cls(): the end of the creator chain must not re-enter it.
+        return type.__call__(cls, **kwargs)
 
     def _init_attrs(
         self,
