@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -356,3 +361,37 @@ def test_sharded_embedding_lookup_gives_one_sparse_gradient_per_shard() -> None:
     assert isinstance(g0, pf.IndexedSlices) and isinstance(g1, pf.IndexedSlices)
     np.testing.assert_array_equal(dense(g0), [[1, 1], [0, 0], [0, 0]])
     np.testing.assert_array_equal(dense(g1), [[2, 2], [1, 1], [0, 0]])
+
+
+# -- end to end: the custom-loop example -------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_linear_regression_example_recovers_the_weights() -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import linear_regression as example
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    w, b, loss = example.train(steps=200)
+    np.testing.assert_allclose(w, np.ravel(example.TRUE_W), atol=0.01)
+    assert abs(b - example.TRUE_B) < 0.01 and loss < 1e-3
+
+
+@pytest.mark.slow
+def test_linear_regression_example_runs_as_a_script() -> None:
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "linear_regression.py"), "--steps", "150"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "step    0" in proc.stderr and "step  149" in proc.stderr
+    learned = re.search(r"learned weights \[([^\]]*)\]\s+bias ([-\d.]+)", proc.stderr)
+    assert learned, proc.stderr
+    np.testing.assert_allclose([float(v) for v in learned.group(1).split()], [2.0, -3.4, 0.5],
+                               atol=0.01)  # fmt: skip
+    assert abs(float(learned.group(2)) - 4.2) < 0.01
