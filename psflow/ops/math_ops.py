@@ -343,7 +343,11 @@ def _count(a: Any, axes: tuple[int, ...] | None) -> int:
 def _mean(a: Any, axis: Any, keepdims: bool) -> Any:
     if a.dtype.kind in "iu":  # TensorFlow's integer mean truncates
         return (a.sum(axis=axis, keepdims=keepdims) // max(_count(a, axis), 1)).astype(a.dtype)
-    return a.mean(axis=axis, keepdims=keepdims)
+    count = _count(a, axis)
+    if count and a.dtype.itemsize >= 4:
+        # what ndarray.mean computes for float32/64, without its Python-level wrapper
+        return a.sum(axis=axis, keepdims=keepdims) / count
+    return a.mean(axis=axis, keepdims=keepdims)  # float16 accumulates in float32 there
 
 
 def _extreme_grad(g: Any, a: Any, z: Any, axes: Any) -> Any:
