@@ -11,7 +11,8 @@ data (eager and inside ``tf.function``) alternating with the same NumPy step,
 so ``psflow / tensorflow = (psflow / numpy) / (tensorflow / numpy)`` compares
 runs made minutes apart without trusting their absolute times.
 
-    python benchmarks/engine.py [--quick] [--threads 1] [--batches 64 256] [--no-tf]
+    python benchmarks/engine.py [--quick] [--threads 1] [--batches 64 256]
+                                [--clock wall|cpu] [--no-tf]
 
 FLOPs per step (reported, not used in the ratio): forward 2*B*sum(n_in*n_out),
 backward twice that for the weight and input gradients (the first layer's
@@ -112,7 +113,7 @@ def flops(batch: int) -> int:
     return fwd + bwd
 
 
-def tf_worker(batches: list[int], rounds: int, number: int, threads: int) -> None:
+def tf_worker(batches: list[int], rounds: int, number: int, threads: int, clock: str) -> None:
     """In a subprocess: TensorFlow eager and tf.function steps against the NumPy step."""
     import logging
     import os
@@ -144,13 +145,17 @@ def tf_worker(batches: list[int], rounds: int, number: int, threads: int) -> Non
         graph = tf.function(eager)
         reference = numpy_step(p)
         for name, fn in (("eager", eager), ("function", graph)):
-            t_tf, t_np = alternate(lambda f=fn: f()[0].numpy(), reference, rounds, number)
+            t_tf, t_np = alternate(
+                lambda f=fn: f()[0].numpy(), reference, rounds, number, clock=clock
+            )
             line = {"batch": batch, "mode": name, "tf_version": tf.__version__}
             line.update(tf=summary(t_tf), numpy=summary(t_np))
             print(json.dumps(line), flush=True)
 
 
-def run_tensorflow(batches: list[int], rounds: int, number: int, threads: int) -> list[dict]:
+def run_tensorflow(
+    batches: list[int], rounds: int, number: int, threads: int, clock: str
+) -> list[dict]:
     """Runs :func:`tf_worker` in a bounded subprocess; its result lines, or [] on failure."""
     cmd = [
         sys.executable,
@@ -162,6 +167,8 @@ def run_tensorflow(batches: list[int], rounds: int, number: int, threads: int) -
         str(rounds),
         "--number",
         str(number),
+        "--clock",
+        clock,
         "--batches",
         *map(str, batches),
     ]
@@ -186,13 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--rounds", type=int, default=None, help="A/B rounds per case")
     parser.add_argument("--number", type=int, default=None, help="steps per timed sample")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or process CPU time (steadier on a busy machine, single thread only)",
+    )
     parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow side")
     parser.add_argument("--tf-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rounds = args.rounds or (12 if args.quick else 40)
     number = args.number or (4 if args.quick else 10)
     if args.tf_worker:
-        tf_worker(args.batches, rounds, number, args.threads)
+        tf_worker(args.batches, rounds, number, args.threads, args.clock)
         return 0
     pin_blas_threads(args.threads)
 
@@ -207,14 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         p = make_problem(batch)
         a, b = psflow_step(p), numpy_step(p)
         diff = max_difference(a, b)
-        t_pf, t_np = alternate(a, b, rounds, number)
+        t_pf, t_np = alternate(a, b, rounds, number, clock=args.clock)
         s_pf, s_np = summary(t_pf), summary(t_np)
         gflop = flops(batch) / 1e9
         for side, s in (("psflow-tape", s_pf), ("numpy-manual", s_np)):
             ms = {k: v * 1e3 for k, v in s.items() if k != "n"}
             emit(BENCH, f"mlp/batch{batch}/{side}", "step_time", ms["median"], "ms",
                  p50=ms["p50"], p99=ms["p99"], n=s["n"], steps_per_sample=number,
-                 gflops=gflop / s["median"], threads=args.threads, dtype="float32")  # fmt: skip
+                 gflops=gflop / s["median"], threads=args.threads, dtype="float32",
+                 clock=args.clock)  # fmt: skip
         ratio = s_pf["median"] / s_np["median"]
         ratios[batch] = ratio
         emit(BENCH, f"mlp/batch{batch}", "ratio", ratio, "x", a="psflow-tape",
@@ -229,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(BENCH, "mlp/tensorflow", "skipped", 0, "", reason=why)
     else:
         progress("tensorflow: eager and tf.function in a subprocess ...")
-        for r in run_tensorflow(args.batches, rounds, number, args.threads):
+        for r in run_tensorflow(args.batches, rounds, number, args.threads, args.clock):
             batch, mode, version = r["batch"], r["mode"], r["tf_version"]
             tf_vs_np = r["tf"]["median"] / r["numpy"]["median"]
             emit(BENCH, f"mlp/batch{batch}/tensorflow-{mode}", "step_time",
