@@ -243,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         emit(BENCH, "mlp/tensorflow", "skipped", 0, "", reason=why)
     else:
         progress("tensorflow: eager and tf.function in a subprocess ...")
-        for r in run_tensorflow(args.batches, rounds, number, args.threads, args.clock):
+        results = run_tensorflow(args.batches, rounds, number, args.threads, args.clock)
+        if not results:
+            emit(BENCH, "mlp/tensorflow", "skipped", 0, "", reason="tensorflow run failed")
+        for r in results:
             batch, mode, version = r["batch"], r["mode"], r["tf_version"]
             tf_vs_np = r["tf"]["median"] / r["numpy"]["median"]
             emit(BENCH, f"mlp/batch{batch}/tensorflow-{mode}", "step_time",
