@@ -46,7 +46,9 @@ def binary(x: Any, y: Any, op_name: str) -> tuple[Any, Any]:
         InvalidArgumentError: the dtypes differ (TensorFlow never promotes), or a
             value would lose data in the conversion (``1.5`` into int32).
     """
-    if _is_weak(y):
+    if type(x) is Tensor and type(y) is Tensor:
+        pass  # the common case: nothing to convert
+    elif _is_weak(y):
         x = node(x)
         y = convert_to_tensor(y, dtype=_weak_dtype(y, x._array().dtype))
     elif _is_weak(x):
@@ -79,8 +81,10 @@ def _weak_dtype(value: Any, other: np.dtype) -> dtypes.DType:
 def out(array: Any, inputs: tuple[Any, ...], backward: Any = None) -> Tensor:
     """Wraps an op's result and records it on the active tapes."""
     t = Tensor._wrap(array)
-    if backward is not None and tape_lib._local.__dict__.get("tapes"):
-        record(inputs, t, backward)
+    if backward is not None:
+        for tape in tape_lib._local.__dict__.get("tapes", ()):
+            if tape._recording:
+                tape._record(inputs, t, backward)
     return t
 
 
