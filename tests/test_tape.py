@@ -415,3 +415,27 @@ def test_gradients_are_freed_without_the_cyclic_garbage_collector(structure: str
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_backward_functions_run_only_on_paths_to_the_sources() -> None:
+    """White-box: an op whose output cannot reach a source is not differentiated."""
+    from psflow.ops._core import node, out
+
+    calls: list[tuple[bool, ...]] = []
+
+    def counted(x: Any) -> Any:
+        x = node(x)
+
+        def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
+            calls.append(needs)
+            return (g,)
+
+        return out(x._array() * 1.0, (x,), backward)
+
+    v, w = pf.Variable(2.0), pf.Variable(3.0)
+    with pf.GradientTape(persistent=True) as tape:
+        y = counted(v) * w
+    assert float(tape.gradient(y, w)) == 2.0
+    assert calls == []
+    assert float(tape.gradient(y, v)) == 3.0
+    assert calls == [(True,)]
