@@ -89,6 +89,22 @@ def _accumulate(a: Any, b: Any) -> Any:
     return a + b
 
 
+def _is_node(x: Any) -> bool:
+    """Whether ``x`` is a tensor or a variable (anything an op records)."""
+    return getattr(x, "_is_variable", None) is not None  # a class attribute of both
+
+
+def _flatten_nodes(x: Any) -> list[Any]:
+    """``nest.flatten`` with fast paths for a node and a flat list or tuple of nodes."""
+    if _is_node(x):
+        return [x]
+    if type(x) in (list, tuple) and all(_is_node(e) for e in x):
+        return list(x)
+    from psflow.util import nest
+
+    return nest.flatten(x)
+
+
 class GradientTape:
     """Records ops for automatic differentiation (TensorFlow's ``tf.GradientTape``).
 
@@ -113,7 +129,7 @@ class GradientTape:
         self._used = False
         self._watched: dict[int, Any] = {}
         self._variables: dict[int, Any] = {}
-        self._ops: list[tuple[tuple[Any, ...], Any, Backward]] = []
+        self._ops: list[tuple[tuple[int, ...], int, tuple[Any, ...], Any, Backward]] = []
 
     def __enter__(self) -> GradientTape:
         self._recording = True
@@ -166,9 +182,9 @@ class GradientTape:
 
     def _record(self, inputs: tuple[Any, ...], output: Any, backward: Backward) -> None:
         watched = self._watched
+        ids = tuple([id(x) for x in inputs])
         hit = False
-        for x in inputs:
-            key = id(x)
+        for key, x in zip(ids, inputs):
             if key in watched:
                 hit = True
             elif (
@@ -182,7 +198,9 @@ class GradientTape:
                 hit = True
         if hit and output._array().dtype.kind == "f":
             watched[id(output)] = output
-            self._ops.append((inputs, output, backward))
+            # the ids are computed once here; the record keeps the objects alive so
+            # their ids stay unique while the tape holds it
+            self._ops.append((ids, id(output), inputs, output, backward))
 
     # -- differentiation -------------------------------------------------------------
     def gradient(
@@ -202,8 +220,6 @@ class GradientTape:
             InvalidArgumentError: a source is not a tensor or variable.
         """
         from psflow.framework.tensor import Tensor, to_array
-        from psflow.framework.variable import Variable
-        from psflow.util import nest
 
         if self._used and not self._persistent:
             raise RuntimeError(
@@ -211,20 +227,21 @@ class GradientTape:
                 " (or jacobians); create it with persistent=True to call gradient() again"
             )
         self._used = True
-        unconnected = UnconnectedGradients(
-            unconnected_gradients.value
-            if isinstance(unconnected_gradients, UnconnectedGradients)
-            else str(unconnected_gradients).lower()
-        )
-        flat_sources = nest.flatten(sources)
+        if unconnected_gradients is not UnconnectedGradients.NONE:
+            unconnected_gradients = UnconnectedGradients(
+                unconnected_gradients.value
+                if isinstance(unconnected_gradients, UnconnectedGradients)
+                else str(unconnected_gradients).lower()
+            )
+        flat_sources = _flatten_nodes(sources)
         for s in flat_sources:
-            if not isinstance(s, (Tensor, Variable)):
+            if not _is_node(s):
                 raise errors.InvalidArgumentError(
                     f"gradient sources must be tensors or variables, got {type(s).__name__}: {s!r}"
                 )
-        flat_targets = nest.flatten(target)
+        flat_targets = _flatten_nodes(target)
         flat_upstream = (
-            nest.flatten(output_gradients)
+            _flatten_nodes(output_gradients)
             if output_gradients is not None
             else [None] * len(flat_targets)
         )
@@ -234,27 +251,36 @@ class GradientTape:
             )
         grads: dict[int, Any] = {}
         for t, up in zip(flat_targets, flat_upstream):
-            if not isinstance(t, (Tensor, Variable)) or id(t) not in self._watched:
+            if not _is_node(t) or id(t) not in self._watched:
                 continue
             arr = t._array()
             xp = backend.xp_of(arr)
             g = xp.ones_like(arr) if up is None else xp.asarray(to_array(up), dtype=arr.dtype)
             grads[id(t)] = _accumulate(grads.get(id(t)), g)
 
+        watched = self._watched
         keep = {id(s) for s in flat_sources}
+        # Only tensors that depend on a watched source need gradients: one forward sweep
+        # finds them, so backward functions skip the products nobody asked for.
+        relevant = {k for k in keep if k in watched}
+        for in_ids, out_id, _, _, _ in self._ops:
+            if not relevant.isdisjoint(in_ids):
+                relevant.add(out_id)
         recording, self._recording = self._recording, False
         try:
-            for inputs, output, backward in reversed(self._ops):
-                key = id(output)
+            for in_ids, key, _, _, backward in reversed(self._ops):
+                if key not in relevant:
+                    continue
                 g = grads.get(key) if key in keep else grads.pop(key, None)
                 if g is None:
                     continue
                 if isinstance(g, IndexedSlices):
                     g = g.dense_array()
-                needs = tuple(id(x) in self._watched for x in inputs)
-                for x, gx in zip(inputs, backward(g, needs)):
-                    if gx is not None and id(x) in self._watched:
-                        grads[id(x)] = _accumulate(grads.get(id(x)), gx)
+                needs = tuple([k in relevant for k in in_ids])
+                for k, gx, need in zip(in_ids, backward(g, needs), needs):
+                    if need and gx is not None:
+                        prev = grads.get(k)
+                        grads[k] = gx if prev is None else _accumulate(prev, gx)
         finally:
             self._recording = recording
 
@@ -262,7 +288,7 @@ class GradientTape:
         for s in flat_sources:
             g = grads.get(id(s))
             if g is None:
-                if unconnected is UnconnectedGradients.ZERO:
+                if unconnected_gradients is UnconnectedGradients.ZERO:
                     arr = s._array()
                     results.append(Tensor._wrap(backend.xp_of(arr).zeros_like(arr)))
                 else:
@@ -273,6 +299,12 @@ class GradientTape:
                 results.append(Tensor._wrap(g))
         if not self._persistent:
             self._ops = []
+        if type(sources) is list:
+            return results
+        if type(sources) is tuple:
+            return tuple(results)
+        from psflow.util import nest
+
         return nest.pack_sequence_as(sources, results)
 
     def jacobian(self, target: Any, sources: Any) -> Any:

@@ -77,35 +77,41 @@ class TensorShape(tuple):
 
 
 def _python_array(value: Any, dtype: dtypes.DType | None) -> np.ndarray:
-    """A NumPy array from Python data with TensorFlow's dtype inference."""
-    if dtype is not None:
-        try:
-            arr = np.asarray(value, dtype=dtype.np)
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"Cannot convert {value!r} to a tensor of dtype {dtype.name}: {e}"
-            ) from None
-        return arr
+    """A NumPy array from Python data with TensorFlow's dtype inference.
+
+    With ``dtype``, a conversion that would lose data is refused as TensorFlow
+    refuses it: floats into integers or bool, integers into bool, integers
+    out of the target's range.
+    """
     try:
         arr = np.asarray(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise errors.InvalidArgumentError(
             f"Cannot convert {value!r} to a tensor: ragged or malformed ({e})"
         ) from None
     kind = arr.dtype.kind
+    if kind == "c":
+        raise TypeError(f"Complex values are not supported: {value!r}")
+    if kind not in "fiub":
+        raise TypeError(
+            f"Cannot convert {value!r} (element type {arr.dtype}) to a psflow tensor: not numeric"
+        )
+    if dtype is not None:
+        want = dtype.np
+        lossy = (kind == "f" and want.kind in "iub") or (kind in "iu" and want.kind == "b")
+        if not lossy and kind in "iu" and want.kind in "iu" and arr.size:
+            info = np.iinfo(want)
+            lossy = int(arr.max()) > info.max or int(arr.min()) < info.min
+        if lossy:
+            raise TypeError(f"Cannot convert {value!r} to a tensor of dtype {dtype.name}")
+        return arr.astype(want)
     if kind == "f":
         return arr.astype(np.float32)
     if kind in "iu":
         if arr.size and (arr.max() > np.iinfo(np.int32).max or arr.min() < np.iinfo(np.int32).min):
             return arr.astype(np.int64)
         return arr.astype(np.int32)
-    if kind == "b":
-        return arr
-    if kind == "c":
-        raise TypeError(f"Complex values are not supported: {value!r}")
-    raise TypeError(
-        f"Cannot convert {value!r} (element type {arr.dtype}) to a psflow tensor: not numeric"
-    )
+    return arr
 
 
 def _array_from(value: Any, dtype: dtypes.DType | None, copy: bool) -> Any:
@@ -232,6 +238,20 @@ def constant(value: Any, dtype: Any = None, shape: Any = None, name: str | None 
     return Tensor._wrap(_place(arr))
 
 
+def numpy_text(value: Any, is_repr: bool = False) -> str:
+    """A value's text as TensorFlow prints it inside a tensor's or variable's str/repr.
+
+    Reprs show scalars as Python values (``3.0``, not NumPy 2's ``np.float32(3.0)``);
+    text that spans lines starts on a new line.
+    """
+    arr = np.asarray(value)
+    if is_repr:
+        text = repr(arr.item()) if arr.ndim == 0 else repr(arr)
+    else:
+        text = str(arr[()] if arr.ndim == 0 else arr)
+    return "\n" + text if "\n" in text else text
+
+
 class Tensor:
     """An immutable multidimensional array (TensorFlow's eager ``tf.Tensor``).
 
@@ -247,6 +267,8 @@ class Tensor:
 
     __slots__ = ("__weakref__", "_value")
     _is_variable = False
+    # NumPy defers to our reflected operators: ``np.float32(2) * t`` is a tensor op.
+    __array_priority__ = 100
 
     def __init__(self, value: Any, dtype: Any = None) -> None:
         self._value = constant(value, dtype)._value
@@ -296,15 +318,13 @@ class Tensor:
 
     # -- printing --------------------------------------------------------------------
     def __str__(self) -> str:
-        body = str(self.numpy())
-        sep = "\n" if "\n" in body else ""
-        return (
-            f"psflow.Tensor({sep}{body}, shape={tuple(self._value.shape)}, dtype={self.dtype.name})"
-        )
+        body = numpy_text(self.numpy())
+        return f"psflow.Tensor({body}, shape={tuple(self._value.shape)}, dtype={self.dtype.name})"
 
     def __repr__(self) -> str:
         shape = tuple(self._value.shape)
-        return f"<psflow.Tensor: shape={shape}, dtype={self.dtype.name}, numpy={self.numpy()!r}>"
+        body = numpy_text(self.numpy(), is_repr=True)
+        return f"<psflow.Tensor: shape={shape}, dtype={self.dtype.name}, numpy={body}>"
 
     # -- Python protocols ------------------------------------------------------------
     __hash__ = None  # type: ignore[assignment]  # == is elementwise, as in TensorFlow 2

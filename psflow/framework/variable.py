@@ -155,6 +155,7 @@ class Variable(metaclass=_VariableMeta):
     """
 
     _is_variable = True
+    __array_priority__ = 100  # NumPy defers to our reflected operators, as for tensors
 
     def __init__(
         self,
@@ -276,14 +277,21 @@ class Variable(metaclass=_VariableMeta):
     # -- writing ---------------------------------------------------------------------
     def _checked_update(self, value: Any, what: str) -> Any:
         current = self._array()
-        try:
-            new = tensor_lib.to_array(value, None)
-        except (TypeError, ValueError) as e:
-            raise errors.InvalidArgumentError(f"{what} on {self._name}: {e}") from None
-        if tensor_lib.is_tensor(value) and new.dtype != current.dtype:
-            raise errors.InvalidArgumentError(
-                f"{what} on {self._name} of dtype {current.dtype.name} got dtype {new.dtype.name}"
-            )
+        if tensor_lib.is_tensor(value):
+            new = value._array()
+            if new.dtype != current.dtype:
+                raise errors.InvalidArgumentError(
+                    f"{what} on {self._name} of dtype {current.dtype.name} got dtype "
+                    f"{new.dtype.name}"
+                )
+        else:
+            # Python data converts to the variable's dtype, refusing lossy conversions
+            # (1.5 into an int32 variable) as TensorFlow does.
+            want = dtypes.from_numpy(current.dtype)
+            try:
+                new = tensor_lib._array_from(value, want, copy=False)
+            except (TypeError, ValueError) as e:
+                raise errors.InvalidArgumentError(f"{what} on {self._name}: {e}") from None
         if new.shape != current.shape:
             raise errors.InvalidArgumentError(
                 f"{what} on {self._name} of shape {tuple(current.shape)} got shape "
@@ -332,7 +340,7 @@ class Variable(metaclass=_VariableMeta):
         arr = backend.to_numpy(self._array())
         return (
             f"<psflow.Variable '{self._name}' shape={tuple(arr.shape)} dtype={self.dtype.name}, "
-            f"numpy={arr!r}>"
+            f"numpy={tensor_lib.numpy_text(arr, is_repr=True)}>"
         )
 
     __hash__ = object.__hash__

@@ -36,22 +36,29 @@ def node(x: Any, dtype: Any = None) -> Any:
 
 
 def _is_weak(x: Any) -> bool:
-    """Python scalars and lists adopt the other operand's dtype, as in TensorFlow."""
-    return isinstance(x, (int, float, bool, list, tuple)) and not isinstance(x, np.generic)
+    """Values that are not tensors or variables (Python numbers and lists, NumPy scalars
+    and arrays) adopt the other operand's dtype, as TensorFlow converts them."""
+    return not (isinstance(x, Tensor) or getattr(x, "_is_variable", False))
 
 
 def binary(x: Any, y: Any, op_name: str) -> tuple[Any, Any]:
     """Converts two operands to nodes of one dtype.
 
+    A tensor or variable fixes the dtype; the other operand, when it is not a
+    tensor, is converted to it (the first one decides when neither is).
+
     Raises:
-        InvalidArgumentError: the dtypes differ (TensorFlow never promotes).
+        InvalidArgumentError: the dtypes differ (TensorFlow never promotes), or a
+            value would lose data in the conversion (``1.5`` into int32).
     """
-    if _is_weak(x) and not _is_weak(y):
-        y = node(y)
-        x = convert_to_tensor(x, dtype=_weak_dtype(x, y._array().dtype))
-    elif _is_weak(y) and not _is_weak(x):
+    if type(x) is Tensor and type(y) is Tensor:
+        pass  # the common case: nothing to convert
+    elif _is_weak(y):
         x = node(x)
         y = convert_to_tensor(y, dtype=_weak_dtype(y, x._array().dtype))
+    elif _is_weak(x):
+        y = node(y)
+        x = convert_to_tensor(x, dtype=_weak_dtype(x, y._array().dtype))
     else:
         x, y = node(x), node(y)
     dx, dy = x._array().dtype, y._array().dtype
@@ -65,8 +72,11 @@ def binary(x: Any, y: Any, op_name: str) -> tuple[Any, Any]:
 
 def _weak_dtype(value: Any, other: np.dtype) -> dtypes.DType:
     if other.kind in "iub":
-        flat = np.asarray(value)
-        if flat.dtype.kind == "f":
+        try:
+            kind = np.asarray(value).dtype.kind
+        except (TypeError, ValueError, OverflowError):
+            kind = ""  # the conversion itself reports malformed data
+        if kind == "f":
             raise errors.InvalidArgumentError(
                 f"Cannot convert {value!r} to the integer dtype {other.name} without losing data"
             )
@@ -76,8 +86,10 @@ def _weak_dtype(value: Any, other: np.dtype) -> dtypes.DType:
 def out(array: Any, inputs: tuple[Any, ...], backward: Any = None) -> Tensor:
     """Wraps an op's result and records it on the active tapes."""
     t = Tensor._wrap(array)
-    if backward is not None and tape_lib._local.__dict__.get("tapes"):
-        record(inputs, t, backward)
+    if backward is not None:
+        for tape in tape_lib._local.__dict__.get("tapes", ()):
+            if tape._recording:
+                tape._record(inputs, t, backward)
     return t
 
 

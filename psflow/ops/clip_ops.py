@@ -80,19 +80,17 @@ def clip_by_global_norm(
             f"clip_by_global_norm expects a list of tensors, got {t_list!r}"
         )
     norm = global_norm(t_list) if use_norm is None else node(use_norm)
-    n = float(norm.numpy())
     c = float(clip_norm)
-    scale = c / max(n, c) if n == n else float("nan")
+    # An op, not a Python float: when clipping, the gradient flows through the norm too.
+    scale = math_ops.divide(c, math_ops.maximum(norm, c))
     clipped: list[Any] = []
     for t in t_list:
         if t is None:
             clipped.append(None)
         elif isinstance(t, IndexedSlices):
-            clipped.append(
-                IndexedSlices._raw(
-                    t._values * t._values.dtype.type(scale), t._indices, t._dense_shape
-                )
-            )
+            factor = t._values.dtype.type(float(scale.numpy()))
+            clipped.append(IndexedSlices._raw(t._values * factor, t._indices, t._dense_shape))
         else:
-            clipped.append(math_ops.multiply(t, scale))
+            t = node(t)
+            clipped.append(math_ops.multiply(t, math_ops.cast(scale, t.dtype)))
     return clipped, norm

@@ -343,7 +343,11 @@ def _count(a: Any, axes: tuple[int, ...] | None) -> int:
 def _mean(a: Any, axis: Any, keepdims: bool) -> Any:
     if a.dtype.kind in "iu":  # TensorFlow's integer mean truncates
         return (a.sum(axis=axis, keepdims=keepdims) // max(_count(a, axis), 1)).astype(a.dtype)
-    return a.mean(axis=axis, keepdims=keepdims)
+    count = _count(a, axis)
+    if count and a.dtype.itemsize >= 4:
+        # what ndarray.mean computes for float32/64, without its Python-level wrapper
+        return a.sum(axis=axis, keepdims=keepdims) / count
+    return a.mean(axis=axis, keepdims=keepdims)  # float16 accumulates in float32 there
 
 
 def _extreme_grad(g: Any, a: Any, z: Any, axes: Any) -> Any:
@@ -367,10 +371,28 @@ reduce_max = _reduction(
 reduce_min = _reduction(
     "reduce_min", lambda a, axis, keepdims: a.min(axis=axis, keepdims=keepdims), _extreme_grad
 )
+
+
+def _prod_grad(g: Any, a: Any, z: Any, axes: tuple[int, ...] | None) -> Any:
+    # d prod / d a_i is the product of the other elements; z / a is 0/0 where a_i == 0,
+    # so multiply exclusive cumulative products from the left and from the right.
+    m = xp(a)
+    if a.size == 0:
+        return m.zeros_like(a)
+    axes = tuple(range(a.ndim)) if axes is None else axes
+    perm = [i for i in range(a.ndim) if i not in axes] + list(axes)
+    t = a.transpose(perm)
+    flat = t.reshape((*t.shape[: a.ndim - len(axes)], -1))
+    ones = m.ones((*flat.shape[:-1], 1), a.dtype)
+    left = m.cumprod(m.concatenate([ones, flat[..., :-1]], axis=-1), axis=-1)
+    rev = m.flip(flat, -1)
+    right = m.flip(m.cumprod(m.concatenate([ones, rev[..., :-1]], axis=-1), axis=-1), -1)
+    others = (left * right).reshape(t.shape).transpose(np.argsort(perm))
+    return g * others
+
+
 reduce_prod = _reduction(
-    "reduce_prod",
-    lambda a, axis, keepdims: a.prod(axis=axis, keepdims=keepdims),
-    lambda g, a, z, axes: g * z / a,
+    "reduce_prod", lambda a, axis, keepdims: a.prod(axis=axis, keepdims=keepdims), _prod_grad
 )
 reduce_any = _reduction(
     "reduce_any", lambda a, axis, keepdims: a.any(axis=axis, keepdims=keepdims), None

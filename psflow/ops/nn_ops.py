@@ -225,26 +225,24 @@ def sparse_softmax_cross_entropy_with_logits(
             f"logits shape without its last dimension {list(a.shape[:-1])}"
         )
     n = a.shape[-1]
-    if y.size and (int(y.min()) < 0 or int(y.max()) >= n):
-        bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
+    lo, hi = (int(y.min()), int(y.max())) if y.size else (0, 0)
+    if lo < 0 or hi >= n:
+        bad = lo if lo < 0 else hi
         raise errors.InvalidArgumentError(
             f"sparse_softmax_cross_entropy_with_logits: label {bad} is outside [0, {n})"
         )
     m = xp(a)
     shifted = a - a.max(axis=-1, keepdims=True)
-    lse = m.log(m.exp(shifted).sum(axis=-1, keepdims=True))
-    logp = shifted - lse
-    picked = m.take_along_axis(logp, y[..., None].astype(m.intp), axis=-1)[..., 0]
-    z = -picked
+    e = m.exp(shifted)
+    total = e.sum(axis=-1, keepdims=True)
+    # one row per example: pick each label's entry by (row, label) fancy indexing
+    rows = m.arange(y.size)
+    flat_y = y.reshape(-1)
+    z = m.log(total).reshape(y.shape) - shifted.reshape(-1, n)[rows, flat_y].reshape(y.shape)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[None, Any]:
-        grad = m.exp(logp)
-        m.put_along_axis(
-            grad,
-            y[..., None].astype(m.intp),
-            m.take_along_axis(grad, y[..., None].astype(m.intp), axis=-1) - 1,
-            axis=-1,
-        )
+        grad = e / total  # the softmax, kept from the forward pass
+        grad.reshape(-1, n)[rows, flat_y] -= 1
         grad *= g[..., None]
         return None, grad
 

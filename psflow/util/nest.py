@@ -83,18 +83,7 @@ def pack_sequence_as(structure: Any, flat: list[Any]) -> Any:
             )
         return flat[0]
     it = iter(flat)
-
-    def build(s: Any) -> Any:
-        if not is_nested(s):
-            try:
-                return next(it)
-            except StopIteration:
-                raise errors.InvalidArgumentError(
-                    f"Too few leaves ({len(flat)}) for structure {structure!r}"
-                ) from None
-        return _rebuild(s, [build(c) for c in _children(s)])
-
-    out = build(structure)
+    out = _pack(structure, it, structure, len(flat))
     if next(it, _SENTINEL) is not _SENTINEL:
         raise errors.InvalidArgumentError(
             f"Too many leaves ({len(flat)}) for structure {structure!r}"
@@ -102,32 +91,46 @@ def pack_sequence_as(structure: Any, flat: list[Any]) -> Any:
     return out
 
 
+# Module-level recursion, not a nested function: a closure that calls itself is a
+# reference cycle, which would keep every leaf (gradient arrays) alive until the
+# garbage collector runs.
+def _pack(s: Any, it: Iterator[Any], structure: Any, n: int) -> Any:
+    if not is_nested(s):
+        try:
+            return next(it)
+        except StopIteration:
+            raise errors.InvalidArgumentError(
+                f"Too few leaves ({n}) for structure {structure!r}"
+            ) from None
+    return _rebuild(s, [_pack(c, it, structure, n) for c in _children(s)])
+
+
 _SENTINEL = object()
 
 
 def assert_same_structure(a: Any, b: Any) -> None:
     """Raises ``ValueError`` naming both when ``a`` and ``b`` differ in structure."""
+    _walk(a, b, a, b)
 
-    def walk(x: Any, y: Any) -> None:
-        if is_nested(x) != is_nested(y):
-            raise errors.InvalidArgumentError(
-                f"The two structures don't have the same nested structure: {a!r} vs {b!r}"
-            )
-        if not is_nested(x):
-            return
-        if isinstance(x, Mapping) != isinstance(y, Mapping) or len(x) != len(y):
-            raise errors.InvalidArgumentError(
-                f"The two structures don't have the same nested structure: {a!r} vs {b!r}"
-            )
-        if isinstance(x, Mapping) and set(x) != set(y):
-            raise errors.InvalidArgumentError(
-                f"The two structures have different keys: {sorted(map(str, x))} vs "
-                f"{sorted(map(str, y))}"
-            )
-        for cx, cy in zip(_children(x), _children(y)):
-            walk(cx, cy)
 
-    walk(a, b)
+def _walk(x: Any, y: Any, a: Any, b: Any) -> None:
+    if is_nested(x) != is_nested(y):
+        raise errors.InvalidArgumentError(
+            f"The two structures don't have the same nested structure: {a!r} vs {b!r}"
+        )
+    if not is_nested(x):
+        return
+    if isinstance(x, Mapping) != isinstance(y, Mapping) or len(x) != len(y):
+        raise errors.InvalidArgumentError(
+            f"The two structures don't have the same nested structure: {a!r} vs {b!r}"
+        )
+    if isinstance(x, Mapping) and set(x) != set(y):
+        raise errors.InvalidArgumentError(
+            f"The two structures have different keys: {sorted(map(str, x))} vs "
+            f"{sorted(map(str, y))}"
+        )
+    for cx, cy in zip(_children(x), _children(y)):
+        _walk(cx, cy, a, b)
 
 
 def map_structure(func: Callable[..., Any], *structures: Any) -> Any:
