@@ -197,6 +197,7 @@ def test_checkpoint_from_two_ps_restores_into_three_bit_for_bit(start_cluster, t
     rng = np.random.default_rng(1)
     x = rng.integers(0, 50, size=(256, 3))
     y = rng.normal(size=(256, 1)).astype(np.float32)
+    pf.keras.backend.clear_session()
     two = start_cluster(num_ps=2, num_workers=1)
     strategy = pf.distribute.ParameterServerStrategy(
         two.resolver(), variable_partitioner=pf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
@@ -209,6 +210,7 @@ def test_checkpoint_from_two_ps_restores_into_three_bit_for_bit(start_cluster, t
     from psflow.distribute.coordinator.cluster_coordinator import shutdown_all
 
     shutdown_all()
+    pf.keras.backend.clear_session()  # a new chief process would name its layers the same way
     three = start_cluster(num_ps=3, num_workers=1)
     strategy3 = pf.distribute.ParameterServerStrategy(
         three.resolver(), variable_partitioner=pf.distribute.experimental.partitioners.FixedShardsPartitioner(3)
