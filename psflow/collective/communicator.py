@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -44,6 +45,8 @@ from psflow.collective.job import Job
 from psflow.collective.options import CommunicationOptions
 from psflow.collective.reduce_op import ReduceOp
 from psflow.collective.session import Session, TrafficCounter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -282,7 +285,13 @@ class Communicator:
                     coll.job = job
                 except errors.OpError as exc:
                     coll.error = exc
-                coll.payloads.clear()  # the job holds what it needs
+                except Exception as exc:  # a bug: fail every rank, not only this one
+                    logger.exception("preparing %s #%d failed", kind, seq)
+                    coll.error = errors.InternalError(
+                        f"{kind} #{seq}: preparing the collective failed: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                coll.payloads = dict.fromkeys(coll.payloads)  # the job holds what it needs
                 self._cond.notify_all()
             deadline = arrived + self.timeout
             while coll.job is None and coll.error is None and not self._closed:
@@ -300,6 +309,7 @@ class Communicator:
                 coll.error = errors.CancelledError(f"{kind} #{seq}: the communicator was closed")
             if coll.error is not None:
                 err = coll.error
+                coll.payloads = dict.fromkeys(coll.payloads)  # keep who came, not their data
                 self._forget(seq, coll)
                 raise type(err)(err.message, err.task)
             return coll, seq, leader
