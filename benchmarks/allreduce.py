@@ -291,21 +291,30 @@ def run_tf(replicas, sizes, reps, variants, results, timeout):
 
 
 def ratios_vs_tf(results, replicas, sizes):
+    """psflow / TF ratios, raw and normalised by each process's own NumPy copy
+    bandwidth (the two sides run at different moments of a shared machine)."""
     for n in replicas:
         for label in sizes:
-            tf_ring = results.get(("tf_collective_ring", n, label))
-            if not tf_ring:
-                continue
-            for name in ("ring", "ring/inplace", "reduce_to_one"):
-                ours = results.get((name, n, label))
-                if ours:
-                    emit(
+            our_copy = results.get(("numpy_copy", n, label))
+            tf_copy = results.get(("tf_process_numpy_copy", n, label))
+            for tf_name in ("tf_collective_ring", "tf_reduce_to_one"):
+                theirs = results.get((tf_name, n, label))
+                if not theirs:
+                    continue
+                for name in ("ring", "ring/inplace", "reduce_to_one"):
+                    ours = results.get((name, n, label))
+                    if not ours:
+                        continue
+                    fields = dict(
                         case=f"{name}/n{n}/{label}",
                         metric="ratio",
-                        value=round(ours / tf_ring, 3),
-                        baseline="tf_collective_ring",
-                        compared=f"psflow {name} algbw / TF CollectiveAllReduce(RING) algbw",
+                        value=round(ours / theirs, 3),
+                        baseline=tf_name,
+                        compared=f"psflow {name} algbw / TF {tf_name} algbw",
                     )
+                    if our_copy and tf_copy:
+                        fields["copy_normalized"] = round((ours / our_copy) / (theirs / tf_copy), 3)
+                    emit(**fields)
 
 
 def table(results, replicas, sizes):
