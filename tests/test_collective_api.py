@@ -260,3 +260,31 @@ def test_close_stops_threads_and_a_later_call_still_works():
     ops.close()
     np.testing.assert_array_equal(ops.all_reduce(xs)[3][0], np.full(1000, 4, np.float32))
     ops.close()
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "",
+        "api",
+        "buffers",
+        "communicator",
+        "options",
+        "reduce_op",
+        "reduce_to_one",
+        "registry",
+        "ring",
+    ],
+)
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"psflow.collective.{module}".rstrip("."))
+    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+def test_replicas_with_no_arrays_get_empty_lists():
+    assert RingAllReduce().all_reduce([[], [], []]) == [[], [], []]
+    assert ReductionToOneDevice().reduce([[], []]) == []

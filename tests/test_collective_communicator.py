@@ -49,11 +49,12 @@ def run_replicas(n, fn, ranks=None):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("ops_cls", [RingAllReduce, ReductionToOneDevice])
-def test_collective_all_reduce_equals_batch_call(n, ops_cls):
+@pytest.mark.parametrize("threshold", [0, 1 << 30], ids=["own-share", "leader-does-all"])
+def test_collective_all_reduce_equals_batch_call(n, ops_cls, threshold):
     shapes = [(1000,), (7,), (3, 4), (0,), (2**16 + 3,)]
     dtypes = [np.float32, np.float64, np.int32, np.float32, np.float32]
     xs = make_inputs(n, shapes, dtypes, seed=n)
-    ops = ops_cls(subchunk_bytes=16 << 10)
+    ops = ops_cls(subchunk_bytes=16 << 10, parallel_threshold_bytes=threshold)
     comm = Communicator(n, ops, CommunicationOptions(timeout_seconds=20))
     for _ in range(2):  # the communicator is reusable call after call
         results, errs = run_replicas(n, lambda r: comm.all_reduce(r, xs[r]))
@@ -72,7 +73,7 @@ def test_collective_all_reduce_equals_batch_call(n, ops_cls):
 def test_collective_ring_counts_bytes_per_rank(n):
     size = 12345
     xs = make_inputs(n, [(size,)], [np.float64])
-    comm = Communicator(n, "ring")
+    comm = Communicator(n, RingAllReduce(parallel_threshold_bytes=0, subchunk_bytes=4096))
     _, errs = run_replicas(n, lambda r: comm.all_reduce(r, xs[r], ReduceOp.MEAN))
     assert not errs
     assert comm.bytes_sent == expected_ring_bytes(n, [size], 8)
@@ -84,7 +85,7 @@ def test_collective_in_place():
     n = 3
     xs = make_inputs(n, [(30000,), (5,)], [np.float32, np.float32], seed=4)
     want = RingAllReduce().all_reduce(xs)
-    comm = Communicator(n)
+    comm = Communicator(n, RingAllReduce(parallel_threshold_bytes=0, subchunk_bytes=8192))
     results, errs = run_replicas(n, lambda r: comm.all_reduce(r, xs[r], out=xs[r]))
     assert not errs
     for r in range(n):
@@ -283,3 +284,30 @@ def test_session_progress_releases_waiters_in_order():
         s.mark(0)
     t.join(5)
     assert seen == [0, 1, 2, 3, 4]
+
+
+def test_many_collectives_in_a_row_with_uneven_arrival():
+    n, calls = 4, 12
+    xs = make_inputs(n, [(20000,), (3,)], [np.float32, np.float64], seed=8)
+    want = RingAllReduce().all_reduce(xs)
+    comm = Communicator(
+        n,
+        RingAllReduce(parallel_threshold_bytes=0, subchunk_bytes=4096),
+        CommunicationOptions(timeout_seconds=20),
+    )
+    rngs = [np.random.default_rng(r) for r in range(n)]
+
+    def replica(r):
+        got = []
+        for _ in range(calls):
+            time.sleep(float(rngs[r].uniform(0, 0.003)))
+            got.append(comm.all_reduce(r, xs[r]))
+        return got
+
+    results, errs = run_replicas(n, replica)
+    assert not errs
+    for r in range(n):
+        for got in results[r]:
+            for a, b in zip(got, want[r], strict=True):
+                assert a.tobytes() == b.tobytes()
+    assert comm._collectives == {}

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -44,6 +45,8 @@ from psflow.collective.job import Job
 from psflow.collective.options import CommunicationOptions
 from psflow.collective.reduce_op import ReduceOp
 from psflow.collective.session import Session, TrafficCounter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -224,18 +227,31 @@ class Communicator:
         self, rank: int, kind: str, payload: Any, build: Callable[[list[Any]], Job]
     ) -> Any:
         rank = arr.check_rank(rank, self.num_replicas)
-        coll, seq = self._rendezvous(rank, kind, payload, build)
+        coll, seq, leader = self._rendezvous(rank, kind, payload, build)
         job, session = coll.job, coll.session
         assert job is not None and session is not None  # set together by _rendezvous
         try:
-            drive(job, session, [rank])  # on failure, drive fails the session for all
+            # On failure, drive fails the session, which wakes and fails every rank.
+            if job.kernels.is_gpu or job.nbytes >= self.ops.parallel_threshold_bytes:
+                drive(job, session, [rank])  # each replica thread does its own share
+            else:
+                # Small: one thread does every rank's share (as a batch call would);
+                # handing units between threads would cost more than the work.
+                if leader:
+                    drive(job, session, list(range(self.num_replicas)), finish=False)
+                else:
+                    others = list(range(self.num_replicas))
+                    session.wait_finished(rank, others, [job.units(q) for q in others])
+                job.finish(session, rank)
             return job.result(rank)
         finally:
             self._leave(seq, coll, session)
 
     def _rendezvous(
         self, rank: int, kind: str, payload: Any, build: Callable[[list[Any]], Job]
-    ) -> tuple[_Collective, int]:
+    ) -> tuple[_Collective, int, bool]:
+        """Registers this rank's call; returns the collective, its number, and whether
+        this rank was the last to arrive (the one that prepared the job)."""
         n = self.num_replicas
         arrived = time.monotonic()
         with self._cond:
@@ -258,7 +274,9 @@ class Communicator:
                     f"called {coll.kind}"
                 )
                 self._cond.notify_all()
+            leader = False
             if coll.error is None and coll.job is None and len(coll.payloads) == n:
+                leader = True
                 try:
                     job = build([coll.payloads[r] for r in range(n)])
                     coll.session = Session(
@@ -267,7 +285,13 @@ class Communicator:
                     coll.job = job
                 except errors.OpError as exc:
                     coll.error = exc
-                coll.payloads.clear()  # the job holds what it needs
+                except Exception as exc:  # a bug: fail every rank, not only this one
+                    logger.exception("preparing %s #%d failed", kind, seq)
+                    coll.error = errors.InternalError(
+                        f"{kind} #{seq}: preparing the collective failed: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                coll.payloads = dict.fromkeys(coll.payloads)  # the job holds what it needs
                 self._cond.notify_all()
             deadline = arrived + self.timeout
             while coll.job is None and coll.error is None and not self._closed:
@@ -285,9 +309,10 @@ class Communicator:
                 coll.error = errors.CancelledError(f"{kind} #{seq}: the communicator was closed")
             if coll.error is not None:
                 err = coll.error
+                coll.payloads = dict.fromkeys(coll.payloads)  # keep who came, not their data
                 self._forget(seq, coll)
                 raise type(err)(err.message, err.task)
-            return coll, seq
+            return coll, seq, leader
 
     def _leave(self, seq: int, coll: _Collective, session: Session) -> None:
         with self._cond:

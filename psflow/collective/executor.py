@@ -22,8 +22,9 @@ from psflow.collective.job import Job
 from psflow.collective.session import Session
 
 
-def drive(job: Job, session: Session, ranks: list[int]) -> None:
-    """Runs ``ranks``' programs to completion on this thread, then their ``finish``.
+def drive(job: Job, session: Session, ranks: list[int], finish: bool = True) -> None:
+    """Runs ``ranks``' programs to completion on this thread, then (``finish``) their
+    ``finish``.
 
     Raises:
         The first error of these ranks (after failing the session so other
@@ -43,9 +44,10 @@ def drive(job: Job, session: Session, ranks: list[int]) -> None:
                 session.mark(r)
                 alive.append((r, prog))
             progs = alive
-        for r in ranks:
-            current = r
-            job.finish(session, r)
+        if finish:
+            for r in ranks:
+                current = r
+                job.finish(session, r)
     except BaseException as exc:
         session.fail(current, exc)
         raise

@@ -47,7 +47,8 @@ class CupyKernels:
         self.device_sync = self
 
     @contextlib.contextmanager
-    def _on(self, rank: int) -> Iterator[None]:
+    def on_rank(self, rank: int) -> Iterator[None]:
+        """Makes rank's GPU and stream current (a context manager)."""
         with cupy.cuda.Device(self.devices[rank]), self.streams[rank]:
             yield
 
@@ -66,13 +67,13 @@ class CupyKernels:
 
     def add(self, rank: int, out: Any, a: Any, b: Any) -> None:
         """``out = a + b`` on ``rank``'s device (``out`` must be there)."""
-        with self._on(rank):
+        with self.on_rank(rank):
             cupy.add(self._local(rank, a), self._local(rank, b), out=out)
 
     def copy(self, rank: int, dst: Any, src: Any) -> None:
         """``dst[...] = src`` on ``rank``'s stream; either may be on another GPU, or
         ``src`` a NumPy array."""
-        with self._on(rank):
+        with self.on_rank(rank):
             if isinstance(src, np.ndarray):
                 if dst.flags.c_contiguous:
                     dst.set(np.ascontiguousarray(src), self.streams[rank])
@@ -89,17 +90,17 @@ class CupyKernels:
 
     def divide(self, rank: int, x: Any, n: int) -> None:
         """``x /= n`` in place."""
-        with self._on(rank):
+        with self.on_rank(rank):
             cupy.divide(x, n, out=x)
 
     def empty(self, rank: int, size: int, dtype: np.dtype) -> Any:
         """A new 1-D array on ``rank``'s device."""
-        with self._on(rank):
+        with self.on_rank(rank):
             return cupy.empty(size, dtype)
 
     def concatenate(self, rank: int, parts: list[Any], size: int, dtype: np.dtype) -> Any:
         """The parts flattened one after the other, on ``rank``'s device."""
-        with self._on(rank):
+        with self.on_rank(rank):
             out = cupy.empty(size, dtype)
             pos = 0
             for p in parts:

@@ -187,7 +187,7 @@ class NcclJob(Job):
     def program(self, session: Session, rank: int) -> Iterator[None]:
         """Enqueues ``ncclAllReduce`` for each dtype on this rank's stream."""
         k, nccl = self.kernels, self.nccl
-        with k._on(rank):
+        with k.on_rank(rank):
             for g, src, dst in zip(
                 self.layout.groups, self.ins[rank], self.outs[rank], strict=True
             ):
