@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m chief",
         usage="python -m chief [--log-level LEVEL] (SCRIPT | -m MODULE) [ARGS...]",
-        description=__doc__.splitlines()[0],
+        description="Run a program (a script or -m MODULE) as the chief task of a psflow "
+        "cluster, or embedded when TF_CONFIG names no cluster.",
     )
     p.add_argument(
         "--log-level",

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from chief.__main__ import check_chief_task
+from chief.__main__ import check_chief_task, run_chief
 from chief.pdeathsig import EXIT_PARENT_GONE, wrap
 from chief.script import Target, split_command
 from psflow.distribute.cluster_resolver import TaskNotFoundError
@@ -84,12 +84,9 @@ def program(tmp_path):
         ((), 0, None),
         (("value",), 1, r"ValueError: learning rate -1 is negative"),
         (("unavailable",), 138, r"UnavailableError: ps:0 is gone \(task ps:0\)"),
-        (("deadline",), 138, r"DeadlineExceededError: push took too long"),
-        (("exit", "7"), 7, None),
-        (("exit-text",), 1, r"giving up: no data"),
     ],
 )
-def test_exit_status_follows_the_program(program, args, status, stderr):
+def test_exit_status_of_the_chief_process_follows_the_program(program, args, status, stderr):
     result = _chief(program, *args)
     assert result.returncode == status, result.stderr
     ran = json.loads(re.search(r"^RAN (\{.*\})$", result.stdout, re.M).group(1))
@@ -97,13 +94,29 @@ def test_exit_status_follows_the_program(program, args, status, stderr):
     assert ran["path0"] == os.path.dirname(program)
     if stderr:
         assert re.search(stderr, result.stderr), result.stderr
-    if args and args[0] in ("value", "unavailable", "deadline"):
         # The user's traceback, without the launcher's frames; then the verdict.
         assert 'program.py", line' in result.stderr
         assert "chief/__main__.py" not in result.stderr and "runpy" not in result.stderr
         kind = "retryable" if status == 138 else "not retryable"
         assert f"exit {status} ({kind})" in result.stderr
         assert is_retryable(status) == (status == ExitCode.RETRYABLE)
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "stderr"),
+    [
+        (("deadline",), 138, "DeadlineExceededError: push took too long"),
+        (("exit", "7"), 7, ""),
+        (("exit", "0"), 0, ""),
+        (("exit-text",), 1, "giving up: no data"),
+    ],
+)
+def test_exit_status_in_process(program, capsys, args, status, stderr):
+    argv, path = sys.argv[:], sys.path[:]
+    assert run_chief(Target(program, None, args), environ={}) == status
+    assert (sys.argv, sys.path) == (argv, path)  # restored
+    captured = capsys.readouterr()
+    assert captured.out.startswith("RAN ") and stderr in captured.err
 
 
 def test_runs_as_the_chief_of_a_cluster_and_as_a_module(tmp_path):
@@ -126,10 +139,16 @@ def test_runs_as_the_chief_of_a_cluster_and_as_a_module(tmp_path):
     assert "running -m mypkg.train exit 0 as chief:0" in result.stderr
 
 
+def test_a_tf_config_naming_another_task_exits_2_without_running(program):
+    result = _chief(program, tf_config=_tf_config("worker"))
+    assert result.returncode == ExitCode.USAGE_ERROR, result.stderr
+    assert "names this task worker:0, not the chief; start worker tasks" in result.stderr
+    assert "RAN" not in result.stdout  # nothing ran
+
+
 @pytest.mark.parametrize(
     ("tf_config", "needle"),
     [
-        (_tf_config("worker"), "names this task worker:0, not the chief; start worker tasks"),
         (_tf_config("ps"), "start ps tasks with `python -m ps_server`"),
         (_tf_config(None), "TF_CONFIG has a cluster but no 'task'"),
         ('{"cluster": ', "TF_CONFIG is not valid JSON"),
@@ -137,19 +156,20 @@ def test_runs_as_the_chief_of_a_cluster_and_as_a_module(tmp_path):
         (_tf_config("chief", 1), "task index 1 is out of range for job 'chief'"),
     ],
 )
-def test_a_tf_config_that_does_not_name_this_task_chief_exits_2(program, tf_config, needle):
-    result = _chief(program, tf_config=tf_config)
-    assert result.returncode == ExitCode.USAGE_ERROR, result.stderr
-    assert needle in result.stderr
-    assert "RAN" not in result.stdout  # nothing ran
+def test_a_tf_config_that_does_not_name_this_task_chief_exits_2(
+    program, capsys, caplog, tf_config, needle
+):
+    assert run_chief(Target(program, None), environ={"TF_CONFIG": tf_config}) == 2
+    assert needle in caplog.text
+    assert "RAN" not in capsys.readouterr().out  # nothing ran
 
 
 def test_sigterm_raises_in_the_program_so_finally_runs_and_exits_143(tmp_path):
     script = tmp_path / "slow.py"
     script.write_text(
         "import time\n"
-        "print('UP', flush=True)\n"
         "try:\n"
+        "    print('UP', flush=True)\n"  # inside the try: a signal right after it hits it
         "    time.sleep(60)\n"
         "except Exception:\n"
         "    print('SWALLOWED', flush=True)\n"  # a Terminated is no Exception

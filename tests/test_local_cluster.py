@@ -43,10 +43,10 @@ READY = re.compile(r"^\[(?P<role>\S+)\] PSFLOW_READY (?P<type>\w+) port=(?P<port
 WAITING_CHIEF = """
 import json, os, pathlib, sys, time
 task = json.loads(os.environ["TF_CONFIG"])["task"]
-print("CHIEF_UP", json.dumps({"pid": os.getpid(), "task": task}), flush=True)
 release = pathlib.Path(sys.argv[1])
 deadline = time.monotonic() + 60
 try:
+    print("CHIEF_UP", json.dumps({"pid": os.getpid(), "task": task}), flush=True)
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
 finally:
