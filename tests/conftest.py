@@ -255,8 +255,19 @@ def start_cluster(tmp_path):
                 server = start_server("ps_server", args, "PSFLOW_READY ps", log_dir=tmp_path)
                 cluster.ps[index] = server
             else:
-                args = ["--port", str(old.port), "--task", f"worker:{index}", "--ps", addresses, "--workers", str(num_workers)]
-                server = start_server("worker", args, "PSFLOW_READY worker", log_dir=tmp_path, env=worker_env)
+                args = [
+                    "--port",
+                    str(old.port),
+                    "--task",
+                    f"worker:{index}",
+                    "--ps",
+                    addresses,
+                    "--workers",
+                    str(num_workers),
+                ]
+                server = start_server(
+                    "worker", args, "PSFLOW_READY worker", log_dir=tmp_path, env=worker_env
+                )
                 cluster.workers[index] = server
             started.append(server)
             return server
@@ -272,3 +283,43 @@ def start_cluster(tmp_path):
         shutdown_all()
         for server in started:
             server.reap()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process; a zombie (exited, not yet reaped) counts as gone.
+
+    Reads ``/proc`` (a process reparented to an init that does not reap stays
+    a zombie, and ``os.kill(pid, 0)`` would still succeed on it).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    state = stat.rpartition(b")")[2].split()[:1]
+    return state not in ([b"Z"], [b"X"])
+
+
+def wait_gone(pids, timeout: float = 15.0) -> list[int]:
+    """Waits (bounded) until no pid in ``pids`` is alive; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def pick_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,591 @@
+"""``psflow local`` (``python -m chief.local``): a whole cluster as separate processes on loopback.
+
+Example::
+
+    psflow local --ps 2 --workers 2 examples/cluster_hello.py --steps 6
+
+starts two ``python -m ps_server`` and two ``python -m worker`` processes, each
+with a ``TF_CONFIG`` naming the cluster (``ps``, ``worker`` and ``chief`` jobs
+on free loopback ports) and its own task, waits until each has printed its
+``PSFLOW_READY`` line, then runs the script as the chief (``python -m chief
+SCRIPT ARGS`` with the chief's ``TF_CONFIG``).  Every line a role writes is
+copied to this process's stdout or stderr with the role in front
+(``[ps:0] ...``, ``[worker:1] ...``, ``[chief] ...``); the launcher's own
+messages start with ``[local]``.
+
+Failures and teardown:
+
+* a role that exits or is not ready within ``--ready-timeout`` seconds during
+  startup: an error naming it, everything torn down, exit 1;
+* a ps or worker that exits while the chief runs is reported and the chief
+  keeps running, as TensorFlow's coordinator does: it re-queues a lost worker's
+  closures, and a lost parameter server surfaces in the chief as an error
+  (exit 138 from ``python -m chief``: retryable);
+* when the chief exits, every role is stopped (SIGTERM, ``--grace`` seconds,
+  SIGKILL) and the launcher exits with the chief's status (``128 + N`` if
+  signal N killed it);
+* SIGINT, SIGTERM or SIGHUP to the launcher stop the chief, then the workers,
+  then the parameter servers, the same way, and it exits ``128 + signal``; a
+  second signal cuts the grace periods short;
+* every role runs in its own process group and gets SIGKILL from the kernel if
+  the launcher itself is killed (:mod:`chief.pdeathsig`).
+
+``--devices-per-worker K`` gives each worker K devices: ``K`` disjoint GPUs
+(``CUDA_VISIBLE_DEVICES``) when CuPy and GPUs are present, otherwise ``K``
+logical CPU devices (``PSFLOW_NUM_CPU_DEVICES=K``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from chief.script import Target, split_command
+from chief.supervisor import RoleProcess, Supervisor, shell_status
+from psflow.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    OpError,
+    UnavailableError,
+)
+from psflow.exit_codes import ExitCode
+
+log = logging.getLogger("chief.local")
+
+PS, WORKER, CHIEF = "ps", "worker", "chief"
+MAX_TASKS_PER_JOB = 256
+"""The most ps or worker tasks one machine is asked to run (a guard against typos)."""
+
+READY_PREFIX = "PSFLOW_READY "
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalClusterConfig:
+    """What ``psflow local`` runs, validated at construction.
+
+    Attributes:
+        num_ps: parameter-server tasks (at least 1).
+        num_workers: worker tasks (at least 1).
+        target: the chief's program and its arguments.
+        devices_per_worker: devices each worker gets, or None to leave them alone.
+        port_base: the first of consecutive ports (ps, then workers, then the
+            chief), or None for free ports the system picks.
+        host: the loopback address every task binds and is reached at.
+        ready_timeout: seconds each ps and worker has to print its ready line.
+        grace: seconds a role has to exit after SIGTERM before SIGKILL.
+
+    Raises:
+        InvalidArgumentError: a value is out of range (the message names it).
+    """
+
+    num_ps: int
+    num_workers: int
+    target: Target
+    devices_per_worker: int | None = None
+    port_base: int | None = None
+    host: str = "127.0.0.1"
+    ready_timeout: float = 60.0
+    grace: float = 15.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_ps", "num_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"{name} {value!r} must be an integer")
+            if not 1 <= value <= MAX_TASKS_PER_JOB:
+                raise InvalidArgumentError(
+                    f"{name} {value} must be between 1 and {MAX_TASKS_PER_JOB}"
+                )
+        k = self.devices_per_worker
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise InvalidArgumentError(f"devices_per_worker {k!r} must be an integer >= 1")
+        if self.port_base is not None:
+            last = self.port_base + self.num_tasks - 1
+            if self.port_base < 1 or last > 65535:
+                raise InvalidArgumentError(
+                    f"port_base {self.port_base!r}: ports {self.port_base}..{last} for "
+                    f"{self.num_tasks} tasks must lie within 1..65535"
+                )
+        check_loopback(self.host)
+        if not self.ready_timeout > 0:
+            raise InvalidArgumentError(f"ready_timeout {self.ready_timeout!r} must be > 0")
+        if not self.grace >= 0:
+            raise InvalidArgumentError(f"grace {self.grace!r} must be >= 0")
+        if self.target.path is not None and not os.path.isfile(self.target.path):
+            raise InvalidArgumentError(f"script {self.target.path!r} does not exist")
+        if self.target.path is None and not self.target.module:
+            raise InvalidArgumentError("no script or module to run as the chief")
+
+    @property
+    def num_tasks(self) -> int:
+        """Tasks in the cluster, the chief included."""
+        return self.num_ps + self.num_workers + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    """One process to start: its task, address, command and environment additions."""
+
+    task_type: str
+    index: int
+    address: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+    @property
+    def name(self) -> str:
+        """``"ps:0"``, ``"worker:1"``, or ``"chief"`` for the one chief."""
+        return CHIEF if self.task_type == CHIEF else f"{self.task_type}:{self.index}"
+
+    @property
+    def port(self) -> int:
+        """The port of :attr:`address`."""
+        return int(self.address.rpartition(":")[2])
+
+
+def check_loopback(host: str) -> str:
+    """Returns ``host`` if it is a loopback address (or ``localhost``).
+
+    Workers run the closures they are sent, unauthenticated: a local cluster
+    must not be reachable from other machines.
+
+    Raises:
+        InvalidArgumentError: ``host`` is not a loopback address.
+    """
+    if host == "localhost":
+        return host
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise InvalidArgumentError(
+            f"host {host!r} must be a loopback address such as 127.0.0.1 or ::1: a local "
+            "cluster's workers execute whatever they are sent"
+        )
+    return host
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, IPv6 hosts in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _socket_for(host: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # As the servers will: a port left in TIME_WAIT by an earlier run is free.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
+
+
+def pick_ports(count: int, host: str = "127.0.0.1", base: int | None = None) -> list[int]:
+    """Returns ``count`` distinct ports that are free on ``host`` right now.
+
+    With ``base``, the ports ``base .. base+count-1``, each checked; without,
+    ports the system picks (all held open together, so they are distinct).
+
+    Raises:
+        UnavailableError: a port from ``base`` is in use (the message names it).
+    """
+    if base is not None:
+        for port in range(base, base + count):
+            with _socket_for(host) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError as e:
+                    raise UnavailableError(f"port {port} on {host} is not free: {e}") from None
+        return list(range(base, base + count))
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(_socket_for(host))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def cluster_dict(num_ps: int, num_workers: int, host: str, ports: Sequence[int]) -> dict:
+    """The ``TF_CONFIG`` cluster: ps, then workers, then the chief, on ``ports`` in that order.
+
+    Example:
+        >>> cluster_dict(1, 2, "127.0.0.1", [5000, 5001, 5002, 5003])
+        {'ps': ['127.0.0.1:5000'], 'worker': ['127.0.0.1:5001', '127.0.0.1:5002'], \
+'chief': ['127.0.0.1:5003']}
+    """
+    if len(ports) != num_ps + num_workers + 1:
+        raise InvalidArgumentError(
+            f"{len(ports)} ports {list(ports)} for {num_ps} ps, {num_workers} workers and a chief"
+        )
+    addresses = [host_port(host, p) for p in ports]
+    return {
+        PS: addresses[:num_ps],
+        WORKER: addresses[num_ps : num_ps + num_workers],
+        CHIEF: addresses[num_ps + num_workers :],
+    }
+
+
+def tf_config(cluster: Mapping[str, Sequence[str]], task_type: str, index: int) -> str:
+    """The ``TF_CONFIG`` text for task ``task_type:index`` of ``cluster``."""
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+def gpu_ids(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The GPUs workers could use, without initializing CUDA here; ``[]`` without CuPy.
+
+    ``CUDA_VISIBLE_DEVICES`` entries when it is set, else ``0..n-1`` for the
+    GPUs the driver lists.
+    """
+    from psflow.distribute.cluster_resolver import visible_gpu_count
+
+    env = os.environ if environ is None else environ
+    if importlib.util.find_spec("cupy") is None:
+        return []
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    return [str(i) for i in range(visible_gpu_count(env))]
+
+
+def worker_device_env(
+    devices_per_worker: int | None, num_workers: int, gpus: Sequence[str]
+) -> list[dict[str, str]]:
+    """Each worker's environment additions for ``devices_per_worker`` devices.
+
+    With ``gpus``, worker ``i`` gets GPUs ``gpus[i*K:(i+1)*K]``; without, ``K``
+    logical CPU devices.  None leaves the environment alone.
+
+    Raises:
+        InvalidArgumentError: there are GPUs, but fewer than the workers need.
+
+    Example:
+        >>> worker_device_env(2, 2, [])
+        [{'PSFLOW_NUM_CPU_DEVICES': '2'}, {'PSFLOW_NUM_CPU_DEVICES': '2'}]
+        >>> worker_device_env(1, 2, ["0", "1"])
+        [{'CUDA_VISIBLE_DEVICES': '0'}, {'CUDA_VISIBLE_DEVICES': '1'}]
+    """
+    k = devices_per_worker
+    if k is None:
+        return [{} for _ in range(num_workers)]
+    if not gpus:
+        return [{"PSFLOW_NUM_CPU_DEVICES": str(k)} for _ in range(num_workers)]
+    if k * num_workers > len(gpus):
+        raise InvalidArgumentError(
+            f"devices_per_worker {k} for {num_workers} workers needs {k * num_workers} GPUs; "
+            f"this machine has {len(gpus)} ({','.join(gpus)})"
+        )
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * k : (i + 1) * k])} for i in range(num_workers)
+    ]
+
+
+def plan_roles(
+    config: LocalClusterConfig, ports: Sequence[int], gpus: Sequence[str] = ()
+) -> list[RoleSpec]:
+    """The processes of the cluster: every ps, every worker, then the chief.
+
+    Raises:
+        InvalidArgumentError: see :func:`worker_device_env` and :func:`cluster_dict`.
+    """
+    cluster = cluster_dict(config.num_ps, config.num_workers, config.host, ports)
+    devices = worker_device_env(config.devices_per_worker, config.num_workers, gpus)
+    python = sys.executable
+    roles = []
+    for i, address in enumerate(cluster[PS]):
+        argv = (python, "-m", "ps_server", "--bind", config.host)
+        roles.append(RoleSpec(PS, i, address, argv, {"TF_CONFIG": tf_config(cluster, PS, i)}))
+    for i, address in enumerate(cluster[WORKER]):
+        argv = (python, "-m", "worker", "--bind", config.host)
+        env = {"TF_CONFIG": tf_config(cluster, WORKER, i), **devices[i]}
+        roles.append(RoleSpec(WORKER, i, address, argv, env))
+    target = config.target
+    argv = (python, "-m", "chief", *target.argv, *target.args)
+    env = {"TF_CONFIG": tf_config(cluster, CHIEF, 0)}
+    roles.append(RoleSpec(CHIEF, 0, cluster[CHIEF][0], argv, env))
+    return roles
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class LocalCluster:
+    """Runs one :class:`LocalClusterConfig`: start, wait until ready, run the chief, tear down.
+
+    Args:
+        config: what to run.
+        environ: the base environment of every role (``os.environ`` by default).
+        stdout: where roles' stdout goes (``sys.stdout`` by default).
+        stderr: where roles' stderr goes (``sys.stderr`` by default).
+        gpus: the GPU ids workers may use (found with :func:`gpu_ids` by default).
+    """
+
+    def __init__(
+        self,
+        config: LocalClusterConfig,
+        *,
+        environ: Mapping[str, str] | None = None,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        gpus: Sequence[str] | None = None,
+    ) -> None:
+        self.config = config
+        self._environ = dict(os.environ if environ is None else environ)
+        self._gpus = list(gpu_ids(self._environ) if gpus is None else gpus)
+        self._stdout = stdout
+        self._stderr = stderr
+        self._signals: list[int] = []
+        self._specs: dict[str, RoleSpec] = {}
+        self._ready: set[str] = set()
+        self._startup_error: OpError | None = None
+        self._supervisor: Supervisor | None = None
+
+    # -- signals ------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals.append(signum)
+
+    @contextlib.contextmanager
+    def _signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # only the main thread may set handlers; the caller handles signals
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _check_signals(self) -> None:
+        if self._signals:
+            raise _Interrupted(self._signals[0])
+
+    # -- readiness ----------------------------------------------------------------------
+    def _on_line(self, role: RoleProcess, line: str, from_stdout: bool) -> None:
+        if not (from_stdout and line.startswith(READY_PREFIX)) or role.name in self._ready:
+            return
+        spec = self._specs[role.name]
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("task") != role.name or fields.get("port") != str(spec.port):
+            self._startup_error = FailedPreconditionError(
+                f"{role.name} announced {line!r}, expected task={role.name} port={spec.port}",
+                task=role.name,
+            )
+            return
+        self._ready.add(role.name)
+        log.info("%s ready at %s (pid %d)", role.name, spec.address, role.pid)
+
+    def _wait_ready(self, servers: list[RoleProcess]) -> None:
+        supervisor = self._require_supervisor()
+        deadline = time.monotonic() + self.config.ready_timeout
+        while any(r.name not in self._ready for r in servers):
+            self._check_signals()
+            supervisor.pump(0.1)
+            for role in supervisor.poll():
+                raise FailedPreconditionError(
+                    f"{role.name} exited with status {shell_status(role.returncode or 0)} "
+                    "before the chief started; see its output above",
+                    task=role.name,
+                )
+            if self._startup_error is not None:
+                raise self._startup_error
+            if time.monotonic() > deadline:
+                late = [r.name for r in servers if r.name not in self._ready]
+                raise DeadlineExceededError(
+                    f"{', '.join(late)} not ready within {self.config.ready_timeout}s "
+                    f"(no {READY_PREFIX.strip()} line)",
+                    task=late[0],
+                )
+
+    # -- the chief ----------------------------------------------------------------------
+    def _watch(self, chief: RoleProcess) -> int:
+        supervisor = self._require_supervisor()
+        while True:
+            self._check_signals()
+            supervisor.pump(0.1)
+            for role in supervisor.poll():
+                if role is chief:
+                    continue
+                status = shell_status(role.returncode or 0)
+                consequence = (
+                    "the chief keeps running; its closures move to the other workers"
+                    if role.name.startswith(WORKER)
+                    else "the chief keeps running and will get errors for its variables"
+                )
+                log.error(
+                    "%s exited with status %d while the chief runs; %s",
+                    role.name,
+                    status,
+                    consequence,
+                )
+            if not chief.running:
+                status = shell_status(chief.returncode or 0)
+                log.info("chief exited with status %d; stopping the cluster", status)
+                return status
+
+    def _require_supervisor(self) -> Supervisor:
+        if self._supervisor is None:
+            raise FailedPreconditionError("the local cluster is not running")
+        return self._supervisor
+
+    # -- running ------------------------------------------------------------------------
+    def _start(self, spec: RoleSpec) -> RoleProcess:
+        supervisor = self._require_supervisor()
+        env = {**self._environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        self._specs[spec.name] = spec
+        return supervisor.start(spec.name, spec.argv, env)
+
+    def run(self) -> int:
+        """Runs the cluster to the end; returns the launcher's exit status.
+
+        The chief's status when it ran; ``128 + N`` after signal N to the
+        launcher; 1 when the cluster could not start.  Every role is reaped
+        before it returns.
+        """
+        config = self.config
+        try:
+            ports = pick_ports(config.num_tasks, config.host, config.port_base)
+            specs = plan_roles(config, ports, self._gpus)
+        except OpError as e:
+            log.error("cannot start the local cluster: %s", e)
+            return int(ExitCode.USER_ERROR)
+        cluster = cluster_dict(config.num_ps, config.num_workers, config.host, ports)
+        log.info("cluster %s; chief runs %s", json.dumps(cluster), config.target)
+        self._supervisor = Supervisor(self._stdout, self._stderr, on_line=self._on_line)
+        started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
+        with self._signal_handlers():
+            try:
+                for spec in specs[:-1]:
+                    started[spec.task_type].append(self._start(spec))
+                self._wait_ready(started[PS] + started[WORKER])
+                log.info(
+                    "all %d ps and %d workers ready; starting the chief",
+                    config.num_ps,
+                    config.num_workers,
+                )
+                chief = self._start(specs[-1])
+                started[CHIEF].append(chief)
+                return self._watch(chief)
+            except _Interrupted as e:
+                log.warning("received %s: stopping the cluster", e)
+                return 128 + e.signum
+            except OpError as e:
+                log.error("the local cluster failed to start: %s", e)
+                return int(ExitCode.USER_ERROR)
+            finally:
+                self._supervisor.stop(
+                    config.grace,
+                    escalate=lambda: len(self._signals) >= 2,
+                    stages=(started[CHIEF], started[WORKER], started[PS]),
+                )
+                self._log_statuses()
+
+    def _log_statuses(self) -> None:
+        supervisor = self._require_supervisor()
+        statuses = ", ".join(
+            f"{r.name}={shell_status(r.returncode) if r.returncode is not None else 'running'}"
+            for r in supervisor.roles
+        )
+        log.info("stopped: %s", statuses or "nothing was started")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="psflow local",
+        usage="psflow local --ps N --workers M [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]",
+        description="Run SCRIPT as the chief of a cluster of separate processes on loopback.",
+    )
+    p.add_argument("--ps", type=int, required=True, metavar="N", help="parameter-server tasks")
+    p.add_argument("--workers", type=int, required=True, metavar="M", help="worker tasks")
+    p.add_argument(
+        "--devices-per-worker",
+        type=int,
+        metavar="K",
+        help="K GPUs per worker if CuPy sees GPUs, else K logical CPU devices",
+    )
+    p.add_argument(
+        "--port-base", type=int, metavar="P", help="use ports P, P+1, ... (default: free ports)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="loopback address to use (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds for each role to start",
+    )
+    p.add_argument(
+        "--grace", type=float, default=15.0, metavar="S", help="seconds to exit after SIGTERM"
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="level of the launcher's own messages",
+    )
+    return p
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    return {
+        option
+        for action in parser._actions
+        if action.nargs != 0
+        for option in action.option_strings
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``psflow local``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    try:
+        own, target = split_command(argv, _value_options(parser))
+    except InvalidArgumentError as e:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"psflow local: {e}\n")
+        return int(ExitCode.USAGE_ERROR)
+    args = parser.parse_args(own)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="[local] %(levelname)s %(message)s"
+    )
+    try:
+        config = LocalClusterConfig(
+            num_ps=args.ps,
+            num_workers=args.workers,
+            target=target,
+            devices_per_worker=args.devices_per_worker,
+            port_base=args.port_base,
+            host=args.host,
+            ready_timeout=args.ready_timeout,
+            grace=args.grace,
+        )
+    except InvalidArgumentError as e:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"psflow local: {e}\n")
+        return int(ExitCode.USAGE_ERROR)
+    return LocalCluster(config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
