@@ -22,7 +22,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This checkout first on PYTHONPATH, unbuffered output, plus ``extra``."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    )
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
@@ -53,9 +55,17 @@ class Processes:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self, args: list[str], ready: str | None, env: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    def start(
+        self,
+        args: list[str],
+        ready: str | None,
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> tuple[subprocess.Popen, str]:
         """Starts ``args``; with ``ready``, waits for a stdout line starting with it (returned)."""
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env(env), cwd=ROOT)
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env(env), cwd=ROOT
+        )
         self.procs.append(proc)
         if ready is None:
             return proc, ""
@@ -85,17 +95,49 @@ class Processes:
         self.procs.clear()
 
 
-def psflow_cluster(procs: Processes, num_ps: int, num_workers: int, env: dict[str, str] | None = None) -> dict[str, list[str]]:
+def psflow_cluster(
+    procs: Processes, num_ps: int, num_workers: int, env: dict[str, str] | None = None
+) -> dict[str, list[str]]:
     """Starts psflow PS and worker processes; returns the cluster dict (without the chief)."""
     ps = []
     for i in range(num_ps):
-        _, line = procs.start([sys.executable, "-m", "ps_server", "--port", "0", "--task", f"ps:{i}", "--log-level", "WARNING"], "PSFLOW_READY ps", env)
+        _, line = procs.start(
+            [
+                sys.executable,
+                "-m",
+                "ps_server",
+                "--port",
+                "0",
+                "--task",
+                f"ps:{i}",
+                "--log-level",
+                "WARNING",
+            ],
+            "PSFLOW_READY ps",
+            env,
+        )
         ps.append("127.0.0.1:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"])
     workers = []
     for i in range(num_workers):
-        args = [sys.executable, "-m", "worker", "--port", "0", "--task", f"worker:{i}", "--ps", ",".join(ps), "--workers", str(num_workers), "--log-level", "WARNING"]
+        args = [
+            sys.executable,
+            "-m",
+            "worker",
+            "--port",
+            "0",
+            "--task",
+            f"worker:{i}",
+            "--ps",
+            ",".join(ps),
+            "--workers",
+            str(num_workers),
+            "--log-level",
+            "WARNING",
+        ]
         _, line = procs.start(args, "PSFLOW_READY worker", env)
-        workers.append("127.0.0.1:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"])
+        workers.append(
+            "127.0.0.1:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"]
+        )
     return {"ps": ps, "worker": workers}
 
 
@@ -103,13 +145,17 @@ TF_SERVER = """
 import json, sys
 import tensorflow as tf
 spec = json.loads(sys.argv[1])
-server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=sys.argv[2], task_index=int(sys.argv[3]), protocol="grpc", start=True)
+server = tf.distribute.Server(
+    tf.train.ClusterSpec(spec), job_name=sys.argv[2], task_index=int(sys.argv[3]), protocol="grpc", start=True
+)
 print("TF_READY", flush=True)
 server.join()
 """
 
 
-def tf_cluster(procs: Processes, num_ps: int, num_workers: int, env: dict[str, str] | None = None) -> dict[str, list[str]]:
+def tf_cluster(
+    procs: Processes, num_ps: int, num_workers: int, env: dict[str, str] | None = None
+) -> dict[str, list[str]]:
     """Starts TensorFlow ps and worker servers; returns the cluster dict (with a chief address)."""
     ports = free_ports(num_ps + num_workers + 1)
     spec = {
@@ -119,5 +165,10 @@ def tf_cluster(procs: Processes, num_ps: int, num_workers: int, env: dict[str, s
     }
     for job in ("ps", "worker"):
         for i in range(len(spec[job])):
-            procs.start([sys.executable, "-c", TF_SERVER, json.dumps(spec), job, str(i)], "TF_READY", env, timeout=180)
+            procs.start(
+                [sys.executable, "-c", TF_SERVER, json.dumps(spec), job, str(i)],
+                "TF_READY",
+                env,
+                timeout=180,
+            )
     return spec

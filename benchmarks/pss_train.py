@@ -19,7 +19,6 @@ a minute. Format: shared/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import statistics
 import subprocess
@@ -54,7 +53,9 @@ def run_psflow(cluster: dict, batch: int, mode: str, steps: int) -> float:
 
     namespace: dict = {}
     exec(MODEL_CODE, namespace)
-    resolver = SimpleClusterResolver(ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0)
+    resolver = SimpleClusterResolver(
+        ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0
+    )
     pf.random.set_seed(0)
     strategy = pf.distribute.ParameterServerStrategy(resolver, mode=mode)
     with strategy.scope():
@@ -64,7 +65,9 @@ def run_psflow(cluster: dict, batch: int, mode: str, steps: int) -> float:
     x, y = namespace["make_data"](np)
 
     def dataset_fn(ctx):
-        ds = pf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        ds = pf.data.Dataset.from_tensor_slices((x, y)).shard(
+            ctx.num_input_pipelines, ctx.input_pipeline_id
+        )
         return ds.repeat().batch(batch)
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
@@ -75,7 +78,9 @@ def run_psflow(cluster: dict, batch: int, mode: str, steps: int) -> float:
         def replica_fn(xb, yb):
             with pf.GradientTape() as tape:
                 logits = model(xb, training=True)
-                loss = pf.nn.compute_average_loss(pf.nn.sparse_softmax_cross_entropy_with_logits(yb, logits))
+                loss = pf.nn.compute_average_loss(
+                    pf.nn.sparse_softmax_cross_entropy_with_logits(yb, logits)
+                )
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
@@ -99,7 +104,9 @@ def psflow_closure_rtt(cluster: dict, n: int) -> list[float]:
     import psflow as pf
     from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
 
-    resolver = SimpleClusterResolver(ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0)
+    resolver = SimpleClusterResolver(
+        ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0
+    )
     strategy = pf.distribute.ParameterServerStrategy(resolver)
     coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
 
@@ -118,7 +125,8 @@ def psflow_closure_rtt(cluster: dict, n: int) -> list[float]:
 
 GRPC_ECHO = """
 import concurrent.futures, grpc, sys
-handler = grpc.method_handlers_generic_handler("bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)})
+echo = grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)
+handler = grpc.method_handlers_generic_handler("bench.Echo", {"Call": echo})
 server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
 server.add_generic_rpc_handlers((handler,))
 port = server.add_insecure_port("127.0.0.1:0")
@@ -146,7 +154,9 @@ def grpc_unary_rtt(procs: _cluster.Processes, n: int) -> list[float]:
     return samples
 
 
-TF_CHIEF = MODEL_CODE + """
+TF_CHIEF = (
+    MODEL_CODE
+    + """
 import json, sys, time
 import numpy as np
 import tensorflow as tf
@@ -200,6 +210,7 @@ for i in range(rtt_n + 20):
 out["rtt"] = samples
 print("RESULT " + json.dumps(out), flush=True)
 """
+)
 
 
 def run_tensorflow(cases: list[tuple[int, int]], rtt_n: int) -> dict | None:
@@ -216,11 +227,15 @@ def run_tensorflow(cases: list[tuple[int, int]], rtt_n: int) -> dict | None:
         spec = _cluster.tf_cluster(procs, 2, 2, env)
         out = subprocess.run(
             [sys.executable, "-c", TF_CHIEF, json.dumps(spec), json.dumps(cases), str(rtt_n)],
-            capture_output=True, text=True, timeout=900, env=_cluster.child_env(env), cwd=_cluster.ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=_cluster.child_env(env),
+            cwd=_cluster.ROOT,
         )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     progress(f"TensorFlow run failed: {out.stderr[-2000:]}")
     return {}
 
@@ -264,21 +279,69 @@ def main() -> int:
         batch = int(case.split("batch")[1])
         med = statistics.median(values)
         # a sync step is one closure per worker (2) applied as one update
-        emit(BENCH, f"psflow/{case}", "throughput", med, "steps/s", examples_per_s=med * batch, n=len(values))
+        emit(
+            BENCH,
+            f"psflow/{case}",
+            "throughput",
+            med,
+            "steps/s",
+            examples_per_s=med * batch,
+            n=len(values),
+        )
         tf_med = statistics.median(tf_results[case]) if case in tf_results else None
         if tf_med:
-            emit(BENCH, f"tensorflow/{case}", "throughput", tf_med, "steps/s", examples_per_s=tf_med * batch, n=len(tf_results[case]))
+            emit(
+                BENCH,
+                f"tensorflow/{case}",
+                "throughput",
+                tf_med,
+                "steps/s",
+                examples_per_s=tf_med * batch,
+                n=len(tf_results[case]),
+            )
             emit(BENCH, case, "ratio", med / tf_med, "x", a="psflow", b="tensorflow-2-ps")
-        rows.append([case, round(med, 1), round(tf_med, 1) if tf_med else "-", round(med / tf_med, 2) if tf_med else "-"])
+        rows.append(
+            [
+                case,
+                round(med, 1),
+                round(tf_med, 1) if tf_med else "-",
+                round(med / tf_med, 2) if tf_med else "-",
+            ]
+        )
     table(["case (closures)", "psflow steps/s", "TF steps/s", "ratio"], rows)
     p50 = {k: statistics.median(v) * 1e3 for k, v in rtt.items() if v}
     for k, v in rtt.items():
         if v:
             v = sorted(v)
-            emit(BENCH, f"rtt/{k}", "latency", p50[k], "ms", p50=p50[k], p99=v[int(0.99 * (len(v) - 1))] * 1e3, n=len(v))
-    emit(BENCH, "rtt", "ratio", p50["psflow"] / p50["grpc"], "x", a="psflow-noop-closure", b="grpc-raw-unary")
+            emit(
+                BENCH,
+                f"rtt/{k}",
+                "latency",
+                p50[k],
+                "ms",
+                p50=p50[k],
+                p99=v[int(0.99 * (len(v) - 1))] * 1e3,
+                n=len(v),
+            )
+    emit(
+        BENCH,
+        "rtt",
+        "ratio",
+        p50["psflow"] / p50["grpc"],
+        "x",
+        a="psflow-noop-closure",
+        b="grpc-raw-unary",
+    )
     if "tensorflow" in p50:
-        emit(BENCH, "rtt-tf", "ratio", p50["tensorflow"] / p50["grpc"], "x", a="tensorflow-noop-closure", b="grpc-raw-unary")
+        emit(
+            BENCH,
+            "rtt-tf",
+            "ratio",
+            p50["tensorflow"] / p50["grpc"],
+            "x",
+            a="tensorflow-noop-closure",
+            b="grpc-raw-unary",
+        )
     table(["round trip", "p50 ms"], [[k, round(v, 3)] for k, v in p50.items()])
     return 0
 

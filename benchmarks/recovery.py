@@ -69,8 +69,17 @@ def _run_case(kind: str) -> dict[str, float]:
         script = os.path.join(tmp, "chief.py")
         with open(script, "w") as f:
             f.write(CHIEF)
-        args = [sys.executable, script, ",".join(cluster["ps"]), ",".join(cluster["worker"]), os.path.join(tmp, "backup"), "4"]
-        chief = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=_cluster.child_env(env), cwd=_cluster.ROOT)
+        args = [
+            sys.executable,
+            script,
+            ",".join(cluster["ps"]),
+            ",".join(cluster["worker"]),
+            os.path.join(tmp, "backup"),
+            "4",
+        ]
+        chief = subprocess.Popen(
+            args, stdout=subprocess.PIPE, text=True, env=_cluster.child_env(env), cwd=_cluster.ROOT
+        )
         procs.procs.append(chief)
         stamps: list[float] = []
         out: dict[str, float] = {}
@@ -89,9 +98,27 @@ def _run_case(kind: str) -> dict[str, float]:
                     port = cluster["worker"][1].rsplit(":", 1)[1]
                     victim.send_signal(signal.SIGKILL)
 
-                    def restart_worker(port=port):
+                    def restart_worker(port=port, killed_at=killed_at):
                         time.sleep(0.5)
-                        p, _ = procs.start([sys.executable, "-m", "worker", "--port", port, "--task", "worker:1", "--ps", ",".join(cluster["ps"]), "--workers", "2", "--log-level", "WARNING"], "PSFLOW_READY worker", env)
+                        p, _ = procs.start(
+                            [
+                                sys.executable,
+                                "-m",
+                                "worker",
+                                "--port",
+                                port,
+                                "--task",
+                                "worker:1",
+                                "--ps",
+                                ",".join(cluster["ps"]),
+                                "--workers",
+                                "2",
+                                "--log-level",
+                                "WARNING",
+                            ],
+                            "PSFLOW_READY worker",
+                            env,
+                        )
                         restarted.append(p)
                         out["replacement_ready_s"] = time.time() - killed_at
 
@@ -103,13 +130,33 @@ def _run_case(kind: str) -> dict[str, float]:
 
                     def restart_ps(port=port):
                         time.sleep(0.5)
-                        procs.start([sys.executable, "-m", "ps_server", "--port", port, "--task", "ps:1", "--log-level", "WARNING"], "PSFLOW_READY ps", env)
+                        procs.start(
+                            [
+                                sys.executable,
+                                "-m",
+                                "ps_server",
+                                "--port",
+                                port,
+                                "--task",
+                                "ps:1",
+                                "--log-level",
+                                "WARNING",
+                            ],
+                            "PSFLOW_READY ps",
+                            env,
+                        )
 
                     threading.Thread(target=restart_ps, daemon=True).start()
                 else:  # chief
                     chief.send_signal(signal.SIGKILL)
                     chief.wait(30)
-                    chief = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=_cluster.child_env(env), cwd=_cluster.ROOT)
+                    chief = subprocess.Popen(
+                        args,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        env=_cluster.child_env(env),
+                        cwd=_cluster.ROOT,
+                    )
                     procs.procs.append(chief)
                     for line2 in chief.stdout:
                         if line2.startswith("STEP"):
@@ -149,7 +196,9 @@ def main() -> int:
         med = statistics.median(resumed)
         extra = {}
         if kind == "worker":
-            extra["replacement_ready_s"] = statistics.median(r.get("replacement_ready_s", float("nan")) for r in results)
+            extra["replacement_ready_s"] = statistics.median(
+                r.get("replacement_ready_s", float("nan")) for r in results
+            )
             extra["replacement_used"] = all(r.get("replacement_used") for r in results)
         emit(BENCH, kind, "recovery_time", med, "s", n=len(resumed), **extra)
         rows.append([kind, round(med, 3), extra.get("replacement_ready_s", "-")])

@@ -31,8 +31,15 @@ def _model(strategy):
     with strategy.scope():
         model = pf.keras.Sequential(
             [
-                pf.keras.layers.Dense(16, activation="tanh", input_shape=(6,), kernel_initializer=pf.keras.initializers.GlorotUniform(seed=1)),
-                pf.keras.layers.Dense(1, kernel_initializer=pf.keras.initializers.GlorotUniform(seed=2)),
+                pf.keras.layers.Dense(
+                    16,
+                    activation="tanh",
+                    input_shape=(6,),
+                    kernel_initializer=pf.keras.initializers.GlorotUniform(seed=1),
+                ),
+                pf.keras.layers.Dense(
+                    1, kernel_initializer=pf.keras.initializers.GlorotUniform(seed=2)
+                ),
             ]
         )
         model.compile(optimizer=pf.keras.optimizers.SGD(0.02), loss="mse")
@@ -82,11 +89,15 @@ def _ps_fit(cluster, backup_dir, epochs=4, kill=None):
     callbacks = [pf.keras.callbacks.BackupAndRestore(backup_dir)]
     if kill is not None:
         callbacks.append(_StepCounter(at=kill[0], action=kill[1]))
-    history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks)
+    history = model.fit(
+        x, y, batch_size=32, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks
+    )
     return history.history["loss"], model
 
 
-def test_killed_parameter_server_rolls_back_to_the_last_backup_and_training_completes(start_cluster, tmp_path):
+def test_killed_parameter_server_rolls_back_to_the_last_backup_and_training_completes(
+    start_cluster, tmp_path
+):
     reference = start_cluster(num_ps=2, num_workers=1)
     ref_losses, _ = _ps_fit(reference, str(tmp_path / "ref"))
     from psflow.distribute.coordinator.cluster_coordinator import shutdown_all
@@ -98,7 +109,9 @@ def test_killed_parameter_server_rolls_back_to_the_last_backup_and_training_comp
         os.kill(cluster.ps[1].proc.pid, signal.SIGKILL)
         threading.Timer(0.5, lambda: cluster.restart_ps(1)).start()
 
-    losses, _ = _ps_fit(cluster, str(tmp_path / "run"), kill=(40, kill_ps))  # epoch 2 of 4 (24 steps each)
+    losses, _ = _ps_fit(
+        cluster, str(tmp_path / "run"), kill=(40, kill_ps)
+    )  # epoch 2 of 4 (24 steps each)
     assert len(losses) == 4
     assert abs(losses[-1] - ref_losses[-1]) <= 0.05 * ref_losses[-1], (losses, ref_losses)
 
@@ -151,7 +164,13 @@ def test_restarted_chief_completes_the_requested_epochs_in_total(start_cluster, 
     cluster = start_cluster(num_ps=2, num_workers=2)
     script = tmp_path / "chief.py"
     script.write_text(CHIEF_SCRIPT)
-    args = [sys.executable, str(script), ",".join(p.address for p in cluster.ps), ",".join(w.address for w in cluster.workers), str(tmp_path / "backup")]
+    args = [
+        sys.executable,
+        str(script),
+        ",".join(p.address for p in cluster.ps),
+        ",".join(w.address for w in cluster.workers),
+        str(tmp_path / "backup"),
+    ]
     first = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
     seen = []
     try:
@@ -166,7 +185,9 @@ def test_restarted_chief_completes_the_requested_epochs_in_total(start_cluster, 
         first.wait(30)
         first.stdout.close()
     assert "EPOCH 3" in seen, seen
-    second = subprocess.run(args, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180)
+    second = subprocess.run(
+        args, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     epochs = [line for line in second.stdout.splitlines() if line.startswith("EPOCH")]
     assert epochs[0] in ("EPOCH 2", "EPOCH 3"), epochs  # resumed after the last complete epoch
@@ -179,7 +200,9 @@ def _read_all(directory: str) -> dict[str, dict[str, np.ndarray]]:
     from psflow.train import reshard
 
     out: dict[str, dict[str, list]] = {}
-    for name, (_, arrays) in sorted(reshard.read_entries(directory).items(), key=lambda kv: reshard._split_name(kv[0])):
+    for name, (_, arrays) in sorted(
+        reshard.read_entries(directory).items(), key=lambda kv: reshard._split_name(kv[0])
+    ):
         base, _ = reshard._split_name(name)
         for k, a in arrays.items():
             out.setdefault(base, {}).setdefault(k, []).append(a)
@@ -188,7 +211,13 @@ def _read_all(directory: str) -> dict[str, dict[str, np.ndarray]]:
 
 def _embedding_model(strategy):
     with strategy.scope():
-        model = pf.keras.Sequential([pf.keras.layers.Embedding(50, 4, input_shape=(3,)), pf.keras.layers.Flatten(), pf.keras.layers.Dense(1)])
+        model = pf.keras.Sequential(
+            [
+                pf.keras.layers.Embedding(50, 4, input_shape=(3,)),
+                pf.keras.layers.Flatten(),
+                pf.keras.layers.Dense(1),
+            ]
+        )
         model.compile(optimizer=pf.keras.optimizers.Adam(0.05), loss="mse")
     return model
 
@@ -200,7 +229,8 @@ def test_checkpoint_from_two_ps_restores_into_three_bit_for_bit(start_cluster, t
     pf.keras.backend.clear_session()
     two = start_cluster(num_ps=2, num_workers=1)
     strategy = pf.distribute.ParameterServerStrategy(
-        two.resolver(), variable_partitioner=pf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+        two.resolver(),
+        variable_partitioner=pf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
     )
     model = _embedding_model(strategy)
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)
@@ -213,7 +243,8 @@ def test_checkpoint_from_two_ps_restores_into_three_bit_for_bit(start_cluster, t
     pf.keras.backend.clear_session()  # a new chief process would name its layers the same way
     three = start_cluster(num_ps=3, num_workers=1)
     strategy3 = pf.distribute.ParameterServerStrategy(
-        three.resolver(), variable_partitioner=pf.distribute.experimental.partitioners.FixedShardsPartitioner(3)
+        three.resolver(),
+        variable_partitioner=pf.distribute.experimental.partitioners.FixedShardsPartitioner(3),
     )
     model3 = _embedding_model(strategy3)
     assert len(model3.layers[0].embeddings.variables) == 3
@@ -248,7 +279,13 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_restorable(tmp_path
     directory = tmp_path / "ckpts"
     rng = np.random.default_rng(7)
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, str(script), str(directory)], stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(directory)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            cwd=ROOT,
+        )
         try:
             for line in proc.stdout:
                 if line.startswith("SAVED 2"):

@@ -396,12 +396,20 @@ class BackupAndRestore(Callback):
     removed when training completes.
     """
 
-    def __init__(self, backup_dir: str, save_freq: Any = "epoch", delete_checkpoint: bool = True, save_before_preemption: bool = False) -> None:
+    def __init__(
+        self,
+        backup_dir: str,
+        save_freq: Any = "epoch",
+        delete_checkpoint: bool = True,
+        save_before_preemption: bool = False,
+    ) -> None:
         super().__init__()
         if not backup_dir:
             raise errors.InvalidArgumentError("BackupAndRestore needs a backup_dir")
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
-            raise errors.InvalidArgumentError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}")
+            raise errors.InvalidArgumentError(
+                f"save_freq must be 'epoch' or a positive int, got {save_freq!r}"
+            )
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
@@ -414,7 +422,9 @@ class BackupAndRestore(Callback):
             from psflow.train import Checkpoint, CheckpointManager
 
             ckpt = Checkpoint(model=self.model)
-            self._manager = CheckpointManager(ckpt, self.backup_dir, max_to_keep=2, checkpoint_name="backup")
+            self._manager = CheckpointManager(
+                ckpt, self.backup_dir, max_to_keep=2, checkpoint_name="backup"
+            )
         return self._manager
 
     def restore(self) -> int | None:
@@ -428,7 +438,9 @@ class BackupAndRestore(Callback):
 
     def save(self, next_epoch: int) -> str | None:
         """Backs up the model with the epoch training should continue from."""
-        return self._ensure_manager().save(check_interval=False, extra={"next_epoch": int(next_epoch)})
+        return self._ensure_manager().save(
+            check_interval=False, extra={"next_epoch": int(next_epoch)}
+        )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch

@@ -57,7 +57,9 @@ def _is_ps(v: Any) -> bool:
     return hasattr(v, "ps_index") and hasattr(v, "key")
 
 
-def _flatten_objects(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _flatten_objects(
+    objects: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(variables, optimizers, scalars)`` keyed by checkpoint path."""
     from psflow.framework.variable import Variable
     from psflow.keras.layers.base import Layer
@@ -93,7 +95,9 @@ def _flatten_objects(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 class CheckpointLoadStatus:
     """What a restore did (TensorFlow's load status, simplified)."""
 
-    def __init__(self, path: str, restored: list[str], missing: list[str], scalars: dict[str, Any], step: int) -> None:
+    def __init__(
+        self, path: str, restored: list[str], missing: list[str], scalars: dict[str, Any], step: int
+    ) -> None:
         self.path = path
         self.restored = restored
         self.missing = missing
@@ -134,7 +138,9 @@ class Checkpoint:
         self.save_counter = 0
 
     # -- saving ------------------------------------------------------------------------
-    def save(self, file_prefix: str, step: int | None = None, extra: dict[str, Any] | None = None) -> str:
+    def save(
+        self, file_prefix: str, step: int | None = None, extra: dict[str, Any] | None = None
+    ) -> str:
         """Writes ``<file_prefix>-<n>`` (n counts saves); returns its path."""
         self.save_counter += 1
         return self.write(f"{os.fspath(file_prefix)}-{self.save_counter}", step=step, extra=extra)
@@ -166,7 +172,11 @@ class Checkpoint:
         local = {}
         for k, v in variables.items():
             if not _is_ps(v):
-                local[f"v/{k}"] = np.ascontiguousarray(backend.to_numpy(v._array())) if v.shape else np.asarray(v.numpy())
+                local[f"v/{k}"] = (
+                    np.ascontiguousarray(backend.to_numpy(v._array()))
+                    if v.shape
+                    else np.asarray(v.numpy())
+                )
         opt_state = {}
         for k, opt in optimizers.items():
             state = opt._state_for_checkpoint()
@@ -201,7 +211,10 @@ class Checkpoint:
         variables, optimizers, scalars = _flatten_objects(self._objects)
         arrays: dict[str, np.ndarray] = {}
         if "local" in manifest:
-            arrays = load_file(os.path.join(save_path, manifest["local"]["file"]), checksums=manifest["local"]["checksums"])
+            arrays = load_file(
+                os.path.join(save_path, manifest["local"]["file"]),
+                checksums=manifest["local"]["checksums"],
+            )
         restored, missing = [], []
         local_values = {}
         for k, v in variables.items():
@@ -228,10 +241,18 @@ class Checkpoint:
                 missing.append(k)
                 continue
             opt._iterations = int(state["iterations"])
-            _restore_slots(opt, {n[len(f"o/{k}/"):]: a for n, a in arrays.items() if n.startswith(f"o/{k}/")})
+            _restore_slots(
+                opt, {n[len(f"o/{k}/") :]: a for n, a in arrays.items() if n.startswith(f"o/{k}/")}
+            )
             restored.append(k)
         missing += [k for k in scalars if k not in manifest.get("scalars", {})]
-        return CheckpointLoadStatus(save_path, restored, missing, dict(manifest.get("scalars", {})), int(manifest.get("step", 0)))
+        return CheckpointLoadStatus(
+            save_path,
+            restored,
+            missing,
+            dict(manifest.get("scalars", {})),
+            int(manifest.get("step", 0)),
+        )
 
     read = restore
 
@@ -265,13 +286,19 @@ def _restore_ps(path: str, manifest: dict[str, Any], ps_vars: dict[str, Any]) ->
     layout = session.handles_by_ps()
     saved: set[str] = set()
     for entry in manifest.get("ps", []):
-        saved |= {e["name"] for e in mf.read_manifest(os.path.join(path, entry["manifest"]))["variables"]}
+        saved |= {
+            e["name"] for e in mf.read_manifest(os.path.join(path, entry["manifest"]))["variables"]
+        }
     wanted = {h.key: h for hs in layout.values() for h in hs}
     shapes_match = all(name in saved for name in wanted)
     if shapes_match:
         session.restore(path, {ps: [h.key for h in hs] for ps, hs in layout.items()})
     else:
-        rewritten = reshard.rewrite(path, {ps: [(h.key, h.shape_tuple) for h in hs] for ps, hs in layout.items()}, int(manifest.get("step", 0)))
+        rewritten = reshard.rewrite(
+            path,
+            {ps: [(h.key, h.shape_tuple) for h in hs] for ps, hs in layout.items()},
+            int(manifest.get("step", 0)),
+        )
         try:
             session.restore(rewritten)
         finally:
@@ -292,7 +319,12 @@ def _restore_slots(optimizer: Any, arrays: dict[str, np.ndarray]) -> None:
             continue
         target = optimizer._slots[key].get(slot)
         if target is not None and target.shape == arr.shape:
-            backend.xp_of(target).copyto(target, backend.place(arr, backend.device_of(target)) if not isinstance(target, np.ndarray) else arr)
+            backend.xp_of(target).copyto(
+                target,
+                backend.place(arr, backend.device_of(target))
+                if not isinstance(target, np.ndarray)
+                else arr,
+            )
 
 
 def latest_checkpoint(checkpoint_dir: str) -> str | None:

@@ -31,10 +31,14 @@ def read_state(directory: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise errors.DataLossError(f"{os.path.join(directory, STATE_FILE)} is not valid JSON: {e}") from None
+        raise errors.DataLossError(
+            f"{os.path.join(directory, STATE_FILE)} is not valid JSON: {e}"
+        ) from None
     latest = state.get("latest")
     if latest and not os.path.exists(os.path.join(latest, MANIFEST)):
-        raise errors.DataLossError(f"The latest checkpoint {latest} recorded in {directory} is incomplete")
+        raise errors.DataLossError(
+            f"The latest checkpoint {latest} recorded in {directory} is incomplete"
+        )
     return state
 
 
@@ -70,10 +74,14 @@ class CheckpointManager:
         checkpoint_interval_seconds: float | None = None,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
-            raise errors.InvalidArgumentError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+            raise errors.InvalidArgumentError(
+                f"max_to_keep must be >= 1 or None, got {max_to_keep}"
+            )
         if checkpoint_interval is not None:
             if checkpoint_interval < 1:
-                raise errors.InvalidArgumentError(f"checkpoint_interval must be >= 1, got {checkpoint_interval}")
+                raise errors.InvalidArgumentError(
+                    f"checkpoint_interval must be >= 1, got {checkpoint_interval}"
+                )
             if step_counter is None:
                 raise errors.InvalidArgumentError("checkpoint_interval needs a step_counter")
         if checkpoint_interval_seconds is not None and checkpoint_interval_seconds <= 0:
@@ -92,9 +100,13 @@ class CheckpointManager:
         self._last_time: float | None = None
         os.makedirs(self._directory, exist_ok=True)
         state = read_state(self._directory) or {}
-        self._checkpoints: list[str] = [c for c in state.get("all", []) if os.path.exists(os.path.join(c, MANIFEST))]
+        self._checkpoints: list[str] = [
+            c for c in state.get("all", []) if os.path.exists(os.path.join(c, MANIFEST))
+        ]
         numbers = [self._number(c) for c in self._checkpoints]
-        checkpoint.save_counter = max([n for n in numbers if n is not None] or [checkpoint.save_counter])
+        checkpoint.save_counter = max(
+            [n for n in numbers if n is not None] or [checkpoint.save_counter]
+        )
 
     @staticmethod
     def _number(path: str) -> int | None:
@@ -128,17 +140,36 @@ class CheckpointManager:
         value = counter() if callable(counter) else counter
         return int(value.numpy()) if hasattr(value, "numpy") else int(value)
 
-    def save(self, checkpoint_number: int | None = None, check_interval: bool = True, *, extra: dict[str, Any] | None = None) -> str | None:
+    def save(
+        self,
+        checkpoint_number: int | None = None,
+        check_interval: bool = True,
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> str | None:
         """Saves a checkpoint (unless an interval says it is too soon); returns its path or None."""
         step = self._current_step()
         now = time.monotonic()
         if check_interval:
-            if self._interval is not None and self._last_step is not None and step is not None and step - self._last_step < self._interval:
+            if (
+                self._interval is not None
+                and self._last_step is not None
+                and step is not None
+                and step - self._last_step < self._interval
+            ):
                 return None
-            if self._interval_seconds is not None and self._last_time is not None and now - self._last_time < self._interval_seconds:
+            if (
+                self._interval_seconds is not None
+                and self._last_time is not None
+                and now - self._last_time < self._interval_seconds
+            ):
                 return None
         if checkpoint_number is None:
-            checkpoint_number = (step if step is not None and self._interval is not None else self._checkpoint.save_counter + 1)
+            checkpoint_number = (
+                step
+                if step is not None and self._interval is not None
+                else self._checkpoint.save_counter + 1
+            )
         path = os.path.join(self._directory, f"{self._name}-{int(checkpoint_number)}")
         self._checkpoint.save_counter = int(checkpoint_number)
         self._checkpoint.write(path, step=step, extra=extra)

@@ -36,14 +36,21 @@ def read_entries(directory: str) -> dict[str, tuple[dict[str, Any], dict[str, np
     for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.manifest.json"))):
         manifest = mf.read_manifest(path)
         keys = [k for e in manifest["variables"] for k in (e["value_key"], *e["slots"].values())]
-        arrays = load_file(os.path.join(directory, manifest["tensor_file"]), keys, checksums=manifest["checksums"])
+        arrays = load_file(
+            os.path.join(directory, manifest["tensor_file"]), keys, checksums=manifest["checksums"]
+        )
         for e in manifest["variables"]:
-            mine = {"value": arrays[e["value_key"]], **{f"slot:{s}": arrays[k] for s, k in e["slots"].items()}}
+            mine = {
+                "value": arrays[e["value_key"]],
+                **{f"slot:{s}": arrays[k] for s, k in e["slots"].items()},
+            }
             out[e["name"]] = (e, mine)
     return out
 
 
-def rewrite(directory: str, layout: dict[int, list[tuple[str, tuple[int, ...]]]], step: int = 0) -> str:
+def rewrite(
+    directory: str, layout: dict[int, list[tuple[str, tuple[int, ...]]]], step: int = 0
+) -> str:
     """Writes shard files for ``layout`` (task -> [(name, shape)]) into a new subdirectory.
 
     Returns the subdirectory; task ``i``'s shard has prefix ``ps-{i}``.
@@ -65,16 +72,25 @@ def rewrite(directory: str, layout: dict[int, list[tuple[str, tuple[int, ...]]]]
     arrays_for: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
     for base, wanted in wanted_by_base.items():
         wanted.sort()
-        if len(wanted) == 1 and wanted[0][1] in entries and tuple(entries[wanted[0][1]][0]["shape"]) == wanted[0][2]:
+        if (
+            len(wanted) == 1
+            and wanted[0][1] in entries
+            and tuple(entries[wanted[0][1]][0]["shape"]) == wanted[0][2]
+        ):
             arrays_for[wanted[0][1]] = entries[wanted[0][1]]
             continue
         parts = sorted(by_base.get(base, []))
         if not parts:
             raise errors.NotFoundError(f"variable {base!r} is not in the checkpoint at {directory}")
         first_entry = entries[parts[0][1]][0]
-        joined = {k: np.concatenate([entries[n][1][k] for _, n in parts], axis=0) for k in entries[parts[0][1]][1]}
+        joined = {
+            k: np.concatenate([entries[n][1][k] for _, n in parts], axis=0)
+            for k in entries[parts[0][1]][1]
+        }
         rows = joined["value"].shape[0]
-        if sum(w[2][0] for w in wanted) != rows or any(w[2][1:] != joined["value"].shape[1:] for w in wanted):
+        if sum(w[2][0] for w in wanted) != rows or any(
+            w[2][1:] != joined["value"].shape[1:] for w in wanted
+        ):
             raise errors.InvalidArgumentError(
                 f"variable {base!r} is {list(joined['value'].shape)} in the checkpoint but "
                 f"{[list(w[2]) for w in wanted]} now"
@@ -84,7 +100,10 @@ def rewrite(directory: str, layout: dict[int, list[tuple[str, tuple[int, ...]]]]
             stop = start + shape[0]
             entry = {**first_entry, "name": name, "shape": list(shape)}
             entry["optimizer_step"] = max(entries[n][0]["optimizer_step"] for _, n in parts)
-            arrays_for[name] = (entry, {k: np.ascontiguousarray(a[start:stop]) for k, a in joined.items()})
+            arrays_for[name] = (
+                entry,
+                {k: np.ascontiguousarray(a[start:stop]) for k, a in joined.items()},
+            )
             start = stop
     out_dir = os.path.join(directory, f".reshard-{uuid.uuid4().hex[:8]}")
     os.makedirs(out_dir)
@@ -93,14 +112,26 @@ def rewrite(directory: str, layout: dict[int, list[tuple[str, tuple[int, ...]]]]
         for name, _ in items:
             entry, arrays = arrays_for[name]
             value_key = f"v/{name}"
-            slots = {k.split(":", 1)[1]: f"s/{k.split(':', 1)[1]}/{name}" for k in arrays if k.startswith("slot:")}
+            slots = {
+                k.split(":", 1)[1]: f"s/{k.split(':', 1)[1]}/{name}"
+                for k in arrays
+                if k.startswith("slot:")
+            }
             tensors.append((value_key, arrays["value"]))
-            tensors += [(slots[k.split(":", 1)[1]], a) for k, a in arrays.items() if k.startswith("slot:")]
+            tensors += [
+                (slots[k.split(":", 1)[1]], a) for k, a in arrays.items() if k.startswith("slot:")
+            ]
             manifest_entries.append({**entry, "value_key": value_key, "slots": slots})
         tensor_file = f"ps-{task}.safetensors"
         checksums = save_file(os.path.join(out_dir, tensor_file), tensors)
         mf.write_manifest(
             mf.manifest_path(out_dir, f"ps-{task}"),
-            {"task": f"ps:{task}", "step": step, "tensor_file": tensor_file, "variables": manifest_entries, "checksums": checksums},
+            {
+                "task": f"ps:{task}",
+                "step": step,
+                "tensor_file": tensor_file,
+                "variables": manifest_entries,
+                "checksums": checksums,
+            },
         )
     return out_dir

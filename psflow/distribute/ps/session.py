@@ -381,7 +381,9 @@ class PSSession:
         )
         return [results[ps] for ps in sorted(results)]
 
-    def restore(self, directory: str, names_per_ps: dict[int, list[str]] | None = None, prefix: str = "ps") -> int:
+    def restore(
+        self, directory: str, names_per_ps: dict[int, list[str]] | None = None, prefix: str = "ps"
+    ) -> int:
         """Every PS task replaces its shard from ``directory``; returns the checkpoint's step.
 
         With ``names_per_ps`` each task restores exactly those variables,

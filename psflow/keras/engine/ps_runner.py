@@ -15,6 +15,7 @@ many steps as the smallest shard has full batches.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from typing import Any
 
@@ -263,10 +264,8 @@ class PSRunner:
         import os
 
         timeout = float(os.environ.get("PSFLOW_PS_RECOVERY_TIMEOUT", "300"))
-        try:
+        with contextlib.suppress(Exception):  # the closures that hit the lost PS: this failure
             self.coordinator.join()
-        except Exception:  # the closures that hit the lost PS; their errors are this failure
-            pass
         self.strategy._session.wait_ready(timeout)
 
     def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:

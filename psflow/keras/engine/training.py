@@ -285,7 +285,9 @@ class Model(Layer):
                 continue
             logs = self._current_logs()
             if val is not None and (epoch + 1) % validation_freq == 0:
-                val_logs = self._evaluate_source(val, validation_steps, callbacks_lib.CallbackList([], self, {}))
+                val_logs = self._evaluate_source(
+                    val, validation_steps, callbacks_lib.CallbackList([], self, {})
+                )
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             cbs.on_epoch_end(epoch, logs)
             epoch += 1

@@ -155,7 +155,9 @@ class Optimizer:
                     pending = self._pending_slots.pop((var.name, replica), {})
                     for name, saved in pending.items():  # restored before the slots existed
                         if name in slots and slots[name].shape == saved.shape:
-                            backend.xp_of(slots[name]).copyto(slots[name], backend.place(saved, backend.device_of(slots[name])))
+                            backend.xp_of(slots[name]).copyto(
+                                slots[name], backend.place(saved, backend.device_of(slots[name]))
+                            )
                     self._slots[key] = slots
                     self._slot_owner[key] = var
         return slots
