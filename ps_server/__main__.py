@@ -1,0 +1,113 @@
+"""``python -m ps_server``: run one parameter-server task.
+
+Examples::
+
+    python -m ps_server --port 0                 # loopback, any free port
+    python -m ps_server --bind 0.0.0.0 --port 2222 --task ps:1 \\
+        --checkpoint-dir /ckpt --restore /ckpt
+    TF_CONFIG='{"cluster": {"ps": ["host:2222"]}, "task": {"type": "ps", "index": 0}}' \\
+        python -m ps_server                      # address and task from TF_CONFIG
+
+Once bound it prints one line ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>``
+on stdout; logs go to stderr.  SIGTERM: health NOT_SERVING, in-flight calls
+finish (``--grace`` seconds), the final checkpoint is written if
+``--checkpoint-dir`` is given, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import sys
+
+from psflow.errors import OpError
+
+from .server import serve
+from .store import VariableStore
+
+log = logging.getLogger("ps_server")
+
+
+def _tune_malloc() -> None:
+    """Keeps freed memory for reuse instead of returning it to the OS.
+
+    Gradients arrive as megabyte-sized chunks; with glibc's defaults each one is
+    a fresh mmap whose pages fault in on first touch, which costs more than the
+    transfer on some VMs.  Only on glibc; a no-op elsewhere.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 256 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def _from_tf_config() -> tuple[str, int, str]:
+    """``(bind, port, task)`` of this task from TF_CONFIG, via the cluster resolver."""
+    from psflow.distribute.cluster_resolver import TFConfigClusterResolver  # lazy: optional module
+
+    resolver = TFConfigClusterResolver()
+    address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
+    _, _, port = address.rpartition(":")
+    return "0.0.0.0", int(port), f"{resolver.task_type}:{resolver.task_id}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ps_server", description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, help="port to listen on (0: any); default from TF_CONFIG")
+    p.add_argument("--bind", help="address to bind (default 127.0.0.1; 0.0.0.0 with TF_CONFIG)")
+    p.add_argument("--task", help="task name, e.g. ps:0 (default from TF_CONFIG, else ps:0)")
+    p.add_argument("--checkpoint-dir", help="write a final checkpoint here on SIGTERM")
+    p.add_argument("--restore", metavar="DIR", help="restore this task's shard from DIR at start")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to drain calls on SIGTERM")
+    p.add_argument("--threads", type=int, default=32, help="RPC worker threads")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per message")
+    p.add_argument("--max-tensor-bytes", type=int, help="largest variable accepted")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    bind, port, task = args.bind, args.port, args.task
+    if port is None:
+        try:
+            tf_bind, port, tf_task = _from_tf_config()
+        except (ImportError, OpError, ValueError, KeyError) as e:
+            sys.stderr.write(f"ps_server: no --port and no usable TF_CONFIG: {e}\n")
+            return 2
+        bind = bind or tf_bind
+        task = task or tf_task
+    bind = bind or "127.0.0.1"
+    task = task or "ps:0"
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s role=ps task={task} %(name)s: %(message)s",
+    )
+    if not args.no_malloc_tuning:
+        _tune_malloc()
+    store = VariableStore(task=task, max_tensor_bytes=args.max_tensor_bytes)
+    try:
+        return serve(
+            store,
+            bind,
+            port,
+            checkpoint_dir=args.checkpoint_dir,
+            restore_dir=args.restore,
+            grace=args.grace,
+            max_workers=args.threads,
+            chunk_bytes=args.chunk_bytes,
+        )
+    except OpError as e:
+        log.error("ps_server failed: %s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

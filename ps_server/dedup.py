@@ -1,0 +1,92 @@
+"""Exactly-once bookkeeping: which request ids were applied, and their replies.
+
+Each client (a ``client_id`` string) gets a window of its most recent request
+sequence numbers.  A request id is *new* (apply it), *in progress* (a retry that
+raced the original: wait for it), *done* (answer with the stored reply) or *too
+old* (older than the window: it cannot be told apart, so it is refused).
+Memory is bounded by ``window`` ids per client and ``max_clients`` clients
+(least recently seen evicted first).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import threading
+from typing import Any
+
+__all__ = ["DedupWindow", "Entry", "State"]
+
+
+class State(enum.Enum):
+    """Where a request id stands."""
+
+    NEW = "new"
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    TOO_OLD = "too_old"
+
+
+@dataclasses.dataclass
+class Entry:
+    """One remembered request id; ``done`` is set once ``reply`` is final."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    reply: Any = None
+
+
+@dataclasses.dataclass
+class _Client:
+    entries: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+    floor: int = -1  # every sequence <= floor was evicted (or never seen)
+
+
+class DedupWindow:
+    """Remembers the last ``window`` request ids of up to ``max_clients`` clients."""
+
+    def __init__(self, window: int = 4096, max_clients: int = 4096) -> None:
+        self._window = window
+        self._max_clients = max_clients
+        self._clients: collections.OrderedDict[str, _Client] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def begin(self, client_id: str, sequence: int) -> tuple[State, Entry | None]:
+        """Looks up (and, if new, reserves) a request id."""
+        with self._lock:
+            client = self._clients.get(client_id)
+            if client is None:
+                client = self._clients[client_id] = _Client()
+                while len(self._clients) > self._max_clients:
+                    self._clients.popitem(last=False)
+            else:
+                self._clients.move_to_end(client_id)
+            entry = client.entries.get(sequence)
+            if entry is not None:
+                return (State.DONE if entry.done.is_set() else State.IN_PROGRESS), entry
+            if sequence <= client.floor:
+                return State.TOO_OLD, None
+            entry = client.entries[sequence] = Entry()
+            while len(client.entries) > self._window:
+                old_seq, _ = client.entries.popitem(last=False)
+                client.floor = max(client.floor, old_seq)
+            return State.NEW, entry
+
+    def complete(self, client_id: str, sequence: int, entry: Entry, reply: Any) -> None:
+        """Records the reply of a request id reserved by :meth:`begin`."""
+        entry.reply = reply
+        entry.done.set()
+
+    def abandon(self, client_id: str, sequence: int, entry: Entry) -> None:
+        """Forgets a reserved id whose request failed without changing state."""
+        with self._lock:
+            client = self._clients.get(client_id)
+            if client is not None and client.entries.get(sequence) is entry:
+                del client.entries[sequence]
+        entry.reply = None
+        entry.done.set()
+
+    def clear(self) -> None:
+        """Forgets everything (after a restore rewinds the state)."""
+        with self._lock:
+            self._clients.clear()

@@ -1,0 +1,154 @@
+"""Building and running the parameter-server gRPC server.
+
+:func:`create_server` only builds and binds (tests call it with port 0);
+:func:`serve` runs a server until SIGTERM/SIGINT: health NOT_SERVING until
+ready (after an optional restore), SERVING while up, NOT_SERVING again on the
+signal, then in-flight calls get ``grace`` seconds to finish, an optional final
+checkpoint is written, and it returns 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from psflow.errors import UnavailableError
+from psflow.transport.options import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    server_options,
+)
+from psflow.transport.service import SERVICE
+
+from .checkpoint import restore_shard, save_shard
+from .servicer import ParameterServerServicer
+from .store import VariableStore
+
+__all__ = ["READY_PREFIX", "create_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "PSFLOW_READY ps"
+
+
+def _host_port(bind: str, port: int) -> str:
+    if ":" in bind and not bind.startswith("["):
+        bind = f"[{bind}]"
+    return f"{bind}:{port}"
+
+
+def create_server(
+    store: VariableStore,
+    bind: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    max_workers: int = 32,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    health_servicer: health.HealthServicer | None = None,
+) -> tuple[grpc.Server, int]:
+    """Builds a gRPC server for ``store`` and binds it; returns ``(server, port)``.
+
+    The server is not started.  It also serves the standard health service (a
+    given ``health_servicer``, or a new one already SERVING) and reflection.
+
+    Raises:
+        UnavailableError: the address cannot be bound.
+    """
+    server = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="ps-rpc"),
+        options=server_options(max_message_bytes),
+    )
+    servicer = ParameterServerServicer(
+        store, chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes
+    )
+    server.add_generic_rpc_handlers((servicer.generic_handler(),))
+    if health_servicer is None:
+        health_servicer = health.HealthServicer()
+        for name in ("", SERVICE):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = _host_port(bind, port)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise UnavailableError(f"cannot bind {address}: {e}", task=store.task) from e
+    if not bound:
+        raise UnavailableError(f"cannot bind {address}", task=store.task)
+    return server, bound
+
+
+def _set_health(servicer: health.HealthServicer, status) -> None:
+    for name in ("", SERVICE):
+        servicer.set(name, status)
+
+
+def serve(
+    store: VariableStore,
+    bind: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    checkpoint_dir: str | None = None,
+    restore_dir: str | None = None,
+    grace: float = 10.0,
+    max_workers: int = 32,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    stop_event: threading.Event | None = None,
+) -> int:
+    """Runs a parameter server until SIGTERM/SIGINT (or ``stop_event``); returns 0.
+
+    Prints ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>`` on stdout once
+    bound.  Signal handlers are installed only when called from the main thread.
+    """
+    stop = stop_event or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+    health_servicer = health.HealthServicer()
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server, bound = create_server(
+        store,
+        bind,
+        port,
+        max_workers=max_workers,
+        chunk_bytes=chunk_bytes,
+        health_servicer=health_servicer,
+    )
+    server.start()
+    sys.stdout.write(f"{READY_PREFIX} port={bound} task={store.task} pid={os.getpid()}\n")
+    sys.stdout.flush()
+    log.info("listening on %s", _host_port(bind, bound))
+    if restore_dir:
+        try:
+            result = restore_shard(store, restore_dir, store.task.replace(":", "-"))
+        except BaseException:
+            server.stop(0)
+            raise
+        log.info(
+            "restored step %d (%d variables) from %s", result.step, len(result.names), restore_dir
+        )
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving")
+    while not stop.wait(1.0):
+        pass
+    log.info("stopping: health NOT_SERVING, draining in-flight calls for up to %.1fs", grace)
+    health_servicer.enter_graceful_shutdown()
+    start = time.monotonic()
+    server.stop(grace).wait(grace + 5.0)
+    log.info("drained in %.2fs", time.monotonic() - start)
+    if checkpoint_dir:
+        result = save_shard(store, checkpoint_dir, store.task.replace(":", "-"))
+        log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)
+    return 0

@@ -1,0 +1,413 @@
+"""The ParameterServer gRPC servicer: translates RPCs to VariableStore calls.
+
+It holds no algorithm.  Requests are parsed and validated (dtype, shape, byte
+counts) here because that is wire format; everything else is the store's job.
+Typed psflow errors become gRPC status codes only here, at the edge.  Framed
+payloads (see :mod:`psflow.transport.framing`) are never copied on receipt:
+gradients reach the update rule as views of the received chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from psflow.errors import InvalidArgumentError, OpError, to_grpc_code
+from psflow.proto import ps_pb2
+from psflow.transport import codec, framing
+from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
+from psflow.transport.service import METHODS, SERVICE, Kind
+
+from .checkpoint import restore_shard, save_shard
+from .store import Gradient, VariableMeta, VariableStore
+from .tensors import segments_from_pieces
+
+__all__ = ["ParameterServerServicer"]
+
+log = logging.getLogger(__name__)
+
+_WRITE_OPS = {
+    ps_pb2.WRITE_OP_ASSIGN: "assign",
+    ps_pb2.WRITE_OP_ASSIGN_ADD: "assign_add",
+    ps_pb2.WRITE_OP_ASSIGN_SUB: "assign_sub",
+}
+_HEADER_SLACK = 1 << 20
+
+
+class _Bad:
+    """A request that failed to parse; the handler raises ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: OpError) -> None:
+        self.error = error
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """Wraps a deserializer so malformed bytes become INVALID_ARGUMENT, not INTERNAL."""
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except OpError as e:
+            return _Bad(e)
+        except Exception as e:  # protobuf DecodeError and friends
+            return _Bad(InvalidArgumentError(f"malformed request: {e}"))
+
+    return deserialize
+
+
+def _check(message: Any) -> Any:
+    if isinstance(message, _Bad):
+        raise message.error
+    return message
+
+
+def _framed(messages: Iterable[Any], header_cls: type) -> tuple[Any, Iterator[memoryview]]:
+    """Parses the header of the first framed message; yields every payload chunk."""
+    it = iter(messages)
+    try:
+        header_bytes, first_payload = _check(next(it))
+    except StopIteration:
+        raise InvalidArgumentError("empty request stream: no header") from None
+    if header_bytes is None:
+        raise InvalidArgumentError("the first message of a request carries no header")
+    try:
+        header = header_cls.FromString(header_bytes)
+    except Exception as e:
+        raise InvalidArgumentError(f"malformed {header_cls.__name__}: {e}") from e
+
+    def payloads() -> Iterator[memoryview]:
+        if first_payload is not None:
+            yield first_payload
+        for message in it:
+            hdr, payload = _check(message)
+            if hdr is not None:
+                raise InvalidArgumentError("a header in a message after the first")
+            if payload is not None:
+                yield payload
+
+    return header, payloads()
+
+
+def _receive(assembler: framing.PayloadAssembler, payloads: Iterator[memoryview]) -> None:
+    for payload in payloads:
+        assembler.feed(payload)
+    assembler.finish()
+
+
+class ParameterServerServicer:
+    """Serves a :class:`VariableStore` over the ``psflow.v1.ParameterServer`` service.
+
+    Args:
+        store: the variables.
+        chunk_bytes: payload bytes per message of a streamed reply.
+        max_message_bytes: the server's message size limit (bounds unary replies).
+    """
+
+    def __init__(
+        self,
+        store: VariableStore,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+        self.max_unary_payload = max_message_bytes - _HEADER_SLACK
+
+    # -- registration ---------------------------------------------------------
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """A handler serving every method of the service, with the wire codecs."""
+        handlers = {}
+        factories = {
+            Kind.UNARY_UNARY: grpc.unary_unary_rpc_method_handler,
+            Kind.UNARY_STREAM: grpc.unary_stream_rpc_method_handler,
+            Kind.STREAM_UNARY: grpc.stream_unary_rpc_method_handler,
+        }
+        for name, (kind, req_cls, _resp_cls, framed_req, framed_resp) in METHODS.items():
+            parse = framing.split_message if framed_req else req_cls.FromString
+            handlers[name] = factories[kind](
+                self._edge(name, getattr(self, name)),
+                request_deserializer=_lenient(parse),
+                response_serializer=None if framed_resp else _serialize,
+            )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def _edge(self, name: str, fn: Callable) -> Callable:
+        """Converts typed errors into status codes (the only place that does)."""
+
+        def abort(context: grpc.ServicerContext, e: BaseException) -> None:
+            if isinstance(e, OpError):
+                log.debug("%s rejected: %s", name, e)
+                context.abort(to_grpc_code(e), e.message)
+            log.exception("%s failed", name)
+            context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+
+        if inspect.isgeneratorfunction(fn):
+
+            @functools.wraps(fn)
+            def stream(request, context):
+                try:
+                    yield from fn(request, context)
+                except Exception as e:
+                    abort(context, e)
+
+            return stream
+
+        @functools.wraps(fn)
+        def unary(request, context):
+            try:
+                return fn(request, context)
+            except Exception as e:
+                abort(context, e)
+
+        return unary
+
+    # -- writes -------------------------------------------------------------------
+    def Write(self, request, context) -> ps_pb2.WriteResponse:
+        """Creates or assigns variables (unary)."""
+        return self._write([request], context)
+
+    def WriteStream(self, request_iterator, context) -> ps_pb2.WriteResponse:
+        """Creates or assigns variables (streamed payload)."""
+        return self._write(request_iterator, context)
+
+    def _write(self, messages, context) -> ps_pb2.WriteResponse:
+        header, payloads = _framed(messages, ps_pb2.WriteHeader)
+        if header.op != ps_pb2.WRITE_OP_CREATE and header.op not in _WRITE_OPS:
+            raise InvalidArgumentError(f"unknown write op {header.op}")
+        specs = []
+        for v in header.variables:
+            dtype, shape, nbytes = codec.check_spec(
+                v.spec.dtype, v.spec.shape, max_bytes=self.store.max_tensor_bytes
+            )
+            specs.append((v, dtype, shape, nbytes))
+        assembler = framing.PayloadAssembler([s[3] for s in specs])
+        _receive(assembler, payloads)
+        values = [
+            segments_from_pieces(dtype, shape, assembler.pieces(i), what=f"value of {v.name!r}")
+            for i, (v, dtype, shape, _) in enumerate(specs)
+        ]
+        if header.op == ps_pb2.WRITE_OP_CREATE:
+            metas = [
+                VariableMeta(v.name, dtype, shape, v.trainable) for v, dtype, shape, _ in specs
+            ]
+            optimizers = [_optimizer(v.optimizer_json, v.name) for v, *_ in specs]
+            results = self.store.create(metas, values, optimizers)
+            return ps_pb2.WriteResponse(
+                versions=[r[1] for r in results], created=[r[0] for r in results]
+            )
+        request_id = None
+        if header.HasField("id"):
+            request_id = (header.id.client_id, header.id.sequence)
+        versions = self.store.assign(
+            _WRITE_OPS[header.op],
+            [v.name for v, *_ in specs],
+            values,
+            request_id=request_id,
+        )
+        return ps_pb2.WriteResponse(versions=versions)
+
+    def ConfigureOptimizer(self, request, context) -> ps_pb2.ConfigureOptimizerResponse:
+        """Attaches an update rule to variables."""
+        request = _check(request)
+        config = _optimizer(request.optimizer_json, "ConfigureOptimizer")
+        if config is None:
+            raise InvalidArgumentError("ConfigureOptimizer needs an optimizer config")
+        slots = self.store.configure_optimizer(list(request.names), config)
+        return ps_pb2.ConfigureOptimizerResponse(slot_names=slots)
+
+    # -- pulls ----------------------------------------------------------------------
+    def _pull_parts(self, request):
+        request = _check(request)
+        names = [item.name for item in request.items]
+        rows = {}
+        for i, item in enumerate(request.items):
+            if item.HasField("indices"):
+                rows[i] = codec.decode_tensor(item.indices, max_bytes=self.store.max_tensor_bytes)
+        return names, rows
+
+    @staticmethod
+    def _pull_header(tensors) -> bytes:
+        return ps_pb2.PullHeader(
+            tensors=[
+                ps_pb2.PulledTensor(
+                    name=t.name,
+                    spec=codec.spec_to_proto(t.value.dtype, t.value.shape),
+                    version=t.version,
+                )
+                for t in tensors
+            ]
+        ).SerializeToString()
+
+    def Pull(self, request, context) -> bytes:
+        """Reads variables; header and payload in one message."""
+        names, rows = self._pull_parts(request)
+        with self.store.reading(names, rows) as tensors:
+            total = sum(t.value.nbytes for t in tensors)
+            if total > self.max_unary_payload:
+                raise InvalidArgumentError(
+                    f"pull of {total} bytes exceeds the unary limit of "
+                    f"{self.max_unary_payload}; use PullStream"
+                )
+            return framing.encode_message(
+                self._pull_header(tensors),
+                [framing.byte_view(np.ascontiguousarray(t.value)) for t in tensors],
+            )
+
+    def PullStream(self, request, context) -> Iterator[bytes]:
+        """Reads variables; the payload follows the header in chunks."""
+        names, rows = self._pull_parts(request)
+        with self.store.reading(names, rows) as tensors:
+            yield from framing.payload_messages(
+                self._pull_header(tensors),
+                [np.ascontiguousarray(t.value) for t in tensors],
+                self.chunk_bytes,
+            )
+
+    # -- pushes ------------------------------------------------------------------------
+    def Push(self, request, context) -> ps_pb2.PushResponse:
+        """Applies gradients (unary)."""
+        return self._push([request], context)
+
+    def PushStream(self, request_iterator, context) -> ps_pb2.PushResponse:
+        """Applies gradients (streamed payload)."""
+        return self._push(request_iterator, context)
+
+    def _push(self, messages, context) -> ps_pb2.PushResponse:
+        header, payloads = _framed(messages, ps_pb2.PushHeader)
+        if not header.HasField("id") or not header.id.client_id:
+            raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
+        layout, sizes = [], []
+        for item in header.items:
+            dtype, shape, nbytes = codec.check_spec(
+                item.values.dtype, item.values.shape, max_bytes=self.store.max_tensor_bytes
+            )
+            if item.sparse:
+                if not shape:
+                    raise InvalidArgumentError(f"sparse gradient for {item.name!r} has no rows")
+                sizes.append(shape[0] * 8)
+            layout.append((item, dtype, shape, len(sizes)))
+            sizes.append(nbytes)
+        assembler = framing.PayloadAssembler(sizes)
+        _receive(assembler, payloads)
+        grads = []
+        for item, dtype, shape, k in layout:
+            what = f"gradient for {item.name!r}"
+            values = segments_from_pieces(dtype, shape, assembler.pieces(k), what=what)
+            indices = None
+            if item.sparse:
+                indices = codec.tensor_from_buffer(
+                    np.dtype("<i8"),
+                    (shape[0],),
+                    framing.join_pieces(assembler.pieces(k - 1)),
+                    what=f"indices of {what}",
+                )
+                values = values.to_array()
+            grads.append(Gradient(item.name, values, indices, item.base_version))
+        result = self.store.push(
+            grads,
+            push_id=(header.id.client_id, header.id.sequence),
+            step=header.step if header.HasField("step") else None,
+            num_required=header.num_required,
+            wait_applied=header.wait_applied,
+            max_staleness=header.max_staleness if header.HasField("max_staleness") else None,
+            timeout=context.time_remaining(),
+        )
+        return ps_pb2.PushResponse(
+            versions=result.versions,
+            applied=result.applied,
+            duplicate=result.duplicate,
+            staleness=result.staleness,
+        )
+
+    # -- the rest -------------------------------------------------------------------------
+    def ListVariables(self, request, context) -> ps_pb2.ListVariablesResponse:
+        """Describes every variable."""
+        _check(request)
+        return ps_pb2.ListVariablesResponse(
+            variables=[
+                ps_pb2.VariableInfo(
+                    variable=ps_pb2.VariableSpec(
+                        name=info.meta.name,
+                        spec=codec.spec_to_proto(info.meta.dtype, info.meta.shape),
+                        trainable=info.meta.trainable,
+                        optimizer_json=info.optimizer_json,
+                    ),
+                    slot_names=info.slot_names,
+                    version=info.version,
+                    optimizer_step=info.optimizer_step,
+                    sync_step=info.sync_step,
+                )
+                for info in self.store.list_variables()
+            ]
+        )
+
+    def _prefix(self, prefix: str) -> str:
+        return prefix or self.store.task.replace(":", "-")
+
+    def Save(self, request, context) -> ps_pb2.SaveResponse:
+        """Checkpoints the shard."""
+        request = _check(request)
+        if not request.directory:
+            raise InvalidArgumentError("Save needs a directory")
+        result = save_shard(
+            self.store, request.directory, self._prefix(request.prefix), request.step
+        )
+        return ps_pb2.SaveResponse(
+            manifest_path=result.manifest_path,
+            bytes_written=result.bytes_written,
+            names=result.names,
+        )
+
+    def Restore(self, request, context) -> ps_pb2.RestoreResponse:
+        """Restores the shard from a checkpoint."""
+        request = _check(request)
+        if not request.directory:
+            raise InvalidArgumentError("Restore needs a directory")
+        result = restore_shard(
+            self.store, request.directory, self._prefix(request.prefix), list(request.names)
+        )
+        return ps_pb2.RestoreResponse(step=result.step, names=result.names)
+
+    def GetStats(self, request, context) -> ps_pb2.GetStatsResponse:
+        """Returns the counters."""
+        request = _check(request)
+        s = self.store.stats_snapshot(include_log=request.include_log)
+        log_entries = s.pop("log", [])
+        return ps_pb2.GetStatsResponse(
+            **s,
+            log=[
+                ps_pb2.PushLogEntry(
+                    variable=e.variable,
+                    client_id=e.client_id,
+                    base_version=e.base_version,
+                    applied_version=e.applied_version,
+                )
+                for e in log_entries
+            ],
+        )
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
+def _optimizer(text: str, what: str) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"optimizer config of {what!r} is not JSON: {text!r}") from e
+    if not isinstance(config, dict):
+        raise InvalidArgumentError(f"optimizer config of {what!r} is not an object: {text!r}")
+    return config

@@ -1,0 +1,697 @@
+"""The variable store of one parameter-server task: plain Python, no gRPC.
+
+It creates variables, serves reads (whole or rows), applies pushed gradients
+through each variable's update rule with the slots held here, assigns, and
+counts.  Guarantees:
+
+* **Thread safety.** Each variable has its own lock; a push that touches several
+  variables takes their locks in name order, so concurrent pushes never lose an
+  update and never deadlock.  Bytes travel outside the locks (copy on write).
+* **No partial state change on bad input.** Every part of a request (names,
+  dtypes, shapes, indices, sync parameters, staleness bounds) is validated
+  before anything is changed; a rejected request changes nothing but the
+  rejection counters.
+* **Exactly once.** A push (and an assign_add/sub) carries ``(client_id,
+  sequence)``; a retry of an id already processed gets the original reply.
+* **Synchronous steps.** A push naming ``step`` and ``num_required`` is held
+  until that many contributions for the step arrived; their mean (summed in
+  ``(client_id, sequence)`` order, so the result does not depend on arrival
+  order) is applied once, the version bumps once, and later contributions for
+  that step (or an older one) are rejected with ``AbortedError``.
+
+Example:
+    >>> import numpy as np
+    >>> store = VariableStore()
+    >>> _ = store.create([VariableMeta("w", np.dtype("float32"), (2,))], [np.ones(2, "float32")])
+    >>> _ = store.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 0.5})
+    >>> _ = store.push([Gradient("w", np.ones(2, "float32"))], push_id=("c", 1))
+    >>> store.pull(["w"])[0].value
+    array([0.5, 0.5], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from psflow.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    OpError,
+    ResourceExhaustedError,
+)
+from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
+from psflow.update_rules import dedupe_rows, rule_from_config
+
+from .dedup import DedupWindow, State
+from .stats import PushLogEntry, Stats
+from .tensors import Segments, as_segments
+from .variables import PendingStep, Variable, VariableMeta
+
+__all__ = [
+    "Gradient",
+    "PulledTensor",
+    "PushResult",
+    "VariableInfo",
+    "VariableMeta",
+    "VariableStore",
+]
+
+log = logging.getLogger(__name__)
+
+WRITE_OPS = ("assign", "assign_add", "assign_sub")
+MAX_PENDING_STEPS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradient:
+    """One gradient of a push.
+
+    ``values`` is dense (the variable's shape; an array or :class:`Segments`)
+    unless ``indices`` is given, then it holds those rows.
+    """
+
+    name: str
+    values: Any
+    indices: np.ndarray | None = None
+    base_version: int = -1
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the gradient is given as rows."""
+        return self.indices is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    """Reply to a push."""
+
+    versions: tuple[int, ...]
+    applied: bool
+    duplicate: bool = False
+    staleness: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PulledTensor:
+    """A value read from the store, with the version it belongs to."""
+
+    name: str
+    value: np.ndarray
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableInfo:
+    """What :meth:`VariableStore.list_variables` reports per variable."""
+
+    meta: VariableMeta
+    optimizer_json: str
+    slot_names: tuple[str, ...]
+    version: int
+    optimizer_step: int
+    sync_step: int
+
+
+class VariableStore:
+    """Variables of one PS task; see the module docstring for the guarantees.
+
+    Args:
+        task: this task's name, used in messages (``"ps:0"``).
+        max_tensor_bytes: largest variable or payload tensor accepted.
+        dedup_window: request ids remembered per client.
+        log_size: entries kept in the push log.
+    """
+
+    def __init__(
+        self,
+        *,
+        task: str = "ps:0",
+        max_tensor_bytes: int | None = None,
+        dedup_window: int = 4096,
+        log_size: int = 10_000,
+    ) -> None:
+        self.task = task
+        self.step = 0  # training step of the last checkpoint saved or restored
+        self.max_tensor_bytes = max_tensor_bytes or default_max_tensor_bytes()
+        self._vars: dict[str, Variable] = {}
+        self._lock = threading.Lock()  # guards the dict, not the variables
+        self._dedup = DedupWindow(window=dedup_window)
+        self.stats = Stats(log_size=log_size)
+
+    # -- helpers -----------------------------------------------------------
+    @contextlib.contextmanager
+    def _rejecting(self) -> Iterator[None]:
+        """Counts typed errors raised inside as rejections, by code or reason."""
+        try:
+            yield
+        except OpError as e:
+            self.stats.reject(getattr(e, "reason", None) or e.code.name.lower())
+            raise
+
+    def _get(self, name: str) -> Variable:
+        var = self._vars.get(name)
+        if var is None:
+            raise NotFoundError(f"variable {name!r} not found on {self.task}")
+        return var
+
+    def _lookup(self, names: Sequence[str]) -> list[Variable]:
+        with self._lock:
+            seen = set()
+            for n in names:
+                if n in seen:
+                    raise InvalidArgumentError(f"variable {n!r} named twice in one request")
+                seen.add(n)
+            return [self._get(n) for n in names]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _locked(variables: Sequence[Variable]) -> Iterator[None]:
+        ordered = sorted(set(variables), key=lambda v: v.meta.name)
+        with contextlib.ExitStack() as stack:
+            for v in ordered:
+                stack.enter_context(v.lock)
+            yield
+
+    def _check_values(self, var: Variable, values: Any, what: str) -> Segments:
+        seg = as_segments(values)
+        if seg.dtype != var.meta.dtype:
+            raise InvalidArgumentError(
+                f"{what} for {var.meta.name!r} has dtype {seg.dtype.name}, "
+                f"the variable is {var.meta.dtype.name}"
+            )
+        if seg.shape != var.meta.shape:
+            raise InvalidArgumentError(
+                f"{what} for {var.meta.name!r} has shape {seg.shape}, "
+                f"the variable is {var.meta.shape}"
+            )
+        return seg
+
+    def _check_meta(self, meta: VariableMeta) -> None:
+        if not isinstance(meta.name, str) or not meta.name:
+            raise InvalidArgumentError(
+                f"variable name must be a non-empty string, not {meta.name!r}"
+            )
+        dtype_to_wire(meta.dtype)
+        if any(d < 0 for d in meta.shape):
+            raise InvalidArgumentError(f"variable {meta.name!r} has negative shape {meta.shape}")
+        if meta.nbytes > self.max_tensor_bytes:
+            raise InvalidArgumentError(
+                f"variable {meta.name!r} of shape {meta.shape} is {meta.nbytes} bytes, above "
+                f"the limit of {self.max_tensor_bytes}"
+            )
+
+    # -- create / configure --------------------------------------------------
+    def create(
+        self,
+        metas: Sequence[VariableMeta],
+        values: Sequence[Any],
+        optimizers: Sequence[dict[str, Any] | None] | None = None,
+    ) -> list[tuple[bool, int]]:
+        """Creates variables; returns ``(created, version)`` per variable.
+
+        A variable that exists with the same dtype, shape and trainability (and
+        the same optimizer, when one is given) is left unchanged (idempotent).
+
+        Raises:
+            AlreadyExistsError: a variable exists with a conflicting spec.
+            InvalidArgumentError: bad name, dtype, shape, value or optimizer.
+        """
+        optimizers = list(optimizers) if optimizers is not None else [None] * len(metas)
+        with self._rejecting():
+            if not (len(metas) == len(values) == len(optimizers)):
+                raise InvalidArgumentError("create needs one value and optimizer per variable")
+            names = [m.name for m in metas]
+            if len(set(names)) != len(names):
+                raise InvalidArgumentError(f"variable names repeated in one create: {names}")
+            rules = []
+            for meta, value, opt in zip(metas, values, optimizers, strict=True):
+                self._check_meta(meta)
+                seg = as_segments(value)
+                if seg.dtype != meta.dtype or seg.shape != meta.shape:
+                    raise InvalidArgumentError(
+                        f"initial value of {meta.name!r} is {seg.dtype.name}{list(seg.shape)}, "
+                        f"the spec says {meta.dtype.name}{list(meta.shape)}"
+                    )
+                rule = rule_from_config(opt) if opt is not None else None
+                if rule is not None and (not meta.trainable or meta.dtype.kind != "f"):
+                    raise InvalidArgumentError(
+                        f"variable {meta.name!r} ({meta.dtype.name}, trainable={meta.trainable}) "
+                        "cannot have an optimizer"
+                    )
+                rules.append(rule)
+            results: list[tuple[bool, int]] = []
+            with self._lock:
+                for meta, rule in zip(metas, rules, strict=True):
+                    existing = self._vars.get(meta.name)
+                    if existing is None:
+                        continue
+                    same_rule = rule is None or existing.optimizer_json == json.dumps(
+                        rule.get_config(), sort_keys=True
+                    )
+                    if existing.meta != meta or not same_rule:
+                        raise AlreadyExistsError(
+                            f"variable {meta.name!r} exists on {self.task} as "
+                            f"{existing.meta.dtype.name}{list(existing.meta.shape)} "
+                            f"trainable={existing.meta.trainable} "
+                            f"optimizer={existing.optimizer_json or None}; requested "
+                            f"{meta.dtype.name}{list(meta.shape)} trainable={meta.trainable} "
+                            f"optimizer={rule.get_config() if rule else None}"
+                        )
+                for meta, value, rule in zip(metas, values, rules, strict=True):
+                    existing = self._vars.get(meta.name)
+                    if existing is not None:
+                        results.append((False, existing.version))
+                        continue
+                    seg = as_segments(value)
+                    # Own the buffer: copy a caller's array, adopt a fresh join.
+                    array = seg.to_array()
+                    if len(seg.parts) == 1:
+                        array = array.copy()
+                    var = Variable(meta, array)
+                    if rule is not None:
+                        var.set_rule(rule)
+                    self._vars[meta.name] = var
+                    self.stats.add(bytes_in=meta.nbytes)
+                    results.append((True, var.version))
+        log.debug("created %s", [n for n, (c, _) in zip(names, results, strict=True) if c])
+        return results
+
+    def configure_optimizer(self, names: Sequence[str], config: dict[str, Any]) -> tuple[str, ...]:
+        """Attaches the update rule ``config`` to trainable float variables.
+
+        Slots and the optimizer step are kept when the rule keeps its slot
+        layout (e.g. a new learning rate) and reset otherwise.
+
+        Returns:
+            The slot names.
+
+        Raises:
+            NotFoundError, InvalidArgumentError: unknown variable, bad config,
+                non-trainable or non-float variable (nothing is changed).
+        """
+        with self._rejecting():
+            rule = rule_from_config(config)
+            variables = self._lookup(names)
+            for var in variables:
+                if not var.meta.trainable or var.meta.dtype.kind != "f":
+                    raise InvalidArgumentError(
+                        f"variable {var.meta.name!r} ({var.meta.dtype.name}, "
+                        f"trainable={var.meta.trainable}) cannot have an optimizer"
+                    )
+            with self._locked(variables):
+                for var in variables:
+                    var.set_rule(rule)
+        return rule.slot_names
+
+    # -- reads -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def reading(
+        self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
+    ) -> Iterator[list[PulledTensor]]:
+        """Consistent snapshots of variables, valid inside the ``with`` block.
+
+        ``rows`` maps an item's position to the row indices to read instead of
+        the whole value.  Whole values are views of the live buffer (do not
+        modify them); writers copy on write while the block runs.
+
+        Raises:
+            NotFoundError, InvalidArgumentError: unknown variable, bad indices.
+        """
+        rows = rows or {}
+        with self._rejecting():
+            with self._lock:
+                variables = [self._get(n) for n in names]
+            checked = {}
+            for i, idx in rows.items():
+                meta = variables[i].meta
+                idx = np.asarray(idx)
+                if idx.ndim != 1 or idx.dtype.kind not in "iu":
+                    raise InvalidArgumentError(
+                        f"row indices for {meta.name!r} must be a 1-D integer array, got "
+                        f"{idx.dtype.name}{list(idx.shape)}"
+                    )
+                if not meta.shape:
+                    raise InvalidArgumentError(f"cannot read rows of scalar {meta.name!r}")
+                if idx.size and (idx.min() < 0 or idx.max() >= meta.shape[0]):
+                    bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+                    raise InvalidArgumentError(
+                        f"row index {bad} out of range for {meta.name!r} of shape {meta.shape}"
+                    )
+                checked[i] = idx
+        held: list[tuple[Variable, np.ndarray]] = []
+        out: list[PulledTensor] = []
+        try:
+            for i, var in enumerate(variables):
+                with var.lock:
+                    if i in checked:
+                        out.append(PulledTensor(var.meta.name, var.value[checked[i]], var.version))
+                    else:
+                        value, version = var.acquire_read()
+                        held.append((var, value))
+                        out.append(PulledTensor(var.meta.name, value, version))
+            self.stats.add(pulls=1, bytes_out=sum(t.value.nbytes for t in out))
+            yield out
+        finally:
+            for var, value in held:
+                with var.lock:
+                    var.release_read(value)
+
+    def pull(
+        self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
+    ) -> list[PulledTensor]:
+        """Copies of variables (or of their rows); see :meth:`reading`."""
+        with self.reading(names, rows) as tensors:
+            return [PulledTensor(t.name, np.array(t.value), t.version) for t in tensors]
+
+    # -- assign ------------------------------------------------------------------
+    def assign(
+        self,
+        op: str,
+        names: Sequence[str],
+        values: Sequence[Any],
+        *,
+        request_id: tuple[str, int] | None = None,
+    ) -> list[int]:
+        """``assign``/``assign_add``/``assign_sub`` whole values; returns new versions.
+
+        ``request_id`` makes a retried assign_add/sub apply once.
+
+        Raises:
+            NotFoundError, InvalidArgumentError: unknown variable, dtype or shape
+                mismatch, unknown op (nothing is changed).
+        """
+        with self._rejecting():
+            if op not in WRITE_OPS:
+                raise InvalidArgumentError(f"unknown write op {op!r}; expected one of {WRITE_OPS}")
+            if len(names) != len(values):
+                raise InvalidArgumentError(f"{len(names)} names but {len(values)} values")
+            variables = self._lookup(names)
+            segs = [self._check_values(v, x, op) for v, x in zip(variables, values, strict=True)]
+            for var in variables:
+                if op != "assign" and var.meta.dtype == np.bool_:
+                    raise InvalidArgumentError(f"{op} is not defined for bool {var.meta.name!r}")
+
+        def run() -> list[int]:
+            with self._locked(variables):
+                for var, seg in zip(variables, segs, strict=True):
+                    var.assign(op, seg)
+                self.stats.add(bytes_in=sum(s.nbytes for s in segs))
+                return [v.version for v in variables]
+
+        if request_id is None:
+            return run()
+        return self._once(request_id, run, lambda versions: versions)
+
+    def _once(self, request_id: tuple[str, int], run, on_duplicate, wait=None):
+        """Runs ``run`` once per request id; duplicates get ``on_duplicate(reply)``."""
+        client_id, sequence = request_id
+        with self._rejecting():
+            if not isinstance(client_id, str) or not client_id or int(sequence) < 0:
+                raise InvalidArgumentError(f"bad request id {request_id!r}")
+        for _ in range(100):
+            state, entry = self._dedup.begin(client_id, int(sequence))
+            if state is State.NEW:
+                try:
+                    reply = run()
+                except BaseException:
+                    self._dedup.abandon(client_id, sequence, entry)
+                    raise
+                self._dedup.complete(client_id, sequence, entry, reply)
+                return reply
+            if state is State.TOO_OLD:
+                with self._rejecting():
+                    raise AbortedError(
+                        f"request id {request_id} is older than the {self.task} "
+                        "deduplication window; it may or may not have been applied"
+                    )
+            deadline = None if wait is None else time.monotonic() + wait
+            entry.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not entry.done.is_set():
+                raise DeadlineExceededError(f"request id {request_id} still in progress")
+            if entry.reply is not None:
+                self.stats.add(pushes_duplicate=1)
+                return on_duplicate(entry.reply)
+            # The original failed without changing anything: process this one afresh.
+        raise AbortedError(f"request id {request_id} kept failing concurrently")  # pragma: no cover
+
+    # -- push ----------------------------------------------------------------------
+    def _validate_push(
+        self,
+        grads: Sequence[Gradient],
+        step: int | None,
+        num_required: int,
+    ) -> list[tuple[Variable, Gradient, Any, Any]]:
+        """Checks everything that does not depend on the variables' current state."""
+        if not grads:
+            raise InvalidArgumentError("push without gradients")
+        if step is not None:
+            if int(step) < 0:
+                raise InvalidArgumentError(f"sync step must be >= 0, got {step}")
+            if int(num_required) < 1:
+                raise InvalidArgumentError(
+                    f"sync step {step} needs num_required >= 1, got {num_required}"
+                )
+        variables = self._lookup([g.name for g in grads])
+        checked = []
+        for var, g in zip(variables, grads, strict=True):
+            meta = var.meta
+            if not meta.trainable:
+                raise FailedPreconditionError(f"variable {meta.name!r} is not trainable")
+            if var.rule is None:
+                raise FailedPreconditionError(
+                    f"variable {meta.name!r} has no optimizer; call configure_optimizer first"
+                )
+            if g.sparse:
+                values = np.asarray(
+                    g.values.to_array() if isinstance(g.values, Segments) else g.values
+                )
+                if values.dtype != meta.dtype:
+                    raise InvalidArgumentError(
+                        f"gradient rows for {meta.name!r} have dtype {values.dtype.name}, "
+                        f"the variable is {meta.dtype.name}"
+                    )
+                if not meta.shape or values.shape[1:] != meta.shape[1:]:
+                    raise InvalidArgumentError(
+                        f"gradient rows for {meta.name!r} have shape {values.shape}, the "
+                        f"variable is {meta.shape}"
+                    )
+                indices, values = dedupe_rows(g.indices, values, meta.shape[0])
+                checked.append((var, g, indices, values))
+            else:
+                checked.append((var, g, self._check_values(var, g.values, "gradient"), None))
+        return checked
+
+    def push(
+        self,
+        grads: Sequence[Gradient],
+        *,
+        push_id: tuple[str, int],
+        step: int | None = None,
+        num_required: int = 0,
+        wait_applied: bool = False,
+        max_staleness: int | None = None,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Applies (or, for a sync step, contributes) gradients, exactly once per id.
+
+        Args:
+            grads: one per variable; all validated before any is applied.
+            push_id: ``(client_id, sequence)``.
+            step, num_required: synchronous aggregation (see module doc).
+            wait_applied: return only once the sync step is applied.
+            max_staleness: reject gradients staler than this.
+            timeout: seconds to wait with ``wait_applied``.
+
+        Raises:
+            NotFoundError, InvalidArgumentError, FailedPreconditionError: bad input.
+            AbortedError: the sync step was already applied, the staleness bound
+                is exceeded, or the id is older than the dedup window.
+            DeadlineExceededError: ``wait_applied`` timed out (the contribution
+                still counts).
+        """
+        with self._rejecting():
+            checked = self._validate_push(grads, step, num_required)
+        client_id = push_id[0]
+
+        def run() -> PushResult:
+            with self._rejecting(), self._locked([c[0] for c in checked]):
+                if step is None:
+                    return self._apply_async(checked, client_id, max_staleness)
+                return self._contribute(checked, push_id, int(step), int(num_required))
+
+        result = self._once(push_id, run, lambda r: dataclasses.replace(r, duplicate=True), timeout)
+        if wait_applied and step is not None and not result.applied:
+            self._wait_step([c[0] for c in checked], int(step), timeout)
+            result = dataclasses.replace(
+                result, applied=True, versions=tuple(c[0].version for c in checked)
+            )
+        return result
+
+    def _apply_async(self, checked, client_id, max_staleness) -> PushResult:
+        staleness = []
+        for var, g, _, _ in checked:
+            s = var.version - g.base_version if g.base_version >= 0 else -1
+            if max_staleness is not None and s > max_staleness:
+                err = AbortedError(
+                    f"gradient for {var.meta.name!r} is {s} versions stale (base version "
+                    f"{g.base_version}, now {var.version}), above the bound {max_staleness}"
+                )
+                err.reason = "staleness_bound"
+                raise err
+            staleness.append(s)
+        entries = []
+        for var, g, a, b in checked:
+            if g.sparse:
+                var.apply_sparse(a, b)
+            else:
+                var.apply_dense(a)
+            entries.append(PushLogEntry(var.meta.name, client_id, g.base_version, var.version))
+        self.stats.add(bytes_in=sum(_grad_bytes(c) for c in checked))
+        self.stats.record_push(entries, staleness)
+        return PushResult(tuple(c[0].version for c in checked), True, False, tuple(staleness))
+
+    def _contribute(self, checked, push_id, step, num_required) -> PushResult:
+        for var, _, _, _ in checked:
+            if step <= var.sync_step:
+                err = AbortedError(
+                    f"step {step} of {var.meta.name!r} was already applied (last applied "
+                    f"sync step {var.sync_step}); contribution rejected"
+                )
+                err.reason = "stale_step"
+                raise err
+            pending = var.pending.get(step)
+            if pending is not None and pending.num_required != num_required:
+                raise InvalidArgumentError(
+                    f"step {step} of {var.meta.name!r} needs {pending.num_required} "
+                    f"contributions, this push says {num_required}"
+                )
+            if pending is None and len(var.pending) >= MAX_PENDING_STEPS:
+                raise ResourceExhaustedError(
+                    f"{var.meta.name!r} already has {len(var.pending)} incomplete sync steps"
+                )
+        applied_all = True
+        for var, g, a, b in checked:
+            pending = var.pending.setdefault(step, PendingStep(num_required))
+            pending.contributions[tuple(push_id)] = (None, a, b) if g.sparse else (a, None, None)
+            if len(pending.contributions) >= num_required:
+                self._apply_step(var, step, pending)
+            else:
+                applied_all = False
+        self.stats.add(bytes_in=sum(_grad_bytes(c) for c in checked))
+        self.stats.record_push([], [])
+        return PushResult(tuple(c[0].version for c in checked), applied_all)
+
+    def _apply_step(self, var: Variable, step: int, pending: PendingStep) -> None:
+        """Applies the mean of a complete step (lock held) and drops older steps."""
+        keys = sorted(pending.contributions)
+        n = len(keys)
+        contributions = [pending.contributions[k] for k in keys]
+        if all(c[0] is None for c in contributions):
+            indices = np.concatenate([c[1] for c in contributions])
+            values = np.concatenate([c[2] for c in contributions])
+            indices, values = dedupe_rows(indices, values, var.meta.shape[0])
+            values = values / np.asarray(n, dtype=values.dtype)
+            var.apply_sparse(indices, values)
+        else:
+            total = np.zeros(var.meta.shape, var.meta.dtype)
+            flat = total.reshape(-1)
+            for dense, indices, values in contributions:
+                if dense is not None:
+                    for offset, part in dense:
+                        flat[offset : offset + part.size] += part
+                else:
+                    np.add.at(total, indices, values)
+            np.divide(total, np.asarray(n, dtype=total.dtype), out=total)
+            var.apply_dense(total)
+        var.sync_step = step
+        for s in [s for s in var.pending if s <= step]:
+            del var.pending[s]
+        self.stats.add(sync_steps_applied=1)
+        var.changed.notify_all()
+
+    def _wait_step(self, variables: Sequence[Variable], step: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for var in variables:
+            with var.lock:
+                while var.sync_step < step and step in var.pending:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise DeadlineExceededError(
+                            f"sync step {step} of {var.meta.name!r} not applied in time: "
+                            f"{len(var.pending[step].contributions)} of "
+                            f"{var.pending[step].num_required} contributions arrived"
+                        )
+                    var.changed.wait(left)
+                if var.sync_step < step:
+                    raise AbortedError(
+                        f"sync step {step} of {var.meta.name!r} was dropped: a later step "
+                        f"({var.sync_step}) completed first"
+                    )
+
+    # -- listing, stats ------------------------------------------------------------
+    def list_variables(self) -> list[VariableInfo]:
+        """Every variable, sorted by name."""
+        with self._lock:
+            variables = sorted(self._vars.values(), key=lambda v: v.meta.name)
+        out = []
+        for var in variables:
+            with var.lock:
+                out.append(
+                    VariableInfo(
+                        var.meta,
+                        var.optimizer_json,
+                        tuple(var.slots),
+                        var.version,
+                        var.optimizer_step,
+                        var.sync_step,
+                    )
+                )
+        return out
+
+    def stats_snapshot(self, include_log: bool = False) -> dict[str, Any]:
+        """Counters plus the number and bytes of variables held."""
+        out = self.stats.snapshot(include_log)
+        with self._lock:
+            out["num_variables"] = len(self._vars)
+            out["variable_bytes"] = sum(v.meta.nbytes for v in self._vars.values())
+        return out
+
+    # -- checkpoint support ------------------------------------------------------------
+    @contextlib.contextmanager
+    def exporting(self) -> Iterator[list[Variable]]:
+        """Every variable, each locked, for a consistent checkpoint of the shard."""
+        with self._lock:
+            variables = sorted(self._vars.values(), key=lambda v: v.meta.name)
+        with self._locked(variables):
+            yield variables
+
+    def replace_all(self, variables: Sequence[Variable]) -> None:
+        """Replaces the whole shard (after a restore); forgets request ids."""
+        with self._lock:
+            old = list(self._vars.values())
+            self._vars = {v.meta.name: v for v in variables}
+        self._dedup.clear()
+        for var in old:  # wake anyone waiting on a step that will never come
+            with var.lock:
+                var.pending.clear()
+                var.changed.notify_all()
+
+
+def _grad_bytes(c) -> int:
+    _var, g, a, b = c
+    if g.sparse:
+        return a.nbytes + b.nbytes
+    return a.nbytes

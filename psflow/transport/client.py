@@ -1,0 +1,729 @@
+"""``PSClient``: how workers and the chief talk to one parameter-server task.
+
+Every call has a deadline (``timeout``, default the client's).  Calls that are
+safe to repeat — reads, idempotent writes (create with the same spec, assign,
+configure, save, restore) and calls carrying a request id (push, assign_add,
+assign_sub) — are retried with exponential backoff and jitter when the server
+is unavailable, until the deadline.  Failures surface as typed psflow errors
+naming the method, the task and its address, e.g.
+``UnavailableError("Pull to ps:1 at 127.0.0.1:1234 failed: ...")``.
+
+Payloads up to ``stream_threshold`` bytes go in one unary message (one round
+trip); larger ones are streamed in ``chunk_bytes`` chunks.  Pulls and pushes
+are batched: one RPC for many variables.
+
+Concurrency: the client is thread-safe, and ``pull_async``/``push_async``
+(or :meth:`PSClient.submit` for any method) return futures, so calls to several
+PS tasks run at the same time::
+
+    futures = [c.pull_async(names_on[c.task]) for c in clients]
+    values = [f.result() for f in futures]
+
+Example:
+    >>> client = PSClient("127.0.0.1:2222", task="ps:0")        # doctest: +SKIP
+    >>> client.create_variable("w", np.zeros(3, np.float32))     # doctest: +SKIP
+    >>> client.configure_optimizer(["w"], {"name": "sgd"})       # doctest: +SKIP
+    >>> client.push({"w": np.ones(3, np.float32)})               # doctest: +SKIP
+    >>> client.pull(["w"])                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from psflow.errors import (
+    Code,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    OpError,
+    error_class,
+)
+from psflow.proto import ps_pb2
+
+from . import codec, framing
+from .options import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_STREAM_THRESHOLD,
+    channel_options,
+)
+from .service import METHODS, method_path
+
+__all__ = ["PSClient", "PushReply", "RetryPolicy", "VariableDescription"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """When and how often a retry-safe call is repeated (always within its deadline)."""
+
+    max_attempts: int = 10
+    initial_backoff: float = 0.05
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+    retry_codes: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclasses.dataclass(frozen=True)
+class PushReply:
+    """What the PS answered to a push."""
+
+    versions: tuple[int, ...]
+    applied: bool
+    duplicate: bool
+    staleness: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableDescription:
+    """A variable as the PS describes it."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    trainable: bool
+    optimizer: dict[str, Any] | None
+    slot_names: tuple[str, ...]
+    version: int
+    optimizer_step: int
+    sync_step: int
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def _serialize(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class _Filler:
+    """Copies a pull's streamed payload into the output arrays, in order."""
+
+    def __init__(self, views: list[np.ndarray]) -> None:
+        self._views = views
+        self._index = 0
+        self._offset = 0
+        self._skip()
+
+    def _skip(self) -> None:
+        while self._index < len(self._views) and self._offset == self._views[self._index].size:
+            self._index += 1
+            self._offset = 0
+
+    def feed(self, data: memoryview | None) -> None:
+        if data is None:
+            return
+        pos = 0
+        while pos < len(data):
+            if self._index >= len(self._views):
+                raise InvalidArgumentError("pull reply holds more bytes than its header announced")
+            view = self._views[self._index]
+            take = min(len(data) - pos, view.size - self._offset)
+            view[self._offset : self._offset + take] = np.frombuffer(
+                data[pos : pos + take], np.uint8
+            )
+            pos += take
+            self._offset += take
+            self._skip()
+
+    def finish(self) -> None:
+        if self._index < len(self._views):
+            raise InvalidArgumentError(
+                "pull reply truncated: fewer bytes than its header announced"
+            )
+
+
+class PSClient:
+    """A client of one parameter-server task.
+
+    Args:
+        address: ``host:port`` of the task.
+        task: its name in the cluster (``"ps:0"``), used in errors.
+        timeout: default deadline of a call, in seconds.
+        retry: retry policy of retry-safe calls.
+        chunk_bytes: payload bytes per streamed message.
+        stream_threshold: payloads above this many bytes are streamed.
+        max_message_bytes: gRPC message size limit of the channel.
+        client_id: identity for exactly-once pushes (default: a fresh UUID).
+        max_workers: threads serving the ``*_async`` methods.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        task: str = "ps:0",
+        *,
+        timeout: float = 60.0,
+        retry: RetryPolicy | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stream_threshold: int = DEFAULT_STREAM_THRESHOLD,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        client_id: str | None = None,
+        max_workers: int = 4,
+    ) -> None:
+        if chunk_bytes <= 0 or chunk_bytes > max_message_bytes // 2:
+            raise InvalidArgumentError(
+                f"chunk_bytes {chunk_bytes} must be in (0, {max_message_bytes // 2}]"
+            )
+        self.address = address
+        self.task = task
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.chunk_bytes = chunk_bytes
+        self.stream_threshold = min(stream_threshold, max_message_bytes // 2)
+        self.client_id = client_id or uuid.uuid4().hex
+        self._max_workers = max_workers
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._sequence = itertools.count(1)
+        self._specs: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._stubs: dict[str, Callable] = {}
+        for name, (kind, _req, resp_cls, _framed_req, framed_resp) in METHODS.items():
+            factory = getattr(self._channel, kind.value)
+            self._stubs[name] = factory(
+                method_path(name),
+                request_serializer=_serialize,
+                response_deserializer=_identity if framed_resp else resp_cls.FromString,
+            )
+        self._closed = False
+
+    # -- plumbing ---------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"PSClient({self.address!r}, task={self.task!r})"
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel and the async thread pool."""
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._channel.close()
+
+    def next_request_id(self) -> tuple[str, int]:
+        """A fresh ``(client_id, sequence)`` for an exactly-once request."""
+        with self._lock:
+            return self.client_id, next(self._sequence)
+
+    def _error(self, method: str, e: grpc.RpcError) -> OpError:
+        code = e.code()
+        cls = error_class(code.value[0]) if code is not None else error_class(Code.UNKNOWN)
+        details = e.details() or (code.name if code is not None else "no status")
+        return cls(f"{method} to {self.task} at {self.address} failed: {details}", task=self.task)
+
+    def _invoke(
+        self, method: str, attempt: Callable[[float], T], *, retry: bool, timeout: float | None
+    ) -> T:
+        """Runs ``attempt(time_left)`` until success, a final error, or the deadline."""
+        if self._closed:
+            raise InvalidArgumentError(f"{self!r} is closed")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        backoff = self.retry.initial_backoff
+        for n in itertools.count(1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    f"{method} to {self.task} at {self.address}: deadline passed before "
+                    f"attempt {n}",
+                    task=self.task,
+                )
+            try:
+                return attempt(left)
+            except grpc.RpcError as e:
+                left = deadline - time.monotonic()
+                if (
+                    retry
+                    and e.code() in self.retry.retry_codes
+                    and n < self.retry.max_attempts
+                    and left > backoff
+                ):
+                    time.sleep(backoff * random.uniform(0.5, 1.0))
+                    backoff = min(backoff * self.retry.multiplier, self.retry.max_backoff)
+                    continue
+                raise self._error(method, e) from None
+            except OpError as e:
+                e.task = e.task or self.task
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Runs ``fn(*args, **kwargs)`` (e.g. ``client.pull``) on the client's thread pool."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self._max_workers, thread_name_prefix=f"psclient-{self.task}"
+                )
+        return self._executor.submit(fn, *args, **kwargs)
+
+    # -- writes -------------------------------------------------------------------
+    def _write(
+        self,
+        op: int,
+        specs: list[ps_pb2.VariableSpec],
+        arrays: list[np.ndarray],
+        *,
+        request_id: tuple[str, int] | None,
+        retry: bool,
+        timeout: float | None,
+    ) -> ps_pb2.WriteResponse:
+        header = ps_pb2.WriteHeader(op=op, variables=specs)
+        if request_id is not None:
+            header.id.client_id, header.id.sequence = request_id
+        header_bytes = header.SerializeToString()
+        total = sum(a.nbytes for a in arrays)
+        if total <= self.stream_threshold:
+            message = framing.encode_message(header_bytes, [framing.byte_view(a) for a in arrays])
+
+            def attempt(left: float) -> Any:
+                return self._stubs["Write"](message, timeout=left)
+
+        else:
+
+            def attempt(left: float) -> Any:
+                messages = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
+                return self._stubs["WriteStream"](messages, timeout=left)
+
+        return self._invoke("Write", attempt, retry=retry, timeout=timeout)
+
+    def create_variables(
+        self,
+        values: Mapping[str, Any],
+        *,
+        trainable: bool | Mapping[str, bool] = True,
+        optimizer: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, bool]:
+        """Creates variables with initial ``values``; returns ``{name: created}``.
+
+        Idempotent: a variable that exists with the same dtype, shape and
+        trainability is left unchanged (``created`` is False).
+
+        Raises:
+            AlreadyExistsError: one exists with a conflicting spec (none is created).
+        """
+        specs, arrays = [], []
+        for name, value in values.items():
+            arr = codec.to_host(value)
+            train = trainable if isinstance(trainable, bool) else trainable.get(name, True)
+            specs.append(
+                ps_pb2.VariableSpec(
+                    name=name,
+                    spec=codec.spec_to_proto(arr.dtype, arr.shape),
+                    trainable=train,
+                    optimizer_json=json.dumps(optimizer) if optimizer else "",
+                )
+            )
+            arrays.append(arr)
+        reply = self._write(
+            ps_pb2.WRITE_OP_CREATE, specs, arrays, request_id=None, retry=True, timeout=timeout
+        )
+        for spec, arr in zip(specs, arrays, strict=True):
+            self._specs[spec.name] = (arr.dtype, arr.shape)
+        return {s.name: bool(c) for s, c in zip(specs, reply.created, strict=True)}
+
+    def create_variable(
+        self,
+        name: str,
+        value: Any,
+        *,
+        trainable: bool = True,
+        optimizer: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Creates one variable; True if created, False if it existed identically."""
+        return self.create_variables(
+            {name: value}, trainable=trainable, optimizer=optimizer, timeout=timeout
+        )[name]
+
+    def _assign(self, op: int, values: Mapping[str, Any], timeout: float | None) -> dict[str, int]:
+        specs, arrays = [], []
+        for name, value in values.items():
+            arr = codec.to_host(value)
+            specs.append(
+                ps_pb2.VariableSpec(name=name, spec=codec.spec_to_proto(arr.dtype, arr.shape))
+            )
+            arrays.append(arr)
+        # assign is idempotent; add/sub carry an id so their retries apply once.
+        request_id = None if op == ps_pb2.WRITE_OP_ASSIGN else self.next_request_id()
+        reply = self._write(op, specs, arrays, request_id=request_id, retry=True, timeout=timeout)
+        return {s.name: v for s, v in zip(specs, reply.versions, strict=True)}
+
+    @staticmethod
+    def _values(name_or_values: str | Mapping[str, Any], value: Any) -> Mapping[str, Any]:
+        if isinstance(name_or_values, str):
+            return {name_or_values: value}
+        return name_or_values
+
+    def assign(
+        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+    ) -> dict[str, int]:
+        """Replaces values: ``assign("w", x)`` or ``assign({"w": x, ...})``; returns versions."""
+        return self._assign(ps_pb2.WRITE_OP_ASSIGN, self._values(name_or_values, value), timeout)
+
+    def assign_add(
+        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+    ) -> dict[str, int]:
+        """Adds to values (exactly once, even if retried); returns versions."""
+        return self._assign(
+            ps_pb2.WRITE_OP_ASSIGN_ADD, self._values(name_or_values, value), timeout
+        )
+
+    def assign_sub(
+        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+    ) -> dict[str, int]:
+        """Subtracts from values (exactly once, even if retried); returns versions."""
+        return self._assign(
+            ps_pb2.WRITE_OP_ASSIGN_SUB, self._values(name_or_values, value), timeout
+        )
+
+    def configure_optimizer(
+        self, names: Sequence[str], rule_config: dict[str, Any], *, timeout: float | None = None
+    ) -> tuple[str, ...]:
+        """Attaches an update rule (``{"name": "adam", ...}``) to variables; returns slot names."""
+        request = ps_pb2.ConfigureOptimizerRequest(
+            names=list(names), optimizer_json=json.dumps(rule_config)
+        )
+        reply = self._invoke(
+            "ConfigureOptimizer",
+            lambda left: self._stubs["ConfigureOptimizer"](request, timeout=left),
+            retry=True,
+            timeout=timeout,
+        )
+        return tuple(reply.slot_names)
+
+    # -- pulls ----------------------------------------------------------------------
+    def _expected_bytes(self, request: ps_pb2.PullRequest) -> int | None:
+        total = 0
+        for item in request.items:
+            spec = self._specs.get(item.name)
+            if spec is None:
+                return None
+            dtype, shape = spec
+            rows = len(item.indices.data) // 8 if item.HasField("indices") else None
+            if rows is None:
+                total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            else:
+                total += rows * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        return total
+
+    def _decode_pull(
+        self, messages: Iterable[bytes], out: Sequence[np.ndarray | None] | None, rows: bool
+    ) -> tuple[list[np.ndarray], list[int]]:
+        it = iter(messages)
+        header_bytes, payload = framing.split_message(next(it))
+        if header_bytes is None:
+            raise InvalidArgumentError("pull reply without a header")
+        header = ps_pb2.PullHeader.FromString(header_bytes)
+        arrays = []
+        for k, t in enumerate(header.tensors):
+            dtype, shape, _ = codec.check_spec(t.spec.dtype, t.spec.shape, max_bytes=1 << 62)
+            target = out[k] if out is not None else None
+            if target is None:
+                target = np.empty(shape, dtype)
+            elif target.dtype != dtype or target.shape != shape or not target.flags.c_contiguous:
+                raise InvalidArgumentError(
+                    f"out[{k}] is {target.dtype}{list(target.shape)}, the pulled {t.name!r} is "
+                    f"{dtype.name}{list(shape)} (C-contiguous needed)"
+                )
+            arrays.append(target)
+            if not rows:
+                self._specs[t.name] = (dtype, shape)
+        filler = _Filler([framing.byte_view(a) for a in arrays])
+        filler.feed(payload)
+        for message in it:
+            hdr, payload = framing.split_message(message)
+            if hdr is not None:
+                raise InvalidArgumentError("pull reply with a second header")
+            filler.feed(payload)
+        filler.finish()
+        return arrays, [t.version for t in header.tensors]
+
+    def _pull(self, request: ps_pb2.PullRequest, out, rows: bool, timeout: float | None):
+        expected = self._expected_bytes(request)
+        stream = expected is None or expected > self.stream_threshold
+
+        def attempt(left: float):
+            if stream:
+                return self._decode_pull(
+                    self._stubs["PullStream"](request, timeout=left), out, rows
+                )
+            return self._decode_pull([self._stubs["Pull"](request, timeout=left)], out, rows)
+
+        return self._invoke("Pull", attempt, retry=True, timeout=timeout)
+
+    def pull(
+        self,
+        names: str | Sequence[str],
+        *,
+        out: Sequence[np.ndarray | None] | None = None,
+        return_versions: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Reads variables in one RPC.
+
+        Args:
+            names: the variables (a single name returns a single array).
+            out: optional arrays to fill in place (matching dtype and shape).
+            return_versions: also return each value's version.
+
+        Returns:
+            ``[array, ...]`` (or ``([array, ...], [version, ...])``).
+        """
+        single = isinstance(names, str)
+        name_list = [names] if single else list(names)
+        if out is not None and len(out) != len(name_list):
+            raise InvalidArgumentError(f"{len(out)} out arrays for {len(name_list)} names")
+        request = ps_pb2.PullRequest(items=[ps_pb2.PullItem(name=n) for n in name_list])
+        arrays, versions = self._pull(request, out, False, timeout)
+        if single:
+            return (arrays[0], versions[0]) if return_versions else arrays[0]
+        return (arrays, versions) if return_versions else arrays
+
+    def pull_rows(
+        self,
+        name: str,
+        indices: Any,
+        *,
+        return_version: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Reads rows ``indices`` of a variable: shape ``(len(indices), *row_shape)``."""
+        idx = codec.to_host(indices)
+        if idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise InvalidArgumentError(
+                f"row indices must be a 1-D integer array, got {idx.dtype}{list(idx.shape)}"
+            )
+        idx = idx.astype("<i8", copy=False)
+        request = ps_pb2.PullRequest(
+            items=[ps_pb2.PullItem(name=name, indices=codec.encode_tensor(idx))]
+        )
+        arrays, versions = self._pull(request, None, True, timeout)
+        return (arrays[0], versions[0]) if return_version else arrays[0]
+
+    def pull_async(self, names: str | Sequence[str], **kwargs: Any) -> concurrent.futures.Future:
+        """:meth:`pull` on the client's thread pool; returns a future."""
+        return self.submit(self.pull, names, **kwargs)
+
+    # -- pushes ------------------------------------------------------------------------
+    def push(
+        self,
+        grads: Mapping[str, Any],
+        *,
+        push_id: tuple[str, int] | int | None = None,
+        base_versions: Mapping[str, int] | Sequence[int] | None = None,
+        step: int | None = None,
+        num_required: int | None = None,
+        wait_applied: bool = False,
+        max_staleness: int | None = None,
+        timeout: float | None = None,
+    ) -> PushReply:
+        """Pushes gradients of several variables in one RPC, applied exactly once.
+
+        Args:
+            grads: ``{name: dense_array}`` or ``{name: (indices, rows)}`` for sparse.
+            push_id: ``(client_id, sequence)`` or a sequence number of this client;
+                default a fresh one.  A retry with the same id is applied once.
+            base_versions: the versions the gradients were computed from.
+            step, num_required: synchronous aggregation: the PS applies the mean
+                of ``num_required`` contributions to ``step`` once.
+            wait_applied: return only once the step is applied.
+            max_staleness: let the PS reject gradients staler than this.
+
+        Raises:
+            AbortedError: a contribution to a step already applied, or too stale.
+        """
+        if push_id is None:
+            push_id = self.next_request_id()
+        elif isinstance(push_id, int):
+            push_id = (self.client_id, push_id)
+        names = list(grads)
+        if isinstance(base_versions, Mapping):
+            bases = [int(base_versions.get(n, -1)) for n in names]
+        elif base_versions is not None:
+            bases = [int(b) for b in base_versions]
+            if len(bases) != len(names):
+                raise InvalidArgumentError(f"{len(bases)} base versions for {len(names)} grads")
+        else:
+            bases = [-1] * len(names)
+        header = ps_pb2.PushHeader(wait_applied=wait_applied)
+        header.id.client_id, header.id.sequence = push_id
+        if step is not None:
+            header.step = int(step)
+            header.num_required = int(num_required or 0)
+        if max_staleness is not None:
+            header.max_staleness = int(max_staleness)
+        arrays: list[np.ndarray] = []
+        for name, base, g in zip(names, bases, (grads[n] for n in names), strict=True):
+            if isinstance(g, tuple):
+                indices, values = g
+                idx = codec.to_host(indices).astype("<i8", copy=False).reshape(-1)
+                vals = codec.to_host(values)
+                header.items.add(
+                    name=name,
+                    values=codec.spec_to_proto(vals.dtype, vals.shape),
+                    sparse=True,
+                    base_version=base,
+                )
+                arrays += [idx, vals]
+            else:
+                arr = codec.to_host(g)
+                header.items.add(
+                    name=name, values=codec.spec_to_proto(arr.dtype, arr.shape), base_version=base
+                )
+                arrays.append(arr)
+        header_bytes = header.SerializeToString()
+        if sum(a.nbytes for a in arrays) <= self.stream_threshold:
+            message = framing.encode_message(header_bytes, [framing.byte_view(a) for a in arrays])
+
+            def attempt(left: float) -> Any:
+                return self._stubs["Push"](message, timeout=left)
+
+        else:
+
+            def attempt(left: float) -> Any:
+                messages = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
+                return self._stubs["PushStream"](messages, timeout=left)
+
+        reply = self._invoke("Push", attempt, retry=True, timeout=timeout)
+        return PushReply(
+            tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness)
+        )
+
+    def push_async(self, grads: Mapping[str, Any], **kwargs: Any) -> concurrent.futures.Future:
+        """:meth:`push` on the client's thread pool; returns a future.
+
+        The push id is fixed now, so the order of ids follows the order of calls.
+        """
+        kwargs.setdefault("push_id", self.next_request_id())
+        return self.submit(self.push, grads, **kwargs)
+
+    # -- the rest -------------------------------------------------------------------------
+    def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
+        return self._invoke(
+            method,
+            lambda left: self._stubs[method](request, timeout=left),
+            retry=True,
+            timeout=timeout,
+        )
+
+    def list_variables(self, *, timeout: float | None = None) -> list[VariableDescription]:
+        """Every variable of the task, sorted by name."""
+        reply = self._unary("ListVariables", ps_pb2.ListVariablesRequest(), timeout)
+        out = []
+        for info in reply.variables:
+            v = info.variable
+            dtype, shape, _ = codec.check_spec(v.spec.dtype, v.spec.shape, max_bytes=1 << 62)
+            self._specs[v.name] = (dtype, shape)
+            out.append(
+                VariableDescription(
+                    v.name,
+                    dtype,
+                    shape,
+                    v.trainable,
+                    json.loads(v.optimizer_json) if v.optimizer_json else None,
+                    tuple(info.slot_names),
+                    info.version,
+                    info.optimizer_step,
+                    info.sync_step,
+                )
+            )
+        return out
+
+    def save(
+        self, directory: str, *, prefix: str = "", step: int = 0, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Checkpoints the task's shard (a directory on the PS's filesystem)."""
+        reply = self._unary(
+            "Save", ps_pb2.SaveRequest(directory=directory, prefix=prefix, step=step), timeout
+        )
+        return {
+            "manifest_path": reply.manifest_path,
+            "bytes_written": reply.bytes_written,
+            "names": list(reply.names),
+        }
+
+    def restore(
+        self,
+        directory: str,
+        *,
+        prefix: str = "",
+        names: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Replaces the shard by a checkpoint's (``names``: gather these from any shard)."""
+        reply = self._unary(
+            "Restore",
+            ps_pb2.RestoreRequest(directory=directory, prefix=prefix, names=list(names or [])),
+            timeout,
+        )
+        self._specs.clear()
+        return {"step": reply.step, "names": list(reply.names)}
+
+    def stats(self, *, include_log: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """The PS counters (bytes, pushes, rejections, staleness, optional log)."""
+        reply = self._unary("GetStats", ps_pb2.GetStatsRequest(include_log=include_log), timeout)
+        out = {
+            f.name: getattr(reply, f.name)
+            for f in reply.DESCRIPTOR.fields
+            if f.name not in ("rejected", "staleness_histogram", "log")
+        }
+        out["rejected"] = dict(reply.rejected)
+        out["staleness_histogram"] = dict(reply.staleness_histogram)
+        if include_log:
+            out["log"] = [
+                (e.variable, e.client_id, e.base_version, e.applied_version) for e in reply.log
+            ]
+        return out
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The standard health status name (``"SERVING"``, ``"NOT_SERVING"``...)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = self._invoke(
+            "Health.Check",
+            lambda left: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=left),
+            retry=True,
+            timeout=timeout,
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def wait_ready(self, timeout: float = 30.0, poll: float = 0.05) -> None:
+        """Waits until the task reports SERVING.
+
+        Raises:
+            DeadlineExceededError: not SERVING within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        status = "UNKNOWN"
+        while time.monotonic() < deadline:
+            try:
+                status = self.health(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+            except OpError as e:
+                status = type(e).__name__
+            if status == "SERVING":
+                return
+            time.sleep(poll)
+        raise DeadlineExceededError(
+            f"{self.task} at {self.address} not SERVING after {timeout}s (last: {status})",
+            task=self.task,
+        )
