@@ -260,7 +260,7 @@ class ParameterServerServicer:
                 )
             return framing.encode_message(
                 self._pull_header(tensors),
-                [framing.byte_view(np.ascontiguousarray(t.value)) for t in tensors],
+                [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors],
             )
 
     def PullStream(self, request, context) -> Iterator[bytes]:
@@ -269,7 +269,7 @@ class ParameterServerServicer:
         with self.store.reading(names, rows) as tensors:
             yield from framing.payload_messages(
                 self._pull_header(tensors),
-                [np.ascontiguousarray(t.value) for t in tensors],
+                [codec.c_contiguous(t.value) for t in tensors],
                 self.chunk_bytes,
             )
 
