@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psflow.errors import InvalidArgumentError, OpError, to_grpc_code
+from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError, to_grpc_code
 from psflow.proto import ps_pb2
 from psflow.transport import codec, framing
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
@@ -39,6 +39,7 @@ _WRITE_OPS = {
     ps_pb2.WRITE_OP_ASSIGN_SUB: "assign_sub",
 }
 _HEADER_SLACK = 1 << 20
+_MIN_CHUNK = 4096
 
 
 class _Bad:
@@ -172,15 +173,19 @@ class ParameterServerServicer:
         return unary
 
     # -- writes -------------------------------------------------------------------
-    def Write(self, request, context) -> ps_pb2.WriteResponse:
+    def Write(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.WriteResponse:
         """Creates or assigns variables (unary)."""
         return self._write([request], context)
 
-    def WriteStream(self, request_iterator, context) -> ps_pb2.WriteResponse:
+    def WriteStream(
+        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+    ) -> ps_pb2.WriteResponse:
         """Creates or assigns variables (streamed payload)."""
         return self._write(request_iterator, context)
 
-    def _write(self, messages, context) -> ps_pb2.WriteResponse:
+    def _write(
+        self, messages: Iterable[Any], context: grpc.ServicerContext
+    ) -> ps_pb2.WriteResponse:
         header, payloads = _framed(messages, ps_pb2.WriteHeader)
         if header.op != ps_pb2.WRITE_OP_CREATE and header.op not in _WRITE_OPS:
             raise InvalidArgumentError(f"unknown write op {header.op}")
@@ -216,7 +221,9 @@ class ParameterServerServicer:
         )
         return ps_pb2.WriteResponse(versions=versions)
 
-    def ConfigureOptimizer(self, request, context) -> ps_pb2.ConfigureOptimizerResponse:
+    def ConfigureOptimizer(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ConfigureOptimizerResponse:
         """Attaches an update rule to variables."""
         request = _check(request)
         config = _optimizer(request.optimizer_json, "ConfigureOptimizer")
@@ -248,13 +255,13 @@ class ParameterServerServicer:
             ]
         ).SerializeToString()
 
-    def Pull(self, request, context) -> bytes:
+    def Pull(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """Reads variables; header and payload in one message."""
         names, rows = self._pull_parts(request)
         with self.store.reading(names, rows) as tensors:
             total = sum(t.value.nbytes for t in tensors)
             if total > self.max_unary_payload:
-                raise InvalidArgumentError(
+                raise ResourceExhaustedError(
                     f"pull of {total} bytes exceeds the unary limit of "
                     f"{self.max_unary_payload}; use PullStream"
                 )
@@ -263,26 +270,29 @@ class ParameterServerServicer:
                 [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors],
             )
 
-    def PullStream(self, request, context) -> Iterator[bytes]:
+    def PullStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Reads variables; the payload follows the header in chunks."""
         names, rows = self._pull_parts(request)
+        chunk = self.chunk_bytes
+        if request.chunk_bytes > 0:
+            chunk = min(max(request.chunk_bytes, _MIN_CHUNK), self.max_unary_payload)
         with self.store.reading(names, rows) as tensors:
             yield from framing.payload_messages(
-                self._pull_header(tensors),
-                [codec.c_contiguous(t.value) for t in tensors],
-                self.chunk_bytes,
+                self._pull_header(tensors), [codec.c_contiguous(t.value) for t in tensors], chunk
             )
 
     # -- pushes ------------------------------------------------------------------------
-    def Push(self, request, context) -> ps_pb2.PushResponse:
+    def Push(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         """Applies gradients (unary)."""
         return self._push([request], context)
 
-    def PushStream(self, request_iterator, context) -> ps_pb2.PushResponse:
+    def PushStream(
+        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+    ) -> ps_pb2.PushResponse:
         """Applies gradients (streamed payload)."""
         return self._push(request_iterator, context)
 
-    def _push(self, messages, context) -> ps_pb2.PushResponse:
+    def _push(self, messages: Iterable[Any], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         header, payloads = _framed(messages, ps_pb2.PushHeader)
         if not header.HasField("id") or not header.id.client_id:
             raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
@@ -330,7 +340,9 @@ class ParameterServerServicer:
         )
 
     # -- the rest -------------------------------------------------------------------------
-    def ListVariables(self, request, context) -> ps_pb2.ListVariablesResponse:
+    def ListVariables(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ListVariablesResponse:
         """Describes every variable."""
         _check(request)
         return ps_pb2.ListVariablesResponse(
@@ -354,7 +366,7 @@ class ParameterServerServicer:
     def _prefix(self, prefix: str) -> str:
         return prefix or self.store.task.replace(":", "-")
 
-    def Save(self, request, context) -> ps_pb2.SaveResponse:
+    def Save(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.SaveResponse:
         """Checkpoints the shard."""
         request = _check(request)
         if not request.directory:
@@ -368,7 +380,7 @@ class ParameterServerServicer:
             names=result.names,
         )
 
-    def Restore(self, request, context) -> ps_pb2.RestoreResponse:
+    def Restore(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         """Restores the shard from a checkpoint."""
         request = _check(request)
         if not request.directory:
@@ -378,7 +390,7 @@ class ParameterServerServicer:
         )
         return ps_pb2.RestoreResponse(step=result.step, names=result.names)
 
-    def GetStats(self, request, context) -> ps_pb2.GetStatsResponse:
+    def GetStats(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.GetStatsResponse:
         """Returns the counters."""
         request = _check(request)
         s = self.store.stats_snapshot(include_log=request.include_log)

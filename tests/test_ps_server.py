@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -328,3 +329,27 @@ def test_reflection_and_health_are_served(ps_server, ps_client):
         (reply,) = list(stub.ServerReflectionInfo(iter([request]), timeout=10))
     names = {s.name for s in reply.list_services_response.service}
     assert "psflow.v1.ParameterServer" in names and "grpc.health.v1.Health" in names
+
+
+def test_calls_retry_until_a_late_server_comes_up(start_ps):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = PSClient(f"127.0.0.1:{port}", timeout=60)
+    started = {}
+
+    def start_later():
+        time.sleep(1.0)
+        started["server"] = start_ps("--port", str(port))
+
+    late = threading.Thread(target=start_later)
+    late.start()
+    try:
+        # Issued before anything listens: retried with backoff until the PS is up.
+        assert client.create_variable("w", np.ones(2, np.float32))
+        late.join(60)
+        assert started["server"].port == port
+        np.testing.assert_array_equal(client.pull("w"), np.ones(2, np.float32))
+    finally:
+        late.join(60)
+        client.close()
