@@ -29,25 +29,15 @@ REJECT = {
 
 
 @pytest.fixture(scope="module")
-def fuzz_target(tmp_path_factory):
-    from tests.conftest import start_server
-
-    server = start_server(
-        "ps_server",
-        ["--port", "0", "--max-tensor-bytes", str(1 << 24)],
-        "PSFLOW_READY ps",
-        log_dir=tmp_path_factory.mktemp("fuzz"),
-    )
-    try:
-        with PSClient(server.address, timeout=30) as client:
-            client.create_variables(
-                {k: np.ones(s, d) for k, (s, d) in VARS.items() if k != "n"},
-                optimizer={"name": "adam"},
-            )
-            client.create_variable("n", np.ones(2, np.int64), trainable=False)
-        yield server
-    finally:
-        server.reap()
+def fuzz_target(start_ps_module):
+    server = start_ps_module("--max-tensor-bytes", str(1 << 24))
+    with PSClient(server.address, timeout=30) as client:
+        client.create_variables(
+            {k: np.ones(s, d) for k, (s, d) in VARS.items() if k != "n"},
+            optimizer={"name": "adam"},
+        )
+        client.create_variable("n", np.ones(2, np.int64), trainable=False)
+    return server
 
 
 names = st.sampled_from(["w", "b", "n", "missing", ""])
