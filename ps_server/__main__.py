@@ -17,31 +17,16 @@ finish (``--grace`` seconds), the final checkpoint is written if
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import sys
 
-from ps_server.server import serve
 from psflow.errors import OpError
 from psflow.ps.store import VariableStore
+from psflow.transport.options import tune_malloc
+
+from .server import serve
 
 log = logging.getLogger("ps_server")
-
-
-def _tune_malloc() -> None:
-    """Keeps freed memory for reuse instead of returning it to the OS.
-
-    Gradients arrive as megabyte-sized chunks; with glibc's defaults each one is
-    a fresh mmap whose pages fault in on first touch, which costs more than the
-    transfer on some VMs.  Only on glibc; a no-op elsewhere.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 256 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 def _from_tf_config() -> tuple[str, int, str]:
@@ -90,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s role=ps task={task} %(name)s: %(message)s",
     )
     if not args.no_malloc_tuning:
-        _tune_malloc()
+        tune_malloc()
     store = VariableStore(task=task, max_tensor_bytes=args.max_tensor_bytes)
     try:
         return serve(

@@ -21,7 +21,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ps_server.servicer import ParameterServerServicer
 from psflow.errors import UnavailableError
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
@@ -31,6 +30,8 @@ from psflow.transport.options import (
     server_options,
 )
 from psflow.transport.service import SERVICE
+
+from .servicer import ParameterServerServicer
 
 __all__ = ["READY_PREFIX", "create_server", "serve"]
 

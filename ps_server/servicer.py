@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psflow.errors import InvalidArgumentError, OpError, to_grpc_code
+from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError, to_grpc_code
 from psflow.proto import ps_pb2
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import Gradient, VariableMeta, VariableStore
@@ -38,6 +38,7 @@ _WRITE_OPS = {
     ps_pb2.WRITE_OP_ASSIGN_SUB: "assign_sub",
 }
 _HEADER_SLACK = 1 << 20
+_MIN_CHUNK = 4096
 
 
 class _Bad:
@@ -171,15 +172,19 @@ class ParameterServerServicer:
         return unary
 
     # -- writes -------------------------------------------------------------------
-    def Write(self, request, context) -> ps_pb2.WriteResponse:
+    def Write(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.WriteResponse:
         """Creates or assigns variables (unary)."""
         return self._write([request], context)
 
-    def WriteStream(self, request_iterator, context) -> ps_pb2.WriteResponse:
+    def WriteStream(
+        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+    ) -> ps_pb2.WriteResponse:
         """Creates or assigns variables (streamed payload)."""
         return self._write(request_iterator, context)
 
-    def _write(self, messages, context) -> ps_pb2.WriteResponse:
+    def _write(
+        self, messages: Iterable[Any], context: grpc.ServicerContext
+    ) -> ps_pb2.WriteResponse:
         header, payloads = _framed(messages, ps_pb2.WriteHeader)
         if header.op != ps_pb2.WRITE_OP_CREATE and header.op not in _WRITE_OPS:
             raise InvalidArgumentError(f"unknown write op {header.op}")
@@ -215,7 +220,9 @@ class ParameterServerServicer:
         )
         return ps_pb2.WriteResponse(versions=versions)
 
-    def ConfigureOptimizer(self, request, context) -> ps_pb2.ConfigureOptimizerResponse:
+    def ConfigureOptimizer(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ConfigureOptimizerResponse:
         """Attaches an update rule to variables."""
         request = _check(request)
         config = _optimizer(request.optimizer_json, "ConfigureOptimizer")
@@ -247,41 +254,44 @@ class ParameterServerServicer:
             ]
         ).SerializeToString()
 
-    def Pull(self, request, context) -> bytes:
+    def Pull(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """Reads variables; header and payload in one message."""
         names, rows = self._pull_parts(request)
         with self.store.reading(names, rows) as tensors:
             total = sum(t.value.nbytes for t in tensors)
             if total > self.max_unary_payload:
-                raise InvalidArgumentError(
+                raise ResourceExhaustedError(
                     f"pull of {total} bytes exceeds the unary limit of "
                     f"{self.max_unary_payload}; use PullStream"
                 )
             return framing.encode_message(
                 self._pull_header(tensors),
-                [framing.byte_view(_contiguous(t.value)) for t in tensors],
+                [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors],
             )
 
-    def PullStream(self, request, context) -> Iterator[bytes]:
+    def PullStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Reads variables; the payload follows the header in chunks."""
         names, rows = self._pull_parts(request)
+        chunk = self.chunk_bytes
+        if request.chunk_bytes > 0:
+            chunk = min(max(request.chunk_bytes, _MIN_CHUNK), self.max_unary_payload)
         with self.store.reading(names, rows) as tensors:
             yield from framing.payload_messages(
-                self._pull_header(tensors),
-                [_contiguous(t.value) for t in tensors],
-                self.chunk_bytes,
+                self._pull_header(tensors), [codec.c_contiguous(t.value) for t in tensors], chunk
             )
 
     # -- pushes ------------------------------------------------------------------------
-    def Push(self, request, context) -> ps_pb2.PushResponse:
+    def Push(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         """Applies gradients (unary)."""
         return self._push([request], context)
 
-    def PushStream(self, request_iterator, context) -> ps_pb2.PushResponse:
+    def PushStream(
+        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+    ) -> ps_pb2.PushResponse:
         """Applies gradients (streamed payload)."""
         return self._push(request_iterator, context)
 
-    def _push(self, messages, context) -> ps_pb2.PushResponse:
+    def _push(self, messages: Iterable[Any], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         header, payloads = _framed(messages, ps_pb2.PushHeader)
         if not header.HasField("id") or not header.id.client_id:
             raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
@@ -329,7 +339,9 @@ class ParameterServerServicer:
         )
 
     # -- the rest -------------------------------------------------------------------------
-    def ListVariables(self, request, context) -> ps_pb2.ListVariablesResponse:
+    def ListVariables(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ListVariablesResponse:
         """Describes every variable."""
         _check(request)
         return ps_pb2.ListVariablesResponse(
@@ -353,7 +365,7 @@ class ParameterServerServicer:
     def _prefix(self, prefix: str) -> str:
         return prefix or self.store.task.replace(":", "-")
 
-    def Save(self, request, context) -> ps_pb2.SaveResponse:
+    def Save(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.SaveResponse:
         """Checkpoints the shard."""
         request = _check(request)
         if not request.directory:
@@ -367,7 +379,7 @@ class ParameterServerServicer:
             names=result.names,
         )
 
-    def Restore(self, request, context) -> ps_pb2.RestoreResponse:
+    def Restore(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         """Restores the shard from a checkpoint."""
         request = _check(request)
         if not request.directory:
@@ -377,7 +389,7 @@ class ParameterServerServicer:
         )
         return ps_pb2.RestoreResponse(step=result.step, names=result.names)
 
-    def GetStats(self, request, context) -> ps_pb2.GetStatsResponse:
+    def GetStats(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.GetStatsResponse:
         """Returns the counters."""
         request = _check(request)
         s = self.store.stats_snapshot(include_log=request.include_log)
@@ -410,8 +422,3 @@ def _optimizer(text: str, what: str) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         raise InvalidArgumentError(f"optimizer config of {what!r} is not an object: {text!r}")
     return config
-
-
-def _contiguous(array: np.ndarray) -> np.ndarray:
-    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray would not)."""
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

@@ -121,9 +121,8 @@ def start_server(
                     return server
 
 
-@pytest.fixture
-def start_ps(tmp_path):
-    """Factory: ``start_ps("--grace", "5")`` -> a ready :class:`ServerProcess`."""
+@contextlib.contextmanager
+def _ps_factory(log_dir: pathlib.Path):
     started: list[ServerProcess] = []
 
     def start(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None):
@@ -131,7 +130,7 @@ def start_ps(tmp_path):
             "ps_server",
             ["--port", "0", *args],
             "PSFLOW_READY ps",
-            log_dir=tmp_path,
+            log_dir=log_dir,
             timeout=timeout,
             env=env,
         )
@@ -143,6 +142,20 @@ def start_ps(tmp_path):
     finally:
         for server in started:
             server.reap()
+
+
+@pytest.fixture
+def start_ps(tmp_path):
+    """Factory: ``start_ps("--grace", "5")`` -> a ready :class:`ServerProcess`, reaped after."""
+    with _ps_factory(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def start_ps_module(tmp_path_factory):
+    """Like ``start_ps``, but the processes live until the module's tests are done."""
+    with _ps_factory(tmp_path_factory.mktemp("ps")) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")

@@ -90,8 +90,8 @@ def save_file(
         code = _code(arr.dtype, name)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
-        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d 1-d)
-            arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
         header[name] = {
             "dtype": code,
             "shape": list(arr.shape),
@@ -196,7 +196,7 @@ def load_file(
             dtype = DTYPE_CODES[info["dtype"]]
             begin = start + info["data_offsets"][0]
             if math.prod(info["shape"]) == 0:
-                out[name] = np.empty(info["shape"], dtype)
+                out[name] = np.empty(tuple(info["shape"]), dtype)
             else:
                 out[name] = np.memmap(path, dtype, "r", begin, tuple(info["shape"]))
         return out
@@ -204,7 +204,7 @@ def load_file(
         for name in wanted:
             info = header[name]
             dtype = DTYPE_CODES[info["dtype"]]
-            arr = np.empty(info["shape"], dtype)
+            arr = np.empty(tuple(info["shape"]), dtype)
             data = arr.reshape(-1).view(np.uint8)
             f.seek(start + info["data_offsets"][0])
             h = hashlib.sha256()

@@ -90,10 +90,12 @@ class PullItem(_message.Message):
     def __init__(self, name: _Optional[str] = ..., indices: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "chunk_bytes")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PullItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ...) -> None: ...
+    chunk_bytes: int
+    def __init__(self, items: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PulledTensor(_message.Message):
     __slots__ = ("name", "spec", "version")

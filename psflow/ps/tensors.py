@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from psflow.errors import InvalidArgumentError
+from psflow.transport.codec import c_contiguous
 
 __all__ = ["Segments", "as_segments", "segments_from_pieces"]
 
@@ -64,9 +65,7 @@ def as_segments(value: Any) -> Segments:
     """Wraps an array (or returns ``Segments`` unchanged)."""
     if isinstance(value, Segments):
         return value
-    arr = np.asarray(value)
-    if not arr.flags.c_contiguous:  # np.ascontiguousarray would also turn 0-d into 1-d
-        arr = np.ascontiguousarray(arr)
+    arr = c_contiguous(value)
     return Segments(arr.dtype, arr.shape, [(0, arr.reshape(-1))])
 
 

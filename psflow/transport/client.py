@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
+import math
 import random
 import threading
 import time
@@ -190,7 +191,8 @@ class PSClient:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sequence = itertools.count(1)
-        self._specs: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        # name -> (dtype, shape, bytes per row, first dimension): sizes replies
+        self._specs: dict[str, tuple[np.dtype, tuple[int, ...], int, tuple[int, ...]]] = {}
         self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
         self._stubs: dict[str, Callable] = {}
         for name, (kind, _req, resp_cls, _framed_req, framed_resp) in METHODS.items():
@@ -337,7 +339,7 @@ class PSClient:
             ps_pb2.WRITE_OP_CREATE, specs, arrays, request_id=None, retry=True, timeout=timeout
         )
         for spec, arr in zip(specs, arrays, strict=True):
-            self._specs[spec.name] = (arr.dtype, arr.shape)
+            self._remember(spec.name, arr.dtype, arr.shape)
         return {s.name: bool(c) for s, c in zip(specs, reply.created, strict=True)}
 
     def create_variable(
@@ -411,18 +413,21 @@ class PSClient:
         return tuple(reply.slot_names)
 
     # -- pulls ----------------------------------------------------------------------
+    def _remember(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self._specs[name] = (dtype, shape, math.prod(shape[1:]) * dtype.itemsize, shape[:1])
+
     def _expected_bytes(self, request: ps_pb2.PullRequest) -> int | None:
+        """The reply's payload size if every variable's spec is known, else None."""
         total = 0
         for item in request.items:
             spec = self._specs.get(item.name)
             if spec is None:
                 return None
-            dtype, shape = spec
-            rows = len(item.indices.data) // 8 if item.HasField("indices") else None
-            if rows is None:
-                total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            _, _, row_bytes, first = spec
+            if item.HasField("indices"):
+                total += len(item.indices.data) // 8 * row_bytes
             else:
-                total += rows * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+                total += (first[0] if first else 1) * row_bytes
         return total
 
     def _decode_pull(
@@ -435,7 +440,8 @@ class PSClient:
         header = ps_pb2.PullHeader.FromString(header_bytes)
         arrays = []
         for k, t in enumerate(header.tensors):
-            dtype, shape, _ = codec.check_spec(t.spec.dtype, t.spec.shape, max_bytes=1 << 62)
+            dtype = codec.dtype_from_wire(t.spec.dtype)
+            shape = tuple(t.spec.shape)
             target = out[k] if out is not None else None
             if target is None:
                 target = np.empty(shape, dtype)
@@ -446,7 +452,9 @@ class PSClient:
                 )
             arrays.append(target)
             if not rows:
-                self._specs[t.name] = (dtype, shape)
+                known = self._specs.get(t.name)
+                if known is None or known[1] != shape:
+                    self._remember(t.name, dtype, shape)
         filler = _Filler([framing.byte_view(a) for a in arrays])
         filler.feed(payload)
         for message in it:
@@ -460,13 +468,16 @@ class PSClient:
     def _pull(self, request: ps_pb2.PullRequest, out, rows: bool, timeout: float | None):
         expected = self._expected_bytes(request)
         stream = expected is None or expected > self.stream_threshold
+        raw = request.SerializeToString()
 
         def attempt(left: float):
-            if stream:
-                return self._decode_pull(
-                    self._stubs["PullStream"](request, timeout=left), out, rows
-                )
-            return self._decode_pull([self._stubs["Pull"](request, timeout=left)], out, rows)
+            if not stream:
+                try:
+                    return self._decode_pull([self._stubs["Pull"](raw, timeout=left)], out, rows)
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise  # else: sizes changed behind our back; stream it
+            return self._decode_pull(self._stubs["PullStream"](raw, timeout=left), out, rows)
 
         return self._invoke("Pull", attempt, retry=True, timeout=timeout)
 
@@ -492,7 +503,9 @@ class PSClient:
         name_list = [names] if single else list(names)
         if out is not None and len(out) != len(name_list):
             raise InvalidArgumentError(f"{len(out)} out arrays for {len(name_list)} names")
-        request = ps_pb2.PullRequest(items=[ps_pb2.PullItem(name=n) for n in name_list])
+        request = ps_pb2.PullRequest(
+            items=[ps_pb2.PullItem(name=n) for n in name_list], chunk_bytes=self.chunk_bytes
+        )
         arrays, versions = self._pull(request, out, False, timeout)
         if single:
             return (arrays[0], versions[0]) if return_versions else arrays[0]
@@ -514,7 +527,8 @@ class PSClient:
             )
         idx = idx.astype("<i8", copy=False)
         request = ps_pb2.PullRequest(
-            items=[ps_pb2.PullItem(name=name, indices=codec.encode_tensor(idx))]
+            items=[ps_pb2.PullItem(name=name, indices=codec.encode_tensor(idx))],
+            chunk_bytes=self.chunk_bytes,
         )
         arrays, versions = self._pull(request, None, True, timeout)
         return (arrays[0], versions[0]) if return_version else arrays[0]
@@ -632,7 +646,7 @@ class PSClient:
         for info in reply.variables:
             v = info.variable
             dtype, shape, _ = codec.check_spec(v.spec.dtype, v.spec.shape, max_bytes=1 << 62)
-            self._specs[v.name] = (dtype, shape)
+            self._remember(v.name, dtype, shape)
             out.append(
                 VariableDescription(
                     v.name,

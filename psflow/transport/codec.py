@@ -26,6 +26,7 @@ from psflow.proto import tensor_pb2
 __all__ = [
     "MAX_RANK",
     "SUPPORTED_DTYPES",
+    "c_contiguous",
     "check_spec",
     "decode_tensor",
     "default_max_tensor_bytes",
@@ -122,6 +123,13 @@ def spec_to_proto(dtype: Any, shape: Sequence[int]) -> tensor_pb2.TensorSpec:
     return tensor_pb2.TensorSpec(dtype=dtype_to_wire(dtype), shape=[int(d) for d in shape])
 
 
+def c_contiguous(array: Any) -> np.ndarray:
+    """``array`` as a C-contiguous ndarray, keeping 0-d arrays 0-d (unlike
+    ``np.ascontiguousarray``); no copy when it already is."""
+    arr = np.asarray(array)
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+
 def to_host(array: Any) -> np.ndarray:
     """``array`` as a C-contiguous, little-endian NumPy array (CuPy arrays copied to host).
 
@@ -136,8 +144,7 @@ def to_host(array: Any) -> np.ndarray:
     dtype_to_wire(arr.dtype)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    # np.ascontiguousarray would turn a 0-d array into a 1-d one
-    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+    return c_contiguous(arr)
 
 
 def tensor_from_buffer(

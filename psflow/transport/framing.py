@@ -93,6 +93,35 @@ def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int
         yield field, wire_type, start, pos
 
 
+def _split_common(raw: bytes) -> tuple[bytes | None, memoryview | None] | None:
+    """The layout this module writes, parsed without the generic scanner; None if not it."""
+    n = len(raw)
+    pos = 0
+    header = payload = None
+    if n and raw[0] == 0x0A:
+        length, pos = _read_varint(raw, 1, n)
+        if pos + length > n:
+            return None
+        header = raw[pos : pos + length]
+        pos += length
+    if pos < n and raw[pos] == 0x12:
+        length, start = _read_varint(raw, pos + 1, n)
+        end = start + length
+        if end != n:
+            return None
+        if length == 0:
+            payload = memoryview(raw)[end:end]
+        elif raw[start] == 0x0A:
+            size, data = _read_varint(raw, start + 1, end)
+            if data + size != end:
+                return None
+            payload = memoryview(raw)[data:end]
+        else:
+            return None
+        pos = end
+    return (header, payload) if pos == n else None
+
+
 def split_message(raw: bytes) -> tuple[bytes | None, memoryview | None]:
     """Splits a header + chunk message into ``(header_bytes, payload_view)``.
 
@@ -102,6 +131,9 @@ def split_message(raw: bytes) -> tuple[bytes | None, memoryview | None]:
         InvalidArgumentError: the bytes are not a well-formed message of this layout.
     """
     raw = bytes(raw) if not isinstance(raw, bytes) else raw
+    common = _split_common(raw)
+    if common is not None:
+        return common
     view = memoryview(raw)
     header = payload = None
     for field, wire_type, start, stop in _fields(raw, 0, len(raw)):

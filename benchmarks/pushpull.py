@@ -1,0 +1,450 @@
+"""Push/pull throughput of the psflow PS against bare grpcio and raw TCP, side by side.
+
+Starts three servers as separate processes on 127.0.0.1: ``python -m ps_server``,
+a bare grpcio server (generic handlers, bytes in and out, no protobuf), and a raw
+TCP server.  Then, alternating the sides (A B A B...) so drift hits all of them:
+
+* ``push/<size>``: ``PSClient.push`` of one float32 gradient, SGD applied on the PS;
+* ``pull/<size>``: ``PSClient.pull`` of that variable into a preallocated array;
+* ``grpc-raw-up|down/<size>``: a bare client/server stream of the same bytes in
+  the same chunk size (prebuilt bytes objects, the receiver only counts them);
+* ``tcp-up|down/<size>``: the same bytes over one TCP connection (``sendall`` /
+  ``recv_into`` a preallocated buffer);
+* ``pull/4B`` vs ``grpc-raw-unary/4B``: round-trip latency.
+
+Throughput = payload bytes / wall seconds of one call (GB/s = 1e9 B/s), median
+of the repetitions; latencies are p50/p99 of many calls.  stdout: JSON lines
+(BENCHMARKS.md); stderr: a table.  ``--quick`` finishes in under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import pathlib
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = "pushpull"
+MB = 1 << 20
+
+
+# --- the bare servers (run as subprocesses of this script) ---------------------
+def _serve_bare_grpc() -> None:
+    import grpc
+
+    from psflow.transport.options import server_options, tune_malloc
+
+    tune_malloc()  # as the PS does
+
+    def ident(b: bytes) -> bytes:
+        return b
+
+    chunks: dict[int, bytes] = {}
+
+    def up(request_iterator, context):
+        n = 0
+        for chunk in request_iterator:
+            n += len(chunk)
+        return struct.pack("<Q", n)
+
+    def down(request, context):
+        total, size = struct.unpack("<QQ", request)
+        if size not in chunks:
+            chunks[size] = np.random.default_rng(size).bytes(size)
+        chunk = chunks[size]
+        for _ in range(total // size):
+            yield chunk
+
+    def echo(request, context):
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bare",
+        {
+            "Up": grpc.stream_unary_rpc_method_handler(up, ident, ident),
+            "Down": grpc.unary_stream_rpc_method_handler(down, ident, ident),
+            "Echo": grpc.unary_unary_rpc_method_handler(echo, ident, ident),
+        },
+    )
+    server = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(8), options=server_options(), handlers=[handler]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"READY port={port}", flush=True)
+    server.wait_for_termination()
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _serve_tcp() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"READY port={listener.getsockname()[1]}", flush=True)
+    buffer = bytearray(64 * MB)
+    payload = np.random.default_rng(1).bytes(64 * MB)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            head = bytearray(9)
+            while True:
+                try:
+                    _recv_exact(conn, memoryview(head))
+                except ConnectionError:
+                    break
+                op, n = head[:1], struct.unpack("<Q", head[1:])[0]
+                if len(buffer) < n:
+                    buffer = bytearray(n)
+                if op == b"U":
+                    _recv_exact(conn, memoryview(buffer)[:n])
+                    conn.sendall(b"k")
+                elif op == b"D":
+                    conn.sendall(memoryview(payload)[:n])
+
+
+def _serve_tf_ps(cluster_json: str) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    cluster = tf.train.ClusterSpec(json.loads(cluster_json))
+    server = tf.distribute.Server(cluster, job_name="ps", task_index=0, protocol="grpc")
+    print("READY port=0", flush=True)
+    server.join()
+
+
+def _tf_client(reps: int) -> None:
+    """TensorFlow's PS side: a tf.distribute.Server PS task, eager remote ops from a worker.
+
+    pull = read the PS variable into a NumPy array on the worker; push = send a
+    gradient from the worker and ``assign_sub`` it (SGD) on the PS.  Prints JSON lines.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
+    ps, _ = _start([__file__, "--serve", "tf", json.dumps(cluster)], "READY", timeout=120)
+    try:
+        import tensorflow as tf
+        from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+
+        resolver = SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), task_type="worker", task_id=0, rpc_layer="grpc"
+        )
+        tf.config.experimental_connect_to_cluster(
+            resolver, job_name="worker", task_index=0, make_master_device_default=False
+        )
+        n = 64 * MB // 4
+        with tf.device("/job:ps/task:0"):
+            var = tf.Variable(tf.random.normal([n], seed=1))
+        with tf.device("/job:worker/task:0"):
+            grad = tf.random.normal([n], seed=2) * 1e-3
+
+        def pull():
+            with tf.device("/job:worker/task:0"):
+                return tf.identity(var.read_value()).numpy()
+
+        def fresh_grad(i):
+            # A new worker tensor each time: eager may cache a tensor's copy on
+            # the PS, and a cached gradient would not travel at all.
+            with tf.device("/job:worker/task:0"):
+                g = grad + float(i)
+            g.numpy()[:1]  # make sure it exists before the clock starts
+            return g
+
+        def push(g):
+            with tf.device("/job:ps/task:0"):
+                var.assign_sub(g * 0.01)
+                return var[:1].numpy()  # waits for the update
+
+        pull()
+        push(fresh_grad(0))
+        out = {"tf-pull/64MB": [], "tf-push/64MB": []}
+        for i in range(reps):
+            out["tf-pull/64MB"].append(64 * MB / _timed(pull) / 1e9)
+            g = fresh_grad(i + 1)
+            out["tf-push/64MB"].append(64 * MB / _timed(lambda g=g: push(g)) / 1e9)
+        print(json.dumps({"tf_version": tf.__version__, **out}), flush=True)
+    finally:
+        ps.kill()
+        ps.wait(10)
+
+
+# --- process management ----------------------------------------------------------
+def _start(args: list[str], ready: str, timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+    )
+    deadline = time.monotonic() + timeout
+    buffer = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if sel.select(0.5):
+                buffer += os.read(proc.stdout.fileno(), 4096)
+                for line in buffer.decode().splitlines():
+                    if line.startswith(ready):
+                        port = int(line.split("port=")[1].split()[0])
+                        return proc, port
+    proc.kill()
+    proc.wait(10)
+    raise RuntimeError(f"{args} did not start")
+
+
+@contextlib.contextmanager
+def _servers():
+    procs = []
+    try:
+        ps, ps_port = _start(
+            ["-m", "ps_server", "--port", "0", "--log-level", "WARNING"], "PSFLOW_READY ps"
+        )
+        procs.append(ps)
+        bare, bare_port = _start([__file__, "--serve", "grpc"], "READY")
+        procs.append(bare)
+        tcp, tcp_port = _start([__file__, "--serve", "tcp"], "READY")
+        procs.append(tcp)
+        yield ps_port, bare_port, tcp_port
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+# --- measurement -------------------------------------------------------------------
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _emit(case: str, metric: str, value: float, unit: str, **extra) -> None:
+    line = {"bench": BENCH, "case": case, "metric": metric, "value": round(value, 4), "unit": unit}
+    line.update(extra)
+    print(json.dumps(line), flush=True)
+
+
+def _run_tf(args: argparse.Namespace, results: dict[str, list[float]]) -> list[tuple[str, str]]:
+    """TensorFlow's PS pull/push of 64 MB in a subprocess (after ours: not interleaved)."""
+    import importlib.util
+
+    if args.no_tf or importlib.util.find_spec("tensorflow") is None:
+        _emit("tensorflow", "skipped", 0, "", reason="--no-tf" if args.no_tf else "not installed")
+        return []
+    if 64 not in args.sizes:
+        _emit("tensorflow", "skipped", 0, "", reason="the TF side measures 64 MB only")
+        return []
+    sys.stderr.write("tensorflow side (its own processes, ~30 s to start)...\n")
+    reps = 3 if args.quick else 7
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--tf-client", str(reps)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        tf_res = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as e:
+        _emit("tensorflow", "skipped", 0, "", reason=f"TF side failed: {type(e).__name__}")
+        return []
+    rows = []
+    for ours, theirs in (("pull/64MB", "tf-pull/64MB"), ("push/64MB", "tf-push/64MB")):
+        vals = tf_res[theirs]
+        _emit(
+            theirs,
+            "throughput",
+            float(np.median(vals)),
+            "GB/s",
+            n=len(vals),
+            tf_version=tf_res["tf_version"],
+            interleaved=False,
+        )
+        ratio = float(np.median(results[ours]) / np.median(vals))
+        _emit(ours, "ratio", ratio, "x", baseline=theirs.split("/")[0], interleaved=False)
+        rows.append((theirs, f"{np.median(vals):6.2f} GB/s  psflow/tf ratio {ratio:4.2f}"))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measures every case against its baselines; prints JSON lines and a table."""
+    import grpc
+
+    from psflow.transport.client import PSClient
+    from psflow.transport.options import channel_options, tune_malloc
+
+    # As a psflow worker would; it applies to both sides of every comparison here.
+    tuned = tune_malloc()
+
+    sizes = args.sizes
+    reps = args.reps or (5 if args.quick else 15)
+    lat_n = 300 if args.quick else 2000
+    chunk = args.chunk_bytes
+    results: dict[str, list[float]] = {}
+    table: list[tuple[str, str]] = []
+    sys.stderr.write(
+        f"pushpull: sizes {sizes} MB, {reps} reps, chunk {chunk} B, malloc tuned: {tuned}\n"
+    )
+    with _servers() as (ps_port, bare_port, tcp_port):
+        client = PSClient(
+            f"127.0.0.1:{ps_port}", timeout=120, chunk_bytes=chunk, stream_threshold=chunk
+        )
+        channel = grpc.insecure_channel(f"127.0.0.1:{bare_port}", options=channel_options())
+        up = channel.stream_unary("/bench.Bare/Up")
+        down = channel.unary_stream("/bench.Bare/Down")
+        echo = channel.unary_unary("/bench.Bare/Echo")
+        tcp = socket.create_connection(("127.0.0.1", tcp_port))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rng = np.random.default_rng(0)
+        tcp_buf = bytearray(64 * MB)
+
+        def tcp_up(data: bytes) -> None:
+            tcp.sendall(b"U" + struct.pack("<Q", len(data)))
+            tcp.sendall(data)
+            _recv_exact(tcp, memoryview(bytearray(1)))
+
+        def tcp_down(n: int) -> None:
+            tcp.sendall(b"D" + struct.pack("<Q", n))
+            _recv_exact(tcp, memoryview(tcp_buf)[:n])
+
+        for size in sizes:
+            n = size * MB // 4
+            name = f"v{size}MB"
+            value = rng.standard_normal(n).astype(np.float32)
+            grad = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+            out = np.empty_like(value)
+            out[:] = 1.0  # touch it once: a worker's copy of the variable
+            client.create_variable(name, value, optimizer={"name": "sgd", "learning_rate": 0.01})
+            prebuilt = [rng.bytes(chunk) for _ in range(max(1, size * MB // chunk))]
+            raw = grad.tobytes()
+            down_req = struct.pack("<QQ", size * MB, chunk)
+            cases = {
+                f"push/{size}MB": lambda g=grad, nm=name: client.push({nm: g}),
+                f"grpc-raw-up/{size}MB": lambda p=prebuilt: up(iter(p), timeout=120),
+                f"pull/{size}MB": lambda nm=name, o=out: client.pull(nm, out=[o]),
+                f"grpc-raw-down/{size}MB": lambda r=down_req: sum(
+                    len(c) for c in down(r, timeout=120)
+                ),
+                f"tcp-up/{size}MB": lambda r=raw: tcp_up(r),
+                f"tcp-down/{size}MB": lambda s=size: tcp_down(s * MB),
+            }
+            for fn in cases.values():  # warm up
+                fn()
+            for _ in range(reps):
+                for case, fn in cases.items():  # A B A B ...
+                    results.setdefault(case, []).append(size * MB / _timed(fn) / 1e9)
+            for case in cases:
+                vals = results[case]
+                _emit(
+                    case,
+                    "throughput",
+                    float(np.median(vals)),
+                    "GB/s",
+                    n=reps,
+                    min=round(min(vals), 4),
+                    max=round(max(vals), 4),
+                    chunk_bytes=chunk,
+                )
+            for ours, bare in (
+                (f"push/{size}MB", f"grpc-raw-up/{size}MB"),
+                (f"pull/{size}MB", f"grpc-raw-down/{size}MB"),
+            ):
+                ratio = float(np.median(results[ours]) / np.median(results[bare]))
+                _emit(ours, "ratio", ratio, "x", baseline=bare.split("/")[0])
+                table.append(
+                    (
+                        ours,
+                        f"{np.median(results[ours]):6.2f} GB/s  "
+                        f"bare grpc {np.median(results[bare]):5.2f}  ratio {ratio:4.2f}  "
+                        f"tcp {np.median(results[bare.replace('grpc-raw', 'tcp')]):5.2f}",
+                    )
+                )
+        # Latency: 4-byte pull vs a bare unary round trip, interleaved.
+        client.create_variable("tiny", np.ones(1, np.float32), trainable=False)
+        tiny = np.empty(1, np.float32)
+        for _ in range(50):
+            client.pull("tiny", out=[tiny])
+            echo(b"abcd", timeout=10)
+        ours_lat, bare_lat = [], []
+        for _ in range(lat_n):
+            ours_lat.append(_timed(lambda: client.pull("tiny", out=[tiny])) * 1e6)
+            bare_lat.append(_timed(lambda: echo(b"abcd", timeout=10)) * 1e6)
+        for case, lat in (("pull/4B", ours_lat), ("grpc-raw-unary/4B", bare_lat)):
+            _emit(
+                case,
+                "latency_p50",
+                float(np.percentile(lat, 50)),
+                "us",
+                n=lat_n,
+                p99=round(float(np.percentile(lat, 99)), 1),
+            )
+        ratio = float(np.percentile(ours_lat, 50) / np.percentile(bare_lat, 50))
+        _emit("pull/4B", "ratio", ratio, "x", baseline="grpc-raw-unary", metric_of="latency_p50")
+        table.append(
+            (
+                "pull/4B",
+                f"p50 {np.percentile(ours_lat, 50):6.0f} us  "
+                f"bare unary {np.percentile(bare_lat, 50):5.0f} us  ratio {ratio:4.2f}  "
+                f"p99 {np.percentile(ours_lat, 99):.0f} / {np.percentile(bare_lat, 99):.0f} us",
+            )
+        )
+        client.close()
+        channel.close()
+        tcp.close()
+    table += _run_tf(args, results)
+    sys.stderr.write("\n".join(f"{c:16s} {t}" for c, t in table) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark (or, with --serve, one of its bare servers)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
+    parser.add_argument("--chunk-bytes", type=int, default=MB)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64], help="MB")
+    parser.add_argument("--reps", type=int, help="repetitions per case")
+    parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow side")
+    parser.add_argument("--serve", choices=["grpc", "tcp", "tf"], help=argparse.SUPPRESS)
+    parser.add_argument("--tf-client", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("cluster", nargs="?", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve == "tf":
+        _serve_tf_ps(args.cluster)
+        return 0
+    if args.tf_client:
+        _tf_client(args.tf_client)
+        return 0
+    if args.serve == "grpc":
+        _serve_bare_grpc()
+        return 0
+    if args.serve == "tcp":
+        _serve_tcp()
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
