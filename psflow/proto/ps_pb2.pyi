@@ -214,12 +214,14 @@ class SaveResponse(_message.Message):
     def __init__(self, manifest_path: _Optional[str] = ..., bytes_written: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("directory", "prefix")
+    __slots__ = ("directory", "prefix", "names")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     directory: str
     prefix: str
-    def __init__(self, directory: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, directory: _Optional[str] = ..., prefix: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("step", "names")
