@@ -1,5 +1,9 @@
 """Keras backend helpers kept for compatibility."""
 
+from psflow.keras.layers.base import clear_session
+
+__all__ = ["clear_session", "epsilon", "floatx"]
+
 
 def floatx() -> str:
     """The default float type of layers: ``"float32"``."""
