@@ -423,34 +423,34 @@ class Model(Layer):
         """Prints a table of layers, output shapes and parameter counts (Keras's format)."""
         out = print_fn or print
         layers = getattr(self, "layers", None) or self._sublayers
-        widths = [28, 26, line_length - 54]
+        # Keras 2's column ends: 45% and 85% of the line, then the line's end.
+        ends = [int(line_length * 0.45), int(line_length * 0.85), line_length]
+
+        def row(*fields: str) -> str:
+            line = ""
+            for field, end in zip(fields, ends):
+                line += field
+                line = line.ljust(end) if len(line) < end else line + " "
+            return line
+
         out(f'Model: "{self.name}"')
         out("_" * line_length)
-        out(
-            " "
-            + "Layer (type)".ljust(widths[0])
-            + "Output Shape".ljust(widths[1])
-            + "Param #".ljust(widths[2])
-        )
+        out(row(" Layer (type)", "Output Shape", "Param #"))
         out("=" * line_length)
         shape = getattr(self, "_batch_input_shape", None)
-        for i, layer in enumerate(layers):
+        for layer in layers:
             if shape is not None:
                 try:
                     shape = tuple(layer.compute_output_shape(shape))
-                    shown = str(shape).replace(",)", ")") if len(shape) != 1 else str(shape)
+                    shown = str(shape)
                 except Exception:
                     shown, shape = "?", None
             else:
-                shown = "?" if not layer.built else "(unknown)"
+                shown = "?" if not layer.built else "multiple"
             name = f"{layer.name} ({type(layer).__name__})"
-            out(
-                " "
-                + name.ljust(widths[0])
-                + shown.ljust(widths[1])
-                + str(layer.count_params()).ljust(widths[2])
-            )
-            out(("=" if i == len(layers) - 1 else " ") * line_length)
+            out(row(" " + name, shown, str(layer.count_params())))
+            out(" " * line_length)
+        out("=" * line_length)
         total = self.count_params()
         trainable = int(sum(int(np.prod(v.shape)) for v in self.trainable_weights))
         out(f"Total params: {total} ({_bytes(total)})")
