@@ -200,6 +200,8 @@ class DatasetBatches:
 
     def peek(self) -> Any:
         """The first element of a fresh pass."""
+        if isinstance(self.dataset, _Reiterable):
+            return self.dataset.peek()
         for element in self.dataset:
             return element
         raise errors.InvalidArgumentError("The dataset is empty")
@@ -242,13 +244,30 @@ def make_batches(
 
 
 class _Reiterable:
-    """A Python iterator/generator used as a (single-pass) dataset."""
+    """A Python iterator/generator used as a (single-pass) dataset.
+
+    ``peek`` keeps the element it reads, so building the model from the first
+    batch does not take that batch away from training.
+    """
 
     def __init__(self, it: Iterator) -> None:
         self._it = it
+        self._peeked: list[Any] = []
+
+    def peek(self) -> Any:
+        """The next element, left in place for iteration."""
+        if not self._peeked:
+            for element in self._it:
+                self._peeked.append(element)
+                break
+            else:
+                raise errors.InvalidArgumentError("The input generator yielded no batches")
+        return self._peeked[0]
 
     def __iter__(self) -> Iterator:
-        return self._it
+        while self._peeked:
+            yield self._peeked.pop(0)
+        yield from self._it
 
 
 def batch_size_of(x: Any) -> int:
