@@ -265,9 +265,11 @@ class _Reiterable:
         return self._peeked[0]
 
     def __iter__(self) -> Iterator:
+        # Steps see tensors, whatever the generator yields (as from arrays or datasets).
         while self._peeked:
-            yield self._peeked.pop(0)
-        yield from self._it
+            yield as_tensors(self._peeked.pop(0))
+        for element in self._it:
+            yield as_tensors(element)
 
 
 def batch_size_of(x: Any) -> int:
