@@ -22,6 +22,11 @@ from psflow.ops import math_ops
 from psflow.util import nest
 
 
+class _NotCompiledError(errors.FailedPreconditionError, ValueError):
+    """Training or evaluating before ``compile``: TF's precondition error, and a
+    ``ValueError`` as Keras 3 raises."""
+
+
 class Model(Layer):
     """A layer with training methods (Keras's ``keras.Model``).
 
@@ -105,7 +110,7 @@ class Model(Layer):
 
     def _assert_compiled(self, what: str) -> None:
         if not self.compiled:
-            raise errors.FailedPreconditionError(f"You must call compile() before {what}()")
+            raise _NotCompiledError(f"You must call compile() before {what}()")
 
     # -- steps -----------------------------------------------------------------------
     def compute_loss(
@@ -212,7 +217,7 @@ class Model(Layer):
         """Trains for ``epochs`` epochs; returns a :class:`History` of per-epoch logs.
 
         Raises:
-            FailedPreconditionError: ``compile`` was not called.
+            FailedPreconditionError: ``compile`` was not called (also a ValueError).
             InvalidArgumentError: mismatched x/y lengths, bad batch size, bad split.
             TypeError: non-numeric data.
         """
