@@ -219,7 +219,7 @@ def make_batches(
     """The batch source for ``x`` (and ``y``, ``sample_weight``).
 
     Raises:
-        InvalidArgumentError: ``y`` given with a dataset, missing ``x``, or
+        InvalidArgumentError: ``y`` given with a dataset or generator, missing ``x``, or
             arrays of different lengths.
         TypeError: non-numeric data.
     """
@@ -236,6 +236,11 @@ def make_batches(
             )
         return DatasetBatches(x, steps)
     if hasattr(x, "__next__"):
+        if y is not None or sample_weight is not None:
+            raise errors.InvalidArgumentError(
+                f"{what}: y and sample_weight must not be given when x is a generator "
+                "(it yields (x, y) or (x, y, sample_weight))"
+            )
         return DatasetBatches(_Reiterable(x), steps)
     xs = _to_numpy(x, "x")
     ys = _to_numpy(y, "y")
