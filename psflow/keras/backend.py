@@ -1,7 +1,6 @@
 """Keras backend helpers kept for compatibility."""
 
 
-
 def floatx() -> str:
     """The default float type of layers: ``"float32"``."""
     return "float32"
