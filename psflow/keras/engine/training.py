@@ -402,7 +402,7 @@ class Model(Layer):
         if not overwrite and os.path.exists(filepath):
             raise errors.AlreadyExistsError(f"{filepath} exists and overwrite=False")
         tensors = {f"{i:04d}:{v.name}": v.numpy() for i, v in enumerate(self.weights)}
-        safetensors.save_file(tensors, filepath, metadata={"format": "psflow-keras-weights"})
+        safetensors.save_file(filepath, tensors, metadata={"format": "psflow-keras-weights"})
 
     def load_weights(self, filepath: str, skip_mismatch: bool = False, **kwargs: Any) -> None:
         """Loads weights written by :meth:`save_weights`, in order.
