@@ -553,7 +553,6 @@ def _summary_lines(model: keras.Model, **kwargs: Any) -> list[str]:
 
 
 def test_summary_prints_keras_2_table() -> None:
-    keras.backend.clear_session() if hasattr(keras.backend, "clear_session") else None
     keras.clear_session()
     model = keras.Sequential(
         [
