@@ -4,7 +4,6 @@ from psflow.keras.layers.base import clear_session
 
 __all__ = ["clear_session", "epsilon", "floatx"]
 
-
 def floatx() -> str:
     """The default float type of layers: ``"float32"``."""
     return "float32"

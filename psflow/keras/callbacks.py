@@ -89,11 +89,21 @@ class CallbackList:
         if not hook.startswith("on_"):
             raise AttributeError(hook)
 
+        # Keras always passes ``logs`` positionally, so LambdaCallback's documented
+        # lambdas (``lambda logs: ...``, ``lambda epoch, logs: ...``) can rely on it.
+        arity = 2 if hook.startswith(_INDEXED_HOOKS) else 1
+
         def call(*args: Any, **kwargs: Any) -> None:
+            if "logs" in kwargs:
+                args = (*args, kwargs.pop("logs"))
             for cb in self.callbacks:
-                getattr(cb, hook)(*args, **kwargs)
+                padded = args + tuple({} for _ in range(arity - len(args)))
+                getattr(cb, hook)(*padded, **kwargs)
 
         return call
+
+
+_INDEXED_HOOKS = ("on_epoch_", "on_train_batch_", "on_test_batch_", "on_predict_batch_")
 
 
 class History(Callback):

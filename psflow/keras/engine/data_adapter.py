@@ -200,6 +200,8 @@ class DatasetBatches:
 
     def peek(self) -> Any:
         """The first element of a fresh pass."""
+        if isinstance(self.dataset, _Reiterable):
+            return self.dataset.peek()
         for element in self.dataset:
             return element
         raise errors.InvalidArgumentError("The dataset is empty")
@@ -217,7 +219,7 @@ def make_batches(
     """The batch source for ``x`` (and ``y``, ``sample_weight``).
 
     Raises:
-        InvalidArgumentError: ``y`` given with a dataset, missing ``x``, or
+        InvalidArgumentError: ``y`` given with a dataset or generator, missing ``x``, or
             arrays of different lengths.
         TypeError: non-numeric data.
     """
@@ -234,6 +236,11 @@ def make_batches(
             )
         return DatasetBatches(x, steps)
     if hasattr(x, "__next__"):
+        if y is not None or sample_weight is not None:
+            raise errors.InvalidArgumentError(
+                f"{what}: y and sample_weight must not be given when x is a generator "
+                "(it yields (x, y) or (x, y, sample_weight))"
+            )
         return DatasetBatches(_Reiterable(x), steps)
     xs = _to_numpy(x, "x")
     ys = _to_numpy(y, "y")
@@ -242,13 +249,32 @@ def make_batches(
 
 
 class _Reiterable:
-    """A Python iterator/generator used as a (single-pass) dataset."""
+    """A Python iterator/generator used as a (single-pass) dataset.
+
+    ``peek`` keeps the element it reads, so building the model from the first
+    batch does not take that batch away from training.
+    """
 
     def __init__(self, it: Iterator) -> None:
         self._it = it
+        self._peeked: list[Any] = []
+
+    def peek(self) -> Any:
+        """The next element, left in place for iteration."""
+        if not self._peeked:
+            for element in self._it:
+                self._peeked.append(element)
+                break
+            else:
+                raise errors.InvalidArgumentError("The input generator yielded no batches")
+        return self._peeked[0]
 
     def __iter__(self) -> Iterator:
-        return self._it
+        # Steps see tensors, whatever the generator yields (as from arrays or datasets).
+        while self._peeked:
+            yield as_tensors(self._peeked.pop(0))
+        for element in self._it:
+            yield as_tensors(element)
 
 
 def batch_size_of(x: Any) -> int:

@@ -32,7 +32,6 @@ class LocalRunner:
         it: Iterator = iter(source)
         step = 0
         while steps is None or step < steps:
-            on_begin(step)
             try:
                 batch = next(it)
             except StopIteration:
@@ -44,6 +43,7 @@ class LocalRunner:
                 break
             except errors.OutOfRangeError:
                 break
+            on_begin(step)  # only once a batch exists: no begin hook without its end
             step_fn(batch)
             on_end(step, self.model._current_logs())
             step += 1

@@ -72,6 +72,13 @@ class Sequential(Model):
         self._sublayers.remove(layer)
         return layer
 
+    def _maybe_build(self, input_shape: Any) -> None:
+        # Built from a first batch (call, fit, predict): as in Keras, the batch
+        # dimension stays unknown, so the size of that batch is not baked in.
+        if not self.built and self._batch_input_shape is None and len(input_shape):
+            input_shape = (None, *tuple(input_shape)[1:])
+        super()._maybe_build(input_shape)
+
     def build(self, input_shape: Any = None) -> None:
         """Builds every layer in turn from the input shape."""
         if input_shape is None:

@@ -22,6 +22,11 @@ from psflow.ops import math_ops
 from psflow.util import nest
 
 
+class _NotCompiledError(errors.FailedPreconditionError, ValueError):
+    """Training or evaluating before ``compile``: TF's precondition error, and a
+    ``ValueError`` as Keras 3 raises."""
+
+
 class Model(Layer):
     """A layer with training methods (Keras's ``keras.Model``).
 
@@ -110,7 +115,7 @@ class Model(Layer):
 
     def _assert_compiled(self, what: str) -> None:
         if not self.compiled:
-            raise errors.FailedPreconditionError(f"You must call compile() before {what}()")
+            raise _NotCompiledError(f"You must call compile() before {what}()")
 
     # -- steps -----------------------------------------------------------------------
     def compute_loss(
@@ -215,7 +220,7 @@ class Model(Layer):
         """Trains for ``epochs`` epochs; returns a :class:`History` of per-epoch logs.
 
         Raises:
-            FailedPreconditionError: ``compile`` was not called.
+            FailedPreconditionError: ``compile`` was not called (also a ValueError).
             InvalidArgumentError: mismatched x/y lengths, bad batch size, bad split.
             TypeError: non-numeric data.
         """
@@ -438,7 +443,7 @@ class Model(Layer):
         if not overwrite and os.path.exists(filepath):
             raise errors.AlreadyExistsError(f"{filepath} exists and overwrite=False")
         tensors = {f"{i:04d}:{v.name}": v.numpy() for i, v in enumerate(self.weights)}
-        safetensors.save_file(tensors, filepath, metadata={"format": "psflow-keras-weights"})
+        safetensors.save_file(filepath, tensors, metadata={"format": "psflow-keras-weights"})
 
     def load_weights(self, filepath: str, skip_mismatch: bool = False, **kwargs: Any) -> None:
         """Loads weights written by :meth:`save_weights`, in order.
@@ -464,34 +469,34 @@ class Model(Layer):
         """Prints a table of layers, output shapes and parameter counts (Keras's format)."""
         out = print_fn or print
         layers = getattr(self, "layers", None) or self._sublayers
-        widths = [28, 26, line_length - 54]
+        # Keras 2's column ends: 45% and 85% of the line, then the line's end.
+        ends = [int(line_length * 0.45), int(line_length * 0.85), line_length]
+
+        def row(*fields: str) -> str:
+            line = ""
+            for field, end in zip(fields, ends):
+                line += field
+                line = line.ljust(end) if len(line) < end else line + " "
+            return line
+
         out(f'Model: "{self.name}"')
         out("_" * line_length)
-        out(
-            " "
-            + "Layer (type)".ljust(widths[0])
-            + "Output Shape".ljust(widths[1])
-            + "Param #".ljust(widths[2])
-        )
+        out(row(" Layer (type)", "Output Shape", "Param #"))
         out("=" * line_length)
         shape = getattr(self, "_batch_input_shape", None)
-        for i, layer in enumerate(layers):
+        for layer in layers:
             if shape is not None:
                 try:
                     shape = tuple(layer.compute_output_shape(shape))
-                    shown = str(shape).replace(",)", ")") if len(shape) != 1 else str(shape)
+                    shown = str(shape)
                 except Exception:
                     shown, shape = "?", None
             else:
-                shown = "?" if not layer.built else "(unknown)"
+                shown = "?" if not layer.built else "multiple"
             name = f"{layer.name} ({type(layer).__name__})"
-            out(
-                " "
-                + name.ljust(widths[0])
-                + shown.ljust(widths[1])
-                + str(layer.count_params()).ljust(widths[2])
-            )
-            out(("=" if i == len(layers) - 1 else " ") * line_length)
+            out(row(" " + name, shown, str(layer.count_params())))
+            out(" " * line_length)
+        out("=" * line_length)
         total = self.count_params()
         trainable = int(sum(int(np.prod(v.shape)) for v in self.trainable_weights))
         out(f"Total params: {total} ({_bytes(total)})")

@@ -79,9 +79,15 @@ class Progbar:
         now = time.monotonic()
         elapsed = now - self._start
         per_unit = elapsed / current if current else 0.0
+        tail = ""
         if self.verbose == 2:
+            # Keras 2: ``2/2 - 0s - loss: 15.2345 - 6ms/epoch - 3ms/step``
             line = f"{current}/{self.target}" if self.target else f"{current}"
-            line += f" - {elapsed:.0f}s - {format_time_per_unit(per_unit, self.unit_name)}"
+            line += f" - {elapsed:.0f}s"
+            tail = (
+                f" - {format_time_per_unit(elapsed, 'epoch')}"
+                f" - {format_time_per_unit(per_unit, self.unit_name)}"
+            )
         else:
             line = self._bar(current)
             if finalize:
@@ -93,6 +99,7 @@ class Progbar:
                 line += f" - {format_time_per_unit(per_unit, self.unit_name)}"
         for name, value in values or []:
             line += f" - {name}:{format_value(float(value))}"
+        line += tail
         if self._interactive and not finalize:
             pad = max(self._last_len - len(line), 0)
             self.stream.write("\r" + line + " " * pad)
