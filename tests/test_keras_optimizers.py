@@ -16,8 +16,6 @@ import pytest
 import psflow as pf
 from psflow import keras
 
-NEEDS_RULES = pytest.mark.xfail(reason="needs update_rules from the psserver branch", strict=False)
-
 W0 = np.array([[1.0, -2.0, 0.5], [3.0, 0.25, -1.5]])
 GRADS = [
     np.array([[0.5, -1.0, 2.0], [0.1, 0.0, -0.3]]),
@@ -123,7 +121,6 @@ def test_sgd_momentum() -> None:
     _check(keras.optimizers.SGD(0.05, momentum=0.9), ref_sgd(lambda it: 0.05, momentum=0.9))
 
 
-@NEEDS_RULES
 def test_sgd_nesterov_momentum() -> None:
     _check(
         keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
@@ -142,7 +139,6 @@ def test_adam_custom_betas_and_epsilon() -> None:
     )
 
 
-@NEEDS_RULES
 def test_adam_amsgrad() -> None:
     # Large steps with beta_2 small make v shrink, so the running max matters.
     _check(
@@ -151,12 +147,10 @@ def test_adam_amsgrad() -> None:
     assert not np.allclose(ref_adam(0.1, b2=0.5, amsgrad=True)[2], ref_adam(0.1, b2=0.5)[2])
 
 
-@NEEDS_RULES
 def test_adagrad_default_initial_accumulator() -> None:
     _check(keras.optimizers.Adagrad(0.1), ref_adagrad(0.1, initial=0.1))
 
 
-@NEEDS_RULES
 def test_adagrad_custom_initial_accumulator() -> None:
     _check(
         keras.optimizers.Adagrad(0.3, initial_accumulator_value=0.5, epsilon=1e-4),
@@ -164,12 +158,10 @@ def test_adagrad_custom_initial_accumulator() -> None:
     )
 
 
-@NEEDS_RULES
 def test_rmsprop_plain() -> None:
     _check(keras.optimizers.RMSprop(0.01), ref_rmsprop(0.01))
 
 
-@NEEDS_RULES
 def test_rmsprop_momentum() -> None:
     _check(
         keras.optimizers.RMSprop(0.01, rho=0.8, momentum=0.7),
@@ -177,7 +169,6 @@ def test_rmsprop_momentum() -> None:
     )
 
 
-@NEEDS_RULES
 def test_rmsprop_centered() -> None:
     _check(
         keras.optimizers.RMSprop(0.02, centered=True, epsilon=1e-3),
@@ -185,7 +176,6 @@ def test_rmsprop_centered() -> None:
     )
 
 
-@NEEDS_RULES
 def test_rmsprop_centered_with_momentum() -> None:
     _check(
         keras.optimizers.RMSprop(0.02, rho=0.7, momentum=0.5, centered=True),
@@ -201,7 +191,6 @@ def test_optimizer_names_resolve_to_keras_defaults() -> None:
     assert adam.get_config()["beta_1"] == 0.9 and adam.get_config()["epsilon"] == 1e-7
 
 
-@NEEDS_RULES
 def test_adagrad_and_rmsprop_names_resolve() -> None:
     assert isinstance(keras.optimizers.get("adagrad"), keras.optimizers.Adagrad)
     assert isinstance(keras.optimizers.get("rmsprop"), keras.optimizers.RMSprop)
@@ -345,7 +334,6 @@ def test_sgd_applies_sparse_rows_as_their_dense_sum() -> None:
     np.testing.assert_allclose(table.numpy(), expected, rtol=1e-14)
 
 
-@NEEDS_RULES
 def test_adam_sparse_update_touches_only_the_given_rows() -> None:
     table = pf.Variable(np.vstack([W0, W0]), dtype="float64")
     opt = keras.optimizers.Adam(0.1)
@@ -402,13 +390,7 @@ KERAS_CASES = {
 }
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=NEEDS_RULES) if needs else c
-        for c, (_, needs) in sorted(KERAS_CASES.items())
-    ],
-)
+@pytest.mark.parametrize("case", sorted(KERAS_CASES))
 def test_three_float32_steps_match_keras(tf_keras: object, case: str) -> None:
     kwargs, _ = KERAS_CASES[case]
     cls_name = {"sgd": "SGD", "adam": "Adam", "adagrad": "Adagrad", "rmsprop": "RMSprop"}[
