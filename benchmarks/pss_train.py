@@ -99,8 +99,12 @@ def run_psflow(cluster: dict, batch: int, mode: str, steps: int) -> float:
     return rate
 
 
-def psflow_closure_rtt(cluster: dict, n: int) -> list[float]:
-    """Seconds of ``schedule(noop).fetch()`` round trips."""
+def closure_and_grpc_rtt(
+    cluster: dict, procs: _cluster.Processes, n: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``schedule(noop).fetch()`` and of bare grpcio unary round trips, alternated."""
+    import grpc
+
     import psflow as pf
     from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
 
@@ -109,18 +113,26 @@ def psflow_closure_rtt(cluster: dict, n: int) -> list[float]:
     )
     strategy = pf.distribute.ParameterServerStrategy(resolver)
     coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    _, line = procs.start([sys.executable, "-c", GRPC_ECHO], "READY")
+    channel = grpc.insecure_channel("127.0.0.1:" + line.split("=")[1])
+    call = channel.unary_unary("/bench.Echo/Call")
 
     def noop():
         return 0
 
-    samples = []
-    for i in range(n + 20):
+    closure, raw = [], []
+    for i in range(n + 20):  # A B A B: drift hits both sides
         t = time.perf_counter()
         coordinator.schedule(noop).fetch()
+        t1 = time.perf_counter()
+        call(b"1234", timeout=10)
+        t2 = time.perf_counter()
         if i >= 20:
-            samples.append(time.perf_counter() - t)
+            closure.append(t1 - t)
+            raw.append(t2 - t1)
     coordinator.shutdown()
-    return samples
+    channel.close()
+    return closure, raw
 
 
 GRPC_ECHO = """
@@ -134,24 +146,6 @@ server.start()
 print("READY port=%d" % port, flush=True)
 server.wait_for_termination()
 """
-
-
-def grpc_unary_rtt(procs: _cluster.Processes, n: int) -> list[float]:
-    """Seconds of bare grpcio unary round trips (4 bytes) to a server in another process."""
-    import grpc
-
-    _, line = procs.start([sys.executable, "-c", GRPC_ECHO], "READY")
-    port = int(line.split("=")[1])
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    call = channel.unary_unary("/bench.Echo/Call")
-    samples = []
-    for i in range(n + 20):
-        t = time.perf_counter()
-        call(b"1234", timeout=10)
-        if i >= 20:
-            samples.append(time.perf_counter() - t)
-    channel.close()
-    return samples
 
 
 TF_CHIEF = (
@@ -262,8 +256,9 @@ def main() -> int:
                     rate = run_psflow(cluster, batch, mode, steps)
                     results.setdefault(f"{mode}/batch{batch}", []).append(rate)
                     progress(f"  psflow {mode} batch {batch}: {rate:.1f} steps/s")
-            rtt["psflow"] += psflow_closure_rtt(cluster, rtt_n)
-            rtt["grpc"] += grpc_unary_rtt(procs, rtt_n)
+            closure, raw = closure_and_grpc_rtt(cluster, procs, rtt_n)
+            rtt["psflow"] += closure
+            rtt["grpc"] += raw
         if tf_available:
             progress(f"round {r + 1}/{rounds}: TensorFlow")
             tf_out = run_tensorflow([(64, steps), (256, steps)], rtt_n)
