@@ -4,6 +4,7 @@ from psflow.keras.layers.base import clear_session
 
 __all__ = ["clear_session", "epsilon", "floatx"]
 
+
 def floatx() -> str:
     """The default float type of layers: ``"float32"``."""
     return "float32"
