@@ -262,6 +262,21 @@ def gpu_ids(environ: Mapping[str, str] | None = None) -> list[str]:
     return [str(i) for i in range(visible_gpu_count(env))]
 
 
+BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def blas_threads_env(num_processes: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """BLAS thread counts that share the cores among the cluster's processes.
+
+    Several processes each running a BLAS pool as wide as the machine
+    oversubscribe the cores, and OpenBLAS slows down badly when its threads
+    are preempted; each role gets ``cores // processes`` (at least 1) threads.
+    Variables the user set are kept.
+    """
+    threads = max(1, (os.cpu_count() or 1) // max(num_processes, 1))
+    return {k: str(threads) for k in BLAS_THREAD_VARIABLES if k not in environ}
+
+
 def worker_device_env(
     devices_per_worker: int | None, num_workers: int, gpus: Sequence[str]
 ) -> list[dict[str, str]]:
@@ -448,7 +463,8 @@ class LocalCluster:
     # -- running ------------------------------------------------------------------------
     def _start(self, spec: RoleSpec) -> RoleProcess:
         supervisor = self._require_supervisor()
-        env = {**self._environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env = {**blas_threads_env(self.config.num_tasks, self._environ), **self._environ, **spec.env}
+        env["PYTHONUNBUFFERED"] = "1"
         self._specs[spec.name] = spec
         return supervisor.start(spec.name, spec.argv, env)
 

@@ -23,7 +23,9 @@ class GrpcPSConnection(PSConnection):
     def __init__(self, address: str, task: str = "ps:0", *, timeout: float = 60.0) -> None:
         self.task = task
         self.address = address
-        self.client = PSClient(address, task=task, timeout=timeout)
+        # One message up to 8 MB: a training step's few megabytes cost less unary than
+        # streamed in 1 MB chunks (measured: benchmarks/pss_train.py); larger ones stream.
+        self.client = PSClient(address, task=task, timeout=timeout, stream_threshold=8 << 20)
 
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
         trainable = {s.name: s.trainable for s in specs}
