@@ -321,3 +321,12 @@ def test_dockerfile_install_step_works_in_a_fresh_venv(tmp_path):
         pytest.skip(
             "installed and ran ps_server/worker; not yet in this tree: " + "; ".join(pending)
         )
+
+
+def test_the_readmes_name_files_that_exist():
+    for readme in (ROOT / "README.md", DOCKER / "README.md"):
+        text = readme.read_text()
+        paths = set(re.findall(r"-f (docker/[\w./-]+)", text))
+        assert paths, readme
+        for path in paths:
+            assert (ROOT / path).exists(), f"{readme.name} names {path}, which does not exist"

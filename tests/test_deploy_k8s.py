@@ -362,6 +362,16 @@ def test_selectors_split_the_two_ways_of_running():
                         assert ("ConfigMap", source["configMapRef"]["name"]) in names
 
 
+def test_the_readmes_use_the_tested_selectors():
+    pattern = r"kubectl (?:apply|delete) -f docker/k8s/ -l '([^']+)'"
+    for readme in (ROOT / "README.md", ROOT / "docker" / "README.md"):
+        found = set(re.findall(pattern, readme.read_text()))
+        assert found == {"psflow.io/deployment!=tfjob", "psflow.io/deployment!=statefulsets"}, (
+            readme.name,
+            found,
+        )
+
+
 def _specs_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
     if obj["kind"] in ("StatefulSet", "Job"):
         return [obj["spec"]["template"]["spec"]]
