@@ -463,7 +463,11 @@ class LocalCluster:
     # -- running ------------------------------------------------------------------------
     def _start(self, spec: RoleSpec) -> RoleProcess:
         supervisor = self._require_supervisor()
-        env = {**blas_threads_env(self.config.num_tasks, self._environ), **self._environ, **spec.env}
+        env = {
+            **blas_threads_env(self.config.num_tasks, self._environ),
+            **self._environ,
+            **spec.env,
+        }
         env["PYTHONUNBUFFERED"] = "1"
         self._specs[spec.name] = spec
         return supervisor.start(spec.name, spec.argv, env)
