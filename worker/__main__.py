@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=10.0, help="seconds to finish a closure on SIGTERM"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
     return p
 
 
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return ParameterServerStrategy._for_worker(ps, num_workers or 1, task)
 
+    if not args.no_malloc_tuning:  # gradients and pulled values are megabyte buffers every step
+        from psflow.transport.options import tune_malloc
+
+        tune_malloc()
     executor = ClosureExecutor(task, strategy_factory)
     try:
         return serve(executor, bind, port, grace=args.grace)
