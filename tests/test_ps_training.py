@@ -172,3 +172,47 @@ def test_bounded_staleness_keeps_workers_within_k_steps(start_cluster, staleness
     gaps = _clock_gaps(stats["log"], "bounded_v")
     assert len(gaps) >= 23
     assert max(gaps) <= staleness, gaps
+
+
+def test_a_two_device_worker_all_reduces_then_pushes_once_like_local_training(start_cluster):
+    cluster = start_cluster(num_ps=2, num_workers=1, worker_env={"PSFLOW_NUM_CPU_DEVICES": "2"})
+    x, y = _data()
+    batch, steps = 8, 4
+    make_optimizer = lambda: pf.keras.optimizers.SGD(0.1)  # noqa: E731
+    reference = _local_reference(x, y, batch, steps, make_optimizer)
+
+    pf.random.set_seed(0)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    with strategy.scope():
+        model = _model()
+        optimizer = make_optimizer()
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    dataset = pf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+    def dataset_fn():
+        # each of the worker's 2 replicas takes half of every global batch
+        return strategy.experimental_distribute_dataset(dataset)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def step(it):
+        x_b, y_b = next(it)  # per-replica halves of one global batch
+
+        def replica(xb, yb):
+            with pf.GradientTape() as tape:
+                per_example = pf.reduce_mean(pf.square(model(xb, training=True) - yb), axis=1)
+                loss = pf.nn.compute_average_loss(per_example, global_batch_size=batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return pf.distribute.get_replica_context().replica_id_in_sync_group
+
+        return strategy.run(replica, args=(x_b, y_b))
+
+    for s in range(steps):
+        replicas = coordinator.schedule(step, args=(iterator,)).get()
+        coordinator.join()
+        assert [int(r) for r in replicas.values] == [0, 1]  # two replicas on the worker
+        for got, want in zip(model.weights, reference[s]):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    stats = strategy.ps_stats()
+    assert all(st["pushes_applied"] == steps for st in stats)  # one push per step, not per replica

@@ -87,7 +87,14 @@ class DistributedIterator:
 
 
 def _unwrap_single(value: PerReplica) -> Any:
-    return value.values[0] if len(value.values) == 1 else value
+    """One replica: the bare element; several: the element's structure with PerReplica leaves.
+
+    ``x, y = next(iterator)`` then unpacks as in TensorFlow, and ``strategy.run``
+    gives each replica its own component.
+    """
+    from psflow.distribute.values import regroup
+
+    return value.values[0] if len(value.values) == 1 else regroup(list(value.values))
 
 
 class DistributedDataset:

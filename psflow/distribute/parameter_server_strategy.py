@@ -173,7 +173,9 @@ class PSExtended(distribute_lib.StrategyExtended):
         if isinstance(dataset_fn, input_lib.DistributedDataset):
             return functools.partial(_shard_dataset, dataset_fn._dataset, num_workers)
         if isinstance(dataset_fn, _DatasetFromFunction):
-            dataset_fn = dataset_fn._fn
+            return functools.partial(
+                _call_dataset_fn, lambda ctx, f=dataset_fn: f, num_workers, self._num_replicas
+            )
         if callable(dataset_fn) and not hasattr(dataset_fn, "cardinality"):
             return functools.partial(_call_dataset_fn, dataset_fn, num_workers, self._num_replicas)
         return functools.partial(_replicate_dataset, dataset_fn)
@@ -189,12 +191,30 @@ class PSExtended(distribute_lib.StrategyExtended):
         self._session.apply_optimizer(optimizer, pairs, step)
 
 
+def _for_local_replicas(dataset: Any, per_replica_elements: bool = False) -> Any:
+    """On a worker with several devices, splits the dataset across its replicas.
+
+    Global batches are split TensorFlow's way (``experimental_distribute_dataset``);
+    with ``per_replica_elements`` consecutive elements go to the replicas in turn
+    (``distribute_datasets_from_function``). One device: the dataset as it is.
+    """
+    session = session_lib.current()
+    strategy = getattr(session, "strategy", None)
+    if strategy is None or strategy.num_replicas_in_sync <= 1:
+        return dataset
+    mirrored = strategy._mirrored()
+    if per_replica_elements:
+        return mirrored.distribute_datasets_from_function(lambda ctx: dataset)
+    return mirrored.experimental_distribute_dataset(dataset)
+
+
 def _shard_dataset(dataset: Any, num_workers: int, worker: int) -> Any:
-    return dataset.shard(num_workers, worker) if num_workers > 1 else dataset
+    sharded = dataset.shard(num_workers, worker) if num_workers > 1 else dataset
+    return _for_local_replicas(sharded)
 
 
 def _replicate_dataset(dataset: Any, worker: int) -> Any:
-    return dataset
+    return _for_local_replicas(dataset)
 
 
 def _call_dataset_fn(
@@ -205,9 +225,13 @@ def _call_dataset_fn(
         takes_context = len(params) >= 1
     except (TypeError, ValueError):
         takes_context = True
-    if takes_context:
-        return fn(distribute_lib.InputContext(num_workers, worker, num_replicas))
-    return fn()
+    context = distribute_lib.InputContext(num_workers, worker, num_replicas)
+    result = fn(context) if takes_context else fn()
+    if isinstance(result, _DatasetFromFunction):  # TF's per_worker_dataset_fn pattern
+        return _for_local_replicas(result._fn(context), per_replica_elements=True)
+    if isinstance(result, _PSDistributedDataset):
+        return _for_local_replicas(result._dataset)
+    return _for_local_replicas(result)
 
 
 class _PSDistributedDataset:
@@ -371,7 +395,8 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         )
         from psflow import config
 
-        replicas = len(config.list_logical_devices("GPU")) or 1
+        # this worker's own devices: its GPUs, else its logical CPU devices
+        replicas = len(config.default_devices())
         distribute_lib.Strategy.__init__(
             self,
             PSExtended(

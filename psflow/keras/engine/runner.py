@@ -112,7 +112,7 @@ class _SplitBatches:
         from psflow.distribute import input_lib
 
         for batch in self.source:
-            yield input_lib.split_element(batch, self.devices)
+            yield input_lib._unwrap_single(input_lib.split_element(batch, self.devices))
 
     def peek(self) -> Any:
         return self.source.peek()
@@ -133,12 +133,14 @@ class MirroredRunner(LocalRunner):
         from psflow.distribute.values import PerReplica
         from psflow.keras.engine import data_adapter
 
-        if isinstance(batch, PerReplica):
-            sizes = [
-                data_adapter.batch_size_of(data_adapter.unpack_x_y_sample_weight(b)[0])
-                for b in batch.values
-            ]
-            self.model._global_batch_size = sum(sizes)
+        from psflow.util import nest
+
+        x = data_adapter.unpack_x_y_sample_weight(batch)[0]
+        leaf = next((v for v in nest.flatten(x) if isinstance(v, PerReplica)), None)
+        if leaf is not None:  # the global batch: every replica's share added up
+            self.model._global_batch_size = sum(
+                int(v.shape[0]) if len(v.shape) else 1 for v in leaf.values
+            )
         else:
             self.model._global_batch_size = None
         try:
