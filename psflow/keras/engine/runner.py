@@ -132,7 +132,6 @@ class MirroredRunner(LocalRunner):
     def _run(self, fn: Any, batch: Any) -> Any:
         from psflow.distribute.values import PerReplica
         from psflow.keras.engine import data_adapter
-
         from psflow.util import nest
 
         x = data_adapter.unpack_x_y_sample_weight(batch)[0]
