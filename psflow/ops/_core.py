@@ -38,7 +38,9 @@ def node(x: Any, dtype: Any = None) -> Any:
 def _is_weak(x: Any) -> bool:
     """Values that are not tensors or variables (Python numbers and lists, NumPy scalars
     and arrays) adopt the other operand's dtype, as TensorFlow converts them."""
-    return not (isinstance(x, Tensor) or getattr(x, "_is_variable", False))
+    return not (
+        isinstance(x, Tensor) or getattr(x, "_is_variable", False) or hasattr(x, "_shard_variables")
+    )
 
 
 def binary(x: Any, y: Any, op_name: str) -> tuple[Any, Any]:
