@@ -116,7 +116,11 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
     def merge_call(
         self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None
     ) -> Any:
-        """Runs ``merge_fn(strategy, *args)`` once, with per-replica arguments grouped."""
+        """Runs ``merge_fn(strategy, *args)`` once, with per-replica arguments grouped.
+
+        Every replica gets the result with each ``PerReplica`` in it replaced by
+        that replica's own component (TensorFlow's ``select_replica``).
+        """
         strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
         kwargs = kwargs or {}
 
@@ -127,7 +131,8 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
 
         if strategy.num_replicas_in_sync == 1:
             return run([(args, kwargs)])
-        return strategy._merge.call(self._replica_id, (args, kwargs), run)
+        result = strategy._merge.call(self._replica_id, (args, kwargs), run)
+        return select_replica(self._replica_id, result)
 
 
 class MirroredExtended(distribute_lib.StrategyExtended):
