@@ -32,7 +32,7 @@ from psflow.collective import (
 )
 from psflow.distribute import distribute_lib, input_lib
 from psflow.distribute.reduce_util import ReduceOp
-from psflow.distribute.replica_pool import ReplicaPool
+from psflow.distribute.replica_pool import ReplicaPool, available_cores
 from psflow.distribute.values import MirroredVariable, PerReplica, regroup, select_replica
 from psflow.framework import variable as variable_lib
 from psflow.framework.indexed_slices import IndexedSlices
@@ -326,7 +326,14 @@ class MirroredStrategy(distribute_lib.Strategy):
         if self._pool is None:
             with self._pool_lock:
                 if self._pool is None:
-                    self._pool = ReplicaPool(len(self._devices), name="mirrored-replica")
+                    n = len(self._devices)
+                    on_cpu = not any(d.is_gpu for d in self._devices)
+                    self._pool = ReplicaPool(
+                        n,
+                        name="mirrored-replica",
+                        # replicas share the cores: each gets its share of BLAS threads
+                        blas_threads=max(1, available_cores() // n) if on_cpu else None,
+                    )
                     self._finalizer.detach()
                     self._finalizer = weakref.finalize(
                         self, MirroredStrategy._shutdown, [self._pool]

@@ -2,14 +2,99 @@
 
 Each replica thread runs the step function for its replica; the caller waits
 for all of them and gets every result or the first error (by replica order).
+
+Replicas on logical CPU devices share the machine's cores, and each replica's
+matrix products go to BLAS. OpenBLAS by default runs every call on all cores
+(busy-waiting threads), so N replicas would ask for N x cores threads and
+serialize on OpenBLAS's shared thread pool: tens of times slower on a small
+machine. A pool given ``blas_threads`` sets each replica thread's *own* BLAS
+thread count (OpenBLAS's ``openblas_set_num_threads_local``, MKL's
+``mkl_set_num_threads_local``), leaving other threads of the process alone.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# per-thread setters of the BLAS libraries that may be loaded, and their global getters
+_LOCAL_SETTERS = (
+    ("openblas", "openblas_set_num_threads_local", "openblas_get_num_threads"),
+    ("openblas", "scipy_openblas_set_num_threads_local64_", "scipy_openblas_get_num_threads64_"),
+    ("openblas", "openblas_set_num_threads_local", "scipy_openblas_get_num_threads64_"),
+    ("mkl_rt", "MKL_Set_Num_Threads_Local", "MKL_Get_Max_Threads"),
+)
+_blas_lock = threading.Lock()
+_blas_found: list[tuple[Callable[[int], int], Callable[[], int] | None] | None] = []
+
+
+def _loaded_libraries() -> list[str]:
+    """Paths of the shared libraries mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if ".so" in line})
+    except OSError:
+        return []
+
+
+def _blas_local_setter() -> tuple[Callable[[int], int], Callable[[], int] | None] | None:
+    """The loaded BLAS's per-thread "set threads" function and its "get threads", or None."""
+    with _blas_lock:
+        if _blas_found:
+            return _blas_found[0]
+        found = None
+        libs = _loaded_libraries()
+        for marker, set_name, get_name in _LOCAL_SETTERS:
+            for path in (p for p in libs if marker in os.path.basename(p).lower()):
+                try:
+                    lib = ctypes.CDLL(path)
+                    setter = getattr(lib, set_name)
+                except (OSError, AttributeError):
+                    continue
+                setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+                getter = getattr(lib, get_name, None)
+                if getter is not None:
+                    getter.argtypes, getter.restype = [], ctypes.c_int
+                found = (setter, getter)
+                logger.debug("per-thread BLAS threads through %s in %s", set_name, path)
+                break
+            if found is not None:
+                break
+        _blas_found.append(found)
+        return found
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def limit_blas_threads_in_this_thread(threads: int) -> bool:
+    """Makes this thread's BLAS calls use at most ``threads`` threads; False if not possible.
+
+    Never raises: without a BLAS that supports per-thread settings it does nothing.
+    """
+    found = _blas_local_setter()
+    if found is None:
+        return False
+    setter, getter = found
+    try:
+        current = getter() if getter is not None else threads
+        setter(max(1, min(int(threads), int(current))))
+    except Exception:  # a foreign library: never let tuning break a replica
+        logger.debug("could not set per-thread BLAS threads", exc_info=True)
+        return False
+    return True
 
 
 class _Result:
@@ -26,12 +111,17 @@ class ReplicaPool:
     Args:
         num_replicas: how many threads.
         name: a prefix for the thread names (shows in stack dumps).
+        blas_threads: BLAS threads each replica thread may use (None: BLAS's default).
     """
 
-    def __init__(self, num_replicas: int, name: str = "replica") -> None:
+    def __init__(
+        self, num_replicas: int, name: str = "replica", blas_threads: int | None = None
+    ) -> None:
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_replicas)]
         self._threads = [
-            threading.Thread(target=self._loop, args=(q,), name=f"{name}-{i}", daemon=True)
+            threading.Thread(
+                target=self._loop, args=(q, blas_threads), name=f"{name}-{i}", daemon=True
+            )
             for i, q in enumerate(self._queues)
         ]
         for t in self._threads:
@@ -39,7 +129,9 @@ class ReplicaPool:
         self._closed = False
 
     @staticmethod
-    def _loop(q: queue.SimpleQueue) -> None:
+    def _loop(q: queue.SimpleQueue, blas_threads: int | None) -> None:
+        if blas_threads is not None:
+            limit_blas_threads_in_this_thread(blas_threads)
         while True:
             item = q.get()
             if item is None:
