@@ -7,9 +7,12 @@ Replicas on logical CPU devices share the machine's cores, and each replica's
 matrix products go to BLAS. OpenBLAS by default runs every call on all cores
 (busy-waiting threads), so N replicas would ask for N x cores threads and
 serialize on OpenBLAS's shared thread pool: tens of times slower on a small
-machine. A pool given ``blas_threads`` sets each replica thread's *own* BLAS
-thread count (OpenBLAS's ``openblas_set_num_threads_local``, MKL's
-``mkl_set_num_threads_local``), leaving other threads of the process alone.
+machine. A pool given ``blas_threads`` sets the BLAS thread count from each
+replica thread with the library's per-thread setter (OpenBLAS's
+``openblas_set_num_threads_local``, MKL's ``mkl_set_num_threads_local``). With
+OpenMP builds that affects the replica threads only; OpenBLAS built with
+pthreads (NumPy's wheels) has a single, process-wide count, so there it also
+applies to the other threads of the process.
 """
 
 from __future__ import annotations
