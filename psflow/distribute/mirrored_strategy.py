@@ -41,16 +41,26 @@ from psflow.util import nest
 
 
 class _MergeRendezvous:
-    """Meets the N replicas' ``merge_call``s; the last to arrive runs the merge function."""
+    """Meets the N replicas' ``merge_call``s; the last to arrive runs the merge function.
+
+    While the merge function runs, the other replicas wait here; the merge
+    function may hand each of them a piece of work with :meth:`for_each_replica`
+    (the optimizer updates every replica's copy of the variables this way, on
+    the replicas' own threads, in parallel).
+    """
 
     def __init__(self, num_replicas: int, timeout: float) -> None:
         self._n = num_replicas
         self._timeout = timeout
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._round = 0
         self._args: dict[int, Any] = {}
         self._outcome: tuple[Any, BaseException | None] = (None, None)
         self._aborted = False
+        self._merger: int | None = None  # thread ident of the replica running the merge
+        self._tasks: dict[int, Callable[[], None]] = {}
+        self._tasks_left = 0
+        self._task_errors: list[BaseException] = []
 
     def abort(self) -> None:
         """Fails every replica waiting here now (another replica failed)."""
@@ -59,36 +69,110 @@ class _MergeRendezvous:
             self._cond.notify_all()
 
     def call(self, replica: int, args: Any, run: Callable[[list[Any]], Any]) -> Any:
+        """Hands in ``replica``'s arguments; returns what ``run(all arguments)`` returned.
+
+        Raises:
+            DeadlineExceededError: some replica did not arrive within the timeout (named).
+            CancelledError: another replica failed meanwhile.
+            The merge function's own error, on every replica.
+        """
         with self._cond:
             if self._aborted:
                 raise errors.CancelledError("merge_call cancelled: another replica failed")
             my_round = self._round
             self._args[replica] = args
-            if len(self._args) == self._n:
+            merging = len(self._args) == self._n
+            if merging:
                 ordered = [self._args[i] for i in range(self._n)]
                 self._args = {}
-                try:
-                    self._outcome = (run(ordered), None)
-                except BaseException as e:  # every replica sees the failure
-                    self._outcome = (None, e)
+                self._merger = threading.get_ident()
+            else:
+                self._wait_for_merge(my_round)
+                value, error = self._outcome
+        if merging:  # outside the lock, so that the others can take work from for_each_replica
+            try:
+                outcome: tuple[Any, BaseException | None] = (run(ordered), None)
+            except BaseException as e:  # every replica sees the failure
+                outcome = (None, e)
+            with self._cond:
+                self._outcome = outcome
+                self._merger = None
                 self._round += 1
                 self._cond.notify_all()
-            else:
-                deadline = time.monotonic() + self._timeout
-                while self._round == my_round:
-                    if self._aborted:
-                        raise errors.CancelledError("merge_call cancelled: another replica failed")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = sorted(set(range(self._n)) - set(self._args))
-                        raise errors.DeadlineExceededError(
-                            f"merge_call: replica(s) {missing} did not arrive within {self._timeout}s"
-                        )
-                    self._cond.wait(left)
-            value, error = self._outcome
+            value, error = outcome
         if error is not None:
             raise error
         return value
+
+    def _wait_for_merge(self, my_round: int) -> None:
+        """Waits (holding the lock) for round ``my_round``'s outcome, doing work handed out."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + self._timeout
+        while self._round == my_round:
+            if self._aborted:
+                raise errors.CancelledError("merge_call cancelled: another replica failed")
+            task = self._tasks.pop(me, None)
+            if task is not None:
+                self._cond.release()
+                try:
+                    task()
+                    failure = None
+                except BaseException as e:  # handed back to the merging replica
+                    failure = e
+                finally:
+                    self._cond.acquire()
+                if failure is not None:
+                    self._task_errors.append(failure)
+                self._tasks_left -= 1
+                self._cond.notify_all()
+                continue
+            if self._merger is not None:  # everyone is here; the merge runs (its own bound)
+                self._cond.wait(self._timeout)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self._n)) - set(self._args))
+                raise errors.DeadlineExceededError(
+                    f"merge_call: replica(s) {missing} did not arrive within {self._timeout}s"
+                )
+            self._cond.wait(left)
+
+    def for_each_replica(self, threads: list[int], fn: Callable[[int], None]) -> None:
+        """Runs ``fn(i)`` for every replica ``i``, on replica ``i``'s thread when possible.
+
+        Called by the merge function: the waiting replicas (whose thread idents
+        are ``threads[i]``) each run their own ``fn(i)`` while this thread runs
+        its own. Elsewhere (no merge running in this thread) it runs them all here.
+
+        Raises:
+            The first error of any ``fn(i)``, after all of them finished.
+        """
+        me = threading.get_ident()
+        if self._merger != me or len(threads) != self._n:
+            for i in range(self._n):
+                fn(i)
+            return
+        mine = [i for i, t in enumerate(threads) if t == me]
+        with self._cond:
+            self._task_errors = []
+            self._tasks = {t: (lambda i=i: fn(i)) for i, t in enumerate(threads) if t != me}
+            self._tasks_left = len(self._tasks)
+            self._cond.notify_all()
+        failure: BaseException | None = None
+        for i in mine:
+            try:
+                fn(i)
+            except BaseException as e:
+                failure = failure or e
+        with self._cond:
+            while self._tasks_left > 0 and not self._aborted:
+                self._cond.wait(self._timeout)
+            self._tasks = {}
+            failure = failure or (self._task_errors[0] if self._task_errors else None)
+            if failure is None and self._tasks_left > 0:
+                failure = errors.CancelledError("merge_call cancelled: another replica failed")
+        if failure is not None:
+            raise failure
 
 
 class MirroredReplicaContext(distribute_lib.ReplicaContext):
@@ -189,11 +273,20 @@ class MirroredExtended(distribute_lib.StrategyExtended):
         return MirroredVariable(self._container_strategy(), copies, aggregation=aggregation)
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
-        """Applies reduced gradients to every replica's copy (called in cross-replica context)."""
-        for grad, var in pairs:
-            for i, copy in enumerate(var.values):
-                g = grad.values[i] if isinstance(grad, PerReplica) else grad
-                optimizer._apply_local(var, g, step, replica=i, array=copy._value)
+        """Applies reduced gradients to every replica's copy (called in cross-replica context).
+
+        Inside ``merge_call`` each replica's thread updates its own copies, in
+        parallel, on its own device; the call returns when all are updated.
+        """
+        strategy: MirroredStrategy = self._container_strategy()  # type: ignore[assignment]
+
+        def update_replica(i: int) -> None:
+            with backend.device(self._devices[i]):
+                for grad, var in pairs:
+                    g = grad.values[i] if isinstance(grad, PerReplica) else grad
+                    optimizer._apply_local(var, g, step, replica=i, array=var.values[i]._value)
+
+        strategy._merge.for_each_replica(strategy._replica_threads(), update_replica)
 
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
         return self._container_strategy().reduce(reduce_op, value, axis=None)
@@ -322,6 +415,11 @@ class MirroredStrategy(distribute_lib.Strategy):
         return self._cross_device_ops
 
     # -- run -------------------------------------------------------------------------
+    def _replica_threads(self) -> list[int]:
+        """The thread ident of each replica (empty before the first multi-replica ``run``)."""
+        pool = self._pool
+        return pool.thread_idents if pool is not None else []
+
     def _replica_pool(self) -> ReplicaPool:
         if self._pool is None:
             with self._pool_lock:

@@ -147,6 +147,11 @@ class ReplicaPool:
             finally:
                 done.release()
 
+    @property
+    def thread_idents(self) -> list[int]:
+        """The ident of each replica's thread, in replica order."""
+        return [t.ident or 0 for t in self._threads]
+
     def run(self, fns: list[Callable[[], Any]]) -> list[Any]:
         """Runs ``fns[i]`` on replica thread ``i``; returns the results in order.
 
