@@ -452,6 +452,8 @@ class MirroredStrategy(distribute_lib.Strategy):
         """
         kwargs = kwargs or {}
         n = len(self._devices)
+        first_failure: list[BaseException] = []  # the error that made the others fail
+        failure_lock = threading.Lock()
 
         def replica_call(i: int) -> Callable[[], Any]:
             def call() -> Any:
@@ -468,7 +470,10 @@ class MirroredStrategy(distribute_lib.Strategy):
             def guarded() -> Any:
                 try:
                     return call()
-                except BaseException:
+                except BaseException as e:
+                    with failure_lock:
+                        if not first_failure:
+                            first_failure.append(e)
                     self._abort_collectives()
                     raise
 
@@ -480,11 +485,9 @@ class MirroredStrategy(distribute_lib.Strategy):
         errors_seen = [e for _, e in outcomes if e is not None]
         if errors_seen:
             self._reset_collectives()
-            # the replica that failed first caused the others' CancelledErrors: report it
-            root = next(
-                (e for e in errors_seen if not isinstance(e, errors.CancelledError)), errors_seen[0]
-            )
-            raise root
+            # the replica that failed first made the others fail (cancelled, or finding the
+            # communicator closed when they reached it): report it
+            raise first_failure[0] if first_failure else errors_seen[0]
         return regroup([v for v, _ in outcomes])
 
     # -- reduce and gather -------------------------------------------------------------
