@@ -238,11 +238,9 @@ class MirroredExtended(distribute_lib.StrategyExtended):
         strategy: MirroredStrategy = self._container_strategy()  # type: ignore[assignment]
         ctx = distribute_lib.get_replica_context()
         if isinstance(ctx, MirroredReplicaContext) and strategy.num_replicas_in_sync > 1:
-            # every replica asks; one creates, all receive the same variable
+            # every replica asks; one creates (with replica 0's arguments), all receive it
             return ctx.merge_call(
-                lambda s, kw: self._create_mirrored(
-                    next_creator, kw.values[0] if isinstance(kw, PerReplica) else kw
-                ),
+                lambda s, kw: self._create_mirrored(next_creator, select_replica(0, kw)),
                 args=(kwargs,),
             )
         return self._create_mirrored(next_creator, kwargs)
