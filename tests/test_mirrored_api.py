@@ -123,7 +123,9 @@ def test_run_returns_per_replica_results_printed_like_tensorflow(two: Any) -> No
         "}"
     )
     assert str(res) == expected
-    assert re.fullmatch(r"PerReplica:\{\n  0: <psflow\.Tensor.*>,\n  1: <psflow\.Tensor.*>\n\}", repr(res))
+    assert re.fullmatch(
+        r"PerReplica:\{\n  0: <psflow\.Tensor.*>,\n  1: <psflow\.Tensor.*>\n\}", repr(res)
+    )
 
 
 def test_all_reduce_of_nested_values_tf_documented_example(two: Any) -> None:
@@ -338,7 +340,7 @@ def test_mirrored_variable_update_without_aggregation_raises_and_changes_nothing
 ) -> None:
     with two.scope():
         v = pf.Variable(1.0, name="no_agg")
-    with pytest.raises(errors.FailedPreconditionError, match="no_agg.*aggregation"):
+    with pytest.raises(errors.FailedPreconditionError, match=r"no_agg.*aggregation"):
         two.run(lambda: v.assign(2.0))
     assert [float(np.asarray(c._value)) for c in v.values] == [1.0, 1.0]
     assert local(two, two.run(lambda: pf.constant(0.0))) == [0.0, 0.0]  # still usable
@@ -366,7 +368,11 @@ def test_one_device_strategy(two: Any) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
-        ({"devices": ["/cpu:0", "/cpu:7"]}, errors.InvalidArgumentError, r"'/cpu:7' does not exist"),
+        (
+            {"devices": ["/cpu:0", "/cpu:7"]},
+            errors.InvalidArgumentError,
+            r"'/cpu:7' does not exist",
+        ),
         ({"devices": ["/cpu:1", "/cpu:1"]}, errors.InvalidArgumentError, r"duplicate.*'/cpu:1'"),
         ({"devices": []}, errors.InvalidArgumentError, "at least one device"),
         ({"devices": ["/tpu:0"]}, errors.InvalidArgumentError, r"'/tpu:0'"),

@@ -59,7 +59,9 @@ def run_timed(strategy: Any, fn: Callable[[], Any]) -> tuple[BaseException, floa
     return info.value, time.monotonic() - start
 
 
-@pytest.mark.parametrize("collective", [all_reduce_one, merge_identity], ids=["all_reduce", "merge_call"])
+@pytest.mark.parametrize(
+    "collective", [all_reduce_one, merge_identity], ids=["all_reduce", "merge_call"]
+)
 def test_replica_that_skips_a_collective_fails_the_others_naming_it(
     strategy: Any, collective: Callable[[], Any]
 ) -> None:

@@ -58,7 +58,9 @@ def test_fit_prints_the_spec_progress_format(
         assert re.fullmatch(rf"3/3 {BAR} - accuracy: \d\.\d{{4}}", line), line
 
 
-def test_seed_example_prints_the_spec_line_on_two_devices(capsys: pytest.CaptureFixture[str]) -> None:
+def test_seed_example_prints_the_spec_line_on_two_devices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with logical_cpus(2):
         strategy = pf.distribute.MirroredStrategy()
         with strategy.scope():
