@@ -49,6 +49,8 @@ def _child(framework: str, devices: int, batch: int, steps: int, warmup: int) ->
     """Trains ``warmup + steps`` steps and returns the timing of the last ``steps``."""
     import numpy as np
 
+    if os.environ.get("XSWITCH"):
+        sys.setswitchinterval(float(os.environ["XSWITCH"]))
     if framework == "tf":
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         import tensorflow as tf
@@ -236,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             for n in devices:
                 order = sides if rep % 2 == 0 else sides[::-1]
                 for side in order:
-                    logger.info("run %d/%d: %s devices=%d batch=%d", rep + 1, repeats, side, n, batch)
+                    logger.info(
+                        "run %d/%d: %s devices=%d batch=%d", rep + 1, repeats, side, n, batch
+                    )
                     r = _run_child(side, n, batch, steps, warmup)
                     if r is not None:
                         runs.setdefault((side, n, batch), []).append(r)
@@ -294,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:8.1f}"
 
-    print(f"{'batch':>6} {'devices':>7} {'psflow':>9} {'tensorflow':>10} {'ratio':>6}", file=sys.stderr)
+    print(
+        f"{'batch':>6} {'devices':>7} {'psflow':>9} {'tensorflow':>10} {'ratio':>6}",
+        file=sys.stderr,
+    )
     for batch, n, ours, theirs in table:
         ratio = f"{ours / theirs:6.2f}" if ours and theirs else "     -"
         print(f"{batch:>6} {n:>7} {fmt(ours)} {fmt(theirs):>10} {ratio}", file=sys.stderr)

@@ -343,7 +343,12 @@ class MirroredStrategy(distribute_lib.Strategy):
                 f"communication_options must be a CommunicationOptions, got {options!r}"
             )
         if cross_device_ops is None:
-            ops = default_cross_device_ops([d.name for d in parsed], options=options)
+            # the choice depends on the physical GPUs: logical GPUs split from one GPU are not
+            # distinct devices (NCCL needs one GPU per replica)
+            physical = [
+                f"/gpu:{backend.physical_gpu(d.index)}" if d.is_gpu else d.name for d in parsed
+            ]
+            ops = default_cross_device_ops(physical, options=options)
         elif isinstance(cross_device_ops, str):
             ops = create_cross_device_ops(cross_device_ops)
         elif isinstance(cross_device_ops, CrossDeviceOps):
