@@ -1,18 +1,22 @@
-"""MirroredStrategy training throughput: psflow vs TensorFlow, on 1, 2 and 4 logical CPU devices.
+"""MirroredStrategy training throughput: psflow vs TensorFlow on 1, 2 and 4 logical CPU devices.
 
 The workload is the 784->512->512->10 MLP (ReLU, softmax cross-entropy from
-logits, SGD 0.1) on seeded synthetic data, trained with TensorFlow's custom
-loop: ``strategy.run(train_step, args=(batch,))`` over
+logits, SGD 0.1) on seeded synthetic data (standard normal features, uniform
+labels), global batches of 64 and 256, trained with TensorFlow's custom loop:
+``strategy.run(train_step, args=(batch,))`` over
 ``experimental_distribute_dataset``, the step computing
 ``compute_average_loss(..., global_batch_size=B)`` under ``GradientTape`` and
-calling ``optimizer.apply_gradients``; TensorFlow's step is a ``tf.function``
-(as TensorFlow users write it). Logical devices are fixed per process, so
-every (framework, devices, batch) configuration runs in its own subprocess;
-psflow and TensorFlow alternate (A B A B) and the median of the repeats is
-reported.
+calling ``optimizer.apply_gradients``, then ``strategy.reduce("SUM", ...)``.
+The distributed step is a ``tf.function`` (as TensorFlow users write it; in
+psflow it is a plain call).
 
-Formula: steps/s = timed steps / wall seconds of those steps (after warm-up);
-examples/s = steps/s * global batch.
+Logical devices are fixed per process, so each (framework, devices) pair runs
+in its own subprocess, which measures every batch size. The two frameworks
+alternate (A B, then B A) and each figure is the median over the repeats.
+
+Formulas: steps/s = timed steps / wall seconds of those steps (after warm-up
+steps); examples/s = steps/s * global batch; CPU ms/step = process CPU time
+(all threads) / timed steps.
 
 Usage::
 
@@ -25,6 +29,7 @@ stdout: one JSON object per measurement; stderr: progress and a table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -39,41 +44,15 @@ BENCH = "mirrored_train"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = (784, 512, 512, 10)
 LEARNING_RATE = 0.1
-CHILD_TIMEOUT_S = 240.0
+CHILD_TIMEOUT_S = 300.0
+SIDES = ("psflow", "tensorflow")
 
 logger = logging.getLogger(BENCH)
 
 
-# -- the child: one configuration in its own process ----------------------------------------------
-def _child(framework: str, devices: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Trains ``warmup + steps`` steps and returns the timing of the last ``steps``."""
-    import numpy as np
-
-    if os.environ.get("XSWITCH"):
-        sys.setswitchinterval(float(os.environ["XSWITCH"]))
-    if framework == "tf":
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-        import tensorflow as tf
-    else:
-        import psflow as tf
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(devices)]
-    )
-    names = [f"/cpu:{i}" for i in range(devices)]
-    strategy = tf.distribute.MirroredStrategy(names)
-
-    rng = np.random.default_rng(1234)
-    n_batches = 8
-    x = rng.standard_normal((n_batches * batch, LAYERS[0]), dtype=np.float32)
-    y = rng.integers(0, LAYERS[-1], size=(n_batches * batch,)).astype(np.int64)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
-    dataset = dataset.repeat()
-    if framework == "tf":
-        dataset = dataset.prefetch(2)
-    dist = iter(strategy.experimental_distribute_dataset(dataset))
-
+# -- the child: one framework on one device count, in its own process ----------------------------
+def _make_step(tf: Any, strategy: Any, batch: int) -> Any:
+    """Builds the model and returns TF's distributed training step for global batch ``batch``."""
     with strategy.scope():
         tf.random.set_seed(7)
         model = tf.keras.Sequential(
@@ -103,55 +82,75 @@ def _child(framework: str, devices: int, batch: int, steps: int, warmup: int) ->
         per_replica = strategy.run(train_step, args=(inputs,))
         return strategy.reduce("SUM", per_replica, axis=None)
 
-    first_loss = last_loss = None
-    for _ in range(warmup):
-        loss = distributed_step(next(dist))
-        first_loss = float(loss) if first_loss is None else first_loss
-    cpu_start = time.process_time()
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = distributed_step(next(dist))
-    last_loss = float(loss)  # also waits for the last step to finish
-    seconds = time.perf_counter() - start
-    cpu_seconds = time.process_time() - cpu_start
-    out = {
-        "framework": framework,
-        "devices": devices,
-        "batch": batch,
-        "steps": steps,
-        "seconds": seconds,
-        "steps_per_s": steps / seconds,
-        "cpu_ms_per_step": cpu_seconds / steps * 1e3,
-        "first_loss": first_loss,
-        "last_loss": last_loss,
-    }
-    if framework == "tf":
-        out["tf_version"] = tf.__version__
-    return out
+    return distributed_step
+
+
+def _child(
+    framework: str, devices: int, batches: list[int], steps: int, warmup: int
+) -> list[dict[str, Any]]:
+    """Trains ``warmup + steps`` steps per batch size; returns the timing of the last ``steps``."""
+    import numpy as np
+
+    if framework == "tensorflow":
+        import tensorflow as tf
+    else:
+        import psflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(devices)]
+    )
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
+    results = []
+    for batch in batches:
+        rng = np.random.default_rng(1234)
+        n_batches = 8
+        x = rng.standard_normal((n_batches * batch, LAYERS[0]), dtype=np.float32)
+        y = rng.integers(0, LAYERS[-1], size=(n_batches * batch,)).astype(np.int64)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+        dist = iter(strategy.experimental_distribute_dataset(dataset.repeat()))
+        distributed_step = _make_step(tf, strategy, batch)
+
+        first_loss = float(distributed_step(next(dist)))
+        for _ in range(warmup - 1):
+            distributed_step(next(dist))
+        cpu_start = time.process_time()
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = distributed_step(next(dist))
+        last_loss = float(loss)  # also waits for the last step to finish
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
+        results.append(
+            {
+                "framework": framework,
+                "devices": devices,
+                "batch": batch,
+                "steps": steps,
+                "steps_per_s": steps / seconds,
+                "cpu_ms_per_step": cpu_seconds / steps * 1e3,
+                "first_loss": first_loss,
+                "last_loss": last_loss,
+                "version": tf.__version__ if framework == "tensorflow" else None,
+            }
+        )
+    return results
 
 
 # -- the parent: alternate the two sides, each configuration in a subprocess --------------------
-def _tf_available() -> bool:
-    """Whether TensorFlow imports here (checked in a subprocess: it is slow and noisy)."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import tensorflow"],
-        capture_output=True,
-        timeout=CHILD_TIMEOUT_S,
-        env=_child_env(),
-    )
-    return probe.returncode == 0
-
-
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     paths = [str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # logical CPU devices on both sides
     env.pop("PSFLOW_NUM_CPU_DEVICES", None)
     return env
 
 
-def _run_child(framework: str, devices: int, batch: int, steps: int, warmup: int) -> dict | None:
+def _run_child(
+    framework: str, devices: int, batches: list[int], steps: int, warmup: int
+) -> list[dict]:
     cmd = [
         sys.executable,
         str(pathlib.Path(__file__).resolve()),
@@ -159,8 +158,8 @@ def _run_child(framework: str, devices: int, batch: int, steps: int, warmup: int
         framework,
         "--devices",
         str(devices),
-        "--batch",
-        str(batch),
+        "--batches",
+        ",".join(map(str, batches)),
         "--steps",
         str(steps),
         "--warmup",
@@ -174,138 +173,127 @@ def _run_child(framework: str, devices: int, batch: int, steps: int, warmup: int
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        logger.warning("%s devices=%d batch=%d timed out", framework, devices, batch)
-        return None
+        logger.warning(
+            "%s on %d devices timed out after %.0f s", framework, devices, CHILD_TIMEOUT_S
+        )
+        return []
     if proc.returncode != 0:
         logger.warning(
-            "%s devices=%d batch=%d failed (exit %d):\n%s",
+            "%s on %d devices failed (exit %d):\n%s",
             framework,
             devices,
-            batch,
             proc.returncode,
-            err[-2000:],
+            err[-3000:],
         )
-        return None
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else None
+        return []
+    lines = [line for line in out.splitlines() if line.startswith("[")]
+    return json.loads(lines[-1]) if lines else []
 
 
 def _emit(record: dict[str, Any]) -> None:
     print(json.dumps({"bench": BENCH, **record}), flush=True)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark (or, with ``--child``, one configuration); returns the exit code."""
+    """Runs the benchmark (or, with ``--child``, one framework on one device count)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 60 s)")
     parser.add_argument("--devices", default="1,2,4", help="logical CPU device counts")
     parser.add_argument("--batches", default="64,256", help="global batch sizes")
     parser.add_argument("--repeats", type=int, default=None, help="runs per configuration")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run")
-    parser.add_argument("--no-tf", action="store_true", help="skip TensorFlow")
-    parser.add_argument("--child", choices=["psflow", "tf"], help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (>= 1)")
+    parser.add_argument("--no-tf", action="store_true", help="leave TensorFlow out")
+    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    devices, batches = _ints(args.devices), _ints(args.batches)
+    steps = args.steps or (20 if args.quick else 100)
+    warmup = max(1, args.warmup or (3 if args.quick else 10))
 
     if args.child:
-        result = _child(
-            args.child, int(args.devices), args.batch, args.steps or 50, args.warmup or 5
-        )
-        print(json.dumps(result), flush=True)
+        print(json.dumps(_child(args.child, devices[0], batches, steps, warmup)), flush=True)
         return 0
 
-    devices = [int(d) for d in args.devices.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
-    steps = args.steps or (30 if args.quick else 150)
-    warmup = args.warmup or (3 if args.quick else 10)
-    with_tf = not args.no_tf and _tf_available()
+    with_tf = not args.no_tf and importlib.util.find_spec("tensorflow") is not None
     if not with_tf:
+        reason = "--no-tf" if args.no_tf else "tensorflow is not installed"
+        _emit({"case": "tensorflow", "metric": "skipped", "value": None, "reason": reason})
+    sides = list(SIDES) if with_tf else ["psflow"]
+    runs: dict[tuple[str, int, int], list[dict]] = {}
+    started = time.perf_counter()
+    for rep in range(repeats):
+        for i, n in enumerate(devices):
+            order = sides if (rep + i) % 2 == 0 else sides[::-1]
+            for side in order:
+                logger.info("repeat %d/%d: %s on %d device(s)", rep + 1, repeats, side, n)
+                for r in _run_child(side, n, batches, steps, warmup):
+                    runs.setdefault((side, n, r["batch"]), []).append(r)
+
+    medians: dict[tuple[str, int, int], float] = {}
+    for (side, n, batch), rs in sorted(runs.items()):
+        rates = [r["steps_per_s"] for r in rs]
+        med = medians[(side, n, batch)] = statistics.median(rates)
         _emit(
             {
-                "case": "tensorflow",
-                "metric": "skipped",
-                "value": None,
-                "reason": "--no-tf" if args.no_tf else "tensorflow is not installed",
+                "case": f"{side}/devices={n}/batch={batch}",
+                "metric": "throughput",
+                "value": round(med, 2),
+                "unit": "steps/s",
+                "n": len(rates),
+                "runs": [round(x, 2) for x in rates],
+                "examples_per_s": round(med * batch, 1),
+                "cpu_ms_per_step": round(statistics.median(r["cpu_ms_per_step"] for r in rs), 2),
+                "timed_steps": steps,
+                "final_loss": round(rs[-1]["last_loss"], 5),
+                **({"tf_version": rs[0]["version"]} if side == "tensorflow" else {}),
             }
         )
-    sides = ["psflow", "tf"] if with_tf else ["psflow"]
-    runs: dict[tuple[str, int, int], list[dict]] = {}
-    for batch in batches:
-        for rep in range(repeats):
-            for n in devices:
-                order = sides if rep % 2 == 0 else sides[::-1]
-                for side in order:
-                    logger.info(
-                        "run %d/%d: %s devices=%d batch=%d", rep + 1, repeats, side, n, batch
-                    )
-                    r = _run_child(side, n, batch, steps, warmup)
-                    if r is not None:
-                        runs.setdefault((side, n, batch), []).append(r)
-
-    table = []
     for batch in batches:
         for n in devices:
-            medians: dict[str, float] = {}
-            for side in sides:
-                rs = runs.get((side, n, batch), [])
-                if not rs:
-                    continue
-                rates = [r["steps_per_s"] for r in rs]
-                med = statistics.median(rates)
-                medians[side] = med
-                extra = {"tf_version": rs[0]["tf_version"]} if side == "tf" else {}
+            ours, theirs = medians.get(("psflow", n, batch)), medians.get(("tensorflow", n, batch))
+            if ours and theirs:
                 _emit(
                     {
-                        "case": f"{side}/devices={n}/batch={batch}",
-                        "metric": "throughput",
-                        "value": round(med, 2),
-                        "unit": "steps/s",
-                        "n": len(rates),
-                        "runs": [round(x, 2) for x in rates],
-                        "examples_per_s": round(med * batch, 1),
-                        "steps": steps,
-                        "final_loss": rs[-1]["last_loss"],
-                        **extra,
-                    }
-                )
-            if "psflow" in medians and "tf" in medians:
-                _emit(
-                    {
-                        "case": f"devices={n}/batch={batch}",
+                        "case": f"psflow_vs_tensorflow/devices={n}/batch={batch}",
                         "metric": "ratio",
-                        "value": round(medians["psflow"] / medians["tf"], 3),
-                        "numerator": "psflow steps/s",
-                        "denominator": "tensorflow steps/s",
-                    }
-                )
-            base = runs.get(("psflow", 1, batch))
-            if n != 1 and base and "psflow" in medians:
-                single = statistics.median(r["steps_per_s"] for r in base)
-                _emit(
-                    {
-                        "case": f"psflow/devices={n}/batch={batch}",
-                        "metric": "ratio",
-                        "value": round(medians["psflow"] / single, 3),
+                        "value": round(ours / theirs, 3),
                         "numerator": f"psflow steps/s on {n} devices",
-                        "denominator": "psflow steps/s on 1 device",
+                        "denominator": f"tensorflow steps/s on {n} devices",
                     }
                 )
-            table.append((batch, n, medians.get("psflow"), medians.get("tf")))
+            for side in sides:
+                one, many = medians.get((side, 1, batch)), medians.get((side, n, batch))
+                if n != 1 and one and many:
+                    _emit(
+                        {
+                            "case": f"{side}_scaling/devices={n}/batch={batch}",
+                            "metric": "ratio",
+                            "value": round(many / one, 3),
+                            "numerator": f"{side} steps/s on {n} devices",
+                            "denominator": f"{side} steps/s on 1 device",
+                        }
+                    )
 
-    def fmt(v: float | None) -> str:
-        return "-" if v is None else f"{v:8.1f}"
+    def cell(v: float | None) -> str:
+        return f"{v:10.1f}" if v else f"{'-':>10}"
 
     print(
-        f"{'batch':>6} {'devices':>7} {'psflow':>9} {'tensorflow':>10} {'ratio':>6}",
+        f"{'batch':>6} {'devices':>7} {'psflow':>10} {'tensorflow':>10} {'ratio':>6}  (steps/s)",
         file=sys.stderr,
     )
-    for batch, n, ours, theirs in table:
-        ratio = f"{ours / theirs:6.2f}" if ours and theirs else "     -"
-        print(f"{batch:>6} {n:>7} {fmt(ours)} {fmt(theirs):>10} {ratio}", file=sys.stderr)
-    return 0
+    for batch in batches:
+        for n in devices:
+            ours, theirs = medians.get(("psflow", n, batch)), medians.get(("tensorflow", n, batch))
+            ratio = f"{ours / theirs:6.2f}" if ours and theirs else f"{'-':>6}"
+            print(f"{batch:>6} {n:>7} {cell(ours)} {cell(theirs)} {ratio}", file=sys.stderr)
+    logger.info("done in %.0f s", time.perf_counter() - started)
+    return 0 if runs else 1
 
 
 if __name__ == "__main__":
