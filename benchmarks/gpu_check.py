@@ -3,6 +3,8 @@
 On a machine where CuPy imports and sees a GPU it checks, each on its own
 (a failing check is reported and the next one runs):
 
+* ``gpu/assign_host_values``: ``Variable.assign`` and ``Model.set_weights``
+  of NumPy values into variables on ``/GPU:0``;
 * ``gpu/train_step``: one training step of an MLP on ``/GPU:0`` (gradients by
   psflow's tape, SGD update) against the same step computed by hand in NumPy;
 * ``gpu/mirrored``: MirroredStrategy over N logical GPUs split from GPU 0
@@ -141,14 +143,48 @@ def numpy_sgd(
 
 
 def psflow_model(weights: list[np.ndarray]) -> Any:
+    """The MLP with these initial weights, created on the current device.
+
+    The weights come in through initializers, i.e. as the variables' initial
+    values (placed where the variables are), not through ``set_weights``:
+    assigning host arrays to GPU variables is checked on its own.
+    """
     import psflow as pf
 
+    def given(value: np.ndarray) -> Callable[..., Any]:
+        return lambda shape, dtype=None, **kwargs: value
+
+    w1, b1, w2, b2 = weights
     model = pf.keras.Sequential(
-        [pf.keras.layers.Dense(LAYERS[1], activation="relu"), pf.keras.layers.Dense(LAYERS[2])]
+        [
+            pf.keras.layers.Dense(
+                LAYERS[1],
+                activation="relu",
+                kernel_initializer=given(w1),
+                bias_initializer=given(b1),
+            ),
+            pf.keras.layers.Dense(
+                LAYERS[2], kernel_initializer=given(w2), bias_initializer=given(b2)
+            ),
+        ]
     )
     model.build((None, LAYERS[0]))
-    model.set_weights(weights)
     return model
+
+
+def check_assign_host_values(device: str) -> dict[str, Any]:
+    """``Variable.assign`` and ``Model.set_weights`` with host (NumPy) values on ``device``."""
+    import psflow as pf
+
+    weights = init_weights()
+    with pf.device(device):
+        v = pf.Variable(np.zeros(3, np.float32))
+        v.assign(np.arange(3, dtype=np.float32))
+        model = psflow_model([np.zeros_like(w) for w in weights])
+        model.set_weights(weights)
+    err = max(rel_err(a._array(), w) for a, w in zip(model.trainable_variables, weights))
+    ok = pf.backend.to_numpy(v._array()).tolist() == [0.0, 1.0, 2.0] and err == 0.0
+    return {"ok": ok, "weight_rel_err": err}
 
 
 # -- the checks -----------------------------------------------------------------------------------
@@ -382,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = 3
 
     # -- the same code paths on NumPy ------------------------------------------------------
+    run_check("cpu/assign_host_values", lambda: check_assign_host_values("/cpu:0"))
     run_check("cpu/train_step", lambda: check_train_step("/cpu:0", batch))
     run_check("cpu/mirrored", lambda: check_mirrored("CPU", replicas, batch, steps))
     run_check(
@@ -395,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         emit({"case": "gpu", "metric": "skipped", "value": None, "reason": why})
     else:
         emit({"case": "gpu", "metric": "devices", "value": pf.backend.gpu_count(), "detail": why})
+        run_check("gpu/assign_host_values", lambda: check_assign_host_values("/gpu:0"))
         run_check("gpu/train_step", lambda: check_train_step("/gpu:0", batch))
         run_check("gpu/mirrored", lambda: check_mirrored("GPU", replicas, batch, steps))
         run_check("gpu/ring", lambda: check_all_reduce("GPU", "ring", replicas, elements, reps))
