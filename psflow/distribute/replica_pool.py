@@ -27,12 +27,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# per-thread setters of the BLAS libraries that may be loaded, and their global getters
-_LOCAL_SETTERS = (
-    ("openblas", "openblas_set_num_threads_local", "openblas_get_num_threads"),
-    ("openblas", "scipy_openblas_set_num_threads_local64_", "scipy_openblas_get_num_threads64_"),
-    ("openblas", "openblas_set_num_threads_local", "scipy_openblas_get_num_threads64_"),
-    ("mkl_rt", "MKL_Set_Num_Threads_Local", "MKL_Get_Max_Threads"),
+# the BLAS libraries that may be loaded: (file name part, per-thread setters, getters)
+_BLAS_LIBRARIES = (
+    (
+        "openblas",
+        ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local64_"),
+        ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_"),
+    ),
+    ("mkl_rt", ("mkl_set_num_threads_local",), ("mkl_get_max_threads",)),
 )
 _blas_lock = threading.Lock()
 _blas_found: list[tuple[Callable[[int], int], Callable[[], int] | None] | None] = []
@@ -47,6 +49,14 @@ def _loaded_libraries() -> list[str]:
         return []
 
 
+def _first_symbol(lib: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
 def _blas_local_setter() -> tuple[Callable[[int], int], Callable[[], int] | None] | None:
     """The loaded BLAS's per-thread "set threads" function and its "get threads", or None."""
     with _blas_lock:
@@ -54,19 +64,21 @@ def _blas_local_setter() -> tuple[Callable[[int], int], Callable[[], int] | None
             return _blas_found[0]
         found = None
         libs = _loaded_libraries()
-        for marker, set_name, get_name in _LOCAL_SETTERS:
+        for marker, setters, getters in _BLAS_LIBRARIES:
             for path in (p for p in libs if marker in os.path.basename(p).lower()):
                 try:
                     lib = ctypes.CDLL(path)
-                    setter = getattr(lib, set_name)
-                except (OSError, AttributeError):
+                except OSError:
+                    continue
+                setter = _first_symbol(lib, setters)
+                if setter is None:
                     continue
                 setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
-                getter = getattr(lib, get_name, None)
+                getter = _first_symbol(lib, getters)
                 if getter is not None:
                     getter.argtypes, getter.restype = [], ctypes.c_int
                 found = (setter, getter)
-                logger.debug("per-thread BLAS threads through %s in %s", set_name, path)
+                logger.debug("per-thread BLAS threads through %s", path)
                 break
             if found is not None:
                 break
