@@ -19,7 +19,8 @@ def test_replica_threads_use_their_share_of_blas_threads(replicas: int) -> None:
     share = max(1, replica_pool.available_cores() // replicas)
     with logical_cpus(replicas):
         strategy = pf.distribute.MirroredStrategy()
-        seen = strategy.experimental_local_results(strategy.run(lambda: blas_threads()))
+        per_replica = strategy.run(lambda: pf.constant(blas_threads()))
+        seen = [int(n) for n in strategy.experimental_local_results(per_replica)]
     assert len(seen) == replicas
     assert all(1 <= n <= share for n in seen), (seen, share)
 
