@@ -55,11 +55,20 @@ def split_element(element: Any, devices: list[backend.Device]) -> PerReplica:
                     "experimental_distribute_dataset needs batched elements (a leading batch "
                     f"dimension), got a scalar {x!r}"
                 )
-            part = arr[_sl]
-            return Tensor._wrap(backend.place(part, _dev) if _dev.is_gpu else part)
+            # on its replica's device: a GPU batch slice for a CPU replica comes to the host
+            return Tensor._wrap(backend.place(arr[_sl], _dev))
 
         parts.append(nest.map_structure(take, element))
     return PerReplica(parts)
+
+
+def _on_device(x: Any, dev: backend.Device) -> Any:
+    """``x`` as a tensor on ``dev`` (unchanged when it is there already)."""
+    if x is None:
+        return None
+    arr = to_array(x)
+    placed = backend.place(arr, dev)
+    return x if placed is arr and isinstance(x, Tensor) else Tensor._wrap(placed)
 
 
 class DistributedIterator:
@@ -152,9 +161,7 @@ class DistributedDatasetsFromFunction:
                     element = nest.map_structure(lambda x: Tensor._wrap(to_array(x)[:0]), parts[0])
                 parts.append(
                     nest.map_structure(
-                        lambda x, _d=dev: (
-                            Tensor._wrap(backend.place(to_array(x), _d)) if _d.is_gpu else x
-                        ),
+                        lambda x, _d=dev: _on_device(x, _d),
                         element,
                     )
                 )

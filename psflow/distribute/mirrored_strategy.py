@@ -32,7 +32,7 @@ from psflow.collective import (
 )
 from psflow.distribute import distribute_lib, input_lib
 from psflow.distribute.reduce_util import ReduceOp
-from psflow.distribute.replica_pool import ReplicaPool
+from psflow.distribute.replica_pool import ReplicaPool, available_cores
 from psflow.distribute.values import MirroredVariable, PerReplica, regroup, select_replica
 from psflow.framework import variable as variable_lib
 from psflow.framework.indexed_slices import IndexedSlices
@@ -41,16 +41,26 @@ from psflow.util import nest
 
 
 class _MergeRendezvous:
-    """Meets the N replicas' ``merge_call``s; the last to arrive runs the merge function."""
+    """Meets the N replicas' ``merge_call``s; the last to arrive runs the merge function.
+
+    While the merge function runs, the other replicas wait here; the merge
+    function may hand each of them a piece of work with :meth:`for_each_replica`
+    (the optimizer updates every replica's copy of the variables this way, on
+    the replicas' own threads, in parallel).
+    """
 
     def __init__(self, num_replicas: int, timeout: float) -> None:
         self._n = num_replicas
         self._timeout = timeout
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._round = 0
         self._args: dict[int, Any] = {}
         self._outcome: tuple[Any, BaseException | None] = (None, None)
         self._aborted = False
+        self._merger: int | None = None  # thread ident of the replica running the merge
+        self._tasks: dict[int, Callable[[], None]] = {}
+        self._tasks_left = 0
+        self._task_errors: list[BaseException] = []
 
     def abort(self) -> None:
         """Fails every replica waiting here now (another replica failed)."""
@@ -59,36 +69,110 @@ class _MergeRendezvous:
             self._cond.notify_all()
 
     def call(self, replica: int, args: Any, run: Callable[[list[Any]], Any]) -> Any:
+        """Hands in ``replica``'s arguments; returns what ``run(all arguments)`` returned.
+
+        Raises:
+            DeadlineExceededError: some replica did not arrive within the timeout (named).
+            CancelledError: another replica failed meanwhile.
+            The merge function's own error, on every replica.
+        """
         with self._cond:
             if self._aborted:
                 raise errors.CancelledError("merge_call cancelled: another replica failed")
             my_round = self._round
             self._args[replica] = args
-            if len(self._args) == self._n:
+            merging = len(self._args) == self._n
+            if merging:
                 ordered = [self._args[i] for i in range(self._n)]
                 self._args = {}
-                try:
-                    self._outcome = (run(ordered), None)
-                except BaseException as e:  # every replica sees the failure
-                    self._outcome = (None, e)
+                self._merger = threading.get_ident()
+            else:
+                self._wait_for_merge(my_round)
+                value, error = self._outcome
+        if merging:  # outside the lock, so that the others can take work from for_each_replica
+            try:
+                outcome: tuple[Any, BaseException | None] = (run(ordered), None)
+            except BaseException as e:  # every replica sees the failure
+                outcome = (None, e)
+            with self._cond:
+                self._outcome = outcome
+                self._merger = None
                 self._round += 1
                 self._cond.notify_all()
-            else:
-                deadline = time.monotonic() + self._timeout
-                while self._round == my_round:
-                    if self._aborted:
-                        raise errors.CancelledError("merge_call cancelled: another replica failed")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = sorted(set(range(self._n)) - set(self._args))
-                        raise errors.DeadlineExceededError(
-                            f"merge_call: replica(s) {missing} did not arrive within {self._timeout}s"
-                        )
-                    self._cond.wait(left)
-            value, error = self._outcome
+            value, error = outcome
         if error is not None:
             raise error
         return value
+
+    def _wait_for_merge(self, my_round: int) -> None:
+        """Waits (holding the lock) for round ``my_round``'s outcome, doing work handed out."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + self._timeout
+        while self._round == my_round:
+            if self._aborted:
+                raise errors.CancelledError("merge_call cancelled: another replica failed")
+            task = self._tasks.pop(me, None)
+            if task is not None:
+                self._cond.release()
+                try:
+                    task()
+                    failure = None
+                except BaseException as e:  # handed back to the merging replica
+                    failure = e
+                finally:
+                    self._cond.acquire()
+                if failure is not None:
+                    self._task_errors.append(failure)
+                self._tasks_left -= 1
+                self._cond.notify_all()
+                continue
+            if self._merger is not None:  # everyone is here; the merge runs (its own bound)
+                self._cond.wait(self._timeout)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self._n)) - set(self._args))
+                raise errors.DeadlineExceededError(
+                    f"merge_call: replica(s) {missing} did not arrive within {self._timeout}s"
+                )
+            self._cond.wait(left)
+
+    def for_each_replica(self, threads: list[int], fn: Callable[[int], None]) -> None:
+        """Runs ``fn(i)`` for every replica ``i``, on replica ``i``'s thread when possible.
+
+        Called by the merge function: the waiting replicas (whose thread idents
+        are ``threads[i]``) each run their own ``fn(i)`` while this thread runs
+        its own. Elsewhere (no merge running in this thread) it runs them all here.
+
+        Raises:
+            The first error of any ``fn(i)``, after all of them finished.
+        """
+        me = threading.get_ident()
+        if self._merger != me or len(threads) != self._n:
+            for i in range(self._n):
+                fn(i)
+            return
+        mine = [i for i, t in enumerate(threads) if t == me]
+        with self._cond:
+            self._task_errors = []
+            self._tasks = {t: (lambda i=i: fn(i)) for i, t in enumerate(threads) if t != me}
+            self._tasks_left = len(self._tasks)
+            self._cond.notify_all()
+        failure: BaseException | None = None
+        for i in mine:
+            try:
+                fn(i)
+            except BaseException as e:
+                failure = failure or e
+        with self._cond:
+            while self._tasks_left > 0 and not self._aborted:
+                self._cond.wait(self._timeout)
+            self._tasks = {}
+            failure = failure or (self._task_errors[0] if self._task_errors else None)
+            if failure is None and self._tasks_left > 0:
+                failure = errors.CancelledError("merge_call cancelled: another replica failed")
+        if failure is not None:
+            raise failure
 
 
 class MirroredReplicaContext(distribute_lib.ReplicaContext):
@@ -116,7 +200,11 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
     def merge_call(
         self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None
     ) -> Any:
-        """Runs ``merge_fn(strategy, *args)`` once, with per-replica arguments grouped."""
+        """Runs ``merge_fn(strategy, *args)`` once, with per-replica arguments grouped.
+
+        Every replica gets the result with each ``PerReplica`` in it replaced by
+        that replica's own component (TensorFlow's ``select_replica``).
+        """
         strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
         kwargs = kwargs or {}
 
@@ -127,7 +215,8 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
 
         if strategy.num_replicas_in_sync == 1:
             return run([(args, kwargs)])
-        return strategy._merge.call(self._replica_id, (args, kwargs), run)
+        result = strategy._merge.call(self._replica_id, (args, kwargs), run)
+        return select_replica(self._replica_id, result)
 
 
 class MirroredExtended(distribute_lib.StrategyExtended):
@@ -149,11 +238,9 @@ class MirroredExtended(distribute_lib.StrategyExtended):
         strategy: MirroredStrategy = self._container_strategy()  # type: ignore[assignment]
         ctx = distribute_lib.get_replica_context()
         if isinstance(ctx, MirroredReplicaContext) and strategy.num_replicas_in_sync > 1:
-            # every replica asks; one creates, all receive the same variable
+            # every replica asks; one creates (with replica 0's arguments), all receive it
             return ctx.merge_call(
-                lambda s, kw: self._create_mirrored(
-                    next_creator, kw.values[0] if isinstance(kw, PerReplica) else kw
-                ),
+                lambda s, kw: self._create_mirrored(next_creator, select_replica(0, kw)),
                 args=(kwargs,),
             )
         return self._create_mirrored(next_creator, kwargs)
@@ -184,11 +271,20 @@ class MirroredExtended(distribute_lib.StrategyExtended):
         return MirroredVariable(self._container_strategy(), copies, aggregation=aggregation)
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
-        """Applies reduced gradients to every replica's copy (called in cross-replica context)."""
-        for grad, var in pairs:
-            for i, copy in enumerate(var.values):
-                g = grad.values[i] if isinstance(grad, PerReplica) else grad
-                optimizer._apply_local(var, g, step, replica=i, array=copy._value)
+        """Applies reduced gradients to every replica's copy (called in cross-replica context).
+
+        Inside ``merge_call`` each replica's thread updates its own copies, in
+        parallel, on its own device; the call returns when all are updated.
+        """
+        strategy: MirroredStrategy = self._container_strategy()  # type: ignore[assignment]
+
+        def update_replica(i: int) -> None:
+            with backend.device(self._devices[i]):
+                for grad, var in pairs:
+                    g = grad.values[i] if isinstance(grad, PerReplica) else grad
+                    optimizer._apply_local(var, g, step, replica=i, array=var.values[i]._value)
+
+        strategy._merge.for_each_replica(strategy._replica_threads(), update_replica)
 
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
         return self._container_strategy().reduce(reduce_op, value, axis=None)
@@ -247,7 +343,12 @@ class MirroredStrategy(distribute_lib.Strategy):
                 f"communication_options must be a CommunicationOptions, got {options!r}"
             )
         if cross_device_ops is None:
-            ops = default_cross_device_ops([d.name for d in parsed], options=options)
+            # the choice depends on the physical GPUs: logical GPUs split from one GPU are not
+            # distinct devices (NCCL needs one GPU per replica)
+            physical = [
+                f"/gpu:{backend.physical_gpu(d.index)}" if d.is_gpu else d.name for d in parsed
+            ]
+            ops = default_cross_device_ops(physical, options=options)
         elif isinstance(cross_device_ops, str):
             ops = create_cross_device_ops(cross_device_ops)
         elif isinstance(cross_device_ops, CrossDeviceOps):
@@ -317,11 +418,23 @@ class MirroredStrategy(distribute_lib.Strategy):
         return self._cross_device_ops
 
     # -- run -------------------------------------------------------------------------
+    def _replica_threads(self) -> list[int]:
+        """The thread ident of each replica (empty before the first multi-replica ``run``)."""
+        pool = self._pool
+        return pool.thread_idents if pool is not None else []
+
     def _replica_pool(self) -> ReplicaPool:
         if self._pool is None:
             with self._pool_lock:
                 if self._pool is None:
-                    self._pool = ReplicaPool(len(self._devices), name="mirrored-replica")
+                    n = len(self._devices)
+                    on_cpu = not any(d.is_gpu for d in self._devices)
+                    self._pool = ReplicaPool(
+                        n,
+                        name="mirrored-replica",
+                        # replicas share the cores: each gets its share of BLAS threads
+                        blas_threads=max(1, available_cores() // n) if on_cpu else None,
+                    )
                     self._finalizer.detach()
                     self._finalizer = weakref.finalize(
                         self, MirroredStrategy._shutdown, [self._pool]
@@ -342,6 +455,8 @@ class MirroredStrategy(distribute_lib.Strategy):
         """
         kwargs = kwargs or {}
         n = len(self._devices)
+        first_failure: list[BaseException] = []  # the error that made the others fail
+        failure_lock = threading.Lock()
 
         def replica_call(i: int) -> Callable[[], Any]:
             def call() -> Any:
@@ -358,7 +473,10 @@ class MirroredStrategy(distribute_lib.Strategy):
             def guarded() -> Any:
                 try:
                     return call()
-                except BaseException:
+                except BaseException as e:
+                    with failure_lock:
+                        if not first_failure:
+                            first_failure.append(e)
                     self._abort_collectives()
                     raise
 
@@ -370,11 +488,9 @@ class MirroredStrategy(distribute_lib.Strategy):
         errors_seen = [e for _, e in outcomes if e is not None]
         if errors_seen:
             self._reset_collectives()
-            # the replica that failed first caused the others' CancelledErrors: report it
-            root = next(
-                (e for e in errors_seen if not isinstance(e, errors.CancelledError)), errors_seen[0]
-            )
-            raise root
+            # the replica that failed first made the others fail (cancelled, or finding the
+            # communicator closed when they reached it): report it
+            raise first_failure[0] if first_failure else errors_seen[0]
         return regroup([v for v, _ in outcomes])
 
     # -- reduce and gather -------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""The MirroredStrategy benchmark and the GPU check run and print the shared JSON format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, child_env
+
+pytestmark = pytest.mark.slow
+
+
+def run_script(name: str, *args: str, timeout: float = 240) -> tuple[int, list[dict], str]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env({"CUDA_VISIBLE_DEVICES": ""}),  # no GPU, even on a machine with one
+        cwd=ROOT,
+    )
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode, records, proc.stderr
+
+
+def test_gpu_check_without_a_gpu_runs_the_cpu_checks_and_says_it_skipped() -> None:
+    code, records, stderr = run_script("gpu_check.py", "--quick")
+    assert code == 0, stderr
+    assert all(r["bench"] == "gpu_check" for r in records)
+    checks = {r["case"]: r for r in records if r["metric"] == "check"}
+    assert set(checks) == {"cpu/assign_host_values", "cpu/train_step", "cpu/mirrored", "cpu/ring"}
+    assert all(r["value"] == "pass" for r in checks.values()), checks
+    assert checks["cpu/ring"]["busbw_GBps"] > 0 and checks["cpu/ring"]["copy_GBps"] > 0
+    skipped = [r for r in records if r["metric"] == "skipped"]
+    assert [r["case"] for r in skipped] == ["gpu"]
+    assert records[-1]["case"] == "summary" and records[-1]["failed"] == []
+
+
+def test_mirrored_train_benchmark_prints_throughput_and_ratios() -> None:
+    code, records, stderr = run_script(
+        "mirrored_train.py",
+        *("--no-tf", "--devices", "1,2", "--batches", "8", "--steps", "2", "--warmup", "1"),
+        *("--repeats", "1"),
+    )
+    assert code == 0, stderr
+    by_case = {r["case"]: r for r in records}
+    assert by_case["tensorflow"]["metric"] == "skipped"
+    for n in (1, 2):
+        r = by_case[f"psflow/devices={n}/batch=8"]
+        assert r["metric"] == "throughput" and r["unit"] == "steps/s" and r["value"] > 0
+    ratio = by_case["psflow_scaling/devices=2/batch=8"]
+    assert ratio["metric"] == "ratio" and ratio["value"] > 0
+    # the same seeded training on 1 and 2 devices ends at the same loss
+    assert by_case["psflow/devices=1/batch=8"]["final_loss"] == pytest.approx(
+        by_case["psflow/devices=2/batch=8"]["final_loss"], rel=1e-4
+    )
