@@ -18,12 +18,16 @@ class GrpcPSConnection(PSConnection):
         address: ``host:port`` of the PS task.
         task: its name, e.g. ``"ps:1"``, used in errors.
         timeout: the deadline of each call.
+        security: credentials to present (default: the environment's, see
+            ``psflow.security.config``).
     """
 
-    def __init__(self, address: str, task: str = "ps:0", *, timeout: float = 60.0) -> None:
+    def __init__(
+        self, address: str, task: str = "ps:0", *, timeout: float = 60.0, security: Any = None
+    ) -> None:
         self.task = task
         self.address = address
-        self.client = PSClient(address, task=task, timeout=timeout)
+        self.client = PSClient(address, task=task, timeout=timeout, security=security)
 
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
         trainable = {s.name: s.trainable for s in specs}
