@@ -17,7 +17,7 @@ import logging
 import socket
 import ssl
 
-from .config import ENV_TLS_CA, SecurityConfig
+from .config import ENV_TLS_CA, ENV_TLS_SERVER_NAME, SecurityConfig
 
 __all__ = ["diagnose_unavailable", "split_host_port"]
 
@@ -139,7 +139,10 @@ def diagnose_unavailable(
     """
     details = details or ""
     if any(marker in details for marker in _CLIENT_SIDE):
-        return f"TLS handshake with {address} failed on the client side: {details}"
+        return (
+            f"the server's certificate is not accepted by this client ({ENV_TLS_CA}, "
+            f"{ENV_TLS_SERVER_NAME}): {details}"
+        )
     if not any(marker in details for marker in _CLOSED):
         return None  # e.g. "Connection refused": nothing listens
     reason = _handshake(address, security, max(0.05, timeout))
