@@ -36,6 +36,7 @@ __all__ = [
     "Gauge",
     "Histogram",
     "Registry",
+    "parse_exposition",
 ]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -350,3 +351,62 @@ class Registry:
     def exposition(self) -> str:
         """Everything in the Prometheus text format."""
         return "".join(f.render() for f in self.collect())
+
+
+def _unescape(value: str) -> str:
+    out, i = [], 0
+    while i < len(value):
+        c = value[i]
+        if c == "\\" and i + 1 < len(value):
+            nxt = value[i + 1]
+            out.append({"n": "\n", "\\": "\\", '"': '"'}.get(nxt, nxt))
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _parse_labels(text: str) -> dict[str, str]:
+    labels, i = {}, 0
+    while i < len(text):
+        eq = text.index("=", i)
+        key = text[i:eq].strip().lstrip(",").strip()
+        if text[eq + 1] != '"':
+            raise InvalidArgumentError(f"label {key!r} value is not quoted in {text!r}")
+        j = eq + 2
+        while text[j] != '"':
+            j += 2 if text[j] == "\\" else 1
+        labels[key] = _unescape(text[eq + 2 : j])
+        i = j + 1
+    return labels
+
+
+def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples of a text exposition: ``{(name, sorted label pairs): value}`` (for tests, tools).
+
+    Example:
+        >>> parse_exposition('a_total{x="1"} 3\\nb 2.5\\n')
+        {('a_total', (('x', '1'),)): 3.0, ('b', ()): 2.5}
+
+    Raises:
+        InvalidArgumentError: a line is not a sample, comment or blank.
+    """
+    samples = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            if "{" in line:
+                name, rest = line.split("{", 1)
+                label_text, value = rest.rsplit("}", 1)
+                labels = _parse_labels(label_text)
+            else:
+                name, value = line.split(None, 1)
+                labels = {}
+            number = float(value.split()[0].replace("+Inf", "inf").replace("-Inf", "-inf"))
+        except (ValueError, IndexError) as e:
+            raise InvalidArgumentError(f"not a metrics sample: {line!r} ({e})") from None
+        samples[(name.strip(), tuple(sorted(labels.items())))] = number
+    return samples
