@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError, to_grpc_code
-from psflow.observability.logs import log_context
+from psflow.observability.logs import log_context, set_log_context
 from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
 from psflow.ps.checkpoint import restore_shard, save_shard
@@ -170,44 +170,43 @@ class ParameterServerServicer:
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
 
-        def scope() -> contextlib.ExitStack:
-            stack = contextlib.ExitStack()
-            if self.gate is not None:
-                stack.enter_context(self.gate.admit())
-            stack.enter_context(log_context(request_id=f"{self.store.task}/{next(self._ids)}"))
-            return stack
+        def admitted() -> contextlib.AbstractContextManager:
+            return self.gate.admit() if self.gate is not None else contextlib.nullcontext()
 
         def done(start: float, code: str) -> None:
             if metrics is not None:
                 metrics.record_rpc(name, code, time.perf_counter() - start)
 
+        # The log context spans the rejection too, so its log record carries the request id.
         if inspect.isgeneratorfunction(fn):
 
             @functools.wraps(fn)
             def stream(request, context):
                 start, code = time.perf_counter(), "OK"
-                try:
-                    with scope():
-                        yield from fn(request, context)
-                except Exception as e:
-                    code = _status_name(e)
-                    abort(context, e)
-                finally:
-                    done(start, code)
+                with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
+                    try:
+                        with admitted():
+                            yield from fn(request, context)
+                    except Exception as e:
+                        code = _status_name(e)
+                        abort(context, e)
+                    finally:
+                        done(start, code)
 
             return stream
 
         @functools.wraps(fn)
         def unary(request, context):
             start, code = time.perf_counter(), "OK"
-            try:
-                with scope():
-                    return fn(request, context)
-            except Exception as e:
-                code = _status_name(e)
-                abort(context, e)
-            finally:
-                done(start, code)
+            with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
+                try:
+                    with admitted():
+                        return fn(request, context)
+                except Exception as e:
+                    code = _status_name(e)
+                    abort(context, e)
+                finally:
+                    done(start, code)
 
         return unary
 
@@ -363,10 +362,7 @@ class ParameterServerServicer:
         step = header.step if header.HasField("step") else None
         if self.metrics is not None:
             self.metrics.record_push_seen(header.id.client_id, step)
-        with log_context(step=step, request_id=f"{header.id.client_id}:{header.id.sequence}"):
-            return self._push_items(header, payloads, context, start)
-
-    def _push_items(self, header, payloads, context, start: float) -> ps_pb2.PushResponse:
+        set_log_context(step=step, request_id=f"{header.id.client_id}:{header.id.sequence}")
         layout, sizes = [], []
         for item in header.items:
             dtype, shape, nbytes = self._spec(

@@ -31,7 +31,14 @@ from typing import Any, TextIO
 
 from psflow.errors import InvalidArgumentError
 
-__all__ = ["LogFormat", "JsonFormatter", "configure_logging", "current_context", "log_context"]
+__all__ = [
+    "LogFormat",
+    "JsonFormatter",
+    "configure_logging",
+    "current_context",
+    "log_context",
+    "set_log_context",
+]
 
 _STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("psflow_step", default=None)
 _REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -78,6 +85,18 @@ def log_context(*, step: int | None = None, request_id: str | None = None) -> It
     finally:
         for var, token in reversed(tokens):
             var.reset(token)
+
+
+def set_log_context(*, step: int | None = None, request_id: str | None = None) -> None:
+    """Sets ``step``/``request_id`` (when not None) until the enclosing :func:`log_context` ends.
+
+    For code that learns them late (a push's id is in its header) and whose
+    caller's ``log_context`` block should still log with them, e.g. a rejection.
+    """
+    if step is not None:
+        _STEP.set(int(step))
+    if request_id is not None:
+        _REQUEST.set(str(request_id))
 
 
 def current_context() -> dict[str, Any]:
