@@ -32,6 +32,7 @@ from psflow.observability.logs import configure_logging
 from psflow.ps.store import VariableStore
 from psflow.security.config import SecurityConfig, check_bind, is_loopback
 from psflow.security.flags import add_limit_flags, add_security_flags
+from psflow.security.limits import PSLimits
 from psflow.transport.options import tune_malloc
 
 from .server import serve
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("the auth token travels in plain text on %s: add TLS (--tls-cert ...)", bind)
     if not args.no_malloc_tuning:
         tune_malloc()
+    limits = PSLimits(args.max_tensor_bytes, args.max_variables, args.max_streams)
     store = VariableStore(
-        task=task, max_tensor_bytes=args.max_tensor_bytes, max_variables=args.max_variables
+        task=task, max_tensor_bytes=limits.max_tensor_bytes, max_variables=limits.max_variables
     )
     try:
         return serve(
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_bytes=args.chunk_bytes,
             security=security,
             insecure=args.insecure,
-            max_streams=args.max_streams,
+            max_streams=limits.max_streams,
             metrics_port=args.metrics_port,
             metrics_bind=args.metrics_bind,
         )

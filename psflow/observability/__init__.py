@@ -9,5 +9,7 @@ Modules (imported explicitly; nothing is started on import):
 * :mod:`psflow.observability.services` — the metric families of the parameter
   server and the worker;
 * :mod:`psflow.observability.logs` — text or JSON log lines carrying role,
-  task, step and request id.
+  task, step and request id;
+* :mod:`psflow.observability.flags` — ``--metrics-port``, ``--metrics-bind``,
+  ``--log-format``, ``--log-level``.
 """

@@ -12,7 +12,9 @@ Modules (imported explicitly; nothing is read or started on import):
 * :mod:`psflow.security.probe` — tells a client rejected during the TLS
   handshake apart from an unreachable server;
 * :mod:`psflow.security.limits` — tensor, variable, stream and closure limits
-  (RESOURCE_EXHAUSTED naming the limit and the value).
+  (RESOURCE_EXHAUSTED naming the limit and the value);
+* :mod:`psflow.security.flags` — the command-line flags of all of the above,
+  shared by ``python -m ps_server`` and ``python -m worker``.
 
 The embedded mode (everything in one process, no gRPC) needs none of this.
 """

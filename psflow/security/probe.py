@@ -112,8 +112,8 @@ def _handshake(address: str, security: SecurityConfig, timeout: float) -> str | 
         # The server spoke TLS (we verified its certificate when we have a CA),
         # then broke off the handshake after our (missing) certificate.
         reason = getattr(e, "reason", "") or type(e).__name__
-        if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
-            return None  # not a TLS server
+        if any(m in reason for m in ("WRONG_VERSION_NUMBER", "RECORD_LAYER", "PROTOCOL_VERSION")):
+            return None  # not a TLS server, or one this probe cannot speak to: no verdict
         if security.tls is None:
             return f"the server requires TLS, and this client has no TLS configured ({reason})"
         return (
