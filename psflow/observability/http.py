@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class _Handler(http.server.BaseHTTPRequestHandler):
     registry: Registry  # set on the per-server subclass
     server_version = "psflow-metrics"
+    timeout = 10.0  # seconds a connection may idle: a stalled scraper cannot pin a thread
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
