@@ -30,6 +30,10 @@ Failures and teardown:
 * every role runs in its own process group and gets SIGKILL from the kernel if
   the launcher itself is killed (:mod:`chief.pdeathsig`).
 
+Every role gets the same random ``PSFLOW_AUTH_TOKEN`` in its environment
+(unless the launcher's environment already sets a token or TLS), so the
+cluster's servers accept calls only from its own processes.
+
 ``--devices-per-worker K`` gives each worker K devices: ``K`` disjoint GPUs
 (``CUDA_VISIBLE_DEVICES``) when CuPy and GPUs are present, otherwise ``K``
 logical CPU devices (``PSFLOW_NUM_CPU_DEVICES=K``).
@@ -63,6 +67,7 @@ from psflow.errors import (
     UnavailableError,
 )
 from psflow.exit_codes import ExitCode
+from psflow.security.config import with_generated_token
 
 log = logging.getLogger("chief.local")
 
@@ -362,7 +367,8 @@ class LocalCluster:
         gpus: Sequence[str] | None = None,
     ) -> None:
         self.config = config
-        self._environ = dict(os.environ if environ is None else environ)
+        # One random token for the whole cluster, unless the environment configures auth.
+        self._environ = with_generated_token(os.environ if environ is None else environ)
         self._gpus = list(gpu_ids(self._environ) if gpus is None else gpus)
         self._stdout = stdout
         self._stderr = stderr

@@ -9,7 +9,13 @@ Examples::
         python -m ps_server                      # address and task from TF_CONFIG
 
 Once bound it prints one line ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>``
-on stdout; logs go to stderr.  SIGTERM: health NOT_SERVING, in-flight calls
+(plus `` metrics_port=<port>`` with ``--metrics-port``) on stdout; logs go to
+stderr (``--log-format json``: one JSON object per line).
+
+Security (see :mod:`psflow.security`): a shared token (``PSFLOW_AUTH_TOKEN``,
+``PSFLOW_AUTH_TOKEN_FILE`` or ``--auth-token-file``) and/or mutual TLS
+(``--tls-cert/--tls-key/--tls-ca`` or ``PSFLOW_TLS_*``).  Binding an address
+other machines can reach without either needs ``--insecure``.  SIGTERM: health NOT_SERVING, in-flight calls
 finish (``--grace`` seconds), the final checkpoint is written if
 ``--checkpoint-dir`` is given, exit 0.
 """
@@ -21,7 +27,12 @@ import logging
 import sys
 
 from psflow.errors import OpError
+from psflow.observability.flags import add_observability_flags
+from psflow.observability.logs import configure_logging
 from psflow.ps.store import VariableStore
+from psflow.security.config import SecurityConfig, check_bind, is_loopback
+from psflow.security.flags import add_limit_flags, add_security_flags
+from psflow.security.limits import PSLimits
 from psflow.transport.options import tune_malloc
 
 from .server import serve
@@ -49,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain calls on SIGTERM")
     p.add_argument("--threads", type=int, default=32, help="RPC worker threads")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per message")
-    p.add_argument("--max-tensor-bytes", type=int, help="largest variable accepted")
-    p.add_argument("--log-level", default="INFO")
     p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
+    add_security_flags(p)
+    add_limit_flags(p, "ps")
+    add_observability_flags(p)
     return p
 
 
@@ -69,14 +81,26 @@ def main(argv: list[str] | None = None) -> int:
         task = task or tf_task
     bind = bind or "127.0.0.1"
     task = task or "ps:0"
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s role=ps task={task} %(name)s: %(message)s",
-    )
+    try:
+        configure_logging("ps", task, args.log_level, args.log_format)
+        security = SecurityConfig.from_environment(
+            token_file=args.auth_token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_ca=args.tls_ca,
+        )
+        check_bind(bind, security, args.insecure)
+    except OpError as e:
+        sys.stderr.write(f"ps_server: {e}\n")
+        return 2
+    if security.token is not None and security.tls is None and not is_loopback(bind):
+        log.warning("the auth token travels in plain text on %s: add TLS (--tls-cert ...)", bind)
     if not args.no_malloc_tuning:
         tune_malloc()
-    store = VariableStore(task=task, max_tensor_bytes=args.max_tensor_bytes)
+    limits = PSLimits(args.max_tensor_bytes, args.max_variables, args.max_streams)
+    store = VariableStore(
+        task=task, max_tensor_bytes=limits.max_tensor_bytes, max_variables=limits.max_variables
+    )
     try:
         return serve(
             store,
@@ -87,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             grace=args.grace,
             max_workers=args.threads,
             chunk_bytes=args.chunk_bytes,
+            security=security,
+            insecure=args.insecure,
+            max_streams=limits.max_streams,
+            metrics_port=args.metrics_port,
+            metrics_bind=args.metrics_bind,
         )
     except OpError as e:
         log.error("ps_server failed: %s", e)

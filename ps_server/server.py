@@ -22,8 +22,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from psflow.errors import UnavailableError
+from psflow.observability.http import MetricsServer
+from psflow.observability.metrics import Registry
+from psflow.observability.services import PSMetrics
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
+from psflow.security.config import SecurityConfig, check_bind
+from psflow.security.grpc_auth import add_port, server_interceptors
 from psflow.transport.options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -55,22 +60,46 @@ def create_server(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     health_servicer: health.HealthServicer | None = None,
+    security: SecurityConfig | None = None,
+    insecure: bool = False,
+    max_streams: int | None = None,
+    metrics: PSMetrics | None = None,
 ) -> tuple[grpc.Server, int]:
     """Builds a gRPC server for ``store`` and binds it; returns ``(server, port)``.
 
     The server is not started.  It also serves the standard health service (a
     given ``health_servicer``, or a new one already SERVING) and reflection.
+    With ``security``, every call but the health check needs the token and/or
+    a client certificate; ``max_streams`` bounds the calls served at once
+    (the thread pool grows to ``max_streams + 2`` so the limit, not the pool,
+    is what a caller meets).
 
     Raises:
+        FailedPreconditionError: ``bind`` is not loopback, ``security``
+            authenticates nobody and ``insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
+    security = security or SecurityConfig()
+    check_bind(bind, security, insecure)
+    threads = max(max_workers, max_streams + 2) if max_streams else max_workers
+    on_reject = (
+        None if metrics is None else (lambda _m: metrics.record_rejection("unauthenticated"))
+    )
     server = grpc.server(
-        concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="ps-rpc"),
+        concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ps-rpc"),
         options=server_options(max_message_bytes),
+        interceptors=server_interceptors(security, on_reject),
     )
     servicer = ParameterServerServicer(
-        store, chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes
+        store,
+        chunk_bytes=chunk_bytes,
+        max_message_bytes=max_message_bytes,
+        max_streams=max_streams,
+        metrics=metrics,
     )
+    if metrics is not None and servicer.gate is not None:
+        gate = servicer.gate
+        metrics.watch_streams(lambda: gate.active)
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     if health_servicer is None:
         health_servicer = health.HealthServicer()
@@ -82,7 +111,7 @@ def create_server(
     )
     address = _host_port(bind, port)
     try:
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, security)
     except RuntimeError as e:
         raise UnavailableError(f"cannot bind {address}: {e}", task=store.task) from e
     if not bound:
@@ -106,11 +135,18 @@ def serve(
     max_workers: int = 32,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stop_event: threading.Event | None = None,
+    security: SecurityConfig | None = None,
+    insecure: bool = False,
+    max_streams: int | None = None,
+    metrics_port: int | None = None,
+    metrics_bind: str | None = None,
 ) -> int:
     """Runs a parameter server until SIGTERM/SIGINT (or ``stop_event``); returns 0.
 
     Prints ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>`` on stdout once
-    bound.  Signal handlers are installed only when called from the main thread.
+    bound (followed by `` metrics_port=<port>`` when ``metrics_port`` is not
+    None: 0 picks a free one; ``metrics_bind`` defaults to ``bind``).  Signal
+    handlers are installed only when called from the main thread.
     """
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -118,6 +154,9 @@ def serve(
             signal.signal(sig, lambda signum, frame: stop.set())
     health_servicer = health.HealthServicer()
     _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    metrics = None
+    if metrics_port is not None:
+        metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
     server, bound = create_server(
         store,
         bind,
@@ -125,9 +164,18 @@ def serve(
         max_workers=max_workers,
         chunk_bytes=chunk_bytes,
         health_servicer=health_servicer,
+        security=security,
+        insecure=insecure,
+        max_streams=max_streams,
+        metrics=metrics,
     )
+    metrics_server = None
+    ready = f"{READY_PREFIX} port={bound} task={store.task} pid={os.getpid()}"
+    if metrics is not None:
+        metrics_server = MetricsServer(metrics.registry, metrics_bind or bind, metrics_port)
+        ready += f" metrics_port={metrics_server.port}"
     server.start()
-    sys.stdout.write(f"{READY_PREFIX} port={bound} task={store.task} pid={os.getpid()}\n")
+    sys.stdout.write(ready + "\n")
     sys.stdout.flush()
     log.info("listening on %s", _host_port(bind, bound))
     if restore_dir:
@@ -148,7 +196,16 @@ def serve(
     start = time.monotonic()
     server.stop(grace).wait(grace + 5.0)
     log.info("drained in %.2fs", time.monotonic() - start)
+    if metrics_server is not None:
+        metrics_server.close()
     if checkpoint_dir:
         result = save_shard(store, checkpoint_dir, store.task.replace(":", "-"))
         log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)
     return 0
+
+
+def _store_stats(store: VariableStore) -> dict:
+    """The store's counters as the metrics read them at scrape time."""
+    stats = store.stats_snapshot()
+    stats["applied_by_variable"] = store.stats.applied_counts()
+    return stats

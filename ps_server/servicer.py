@@ -9,10 +9,13 @@ gradients reach the update rule as views of the received chunks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import itertools
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -20,10 +23,13 @@ import grpc
 import numpy as np
 
 from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError, to_grpc_code
+from psflow.observability.logs import log_context, set_log_context
+from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import Gradient, VariableMeta, VariableStore
 from psflow.ps.tensors import segments_from_pieces
+from psflow.security.limits import StreamGate, limit_exceeded
 from psflow.transport import codec, framing
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
@@ -39,6 +45,7 @@ _WRITE_OPS = {
 }
 _HEADER_SLACK = 1 << 20
 _MIN_CHUNK = 4096
+_NO_LIMIT = 1 << 62
 
 
 class _Bad:
@@ -110,6 +117,9 @@ class ParameterServerServicer:
         store: the variables.
         chunk_bytes: payload bytes per message of a streamed reply.
         max_message_bytes: the server's message size limit (bounds unary replies).
+        max_streams: calls served at once; one more is refused with
+            RESOURCE_EXHAUSTED (None: no limit beyond the thread pool).
+        metrics: where to record calls, bytes, latencies and rejections.
     """
 
     def __init__(
@@ -118,10 +128,15 @@ class ParameterServerServicer:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_streams: int | None = None,
+        metrics: PSMetrics | None = None,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.max_unary_payload = max_message_bytes - _HEADER_SLACK
+        self.gate = StreamGate(max_streams) if max_streams else None
+        self.metrics = metrics
+        self._ids = itertools.count(1)
 
     # -- registration ---------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -142,34 +157,72 @@ class ParameterServerServicer:
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _edge(self, name: str, fn: Callable) -> Callable:
-        """Converts typed errors into status codes (the only place that does)."""
+        """Converts typed errors into status codes (the only place that does); admits
+        the call under the stream limit, tags its log records, records its metrics."""
+        metrics = self.metrics
 
         def abort(context: grpc.ServicerContext, e: BaseException) -> None:
             if isinstance(e, OpError):
                 log.debug("%s rejected: %s", name, e)
+                if metrics is not None:
+                    metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
                 context.abort(to_grpc_code(e), e.message)
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
 
+        def admitted() -> contextlib.AbstractContextManager:
+            return self.gate.admit() if self.gate is not None else contextlib.nullcontext()
+
+        def done(start: float, code: str) -> None:
+            if metrics is not None:
+                metrics.record_rpc(name, code, time.perf_counter() - start)
+
+        # The log context spans the rejection too, so its log record carries the request id.
         if inspect.isgeneratorfunction(fn):
 
             @functools.wraps(fn)
             def stream(request, context):
-                try:
-                    yield from fn(request, context)
-                except Exception as e:
-                    abort(context, e)
+                start, code = time.perf_counter(), "OK"
+                with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
+                    try:
+                        with admitted():
+                            yield from fn(request, context)
+                    except Exception as e:
+                        code = _status_name(e)
+                        abort(context, e)
+                    finally:
+                        done(start, code)
 
             return stream
 
         @functools.wraps(fn)
         def unary(request, context):
-            try:
-                return fn(request, context)
-            except Exception as e:
-                abort(context, e)
+            start, code = time.perf_counter(), "OK"
+            with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
+                try:
+                    with admitted():
+                        return fn(request, context)
+                except Exception as e:
+                    code = _status_name(e)
+                    abort(context, e)
+                finally:
+                    done(start, code)
 
         return unary
+
+    def _spec(self, dtype_code: int, shape: Any, what: str) -> tuple[np.dtype, tuple, int]:
+        """A checked wire spec; above ``max_tensor_bytes`` is RESOURCE_EXHAUSTED."""
+        dtype, shape, nbytes = codec.check_spec(dtype_code, shape, max_bytes=_NO_LIMIT)
+        limit = self.store.max_tensor_bytes
+        if nbytes > limit:
+            raise limit_exceeded(
+                "tensor_too_large",
+                f"{what} of shape {shape} and dtype {dtype.name} ({nbytes} bytes)",
+                nbytes,
+                limit,
+                "--max-tensor-bytes",
+            )
+        return dtype, shape, nbytes
 
     # -- writes -------------------------------------------------------------------
     def Write(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.WriteResponse:
@@ -190,9 +243,7 @@ class ParameterServerServicer:
             raise InvalidArgumentError(f"unknown write op {header.op}")
         specs = []
         for v in header.variables:
-            dtype, shape, nbytes = codec.check_spec(
-                v.spec.dtype, v.spec.shape, max_bytes=self.store.max_tensor_bytes
-            )
+            dtype, shape, nbytes = self._spec(v.spec.dtype, v.spec.shape, f"variable {v.name!r}")
             specs.append((v, dtype, shape, nbytes))
         assembler = framing.PayloadAssembler([s[3] for s in specs])
         _receive(assembler, payloads)
@@ -238,7 +289,9 @@ class ParameterServerServicer:
         rows = {}
         for i, item in enumerate(request.items):
             if item.HasField("indices"):
-                rows[i] = codec.decode_tensor(item.indices, max_bytes=self.store.max_tensor_bytes)
+                idx = item.indices
+                self._spec(idx.dtype, idx.shape, f"row indices for {item.name!r}")
+                rows[i] = codec.decode_tensor(idx, max_bytes=_NO_LIMIT)
         return names, rows
 
     @staticmethod
@@ -254,8 +307,14 @@ class ParameterServerServicer:
             ]
         ).SerializeToString()
 
+    def _pulled(self, tensors: list, start: float) -> None:
+        if self.metrics is not None:
+            sizes = [(t.name, t.value.nbytes) for t in tensors]
+            self.metrics.record_pull(sizes, time.perf_counter() - start)
+
     def Pull(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """Reads variables; header and payload in one message."""
+        start = time.perf_counter()
         names, rows = self._pull_parts(request)
         with self.store.reading(names, rows) as tensors:
             total = sum(t.value.nbytes for t in tensors)
@@ -264,10 +323,12 @@ class ParameterServerServicer:
                     f"pull of {total} bytes exceeds the unary limit of "
                     f"{self.max_unary_payload}; use PullStream"
                 )
-            return framing.encode_message(
+            reply = framing.encode_message(
                 self._pull_header(tensors),
                 [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors],
             )
+            self._pulled(tensors, start)
+            return reply
 
     def PullStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Reads variables; the payload follows the header in chunks."""
@@ -275,10 +336,12 @@ class ParameterServerServicer:
         chunk = self.chunk_bytes
         if request.chunk_bytes > 0:
             chunk = min(max(request.chunk_bytes, _MIN_CHUNK), self.max_unary_payload)
+        start = time.perf_counter()
         with self.store.reading(names, rows) as tensors:
             yield from framing.payload_messages(
                 self._pull_header(tensors), [codec.c_contiguous(t.value) for t in tensors], chunk
             )
+            self._pulled(tensors, start)
 
     # -- pushes ------------------------------------------------------------------------
     def Push(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
@@ -292,13 +355,18 @@ class ParameterServerServicer:
         return self._push(request_iterator, context)
 
     def _push(self, messages: Iterable[Any], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        start = time.perf_counter()
         header, payloads = _framed(messages, ps_pb2.PushHeader)
         if not header.HasField("id") or not header.id.client_id:
             raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
+        step = header.step if header.HasField("step") else None
+        if self.metrics is not None:
+            self.metrics.record_push_seen(header.id.client_id, step)
+        set_log_context(step=step, request_id=f"{header.id.client_id}:{header.id.sequence}")
         layout, sizes = [], []
         for item in header.items:
-            dtype, shape, nbytes = codec.check_spec(
-                item.values.dtype, item.values.shape, max_bytes=self.store.max_tensor_bytes
+            dtype, shape, nbytes = self._spec(
+                item.values.dtype, item.values.shape, f"gradient for {item.name!r}"
             )
             if item.sparse:
                 if not shape:
@@ -331,6 +399,15 @@ class ParameterServerServicer:
             max_staleness=header.max_staleness if header.HasField("max_staleness") else None,
             timeout=context.time_remaining(),
         )
+        if self.metrics is not None and not result.duplicate:
+            self.metrics.record_push(
+                [
+                    (item.name, sizes[k] + (sizes[k - 1] if item.sparse else 0))
+                    for item, _, _, k in layout
+                ],
+                time.perf_counter() - start,
+                result.staleness,
+            )
         return ps_pb2.PushResponse(
             versions=result.versions,
             applied=result.applied,
@@ -410,6 +487,10 @@ class ParameterServerServicer:
 
 def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
+
+
+def _status_name(e: BaseException) -> str:
+    return e.code.name if isinstance(e, OpError) else "INTERNAL"
 
 
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:

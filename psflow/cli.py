@@ -163,12 +163,19 @@ def check_address(address: str) -> str:
 
 
 def health_check(
-    address: str, service: str = "", timeout: float = 5.0, wait: bool = False
+    address: str,
+    service: str = "",
+    timeout: float = 5.0,
+    wait: bool = False,
+    security: Any = None,
 ) -> tuple[str, str]:
     """Asks ``address`` for the health of ``service`` (``""``: the whole server).
 
     Uses the standard ``grpc.health.v1.Health/Check`` RPC.  With ``wait``,
     waits up to ``timeout`` seconds for the server to become reachable.
+    The health service needs no token, but a server with mutual TLS needs the
+    TLS material of ``security`` (default: the environment's ``PSFLOW_TLS_*``);
+    a server refusing it gives ``"UNAUTHENTICATED"``.
 
     Returns:
         ``(status, detail)``: status is ``"SERVING"``, ``"NOT_SERVING"``,
@@ -182,10 +189,15 @@ def health_check(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from psflow.security.config import default_security
+    from psflow.security.grpc_auth import open_channel
+    from psflow.security.probe import diagnose_unavailable
+
     check_address(address)
     if not timeout > 0:
         raise InvalidArgumentError(f"timeout {timeout!r} must be > 0 seconds")
-    with grpc.insecure_channel(address) as channel:
+    security = default_security() if security is None else security
+    with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(
@@ -197,6 +209,10 @@ def health_check(
             code = e.code()
             if code == grpc.StatusCode.NOT_FOUND:
                 return "SERVICE_UNKNOWN", f"{address} does not know service {service!r}"
+            if code == grpc.StatusCode.UNAVAILABLE:
+                reason = diagnose_unavailable(address, security, e.details() or "")
+                if reason is not None:
+                    return "UNAUTHENTICATED", f"{address}: {reason}"
             return code.name, f"{address}: {e.details() or code.name}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     return status, f"{address} service {service!r}: {status}"
@@ -205,7 +221,7 @@ def health_check(
 def _health(args: argparse.Namespace) -> int:
     try:
         status, detail = health_check(args.address, args.service, args.timeout, args.wait)
-    except InvalidArgumentError as e:
+    except InvalidArgumentError as e:  # a bad address, timeout or PSFLOW_TLS_* setting
         sys.stderr.write(f"psflow health: {e}\n")
         return int(ExitCode.USAGE_ERROR)
     sys.stdout.write(status + "\n")

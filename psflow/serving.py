@@ -62,18 +62,20 @@ def run_until_stopped(
     stop_event: threading.Event | None = None,
     before_serving: Callable[[], None] | None = None,
     after_drain: Callable[[], None] | None = None,
+    ready_extra: str = "",
 ) -> int:
     """Starts ``server``, announces readiness, serves until a stop signal, drains; returns 0.
 
     ``before_serving`` runs after the ready line and before health turns SERVING
     (e.g. a restore); ``after_drain`` runs once in-flight calls finished (e.g. a
-    final checkpoint).
+    final checkpoint).  ``ready_extra`` (``key=value`` fields) ends the ready line.
     """
     stop = stop_event or threading.Event()
     install_stop_signals(stop)
     set_health(health_servicer, services, serving=False)
     server.start()
-    sys.stdout.write(READY_FORMAT.format(role=role, port=port, task=task, pid=os.getpid()) + "\n")
+    ready = READY_FORMAT.format(role=role, port=port, task=task, pid=os.getpid())
+    sys.stdout.write(f"{ready} {ready_extra}\n" if ready_extra else ready + "\n")
     sys.stdout.flush()
     try:
         if before_serving is not None:

@@ -2,7 +2,7 @@
 
 Each example is one Push or Write request built from random (often invalid)
 parts: names, dtype codes, shapes, sparse indices, payload lengths.  The server
-must either apply it or answer INVALID_ARGUMENT / NOT_FOUND /
+must either apply it or answer INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED /
 FAILED_PRECONDITION with a message, and after a rejection every variable must
 be bit for bit what it was.
 """
@@ -25,6 +25,7 @@ REJECT = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # a shape above --max-tensor-bytes
 }
 
 

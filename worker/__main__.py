@@ -7,8 +7,15 @@ Examples::
                 "task": {"type": "worker", "index": 0}}' python -m worker
 
 Once bound it prints ``PSFLOW_READY worker port=<port> task=<task> pid=<pid>``
-on stdout; logs go to stderr. SIGTERM: health NOT_SERVING, the running closure
-finishes (``--grace`` seconds), exit 0.
+(plus `` metrics_port=<port>`` with ``--metrics-port``) on stdout; logs go to
+stderr (``--log-format json``: one JSON object per line). SIGTERM: health
+NOT_SERVING, the running closure finishes (``--grace`` seconds), exit 0.
+
+Security (see :mod:`psflow.security`): the same token and/or TLS settings as
+the parameter servers (``PSFLOW_AUTH_TOKEN``, ``--auth-token-file``,
+``--tls-cert/--tls-key/--tls-ca``...) protect this worker and are what it
+presents to them.  Binding an address other machines can reach without
+authentication needs ``--insecure``: a worker runs the code it is sent.
 """
 
 from __future__ import annotations
@@ -18,6 +25,11 @@ import logging
 import sys
 
 from psflow.errors import OpError
+from psflow.observability.flags import add_observability_flags
+from psflow.observability.logs import configure_logging
+from psflow.security.config import SecurityConfig, check_bind, is_loopback
+from psflow.security.flags import add_limit_flags, add_security_flags
+from psflow.security.limits import WorkerLimits
 from worker.executor import ClosureExecutor
 from worker.server import serve
 
@@ -34,8 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds to finish a closure on SIGTERM"
     )
-    p.add_argument("--log-level", default="INFO")
     p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
+    add_security_flags(p)
+    add_limit_flags(p, "worker")
+    add_observability_flags(p)
     return p
 
 
@@ -82,16 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         num_workers = num_workers or tf_workers
     bind = bind or "127.0.0.1"
     task = task or "worker:0"
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s role=worker task={task} %(name)s: %(message)s",
-    )
+    try:
+        configure_logging("worker", task, args.log_level, args.log_format)
+        security = SecurityConfig.from_environment(
+            token_file=args.auth_token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_ca=args.tls_ca,
+        )
+        check_bind(bind, security, args.insecure)
+    except OpError as e:
+        sys.stderr.write(f"worker: {e}\n")
+        return 2
+    if security.token is not None and security.tls is None and not is_loopback(bind):
+        log.warning("the auth token travels in plain text on %s: add TLS (--tls-cert ...)", bind)
 
     def strategy_factory():
         from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 
-        return ParameterServerStrategy._for_worker(ps, num_workers or 1, task)
+        # The worker reaches the parameter servers with its own credentials.
+        return ParameterServerStrategy._for_worker(ps, num_workers or 1, task, security=security)
 
     if not args.no_malloc_tuning:  # gradients and pulled values are megabyte buffers every step
         from psflow.transport.options import tune_malloc
@@ -99,7 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         tune_malloc()
     executor = ClosureExecutor(task, strategy_factory)
     try:
-        return serve(executor, bind, port, grace=args.grace)
+        return serve(
+            executor,
+            bind,
+            port,
+            grace=args.grace,
+            security=security,
+            insecure=args.insecure,
+            limits=WorkerLimits(max_closure_bytes=args.max_closure_bytes),
+            metrics_port=args.metrics_port,
+            metrics_bind=args.metrics_bind,
+        )
     except OpError as e:
         log.error("worker failed: %s", e)
         return 1

@@ -11,12 +11,19 @@ from grpc_reflection.v1alpha import reflection
 
 from psflow import serving
 from psflow.errors import UnavailableError
-from psflow.proto import worker_pb2, worker_pb2_grpc
+from psflow.observability.http import MetricsServer
+from psflow.observability.metrics import Registry
+from psflow.observability.services import WorkerMetrics
+from psflow.security.config import SecurityConfig, check_bind
+from psflow.security.grpc_auth import add_port, server_interceptors
+from psflow.security.limits import WorkerLimits
 from worker.executor import ClosureExecutor
-from worker.servicer import WorkerServicer
+from worker.servicer import SERVICE, WorkerServicer
 
-SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+__all__ = ["MAX_MESSAGE_BYTES", "SERVICE", "create_server", "serve"]
+
 MAX_MESSAGE_BYTES = 2**31 - 1  # closure results are whatever the user returns
+_SLACK = 1 << 20
 
 
 def create_server(
@@ -26,23 +33,43 @@ def create_server(
     *,
     health_servicer: health.HealthServicer | None = None,
     max_workers: int = 16,
+    security: SecurityConfig | None = None,
+    insecure: bool = False,
+    limits: WorkerLimits | None = None,
+    metrics: WorkerMetrics | None = None,
 ) -> tuple[grpc.Server, int]:
     """Builds and binds (does not start) a worker server; returns ``(server, port)``.
 
+    With ``security``, every call but the health check needs the token and/or
+    a client certificate.  Requests above ``limits.max_closure_bytes`` are
+    refused with RESOURCE_EXHAUSTED (by the servicer, naming the limit, up to
+    twice the limit; by gRPC's message size limit beyond that).
+
     Raises:
+        FailedPreconditionError: ``bind`` is not loopback, ``security``
+            authenticates nobody and ``insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
+    security = security or SecurityConfig()
+    limits = limits or WorkerLimits()
+    check_bind(bind, security, insecure)
+    receive_limit = min(MAX_MESSAGE_BYTES, 2 * limits.max_closure_bytes + _SLACK)
+    on_reject = (
+        None if metrics is None else (lambda _m: metrics.record_rejection("unauthenticated"))
+    )
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="worker-rpc"),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", receive_limit),
             ("grpc.so_reuseport", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
         ],
+        interceptors=server_interceptors(security, on_reject),
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(executor), server)
+    servicer = WorkerServicer(executor, limits=limits, metrics=metrics)
+    server.add_generic_rpc_handlers((servicer.generic_handler(),))
     if health_servicer is None:
         health_servicer = health.HealthServicer()
         serving.set_health(health_servicer, (SERVICE,), serving=True)
@@ -52,7 +79,7 @@ def create_server(
     )
     address = serving.host_port(bind, port)
     try:
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, security)
     except RuntimeError as e:
         raise UnavailableError(f"cannot bind {address}: {e}", task=executor.task) from e
     if not bound:
@@ -67,17 +94,49 @@ def serve(
     *,
     grace: float = 10.0,
     stop_event: threading.Event | None = None,
+    security: SecurityConfig | None = None,
+    insecure: bool = False,
+    limits: WorkerLimits | None = None,
+    metrics_port: int | None = None,
+    metrics_bind: str | None = None,
 ) -> int:
-    """Runs a worker until SIGTERM/SIGINT (or ``stop_event``); returns 0."""
+    """Runs a worker until SIGTERM/SIGINT (or ``stop_event``); returns 0.
+
+    ``metrics_port`` (0: any free port, None: no metrics) serves Prometheus
+    metrics on ``metrics_bind`` (default ``bind``); the ready line then ends
+    with `` metrics_port=<port>``.
+    """
     health_servicer = health.HealthServicer()
-    server, bound = create_server(executor, bind, port, health_servicer=health_servicer)
-    return serving.run_until_stopped(
-        server,
-        bound,
-        health_servicer,
-        (SERVICE,),
-        role="worker",
-        task=executor.task,
-        grace=grace,
-        stop_event=stop_event,
+    metrics = None
+    if metrics_port is not None:
+        metrics = WorkerMetrics(
+            Registry(), executor.task, sessions=lambda: len(executor.session_ids())
+        )
+    server, bound = create_server(
+        executor,
+        bind,
+        port,
+        health_servicer=health_servicer,
+        security=security,
+        insecure=insecure,
+        limits=limits,
+        metrics=metrics,
     )
+    metrics_server = None
+    if metrics is not None:
+        metrics_server = MetricsServer(metrics.registry, metrics_bind or bind, metrics_port)
+    try:
+        return serving.run_until_stopped(
+            server,
+            bound,
+            health_servicer,
+            (SERVICE,),
+            role="worker",
+            task=executor.task,
+            grace=grace,
+            stop_event=stop_event,
+            ready_extra="" if metrics_server is None else f"metrics_port={metrics_server.port}",
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()

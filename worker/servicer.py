@@ -2,29 +2,125 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from psflow import errors
+from psflow.observability.logs import log_context
+from psflow.observability.services import WorkerMetrics
 from psflow.proto import worker_pb2, worker_pb2_grpc
+from psflow.security.limits import WorkerLimits, limit_exceeded
 from worker.executor import ClosureExecutor
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class _Malformed:
+    """A request whose bytes did not parse; the handler answers INVALID_ARGUMENT."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _lenient(message_cls: type) -> Callable[[bytes], Any]:
+    # gRPC would answer a deserializer's exception with INTERNAL; malformed
+    # input is the caller's error, so it becomes INVALID_ARGUMENT.
+    def parse(raw: bytes) -> Any:
+        try:
+            return message_cls.FromString(raw)
+        except Exception as e:
+            return _Malformed(f"malformed {message_cls.__name__}: {e}")
+
+    return parse
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Runs closures; a closure's own exception is a reply, never an RPC error."""
+    """Runs closures; a closure's own exception is a reply, never an RPC error.
 
-    def __init__(self, executor: ClosureExecutor) -> None:
+    Args:
+        executor: runs the closures.
+        limits: the closure size limit (default :class:`WorkerLimits`).
+        metrics: where to record closures, calls and rejections.
+    """
+
+    def __init__(
+        self,
+        executor: ClosureExecutor,
+        *,
+        limits: WorkerLimits | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self._executor = executor
+        self._limits = limits or WorkerLimits()
+        self._metrics = metrics
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """Every method of the Worker service, with lenient request parsing and metrics."""
+        methods = {
+            "RunClosure": worker_pb2.RunClosureRequest,
+            "EndSession": worker_pb2.EndSessionRequest,
+            "GetStatus": worker_pb2.GetStatusRequest,
+        }
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._edge(name, getattr(self, name)),
+                request_deserializer=_lenient(request_cls),
+                response_serializer=lambda m: m.SerializeToString(),
+            )
+            for name, request_cls in methods.items()
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def _edge(self, name: str, fn: Callable) -> Callable:
+        metrics = self._metrics
+
+        @functools.wraps(fn)
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            code = "OK"
+            try:
+                if isinstance(request, _Malformed):
+                    raise errors.InvalidArgumentError(request.reason)
+                return fn(request, context)
+            except errors.OpError as e:
+                code = e.code.name
+                if metrics is not None:
+                    metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
+                context.abort(errors.to_grpc_code(e), str(e))
+            finally:
+                if metrics is not None:
+                    metrics.record_rpc(name, code)
+
+        return handle
 
     def RunClosure(
         self, request: worker_pb2.RunClosureRequest, context: grpc.ServicerContext
     ) -> worker_pb2.RunClosureResponse:
+        """Runs one closure (its own exception comes back in the reply)."""
         if not request.session_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RunClosure needs a session_id")
+            raise errors.InvalidArgumentError("RunClosure needs a session_id")
         if not request.function_key:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RunClosure needs a function_key")
-        try:
+            raise errors.InvalidArgumentError("RunClosure needs a function_key")
+        nbytes = len(request.function) + len(request.arguments)
+        limit = self._limits.max_closure_bytes
+        if nbytes > limit:
+            raise limit_exceeded(
+                "closure_too_large",
+                f"closure {request.function_key!r} of {nbytes} bytes (function "
+                f"{len(request.function)} + arguments {len(request.arguments)})",
+                nbytes,
+                limit,
+                "--max-closure-bytes",
+            )
+        start = time.perf_counter()
+        request_id = f"{request.session_id}/c{request.closure_id}"
+        with log_context(step=request.step or None, request_id=request_id):
             outcome = self._executor.run(
                 request.session_id,
                 request.function_key,
@@ -33,9 +129,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request.resource_key,
                 request.step,
                 request.closure_id,
-            )
-        except errors.OpError as e:  # the worker itself failed (e.g. its PS session)
-            context.abort(errors.to_grpc_code(e), str(e))
+            )  # an OpError here means the worker itself failed (e.g. its PS session)
         reply = worker_pb2.RunClosureResponse(
             result=outcome.result,
             function_missing=outcome.function_missing,
@@ -44,16 +138,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         if outcome.error is not None:
             reply.error.CopyFrom(worker_pb2.ClosureError(**outcome.error))
+        if self._metrics is not None:
+            kind = (
+                "error"
+                if outcome.error is not None
+                else "function_missing"
+                if outcome.function_missing
+                else "missing_resource"
+                if outcome.missing_resource
+                else "ok"
+            )
+            self._metrics.record_closure(
+                kind, time.perf_counter() - start, nbytes, int(request.step)
+            )
         return reply
 
     def EndSession(
         self, request: worker_pb2.EndSessionRequest, context: grpc.ServicerContext
     ) -> worker_pb2.EndSessionResponse:
+        """Forgets a coordinator session."""
         return worker_pb2.EndSessionResponse(existed=self._executor.end_session(request.session_id))
 
     def GetStatus(
         self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> worker_pb2.GetStatusResponse:
+        """Describes this worker."""
         ex = self._executor
         return worker_pb2.GetStatusResponse(
             task=ex.task,

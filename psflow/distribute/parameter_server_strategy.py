@@ -380,15 +380,21 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         task: str,
         mode: str = "async",
         sync_timeout: float = 300.0,
+        security: Any = None,
     ) -> ParameterServerStrategy:
-        """The strategy a worker process runs closures with (no cluster resolution)."""
+        """The strategy a worker process runs closures with (no cluster resolution).
+
+        ``security`` (a ``psflow.security.config.SecurityConfig``; default: the
+        environment's) is what the worker presents to the parameter servers.
+        """
         from psflow.distribute.ps.grpc_connection import GrpcPSConnection
 
         self = cls.__new__(cls)
         self._cluster_resolver = None
         self._mode = mode
         connections = [
-            GrpcPSConnection(addr, task=f"ps:{i}") for i, addr in enumerate(ps_addresses)
+            GrpcPSConnection(addr, task=f"ps:{i}", security=security)
+            for i, addr in enumerate(ps_addresses)
         ]
         session = session_lib.PSSession(
             connections, session_lib.SyncConfig(mode, num_workers, sync_timeout), task=task

@@ -34,6 +34,7 @@ class Stats:
         self.rejected: collections.Counter[str] = collections.Counter()
         self.staleness: collections.Counter[int] = collections.Counter()
         self.max_staleness = 0
+        self.applied_by_variable: collections.Counter[str] = collections.Counter()
         self.log: collections.deque[PushLogEntry] = collections.deque(maxlen=log_size)
 
     def add(self, **counts: int) -> None:
@@ -52,6 +53,7 @@ class Stats:
         with self._lock:
             self.pushes_applied += 1
             self.log.extend(entries)
+            self.applied_by_variable.update(e.variable for e in entries)
             for s in staleness:
                 if s >= 0:
                     self.staleness[s] += 1
@@ -74,3 +76,8 @@ class Stats:
             if include_log:
                 out["log"] = list(self.log)
             return out
+
+    def applied_counts(self) -> dict[str, int]:
+        """Gradient updates applied per variable (asynchronous pushes), for metrics."""
+        with self._lock:
+            return dict(self.applied_by_variable)

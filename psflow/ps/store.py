@@ -131,6 +131,8 @@ class VariableStore:
     Args:
         task: this task's name, used in messages (``"ps:0"``).
         max_tensor_bytes: largest variable or payload tensor accepted.
+        max_variables: most variables held (None: no limit); a create beyond it
+            is rejected with ``ResourceExhaustedError``.
         dedup_window: request ids remembered per client.
         log_size: entries kept in the push log.
     """
@@ -140,12 +142,14 @@ class VariableStore:
         *,
         task: str = "ps:0",
         max_tensor_bytes: int | None = None,
+        max_variables: int | None = None,
         dedup_window: int = 4096,
         log_size: int = 10_000,
     ) -> None:
         self.task = task
         self.step = 0  # training step of the last checkpoint saved or restored
         self.max_tensor_bytes = max_tensor_bytes or default_max_tensor_bytes()
+        self.max_variables = max_variables
         self._vars: dict[str, Variable] = {}
         self._lock = threading.Lock()  # guards the dict, not the variables
         self._dedup = DedupWindow(window=dedup_window)
@@ -208,10 +212,12 @@ class VariableStore:
         if any(d < 0 for d in meta.shape):
             raise InvalidArgumentError(f"variable {meta.name!r} has negative shape {meta.shape}")
         if meta.nbytes > self.max_tensor_bytes:
-            raise InvalidArgumentError(
+            err = ResourceExhaustedError(
                 f"variable {meta.name!r} of shape {meta.shape} is {meta.nbytes} bytes, above "
-                f"the limit of {self.max_tensor_bytes}"
+                f"the limit of {self.max_tensor_bytes} (max_tensor_bytes)"
             )
+            err.reason = "tensor_too_large"
+            raise err
 
     # -- create / configure --------------------------------------------------
     def create(
@@ -228,6 +234,8 @@ class VariableStore:
         Raises:
             AlreadyExistsError: a variable exists with a conflicting spec.
             InvalidArgumentError: bad name, dtype, shape, value or optimizer.
+            ResourceExhaustedError: a variable above ``max_tensor_bytes``, or
+                more than ``max_variables`` in all.
         """
         optimizers = list(optimizers) if optimizers is not None else [None] * len(metas)
         with self._rejecting():
@@ -254,6 +262,15 @@ class VariableStore:
                 rules.append(rule)
             results: list[tuple[bool, int]] = []
             with self._lock:
+                new = sum(m.name not in self._vars for m in metas)
+                if self.max_variables is not None and len(self._vars) + new > self.max_variables:
+                    err = ResourceExhaustedError(
+                        f"creating {new} variables on {self.task}, which holds "
+                        f"{len(self._vars)}, would exceed the limit of {self.max_variables} "
+                        "(max_variables)"
+                    )
+                    err.reason = "too_many_variables"
+                    raise err
                 for meta, rule in zip(metas, rules, strict=True):
                     existing = self._vars.get(meta.name)
                     if existing is None:

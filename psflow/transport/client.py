@@ -12,6 +12,13 @@ Payloads up to ``stream_threshold`` bytes go in one unary message (one round
 trip); larger ones are streamed in ``chunk_bytes`` chunks.  Pulls and pushes
 are batched: one RPC for many variables.
 
+Security: the client presents the token and/or TLS certificate of its
+``security`` configuration (default: the environment's ``PSFLOW_AUTH_TOKEN``,
+``PSFLOW_TLS_*``...; see :mod:`psflow.security.config`).  A server that
+rejects them answers ``UnauthenticatedError``, never retried; that includes a
+server refusing this client's certificate during the TLS handshake, which gRPC
+reports as UNAVAILABLE and the client recognizes (:mod:`psflow.security.probe`).
+
 Concurrency: the client is thread-safe, and ``pull_async``/``push_async``
 (or :meth:`PSClient.submit` for any method) return futures, so calls to several
 PS tasks run at the same time::
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -49,9 +57,13 @@ from psflow.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     OpError,
+    UnauthenticatedError,
     error_class,
 )
 from psflow.proto import ps_pb2
+from psflow.security.config import SecurityConfig, default_security
+from psflow.security.grpc_auth import open_channel
+from psflow.security.probe import diagnose_unavailable
 
 from . import codec, framing
 from .options import (
@@ -161,6 +173,7 @@ class PSClient:
         max_message_bytes: gRPC message size limit of the channel.
         client_id: identity for exactly-once pushes (default: a fresh UUID).
         max_workers: threads serving the ``*_async`` methods.
+        security: token and TLS material to present (default: the environment's).
     """
 
     def __init__(
@@ -175,6 +188,7 @@ class PSClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         client_id: str | None = None,
         max_workers: int = 4,
+        security: SecurityConfig | None = None,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes > max_message_bytes // 2:
             raise InvalidArgumentError(
@@ -193,14 +207,19 @@ class PSClient:
         self._sequence = itertools.count(1)
         # name -> (dtype, shape, bytes per row, first dimension): sizes replies
         self._specs: dict[str, tuple[np.dtype, tuple[int, ...], int, tuple[int, ...]]] = {}
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.security = default_security() if security is None else security
+        self._channel = open_channel(address, self.security, channel_options(max_message_bytes))
+        metadata = self.security.call_metadata() or None
         self._stubs: dict[str, Callable] = {}
         for name, (kind, _req, resp_cls, _framed_req, framed_resp) in METHODS.items():
             factory = getattr(self._channel, kind.value)
-            self._stubs[name] = factory(
+            stub = factory(
                 method_path(name),
                 request_serializer=_serialize,
                 response_deserializer=_identity if framed_resp else resp_cls.FromString,
+            )
+            self._stubs[name] = (
+                stub if metadata is None else functools.partial(stub, metadata=metadata)
             )
         self._closed = False
 
@@ -225,6 +244,19 @@ class PSClient:
         """A fresh ``(client_id, sequence)`` for an exactly-once request."""
         with self._lock:
             return self.client_id, next(self._sequence)
+
+    def _credentials_problem(self, method: str, e: grpc.RpcError, left: float) -> OpError | None:
+        """An ``UnauthenticatedError`` when an UNAVAILABLE ``e`` is the TLS handshake refusing us."""
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        reason = diagnose_unavailable(
+            self.address, self.security, e.details() or "", min(left, 2.0)
+        )
+        if reason is None:
+            return None
+        return UnauthenticatedError(
+            f"{method} to {self.task} at {self.address} failed: {reason}", task=self.task
+        )
 
     def _error(self, method: str, e: grpc.RpcError) -> OpError:
         code = e.code()
@@ -252,6 +284,10 @@ class PSClient:
                 return attempt(left)
             except grpc.RpcError as e:
                 left = deadline - time.monotonic()
+                if n == 1:  # one diagnosis per call, not one per retry
+                    problem = self._credentials_problem(method, e, max(left, 0.05))
+                    if problem is not None:
+                        raise problem from None
                 if (
                     retry
                     and e.code() in self.retry.retry_codes

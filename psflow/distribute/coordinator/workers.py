@@ -131,24 +131,35 @@ class GrpcWorker(Worker):
     Args:
         index: the worker's task index.
         address: ``host:port``.
-        credentials: channel credentials, or None for an insecure loopback channel.
-        call_credentials_metadata: extra metadata (an auth token) sent with every call.
+        security: token and TLS material to present (a
+            ``psflow.security.config.SecurityConfig``; default: the environment's).
+        credentials: channel credentials overriding ``security``'s TLS.
+        metadata: extra metadata sent with every call (after ``security``'s token).
     """
 
     def __init__(
-        self, index: int, address: str, *, credentials: Any = None, metadata: tuple = ()
+        self,
+        index: int,
+        address: str,
+        *,
+        security: Any = None,
+        credentials: Any = None,
+        metadata: tuple = (),
     ) -> None:
         super().__init__(index, f"worker:{index}")
         from psflow.proto import worker_pb2, worker_pb2_grpc
+        from psflow.security.config import default_security
+        from psflow.security.grpc_auth import open_channel
 
         self._pb = worker_pb2
         self.address = address
+        self._security = default_security() if security is None else security
         if credentials is not None:
             self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channel = open_channel(address, self._security, CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._metadata = tuple(metadata)
+        self._metadata = (*self._security.call_metadata(), *metadata)
         self._sent: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._timeout = closure_timeout()
@@ -158,6 +169,15 @@ class GrpcWorker(Worker):
             return method(request, timeout=timeout, metadata=self._metadata or None)
         except grpc.RpcError as e:
             code = e.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                from psflow.security.probe import diagnose_unavailable
+
+                # A worker refusing our certificate is not a lost worker: no re-queueing.
+                reason = diagnose_unavailable(self.address, self._security, e.details() or "")
+                if reason is not None:
+                    raise errors.UnauthenticatedError(
+                        f"{self.task} at {self.address}: {reason}", task=self.task
+                    ) from None
             if code in (
                 grpc.StatusCode.UNAVAILABLE,
                 grpc.StatusCode.DEADLINE_EXCEEDED,

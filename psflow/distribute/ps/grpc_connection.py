@@ -18,14 +18,20 @@ class GrpcPSConnection(PSConnection):
         address: ``host:port`` of the PS task.
         task: its name, e.g. ``"ps:1"``, used in errors.
         timeout: the deadline of each call.
+        security: credentials to present (default: the environment's, see
+            ``psflow.security.config``).
     """
 
-    def __init__(self, address: str, task: str = "ps:0", *, timeout: float = 60.0) -> None:
+    def __init__(
+        self, address: str, task: str = "ps:0", *, timeout: float = 60.0, security: Any = None
+    ) -> None:
         self.task = task
         self.address = address
         # One message up to 8 MB: a training step's few megabytes cost less unary than
         # streamed in 1 MB chunks (measured: benchmarks/pss_train.py); larger ones stream.
-        self.client = PSClient(address, task=task, timeout=timeout, stream_threshold=8 << 20)
+        self.client = PSClient(
+            address, task=task, timeout=timeout, security=security, stream_threshold=8 << 20
+        )
 
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
         trainable = {s.name: s.trainable for s in specs}

@@ -1,0 +1,403 @@
+"""Load on one parameter server: 16 concurrent clients pushing to one variable, side by side.
+
+Every case starts a fresh ``python -m ps_server`` on 127.0.0.1 and one client
+process running ``--clients`` threads (16), each with its own ``PSClient``,
+pushing integer-valued float64 gradients of ``--elements`` values to the same
+variable (SGD, learning rate 1) for the case's seconds.  Cases, alternated
+round by round (A B C D A B C D) so drift hits all of them:
+
+* ``plain``: no authentication, no metrics (the reference);
+* ``token``: bearer-token authentication (the server interceptor);
+* ``token+metrics``: the same plus ``--metrics-port`` (per-call metrics);
+* ``mtls``: mutual TLS with certificates made by ``openssl`` (skipped without it);
+* ``tensorflow`` (when installed): a ``tf.distribute.Server`` PS task, and a
+  worker process whose 16 threads run ``var.assign_sub(grad)`` on the PS.
+
+Each case checks exactness: the final value must equal the initial value
+minus the sum of every acknowledged gradient (reported as ``"exact"``).
+Metrics: throughput = acknowledged pushes / seconds; latency p50/p99 of one
+push as its client saw it; ratios against ``plain``.  stdout: JSON lines
+(BENCHMARKS.md); stderr: a table.  Default: 30 s per case (2 rounds of 15 s);
+``--quick``: 3 s per case, under a minute in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import emit, percentile, progress, table
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = "load"
+TOKEN = "load-benchmark-token-0123456789"
+SECURE_ENV = (
+    "PSFLOW_AUTH_TOKEN",
+    "PSFLOW_AUTH_TOKEN_FILE",
+    "PSFLOW_TLS_CERT",
+    "PSFLOW_TLS_KEY",
+    "PSFLOW_TLS_CA",
+)
+
+
+# --- client processes --------------------------------------------------------------
+def _client_loop(push, index: int, args, start_at: float, out: dict) -> None:
+    """One client: integer gradients until the end time; records acked sum and latencies."""
+    rng = np.random.default_rng(args.seed * 1000 + index)
+    acked = np.zeros(args.elements, np.float64)
+    latencies: list[float] = []
+    errors: list[str] = []
+    time.sleep(max(0.0, start_at - time.time()))
+    stop = start_at + args.seconds
+    while time.time() < stop:
+        grad = rng.integers(-8, 9, size=args.elements).astype(np.float64)
+        t0 = time.perf_counter()
+        try:
+            push(grad)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}"[:300])
+            if len(errors) > 20:
+                break
+            continue
+        latencies.append(time.perf_counter() - t0)
+        acked += grad
+    out[index] = (acked, latencies, errors)
+
+
+def _run_threads(make_push, args) -> dict:
+    start_at = time.time() + 1.0  # every client starts together
+    out: dict = {}
+    threads = []
+    for i in range(args.clients):
+        push = make_push(i)
+        threads.append(threading.Thread(target=_client_loop, args=(push, i, args, start_at, out)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(args.seconds + 120)
+    total = sum((r[0] for r in out.values()), np.zeros(args.elements))
+    latencies = [x for r in out.values() for x in r[1]]
+    errors = [e for r in out.values() for e in r[2]]
+    return {
+        "sum": total.tolist(),
+        "latencies": [round(x, 7) for x in latencies],
+        "errors": errors[:20],
+        "clients_done": len(out),
+    }
+
+
+def _client_psflow(args) -> None:
+    """A client process: ``--clients`` threads, each with its own PSClient (security from env)."""
+    from psflow.transport.client import PSClient
+    from psflow.transport.options import tune_malloc
+
+    tune_malloc()
+    clients = [
+        PSClient(args.address, timeout=30, client_id=f"load-{i}") for i in range(args.clients)
+    ]
+    try:
+        result = _run_threads(lambda i: lambda g: clients[i].push({"load": g}), args)
+    finally:
+        for c in clients:
+            c.close()
+    print(json.dumps(result), flush=True)
+
+
+def _serve_tf_ps(cluster_json: str) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    cluster = tf.train.ClusterSpec(json.loads(cluster_json))
+    server = tf.distribute.Server(cluster, job_name="ps", task_index=0, protocol="grpc")
+    print("READY port=0", flush=True)
+    server.join()
+
+
+def _client_tf(args) -> None:
+    """TensorFlow's side: this process is the worker; its threads assign_sub on the PS."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+
+    cluster = json.loads(args.address)
+    resolver = SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type="worker", task_id=0, rpc_layer="grpc"
+    )
+    tf.config.experimental_connect_to_cluster(
+        resolver, job_name="worker", task_index=0, make_master_device_default=False
+    )
+    initial = np.arange(args.elements, dtype=np.float64) * 1000
+    with tf.device("/job:ps/task:0"):
+        var = tf.Variable(initial)
+
+    def make_push(i):
+        def push(g):
+            with tf.device("/job:worker/task:0"):
+                delta = tf.constant(g)
+            with tf.device("/job:ps/task:0"):
+                var.assign_sub(delta, read_value=False)  # synchronous remote execution
+
+        return push
+
+    make_push(0)(np.zeros(args.elements))  # warm up the remote function path
+    result = _run_threads(make_push, args)
+    with tf.device("/job:worker/task:0"):
+        result["final"] = tf.identity(var.read_value()).numpy().tolist()
+    result["tf_version"] = tf.__version__
+    print(json.dumps(result), flush=True)
+
+
+# --- processes ------------------------------------------------------------------------
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SECURE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def _start(argv: list[str], ready: str, env: dict[str, str], timeout: float = 120.0):
+    """Starts ``python argv`` and waits (bounded) for its ready line; returns (proc, fields)."""
+    proc = subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+    )
+    deadline = time.monotonic() + timeout
+    buffer = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or proc.poll() is not None:
+                _stop(proc)
+                raise RuntimeError(f"{argv[:3]} did not start (exit {proc.returncode})")
+            if sel.select(min(left, 0.5)):
+                buffer += os.read(proc.stdout.fileno(), 4096)
+                for line in buffer.decode(errors="replace").splitlines():
+                    if line.startswith(ready):
+                        return proc, dict(f.split("=", 1) for f in line.split() if "=" in f)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    if proc.stdout:
+        proc.stdout.close()
+
+
+def _run_client(mode: str, address: str, args, env: dict[str, str]) -> dict:
+    argv = [
+        __file__, "--client", mode, "--address", address, "--clients", str(args.clients),
+        "--seconds", str(args.run_seconds), "--elements", str(args.elements),
+        "--seed", str(args.seed),
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=args.run_seconds + 240,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{mode} client failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def _make_certs(directory: pathlib.Path) -> dict[str, str] | None:
+    if shutil.which("openssl") is None:
+        return None
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    (directory / "node.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    commands = [
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+         "-subj", "/CN=load-ca"],
+        ["req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node"],
+        ["x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+         "-CAcreateserial", "-out", "node.pem", "-days", "1", "-extfile", "node.ext"],
+    ]  # fmt: skip
+    for command in commands:
+        subprocess.run(["openssl", *command], cwd=directory, check=True, capture_output=True)
+    return {
+        "PSFLOW_TLS_CERT": str(directory / "node.pem"),
+        "PSFLOW_TLS_KEY": str(directory / "node.key"),
+        "PSFLOW_TLS_CA": str(directory / "ca.pem"),
+    }
+
+
+def _free_ports(n: int) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+# --- one case -------------------------------------------------------------------------
+def _psflow_case(case: str, args, certs: dict[str, str] | None) -> dict:
+    env_extra: dict[str, str] = {}
+    flags = ["--port", "0", "--log-level", "WARNING"]
+    if case in ("token", "token+metrics"):
+        env_extra["PSFLOW_AUTH_TOKEN"] = TOKEN
+    if case == "token+metrics":
+        flags += ["--metrics-port", "auto"]
+    if case == "mtls":
+        env_extra.update(certs or {})
+    env = _env(env_extra)
+    ps, fields = _start(["-m", "ps_server", *flags], "PSFLOW_READY ps", env)
+    try:
+        from psflow.security.config import SecurityConfig
+        from psflow.transport.client import PSClient
+
+        address = f"127.0.0.1:{fields['port']}"
+        security = SecurityConfig.from_environment(env)
+        initial = np.arange(args.elements, dtype=np.float64) * 1000
+        with PSClient(address, security=security, timeout=30) as client:
+            client.create_variable("load", initial, optimizer={"name": "sgd", "learning_rate": 1})
+        result = _run_client("psflow", address, args, env)
+        with PSClient(address, security=security, timeout=30) as client:
+            final = client.pull("load")
+            result["applied"] = client.stats()["pushes_applied"]
+        result["exact"] = bool(np.array_equal(final, initial - np.array(result["sum"])))
+        result["exact"] &= result["applied"] == len(result["latencies"])
+        return result
+    finally:
+        _stop(ps)
+
+
+def _tf_case(args) -> dict:
+    ports = _free_ports(2)
+    cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
+    env = _env({"TF_CPP_MIN_LOG_LEVEL": "2"})
+    ps, _ = _start([__file__, "--serve-tf", json.dumps(cluster)], "READY", env)
+    try:
+        result = _run_client("tf", json.dumps(cluster), args, env)
+    finally:
+        _stop(ps)
+    initial = np.arange(args.elements, dtype=np.float64) * 1000
+    result["exact"] = bool(np.array_equal(result["final"], initial - np.array(result["sum"])))
+    return result
+
+
+def run(args) -> int:
+    """Runs every case ``rounds`` times, alternating; prints JSON lines and a table."""
+    import importlib.util
+
+    rounds = args.rounds or (1 if args.quick else 2)
+    total_seconds = args.seconds or (3.0 if args.quick else 30.0)
+    args.run_seconds = total_seconds / rounds
+    cases = ["plain", "token", "token+metrics", "mtls"]
+    with tempfile.TemporaryDirectory(prefix="psflow-load-") as tmp:
+        certs = _make_certs(pathlib.Path(tmp))
+        if certs is None:
+            cases.remove("mtls")
+            emit(BENCH, "mtls", "skipped", 0, "", reason="no openssl to make certificates")
+        tf_ok = not args.no_tf and importlib.util.find_spec("tensorflow") is not None
+        if not tf_ok:
+            reason = "--no-tf" if args.no_tf else "tensorflow not installed"
+            emit(BENCH, "tensorflow", "skipped", 0, "", reason=reason)
+        else:
+            cases.append("tensorflow")
+        progress(
+            f"load: {args.clients} clients x {args.elements} float64, {rounds} round(s) of "
+            f"{args.run_seconds:.1f} s per case: {', '.join(cases)}"
+        )
+        results: dict[str, list[dict]] = {c: [] for c in cases}
+        for r in range(rounds):
+            for case in cases if r % 2 == 0 else list(reversed(cases)):
+                progress(f"  round {r + 1}: {case}")
+                try:
+                    res = (
+                        _tf_case(args) if case == "tensorflow" else _psflow_case(case, args, certs)
+                    )
+                except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+                    emit(BENCH, case, "skipped", 0, "", reason=f"{type(e).__name__}: {e}"[:300])
+                    results.pop(case, None)
+                    cases = [c for c in cases if c != case]
+                    continue
+                results[case].append(res)
+    rows, throughput = [], {}
+    tf_version = None
+    for case, runs in results.items():
+        if not runs:
+            continue
+        latencies = [x for res in runs for x in res["latencies"]]
+        pushes = len(latencies)
+        seconds = args.run_seconds * len(runs)
+        errors = sum(len(res["errors"]) for res in runs)
+        exact = all(res["exact"] for res in runs)
+        throughput[case] = pushes / seconds
+        p50, p99 = percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3
+        extra = {"clients": args.clients, "elements": args.elements, "seconds": seconds}
+        if case == "tensorflow":
+            tf_version = runs[0].get("tf_version")
+            extra["tf_version"] = tf_version
+        emit(BENCH, case, "throughput", round(throughput[case], 1), "pushes/s", n=pushes,
+             errors=errors, exact=exact, **extra)  # fmt: skip
+        emit(BENCH, case, "latency", round(p50, 3), "ms", p50=round(p50, 3), p99=round(p99, 3),
+             n=pushes, **extra)  # fmt: skip
+        rows.append([case, round(throughput[case], 1), round(p50, 3), round(p99, 3), pushes,
+                     errors, exact])  # fmt: skip
+    for case in throughput:
+        if case not in ("plain", "tensorflow") and "plain" in throughput:
+            emit(BENCH, case, "ratio", round(throughput[case] / throughput["plain"], 3), "x",
+                 baseline="plain", of="throughput")  # fmt: skip
+    if "tensorflow" in throughput and "plain" in throughput:
+        emit(BENCH, "plain", "ratio", round(throughput["plain"] / throughput["tensorflow"], 3),
+             "x", baseline="tensorflow", of="throughput", tf_version=tf_version)  # fmt: skip
+    table(["case", "pushes/s", "p50 ms", "p99 ms", "pushes", "errors", "exact"], rows)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark (or one of its client/server subprocesses)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="3 s per case (< 60 s in all)")
+    p.add_argument("--seconds", type=float, help="seconds per case (default 30; --quick 3)")
+    p.add_argument("--rounds", type=int, help="rounds per case (default 2; --quick 1)")
+    p.add_argument("--clients", type=int, default=16, help="concurrent clients")
+    p.add_argument("--elements", type=int, default=64, help="float64 values per gradient")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow side")
+    p.add_argument("--client", choices=["psflow", "tf"], help=argparse.SUPPRESS)
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--serve-tf", metavar="CLUSTER", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_tf:
+        _serve_tf_ps(args.serve_tf)
+        return 0
+    if args.client:
+        args.seconds = args.seconds or 3.0
+        (_client_psflow if args.client == "psflow" else _client_tf)(args)
+        return 0
+    try:
+        return run(args)
+    except Exception as e:  # could not run at all
+        progress(f"load: {type(e).__name__}: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

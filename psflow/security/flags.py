@@ -1,0 +1,83 @@
+"""Command-line flags of the security and limit settings, shared by ``python -m ps_server``
+and ``python -m worker`` so both spell them the same way.
+
+Example:
+    >>> import argparse
+    >>> p = argparse.ArgumentParser()
+    >>> add_security_flags(p); add_limit_flags(p, "ps")
+    >>> args = p.parse_args(["--insecure", "--max-streams", "8"])
+    >>> args.insecure, args.max_streams, args.auth_token_file
+    (True, 8, None)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, ENV_TOKEN_FILE
+from .limits import DEFAULT_MAX_CLOSURE_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_MAX_VARIABLES
+
+__all__ = ["add_limit_flags", "add_security_flags", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """``--auth-token-file``, ``--tls-cert/--tls-key/--tls-ca`` and ``--insecure``."""
+    g = parser.add_argument_group("security")
+    g.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help=f"shared token callers must send (default: ${ENV_TOKEN} or ${ENV_TOKEN_FILE})",
+    )
+    g.add_argument("--tls-cert", metavar="PEM", help=f"this server's certificate (${ENV_TLS_CERT})")
+    g.add_argument("--tls-key", metavar="PEM", help=f"its private key (${ENV_TLS_KEY})")
+    g.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help=f"CA that signs accepted client certificates (${ENV_TLS_CA})",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback address without authentication (refused otherwise)",
+    )
+
+
+def add_limit_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """The limits of ``role`` (``"ps"`` or ``"worker"``)."""
+    g = parser.add_argument_group("limits (exceeding one is RESOURCE_EXHAUSTED)")
+    if role == "ps":
+        g.add_argument(
+            "--max-tensor-bytes",
+            type=positive_int,
+            help="largest variable or pushed tensor (default: half the machine's memory)",
+        )
+        g.add_argument(
+            "--max-variables",
+            type=positive_int,
+            default=DEFAULT_MAX_VARIABLES,
+            help=f"variables this task holds (default {DEFAULT_MAX_VARIABLES})",
+        )
+        g.add_argument(
+            "--max-streams",
+            type=positive_int,
+            default=DEFAULT_MAX_STREAMS,
+            help=f"calls served at once (default {DEFAULT_MAX_STREAMS})",
+        )
+    else:
+        g.add_argument(
+            "--max-closure-bytes",
+            type=positive_int,
+            default=DEFAULT_MAX_CLOSURE_BYTES,
+            help=f"function + arguments of one closure (default {DEFAULT_MAX_CLOSURE_BYTES})",
+        )
