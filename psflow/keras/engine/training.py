@@ -186,13 +186,11 @@ class Model(Layer):
     def _ensure_built(self, source: Any) -> None:
         if self.built:
             return
-        first = source.peek()
-        if data_adapter.is_distributed(getattr(source, "dataset", None)):
-            first = first.values[0] if hasattr(first, "values") else first
+        from psflow.distribute.values import select_replica
+
+        first = select_replica(0, source.peek())  # a distributed element: replica 0's share
         x, _, _ = data_adapter.unpack_x_y_sample_weight(first)
         x = data_adapter.as_tensors(x)
-        if hasattr(x, "_is_per_replica"):
-            x = x.values[0]
         with self._strategy_scope():
             self(x, training=False)
 
