@@ -33,6 +33,7 @@ from psflow.ps.store import VariableStore
 from psflow.security.config import SecurityConfig, check_bind, is_loopback
 from psflow.security.flags import add_limit_flags, add_security_flags
 from psflow.security.limits import PSLimits
+from psflow.transport import shm
 from psflow.transport.options import tune_malloc
 
 from .server import serve
@@ -61,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=32, help="RPC worker threads")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per message")
     p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
+    p.add_argument(
+        "--shm",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="mirror dense values into shared memory for clients on this host "
+        "(auto: when bound to loopback and /dev/shm is usable)",
+    )
     add_security_flags(p)
     add_limit_flags(p, "ps")
     add_observability_flags(p)
@@ -98,8 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_malloc_tuning:
         tune_malloc()
     limits = PSLimits(args.max_tensor_bytes, args.max_variables, args.max_streams)
+    mirrors = None
+    if args.shm == "on" or (args.shm == "auto" and is_loopback(bind)):
+        if shm.enabled():
+            mirrors = shm.MirrorSet()
+        elif args.shm == "on":
+            log.warning("--shm on, but shared memory is not usable here; values travel over gRPC")
     store = VariableStore(
-        task=task, max_tensor_bytes=limits.max_tensor_bytes, max_variables=limits.max_variables
+        task=task,
+        max_tensor_bytes=limits.max_tensor_bytes,
+        max_variables=limits.max_variables,
+        mirrors=mirrors,
     )
     try:
         return serve(
@@ -120,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     except OpError as e:
         log.error("ps_server failed: %s", e)
         return 1
+    finally:
+        store.close()  # removes the shared-memory mirrors
 
 
 if __name__ == "__main__":

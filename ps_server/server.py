@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import signal
-import sys
 import threading
-import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from psflow import serving
 from psflow.errors import UnavailableError
 from psflow.observability.http import MetricsServer
 from psflow.observability.metrics import Registry
@@ -43,12 +40,6 @@ __all__ = ["READY_PREFIX", "create_server", "serve"]
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "PSFLOW_READY ps"
-
-
-def _host_port(bind: str, port: int) -> str:
-    if ":" in bind and not bind.startswith("["):
-        bind = f"[{bind}]"
-    return f"{bind}:{port}"
 
 
 def create_server(
@@ -103,13 +94,12 @@ def create_server(
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     if health_servicer is None:
         health_servicer = health.HealthServicer()
-        for name in ("", SERVICE):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        serving.set_health(health_servicer, (SERVICE,), serving=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    address = _host_port(bind, port)
+    address = serving.host_port(bind, port)
     try:
         bound = add_port(server, address, security)
     except RuntimeError as e:
@@ -117,11 +107,6 @@ def create_server(
     if not bound:
         raise UnavailableError(f"cannot bind {address}", task=store.task)
     return server, bound
-
-
-def _set_health(servicer: health.HealthServicer, status) -> None:
-    for name in ("", SERVICE):
-        servicer.set(name, status)
 
 
 def serve(
@@ -148,12 +133,7 @@ def serve(
     None: 0 picks a free one; ``metrics_bind`` defaults to ``bind``).  Signal
     handlers are installed only when called from the main thread.
     """
-    stop = stop_event or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
     health_servicer = health.HealthServicer()
-    _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     metrics = None
     if metrics_port is not None:
         metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
@@ -170,38 +150,41 @@ def serve(
         metrics=metrics,
     )
     metrics_server = None
-    ready = f"{READY_PREFIX} port={bound} task={store.task} pid={os.getpid()}"
     if metrics is not None:
         metrics_server = MetricsServer(metrics.registry, metrics_bind or bind, metrics_port)
-        ready += f" metrics_port={metrics_server.port}"
-    server.start()
-    sys.stdout.write(ready + "\n")
-    sys.stdout.flush()
-    log.info("listening on %s", _host_port(bind, bound))
-    if restore_dir:
-        try:
-            result = restore_shard(store, restore_dir, store.task.replace(":", "-"))
-        except BaseException:
-            server.stop(0)
-            raise
-        log.info(
-            "restored step %d (%d variables) from %s", result.step, len(result.names), restore_dir
-        )
-    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving")
-    while not stop.wait(1.0):
-        pass
-    log.info("stopping: health NOT_SERVING, draining in-flight calls for up to %.1fs", grace)
-    health_servicer.enter_graceful_shutdown()
-    start = time.monotonic()
-    server.stop(grace).wait(grace + 5.0)
-    log.info("drained in %.2fs", time.monotonic() - start)
-    if metrics_server is not None:
-        metrics_server.close()
-    if checkpoint_dir:
-        result = save_shard(store, checkpoint_dir, store.task.replace(":", "-"))
-        log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)
-    return 0
+    log.info("listening on %s", serving.host_port(bind, bound))
+    prefix = store.task.replace(":", "-")
+
+    def restore() -> None:
+        if restore_dir:
+            result = restore_shard(store, restore_dir, prefix)
+            log.info(
+                "restored step %d (%d variables) from %s",
+                result.step,
+                len(result.names),
+                restore_dir,
+            )
+
+    def finish() -> None:
+        if metrics_server is not None:
+            metrics_server.close()
+        if checkpoint_dir:
+            result = save_shard(store, checkpoint_dir, prefix)
+            log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)
+
+    return serving.run_until_stopped(
+        server,
+        bound,
+        health_servicer,
+        (SERVICE,),
+        role="ps",
+        task=store.task,
+        grace=grace,
+        stop_event=stop_event,
+        before_serving=restore,
+        after_drain=finish,
+        ready_extra=f"metrics_port={metrics_server.port}" if metrics_server is not None else "",
+    )
 
 
 def _store_stats(store: VariableStore) -> dict:

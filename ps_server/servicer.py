@@ -30,7 +30,7 @@ from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import Gradient, VariableMeta, VariableStore
 from psflow.ps.tensors import segments_from_pieces
 from psflow.security.limits import StreamGate, limit_exceeded
-from psflow.transport import codec, framing
+from psflow.transport import codec, framing, shm
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
 
@@ -137,6 +137,7 @@ class ParameterServerServicer:
         self.gate = StreamGate(max_streams) if max_streams else None
         self.metrics = metrics
         self._ids = itertools.count(1)
+        self._shm_payloads = shm.SegmentCache()
 
     # -- registration ---------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -375,6 +376,12 @@ class ParameterServerServicer:
             layout.append((item, dtype, shape, len(sizes)))
             sizes.append(nbytes)
         assembler = framing.PayloadAssembler(sizes)
+        if header.shm_payload:
+            # the bytes wait in the client's shared-memory segment (same host)
+            view = self._shm_payloads.view(header.shm_payload, sum(sizes))
+            if step is not None:  # a sync contribution outlives this call: own its bytes
+                view = memoryview(bytes(view))
+            payloads = iter([view])
         _receive(assembler, payloads)
         grads = []
         for item, dtype, shape, k in layout:
@@ -434,6 +441,7 @@ class ParameterServerServicer:
                     version=info.version,
                     optimizer_step=info.optimizer_step,
                     sync_step=info.sync_step,
+                    shm_name=info.shm_name,
                 )
                 for info in self.store.list_variables()
             ]

@@ -88,9 +88,12 @@ def run_until_stopped(
     while not stop.wait(1.0):
         pass
     log.info("stopping: health NOT_SERVING, draining in-flight calls for up to %.1fs", grace)
-    health_servicer.enter_graceful_shutdown()
     start = time.monotonic()
-    server.stop(grace).wait(grace + 5.0)
+    # Refuse new calls first, then report NOT_SERVING (to watches already open):
+    # the other order leaves a moment where a new call is still accepted.
+    drained = server.stop(grace)
+    health_servicer.enter_graceful_shutdown()
+    drained.wait(grace + 5.0)
     log.info("drained in %.2fs", time.monotonic() - start)
     if after_drain is not None:
         after_drain()

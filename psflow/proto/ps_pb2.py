@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as psflow_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12psflow/v1/ps.proto\x12\tpsflow.v1\x1a\x16psflow/v1/tensor.proto\"0\n\tRequestId\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"l\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.psflow.v1.TensorSpec\x12\x11\n\ttrainable\x18\x03 \x01(\x08\x12\x16\n\x0eoptimizer_json\x18\x04 \x01(\t\"{\n\x0bWriteHeader\x12\x1e\n\x02op\x18\x01 \x01(\x0e\x32\x12.psflow.v1.WriteOp\x12 \n\x02id\x18\x02 \x01(\x0b\x32\x14.psflow.v1.RequestId\x12*\n\tvariables\x18\x03 \x03(\x0b\x32\x17.psflow.v1.VariableSpec\"W\n\x0cWriteRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.psflow.v1.WriteHeader\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.psflow.v1.Chunk\"2\n\rWriteResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x0f\n\x07\x63reated\x18\x02 \x03(\x08\"B\n\x19\x43onfigureOptimizerRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x16\n\x0eoptimizer_json\x18\x02 \x01(\t\"0\n\x1a\x43onfigureOptimizerResponse\x12\x12\n\nslot_names\x18\x01 \x03(\t\"<\n\x08PullItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x07indices\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\"F\n\x0bPullRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.psflow.v1.PullItem\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\"R\n\x0cPulledTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.psflow.v1.TensorSpec\x12\x0f\n\x07version\x18\x03 \x01(\x03\"6\n\nPullHeader\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.psflow.v1.PulledTensor\"V\n\x0cPullResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.psflow.v1.PullHeader\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.psflow.v1.Chunk\"e\n\x08PushItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x06values\x18\x02 \x01(\x0b\x32\x15.psflow.v1.TensorSpec\x12\x0e\n\x06sparse\x18\x03 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\"\xc8\x01\n\nPushHeader\x12 \n\x02id\x18\x01 \x01(\x0b\x32\x14.psflow.v1.RequestId\x12\"\n\x05items\x18\x02 \x03(\x0b\x32\x13.psflow.v1.PushItem\x12\x11\n\x04step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cnum_required\x18\x04 \x01(\x05\x12\x14\n\x0cwait_applied\x18\x05 \x01(\x08\x12\x1a\n\rmax_staleness\x18\x06 \x01(\x03H\x01\x88\x01\x01\x42\x07\n\x05_stepB\x10\n\x0e_max_staleness\"U\n\x0bPushRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.psflow.v1.PushHeader\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.psflow.v1.Chunk\"W\n\x0cPushResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x03(\x03\"\x16\n\x14ListVariablesRequest\"\x89\x01\n\x0cVariableInfo\x12)\n\x08variable\x18\x01 \x01(\x0b\x32\x17.psflow.v1.VariableSpec\x12\x12\n\nslot_names\x18\x02 \x03(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x16\n\x0eoptimizer_step\x18\x04 \x01(\x03\x12\x11\n\tsync_step\x18\x05 \x01(\x03\"C\n\x15ListVariablesResponse\x12*\n\tvariables\x18\x01 \x03(\x0b\x32\x17.psflow.v1.VariableInfo\">\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"K\n\x0cSaveResponse\x12\x15\n\rmanifest_path\x18\x01 \x01(\t\x12\x15\n\rbytes_written\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\"B\n\x0eRestoreRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\x12\r\n\x05names\x18\x03 \x03(\t\".\n\x0fRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05names\x18\x02 \x03(\t\"&\n\x0fGetStatsRequest\x12\x13\n\x0binclude_log\x18\x01 \x01(\x08\"b\n\x0cPushLogEntry\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x17\n\x0f\x61pplied_version\x18\x04 \x01(\x03\"\xfb\x03\n\x10GetStatsResponse\x12\x10\n\x08\x62ytes_in\x18\x01 \x01(\x03\x12\x11\n\tbytes_out\x18\x02 \x01(\x03\x12\x16\n\x0epushes_applied\x18\x03 \x01(\x03\x12\x18\n\x10pushes_duplicate\x18\x04 \x01(\x03\x12;\n\x08rejected\x18\x05 \x03(\x0b\x32).psflow.v1.GetStatsResponse.RejectedEntry\x12P\n\x13staleness_histogram\x18\x06 \x03(\x0b\x32\x33.psflow.v1.GetStatsResponse.StalenessHistogramEntry\x12\x15\n\rmax_staleness\x18\x07 \x01(\x03\x12$\n\x03log\x18\x08 \x03(\x0b\x32\x17.psflow.v1.PushLogEntry\x12\r\n\x05pulls\x18\t \x01(\x03\x12\x15\n\rnum_variables\x18\n \x01(\x03\x12\x16\n\x0evariable_bytes\x18\x0b \x01(\x03\x12\x1a\n\x12sync_steps_applied\x18\x0c \x01(\x03\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*\x7f\n\x07WriteOp\x12\x18\n\x14WRITE_OP_UNSPECIFIED\x10\x00\x12\x13\n\x0fWRITE_OP_CREATE\x10\x01\x12\x13\n\x0fWRITE_OP_ASSIGN\x10\x02\x12\x17\n\x13WRITE_OP_ASSIGN_ADD\x10\x03\x12\x17\n\x13WRITE_OP_ASSIGN_SUB\x10\x04\x32\xfc\x05\n\x0fParameterServer\x12:\n\x05Write\x12\x17.psflow.v1.WriteRequest\x1a\x18.psflow.v1.WriteResponse\x12\x42\n\x0bWriteStream\x12\x17.psflow.v1.WriteRequest\x1a\x18.psflow.v1.WriteResponse(\x01\x12\x61\n\x12\x43onfigureOptimizer\x12$.psflow.v1.ConfigureOptimizerRequest\x1a%.psflow.v1.ConfigureOptimizerResponse\x12\x37\n\x04Pull\x12\x16.psflow.v1.PullRequest\x1a\x17.psflow.v1.PullResponse\x12?\n\nPullStream\x12\x16.psflow.v1.PullRequest\x1a\x17.psflow.v1.PullResponse0\x01\x12\x37\n\x04Push\x12\x16.psflow.v1.PushRequest\x1a\x17.psflow.v1.PushResponse\x12?\n\nPushStream\x12\x16.psflow.v1.PushRequest\x1a\x17.psflow.v1.PushResponse(\x01\x12R\n\rListVariables\x12\x1f.psflow.v1.ListVariablesRequest\x1a .psflow.v1.ListVariablesResponse\x12\x37\n\x04Save\x12\x16.psflow.v1.SaveRequest\x1a\x17.psflow.v1.SaveResponse\x12@\n\x07Restore\x12\x19.psflow.v1.RestoreRequest\x1a\x1a.psflow.v1.RestoreResponse\x12\x43\n\x08GetStats\x12\x1a.psflow.v1.GetStatsRequest\x1a\x1b.psflow.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12psflow/v1/ps.proto\x12\tpsflow.v1\x1a\x16psflow/v1/tensor.proto\"0\n\tRequestId\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"l\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.psflow.v1.TensorSpec\x12\x11\n\ttrainable\x18\x03 \x01(\x08\x12\x16\n\x0eoptimizer_json\x18\x04 \x01(\t\"{\n\x0bWriteHeader\x12\x1e\n\x02op\x18\x01 \x01(\x0e\x32\x12.psflow.v1.WriteOp\x12 \n\x02id\x18\x02 \x01(\x0b\x32\x14.psflow.v1.RequestId\x12*\n\tvariables\x18\x03 \x03(\x0b\x32\x17.psflow.v1.VariableSpec\"W\n\x0cWriteRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.psflow.v1.WriteHeader\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.psflow.v1.Chunk\"2\n\rWriteResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x0f\n\x07\x63reated\x18\x02 \x03(\x08\"B\n\x19\x43onfigureOptimizerRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x16\n\x0eoptimizer_json\x18\x02 \x01(\t\"0\n\x1a\x43onfigureOptimizerResponse\x12\x12\n\nslot_names\x18\x01 \x03(\t\"<\n\x08PullItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x07indices\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\"F\n\x0bPullRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.psflow.v1.PullItem\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\"R\n\x0cPulledTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.psflow.v1.TensorSpec\x12\x0f\n\x07version\x18\x03 \x01(\x03\"6\n\nPullHeader\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.psflow.v1.PulledTensor\"V\n\x0cPullResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.psflow.v1.PullHeader\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.psflow.v1.Chunk\"e\n\x08PushItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x06values\x18\x02 \x01(\x0b\x32\x15.psflow.v1.TensorSpec\x12\x0e\n\x06sparse\x18\x03 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\"\xdd\x01\n\nPushHeader\x12 \n\x02id\x18\x01 \x01(\x0b\x32\x14.psflow.v1.RequestId\x12\"\n\x05items\x18\x02 \x03(\x0b\x32\x13.psflow.v1.PushItem\x12\x11\n\x04step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cnum_required\x18\x04 \x01(\x05\x12\x14\n\x0cwait_applied\x18\x05 \x01(\x08\x12\x1a\n\rmax_staleness\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x13\n\x0bshm_payload\x18\x07 \x01(\tB\x07\n\x05_stepB\x10\n\x0e_max_staleness\"U\n\x0bPushRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.psflow.v1.PushHeader\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.psflow.v1.Chunk\"W\n\x0cPushResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x03(\x03\"\x16\n\x14ListVariablesRequest\"\x9b\x01\n\x0cVariableInfo\x12)\n\x08variable\x18\x01 \x01(\x0b\x32\x17.psflow.v1.VariableSpec\x12\x12\n\nslot_names\x18\x02 \x03(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x16\n\x0eoptimizer_step\x18\x04 \x01(\x03\x12\x11\n\tsync_step\x18\x05 \x01(\x03\x12\x10\n\x08shm_name\x18\x06 \x01(\t\"C\n\x15ListVariablesResponse\x12*\n\tvariables\x18\x01 \x03(\x0b\x32\x17.psflow.v1.VariableInfo\">\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"K\n\x0cSaveResponse\x12\x15\n\rmanifest_path\x18\x01 \x01(\t\x12\x15\n\rbytes_written\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\"B\n\x0eRestoreRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\x12\r\n\x05names\x18\x03 \x03(\t\".\n\x0fRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05names\x18\x02 \x03(\t\"&\n\x0fGetStatsRequest\x12\x13\n\x0binclude_log\x18\x01 \x01(\x08\"b\n\x0cPushLogEntry\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x17\n\x0f\x61pplied_version\x18\x04 \x01(\x03\"\xfb\x03\n\x10GetStatsResponse\x12\x10\n\x08\x62ytes_in\x18\x01 \x01(\x03\x12\x11\n\tbytes_out\x18\x02 \x01(\x03\x12\x16\n\x0epushes_applied\x18\x03 \x01(\x03\x12\x18\n\x10pushes_duplicate\x18\x04 \x01(\x03\x12;\n\x08rejected\x18\x05 \x03(\x0b\x32).psflow.v1.GetStatsResponse.RejectedEntry\x12P\n\x13staleness_histogram\x18\x06 \x03(\x0b\x32\x33.psflow.v1.GetStatsResponse.StalenessHistogramEntry\x12\x15\n\rmax_staleness\x18\x07 \x01(\x03\x12$\n\x03log\x18\x08 \x03(\x0b\x32\x17.psflow.v1.PushLogEntry\x12\r\n\x05pulls\x18\t \x01(\x03\x12\x15\n\rnum_variables\x18\n \x01(\x03\x12\x16\n\x0evariable_bytes\x18\x0b \x01(\x03\x12\x1a\n\x12sync_steps_applied\x18\x0c \x01(\x03\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*\x7f\n\x07WriteOp\x12\x18\n\x14WRITE_OP_UNSPECIFIED\x10\x00\x12\x13\n\x0fWRITE_OP_CREATE\x10\x01\x12\x13\n\x0fWRITE_OP_ASSIGN\x10\x02\x12\x17\n\x13WRITE_OP_ASSIGN_ADD\x10\x03\x12\x17\n\x13WRITE_OP_ASSIGN_SUB\x10\x04\x32\xfc\x05\n\x0fParameterServer\x12:\n\x05Write\x12\x17.psflow.v1.WriteRequest\x1a\x18.psflow.v1.WriteResponse\x12\x42\n\x0bWriteStream\x12\x17.psflow.v1.WriteRequest\x1a\x18.psflow.v1.WriteResponse(\x01\x12\x61\n\x12\x43onfigureOptimizer\x12$.psflow.v1.ConfigureOptimizerRequest\x1a%.psflow.v1.ConfigureOptimizerResponse\x12\x37\n\x04Pull\x12\x16.psflow.v1.PullRequest\x1a\x17.psflow.v1.PullResponse\x12?\n\nPullStream\x12\x16.psflow.v1.PullRequest\x1a\x17.psflow.v1.PullResponse0\x01\x12\x37\n\x04Push\x12\x16.psflow.v1.PushRequest\x1a\x17.psflow.v1.PushResponse\x12?\n\nPushStream\x12\x16.psflow.v1.PushRequest\x1a\x17.psflow.v1.PushResponse(\x01\x12R\n\rListVariables\x12\x1f.psflow.v1.ListVariablesRequest\x1a .psflow.v1.ListVariablesResponse\x12\x37\n\x04Save\x12\x16.psflow.v1.SaveRequest\x1a\x17.psflow.v1.SaveResponse\x12@\n\x07Restore\x12\x19.psflow.v1.RestoreRequest\x1a\x1a.psflow.v1.RestoreResponse\x12\x43\n\x08GetStats\x12\x1a.psflow.v1.GetStatsRequest\x1a\x1b.psflow.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSRESPONSE_REJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATSRESPONSE_STALENESSHISTOGRAMENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_STALENESSHISTOGRAMENTRY']._serialized_options = b'8\001'
-  _globals['_WRITEOP']._serialized_start=2585
-  _globals['_WRITEOP']._serialized_end=2712
+  _globals['_WRITEOP']._serialized_start=2624
+  _globals['_WRITEOP']._serialized_end=2751
   _globals['_REQUESTID']._serialized_start=57
   _globals['_REQUESTID']._serialized_end=105
   _globals['_VARIABLESPEC']._serialized_start=107
@@ -65,35 +65,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHITEM']._serialized_start=963
   _globals['_PUSHITEM']._serialized_end=1064
   _globals['_PUSHHEADER']._serialized_start=1067
-  _globals['_PUSHHEADER']._serialized_end=1267
-  _globals['_PUSHREQUEST']._serialized_start=1269
-  _globals['_PUSHREQUEST']._serialized_end=1354
-  _globals['_PUSHRESPONSE']._serialized_start=1356
-  _globals['_PUSHRESPONSE']._serialized_end=1443
-  _globals['_LISTVARIABLESREQUEST']._serialized_start=1445
-  _globals['_LISTVARIABLESREQUEST']._serialized_end=1467
-  _globals['_VARIABLEINFO']._serialized_start=1470
-  _globals['_VARIABLEINFO']._serialized_end=1607
-  _globals['_LISTVARIABLESRESPONSE']._serialized_start=1609
-  _globals['_LISTVARIABLESRESPONSE']._serialized_end=1676
-  _globals['_SAVEREQUEST']._serialized_start=1678
-  _globals['_SAVEREQUEST']._serialized_end=1740
-  _globals['_SAVERESPONSE']._serialized_start=1742
-  _globals['_SAVERESPONSE']._serialized_end=1817
-  _globals['_RESTOREREQUEST']._serialized_start=1819
-  _globals['_RESTOREREQUEST']._serialized_end=1885
-  _globals['_RESTORERESPONSE']._serialized_start=1887
-  _globals['_RESTORERESPONSE']._serialized_end=1933
-  _globals['_GETSTATSREQUEST']._serialized_start=1935
-  _globals['_GETSTATSREQUEST']._serialized_end=1973
-  _globals['_PUSHLOGENTRY']._serialized_start=1975
-  _globals['_PUSHLOGENTRY']._serialized_end=2073
-  _globals['_GETSTATSRESPONSE']._serialized_start=2076
-  _globals['_GETSTATSRESPONSE']._serialized_end=2583
-  _globals['_GETSTATSRESPONSE_REJECTEDENTRY']._serialized_start=2477
-  _globals['_GETSTATSRESPONSE_REJECTEDENTRY']._serialized_end=2524
-  _globals['_GETSTATSRESPONSE_STALENESSHISTOGRAMENTRY']._serialized_start=2526
-  _globals['_GETSTATSRESPONSE_STALENESSHISTOGRAMENTRY']._serialized_end=2583
-  _globals['_PARAMETERSERVER']._serialized_start=2715
-  _globals['_PARAMETERSERVER']._serialized_end=3479
+  _globals['_PUSHHEADER']._serialized_end=1288
+  _globals['_PUSHREQUEST']._serialized_start=1290
+  _globals['_PUSHREQUEST']._serialized_end=1375
+  _globals['_PUSHRESPONSE']._serialized_start=1377
+  _globals['_PUSHRESPONSE']._serialized_end=1464
+  _globals['_LISTVARIABLESREQUEST']._serialized_start=1466
+  _globals['_LISTVARIABLESREQUEST']._serialized_end=1488
+  _globals['_VARIABLEINFO']._serialized_start=1491
+  _globals['_VARIABLEINFO']._serialized_end=1646
+  _globals['_LISTVARIABLESRESPONSE']._serialized_start=1648
+  _globals['_LISTVARIABLESRESPONSE']._serialized_end=1715
+  _globals['_SAVEREQUEST']._serialized_start=1717
+  _globals['_SAVEREQUEST']._serialized_end=1779
+  _globals['_SAVERESPONSE']._serialized_start=1781
+  _globals['_SAVERESPONSE']._serialized_end=1856
+  _globals['_RESTOREREQUEST']._serialized_start=1858
+  _globals['_RESTOREREQUEST']._serialized_end=1924
+  _globals['_RESTORERESPONSE']._serialized_start=1926
+  _globals['_RESTORERESPONSE']._serialized_end=1972
+  _globals['_GETSTATSREQUEST']._serialized_start=1974
+  _globals['_GETSTATSREQUEST']._serialized_end=2012
+  _globals['_PUSHLOGENTRY']._serialized_start=2014
+  _globals['_PUSHLOGENTRY']._serialized_end=2112
+  _globals['_GETSTATSRESPONSE']._serialized_start=2115
+  _globals['_GETSTATSRESPONSE']._serialized_end=2622
+  _globals['_GETSTATSRESPONSE_REJECTEDENTRY']._serialized_start=2516
+  _globals['_GETSTATSRESPONSE_REJECTEDENTRY']._serialized_end=2563
+  _globals['_GETSTATSRESPONSE_STALENESSHISTOGRAMENTRY']._serialized_start=2565
+  _globals['_GETSTATSRESPONSE_STALENESSHISTOGRAMENTRY']._serialized_end=2622
+  _globals['_PARAMETERSERVER']._serialized_start=2754
+  _globals['_PARAMETERSERVER']._serialized_end=3518
 # @@protoc_insertion_point(module_scope)

@@ -134,20 +134,22 @@ class PushItem(_message.Message):
     def __init__(self, name: _Optional[str] = ..., values: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., sparse: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("id", "items", "step", "num_required", "wait_applied", "max_staleness")
+    __slots__ = ("id", "items", "step", "num_required", "wait_applied", "max_staleness", "shm_payload")
     ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     WAIT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     id: RequestId
     items: _containers.RepeatedCompositeFieldContainer[PushItem]
     step: int
     num_required: int
     wait_applied: bool
     max_staleness: int
-    def __init__(self, id: _Optional[_Union[RequestId, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ..., num_required: _Optional[int] = ..., wait_applied: _Optional[bool] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    shm_payload: str
+    def __init__(self, id: _Optional[_Union[RequestId, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ..., num_required: _Optional[int] = ..., wait_applied: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., shm_payload: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -174,18 +176,20 @@ class ListVariablesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VariableInfo(_message.Message):
-    __slots__ = ("variable", "slot_names", "version", "optimizer_step", "sync_step")
+    __slots__ = ("variable", "slot_names", "version", "optimizer_step", "sync_step", "shm_name")
     VARIABLE_FIELD_NUMBER: _ClassVar[int]
     SLOT_NAMES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     variable: VariableSpec
     slot_names: _containers.RepeatedScalarFieldContainer[str]
     version: int
     optimizer_step: int
     sync_step: int
-    def __init__(self, variable: _Optional[_Union[VariableSpec, _Mapping]] = ..., slot_names: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., sync_step: _Optional[int] = ...) -> None: ...
+    shm_name: str
+    def __init__(self, variable: _Optional[_Union[VariableSpec, _Mapping]] = ..., slot_names: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., sync_step: _Optional[int] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class ListVariablesResponse(_message.Message):
     __slots__ = ("variables",)

@@ -123,6 +123,7 @@ class VariableInfo:
     version: int
     optimizer_step: int
     sync_step: int
+    shm_name: str = ""
 
 
 class VariableStore:
@@ -145,8 +146,11 @@ class VariableStore:
         max_variables: int | None = None,
         dedup_window: int = 4096,
         log_size: int = 10_000,
+        mirrors: Any = None,
     ) -> None:
         self.task = task
+        # psflow.transport.shm.MirrorSet: dense values published for same-host readers
+        self.mirrors = mirrors
         self.step = 0  # training step of the last checkpoint saved or restored
         self.max_tensor_bytes = max_tensor_bytes or default_max_tensor_bytes()
         self.max_variables = max_variables
@@ -301,6 +305,8 @@ class VariableStore:
                     if rule is not None:
                         var.set_rule(rule)
                     self._vars[meta.name] = var
+                    if self.mirrors is not None:
+                        self.mirrors.attach(var)
                     self.stats.add(bytes_in=meta.nbytes)
                     results.append((True, var.version))
         log.debug("created %s", [n for n, (c, _) in zip(names, results, strict=True) if c])
@@ -674,6 +680,7 @@ class VariableStore:
                         var.version,
                         var.optimizer_step,
                         var.sync_step,
+                        var.mirror.name if var.mirror is not None else "",
                     )
                 )
         return out
@@ -697,6 +704,9 @@ class VariableStore:
 
     def replace_all(self, variables: Sequence[Variable]) -> None:
         """Replaces the whole shard (after a restore); forgets request ids."""
+        if self.mirrors is not None:
+            for var in variables:
+                self.mirrors.attach(var)
         with self._lock:
             old = list(self._vars.values())
             self._vars = {v.meta.name: v for v in variables}
@@ -705,6 +715,17 @@ class VariableStore:
             with var.lock:
                 var.pending.clear()
                 var.changed.notify_all()
+                if self.mirrors is not None:
+                    self.mirrors.detach(var)
+
+    def close(self) -> None:
+        """Removes the shared-memory mirrors (the variables stay usable in this process)."""
+        if self.mirrors is not None:
+            with self._lock:
+                variables = list(self._vars.values())
+            for var in variables:
+                with var.lock:
+                    self.mirrors.detach(var)
 
 
 def _grad_bytes(c) -> int:

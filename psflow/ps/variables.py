@@ -63,6 +63,15 @@ class Variable:
         self.optimizer_step = 0
         self.sync_step = -1
         self.pending: dict[int, PendingStep] = {}
+        self.mirror: Any = (
+            None  # a shared-memory copy for readers on this host (psflow.transport.shm)
+        )
+
+    def _changed(self) -> None:
+        """Counts a change of the value and republishes it to the mirror, if any."""
+        self.version += 1
+        if self.mirror is not None:
+            self.mirror.publish(self.value, self.version)
 
     # -- rule --------------------------------------------------------------
     @property
@@ -117,7 +126,7 @@ class Variable:
                 dst += part
             else:
                 dst -= part
-        self.version += 1
+        self._changed()
 
     def apply_dense(self, grad: Segments | np.ndarray) -> None:
         """One optimizer update with a dense gradient, segment by segment."""
@@ -130,11 +139,11 @@ class Variable:
                 flat[offset:end], part, {k: s[offset:end] for k, s in flat_slots.items()}, step
             )
         self.optimizer_step = step
-        self.version += 1
+        self._changed()
 
     def apply_sparse(self, indices: np.ndarray, values: np.ndarray) -> None:
         """One optimizer update with gradient rows (indices already validated)."""
         step = self.optimizer_step + 1
         self.rule.apply_sparse(self.writable(), indices, values, self.slots, step)
         self.optimizer_step = step
-        self.version += 1
+        self._changed()

@@ -113,6 +113,8 @@ class VariableDescription:
     version: int
     optimizer_step: int
     sync_step: int
+    # the PS's shared-memory mirror of the value (same host), or "": where, not what
+    shm_name: str = dataclasses.field(default="", compare=False)
 
 
 def _identity(b: bytes) -> bytes:
@@ -585,6 +587,7 @@ class PSClient:
         wait_applied: bool = False,
         max_staleness: int | None = None,
         timeout: float | None = None,
+        shm_buffer: Any = None,
     ) -> PushReply:
         """Pushes gradients of several variables in one RPC, applied exactly once.
 
@@ -597,6 +600,9 @@ class PSClient:
                 of ``num_required`` contributions to ``step`` once.
             wait_applied: return only once the step is applied.
             max_staleness: let the PS reject gradients staler than this.
+            shm_buffer: a :class:`psflow.transport.shm.PayloadBuffer`: the bytes go
+                through this shared-memory segment (a PS on the same host) and the
+                RPC carries only the header.
 
         Raises:
             AbortedError: a contribution to a step already applied, or too stale.
@@ -640,6 +646,9 @@ class PSClient:
                     name=name, values=codec.spec_to_proto(arr.dtype, arr.shape), base_version=base
                 )
                 arrays.append(arr)
+        if shm_buffer is not None:
+            header.shm_payload = shm_buffer.write(arrays)
+            arrays = []
         header_bytes = header.SerializeToString()
         if sum(a.nbytes for a in arrays) <= self.stream_threshold:
             message = framing.encode_message(header_bytes, [framing.byte_view(a) for a in arrays])
@@ -694,6 +703,7 @@ class PSClient:
                     info.version,
                     info.optimizer_step,
                     info.sync_step,
+                    info.shm_name,
                 )
             )
         return out

@@ -1,14 +1,27 @@
-"""A connection to a parameter-server task over gRPC (:class:`psflow.transport.PSClient`)."""
+"""A connection to a parameter-server task over gRPC (:class:`psflow.transport.PSClient`).
+
+When the PS runs on this host (a loopback address) and mirrors its values into
+shared memory, dense pulls read the mirrors directly (no RPC) and pushes hand
+their bytes over through a shared-memory segment (the RPC carries only the
+header); see :mod:`psflow.transport.shm`. Anything else, and any failure of
+that path, goes over gRPC.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from psflow import errors
 from psflow.distribute.ps.connection import Grad, PSConnection, PushReply, VarSpec
+from psflow.transport import shm
 from psflow.transport.client import PSClient
+
+log = logging.getLogger("psflow.distribute")
 
 
 class GrpcPSConnection(PSConnection):
@@ -32,6 +45,48 @@ class GrpcPSConnection(PSConnection):
         self.client = PSClient(
             address, task=task, timeout=timeout, security=security, stream_threshold=8 << 20
         )
+        self._shm = shm.enabled() and shm.is_local_address(address)
+        self._mirrors: dict[str, shm.MirrorReader | None] = {}
+        self._payload: shm.PayloadBuffer | None = None
+        self._shm_lock = threading.Lock()
+
+    # -- the shared-memory path ------------------------------------------------------------
+    def _mirror(self, name: str) -> shm.MirrorReader | None:
+        """This variable's mirror, mapped on first use (None: not mirrored)."""
+        if name in self._mirrors:
+            return self._mirrors[name]
+        with self._shm_lock:
+            if name not in self._mirrors:
+                for d in self.client.list_variables():
+                    if d.name in self._mirrors or not d.shm_name:
+                        continue
+                    try:
+                        self._mirrors[d.name] = shm.MirrorReader(d.shm_name, d.dtype, d.shape)
+                    except (OSError, errors.OpError) as e:  # another host after all, or gone
+                        log.info("%s: no shared-memory path for %s (%s)", self.task, d.name, e)
+                        self._mirrors[d.name] = None
+                self._mirrors.setdefault(name, None)
+        return self._mirrors[name]
+
+    def _forget_mirrors(self) -> None:
+        with self._shm_lock:
+            for reader in self._mirrors.values():
+                if reader is not None:
+                    reader.close()
+            self._mirrors.clear()
+
+    def _pull_shm(self, names: Sequence[str]) -> list[tuple[np.ndarray, int]] | None:
+        for _attempt in range(2):
+            readers = [self._mirror(n) for n in names]
+            if any(r is None for r in readers):
+                return None
+            try:
+                return [r.read() for r in readers]
+            except shm.MirrorRetiredError:
+                self._forget_mirrors()  # the PS restored or restarted: map its new mirrors
+            except errors.UnavailableError:
+                return None
+        return None
 
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
         trainable = {s.name: s.trainable for s in specs}
@@ -52,6 +107,10 @@ class GrpcPSConnection(PSConnection):
                 raise NotImplementedError("row pulls are one variable at a time")
             value, version = self.client.pull_rows(names[0], idx, return_version=True)
             return [(value, version)]
+        if self._shm:
+            pulled = self._pull_shm(names)
+            if pulled is not None:
+                return pulled
         arrays, versions = self.client.pull(list(names), return_versions=True)
         return list(zip(arrays, versions))
 
@@ -68,15 +127,29 @@ class GrpcPSConnection(PSConnection):
         payload = {
             g.name: (g.values if g.indices is None else (g.indices, g.values)) for g in grads
         }
-        reply = self.client.push(
-            payload,
-            push_id=push_id,
-            base_versions=[g.base_version for g in grads],
-            step=step,
-            num_required=num_required or None,
-            wait_applied=wait_applied,
-            timeout=timeout,
-        )
+        kwargs = {
+            "push_id": push_id,
+            "base_versions": [g.base_version for g in grads],
+            "step": step,
+            "num_required": num_required or None,
+            "wait_applied": wait_applied,
+            "timeout": timeout,
+        }
+        if self._shm:
+            with self._shm_lock:  # one payload segment: one push at a time through it
+                if self._payload is None:
+                    self._payload = shm.PayloadBuffer()
+                try:
+                    reply = self.client.push(payload, shm_buffer=self._payload, **kwargs)
+                except (errors.NotFoundError, errors.InvalidArgumentError) as e:
+                    if "shared-memory" not in str(e) and "segment" not in str(e):
+                        raise
+                    # the PS cannot see our segment (another host after all): plain gRPC
+                    log.info("%s: pushes go over gRPC (%s)", self.task, e)
+                    self._shm = False
+                    reply = self.client.push(payload, **kwargs)
+        else:
+            reply = self.client.push(payload, **kwargs)
         return PushReply(
             tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness)
         )
@@ -120,4 +193,7 @@ class GrpcPSConnection(PSConnection):
         return self.client.stats(include_log=include_log)
 
     def close(self) -> None:
+        self._forget_mirrors()
+        if self._payload is not None:
+            self._payload.close()
         self.client.close()

@@ -1,0 +1,333 @@
+"""Shared memory between processes of one host: the fast data path of the wire.
+
+gRPC carries control; when a parameter server and its client run on the same
+machine (loopback addresses), bulk bytes can skip it:
+
+* **pulls**: the PS mirrors each dense variable into a shared-memory segment
+  after every change; a client on the same host copies the value out under a
+  *seqlock* (a counter that is odd while the PS writes: a read that saw the
+  counter change retries), so a pull is one ``memcpy`` and no RPC;
+* **pushes**: a client writes its gradients into a segment of its own and the
+  Push RPC names the segment instead of carrying the bytes; the PS reads them
+  in place, applies them, and only then replies, so the client may reuse the
+  segment after the reply.
+
+Segments are files under ``/dev/shm`` (mode 0600: only this user's processes
+can map them), named ``psflow-<pid>-<token>-...`` so that segments left by a
+killed process can be recognised and removed (:func:`remove_stale`). Set
+``PSFLOW_SHM=0`` to turn the fast path off; it is also off wherever
+``/dev/shm`` is missing (then everything travels over gRPC).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import platform
+import re
+import threading
+import time
+import uuid
+import weakref
+from typing import Any
+
+import numpy as np
+
+from psflow import errors
+
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 64  # magic, sequence, version, data bytes, writer's pid, then reserved
+MAGIC = 0x7073666C6F770001  # "psflow" + format 1
+_NAME = re.compile(r"^psflow-(?P<pid>\d+)-[0-9a-f]{8}-[A-Za-z0-9_.-]{1,160}$")
+_READ_RETRIES = 10_000
+
+
+def enabled() -> bool:
+    """Whether the shared-memory path may be used in this process."""
+    if os.environ.get("PSFLOW_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    # The seqlock relies on x86's store and load ordering (no reordering of stores
+    # with stores, nor loads with loads); elsewhere the data goes over gRPC.
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``host:port`` names this host through loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def new_prefix() -> str:
+    """A fresh segment-name prefix for this process: ``psflow-<pid>-<random>``."""
+    return f"psflow-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def check_name(name: str) -> str:
+    """Returns ``name`` if it is a psflow segment name (no path, no traversal).
+
+    Raises:
+        InvalidArgumentError: anything else, quoted.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise errors.InvalidArgumentError(f"{name!r} is not a psflow shared-memory segment name")
+    return name
+
+
+class Segment:
+    """A shared-memory file mapped into this process."""
+
+    def __init__(self, name: str, size: int, *, create: bool, writable: bool = True) -> None:
+        self.name = check_name(name)
+        path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        if create:
+            flags |= os.O_CREAT | os.O_EXCL
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, prot) if size else None
+        finally:
+            os.close(fd)
+        self.size = size
+        self.owner = create
+
+    def view(self) -> memoryview:
+        """The whole segment as bytes."""
+        if self._mmap is None:
+            return memoryview(b"")
+        return memoryview(self._mmap)
+
+    def array(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
+        """A NumPy view of part of the segment."""
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self._mmap, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def close(self, unlink: bool = False) -> None:
+        """Unmaps (views still alive keep the mapping until they go); optionally removes the file."""
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, self.name))
+
+
+class Mirror:
+    """A variable's value published for readers on this host (PS side).
+
+    Layout: a 64-byte header (magic, sequence, version, data bytes) then the
+    value's bytes. :meth:`publish` is called with the variable's lock held.
+    """
+
+    def __init__(self, name: str, value: np.ndarray) -> None:
+        self.segment = Segment(name, HEADER_BYTES + value.nbytes, create=True)
+        self._header = self.segment.array(np.int64, (8,))
+        self._data = self.segment.array(np.uint8, (value.nbytes,), HEADER_BYTES)
+        self._header[3] = value.nbytes
+        self._header[4] = os.getpid()
+        self.publish(value, 0)
+        self._header[0] = MAGIC  # valid from now on
+
+    @property
+    def name(self) -> str:
+        """The segment's name, for clients."""
+        return self.segment.name
+
+    def publish(self, value: np.ndarray, version: int) -> None:
+        """Copies ``value`` in under the seqlock."""
+        header = self._header
+        header[1] += 1  # odd: a write is in progress
+        np.copyto(self._data, value.reshape(-1).view(np.uint8))
+        header[2] = version
+        header[1] += 1  # even again: consistent
+
+    def close(self) -> None:
+        """Retires the mirror (readers still mapping it see that) and removes the segment."""
+        self._header[0] = 0
+        self.segment.close(unlink=True)
+
+
+class MirrorRetiredError(errors.FailedPreconditionError):
+    """A mirror was retired (its variable restored or removed, or its PS process gone)."""
+
+
+class MirrorSet:
+    """The mirrors of one PS process's variables (dense ones up to ``max_bytes``)."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.prefix = new_prefix()
+        self.max_bytes = max_bytes
+        self._count = 0
+        self._lock = threading.Lock()
+        remove_stale()
+
+    def attach(self, variable: Any) -> None:
+        """Gives a store variable a mirror (and publishes it now), if it qualifies."""
+        value = variable.value
+        if value.nbytes > self.max_bytes or value.dtype.kind not in "fiub":
+            variable.mirror = None
+            return
+        with self._lock:
+            self._count += 1
+            name = f"{self.prefix}-v{self._count}"
+        mirror = Mirror(name, value)
+        mirror.publish(value, variable.version)
+        variable.mirror = mirror
+
+    def detach(self, variable: Any) -> None:
+        """Removes a variable's mirror."""
+        mirror = getattr(variable, "mirror", None)
+        if mirror is not None:
+            variable.mirror = None
+            mirror.close()
+
+
+class MirrorReader:
+    """A client's mapping of one PS variable's mirror."""
+
+    def __init__(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.segment = Segment(name, 0, create=False, writable=False)
+        self._header = self.segment.array(np.int64, (8,))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if int(self._header[0]) != MAGIC or int(self._header[3]) != nbytes:
+            raise errors.FailedPreconditionError(
+                f"shared-memory segment {name} does not hold this variable"
+            )
+        self._data = self.segment.array(np.uint8, (nbytes,), HEADER_BYTES)
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
+        self._writer = int(self._header[4])
+
+    def read(self) -> tuple[np.ndarray, int]:
+        """A consistent copy of the value and its version.
+
+        Raises:
+            MirrorRetiredError: the mirror no longer follows the variable (map it again).
+            UnavailableError: the PS kept writing for too long (the caller falls back to gRPC).
+        """
+        if int(self._header[0]) != MAGIC or not _pid_alive(self._writer):
+            raise MirrorRetiredError(f"shared-memory mirror {self.segment.name} was retired")
+        out = np.empty(self.shape, self.dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        header = self._header
+        for attempt in range(_READ_RETRIES):
+            before = int(header[1])
+            if before & 1:
+                if attempt > 100:
+                    time.sleep(0)
+                continue
+            np.copyto(flat, self._data)
+            version = int(header[2])
+            if int(header[1]) == before:
+                return out, version
+        raise errors.UnavailableError("shared-memory read kept racing with the writer")
+
+    def close(self) -> None:
+        """Unmaps."""
+        self.segment.close()
+
+
+class PayloadBuffer:
+    """A client's segment for push payloads; grows (as a new segment) when a payload is larger."""
+
+    def __init__(self) -> None:
+        self._prefix = new_prefix()
+        self._segment: Segment | None = None
+        self._count = 0
+        self._finalizer = weakref.finalize(self, _unlink_quietly, [])
+
+    def write(self, arrays: list[np.ndarray]) -> str:
+        """Copies the arrays back to back into the segment; returns its name."""
+        total = sum(a.nbytes for a in arrays)
+        if self._segment is None or self._segment.size < total:
+            if self._segment is not None:
+                self._segment.close(unlink=True)
+            self._count += 1
+            size = max(total, 1 << 20)
+            self._segment = Segment(f"{self._prefix}-p{self._count}", size + size // 4, create=True)
+            # removed at interpreter exit too, if nobody closed the buffer
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _unlink_quietly, [self._segment.name])
+        view = self._segment.array(np.uint8, (self._segment.size,))
+        offset = 0
+        for a in arrays:
+            n = a.nbytes
+            np.copyto(view[offset : offset + n], a.reshape(-1).view(np.uint8))
+            offset += n
+        return self._segment.name
+
+    def close(self) -> None:
+        """Removes the segment."""
+        if self._segment is not None:
+            self._segment.close(unlink=True)
+            self._segment = None
+
+
+class SegmentCache:
+    """Segments a PS opened to read pushes from (read-only, reopened when they change)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._segments: dict[str, Segment] = {}
+        self._lock = threading.Lock()
+        self._limit = limit
+
+    def view(self, name: str, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of segment ``name``.
+
+        Raises:
+            InvalidArgumentError: a bad name, or a segment smaller than ``nbytes``.
+            NotFoundError: no such segment.
+        """
+        check_name(name)
+        with self._lock:
+            seg = self._segments.get(name)
+            if seg is None:
+                try:
+                    seg = Segment(name, 0, create=False, writable=False)
+                except FileNotFoundError:
+                    raise errors.NotFoundError(
+                        f"shared-memory segment {name!r} does not exist"
+                    ) from None
+                if len(self._segments) >= self._limit:
+                    self._segments.pop(next(iter(self._segments))).close()
+                self._segments[name] = seg
+        if seg.size < nbytes:
+            raise errors.InvalidArgumentError(
+                f"segment {name!r} holds {seg.size} bytes, the push needs {nbytes}"
+            )
+        return seg.view()[:nbytes]
+
+
+def _unlink_quietly(names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    return True
+
+
+def remove_stale() -> int:
+    """Removes segments of psflow processes that no longer run; returns how many."""
+    if not os.path.isdir(SHM_DIR):
+        return 0
+    removed = 0
+    for entry in os.listdir(SHM_DIR):
+        m = _NAME.match(entry)
+        if m and not _pid_alive(int(m.group("pid"))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, entry))
+                removed += 1
+    return removed

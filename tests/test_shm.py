@@ -1,0 +1,155 @@
+"""The shared-memory fast path: seqlock mirrors, push payload segments, fallbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from psflow import errors
+from psflow.distribute.ps.connection import Grad, VarSpec
+from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+from psflow.proto import ps_pb2
+from psflow.transport import codec, framing, shm
+from psflow.transport.service import method_path
+
+pytestmark = pytest.mark.skipif(not shm.enabled(), reason="no usable /dev/shm on this machine")
+
+
+def test_a_reader_never_sees_a_torn_value_while_the_writer_publishes():
+    value = np.zeros(1 << 20, np.float32)  # 4 MB: copies release the GIL, so the threads overlap
+    mirror = shm.Mirror(f"{shm.new_prefix()}-torn", value)
+    reader = shm.MirrorReader(mirror.name, value.dtype, value.shape)
+    stop = threading.Event()
+
+    def writer():
+        k = 0
+        while not stop.is_set() and k < 3000:
+            k += 1
+            value.fill(k)
+            mirror.publish(value, k)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(300):
+            got, version = reader.read()
+            assert got.min() == got.max(), "a read mixed two writes"
+            assert got[0] == version
+    finally:
+        stop.set()
+        t.join(30)
+        reader.close()
+        mirror.close()
+
+
+def test_a_retired_mirror_is_reported_to_its_readers():
+    mirror = shm.Mirror(f"{shm.new_prefix()}-retire", np.ones(4, np.float64))
+    reader = shm.MirrorReader(mirror.name, np.float64, (4,))
+    assert reader.read()[0].tolist() == [1.0] * 4
+    mirror.close()
+    with pytest.raises(shm.MirrorRetiredError):
+        reader.read()
+
+
+def test_segment_names_are_checked():
+    for bad in ["../etc/passwd", "psflow-1-zzzz-x", "other", "psflow-12-0123abcd-a/b"]:
+        with pytest.raises(errors.InvalidArgumentError, match="segment name"):
+            shm.check_name(bad)
+
+
+def test_segments_of_dead_processes_are_removed():
+    script = (
+        "import os, numpy as np, psflow.transport.shm as s\n"
+        "b = s.PayloadBuffer()\n"
+        "print(b.write([np.ones(3)]), flush=True)\n"
+        "os._exit(0)  # like a killed process: nothing cleans up\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    name = proc.stdout.strip()
+    assert os.path.exists(os.path.join(shm.SHM_DIR, name))  # its process is gone, the file stays
+    assert shm.remove_stale() >= 1
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+
+
+def test_pulls_and_pushes_go_through_shared_memory_and_match_grpc(start_ps):
+    server = start_ps()
+    fast = GrpcPSConnection(server.address)
+    try:
+        value = np.arange(12, dtype=np.float32).reshape(3, 4)
+        fast.create([VarSpec("w", value.dtype, value.shape, True)], [value])
+        fast.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 0.5})
+        ((pulled, _),) = fast.pull(["w"])
+        assert fast._mirrors["w"] is not None  # the value came from the PS's mirror
+        np.testing.assert_array_equal(pulled, value)
+        grad = np.ones((3, 4), np.float32)
+        fast.push([Grad("w", grad)], push_id=("t", 1))
+        assert fast._payload is not None  # the gradient went through our segment
+        ((after, version),) = fast.pull(["w"])
+        np.testing.assert_array_equal(after, value - 0.5)
+        os.environ["PSFLOW_SHM"] = "0"
+        try:
+            slow = GrpcPSConnection(server.address)
+        finally:
+            del os.environ["PSFLOW_SHM"]
+        ((over_grpc, grpc_version),) = slow.pull(["w"])
+        np.testing.assert_array_equal(over_grpc, after)
+        assert grpc_version == version
+        slow.close()
+    finally:
+        fast.close()
+
+
+def test_a_push_naming_a_bad_segment_is_rejected_and_changes_nothing(start_ps):
+    server = start_ps()
+    conn = GrpcPSConnection(server.address)
+    try:
+        conn.create([VarSpec("v", np.dtype(np.float32), (2,), True)], [np.zeros(2, np.float32)])
+        conn.configure_optimizer(["v"], {"name": "sgd", "learning_rate": 1.0})
+        for name, code in [
+            ("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
+            (f"{shm.new_prefix()}-nope", grpc.StatusCode.NOT_FOUND),
+        ]:
+            header = ps_pb2.PushHeader(shm_payload=name)
+            header.id.client_id, header.id.sequence = "bad", 1
+            header.items.add(name="v", values=codec.spec_to_proto(np.float32, (2,)))
+            message = framing.encode_message(header.SerializeToString(), [])
+            with (
+                grpc.insecure_channel(server.address) as channel,
+                pytest.raises(grpc.RpcError) as info,
+            ):
+                channel.unary_unary(method_path("Push"))(message, timeout=10)
+            assert info.value.code() == code, info.value.details()
+        ((v, _),) = conn.pull(["v"])
+        assert v.tolist() == [0.0, 0.0]
+    finally:
+        conn.close()
+
+
+def test_a_restarted_ps_is_read_afresh_not_from_its_old_mirror(start_ps, tmp_path):
+    server = start_ps()
+    conn = GrpcPSConnection(server.address)
+    try:
+        conn.create([VarSpec("r", np.dtype(np.float64), (3,), True)], [np.full(3, 7.0)])
+        assert conn.pull(["r"])[0][0].tolist() == [7.0] * 3
+        port = server.port
+        server.reap()  # SIGKILL: the old mirror is never retired by its PS
+        from tests.conftest import start_server
+
+        again = start_server(
+            "ps_server", ["--port", str(port)], "PSFLOW_READY ps", log_dir=tmp_path
+        )
+        try:
+            conn.create([VarSpec("r", np.dtype(np.float64), (3,), True)], [np.full(3, 1.0)])
+            assert conn.pull(["r"])[0][0].tolist() == [1.0] * 3
+        finally:
+            again.reap()
+    finally:
+        conn.close()
