@@ -144,6 +144,15 @@ def _ps_factory(log_dir: pathlib.Path):
             server.reap()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind():
+    """Tests kill servers with SIGKILL; remove the shared-memory segments they leave."""
+    yield
+    from psflow.transport import shm
+
+    shm.remove_stale()
+
+
 @pytest.fixture
 def start_ps(tmp_path):
     """Factory: ``start_ps("--grace", "5")`` -> a ready :class:`ServerProcess`, reaped after."""

@@ -26,6 +26,8 @@ REJECT = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,  # a shape above --max-tensor-bytes
+    grpc.StatusCode.ABORTED,  # a contribution to a sync step an earlier example applied
+    grpc.StatusCode.ALREADY_EXISTS,  # a create conflicting with an earlier example's variable
 }
 
 

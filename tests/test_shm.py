@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -33,6 +34,7 @@ def test_a_reader_never_sees_a_torn_value_while_the_writer_publishes():
             k += 1
             value.fill(k)
             mirror.publish(value, k)
+            time.sleep(0.0002)  # a PS publishes after each update, not back to back
 
     t = threading.Thread(target=writer)
     t.start()
