@@ -10,6 +10,10 @@ TCP server.  Then, alternating the sides (A B A B...) so drift hits all of them:
   the same chunk size (prebuilt bytes objects, the receiver only counts them);
 * ``tcp-up|down/<size>``: the same bytes over one TCP connection (``sendall`` /
   ``recv_into`` a preallocated buffer);
+* ``shm-push|pull/<size>``: the same push and pull through ``GrpcPSConnection``,
+  which a worker on the PS's host uses: the PS mirrors its values into shared
+  memory and the pushed bytes travel in a segment (skipped with ``PSFLOW_SHM=0``
+  or where /dev/shm is unusable);
 * ``pull/4B`` vs ``grpc-raw-unary/4B``: round-trip latency.
 
 Throughput = payload bytes / wall seconds of one call (GB/s = 1e9 B/s), median
@@ -283,9 +287,14 @@ def _run_tf(args: argparse.Namespace, results: dict[str, list[float]]) -> list[t
             tf_version=tf_res["tf_version"],
             interleaved=False,
         )
-        ratio = float(np.median(results[ours]) / np.median(vals))
-        _emit(ours, "ratio", ratio, "x", baseline=theirs.split("/")[0], interleaved=False)
-        rows.append((theirs, f"{np.median(vals):6.2f} GB/s  psflow/tf ratio {ratio:4.2f}"))
+        text = f"{np.median(vals):6.2f} GB/s  psflow/tf ratio"
+        for case in (ours, f"shm-{ours}"):
+            if case not in results:
+                continue
+            ratio = float(np.median(results[case]) / np.median(vals))
+            _emit(case, "ratio", ratio, "x", baseline=theirs.split("/")[0], interleaved=False)
+            text += f"  {case.split('/')[0]} {ratio:5.2f}"
+        rows.append((theirs, text))
     return rows
 
 
@@ -293,6 +302,9 @@ def run(args: argparse.Namespace) -> int:
     """Measures every case against its baselines; prints JSON lines and a table."""
     import grpc
 
+    from psflow.distribute.ps.connection import Grad
+    from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+    from psflow.transport import shm
     from psflow.transport.client import PSClient
     from psflow.transport.options import channel_options, tune_malloc
 
@@ -320,6 +332,18 @@ def run(args: argparse.Namespace) -> int:
         tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rng = np.random.default_rng(0)
         tcp_buf = bytearray(64 * MB)
+        conn = GrpcPSConnection(f"127.0.0.1:{ps_port}", timeout=120) if shm.enabled() else None
+        push_ids = iter(range(1 << 30))
+
+        def shm_push(name: str, grad: np.ndarray) -> None:
+            conn.push([Grad(name, grad)], push_id=("bench", next(push_ids)))
+
+        def shm_pull(name: str) -> None:
+            ((value, _version),) = conn.pull([name])
+            if value.nbytes != grad_bytes[name]:
+                raise RuntimeError(f"shm pull of {name}: {value.nbytes} bytes")
+
+        grad_bytes: dict[str, int] = {}
 
         def tcp_up(data: bytes) -> None:
             tcp.sendall(b"U" + struct.pack("<Q", len(data)))
@@ -351,6 +375,10 @@ def run(args: argparse.Namespace) -> int:
                 f"tcp-up/{size}MB": lambda r=raw: tcp_up(r),
                 f"tcp-down/{size}MB": lambda s=size: tcp_down(s * MB),
             }
+            grad_bytes[name] = value.nbytes
+            if conn is not None:
+                cases[f"shm-push/{size}MB"] = lambda g=grad, nm=name: shm_push(nm, g)
+                cases[f"shm-pull/{size}MB"] = lambda nm=name: shm_pull(nm)
             for fn in cases.values():  # warm up
                 fn()
             for _ in range(reps):
@@ -382,6 +410,19 @@ def run(args: argparse.Namespace) -> int:
                         f"tcp {np.median(results[bare.replace('grpc-raw', 'tcp')]):5.2f}",
                     )
                 )
+            if conn is not None:
+                for ours, bare in (
+                    (f"shm-push/{size}MB", f"grpc-raw-up/{size}MB"),
+                    (f"shm-pull/{size}MB", f"grpc-raw-down/{size}MB"),
+                ):
+                    ratio = float(np.median(results[ours]) / np.median(results[bare]))
+                    _emit(ours, "ratio", ratio, "x", baseline=bare.split("/")[0])
+                    table.append(
+                        (
+                            ours,
+                            f"{np.median(results[ours]):6.2f} GB/s  bare grpc ratio {ratio:5.2f}",
+                        )
+                    )
         # Latency: 4-byte pull vs a bare unary round trip, interleaved.
         client.create_variable("tiny", np.ones(1, np.float32), trainable=False)
         tiny = np.empty(1, np.float32)
@@ -412,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         client.close()
+        if conn is not None:
+            conn.close()
         channel.close()
         tcp.close()
     table += _run_tf(args, results)
