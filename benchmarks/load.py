@@ -103,8 +103,8 @@ def _run_threads(make_push, args) -> dict:
 
 def _client_psflow(args) -> None:
     """A client process: ``--clients`` threads, each with its own PSClient (security from env)."""
+    from psflow.memory import tune_malloc
     from psflow.transport.client import PSClient
-    from psflow.transport.options import tune_malloc
 
     tune_malloc()
     clients = [

@@ -47,7 +47,8 @@ MB = 1 << 20
 def _serve_bare_grpc() -> None:
     import grpc
 
-    from psflow.transport.options import server_options, tune_malloc
+    from psflow.memory import tune_malloc
+    from psflow.transport.options import server_options
 
     tune_malloc()  # as the PS does
 
@@ -304,9 +305,10 @@ def run(args: argparse.Namespace) -> int:
 
     from psflow.distribute.ps.connection import Grad
     from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+    from psflow.memory import tune_malloc
     from psflow.transport import shm
     from psflow.transport.client import PSClient
-    from psflow.transport.options import channel_options, tune_malloc
+    from psflow.transport.options import channel_options
 
     # As a psflow worker would; it applies to both sides of every comparison here.
     tuned = tune_malloc()

@@ -191,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.USAGE_ERROR)
     args = parser.parse_args(own)
     _configure_logging(args.log_level)
-    from psflow.transport.options import tune_malloc
+    from psflow import memory
 
-    tune_malloc()  # the chief's embedded mode and its pulls move megabyte buffers too
+    memory.ensure_tuned()  # the chief's embedded mode and its pulls move megabyte buffers too
     return run_chief(target)
 
 

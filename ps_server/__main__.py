@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
+from psflow import memory
 from psflow.errors import OpError
 from psflow.observability.flags import add_observability_flags
 from psflow.observability.logs import configure_logging
@@ -34,7 +36,6 @@ from psflow.security.config import SecurityConfig, check_bind, is_loopback
 from psflow.security.flags import add_limit_flags, add_security_flags
 from psflow.security.limits import PSLimits
 from psflow.transport import shm
-from psflow.transport.options import tune_malloc
 
 from .server import serve
 
@@ -103,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if security.token is not None and security.tls is None and not is_loopback(bind):
         log.warning("the auth token travels in plain text on %s: add TLS (--tls-cert ...)", bind)
-    if not args.no_malloc_tuning:
-        tune_malloc()
+    if args.no_malloc_tuning:
+        os.environ[memory.ENV_MALLOC_TUNING] = "0"
+    memory.ensure_tuned()
     limits = PSLimits(args.max_tensor_bytes, args.max_variables, args.max_streams)
     mirrors = None
     if args.shm == "on" or (args.shm == "auto" and is_loopback(bind)):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from psflow.errors import OpError
@@ -117,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         # The worker reaches the parameter servers with its own credentials.
         return ParameterServerStrategy._for_worker(ps, num_workers or 1, task, security=security)
 
-    if not args.no_malloc_tuning:  # gradients and pulled values are megabyte buffers every step
-        from psflow.transport.options import tune_malloc
+    from psflow import memory
 
-        tune_malloc()
+    if args.no_malloc_tuning:  # (gradients and pulled values are megabyte buffers every step)
+        os.environ[memory.ENV_MALLOC_TUNING] = "0"
+    memory.ensure_tuned()
     executor = ClosureExecutor(task, strategy_factory)
     try:
         return serve(

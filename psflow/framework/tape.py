@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from psflow import backend, errors
+from psflow import backend, errors, memory
 from psflow.framework.indexed_slices import IndexedSlices
 
 _local = threading.local()
@@ -132,6 +132,7 @@ class GradientTape:
         self._ops: list[tuple[tuple[int, ...], int, tuple[Any, ...], Any, Backward]] = []
 
     def __enter__(self) -> GradientTape:
+        memory.ensure_tuned()  # training has started: reuse freed pages (see psflow.memory)
         self._recording = True
         _tapes().append(self)
         return self

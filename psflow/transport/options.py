@@ -9,16 +9,12 @@ per-message cost of grpcio more often, larger ones lose pipelining.
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_STREAM_THRESHOLD",
     "channel_options",
     "server_options",
-    "tune_malloc",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -62,34 +58,3 @@ def server_options(
         ("grpc.http2.max_ping_strikes", 0),
         *(extra or []),
     ]
-
-
-_TUNED = False
-
-
-def tune_malloc() -> bool:
-    """Makes glibc keep freed memory for reuse instead of returning it to the OS.
-
-    grpcio hands every received message to Python as a fresh ``bytes`` object.
-    For megabyte-sized chunks glibc's defaults often map new pages for each one
-    (and trim them after), so every page faults in on first touch; on VMs where
-    faults are slow this costs more than the transfer (a 64 MB pull: ~12k faults
-    per call without this, ~100 with it).  Raising the mmap and trim thresholds
-    lets the same pages be reused.  Process-wide, so call it from an entry point
-    (``python -m ps_server`` does; workers and the chief should), never from a
-    library import.  Returns whether it applied (glibc only); idempotent.
-    """
-    global _TUNED
-    if _TUNED:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = mallopt(m_mmap_threshold, 256 << 20) == 1 and mallopt(m_trim_threshold, 1 << 30) == 1
-    _TUNED = ok
-    return ok
