@@ -54,7 +54,11 @@ def test_collective_all_reduce_equals_batch_call(n, ops_cls, threshold):
     shapes = [(1000,), (7,), (3, 4), (0,), (2**16 + 3,)]
     dtypes = [np.float32, np.float64, np.int32, np.float32, np.float32]
     xs = make_inputs(n, shapes, dtypes, seed=n)
-    ops = ops_cls(subchunk_bytes=16 << 10, parallel_threshold_bytes=threshold)
+    ops = ops_cls(
+        subchunk_bytes=16 << 10,
+        parallel_threshold_bytes=threshold,
+        replica_parallel_threshold_bytes=threshold,
+    )
     comm = Communicator(n, ops, CommunicationOptions(timeout_seconds=20))
     for _ in range(2):  # the communicator is reusable call after call
         results, errs = run_replicas(n, lambda r: comm.all_reduce(r, xs[r]))
@@ -73,7 +77,7 @@ def test_collective_all_reduce_equals_batch_call(n, ops_cls, threshold):
 def test_collective_ring_counts_bytes_per_rank(n):
     size = 12345
     xs = make_inputs(n, [(size,)], [np.float64])
-    comm = Communicator(n, RingAllReduce(parallel_threshold_bytes=0, subchunk_bytes=4096))
+    comm = Communicator(n, RingAllReduce(replica_parallel_threshold_bytes=0, subchunk_bytes=4096))
     _, errs = run_replicas(n, lambda r: comm.all_reduce(r, xs[r], ReduceOp.MEAN))
     assert not errs
     assert comm.bytes_sent == expected_ring_bytes(n, [size], 8)
@@ -85,7 +89,7 @@ def test_collective_in_place():
     n = 3
     xs = make_inputs(n, [(30000,), (5,)], [np.float32, np.float32], seed=4)
     want = RingAllReduce().all_reduce(xs)
-    comm = Communicator(n, RingAllReduce(parallel_threshold_bytes=0, subchunk_bytes=8192))
+    comm = Communicator(n, RingAllReduce(replica_parallel_threshold_bytes=0, subchunk_bytes=8192))
     results, errs = run_replicas(n, lambda r: comm.all_reduce(r, xs[r], out=xs[r]))
     assert not errs
     for r in range(n):
@@ -292,7 +296,7 @@ def test_many_collectives_in_a_row_with_uneven_arrival():
     want = RingAllReduce().all_reduce(xs)
     comm = Communicator(
         n,
-        RingAllReduce(parallel_threshold_bytes=0, subchunk_bytes=4096),
+        RingAllReduce(replica_parallel_threshold_bytes=0, subchunk_bytes=4096),
         CommunicationOptions(timeout_seconds=20),
     )
     rngs = [np.random.default_rng(r) for r in range(n)]

@@ -219,3 +219,31 @@ def test_custom_loop_with_reduction_to_one_device_matches_ring() -> None:
     np.testing.assert_allclose(rto_losses, ring_losses, rtol=RTOL)
     for a, b in zip(ring_model.trainable_variables, rto_model.trainable_variables):
         np.testing.assert_allclose(copies(a)[0], copies(b)[2], rtol=RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("aggregate", [True, False], ids=["in_replica", "merge_call"])
+def test_each_step_updates_once_with_one_step_count(aggregate: bool) -> None:
+    """Both update paths (each replica its own copy after the all-reduce, or a merge when
+    the caller aggregated) count one step per call and apply Adam as one device would."""
+    with logical_cpus(3):
+        strategy = pf.distribute.MirroredStrategy()
+        with strategy.scope():
+            v = pf.Variable([1.0, 2.0])
+            opt = pf.keras.optimizers.Adam(learning_rate=0.1)
+
+        def step() -> None:
+            ctx = pf.distribute.get_replica_context()
+            g = pf.constant([1.0, -1.0]) * float(ctx.replica_id_in_sync_group + 1)
+            if not aggregate:
+                g = ctx.all_reduce("SUM", g)
+            opt.apply_gradients([(g, v)], experimental_aggregate_gradients=aggregate)
+
+        for _ in range(5):
+            strategy.run(step)
+    ref_v = pf.Variable([1.0, 2.0])
+    ref_opt = pf.keras.optimizers.Adam(learning_rate=0.1)
+    for _ in range(5):
+        ref_opt.apply_gradients([(pf.constant([6.0, -6.0]), ref_v)])
+    assert int(opt.iterations) == int(ref_opt.iterations) == 5
+    for part in copies(v):
+        np.testing.assert_array_equal(part, ref_v.numpy())

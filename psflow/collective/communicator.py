@@ -232,7 +232,7 @@ class Communicator:
         assert job is not None and session is not None  # set together by _rendezvous
         try:
             # On failure, drive fails the session, which wakes and fails every rank.
-            if job.kernels.is_gpu or job.nbytes >= self.ops.parallel_threshold_bytes:
+            if job.kernels.is_gpu or job.nbytes >= self.ops.replica_parallel_threshold_bytes:
                 drive(job, session, [rank])  # each replica thread does its own share
             else:
                 # Small: one thread does every rank's share (as a batch call would);

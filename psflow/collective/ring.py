@@ -24,9 +24,10 @@ buffer S when N divides it.
 Work is done in units of one sub-chunk of one step, taken sub-chunk-major
 (all 2N-3 steps of sub-chunk j, then sub-chunk j+1), so the ranks move through
 the buffer together and a partial sum is read back soon after it is written,
-from cache.  Fallback/threshold: below ``parallel_threshold_bytes`` one
-thread runs every rank's units in turn (threads would cost more than the
-work).  Dependencies, all on units of the same sub-chunk index j:
+from cache.  Fallback/threshold: below ``parallel_threshold_bytes`` (a batch
+call) or ``replica_parallel_threshold_bytes`` (replica threads) one thread runs
+every rank's units in turn (handing work between threads would cost more).
+Dependencies, all on units of the same sub-chunk index j:
 
 * reduce-scatter step s >= 1 reads the left neighbour's step s-1;
 * the fused push of step N-2 overwrites the right neighbour's chunk r+1, which

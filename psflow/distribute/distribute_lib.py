@@ -392,6 +392,14 @@ class ReplicaContext:
         with _enter(_Context(self._strategy, None)):
             return merge_fn(self._strategy, *args, **(kwargs or {}))
 
+    def _apply_in_replica(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> bool:
+        """Applies already-reduced gradients to this replica's own copies, without a merge.
+
+        Returns False (nothing applied) where the strategy needs ``merge_call``;
+        the answer must depend on the variables only, so every replica agrees.
+        """
+        return False
+
     def __enter__(self) -> ReplicaContext:
         _stack().append(_Context(self._strategy, self))
         return self

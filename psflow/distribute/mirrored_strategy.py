@@ -218,6 +218,23 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         result = strategy._merge.call(self._replica_id, (args, kwargs), run)
         return select_replica(self._replica_id, result)
 
+    def _apply_in_replica(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> bool:
+        """Updates this replica's copies of mirrored variables with its reduced gradients.
+
+        After the all-reduce every replica holds the same sums, and each copy is
+        only ever written by its own replica, so no merge (two more rendezvous
+        and a hand-off between threads per step) is needed.  Variables of
+        another kind (a parameter server's) take the merge path.
+        """
+        extended = self._strategy.extended
+        if any(getattr(v, "_update_group", None) is not extended for _, v in pairs):
+            return False
+        i = self._replica_id
+        with backend.device(extended._devices[i]):
+            for grad, var in pairs:
+                optimizer._apply_local(var, grad, step, replica=i, array=var.values[i]._value)
+        return True
+
 
 class MirroredExtended(distribute_lib.StrategyExtended):
     """MirroredStrategy's internals: mirrored variables and their updates."""

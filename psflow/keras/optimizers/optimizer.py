@@ -243,7 +243,13 @@ class Optimizer:
                 skip_gradients_aggregation
                 or kwargs.get("experimental_aggregate_gradients") is False
             ):
+                # Read before the all-reduce: no replica can update the count until every
+                # replica has arrived there, so all of them apply the same step.
+                step = self._iterations + 1
                 grads = ctx.all_reduce(ReduceOp.SUM, grads)
+                if ctx._apply_in_replica(self, list(zip(grads, variables)), step):
+                    self._iterations = step
+                    return self.iterations
             ctx.merge_call(
                 lambda strategy, gs, vs: self._distributed_apply(strategy, gs, vs),
                 args=(grads, variables),
