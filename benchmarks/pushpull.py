@@ -398,31 +398,20 @@ def run(args: argparse.Namespace) -> int:
                     max=round(max(vals), 4),
                     chunk_bytes=chunk,
                 )
-            for ours, bare in (
-                (f"push/{size}MB", f"grpc-raw-up/{size}MB"),
-                (f"pull/{size}MB", f"grpc-raw-down/{size}MB"),
-            ):
-                ratio = float(np.median(results[ours]) / np.median(results[bare]))
-                _emit(ours, "ratio", ratio, "x", baseline=bare.split("/")[0])
-                table.append(
-                    (
-                        ours,
-                        f"{np.median(results[ours]):6.2f} GB/s  "
-                        f"bare grpc {np.median(results[bare]):5.2f}  ratio {ratio:4.2f}  "
-                        f"tcp {np.median(results[bare.replace('grpc-raw', 'tcp')]):5.2f}",
-                    )
-                )
-            if conn is not None:
+            for prefix in ("", "shm-") if conn is not None else ("",):
                 for ours, bare in (
-                    (f"shm-push/{size}MB", f"grpc-raw-up/{size}MB"),
-                    (f"shm-pull/{size}MB", f"grpc-raw-down/{size}MB"),
+                    (f"{prefix}push/{size}MB", f"grpc-raw-up/{size}MB"),
+                    (f"{prefix}pull/{size}MB", f"grpc-raw-down/{size}MB"),
                 ):
                     ratio = float(np.median(results[ours]) / np.median(results[bare]))
                     _emit(ours, "ratio", ratio, "x", baseline=bare.split("/")[0])
+                    tcp_rate = np.median(results[bare.replace("grpc-raw", "tcp")])
                     table.append(
                         (
                             ours,
-                            f"{np.median(results[ours]):6.2f} GB/s  bare grpc ratio {ratio:5.2f}",
+                            f"{np.median(results[ours]):6.2f} GB/s  "
+                            f"bare grpc {np.median(results[bare]):5.2f}  ratio {ratio:5.2f}  "
+                            f"tcp {tcp_rate:5.2f}",
                         )
                     )
         # Latency: 4-byte pull vs a bare unary round trip, interleaved.
