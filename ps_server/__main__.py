@@ -32,8 +32,8 @@ from psflow.errors import OpError
 from psflow.observability.flags import add_observability_flags
 from psflow.observability.logs import configure_logging
 from psflow.ps.store import VariableStore
-from psflow.security.config import SecurityConfig, check_bind, is_loopback
-from psflow.security.flags import add_limit_flags, add_security_flags
+from psflow.security.config import is_loopback
+from psflow.security.flags import add_limit_flags, add_security_flags, security_from_flags
 from psflow.security.limits import PSLimits
 from psflow.transport import shm
 
@@ -92,18 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     task = task or "ps:0"
     try:
         configure_logging("ps", task, args.log_level, args.log_format)
-        security = SecurityConfig.from_environment(
-            token_file=args.auth_token_file,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_ca=args.tls_ca,
-        )
-        check_bind(bind, security, args.insecure)
+        security = security_from_flags(args, bind)
     except OpError as e:
         sys.stderr.write(f"ps_server: {e}\n")
         return 2
-    if security.token is not None and security.tls is None and not is_loopback(bind):
-        log.warning("the auth token travels in plain text on %s: add TLS (--tls-cert ...)", bind)
     if args.no_malloc_tuning:
         os.environ[memory.ENV_MALLOC_TUNING] = "0"
     memory.ensure_tuned()

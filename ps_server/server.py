@@ -14,18 +14,16 @@ import logging
 import threading
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from psflow import serving
-from psflow.errors import UnavailableError
 from psflow.observability.http import MetricsServer
 from psflow.observability.metrics import Registry
 from psflow.observability.services import PSMetrics
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
 from psflow.security.config import SecurityConfig, check_bind
-from psflow.security.grpc_auth import add_port, server_interceptors
+from psflow.security.grpc_auth import server_interceptors
 from psflow.transport.options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -91,21 +89,16 @@ def create_server(
     if metrics is not None and servicer.gate is not None:
         gate = servicer.gate
         metrics.watch_streams(lambda: gate.active)
-    server.add_generic_rpc_handlers((servicer.generic_handler(),))
-    if health_servicer is None:
-        health_servicer = health.HealthServicer()
-        serving.set_health(health_servicer, (SERVICE,), serving=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    bound = serving.register_and_bind(
+        server,
+        servicer.generic_handler(),
+        SERVICE,
+        health_servicer,
+        bind,
+        port,
+        security,
+        store.task,
     )
-    address = serving.host_port(bind, port)
-    try:
-        bound = add_port(server, address, security)
-    except RuntimeError as e:
-        raise UnavailableError(f"cannot bind {address}: {e}", task=store.task) from e
-    if not bound:
-        raise UnavailableError(f"cannot bind {address}", task=store.task)
     return server, bound
 
 

@@ -16,9 +16,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from psflow.errors import UnavailableError
+from psflow.security.grpc_auth import add_port
 
 log = logging.getLogger("psflow.serving")
 
@@ -41,6 +46,40 @@ def set_health(servicer: health.HealthServicer, services: Sequence[str], serving
     )
     for name in ("", *services):
         servicer.set(name, status)
+
+
+def register_and_bind(
+    server: grpc.Server,
+    handler: grpc.GenericRpcHandler,
+    service: str,
+    health_servicer: health.HealthServicer | None,
+    bind: str,
+    port: int,
+    security: Any,
+    task: str,
+) -> int:
+    """Adds ``handler``, health (SERVING unless a servicer is given) and reflection to
+    ``server`` and binds ``bind:port`` with ``security``'s credentials; returns the port.
+
+    Raises:
+        UnavailableError: the address cannot be bound (named).
+    """
+    server.add_generic_rpc_handlers((handler,))
+    if health_servicer is None:
+        health_servicer = health.HealthServicer()
+        set_health(health_servicer, (service,), serving=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = host_port(bind, port)
+    try:
+        bound = add_port(server, address, security)
+    except RuntimeError as e:
+        raise UnavailableError(f"cannot bind {address}: {e}", task=task) from e
+    if not bound:
+        raise UnavailableError(f"cannot bind {address}", task=task)
+    return bound
 
 
 def install_stop_signals(stop: threading.Event) -> None:

@@ -28,8 +28,7 @@ import sys
 from psflow.errors import OpError
 from psflow.observability.flags import add_observability_flags
 from psflow.observability.logs import configure_logging
-from psflow.security.config import SecurityConfig, check_bind, is_loopback
-from psflow.security.flags import add_limit_flags, add_security_flags
+from psflow.security.flags import add_limit_flags, add_security_flags, security_from_flags
 from psflow.security.limits import WorkerLimits
 from worker.executor import ClosureExecutor
 from worker.server import serve
@@ -99,18 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     task = task or "worker:0"
     try:
         configure_logging("worker", task, args.log_level, args.log_format)
-        security = SecurityConfig.from_environment(
-            token_file=args.auth_token_file,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_ca=args.tls_ca,
-        )
-        check_bind(bind, security, args.insecure)
+        security = security_from_flags(args, bind)
     except OpError as e:
         sys.stderr.write(f"worker: {e}\n")
         return 2
-    if security.token is not None and security.tls is None and not is_loopback(bind):
-        log.warning("the auth token travels in plain text on %s: add TLS (--tls-cert ...)", bind)
 
     def strategy_factory():
         from psflow.distribute.parameter_server_strategy import ParameterServerStrategy

@@ -6,16 +6,14 @@ import concurrent.futures
 import threading
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from psflow import serving
-from psflow.errors import UnavailableError
 from psflow.observability.http import MetricsServer
 from psflow.observability.metrics import Registry
 from psflow.observability.services import WorkerMetrics
 from psflow.security.config import SecurityConfig, check_bind
-from psflow.security.grpc_auth import add_port, server_interceptors
+from psflow.security.grpc_auth import server_interceptors
 from psflow.security.limits import WorkerLimits
 from worker.executor import ClosureExecutor
 from worker.servicer import SERVICE, WorkerServicer
@@ -69,21 +67,16 @@ def create_server(
         interceptors=server_interceptors(security, on_reject),
     )
     servicer = WorkerServicer(executor, limits=limits, metrics=metrics)
-    server.add_generic_rpc_handlers((servicer.generic_handler(),))
-    if health_servicer is None:
-        health_servicer = health.HealthServicer()
-        serving.set_health(health_servicer, (SERVICE,), serving=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    bound = serving.register_and_bind(
+        server,
+        servicer.generic_handler(),
+        SERVICE,
+        health_servicer,
+        bind,
+        port,
+        security,
+        executor.task,
     )
-    address = serving.host_port(bind, port)
-    try:
-        bound = add_port(server, address, security)
-    except RuntimeError as e:
-        raise UnavailableError(f"cannot bind {address}: {e}", task=executor.task) from e
-    if not bound:
-        raise UnavailableError(f"cannot bind {address}", task=executor.task)
     return server, bound
 
 

@@ -13,8 +13,18 @@ Example:
 from __future__ import annotations
 
 import argparse
+import logging
 
-from .config import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, ENV_TOKEN_FILE
+from .config import (
+    ENV_TLS_CA,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    SecurityConfig,
+    check_bind,
+    is_loopback,
+)
 from .limits import DEFAULT_MAX_CLOSURE_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_MAX_VARIABLES
 
 __all__ = ["add_limit_flags", "add_security_flags", "positive_int"]
@@ -51,6 +61,30 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve a non-loopback address without authentication (refused otherwise)",
     )
+
+
+def security_from_flags(args: argparse.Namespace, bind: str) -> SecurityConfig:
+    """The :class:`~psflow.security.config.SecurityConfig` of ``add_security_flags``'s
+    flags (and the environment), checked against the address the server binds.
+
+    Warns when a token would travel in plain text beyond loopback.
+
+    Raises:
+        OpError: unreadable credentials, or a non-loopback ``bind`` without
+            authentication and without ``--insecure``.
+    """
+    security = SecurityConfig.from_environment(
+        token_file=args.auth_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+    )
+    check_bind(bind, security, args.insecure)
+    if security.token is not None and security.tls is None and not is_loopback(bind):
+        logging.getLogger("psflow.security").warning(
+            "the auth token travels in plain text on %s: add TLS (--tls-cert ...)", bind
+        )
+    return security
 
 
 def add_limit_flags(parser: argparse.ArgumentParser, role: str) -> None:
