@@ -80,8 +80,12 @@ def _slow_push(address: str, name: str, grad: np.ndarray, sent: threading.Event,
 
     def messages():
         yield framing.encode_message(header.SerializeToString(), [pieces[0]])
-        sent.set()
-        for piece in pieces[1:]:
+        for i, piece in enumerate(pieces[1:], start=1):
+            if i == 3:
+                # gRPC asks for a message once it has written the one before, so the
+                # call is on the wire by now (setting this at the first message races
+                # the SIGTERM against the call's arrival on a loaded machine)
+                sent.set()
             time.sleep(0.15)  # a slow client: the call stays in flight for ~1.5 s
             yield framing.encode_message(None, [piece])
 
