@@ -109,6 +109,41 @@ def test_pulls_and_pushes_go_through_shared_memory_and_match_grpc(start_ps):
         fast.close()
 
 
+def test_a_large_mixed_push_in_chunks_equals_the_same_push_over_grpc(start_ps):
+    """The PS applies a shared-memory payload in 1 MB chunks; tensors that straddle
+    chunk boundaries (a float16 one of odd length puts the next off alignment) and
+    Adam's slots must come out exactly as the streamed gRPC path leaves them."""
+    rng = np.random.default_rng(3)
+    values = {
+        "h": rng.standard_normal(1_000_001).astype(np.float16),
+        "f": rng.standard_normal(700_001).astype(np.float32),
+        "d": rng.standard_normal(300_000).astype(np.float64),
+    }
+    grads = [{k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in values.items()}
+             for _ in range(2)]  # fmt: skip
+    results = []
+    for use_shm in (True, False):
+        server = start_ps()
+        if not use_shm:
+            os.environ["PSFLOW_SHM"] = "0"
+        try:
+            conn = GrpcPSConnection(server.address)
+        finally:
+            os.environ.pop("PSFLOW_SHM", None)
+        try:
+            specs = [VarSpec(k, v.dtype, v.shape, True) for k, v in values.items()]
+            conn.create(specs, list(values.values()))
+            conn.configure_optimizer(list(values), {"name": "adam", "learning_rate": 0.01})
+            for i, g in enumerate(grads):
+                conn.push([Grad(k, v) for k, v in g.items()], push_id=("t", i))
+            assert (conn._payload is not None) == use_shm
+            results.append([a for a, _ in conn.pull(list(values))])
+        finally:
+            conn.close()
+    for via_shm, via_grpc in zip(*results, strict=True):
+        assert via_shm.tobytes() == via_grpc.tobytes()
+
+
 def test_a_push_naming_a_bad_segment_is_rejected_and_changes_nothing(start_ps):
     server = start_ps()
     conn = GrpcPSConnection(server.address)
