@@ -27,7 +27,7 @@ from .config import (
 )
 from .limits import DEFAULT_MAX_CLOSURE_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_MAX_VARIABLES
 
-__all__ = ["add_limit_flags", "add_security_flags", "positive_int"]
+__all__ = ["add_limit_flags", "add_security_flags", "positive_int", "security_from_flags"]
 
 
 def positive_int(text: str) -> int:
