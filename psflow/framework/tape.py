@@ -30,6 +30,8 @@ from typing import Any
 
 from psflow import backend, errors, memory
 from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.tensor import Tensor, to_array
+from psflow.framework.variable import Variable
 
 _local = threading.local()
 
@@ -72,6 +74,13 @@ def _is_float(node: Any) -> bool:
     return node._array().dtype.kind == "f"
 
 
+def _auto_watched(variable: Any) -> bool:
+    """Whether a tape watches ``variable`` on first read: trainable and floating point."""
+    if type(variable) is Variable:
+        return variable._trainable and variable._value.dtype.kind == "f"
+    return variable.trainable and _is_float(variable)
+
+
 def _accumulate(a: Any, b: Any) -> Any:
     if a is None:
         return b
@@ -91,18 +100,34 @@ def _accumulate(a: Any, b: Any) -> Any:
 
 def _is_node(x: Any) -> bool:
     """Whether ``x`` is a tensor or a variable (anything an op records)."""
-    return getattr(x, "_is_variable", None) is not None  # a class attribute of both
+    return type(x) is Tensor or type(x) is Variable or getattr(x, "_is_variable", None) is not None
 
 
-def _flatten_nodes(x: Any) -> list[Any]:
-    """``nest.flatten`` with fast paths for a node and a flat list or tuple of nodes."""
+def _flatten_nodes(x: Any, what: str = "") -> list[Any]:
+    """``nest.flatten`` with fast paths for a node and a flat list or tuple of nodes.
+
+    Raises:
+        InvalidArgumentError: with ``what`` set, a flattened entry that is not a
+            tensor or variable (named, with ``what`` saying which argument).
+    """
     if _is_node(x):
         return [x]
-    if type(x) in (list, tuple) and all(_is_node(e) for e in x):
-        return list(x)
+    if type(x) in (list, tuple):
+        for e in x:
+            if not (type(e) is Tensor or type(e) is Variable or _is_node(e)):
+                break
+        else:
+            return list(x)
     from psflow.util import nest
 
-    return nest.flatten(x)
+    flat = nest.flatten(x)
+    if what:
+        for e in flat:
+            if not _is_node(e):
+                raise errors.InvalidArgumentError(
+                    f"gradient {what} must be tensors or variables, got {type(e).__name__}: {e!r}"
+                )
+    return flat
 
 
 class GradientTape:
@@ -127,9 +152,12 @@ class GradientTape:
         self._watch_accessed = watch_accessed_variables
         self._recording = False
         self._used = False
-        self._watched: dict[int, Any] = {}
+        self._watched: dict[int, Any] = {}  # every watched node: roots and recorded outputs
+        self._roots: dict[int, Any] = {}  # the watched nodes that no recorded op produced
+        self._late_watch = False  # watch() after the first record: needs are not final
         self._variables: dict[int, Any] = {}
-        self._ops: list[tuple[tuple[int, ...], int, tuple[Any, ...], Any, Backward]] = []
+        # (input ids, output id, inputs, output, backward, which inputs were watched)
+        self._ops: list[tuple[tuple[int, ...], int, tuple[Any, ...], Any, Backward, tuple]] = []
 
     def __enter__(self) -> GradientTape:
         memory.ensure_tuned()  # training has started: reuse freed pages (see psflow.memory)
@@ -157,6 +185,8 @@ class GradientTape:
                 )
             if _is_float(t):
                 self._watched[id(t)] = t
+                self._roots[id(t)] = t
+                self._late_watch = self._late_watch or bool(self._ops)
                 if isinstance(t, Variable):
                     self._variables[id(t)] = t
 
@@ -177,31 +207,48 @@ class GradientTape:
     def reset(self) -> None:
         """Forgets everything recorded so far."""
         self._watched.clear()
+        self._roots.clear()
+        self._late_watch = False
         self._variables.clear()
         self._ops.clear()
         self._used = False
 
     def _record(self, inputs: tuple[Any, ...], output: Any, backward: Backward) -> None:
+        # The hot path of every op under a tape: one and two inputs are unrolled.
         watched = self._watched
-        ids = tuple([id(x) for x in inputs])
-        hit = False
-        for key, x in zip(ids, inputs):
-            if key in watched:
-                hit = True
-            elif (
-                self._watch_accessed
-                and getattr(x, "_is_variable", False)
-                and x.trainable
-                and _is_float(x)
-            ):
-                watched[key] = x
-                self._variables[key] = x
-                hit = True
-        if hit and output._array().dtype.kind == "f":
-            watched[id(output)] = output
+        n = len(inputs)
+        if n == 2:
+            x, y = inputs
+            ids = (id(x), id(y))
+            needs = (
+                ids[0] in watched or (x._is_variable and self._watch_first_read(ids[0], x)),
+                ids[1] in watched or (y._is_variable and self._watch_first_read(ids[1], y)),
+            )
+        elif n == 1:
+            x = inputs[0]
+            ids = (id(x),)
+            needs = (ids[0] in watched or (x._is_variable and self._watch_first_read(ids[0], x)),)
+        else:
+            ids = tuple([id(x) for x in inputs])
+            needs = tuple(
+                [
+                    key in watched or (x._is_variable and self._watch_first_read(key, x))
+                    for key, x in zip(ids, inputs)
+                ]
+            )
+        if True in needs and output._value.dtype.kind == "f":
+            out_id = id(output)
+            watched[out_id] = output
             # the ids are computed once here; the record keeps the objects alive so
             # their ids stay unique while the tape holds it
-            self._ops.append((ids, id(output), inputs, output, backward))
+            self._ops.append((ids, out_id, inputs, output, backward, needs))
+
+    def _watch_first_read(self, key: int, variable: Any) -> bool:
+        """Watches a variable an op reads for the first time, when this tape does that."""
+        if self._watch_accessed and _auto_watched(variable):
+            self._watched[key] = self._roots[key] = self._variables[key] = variable
+            return True
+        return False
 
     # -- differentiation -------------------------------------------------------------
     def gradient(
@@ -220,8 +267,6 @@ class GradientTape:
             RuntimeError: a non-persistent tape is asked a second time.
             InvalidArgumentError: a source is not a tensor or variable.
         """
-        from psflow.framework.tensor import Tensor, to_array
-
         if self._used and not self._persistent:
             raise RuntimeError(
                 "A non-persistent GradientTape can only be used to compute one set of gradients"
@@ -234,12 +279,7 @@ class GradientTape:
                 if isinstance(unconnected_gradients, UnconnectedGradients)
                 else str(unconnected_gradients).lower()
             )
-        flat_sources = _flatten_nodes(sources)
-        for s in flat_sources:
-            if not _is_node(s):
-                raise errors.InvalidArgumentError(
-                    f"gradient sources must be tensors or variables, got {type(s).__name__}: {s!r}"
-                )
+        flat_sources = _flatten_nodes(sources, "sources")
         flat_targets = _flatten_nodes(target)
         flat_upstream = (
             _flatten_nodes(output_gradients)
@@ -256,32 +296,45 @@ class GradientTape:
                 continue
             arr = t._array()
             xp = backend.xp_of(arr)
-            g = xp.ones_like(arr) if up is None else xp.asarray(to_array(up), dtype=arr.dtype)
+            if up is None:
+                g = xp.ones(arr.shape, arr.dtype)
+            else:
+                g = xp.asarray(to_array(up), dtype=arr.dtype)
             grads[id(t)] = _accumulate(grads.get(id(t)), g)
 
         watched = self._watched
         keep = {id(s) for s in flat_sources}
-        # Only tensors that depend on a watched source need gradients: one forward sweep
-        # finds them, so backward functions skip the products nobody asked for.
-        relevant = {k for k in keep if k in watched}
-        for in_ids, out_id, _, _, _ in self._ops:
-            if not relevant.isdisjoint(in_ids):
-                relevant.add(out_id)
+        # Only tensors that depend on a requested source need gradients. When every
+        # watched root is requested that is every recorded op, with the needs noted at
+        # record time; otherwise one forward sweep finds them, so backward functions
+        # skip the products nobody asked for.
+        relevant: Any = None
+        if self._late_watch or not keep.issuperset(self._roots):
+            relevant = {k for k in keep if k in watched}
+            for in_ids, out_id, _, _, _, _ in self._ops:
+                if not relevant.isdisjoint(in_ids):
+                    relevant.add(out_id)
         recording, self._recording = self._recording, False
         try:
-            for in_ids, key, _, _, backward in reversed(self._ops):
-                if key not in relevant:
-                    continue
+            for in_ids, key, _, _, backward, needs in reversed(self._ops):
+                if relevant is not None:
+                    if key not in relevant:
+                        continue
+                    needs = tuple([k in relevant for k in in_ids])
                 g = grads.get(key) if key in keep else grads.pop(key, None)
                 if g is None:
                     continue
-                if isinstance(g, IndexedSlices):
+                if type(g) is IndexedSlices:
                     g = g.dense_array()
-                needs = tuple([k in relevant for k in in_ids])
+                if len(in_ids) == 1:  # unrolled: most ops have one input
+                    gx = backward(g, needs)[0]
+                    if gx is not None and needs[0]:
+                        k = in_ids[0]
+                        grads[k] = gx if k not in grads else _accumulate(grads[k], gx)
+                    continue
                 for k, gx, need in zip(in_ids, backward(g, needs), needs):
                     if need and gx is not None:
-                        prev = grads.get(k)
-                        grads[k] = gx if prev is None else _accumulate(prev, gx)
+                        grads[k] = gx if k not in grads else _accumulate(grads[k], gx)
         finally:
             self._recording = recording
 

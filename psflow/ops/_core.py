@@ -14,13 +14,22 @@ import numpy as np
 from psflow import backend, dtypes, errors
 from psflow.framework import tape as tape_lib
 from psflow.framework.tensor import Tensor, convert_to_tensor
+from psflow.framework.variable import Variable
 
 record = tape_lib.record
 recording = tape_lib.is_recording
 
+# hot-path aliases: every op goes through ``out`` and most through ``binary``
+_ndarray = np.ndarray
+_new_tensor = object.__new__
+_tape_state = tape_lib._local  # per thread: its ``tapes`` stack
+_Variable = Variable
+
 
 def node(x: Any, dtype: Any = None) -> Any:
     """A tensor or variable for ``x`` (variables stay themselves so tapes see them)."""
+    if dtype is None and (type(x) is Tensor or type(x) is _Variable):
+        return x
     shards = getattr(x, "_shard_variables", None)
     if shards is not None:  # a sharded variable reads as its shards joined, differentiably
         from psflow.ops import array_ops
@@ -53,8 +62,9 @@ def binary(x: Any, y: Any, op_name: str) -> tuple[Any, Any]:
         InvalidArgumentError: the dtypes differ (TensorFlow never promotes), or a
             value would lose data in the conversion (``1.5`` into int32).
     """
-    if type(x) is Tensor and type(y) is Tensor:
-        pass  # the common case: nothing to convert
+    tx, ty = type(x), type(y)
+    if (tx is Tensor or tx is _Variable) and (ty is Tensor or ty is _Variable):
+        pass  # the common case: plain tensors and variables need no conversion
     elif _is_weak(y):
         x = node(x)
         y = convert_to_tensor(y, dtype=_weak_dtype(y, x._array().dtype))
@@ -72,6 +82,17 @@ def binary(x: Any, y: Any, op_name: str) -> tuple[Any, Any]:
     return x, y
 
 
+def operands(x: Any, y: Any, op_name: str) -> tuple[Any, Any, Any, Any]:
+    """:func:`binary` plus the two raw arrays, with a fast path for plain nodes."""
+    tx, ty = type(x), type(y)
+    if (tx is Tensor or tx is _Variable) and (ty is Tensor or ty is _Variable):
+        a, b = x._value, y._value
+        if a.dtype is b.dtype or a.dtype == b.dtype:
+            return x, y, a, b
+    x, y = binary(x, y, op_name)
+    return x, y, x._array(), y._array()
+
+
 def _weak_dtype(value: Any, other: np.dtype) -> dtypes.DType:
     if other.kind in "iub":
         try:
@@ -87,23 +108,30 @@ def _weak_dtype(value: Any, other: np.dtype) -> dtypes.DType:
 
 def out(array: Any, inputs: tuple[Any, ...], backward: Any = None) -> Tensor:
     """Wraps an op's result and records it on the active tapes."""
-    t = Tensor._wrap(array)
+    t = _new_tensor(Tensor)
+    t._value = array if type(array) is _ndarray else _as_array(array)
     if backward is not None:
-        for tape in tape_lib._local.__dict__.get("tapes", ()):
+        for tape in getattr(_tape_state, "tapes", ()):
             if tape._recording:
                 tape._record(inputs, t, backward)
     return t
 
 
+def _as_array(array: Any) -> Any:
+    return np.asarray(array) if isinstance(array, np.generic) else array
+
+
 def xp(a: Any) -> Any:
     """The array module of ``a``."""
-    return backend.xp_of(a)
+    return np if type(a) is _ndarray else backend.xp_of(a)
 
 
 def unbroadcast(g: Any, shape: tuple[int, ...]) -> Any:
     """Sums ``g`` down to ``shape`` (the VJP of NumPy broadcasting)."""
     if g.shape == shape:
         return g
+    if g.shape[1:] == shape:  # a bias over a batch: the common case
+        return g.sum(axis=0)
     lead = g.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
         i + lead for i, d in enumerate(shape) if d == 1 and g.shape[i + lead] != 1

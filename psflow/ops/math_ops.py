@@ -14,6 +14,7 @@ from psflow.ops._core import (
     check_broadcast,
     node,
     normalize_axis,
+    operands,
     out,
     unbroadcast,
     xp,
@@ -28,19 +29,26 @@ def _binary_op(
     grads: Callable[[Any, Any, Any, Any], tuple[Any, Any]] | None,
 ) -> Callable[..., Tensor]:
     def op(x: Any, y: Any, name_: str | None = None) -> Tensor:
-        x, y = binary(x, y, name)
-        a, b = x._array(), y._array()
-        check_broadcast(a, b, name)
-        z = forward(a, b)
+        x, y, a, b = operands(x, y, name)
+        try:
+            z = forward(a, b)
+        except ValueError:
+            check_broadcast(a, b, name)  # names the shapes when that is the cause
+            raise
         if grads is None or z.dtype.kind != "f":
             return out(z, (x, y))
 
         def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, Any]:
             ga, gb = grads(g, a, b, z)
-            return (
-                unbroadcast(ga, a.shape) if needs[0] and ga is not None else None,
-                unbroadcast(gb, b.shape) if needs[1] and gb is not None else None,
-            )
+            if not needs[0] or ga is None:
+                ga = None
+            elif ga.shape != a.shape:
+                ga = unbroadcast(ga, a.shape)
+            if not needs[1] or gb is None:
+                gb = None
+            elif gb.shape != b.shape:
+                gb = unbroadcast(gb, b.shape)
+            return ga, gb
 
         return out(z, (x, y), backward)
 
@@ -355,15 +363,23 @@ def _extreme_grad(g: Any, a: Any, z: Any, axes: Any) -> Any:
     return g * hit / hit.sum(axis=axes, keepdims=True)
 
 
+def _spread(g: Any, a: Any) -> Any:
+    """``g`` broadcast to ``a``'s shape: filled in for small arrays (cheaper than
+    ``broadcast_to``'s Python wrapper), a read-only view for large ones."""
+    if a.size <= 4096:
+        return xp(a).full(a.shape, g, dtype=g.dtype)
+    return xp(a).broadcast_to(g, a.shape)
+
+
 reduce_sum = _reduction(
     "reduce_sum",
     lambda a, axis, keepdims: a.sum(axis=axis, keepdims=keepdims),
-    lambda g, a, z, axes: xp(a).broadcast_to(g, a.shape),
+    lambda g, a, z, axes: _spread(g, a),
 )
 reduce_mean = _reduction(
     "reduce_mean",
     _mean,
-    lambda g, a, z, axes: xp(a).broadcast_to(g / _count(a, axes), a.shape),
+    lambda g, a, z, axes: _spread(g / _count(a, axes), a),
 )
 reduce_max = _reduction(
     "reduce_max", lambda a, axis, keepdims: a.max(axis=axis, keepdims=keepdims), _extreme_grad
@@ -481,8 +497,14 @@ def matmul(
     Raises:
         InvalidArgumentError: ranks below 2, or inner dimensions that differ.
     """
-    x, y = binary(a, b, "matmul")
-    A, B = x._array(), y._array()
+    x, y, A, B = operands(a, b, "matmul")
+    if (
+        A.ndim == 2
+        and B.ndim == 2
+        and not (transpose_a or transpose_b or adjoint_a or adjoint_b)
+        and A.shape[1] == B.shape[0]
+    ):
+        return _matmul_2d(x, y, A, B)
     ta, tb = transpose_a or adjoint_a, transpose_b or adjoint_b
     if A.ndim < 2 or B.ndim < 2:
         raise errors.InvalidArgumentError(
@@ -509,6 +531,18 @@ def matmul(
             gb = m.matmul(g.swapaxes(-1, -2), Am) if tb else m.matmul(Am.swapaxes(-1, -2), g)
             gb = unbroadcast(gb, B.shape) if gb.shape != B.shape else gb
         return ga, gb
+
+    return out(z, (x, y), backward)
+
+
+def _matmul_2d(x: Any, y: Any, A: Any, B: Any) -> Tensor:
+    """The common case of :func:`matmul`: two matrices, no transposes (checked)."""
+    z = A @ B
+    if z.dtype.kind != "f":
+        return out(z, (x, y))
+
+    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, Any]:
+        return (g @ B.T if needs[0] else None, A.T @ g if needs[1] else None)
 
     return out(z, (x, y), backward)
 

@@ -203,6 +203,22 @@ def softmax_cross_entropy_with_logits(
     return out(z, (lab, lg), backward)
 
 
+# labels of up to 32 bits read as unsigned when indexing: negatives become out of bounds
+_UNSIGNED = {"b": np.uint8, "h": np.uint16, "i": np.uint32, "B": np.uint8, "H": np.uint16}
+
+
+def _check_labels(y: Any, n: int) -> None:
+    """Raises InvalidArgumentError naming a label outside ``[0, n)``."""
+    unsigned = y.view(f"u{y.dtype.itemsize}") if y.dtype.kind == "i" else y
+    if y.size and int(unsigned.max()) >= n:  # one reduction checks both ends
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= n:
+            raise errors.InvalidArgumentError(
+                "sparse_softmax_cross_entropy_with_logits: "
+                f"label {lo if lo < 0 else hi} is outside [0, {n})"
+            )
+
+
 def sparse_softmax_cross_entropy_with_logits(
     labels: Any = None, logits: Any = None, name: str | None = None
 ) -> Tensor:
@@ -225,20 +241,24 @@ def sparse_softmax_cross_entropy_with_logits(
             f"logits shape without its last dimension {list(a.shape[:-1])}"
         )
     n = a.shape[-1]
-    lo, hi = (int(y.min()), int(y.max())) if y.size else (0, 0)
-    if lo < 0 or hi >= n:
-        bad = lo if lo < 0 else hi
-        raise errors.InvalidArgumentError(
-            f"sparse_softmax_cross_entropy_with_logits: label {bad} is outside [0, {n})"
-        )
     m = xp(a)
+    rows = m.arange(y.size)
+    flat_y = y.reshape(-1)
+    if m is not np or y.dtype.char not in _UNSIGNED:
+        # CuPy does not bounds-check fancy indices, and NumPy casts 64-bit indices to
+        # its signed index type (a negative label would wrap): check these first
+        _check_labels(y, n)
     shifted = a - a.max(axis=-1, keepdims=True)
     e = m.exp(shifted)
     total = e.sum(axis=-1, keepdims=True)
-    # one row per example: pick each label's entry by (row, label) fancy indexing
-    rows = m.arange(y.size)
-    flat_y = y.reshape(-1)
-    z = m.log(total).reshape(y.shape) - shifted.reshape(-1, n)[rows, flat_y].reshape(y.shape)
+    # one row per example: pick each label's entry by (row, label) fancy indexing; read as
+    # unsigned, a negative label is out of bounds too, so NumPy's check covers both ends
+    try:
+        picked = shifted.reshape(-1, n)[rows, flat_y.view(_UNSIGNED.get(y.dtype.char, y.dtype))]
+    except IndexError:
+        _check_labels(y, n)
+        raise
+    z = m.log(total).reshape(y.shape) - picked.reshape(y.shape)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[None, Any]:
         grad = e / total  # the softmax, kept from the forward pass

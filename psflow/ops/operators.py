@@ -59,11 +59,11 @@ def _ne(self: Any, other: Any) -> Any:
 def install(cls: type) -> None:
     """Adds the arithmetic, comparison and unary operators to ``cls``."""
     for name, op in _BINARY.items():
-        setattr(cls, f"__{name}__", lambda self, other, _op=op: _op(self, other))
+        setattr(cls, f"__{name}__", op)  # op(self, other): no wrapper frame on the hot path
         setattr(cls, f"__r{name}__", _flip(op))
     for name, op in _COMPARE.items():
         if name not in ("eq", "ne"):
-            setattr(cls, f"__{name}__", lambda self, other, _op=op: _op(self, other))
+            setattr(cls, f"__{name}__", op)
     cls.__eq__ = _eq
     cls.__ne__ = _ne
     cls.__neg__ = lambda self: math_ops.negative(self)
