@@ -33,7 +33,16 @@ from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
 
-_local = threading.local()
+
+class _TapeStack(threading.local):
+    """Per thread: the tapes recording there, innermost last."""
+
+    def __init__(self) -> None:
+        # made on a thread's first access, so an op never pays for a missing attribute
+        self.tapes: list[GradientTape] = []
+
+
+_local = _TapeStack()
 
 Backward = Callable[[Any, tuple[bool, ...]], tuple[Any, ...]]
 
@@ -46,24 +55,17 @@ class UnconnectedGradients(enum.Enum):
 
 
 def _tapes() -> list[GradientTape]:
-    tapes = getattr(_local, "tapes", None)
-    if tapes is None:
-        tapes = _local.tapes = []
-    return tapes
+    return _local.tapes
 
 
 def is_recording() -> bool:
     """Whether any tape of this thread is recording (ops skip bookkeeping otherwise)."""
-    tapes = getattr(_local, "tapes", None)
-    return bool(tapes)
+    return bool(_local.tapes)
 
 
 def record(inputs: tuple[Any, ...], output: Any, backward: Backward) -> None:
     """Offers one op's record to every recording tape of this thread."""
-    tapes = getattr(_local, "tapes", None)
-    if not tapes:
-        return
-    for tape in tapes:
+    for tape in _local.tapes:
         if tape._recording:
             tape._record(inputs, output, backward)
 

@@ -111,7 +111,7 @@ def out(array: Any, inputs: tuple[Any, ...], backward: Any = None) -> Tensor:
     t = _new_tensor(Tensor)
     t._value = array if type(array) is _ndarray else _as_array(array)
     if backward is not None:
-        for tape in getattr(_tape_state, "tapes", ()):
+        for tape in _tape_state.tapes:
             if tape._recording:
                 tape._record(inputs, t, backward)
     return t
