@@ -191,6 +191,36 @@ class UpdateRule(abc.ABC):
             grad = grad.astype(var.dtype)
         self._update(var, grad, slots, step)
 
+    def apply_dense_to_copies(
+        self, copies: list[Any], grad: Any, slots: list[dict[str, Any]], step: int
+    ) -> None:
+        """Applies one dense gradient to several identical copies of a variable.
+
+        ``copies[i]`` and its ``slots[i]`` are updated in place; all copies get the
+        same values, bitwise, as from :meth:`apply_dense` on each.  ``grad`` is
+        scratch the caller gives up: a rule may overwrite it.
+
+        Raises:
+            InvalidArgumentError: as :meth:`apply_dense`, for any copy.
+        """
+        for var, var_slots in zip(copies, slots):
+            if tuple(grad.shape) != tuple(var.shape):
+                raise InvalidArgumentError(
+                    f"gradient shape {tuple(grad.shape)} does not match variable shape "
+                    f"{tuple(var.shape)}"
+                )
+            self._check_slots(var, var_slots, step)
+        if copies and grad.dtype != copies[0].dtype:
+            grad = grad.astype(copies[0].dtype)
+        self._update_copies(copies, grad, slots, step)
+
+    def _update_copies(
+        self, copies: list[Any], grad: Any, slots: list[dict[str, Any]], step: int
+    ) -> None:
+        """The dense formula on each copy; rules may share work across copies."""
+        for var, var_slots in zip(copies, slots):
+            self._update(var, grad, var_slots, step)
+
     def apply_sparse(
         self, var: Any, indices: Any, values: Any, slots: dict[str, Any], step: int
     ) -> None:
@@ -304,6 +334,17 @@ class SGD(UpdateRule):
     def slot_names(self) -> tuple[str, ...]:
         """``("momentum",)`` when momentum is used, else nothing."""
         return ("momentum",) if self.momentum != 0 else ()
+
+    def _update_copies(self, copies, grad, slots, step):
+        if self.momentum != 0 or not copies:
+            super()._update_copies(copies, grad, slots, step)
+            return
+        # ``grad * lr`` once, in the caller's scratch, then one pass over each copy:
+        # the same roundings as ``var -= grad * lr``
+        xp = array_module(grad)
+        xp.multiply(grad, _scalar(self.learning_rate, copies[0].dtype), out=grad)
+        for var in copies:
+            var -= grad
 
     def _update(self, var, grad, slots, step):
         lr = _scalar(self.learning_rate, var.dtype)

@@ -25,6 +25,7 @@ N_EXAMPLES, FEATURES, CLASSES, GLOBAL_BATCH, EPOCHS = 10, 5, 3, 4, 2
 RTOL = 1e-5
 
 OPTIMIZERS: dict[str, Callable[[], Any]] = {
+    "sgd": lambda: pf.keras.optimizers.SGD(learning_rate=0.1),
     "sgd_momentum": lambda: pf.keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
     "adam": lambda: pf.keras.optimizers.Adam(learning_rate=0.01),
 }
@@ -209,6 +210,38 @@ def test_custom_loop_matches_single_device(replicas: int, optimizer: str) -> Non
     assert_matches_reference(model.trainable_variables, reference, replicas)
     # strategy.reduce(SUM) of the per-replica averaged losses is the global batch's mean loss
     np.testing.assert_allclose(losses, reference_losses, rtol=RTOL)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_fused_reduce_and_update_on_replica_threads_matches_single_device(
+    replicas: int, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the ring's per-replica threshold at 0 every replica thread sums and updates
+    its own range of every copy (the path large models take); each step is one
+    ``reduce_and_update`` and no separate all-reduce."""
+    from psflow.collective import Communicator, RingAllReduce
+
+    calls: list[str] = []
+    for name in ("reduce_and_update", "all_reduce"):
+        original = getattr(Communicator, name)
+
+        def spy(self: Any, *args: Any, _name: str = name, _f: Any = original, **kw: Any) -> Any:
+            calls.append(_name)
+            return _f(self, *args, **kw)
+
+        monkeypatch.setattr(Communicator, name, spy)
+    reference, reference_losses = custom_loop_reference(optimizer)
+    with logical_cpus(replicas):
+        strategy = pf.distribute.MirroredStrategy(
+            cross_device_ops=RingAllReduce(replica_parallel_threshold_bytes=0)
+        )
+        model, losses = custom_loop(strategy, optimizer)
+    assert_matches_reference(model.trainable_variables, reference, replicas)
+    np.testing.assert_allclose(losses, reference_losses, rtol=RTOL)
+    steps = EPOCHS * -(-N_EXAMPLES // GLOBAL_BATCH)
+    assert calls.count("reduce_and_update") == steps * replicas
+    assert "all_reduce" not in calls
 
 
 def test_custom_loop_with_reduction_to_one_device_matches_ring() -> None:

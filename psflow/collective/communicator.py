@@ -162,6 +162,34 @@ class Communicator:
 
         return self._collective(rank, "all_reduce", payload, build)
 
+    def reduce_and_update(
+        self, rank: int, arrays: Sequence[Any], update: Callable[[int, int, int, Any], None]
+    ) -> None:
+        """Sums the replicas' ``arrays`` and hands each summed range to an update (called by all N).
+
+        The flattened arrays are split into one contiguous range per rank; this
+        rank sums its range over every replica and calls its own
+        ``update(index, lo, hi, summed)`` for each piece, which must apply
+        ``summed`` (elements ``lo:hi`` of array ``index``, flattened) to every
+        replica's state.  Returns once every rank is done.  See
+        :mod:`psflow.collective.reduce_update`.
+
+        Raises:
+            DeadlineExceededError: some rank did not arrive within the timeout.
+            InvalidArgumentError: inconsistent arrays across ranks, or not NumPy arrays.
+        """
+        from psflow.collective.reduce_update import ReduceUpdateJob
+
+        try:
+            payload: Any = (arr.check_sequence(arrays, f"arrays of rank {rank}"), update)
+        except errors.OpError as exc:
+            payload = exc
+
+        def build(payloads: list[Any]) -> Job:
+            return ReduceUpdateJob([list(p[0]) for p in payloads], [p[1] for p in payloads])
+
+        self._collective(rank, "reduce_and_update", payload, build)
+
     def all_gather(self, rank: int, array: Any, axis: int = 0) -> Any:
         """Concatenates every replica's ``array`` along ``axis`` (called by all N).
 

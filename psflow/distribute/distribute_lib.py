@@ -400,6 +400,17 @@ class ReplicaContext:
         """
         return False
 
+    def _reduce_and_apply(
+        self, optimizer: Any, grads: list[Any], variables: list[Any], step: int
+    ) -> bool:
+        """Sums this replica's gradients with the others' and applies them, in one collective.
+
+        Returns False (nothing done) where the strategy has no such fused path;
+        the answer must depend on the variables and gradient kinds only, so every
+        replica agrees.
+        """
+        return False
+
     def __enter__(self) -> ReplicaContext:
         _stack().append(_Context(self._strategy, self))
         return self

@@ -21,6 +21,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from psflow import backend, errors
 from psflow import config as config_lib
 from psflow.collective import (
@@ -30,6 +32,7 @@ from psflow.collective import (
     create_cross_device_ops,
     default_cross_device_ops,
 )
+from psflow.collective.ring import RingAllReduce
 from psflow.distribute import distribute_lib, input_lib
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.replica_pool import ReplicaPool, available_cores
@@ -235,6 +238,62 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
                 optimizer._apply_local(var, grad, step, replica=i, array=var.values[i]._value)
         return True
 
+    def _reduce_and_apply(
+        self, optimizer: Any, grads: list[Any], variables: list[Any], step: int
+    ) -> bool:
+        """Sums the replicas' dense gradients and updates every copy, split by elements.
+
+        One :meth:`Communicator.reduce_and_update` call replaces the all-reduce and
+        the per-replica updates: each replica thread sums one range of the
+        flattened gradients and applies it to that range of every replica's
+        copies (weights and optimizer slots), so the reduced gradients are never
+        written out and each copy is updated by one pass over its memory.  The
+        copies stay bitwise identical.  Taken for mirrored variables of this
+        strategy on CPU devices with dense NumPy gradients and no constraint;
+        otherwise (False) the caller all-reduces and applies.
+        """
+        strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
+        extended = strategy.extended
+        if not strategy._fused_update or strategy.num_replicas_in_sync < 2:
+            return False
+        arrays = []
+        for g, v in zip(grads, variables):
+            if (
+                getattr(v, "_update_group", None) is not extended
+                or v.constraint is not None
+                or isinstance(g, IndexedSlices)
+            ):
+                return False
+            a = to_array(g)
+            copies = [c._value for c in v.values]
+            if type(a) is not np.ndarray or any(
+                type(c) is not np.ndarray or not c.flags.c_contiguous or c.dtype != a.dtype
+                for c in copies
+            ):
+                return False
+            arrays.append(a)
+        rule = optimizer.rule
+        # every replica's slots exist before the rendezvous (creating them is idempotent)
+        targets = [
+            [
+                (c._value.reshape(-1), {k: s.reshape(-1) for k, s in slots.items()})
+                for q, c in enumerate(v.values)
+                for slots in (optimizer.slot_arrays(v, q, c._value),)
+            ]
+            for v in variables
+        ]
+
+        def update(k: int, lo: int, hi: int, summed: Any) -> None:
+            rule.apply_dense_to_copies(
+                [flat[lo:hi] for flat, _ in targets[k]],
+                summed,
+                [{name: s[lo:hi] for name, s in slots.items()} for _, slots in targets[k]],
+                step,
+            )
+
+        strategy._communicator.reduce_and_update(self._replica_id, arrays, update)
+        return True
+
 
 class MirroredExtended(distribute_lib.StrategyExtended):
     """MirroredStrategy's internals: mirrored variables and their updates."""
@@ -378,6 +437,9 @@ class MirroredStrategy(distribute_lib.Strategy):
         self._devices = parsed
         self._cross_device_ops = ops
         self._options = options
+        # The ring's work on CPU devices, fused with the optimizer's update (see
+        # MirroredReplicaContext._reduce_and_apply); other ops keep their own algorithm.
+        self._fused_update = type(ops) is RingAllReduce and not any(d.is_gpu for d in parsed)
         self._reset_collectives()
         self._pool: ReplicaPool | None = None
         self._pool_lock = threading.Lock()

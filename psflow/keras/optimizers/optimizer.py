@@ -246,6 +246,9 @@ class Optimizer:
                 # Read before the all-reduce: no replica can update the count until every
                 # replica has arrived there, so all of them apply the same step.
                 step = self._iterations + 1
+                if ctx._reduce_and_apply(self, grads, variables, step):
+                    self._iterations = step
+                    return self.iterations
                 grads = ctx.all_reduce(ReduceOp.SUM, grads)
                 if ctx._apply_in_replica(self, list(zip(grads, variables)), step):
                     self._iterations = step

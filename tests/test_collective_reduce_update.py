@@ -1,0 +1,106 @@
+"""The fused reduce-scatter and update: sums against NumPy, coverage, bytes, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psflow import errors, update_rules
+from psflow.collective import Communicator, RingAllReduce, reduce_update
+from tests.test_collective_communicator import run_replicas
+from tests.test_collective_ring import make_inputs
+
+SHAPES = [(1000,), (7,), (3, 4), (0,), (2**16 + 3,), (1,)]
+DTYPES = [np.float32, np.float64, np.float32, np.float32, np.float32, np.float64]
+
+
+def run_fused(n, xs, threshold):
+    """Each replica adds the summed ranges into every copy (zeros to start); returns
+    the copies, how often each element was updated, and the communicator."""
+    ops = RingAllReduce(replica_parallel_threshold_bytes=threshold)
+    comm = Communicator(n, ops)
+    copies = [[np.zeros_like(a) for a in row] for row in xs]
+    hits = [np.zeros(a.size, np.int64) for a in xs[0]]
+
+    def body(rank):
+        def update(k, lo, hi, summed):
+            hits[k][lo:hi] += 1
+            for row in copies:
+                row[k].reshape(-1)[lo:hi] += summed
+
+        comm.reduce_and_update(rank, xs[rank], update)
+
+    _, errs = run_replicas(n, body)
+    assert not errs, errs
+    return copies, hits, comm
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("threshold", [0, 1 << 30], ids=["own-share", "leader-does-all"])
+def test_every_copy_gets_the_float64_sum_once_per_element(n, threshold, monkeypatch):
+    monkeypatch.setattr(reduce_update, "SUB_CHUNK_BYTES", 16 << 10)  # several units per rank
+    xs = make_inputs(n, SHAPES, DTYPES, seed=n)
+    copies, hits, _ = run_fused(n, xs, threshold)
+    for k, h in enumerate(hits):
+        assert (h == 1).all(), f"tensor {k}: elements updated {set(h.tolist())} times"
+    for k, dtype in enumerate(DTYPES):
+        want = np.sum([row[k].astype(np.float64) for row in xs], axis=0)
+        tol = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(copies[0][k], want, rtol=tol, atol=tol)
+        for row in copies[1:]:  # bitwise the same on every copy
+            np.testing.assert_array_equal(row[k], copies[0][k])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_each_replica_sends_its_share_as_the_ring_does(n):
+    xs = make_inputs(n, [(4096 * n,)], [np.float32], seed=1)
+    _, _, comm = run_fused(n, xs, threshold=0)
+    size = xs[0][0].nbytes
+    assert comm.bytes_sent == [2 * (n - 1) * size // n] * n
+
+
+def test_mismatched_replicas_fail_on_every_rank_naming_them():
+    xs = [[np.ones(4, np.float32)], [np.ones(5, np.float32)]]
+    comm = Communicator(2)
+    _, errs = run_replicas(2, lambda r: comm.reduce_and_update(r, xs[r], lambda *a: None))
+    assert set(errs) == {0, 1}
+    for e in errs.values():
+        assert isinstance(e, errors.InvalidArgumentError)
+        assert "replica 1's array 0" in str(e)
+
+
+def test_non_numpy_arrays_are_refused():
+    comm = Communicator(1)
+    with pytest.raises(errors.InvalidArgumentError, match="NumPy arrays"):
+        comm.reduce_and_update(0, [[1.0, 2.0]], lambda *a: None)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        update_rules.SGD(learning_rate=0.1),
+        update_rules.SGD(learning_rate=0.1, momentum=0.9, nesterov=True),
+        update_rules.Adam(learning_rate=0.01),
+    ],
+    ids=["sgd", "nesterov", "adam"],
+)
+def test_applying_to_copies_equals_applying_to_each(rule):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(1000).astype(np.float32)
+    g = rng.standard_normal(1000).astype(np.float32)
+    ref = w.copy()
+    ref_slots = rule.init_slots(ref)
+    rule.apply_dense(ref, g, ref_slots, step=3)
+    copies = [w.copy(), w.copy()]
+    slots = [rule.init_slots(c) for c in copies]
+    rule.apply_dense_to_copies(copies, g.copy(), slots, step=3)
+    for c, s in zip(copies, slots):
+        np.testing.assert_array_equal(c, ref)
+        for name in ref_slots:
+            np.testing.assert_array_equal(s[name], ref_slots[name])
+
+
+def test_applying_to_copies_checks_shapes():
+    rule = update_rules.SGD(learning_rate=0.1)
+    with pytest.raises(errors.InvalidArgumentError, match="does not match"):
+        rule.apply_dense_to_copies([np.zeros(3, np.float32)], np.zeros(4, np.float32), [{}], step=1)
