@@ -27,6 +27,8 @@ back to all-reduce then update for GPU replicas).
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,31 +69,14 @@ class ReduceUpdateJob(Job):
         self.kernels = NumpyKernels()
         sub_chunk_bytes = sub_chunk_bytes or SUB_CHUNK_BYTES
         _check_rows(rows)
-        self._flat = [[np.ascontiguousarray(a).reshape(-1) for a in row] for row in rows]
+        self._flat = [[a.reshape(-1) for a in row] for row in rows]  # read only: a copy is fine
         self._updates = updates
-        sizes = [a.size for a in self._flat[0]]
-        self.nbytes = sum(a.nbytes for a in self._flat[0])
-        total = sum(sizes)
-        bounds = [min(total, (total * r // n + ALIGN - 1) // ALIGN * ALIGN) for r in range(n)]
-        bounds.append(total)
-        starts = np.cumsum([0, *sizes]).tolist()
-        self._pieces: list[list[tuple[int, int, int]]] = []
-        self._bytes: list[int] = []
-        for r in range(n):
-            pieces, nbytes = [], 0
-            lo_r, hi_r = bounds[r], bounds[r + 1]
-            for k, size in enumerate(sizes):
-                lo, hi = max(lo_r, starts[k]) - starts[k], min(hi_r, starts[k] + size) - starts[k]
-                if lo >= hi:
-                    continue
-                itemsize = self._flat[0][k].itemsize
-                step = max(ALIGN, sub_chunk_bytes // itemsize // ALIGN * ALIGN)
-                pieces.extend((k, a, min(a + step, hi)) for a in range(lo, hi, step))
-                nbytes += (hi - lo) * itemsize
-            self._pieces.append(pieces)
-            self._bytes.append(nbytes)
-        largest = max((hi - lo for ps in self._pieces for _, lo, hi in ps), default=0)
-        dtypes = {a.dtype for a in self._flat[0]}
+        first = self._flat[0]
+        self.nbytes = sum(a.nbytes for a in first)
+        self._pieces, self._bytes, largest = _plan(
+            tuple(a.size for a in first), tuple(a.itemsize for a in first), n, sub_chunk_bytes
+        )
+        dtypes = {a.dtype for a in first}
         self._scratch = [{dt: np.empty(largest, dt) for dt in dtypes} for _ in range(n)]
 
     def units(self, rank: int) -> int:
@@ -122,6 +107,34 @@ class ReduceUpdateJob(Job):
     def result(self, rank: int) -> None:
         """Nothing: the updates are the result."""
         return None
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(
+    sizes: tuple[int, ...], itemsizes: tuple[int, ...], n: int, sub_chunk_bytes: int
+) -> tuple[list[list[tuple[int, int, int]]], list[int], int]:
+    """Each rank's pieces ``(tensor, lo, hi)``, its bytes, and the largest piece; the
+    same every step of a training loop, so computed once per signature."""
+    total = sum(sizes)
+    bounds = [min(total, (total * r // n + ALIGN - 1) // ALIGN * ALIGN) for r in range(n)]
+    bounds.append(total)
+    starts = [0, *itertools.accumulate(sizes)]
+    all_pieces: list[list[tuple[int, int, int]]] = []
+    all_bytes: list[int] = []
+    for r in range(n):
+        pieces, nbytes = [], 0
+        lo_r, hi_r = bounds[r], bounds[r + 1]
+        for k, (size, itemsize) in enumerate(zip(sizes, itemsizes)):
+            lo, hi = max(lo_r, starts[k]) - starts[k], min(hi_r, starts[k] + size) - starts[k]
+            if lo >= hi:
+                continue
+            step = max(ALIGN, sub_chunk_bytes // itemsize // ALIGN * ALIGN)
+            pieces.extend((k, a, min(a + step, hi)) for a in range(lo, hi, step))
+            nbytes += (hi - lo) * itemsize
+        all_pieces.append(pieces)
+        all_bytes.append(nbytes)
+    largest = max((hi - lo for ps in all_pieces for _, lo, hi in ps), default=0)
+    return all_pieces, all_bytes, largest
 
 
 def _check_rows(rows: list[list[Any]]) -> None:

@@ -157,7 +157,7 @@ class ReplicaPool:
             except BaseException as e:  # carried back to the caller
                 result.error = e
             finally:
-                done.release()
+                done.put(None)
 
     @property
     def thread_idents(self) -> list[int]:
@@ -182,12 +182,12 @@ class ReplicaPool:
         """Like :meth:`run`, but returns ``(value, error)`` per replica instead of raising."""
         if self._closed:
             raise RuntimeError("ReplicaPool is closed")
-        done = threading.Semaphore(0)
+        done: queue.SimpleQueue = queue.SimpleQueue()  # C-level: lighter than a Semaphore
         results = [_Result() for _ in fns]
         for q, fn, res in zip(self._queues, fns, results):
             q.put((fn, res, done))
         for _ in fns:
-            done.acquire()
+            done.get()
         return [(res.value, res.error) for res in results]
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from psflow import errors
+from psflow.distribute import distribute_lib
 from psflow.framework import variable as variable_lib
 from psflow.framework.tensor import TensorShape
 from psflow.util import nest
@@ -112,10 +113,11 @@ class MirroredVariable(variable_lib.Variable):
         return self._copies
 
     def _replica_index(self) -> int:
-        from psflow.distribute import distribute_lib
-
-        ctx = distribute_lib.get_replica_context()
-        if ctx is not None and ctx.strategy is self._strategy_ref:
+        # every read of the variable asks: the innermost context, without the public
+        # lookup's default-strategy fallback (whose replica context is never ours)
+        current = distribute_lib._current()
+        ctx = current.replica_context if current is not None else None
+        if ctx is not None and ctx._strategy is self._strategy_ref:
             return ctx._replica_id
         return 0
 

@@ -23,12 +23,24 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
+# type -> nested or not: ``isinstance(x, Mapping)`` is an ABC check, slow on the hot paths
+# (every strategy.run and every distributed batch walks its structures)
+_NESTED_BY_TYPE: dict[type, bool] = {list: True, tuple: True, dict: True}
+
+
 def is_nested(x: Any) -> bool:
     """Whether ``x`` is a list, tuple or mapping (not a leaf)."""
-    return isinstance(x, (list, tuple, Mapping))
+    t = type(x)
+    nested = _NESTED_BY_TYPE.get(t)
+    if nested is None:
+        nested = _NESTED_BY_TYPE[t] = isinstance(x, (list, tuple, Mapping))
+    return nested
 
 
 def _children(x: Any) -> list[Any]:
+    t = type(x)
+    if t is list or t is tuple:
+        return list(x)
     if isinstance(x, Mapping):
         return [x[k] for k in _sorted_keys(x)]
     return list(x)
@@ -41,19 +53,19 @@ def _sorted_keys(mapping: Mapping) -> list[Any]:
         return list(mapping)
 
 
-def _iter_leaves(x: Any) -> Iterator[Any]:
+def _flatten_into(x: Any, out: list[Any]) -> None:
     if is_nested(x):
         for c in _children(x):
-            yield from _iter_leaves(c)
+            _flatten_into(c, out)
     else:
-        yield x
+        out.append(x)
 
 
 def flatten(structure: Any) -> list[Any]:
     """The leaves of ``structure`` in order (a leaf alone gives ``[leaf]``)."""
-    if not is_nested(structure):
-        return [structure]
-    return list(_iter_leaves(structure))
+    out: list[Any] = []
+    _flatten_into(structure, out)
+    return out
 
 
 def _rebuild(template: Any, children: list[Any]) -> Any:
