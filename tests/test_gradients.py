@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import psflow as pf
+from psflow.ops import nn_ops
 from tests.gradcheck import check_gradients, tape_vjp, upstreams
 
 Inputs = Callable[[np.random.Generator], list[np.ndarray]]
@@ -112,6 +113,11 @@ MATMULS = {
 }
 for mname, (sa, sb, flags) in MATMULS.items():
     case(f"matmul-{mname}", lambda x, y, f=flags: pf.matmul(x, y, **f), many(n(*sa), n(*sb)))
+
+# the fused layer op Dense uses: x @ kernel (+ bias) (then relu)
+case("dense-relu", lambda x, w, b: nn_ops.dense(x, w, b, relu=True), many(n(3, 4), n(4, 5), n(5)))
+case("dense-linear", lambda x, w, b: nn_ops.dense(x, w, b), many(n(3, 4), n(4, 5), n(5)))
+case("dense-nobias", lambda x, w: nn_ops.dense(x, w, relu=True), many(n(3, 4), n(4, 5)))
 
 case("tensordot-1", lambda x, y: pf.tensordot(x, y, 1), many(n(2, 3), n(3, 4)))
 case("tensordot-2", lambda x, y: pf.tensordot(x, y, 2), many(n(2, 3, 4), n(3, 4, 2)))
@@ -367,6 +373,36 @@ def test_table_covers_every_differentiable_op() -> None:
                 ops.add(name)
     missing = sorted(ops - covered - no_gradient)
     assert not missing, f"ops without a gradient check: {missing}"
+
+
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_dense_equals_the_composed_ops_bitwise(relu: bool, bias: bool) -> None:
+    rng = np.random.default_rng(3)
+    x = pf.constant(rng.standard_normal((6, 7)).astype(np.float32))
+    w = pf.Variable(rng.standard_normal((7, 5)).astype(np.float32))
+    b = pf.Variable(rng.standard_normal(5).astype(np.float32)) if bias else None
+    sources = [x, w] + ([b] if bias else [])
+    results = []
+    for fused in (True, False):
+        with pf.GradientTape() as tape:
+            tape.watch(x)
+            if fused:
+                y = nn_ops.dense(x, w, b, relu=relu)
+            else:
+                y = pf.matmul(x, w) + b if bias else pf.matmul(x, w)
+                y = pf.nn.relu(y) if relu else y
+            loss = pf.reduce_sum(y * y)
+        results.append([y.numpy()] + [g.numpy() for g in tape.gradient(loss, sources)])
+    for a, c in zip(*results):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_fused_dense_declines_what_it_does_not_cover() -> None:
+    x3 = pf.ones((2, 3, 4))
+    assert nn_ops.dense(x3, pf.ones((4, 5))) is None  # rank 3: Dense composes the ops
+    assert nn_ops.dense(pf.ones((2, 4)), pf.ones((4, 5)), pf.ones(4)) is None  # bias width
+    assert nn_ops.dense(pf.ones((2, 4)), pf.ones((3, 5))) is None  # inner dimensions
 
 
 def test_cast_float32_gradient_comes_back_in_the_source_dtype() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 from psflow import errors
 from psflow.framework.tensor import Tensor
 from psflow.ops import array_ops, math_ops
-from psflow.ops._core import binary, node, normalize_axis, out, xp
+from psflow.ops._core import binary, node, normalize_axis, operands, out, xp
 
 
 def _float_node(x: Any, op_name: str) -> Any:
@@ -29,6 +29,43 @@ def relu(features: Any, name: str | None = None) -> Tensor:
     if a.dtype.kind != "f":
         return out(z, (x,))
     return out(z, (x,), lambda g, needs: (g * (z > 0),))
+
+
+def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor | None:
+    """``relu?(x @ kernel + bias)`` for a matrix ``x`` as one op, or None if it does not apply.
+
+    The sum and the activation are computed in place in the product's fresh
+    buffer, and the tape records one backward function: the same values,
+    bitwise, as ``matmul``, ``add`` and ``relu`` one after the other, with two
+    fewer temporaries per call.  Returns None (the caller composes the ops)
+    unless ``x`` and ``kernel`` are floating-point matrices of one dtype that
+    multiply and ``bias`` (if any) is a vector of the output width.
+    """
+    xn, kn, a, w = operands(x, kernel, "dense")
+    if a.ndim != 2 or w.ndim != 2 or a.shape[1] != w.shape[0] or a.dtype.kind != "f":
+        return None
+    inputs: tuple[Any, ...] = (xn, kn)
+    if bias is not None:
+        bn = node(bias)
+        b = bn._array()
+        if b.dtype != a.dtype or b.shape != (w.shape[1],):
+            return None
+        inputs = (xn, kn, bn)
+    z = a @ w
+    if bias is not None:
+        z += b
+    if relu:
+        xp(z).maximum(z, 0, out=z)
+
+    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
+        if relu:
+            g = g * (z > 0)
+        grads = (g @ w.T if needs[0] else None, a.T @ g if needs[1] else None)
+        if len(needs) == 3:
+            return (*grads, g.sum(axis=0) if needs[2] else None)
+        return grads
+
+    return out(z, inputs, backward)
 
 
 def relu6(features: Any, name: str | None = None) -> Tensor:

@@ -97,6 +97,12 @@ class Dense(Layer):
                 f"{self.name}: expected inputs with last dimension {self.input_spec_last_dim}, got "
                 f"shape {list(x._array().shape)}"
             )
+        if self.activation is activations.relu or self.activation is activations.linear:
+            fused = nn_ops.dense(
+                x, self.kernel, self.bias, relu=self.activation is activations.relu
+            )
+            if fused is not None:
+                return fused
         y = (
             math_ops.matmul(x, self.kernel)
             if x._array().ndim >= 2
