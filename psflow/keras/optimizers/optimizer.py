@@ -12,11 +12,14 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from psflow import backend, errors, update_rules
 from psflow.distribute import distribute_lib
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
+from psflow.framework.variable import Variable
 from psflow.keras.optimizers.schedules import LearningRateSchedule
 from psflow.ops import clip_ops
 
@@ -92,8 +95,6 @@ class Optimizer:
     @property
     def iterations(self) -> Tensor:
         """How many updates were applied, an int64 scalar tensor."""
-        import numpy as np
-
         return Tensor._wrap(np.asarray(self._iterations, dtype=np.int64))
 
     @iterations.setter
@@ -229,8 +230,8 @@ class Optimizer:
         if not pairs:
             return self.iterations
         for g, v in pairs:
-            gshape = g._dense_shape if isinstance(g, IndexedSlices) else tuple(to_array(g).shape)
-            if tuple(gshape) != tuple(v.shape):
+            gshape = g._dense_shape if isinstance(g, IndexedSlices) else to_array(g).shape
+            if tuple(gshape) != _shape_of(v):
                 raise errors.InvalidArgumentError(
                     f"Gradient of shape {list(gshape)} does not match variable {v.name} of shape "
                     f"{list(v.shape)}"
@@ -333,6 +334,16 @@ class Optimizer:
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._lock = threading.Lock()
+
+
+def _shape_of(variable: Any) -> tuple[int, ...]:
+    """A variable's shape as a plain tuple (no TensorShape for the common kinds)."""
+    if type(variable) is Variable:
+        return variable._value.shape
+    copies = getattr(variable, "_copies", None)  # mirrored: every copy has the shape
+    if copies is not None:
+        return copies[0]._value.shape
+    return tuple(variable.shape)
 
 
 class SGD(Optimizer):
