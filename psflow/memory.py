@@ -11,8 +11,8 @@ tuned).  :func:`tune_malloc` raises the mmap and trim thresholds so freed pages
 are reused, much as TensorFlow's own allocator keeps its memory.
 
 psflow applies it when training starts (the first :class:`psflow.GradientTape`,
-which ``Model.fit`` and every custom loop use) and in its process entry points;
-never on import.  ``PSFLOW_MALLOC_TUNING=0`` keeps glibc's defaults.
+which ``Model.fit`` and every custom loop use, or the first all-reduce) and in its
+process entry points; never on import.  ``PSFLOW_MALLOC_TUNING=0`` keeps glibc's defaults.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""psflow.memory: the allocator tuning applies when training starts, never on import."""
+"""psflow.memory: the allocator tuning applies when training starts (a tape or an
+all-reduce), never on import."""
 
 from __future__ import annotations
 
@@ -34,3 +35,26 @@ def test_first_tape_tunes_malloc_and_import_does_not():
 
 def test_env_var_keeps_glibc_defaults():
     assert _probe(PSFLOW_MALLOC_TUNING="0") == "False False"
+
+
+_ALL_REDUCE_PROBE = """
+import numpy as np
+import psflow.collective as c, psflow.memory as m
+before = m._TUNED
+c.RingAllReduce().all_reduce([[np.ones(4)], [np.ones(4)]])
+print(before, m._TUNED)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_first_all_reduce_tunes_malloc():
+    full = {k: v for k, v in os.environ.items() if k != "PSFLOW_MALLOC_TUNING"}
+    done = subprocess.run(
+        [sys.executable, "-c", _ALL_REDUCE_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False True"

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from psflow import errors
+from psflow import errors, memory
 from psflow.collective import arrays as arr
 from psflow.collective.buffers import BufferPool
 from psflow.collective.executor import Executor
@@ -236,6 +236,7 @@ class CrossDeviceOps(abc.ABC):
         Raises:
             InvalidArgumentError: see :meth:`all_reduce`.
         """
+        memory.ensure_tuned()  # an all-reduce means training: reuse freed result buffers
         rows, op, layout = self.check_reduction(per_replica, op, out, options)
         out_rows = None if out is None else arr.check_out(out, rows)
         return self._all_reduce_job(layout, rows, op, out_rows, options)
