@@ -104,3 +104,34 @@ def test_applying_to_copies_checks_shapes():
     rule = update_rules.SGD(learning_rate=0.1)
     with pytest.raises(errors.InvalidArgumentError, match="does not match"):
         rule.apply_dense_to_copies([np.zeros(3, np.float32)], np.zeros(4, np.float32), [{}], step=1)
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 30], ids=["own-share", "leader-does-all"])
+def test_a_failing_update_fails_every_rank_without_hanging(threshold):
+    comm = Communicator(2, RingAllReduce(replica_parallel_threshold_bytes=threshold))
+    xs = make_inputs(2, [(64,)], [np.float32], seed=2)
+
+    def body(rank):
+        def update(k, lo, hi, summed):
+            if rank == 1:
+                raise ValueError("update of rank 1 broke")
+
+        comm.reduce_and_update(rank, xs[rank], update)
+
+    _, errs = run_replicas(2, body)
+    assert set(errs) == {0, 1}
+    messages = [str(e) for e in errs.values()]
+    assert any(isinstance(e, ValueError) for e in errs.values()), messages
+    assert all("rank 1 broke" in m for m in messages), messages
+    # the communicator stays usable: the next collective works on both ranks
+    seen = [0, 0]
+
+    def again(rank):
+        def update(k, lo, hi, summed):
+            seen[rank] += hi - lo
+
+        comm.reduce_and_update(rank, xs[rank], update)
+
+    _, errs = run_replicas(2, again)
+    assert not errs, errs
+    assert sum(seen) == 64

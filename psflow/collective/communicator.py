@@ -59,6 +59,8 @@ class _Collective:
     session: Session | None = None
     error: errors.OpError | None = None
     left: int = 0  # ranks that have finished with it
+    ready: bool = False  # the others may proceed (a small job: its work is done too)
+    drive_error: BaseException | None = None  # the leader's own error doing a small job
 
 
 class Communicator:
@@ -260,16 +262,13 @@ class Communicator:
         assert job is not None and session is not None  # set together by _rendezvous
         try:
             # On failure, drive fails the session, which wakes and fails every rank.
-            if job.kernels.is_gpu or job.nbytes >= self.ops.replica_parallel_threshold_bytes:
+            if self._shares_work(job):
                 drive(job, session, [rank])  # each replica thread does its own share
             else:
-                # Small: one thread does every rank's share (as a batch call would);
-                # handing units between threads would cost more than the work.
-                if leader:
-                    drive(job, session, list(range(self.num_replicas)), finish=False)
-                else:
-                    others = list(range(self.num_replicas))
-                    session.wait_finished(rank, others, [job.units(q) for q in others])
+                # Small: the last rank to arrive did every rank's share inside the
+                # rendezvous (see there); it raises its own error, the others the session's.
+                if leader and coll.drive_error is not None:
+                    raise coll.drive_error
                 job.finish(session, rank)
             return job.result(rank)
         finally:
@@ -311,6 +310,18 @@ class Communicator:
                         n, self.timeout, getattr(job.kernels, "device_sync", None)
                     )
                     coll.job = job
+                    if not self._shares_work(job):
+                        # Small: handing units between threads would cost more than the
+                        # work, so this thread does every rank's share (as a batch call
+                        # would) before waking the others, who then wake once, at the end.
+                        self._cond.release()
+                        try:
+                            drive(job, coll.session, list(range(n)), finish=False)
+                        except BaseException as exc:  # drive failed the session: all see it
+                            coll.drive_error = exc
+                        finally:
+                            self._cond.acquire()
+                    coll.ready = True
                 except errors.OpError as exc:
                     coll.error = exc
                 except Exception as exc:  # a bug: fail every rank, not only this one
@@ -322,7 +333,10 @@ class Communicator:
                 coll.payloads = dict.fromkeys(coll.payloads)  # the job holds what it needs
                 self._cond.notify_all()
             deadline = arrived + self.timeout
-            while coll.job is None and coll.error is None and not self._closed:
+            while not coll.ready and coll.error is None and not self._closed:
+                if coll.job is not None:  # everyone came; a small job's work is under way
+                    self._cond.wait(self.timeout)  # its units are bounded by the session
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = sorted(set(range(n)) - set(coll.payloads))
@@ -341,6 +355,10 @@ class Communicator:
                 self._forget(seq, coll)
                 raise type(err)(err.message, err.task)
             return coll, seq, leader
+
+    def _shares_work(self, job: Job) -> bool:
+        """Whether each replica thread runs its own rank (else one runs them all)."""
+        return job.kernels.is_gpu or job.nbytes >= self.ops.replica_parallel_threshold_bytes
 
     def _leave(self, seq: int, coll: _Collective, session: Session) -> None:
         with self._cond:
