@@ -128,3 +128,55 @@ def test_closures_spread_over_remote_workers(start_cluster):
     values = [coordinator.schedule(pid) for _ in range(40)]
     pids = {v.fetch() for v in values}
     assert pids == {w.proc.pid for w in cluster.workers}
+
+
+def _dispatchers(coordinator) -> list[str]:
+    return sorted(t.name for t in coordinator._threads)
+
+
+@pytest.mark.slow
+def test_async_keeps_two_closures_in_flight_per_remote_worker(start_cluster):
+    """The second is queued on the worker, which still runs one at a time: a per-worker
+    iterator hands out every element exactly once."""
+    cluster = start_cluster(num_ps=1, num_workers=1)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    assert _dispatchers(coordinator) == ["coordinator-worker:0", "coordinator-worker:0-1"]
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: pf.data.Dataset.range(200)))
+
+    def take(it):
+        return int(next(it))
+
+    values = [coordinator.schedule(take, args=(iterator,)) for _ in range(200)]
+    coordinator.join()
+    assert sorted(v.fetch() for v in values) == list(range(200))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "bounded"])
+def test_step_counting_modes_keep_one_closure_in_flight(start_cluster, mode):
+    cluster = start_cluster(num_ps=1, num_workers=1)
+    kwargs = {"staleness": 1} if mode == "bounded" else {}
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver(), mode=mode, **kwargs)
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    assert _dispatchers(coordinator) == ["coordinator-worker:0"]
+
+
+def test_the_chief_as_its_own_worker_runs_one_closure_at_a_time(embedded):
+    _, coordinator = embedded
+    assert _dispatchers(coordinator) == ["coordinator-worker:0"]
+
+
+@pytest.mark.slow
+def test_closures_in_flight_is_configurable(start_cluster, monkeypatch):
+    cluster = start_cluster(num_ps=1, num_workers=1)
+    monkeypatch.setenv("PSFLOW_CLOSURES_IN_FLIGHT", "zero")
+    with pytest.raises(pf.errors.InvalidArgumentError, match="PSFLOW_CLOSURES_IN_FLIGHT"):
+        pf.distribute.coordinator.ClusterCoordinator(
+            pf.distribute.ParameterServerStrategy(cluster.resolver())
+        )
+    monkeypatch.setenv("PSFLOW_CLOSURES_IN_FLIGHT", "1")
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(
+        pf.distribute.ParameterServerStrategy(cluster.resolver())
+    )
+    assert _dispatchers(coordinator) == ["coordinator-worker:0"]

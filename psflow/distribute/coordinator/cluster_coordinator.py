@@ -1,7 +1,11 @@
 """``ClusterCoordinator``: schedules closures on workers and collects their results.
 
-The chief queues closures; one dispatcher thread per worker takes the next
+The chief queues closures; a dispatcher thread per worker takes the next
 closure, runs it on its worker and fills the closure's :class:`RemoteValue`.
+In async mode each remote worker has two dispatchers, so the next closure is
+already waiting on the worker (which runs one at a time) when the current one
+ends: no round trip between steps (``PSFLOW_CLOSURES_IN_FLIGHT=1`` turns that
+off; sync and bounded modes, which count steps per closure, keep one).
 Semantics follow TensorFlow's coordinator:
 
 * the first error a closure raises is raised once, by the next ``schedule``,
@@ -50,6 +54,24 @@ def shutdown_all() -> None:
         coordinator.shutdown()
 
 
+def _env_int(name: str, default: int) -> int:
+    """A positive integer from the environment (``default`` when unset).
+
+    Raises:
+        InvalidArgumentError: set, but not an integer >= 1.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise errors.InvalidArgumentError(f"{name} must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise errors.InvalidArgumentError(f"{name} must be >= 1, got {raw!r}")
+    return value
+
+
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None:
@@ -72,6 +94,8 @@ class _WorkerState:
         self.done = 0
         self.closures_run = 0
         self.recovering = False
+        self.rebuilding = False
+        self.resources_in_flight = 0  # targeted closures sent and not yet answered
 
 
 class ClusterCoordinator:
@@ -110,12 +134,20 @@ class ClusterCoordinator:
         self._resources: list[tuple[str, int, Callable[..., Any], tuple]] = []
         self._staleness = strategy.extended.staleness
         self._unavailable_timeout = _env_float("PSFLOW_WORKER_UNAVAILABLE_TIMEOUT", 600.0)
+        # In async mode a worker that runs closures one at a time itself gets the next
+        # closure while it runs the current one, so it never waits for the round trip.
+        # Sync and bounded modes count steps per closure: one at a time there.
+        depth = 1 if strategy.mode != "async" else _env_int("PSFLOW_CLOSURES_IN_FLIGHT", 2)
         self._states = [_WorkerState(w) for w in strategy.extended._make_workers()]
         self._threads = [
             threading.Thread(
-                target=self._dispatch, args=(s,), name=f"coordinator-{s.worker.task}", daemon=True
+                target=self._dispatch,
+                args=(s, slot > 0),
+                name=f"coordinator-{s.worker.task}" + (f"-{slot}" if slot else ""),
+                daemon=True,
             )
             for s in self._states
+            for slot in range(min(depth, s.worker.max_in_flight))
         ]
         strategy.extended._coordinator = self
         self._initialized = True
@@ -281,14 +313,23 @@ class ClusterCoordinator:
         slowest = min(live) if live else state.done
         return state.started - slowest < self._staleness + 1
 
-    def _take(self, state: _WorkerState) -> Closure | None:
+    def _take(self, state: _WorkerState, extra: bool = False) -> Closure | None:
+        """The next closure for ``state``'s worker; None once shut down.
+
+        An ``extra`` dispatcher (a second closure in flight) takes general closures
+        only, and none while the worker's resources are being (re)built, since those
+        must exist before any closure that uses them runs.
+        """
         with self._cond:
             while True:
                 if self._closed:
                     return None
-                if state.up:
-                    if state.targeted:
+                if state.up and not (
+                    extra and (state.targeted or state.resources_in_flight or state.rebuilding)
+                ):
+                    if state.targeted and not extra:
                         closure = state.targeted.popleft()
+                        state.resources_in_flight += 1
                         self._inflight += 1
                         return closure
                     if self._queue and self._may_start(state):
@@ -313,9 +354,9 @@ class ClusterCoordinator:
                 )
             )
 
-    def _dispatch(self, state: _WorkerState) -> None:
+    def _dispatch(self, state: _WorkerState, extra: bool = False) -> None:
         while True:
-            closure = self._take(state)
+            closure = self._take(state, extra)
             if closure is None:
                 return
             try:
@@ -342,6 +383,8 @@ class ClusterCoordinator:
             finally:
                 with self._cond:
                     self._inflight -= 1
+                    if closure.resource_key is not None:
+                        state.resources_in_flight -= 1
                     self._cond.notify_all()
 
     def _requeue(self, state: _WorkerState, closure: Closure) -> None:
@@ -357,9 +400,10 @@ class ClusterCoordinator:
         with self._cond:
             state.up = False
             state.down_since = time.monotonic()
-        self._requeue(state, closure)
-        if not state.recovering:
+            start_recovery = not state.recovering  # both dispatchers may see the loss
             state.recovering = True
+        self._requeue(state, closure)
+        if start_recovery:
             threading.Thread(
                 target=self._recover,
                 args=(state,),
@@ -372,7 +416,15 @@ class ClusterCoordinator:
         with self._cond:
             state.up = False
             state.down_since = time.monotonic()
-        self._rebuild(state)
+            if state.rebuilding:  # the other dispatcher found it first and rebuilds
+                return
+            state.rebuilding = True
+        try:
+            self._rebuild(state)
+        finally:
+            with self._cond:
+                state.rebuilding = False
+                self._cond.notify_all()
 
     def _recover(self, state: _WorkerState) -> None:
         """Probes a lost worker until it answers again, then rebuilds its resources."""

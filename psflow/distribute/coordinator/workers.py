@@ -72,7 +72,13 @@ class Closure:
 
 
 class Worker(abc.ABC):
-    """A worker task the coordinator can run closures on."""
+    """A worker task the coordinator can run closures on.
+
+    ``max_in_flight``: how many closures the coordinator may have sent it at once
+    (a gRPC worker runs them one at a time itself; the chief's own thread cannot).
+    """
+
+    max_in_flight = 1
 
     def __init__(self, index: int, task: str) -> None:
         self.index = index
@@ -126,7 +132,8 @@ class InProcessWorker(Worker):
 
 
 class GrpcWorker(Worker):
-    """A worker process reached over gRPC.
+    """A worker process reached over gRPC (it runs one closure at a time: see
+    ``worker.executor``, so a second one may wait there).
 
     Args:
         index: the worker's task index.
@@ -147,6 +154,7 @@ class GrpcWorker(Worker):
         metadata: tuple = (),
     ) -> None:
         super().__init__(index, f"worker:{index}")
+        self.max_in_flight = 2
         from psflow.proto import worker_pb2, worker_pb2_grpc
         from psflow.security.config import default_security
         from psflow.security.grpc_auth import open_channel
