@@ -80,6 +80,9 @@ def _auto_watched(variable: Any) -> bool:
     """Whether a tape watches ``variable`` on first read: trainable and floating point."""
     if type(variable) is Variable:
         return variable._trainable and variable._value.dtype.kind == "f"
+    copies = getattr(variable, "_copies", None)  # a mirrored variable: as its copies
+    if copies is not None:
+        return variable._trainable and copies[0]._value.dtype.kind == "f"
     return variable.trainable and _is_float(variable)
 
 

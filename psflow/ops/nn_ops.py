@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from psflow import errors
-from psflow.framework.tensor import Tensor
+from psflow.framework.tensor import Tensor, convert_to_tensor
 from psflow.ops import array_ops, math_ops
 from psflow.ops._core import binary, node, normalize_axis, operands, out, xp
 
@@ -431,7 +431,8 @@ def compute_average_loss(
             f"compute_average_loss: global_batch_size must be > 0, got {global_batch_size!r}"
         )
     total = math_ops.reduce_sum(loss)
-    return math_ops.divide(total, math_ops.cast(max(int(global_batch_size), 1), total.dtype))
+    divisor = convert_to_tensor(max(int(global_batch_size), 1), dtype=total.dtype)
+    return math_ops.divide(total, divisor)
 
 
 def scale_regularization_loss(regularization_loss: Any) -> Tensor:
