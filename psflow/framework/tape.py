@@ -32,6 +32,7 @@ from psflow import backend, errors, memory
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
+from psflow.util import nest
 
 
 class _TapeStack(threading.local):
@@ -123,8 +124,6 @@ def _flatten_nodes(x: Any, what: str = "") -> list[Any]:
                 break
         else:
             return list(x)
-    from psflow.util import nest
-
     flat = nest.flatten(x)
     if what:
         for e in flat:
@@ -179,10 +178,6 @@ class GradientTape:
     # -- what to watch ---------------------------------------------------------------
     def watch(self, tensor: Any) -> None:
         """Watches a tensor or variable (or a nest of them) so gradients reach it."""
-        from psflow.framework.tensor import Tensor
-        from psflow.framework.variable import Variable
-        from psflow.util import nest
-
         for t in nest.flatten(tensor):
             if not isinstance(t, (Tensor, Variable)):
                 raise errors.InvalidArgumentError(
@@ -362,8 +357,6 @@ class GradientTape:
             return results
         if type(sources) is tuple:
             return tuple(results)
-        from psflow.util import nest
-
         return nest.pack_sequence_as(sources, results)
 
     def jacobian(self, target: Any, sources: Any) -> Any:
@@ -372,9 +365,6 @@ class GradientTape:
         Needs ``persistent=True`` when called more than once; the result for a
         source has shape ``target.shape + source.shape``.
         """
-        from psflow.framework.tensor import Tensor
-        from psflow.util import nest
-
         t_arr = target._array()
         xp = backend.xp_of(t_arr)
         flat_sources = nest.flatten(sources)
