@@ -7,7 +7,7 @@ same result needs less memory traffic when the work is split by *elements*
 instead of by replica:
 
 * the flattened tensors (all of them, end to end) are split into N contiguous
-  ranges, one per rank (aligned to 16 elements);
+  ranges, one per rank (split at multiples of 16 elements);
 * rank r sums its range over every replica's arrays, in rank order, into a
   small scratch buffer, one sub-chunk at a time (so the sum stays in cache),
 * and hands each summed sub-chunk to its ``update(index, lo, hi, summed)``
@@ -41,7 +41,7 @@ from psflow.collective.session import Session
 
 Update = Callable[[int, int, int, Any], None]
 
-ALIGN = 16  # elements: rank ranges start on 64-byte boundaries for float32
+ALIGN = 16  # elements: rank ranges split the concatenation at multiples of 16
 SUB_CHUNK_BYTES = 2 << 20  # bytes summed per unit: few Python calls, about one L2 of data
 
 
