@@ -18,11 +18,11 @@ print(before, m._TUNED)
 """
 
 
-def _probe(**env: str) -> str:
+def _probe(script: str = _PROBE, **env: str) -> str:
     full = {k: v for k, v in os.environ.items() if k != "PSFLOW_MALLOC_TUNING"}
     full.update(env)
     done = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=full
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=full
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
@@ -48,13 +48,4 @@ print(before, m._TUNED)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_first_all_reduce_tunes_malloc():
-    full = {k: v for k, v in os.environ.items() if k != "PSFLOW_MALLOC_TUNING"}
-    done = subprocess.run(
-        [sys.executable, "-c", _ALL_REDUCE_PROBE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=full,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False True"
+    assert _probe(_ALL_REDUCE_PROBE) == "False True"

@@ -1,9 +1,9 @@
 """Reverse-mode automatic differentiation: ``psflow.GradientTape``.
 
-Ops call :func:`record` with their inputs, their output and a backward
-function (one vector-Jacobian product per op). Every active tape of the
-current thread that watches one of the inputs keeps the record; ``gradient``
-replays the records backwards from the target.
+Ops hand every recording tape of the current thread their inputs, their
+output and a backward function (one vector-Jacobian product per op; see
+``psflow.ops._core.out``). A tape that watches one of the inputs keeps the
+record; ``gradient`` replays the records backwards from the target.
 
 Backward functions have the signature ``backward(upstream, needs)``, where
 ``upstream`` is the gradient array of the op's output and ``needs`` a tuple of
@@ -57,18 +57,6 @@ class UnconnectedGradients(enum.Enum):
 
 def _tapes() -> list[GradientTape]:
     return _local.tapes
-
-
-def is_recording() -> bool:
-    """Whether any tape of this thread is recording (ops skip bookkeeping otherwise)."""
-    return bool(_local.tapes)
-
-
-def record(inputs: tuple[Any, ...], output: Any, backward: Backward) -> None:
-    """Offers one op's record to every recording tape of this thread."""
-    for tape in _local.tapes:
-        if tape._recording:
-            tape._record(inputs, output, backward)
 
 
 def _is_float(node: Any) -> bool:

@@ -16,9 +16,6 @@ from psflow.framework import tape as tape_lib
 from psflow.framework.tensor import Tensor, convert_to_tensor
 from psflow.framework.variable import Variable
 
-record = tape_lib.record
-recording = tape_lib.is_recording
-
 # hot-path aliases: every op goes through ``out`` and most through ``binary``
 _ndarray = np.ndarray
 _new_tensor = object.__new__
