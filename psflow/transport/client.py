@@ -394,7 +394,13 @@ class PSClient:
             {name: value}, trainable=trainable, optimizer=optimizer, timeout=timeout
         )[name]
 
-    def _assign(self, op: int, values: Mapping[str, Any], timeout: float | None) -> dict[str, int]:
+    def _assign(
+        self,
+        op: int,
+        values: Mapping[str, Any],
+        timeout: float | None,
+        request_id: tuple[str, int] | None,
+    ) -> dict[str, int]:
         specs, arrays = [], []
         for name, value in values.items():
             arr = codec.to_host(value)
@@ -402,8 +408,11 @@ class PSClient:
                 ps_pb2.VariableSpec(name=name, spec=codec.spec_to_proto(arr.dtype, arr.shape))
             )
             arrays.append(arr)
-        # assign is idempotent; add/sub carry an id so their retries apply once.
-        request_id = None if op == ps_pb2.WRITE_OP_ASSIGN else self.next_request_id()
+        # assign is idempotent; add/sub carry an id so their retries apply once. A caller's
+        # id (a closure's, stable across re-runs) is honoured for every op, so a re-run
+        # closure's writes are deduplicated by the PS, not only this call's retries.
+        if request_id is None and op != ps_pb2.WRITE_OP_ASSIGN:
+            request_id = self.next_request_id()
         reply = self._write(op, specs, arrays, request_id=request_id, retry=True, timeout=timeout)
         return {s.name: v for s, v in zip(specs, reply.versions, strict=True)}
 
@@ -414,25 +423,53 @@ class PSClient:
         return name_or_values
 
     def assign(
-        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+        self,
+        name_or_values: str | Mapping[str, Any],
+        value: Any = None,
+        *,
+        timeout: float | None = None,
+        request_id: tuple[str, int] | None = None,
     ) -> dict[str, int]:
-        """Replaces values: ``assign("w", x)`` or ``assign({"w": x, ...})``; returns versions."""
-        return self._assign(ps_pb2.WRITE_OP_ASSIGN, self._values(name_or_values, value), timeout)
+        """Replaces values: ``assign("w", x)`` or ``assign({"w": x, ...})``; returns versions.
+
+        ``request_id`` (``(client_id, sequence)``): a second request with the same
+        id is answered from the PS's record instead of being applied again.
+        """
+        return self._assign(
+            ps_pb2.WRITE_OP_ASSIGN, self._values(name_or_values, value), timeout, request_id
+        )
 
     def assign_add(
-        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+        self,
+        name_or_values: str | Mapping[str, Any],
+        value: Any = None,
+        *,
+        timeout: float | None = None,
+        request_id: tuple[str, int] | None = None,
     ) -> dict[str, int]:
-        """Adds to values (exactly once, even if retried); returns versions."""
+        """Adds to values (exactly once, even if retried); returns versions.
+
+        ``request_id``: the caller's id (default a fresh one of this client); every
+        request carrying the same id is applied once.
+        """
         return self._assign(
-            ps_pb2.WRITE_OP_ASSIGN_ADD, self._values(name_or_values, value), timeout
+            ps_pb2.WRITE_OP_ASSIGN_ADD, self._values(name_or_values, value), timeout, request_id
         )
 
     def assign_sub(
-        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+        self,
+        name_or_values: str | Mapping[str, Any],
+        value: Any = None,
+        *,
+        timeout: float | None = None,
+        request_id: tuple[str, int] | None = None,
     ) -> dict[str, int]:
-        """Subtracts from values (exactly once, even if retried); returns versions."""
+        """Subtracts from values (exactly once, even if retried); returns versions.
+
+        ``request_id``: as for :meth:`assign_add`.
+        """
         return self._assign(
-            ps_pb2.WRITE_OP_ASSIGN_SUB, self._values(name_or_values, value), timeout
+            ps_pb2.WRITE_OP_ASSIGN_SUB, self._values(name_or_values, value), timeout, request_id
         )
 
     def configure_optimizer(

@@ -166,7 +166,8 @@ class GrpcPSConnection(PSConnection):
             "assign_add": self.client.assign_add,
             "assign_sub": self.client.assign_sub,
         }[op]
-        versions = method(dict(zip(names, values)))
+        # the caller's id travels to the PS: a re-run closure's write is applied once
+        versions = method(dict(zip(names, values)), request_id=request_id)
         return [versions[n] for n in names]
 
     def list_variables(self) -> list[dict[str, Any]]:

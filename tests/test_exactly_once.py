@@ -1,0 +1,106 @@
+"""Exactly-once writes on a real cluster: the caller's request id reaches the PS process.
+
+A closure re-run after its worker died carries the same closure-derived ids as
+its first run; the PS must answer the repeat from its record, for ``assign_add``
+and metric flushes (writes) as for gradient pushes.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from psflow.distribute.ps.connection import Grad, VarSpec
+from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def connection(start_ps):
+    ps = start_ps()
+    conn = GrpcPSConnection(ps.address, task="ps:0", timeout=30.0)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _value(conn: GrpcPSConnection, name: str) -> np.ndarray:
+    ((value, _version),) = conn.pull([name])
+    return np.asarray(value)
+
+
+def test_write_with_a_repeated_request_id_is_applied_once_by_the_ps_process(connection):
+    connection.create([VarSpec("n", np.dtype("float64"), (3,), False)], [np.zeros(3)])
+    one = np.ones(3)
+    first = connection.write("assign_add", ["n"], [one], request_id=("closure-7/ps0", 1))
+    again = connection.write("assign_add", ["n"], [one], request_id=("closure-7/ps0", 1))
+    assert again == first  # answered from the PS's record
+    np.testing.assert_array_equal(_value(connection, "n"), one)
+    # a different id is a different write: it applies (the record is per id, not per value)
+    connection.write("assign_add", ["n"], [one], request_id=("closure-7/ps0", 2))
+    connection.write("assign_sub", ["n"], [one * 0.5], request_id=("closure-8/ps0", 1))
+    connection.write("assign_sub", ["n"], [one * 0.5], request_id=("closure-8/ps0", 1))
+    np.testing.assert_array_equal(_value(connection, "n"), one * 1.5)
+
+
+def test_write_without_a_request_id_still_applies_every_call(connection):
+    connection.create([VarSpec("m", np.dtype("int64"), (), False)], [np.zeros((), np.int64)])
+    for _ in range(3):
+        connection.write("assign_add", ["m"], [np.ones((), np.int64)])
+    assert int(_value(connection, "m")) == 3
+
+
+def test_push_with_a_repeated_push_id_is_applied_once_by_the_ps_process(connection):
+    connection.create([VarSpec("w", np.dtype("float32"), (4,), True)], [np.ones(4, np.float32)])
+    connection.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 0.5})
+    grad = [Grad("w", np.ones(4, np.float32))]
+    first = connection.push(grad, push_id=("closure-3/ps0", 1))
+    again = connection.push(grad, push_id=("closure-3/ps0", 1))
+    assert first.applied and not first.duplicate
+    assert again.duplicate and again.versions == first.versions
+    np.testing.assert_allclose(_value(connection, "w"), np.full(4, 0.5, np.float32))
+
+
+def _die_once(marker: str) -> None:
+    """Kills this worker process the first time (after its writes reached the PS)."""
+    path = pathlib.Path(marker)
+    if not path.exists():
+        path.write_text("died once")
+        os._exit(17)  # like a crash: no reply ever leaves this worker
+
+
+def test_rerun_closure_whose_writes_reached_the_ps_counts_its_metric_and_assign_add_once(
+    start_cluster, tmp_path
+):
+    cluster = start_cluster(num_ps=1, num_workers=2)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        counter = pf.Variable(0.0, trainable=False, name="counter")
+        seen = pf.keras.metrics.Sum(name="seen")
+        mean = pf.keras.metrics.Mean(name="mean")
+    marker = str(tmp_path / "died")
+
+    def step(x: float) -> float:
+        counter.assign_add(1.0)
+        seen.update_state(x)
+        mean.update_state(x)
+        result = float(seen.result())  # flushes the metric's state to the PS now
+        mean.result()
+        if x == 5.0:
+            _die_once(marker)  # the writes above are on the PS; their replies are lost
+        return result
+
+    for x in (1.0, 2.0, 5.0):
+        coordinator.schedule(step, args=(x,))
+    coordinator.join()
+    assert pathlib.Path(marker).exists()  # the crash happened: the closure ran twice
+    # three closures, one of them run twice: each counted once
+    got = (float(seen.result()), float(mean.result()), float(counter.numpy()))
+    assert got == pytest.approx((8.0, 8.0 / 3.0, 3.0))
