@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from psflow import errors
+from psflow.distribute import reduce_util
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.framework import variable as variable_lib
 from psflow.util import nest
@@ -293,20 +294,21 @@ class Strategy:
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None) -> Any:
         """Combines a per-replica value into one tensor (here: itself, reduced over ``axis``)."""
-        from psflow.ops import math_ops
-
         op = ReduceOp.from_value(reduce_op)
         if axis is None:
             return value
-        fn = math_ops.reduce_sum if op is ReduceOp.SUM else math_ops.reduce_mean
-        return nest.map_structure(lambda v: fn(v, axis=axis), value)
+        # sum / count, as TF: an integer MEAN over an axis is a float, not reduce_mean's int
+        return nest.map_structure(lambda v: reduce_util.reduce_over_axis(op, v, axis), value)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The per-replica components of ``value`` on this worker, as a tuple."""
-        values = getattr(value, "values", None)
-        if isinstance(values, tuple) and getattr(value, "_is_per_replica", False):
-            return values
-        return (value,)
+        """The per-replica components of ``value`` on this worker, as a tuple.
+
+        A nested structure of per-replica values gives one structure per replica
+        (TensorFlow's tuple of per-replica structures), not the structure itself.
+        """
+        from psflow.distribute.values import local_results  # values imports this module
+
+        return local_results(value, len(self.extended.worker_devices))
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates per-replica values along ``axis``."""

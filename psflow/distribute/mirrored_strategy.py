@@ -33,10 +33,16 @@ from psflow.collective import (
     default_cross_device_ops,
 )
 from psflow.collective.ring import RingAllReduce
-from psflow.distribute import distribute_lib, input_lib
+from psflow.distribute import distribute_lib, input_lib, reduce_util
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.replica_pool import ReplicaPool, available_cores
-from psflow.distribute.values import MirroredVariable, PerReplica, regroup, select_replica
+from psflow.distribute.values import (
+    MirroredVariable,
+    PerReplica,
+    local_results,
+    regroup,
+    select_replica,
+)
 from psflow.framework import variable as variable_lib
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
@@ -187,6 +193,15 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
         flat = nest.flatten(value)
         arrays = [x.dense_array() if isinstance(x, IndexedSlices) else to_array(x) for x in flat]
+        if op is ReduceOp.MEAN and any(a.dtype.kind in "iu" for a in arrays):
+            # the collective's MEAN is float-only; TF sums and true-divides (int32 -> float64;
+            # one replica: the value itself). Every replica has the same dtypes: same branch.
+            summed = strategy._communicator.all_reduce(self._replica_id, arrays, "SUM")
+            n = strategy.num_replicas_in_sync
+            out = [Tensor._wrap(a) for a in summed]
+            return nest.pack_sequence_as(
+                value, out if n == 1 else [reduce_util.mean(t, n) for t in out]
+            )
         reduced = strategy._communicator.all_reduce(self._replica_id, arrays, op.value)
         return nest.pack_sequence_as(value, [Tensor._wrap(a) for a in reduced])
 
@@ -577,10 +592,9 @@ class MirroredStrategy(distribute_lib.Strategy):
         """Combines per-replica values into one tensor (TF's numerator/denominator MEAN with ``axis``).
 
         Raises:
-            InvalidArgumentError: SUM of a value that is not per-replica, with several replicas.
+            InvalidArgumentError: SUM of a value that is not per-replica, with several
+                replicas; per-replica parts of different shapes (TF does not broadcast them).
         """
-        from psflow.ops import math_ops
-
         op = ReduceOp.from_value(reduce_op)
 
         def reduce_leaf(v: Any) -> Any:
@@ -593,24 +607,27 @@ class MirroredStrategy(distribute_lib.Strategy):
                     )
                 if axis is None:
                     return v
-                fn = math_ops.reduce_sum if op is ReduceOp.SUM else math_ops.reduce_mean
-                return fn(v, axis=axis)
+                return reduce_util.reduce_over_axis(op, v, axis)
             host = [backend.place(to_array(p), self._devices[0]) for p in parts]
             xp = backend.xp_of(host[0])
             if axis is None:
+                reduce_util.check_same_shapes([h.shape for h in host], f"reduce({op.value})")
                 total = host[0].copy()
                 for h in host[1:]:
                     total = total + h
-                if op is ReduceOp.MEAN:
-                    total = total / len(host) if total.dtype.kind == "f" else total // len(host)
+                if op is ReduceOp.MEAN:  # true division, as TF: an int32 mean is float64
+                    return reduce_util.mean(Tensor._wrap(xp.asarray(total)), len(host))
                 return Tensor._wrap(xp.asarray(total))
-            sums = [h.sum(axis=axis) for h in host]
+            sums = [h.sum(axis=axis, dtype=h.dtype) for h in host]  # int32 stays int32, as TF
+            reduce_util.check_same_shapes(
+                [s.shape for s in sums], f"reduce({op.value}, axis={axis})"
+            )
             total = sums[0]
             for s in sums[1:]:
                 total = total + s
             if op is ReduceOp.MEAN:
                 count = sum(h.shape[axis] for h in host)
-                total = total / max(count, 1)
+                return reduce_util.mean(Tensor._wrap(total), max(count, 1))
             return Tensor._wrap(total)
 
         if isinstance(value, PerReplica):
@@ -618,11 +635,7 @@ class MirroredStrategy(distribute_lib.Strategy):
         return nest.map_structure(reduce_leaf, value)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        if isinstance(value, PerReplica):
-            return value.values
-        if isinstance(value, MirroredVariable):
-            return value.values
-        return (value,)
+        return local_results(value, self.num_replicas_in_sync)
 
     def gather(self, value: Any, axis: int) -> Any:
         from psflow.ops import array_ops

@@ -81,6 +81,33 @@ def select_replica(replica: int, structure: Any) -> Any:
     return structure
 
 
+def local_results(value: Any, num_replicas: int) -> tuple[Any, ...]:
+    """TensorFlow's ``experimental_local_results``: one entry per local replica.
+
+    A :class:`PerReplica` or :class:`MirroredVariable` gives its components; a
+    nested structure (a dict of ``PerReplica``, as ``all_reduce`` of a dict
+    returns) gives a tuple of ``num_replicas`` structures, replica ``i``'s holding
+    the ``i``-th component of every distributed leaf and the other leaves as
+    they are; any other value gives ``(value,)``.
+
+    Example:
+        >>> local_results({"a": PerReplica((1, 2)), "b": 3}, 2)
+        ({'a': 1, 'b': 3}, {'a': 2, 'b': 3})
+    """
+    if isinstance(value, (PerReplica, MirroredVariable)):
+        return tuple(value.values)
+    if not nest.is_nested(value):
+        return (value,)
+
+    def pick(replica: int) -> Any:
+        return nest.map_structure(
+            lambda x: x.values[replica] if isinstance(x, (PerReplica, MirroredVariable)) else x,
+            value,
+        )
+
+    return tuple(pick(i) for i in range(num_replicas))
+
+
 class MirroredVariable(variable_lib.Variable):
     """A variable with one synchronized copy per replica device.
 
