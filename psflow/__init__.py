@@ -153,7 +153,6 @@ _LAZY = {
     "math": "psflow.math",
     "nn": "psflow.nn",
     "collective": "psflow.collective",
-    "saved_model": "psflow.saved_model",
 }
 
 

@@ -310,6 +310,7 @@ def test_model_checkpoint_saves_each_epoch_and_only_the_best(tmp_path: Any) -> N
     model.fit(x, y, epochs=3, callbacks=[inject, every, best], verbose=0)
     assert sorted(os.listdir(tmp_path)) == [
         "best.weights",
+        "checkpoint",  # the state file naming the latest save (train.latest_checkpoint)
         "e01.weights",
         "e02.weights",
         "e03.weights",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import math
 import os
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import numpy as np
 
 from psflow import errors
 from psflow.keras.utils.progbar import Progbar
+from psflow.train.manager import record_latest
 
 
 class Callback:
@@ -281,6 +283,8 @@ class ModelCheckpoint(Callback):
             self.best = current
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.model.save_weights(path)
+        # named in the directory's state file: psflow.train.latest_checkpoint(dir) finds it
+        record_latest(path)
         if self.verbose:
             print(f"Epoch {epoch + 1}: saving model to {path}", flush=True)
 
@@ -377,20 +381,43 @@ class TerminateOnNaN(Callback):
 
 
 class LearningRateScheduler(Callback):
-    """Sets the optimizer's learning rate to ``schedule(epoch, lr)`` at each epoch's start."""
+    """Sets the optimizer's learning rate to ``schedule(epoch, lr)`` at each epoch's start.
 
-    def __init__(self, schedule: Callable[[int, float], float], verbose: int = 0) -> None:
+    ``schedule`` may also take the epoch alone (``decay(epoch)``, as in
+    TensorFlow's distributed-training tutorial); which form it has is read from
+    its signature once, so a ``TypeError`` raised inside it is never mistaken
+    for the other form.
+    """
+
+    def __init__(self, schedule: Callable[..., float], verbose: int = 0) -> None:
         super().__init__()
         self.schedule, self.verbose = schedule, verbose
+        self._takes_lr = _accepts_two_positional(schedule)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        lr = float(self.schedule(epoch, self.model.optimizer.learning_rate))
+        if self._takes_lr:
+            lr = float(self.schedule(epoch, float(self.model.optimizer.learning_rate)))
+        else:
+            lr = float(self.schedule(epoch))
         self.model.optimizer.learning_rate = lr
         if self.verbose:
             print(
                 f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {lr}.",
                 flush=True,
             )
+
+
+def _accepts_two_positional(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn(a, b)`` binds; callables without a signature get the two-argument form."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(0, 0.0)
+    except TypeError:
+        return False
+    return True
 
 
 class BackupAndRestore(Callback):

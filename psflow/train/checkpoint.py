@@ -328,7 +328,11 @@ def _restore_slots(optimizer: Any, arrays: dict[str, np.ndarray]) -> None:
 
 
 def latest_checkpoint(checkpoint_dir: str) -> str | None:
-    """The newest complete checkpoint a :class:`CheckpointManager` recorded in ``checkpoint_dir``."""
+    """The newest complete checkpoint recorded in ``checkpoint_dir``, or None.
+
+    Recorded by a :class:`CheckpointManager` (a checkpoint directory) or by
+    ``keras.callbacks.ModelCheckpoint`` (a weights file for ``model.load_weights``).
+    """
     from psflow.train.manager import read_state
 
     state = read_state(os.fspath(checkpoint_dir))

@@ -35,11 +35,36 @@ def read_state(directory: str) -> dict[str, Any] | None:
             f"{os.path.join(directory, STATE_FILE)} is not valid JSON: {e}"
         ) from None
     latest = state.get("latest")
-    if latest and not os.path.exists(os.path.join(latest, MANIFEST)):
+    if latest and not _complete(latest):
         raise errors.DataLossError(
             f"The latest checkpoint {latest} recorded in {directory} is incomplete"
         )
     return state
+
+
+def _complete(path: str) -> bool:
+    """A checkpoint directory with its manifest, or a weights file (both written atomically)."""
+    return os.path.isfile(path) or os.path.exists(os.path.join(path, MANIFEST))
+
+
+def record_latest(path: str) -> None:
+    """Names the weights file ``path`` as the latest checkpoint of its directory.
+
+    ``ModelCheckpoint`` calls this after each save, so that
+    ``psflow.train.latest_checkpoint(directory)`` finds the newest weights file
+    (TensorFlow's ``model.load_weights(tf.train.latest_checkpoint(dir))``).
+    The path is recorded absolute: it stays valid from any working directory.
+    """
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    try:
+        state = read_state(directory) or {}
+    except errors.DataLossError:  # a state file naming something gone: replace it
+        state = {}
+    kept = [c for c in state.get("all", []) if c != path and os.path.exists(c)]
+    state = {"latest": path, "all": [*kept, path]}
+    with atomic_write(os.path.join(directory, STATE_FILE)) as f:
+        f.write(json.dumps(state, indent=1).encode())
 
 
 class CheckpointManager:

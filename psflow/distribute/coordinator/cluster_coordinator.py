@@ -369,6 +369,13 @@ class ClusterCoordinator:
             except closure_lib.MissingResourceError:
                 self._worker_restarted(state, closure)
             except BaseException as e:  # the closure's own error
+                if isinstance(e, StopIteration):  # its iterator ran out: TF's OutOfRangeError
+                    end = errors.OutOfRangeError(
+                        f"End of sequence: closure {closure.closure_id} exhausted its iterator",
+                        task=state.worker.task,
+                    )
+                    end.__cause__ = e
+                    e = end
                 closure.remote_value._set_error(e)
                 if closure.resource_key is None:
                     with self._cond:

@@ -20,6 +20,7 @@ from psflow.distribute.reduce_util import ReduceOp
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
+from psflow.keras.optimizers.learning_rate import LearningRate
 from psflow.keras.optimizers.schedules import LearningRateSchedule
 from psflow.ops import clip_ops
 
@@ -79,18 +80,25 @@ class Optimizer:
 
     # -- hyperparameters -------------------------------------------------------------
     @property
-    def learning_rate(self) -> float:
-        """The learning rate at the current step (a schedule is evaluated)."""
-        lr = self._learning_rate
-        if isinstance(lr, (int, float)):
-            return float(lr)
-        return float(lr(self._iterations))
+    def learning_rate(self) -> LearningRate:
+        """The learning rate at the current step (a schedule is evaluated).
+
+        A float that also has TensorFlow's ``numpy()`` and ``assign()``
+        (:class:`~psflow.keras.optimizers.learning_rate.LearningRate`).
+        """
+        return LearningRate(self._current_lr(), self)
 
     @learning_rate.setter
     def learning_rate(self, value: Any) -> None:
         self._learning_rate = self._check_lr(value)
 
     lr = learning_rate
+
+    def _current_lr(self) -> float:
+        lr = self._learning_rate
+        if isinstance(lr, (int, float)):
+            return float(lr)
+        return float(lr(self._iterations))
 
     @property
     def iterations(self) -> Tensor:
@@ -104,7 +112,7 @@ class Optimizer:
     @property
     def rule(self) -> update_rules.UpdateRule:
         """The update rule with the current learning rate."""
-        lr = self.learning_rate
+        lr = self._current_lr()
         cached = self._rule_cache
         if cached is not None and cached[0] == lr:
             return cached[1]
