@@ -75,7 +75,7 @@ def _die_once(marker: str) -> None:
         os._exit(17)  # like a crash: no reply ever leaves this worker
 
 
-def test_rerun_closure_whose_writes_reached_the_ps_counts_its_metric_and_assign_add_once(
+def test_rerun_closure_whose_writes_reached_the_ps_counts_its_metric_assign_add_and_push_once(
     start_cluster, tmp_path
 ):
     cluster = start_cluster(num_ps=1, num_workers=2)
@@ -83,12 +83,15 @@ def test_rerun_closure_whose_writes_reached_the_ps_counts_its_metric_and_assign_
     coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
         counter = pf.Variable(0.0, trainable=False, name="counter")
+        weight = pf.Variable([0.0, 0.0], name="weight")
         seen = pf.keras.metrics.Sum(name="seen")
         mean = pf.keras.metrics.Mean(name="mean")
+        optimizer = pf.keras.optimizers.SGD(1.0)
     marker = str(tmp_path / "died")
 
     def step(x: float) -> float:
         counter.assign_add(1.0)
+        optimizer.apply_gradients([(pf.constant([x, 1.0]), weight)])  # a push
         seen.update_state(x)
         mean.update_state(x)
         result = float(seen.result())  # flushes the metric's state to the PS now
@@ -104,3 +107,5 @@ def test_rerun_closure_whose_writes_reached_the_ps_counts_its_metric_and_assign_
     # three closures, one of them run twice: each counted once
     got = (float(seen.result()), float(mean.result()), float(counter.numpy()))
     assert got == pytest.approx((8.0, 8.0 / 3.0, 3.0))
+    # the re-run's gradient push carried its first run's id too: applied once
+    np.testing.assert_allclose(weight.numpy(), [-8.0, -3.0])
