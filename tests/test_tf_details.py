@@ -407,3 +407,13 @@ def test_tf_reference_gives_the_same_results() -> None:
     assert ours.keys() == theirs.keys()
     for key in theirs:
         assert ours[key] == theirs[key], key
+
+
+@pytest.mark.parametrize(
+    "name", ["psflow.keras.optimizers.learning_rate", "psflow.distribute.values"]
+)
+def test_docstring_examples_run(name):
+    import doctest
+
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
