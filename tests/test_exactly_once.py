@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 
 import psflow as pf
+from psflow import errors
 from psflow.distribute.ps.connection import Grad, VarSpec
 from psflow.distribute.ps.grpc_connection import GrpcPSConnection
 
@@ -65,6 +69,93 @@ def test_push_with_a_repeated_push_id_is_applied_once_by_the_ps_process(connecti
     assert first.applied and not first.duplicate
     assert again.duplicate and again.versions == first.versions
     np.testing.assert_allclose(_value(connection, "w"), np.full(4, 0.5, np.float32))
+
+
+class _LossyRelay:
+    """A loopback TCP relay to a server that can drop everything the server sends back.
+
+    With replies dropped, a request still reaches the server and is applied, but
+    its caller never hears back: the reply is lost and the caller's deadline passes.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.dropping = threading.Event()
+        self._stop = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._spawn(self._accept)
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            self._sockets += [client, server]
+            self._spawn(self._pipe, client, server, False)
+            self._spawn(self._pipe, server, client, True)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, is_reply: bool) -> None:
+        src.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                data = src.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if is_reply and self.dropping.is_set():
+                continue  # the reply is lost on its way back
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        for sock in [self._listener, *self._sockets]:
+            sock.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def test_write_whose_reply_was_lost_is_applied_once_when_sent_again_with_its_id(start_ps):
+    ps = start_ps()
+    relay = _LossyRelay(ps.port)
+    direct = GrpcPSConnection(ps.address, task="ps:0", timeout=30.0)
+    lossy = GrpcPSConnection(relay.address, task="ps:0", timeout=2.0)
+    again = GrpcPSConnection(relay.address, task="ps:0", timeout=30.0)
+    try:
+        direct.create([VarSpec("lost", np.dtype("float64"), (2,), False)], [np.zeros(2)])
+        assert lossy.list_variables()  # the relayed channel is up before replies are dropped
+        relay.dropping.set()
+        request_id = ("closure-42/ps0", 1)
+        with pytest.raises(errors.DeadlineExceededError):
+            lossy.write("assign_add", ["lost"], [np.ones(2)], request_id=request_id)
+        deadline = time.monotonic() + 20
+        while not _value(direct, "lost").any() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        np.testing.assert_array_equal(_value(direct, "lost"), [1.0, 1.0])  # it was applied
+        relay.dropping.clear()
+        # the closure runs again (another worker): same id, the PS answers from its record
+        again.write("assign_add", ["lost"], [np.ones(2)], request_id=request_id)
+        np.testing.assert_array_equal(_value(direct, "lost"), [1.0, 1.0])
+    finally:
+        for conn in (direct, lossy, again):
+            conn.close()
+        relay.close()
 
 
 def _die_once(marker: str) -> None:
