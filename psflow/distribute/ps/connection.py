@@ -84,7 +84,12 @@ class PSConnection(abc.ABC):
         values: Sequence[np.ndarray],
         request_id: tuple[str, int] | None = None,
     ) -> list[int]:
-        """``assign``, ``assign_add`` or ``assign_sub``; returns the new versions."""
+        """``assign``, ``assign_add`` or ``assign_sub``; returns the new versions.
+
+        With ``request_id`` (a closure's, stable across its re-runs) the write is
+        applied once per id: a repeat is answered from the PS's record.  Every
+        backend must send the caller's id as given, never one of its own.
+        """
 
     @abc.abstractmethod
     def list_variables(self) -> list[dict[str, Any]]:
