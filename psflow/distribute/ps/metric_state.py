@@ -4,8 +4,9 @@ A metric keeps accumulating locally; when a worker's closure ends (or at once,
 outside a closure) its local state is added to PS variables with
 ``assign_add`` and cleared. Exactly once: inside a closure those writes carry
 request ids derived from the closure, so a closure re-run after its worker was
-lost repeats the ids and the PS (in-process or a PS process) applies them once. ``result()`` on the chief
-reads the PS variables, so it covers every worker's updates.
+lost repeats the ids and the PS (in-process or a PS process) applies them
+once. ``result()`` on the chief reads the PS variables, so it covers every
+worker's updates.
 """
 
 from __future__ import annotations
