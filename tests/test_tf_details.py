@@ -267,6 +267,18 @@ def test_latest_checkpoint_is_the_last_file_saved_when_only_the_best_are_saved(t
     assert pf.train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "w_2")
 
 
+def test_weights_saved_under_the_state_files_own_name_are_not_clobbered(tmp_path):
+    x, y = _data()
+    model = _model()
+    saver = pf.keras.callbacks.ModelCheckpoint(str(tmp_path / "checkpoint"))
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[saver])
+    fresh = _model()
+    fresh.predict(x[:1], verbose=0)
+    fresh.load_weights(str(tmp_path / "checkpoint"))  # still the weights, not a state file
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 # -- namespaces: hasattr never raises ---------------------------------------------------------------
 NAMESPACES = {
     "psflow": ["TensorSpec", "data", "keras", "distribute", "config", "train", "math", "nn"],

@@ -57,13 +57,16 @@ def record_latest(path: str) -> None:
     """
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
+    state_path = os.path.join(directory, STATE_FILE)
+    if path == state_path or os.path.isdir(state_path):
+        return  # the name is taken (by these very weights, or a folder): never clobber it
     try:
         state = read_state(directory) or {}
     except errors.DataLossError:  # a state file naming something gone: replace it
         state = {}
     kept = [c for c in state.get("all", []) if c != path and os.path.exists(c)]
     state = {"latest": path, "all": [*kept, path]}
-    with atomic_write(os.path.join(directory, STATE_FILE)) as f:
+    with atomic_write(state_path) as f:
         f.write(json.dumps(state, indent=1).encode())
 
 
