@@ -73,7 +73,7 @@ def topological_nodes(inputs: list[KerasTensor], outputs: list[KerasTensor]) -> 
                     f"{[t.name for t in inputs]}"
                 )
             stack.append((node, True))
-            for parent in node.parents:
+            for parent in reversed(node.parents):  # popped in argument order, as Keras lists them
                 if id(parent) not in given and id(parent.node) not in done:
                     stack.append((parent.node, False))
     return order
