@@ -250,3 +250,50 @@ def test_parameter_server_save_and_load_in_scope(tmp_path: Any) -> None:
         pf.distribute.coordinator.ClusterCoordinator(strategy).shutdown()
     local = keras.models.load_model(tmp_path / "ps.keras")
     np.testing.assert_array_equal(local.predict(XA, verbose=0), want)
+
+
+def test_regularizers_and_initializers_survive_the_round_trip(tmp_path: Any) -> None:
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(3,)),
+            keras.layers.Dense(
+                2,
+                kernel_regularizer="l2",
+                bias_regularizer=keras.regularizers.L1(0.3),
+                kernel_initializer="he_normal",
+                bias_initializer="ones",
+            ),
+        ]
+    )
+    model.save(tmp_path / "r.keras")
+    loaded = keras.models.load_model(tmp_path / "r.keras")
+    assert [float(x) for x in loaded.losses] == [float(x) for x in model.losses]
+    assert float(model.losses[1]) == pytest.approx(0.3 * 2)  # L1 of the ones bias
+    layer = loaded.layers[0]
+    assert type(layer.kernel_initializer).__name__ == "HeNormal"
+    assert type(layer.bias_initializer).__name__ == "Ones"
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        keras.layers.Dense(3, activation="relu", use_bias=False, name="d"),
+        keras.layers.Activation("tanh"),
+        keras.layers.Flatten(),
+        keras.layers.Reshape((2, -1)),
+        keras.layers.Dropout(0.3, seed=4),
+        keras.layers.Lambda(halve, output_shape=(3,)),
+        keras.layers.InputLayer(shape=(5,), batch_size=2),
+        keras.layers.Concatenate(axis=1),
+        keras.layers.Add(),
+        keras.layers.Average(),
+        Scale(3.0),
+    ],
+    ids=lambda layer: type(layer).__name__,
+)
+def test_layer_config_protocol_round_trips(layer: Any) -> None:
+    """``from_config(get_config())`` rebuilds an equal config, through the JSON text."""
+    config = json.loads(json.dumps(keras.saving.serialize_keras_object(layer)))
+    rebuilt = keras.saving.deserialize_keras_object(config)
+    assert type(rebuilt) is type(layer)
+    assert json.loads(json.dumps(rebuilt.get_config())) == config["config"]

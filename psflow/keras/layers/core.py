@@ -58,12 +58,18 @@ class Dense(Layer):
         self.units = int(units)
         self.activation = activations.get(activation)
         self.use_bias = use_bias
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_initializer = initializers.get(_from_dict(kernel_initializer, initializers))
+        self.bias_initializer = initializers.get(_from_dict(bias_initializer, initializers))
         self.kernel_regularizer = (
-            regularizers.get(kernel_regularizer) if kernel_regularizer else None
+            regularizers.get(_from_dict(kernel_regularizer, regularizers))
+            if kernel_regularizer
+            else None
         )
-        self.bias_regularizer = regularizers.get(bias_regularizer) if bias_regularizer else None
+        self.bias_regularizer = (
+            regularizers.get(_from_dict(bias_regularizer, regularizers))
+            if bias_regularizer
+            else None
+        )
         self.kernel_constraint, self.bias_constraint = kernel_constraint, bias_constraint
         if self._batch_input_shape is not None:
             self._maybe_build(self._batch_input_shape)
@@ -128,7 +134,46 @@ class Dense(Layer):
             "units": self.units,
             "activation": activations.serialize(self.activation),
             "use_bias": self.use_bias,
+            "kernel_initializer": _initializer_config(self.kernel_initializer),
+            "bias_initializer": _initializer_config(self.bias_initializer),
+            "kernel_regularizer": _regularizer_config(self, self.kernel_regularizer),
+            "bias_regularizer": _regularizer_config(self, self.bias_regularizer),
         }
+
+
+def _from_dict(value: Any, module: Any) -> Any:
+    """An initializer or regularizer written by get_config (``{"class_name", "config"}``)."""
+    if not isinstance(value, dict):
+        return value
+    cls = getattr(module, str(value.get("class_name")), None)
+    if not isinstance(cls, type):
+        raise errors.InvalidArgumentError(
+            f"Unknown {module.__name__.rsplit('.', 1)[-1]} class {value.get('class_name')!r}"
+        )
+    return cls(**value.get("config", {}))
+
+
+def _initializer_config(init: Any) -> Any:
+    # A function given as initializer has no config; the saved weights make it moot.
+    if (
+        isinstance(init, initializers.Initializer)
+        and type(init).__module__ == initializers.__name__
+    ):
+        if type(init).__name__.startswith("_"):
+            return None
+        return {"class_name": type(init).__name__, "config": init.get_config()}
+    return None
+
+
+def _regularizer_config(layer: Layer, reg: Any) -> Any:
+    if reg is None:
+        return None
+    if isinstance(reg, regularizers.L1L2):  # L1 and L2 are L1L2s with one term
+        return {"class_name": "L1L2", "config": reg.get_config()}
+    raise errors.InvalidArgumentError(
+        f"{layer.name}: regularizer {reg!r} has no config; use keras.regularizers.L1L2/L1/L2 "
+        "to save the model"
+    )
 
 
 class Activation(Layer):
@@ -205,7 +250,12 @@ class Dropout(Layer):
         return TensorShape(input_shape)
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "rate": self.rate, "seed": self.seed}
+        return {
+            **super().get_config(),
+            "rate": self.rate,
+            "noise_shape": self.noise_shape,
+            "seed": self.seed,
+        }
 
 
 class Lambda(Layer):
