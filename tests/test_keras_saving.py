@@ -297,3 +297,31 @@ def test_layer_config_protocol_round_trips(layer: Any) -> None:
     rebuilt = keras.saving.deserialize_keras_object(config)
     assert type(rebuilt) is type(layer)
     assert json.loads(json.dumps(rebuilt.get_config())) == config["config"]
+
+
+def test_loss_objects_and_multi_output_compile_settings_are_restored(tmp_path: Any) -> None:
+    model = functional_model()
+    model.compile(
+        keras.optimizers.SGD(0.2),
+        loss={"out1": keras.losses.Huber(delta=0.5), "out2": "sparse_categorical_crossentropy"},
+        loss_weights={"out1": 0.3, "out2": 1.5},
+        metrics={"out2": ["accuracy"]},
+    )
+    y = {"out1": XA[:, :1], "out2": np.arange(6) % 2}
+    model.save(tmp_path / "c.keras")
+    loaded = keras.models.load_model(tmp_path / "c.keras")
+    want = model.evaluate([XA, XB], y, verbose=0, return_dict=True)
+    got = loaded.evaluate([XA, XB], y, verbose=0, return_dict=True)
+    assert sorted(got) == ["loss", "out1_loss", "out2_accuracy", "out2_loss"]
+    assert got == pytest.approx(want, rel=1e-6)
+    huber = loaded._output_losses.losses[0]
+    assert type(huber).__name__ == "Huber" and huber.get_config()["delta"] == 0.5
+
+
+def test_a_custom_loss_function_loads_uncompiled(tmp_path: Any) -> None:
+    model = sequential_model()
+    model.compile("sgd", loss=lambda yt, yp: (yt - yp) ** 2)
+    model.save(tmp_path / "f.keras")
+    loaded = keras.models.load_model(tmp_path / "f.keras")
+    assert not loaded.compiled
+    assert_same_predictions(model, loaded, XA)

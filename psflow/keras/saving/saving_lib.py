@@ -48,8 +48,15 @@ def _compile_config(model: Any) -> dict[str, Any] | None:
     out["optimizer"] = optimizers_lib.serialize(model.optimizer)
 
     def plain(value: Any) -> Any:
-        if isinstance(value, losses_lib.Loss):
-            return {"class_name": type(value).__name__, "config": value.get_config()}
+        # a built-in loss class, by name and config, when that config rebuilds it (a
+        # wrapped user function does not: the model then loads uncompiled)
+        cls = type(value)
+        if isinstance(value, losses_lib.Loss) and getattr(losses_lib, cls.__name__, None) is cls:
+            try:
+                cls.from_config(value.get_config())
+            except TypeError:
+                return value
+            return {"class_name": cls.__name__, "config": value.get_config()}
         return value
 
     out["loss"] = (
@@ -227,12 +234,37 @@ def load_model(
             loaded = safetensors.load_file(weights_path)
             compile_config = config.get("compile_config")
             if compile and compile_config:
-                model.compile(**compile_config)
+                model.compile(**_compile_arguments(compile_config))
     finally:
         cleanup()
     arrays = [loaded[k] for k in sorted(loaded)]
     model.set_weights(arrays)
     return model
+
+
+def _compile_arguments(config: dict[str, Any]) -> dict[str, Any]:
+    """``compile``'s arguments from a saved compile config (loss objects rebuilt)."""
+    from psflow.keras import losses as losses_lib
+
+    def loss_from(value: Any) -> Any:
+        if isinstance(value, dict) and set(value) == {"class_name", "config"}:
+            cls = getattr(losses_lib, str(value["class_name"]), None)
+            if not (isinstance(cls, type) and issubclass(cls, losses_lib.Loss)):
+                raise errors.InvalidArgumentError(
+                    f"Unknown loss class {value['class_name']!r} in the saved compile config"
+                )
+            return cls.from_config(value["config"])
+        return value
+
+    out = dict(config)
+    loss = out.get("loss")
+    if isinstance(loss, dict) and set(loss) != {"class_name", "config"}:
+        out["loss"] = {k: loss_from(v) for k, v in loss.items()}  # per output
+    elif isinstance(loss, list):
+        out["loss"] = [loss_from(v) for v in loss]
+    else:
+        out["loss"] = loss_from(loss)
+    return out
 
 
 def _build(model: Any, input_shape: Any) -> None:
