@@ -300,3 +300,35 @@ def test_parameter_server_training_of_a_multi_output_model() -> None:
     # one embedded worker, batches in order: the same updates as local training
     for g, w in zip(got_w, want_w):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+# -- Python operators on Keras tensors ------------------------------------------------------
+def test_python_operators_build_layers_that_match_numpy_and_differentiate() -> None:
+    x, y = keras.Input(shape=(3,)), keras.Input(shape=(3,))
+    z = (x / 2.0 + 1 - y * y) ** 2
+    model = keras.Model([x, y], [-z[:, 1:], 2.0 / (x + 3), x[:, 0], x[..., None]])
+    assert [tuple(t.shape) for t in model.outputs] == [(None, 2), (None, 3), (None,), (None, 3, 1)]
+    xa, xb = pf.constant(XA), pf.constant(XA[::-1].copy())
+    with pf.GradientTape() as tape:
+        tape.watch(xa)
+        out = model([xa, xb])
+        total = pf.reduce_sum(out[0])
+    want_z = (XA / 2 + 1 - XA[::-1] ** 2) ** 2
+    np.testing.assert_allclose(out[0].numpy(), -want_z[:, 1:], rtol=1e-5)
+    np.testing.assert_allclose(out[1].numpy(), 2 / (XA + 3), rtol=1e-6)
+    np.testing.assert_array_equal(out[2].numpy(), XA[:, 0])
+    np.testing.assert_array_equal(out[3].numpy(), XA[..., None])
+    # d/dx of -sum(z[:, 1:]) = -2 (x/2 + 1 - y^2) / 2 on columns 1 and 2, 0 on column 0
+    want_grad = -(XA / 2 + 1 - XA[::-1] ** 2)
+    want_grad[:, 0] = 0
+    np.testing.assert_allclose(tape.gradient(total, xa).numpy(), want_grad, rtol=1e-5)
+
+
+def test_operators_reject_what_they_cannot_save_and_ops_point_to_lambda() -> None:
+    x = keras.Input(shape=(3,))
+    with pytest.raises(errors.InvalidArgumentError, match=r"ndarray.*Lambda"):
+        _ = x * np.ones(3)
+    with pytest.raises(errors.InvalidArgumentError, match=r"index.*\[None, 3\]"):
+        _ = x[:, 5]
+    with pytest.raises(errors.InvalidArgumentError, match=r"symbolic.*Lambda"):
+        pf.reduce_mean(x, axis=1)

@@ -325,3 +325,11 @@ def test_a_custom_loss_function_loads_uncompiled(tmp_path: Any) -> None:
     loaded = keras.models.load_model(tmp_path / "f.keras")
     assert not loaded.compiled
     assert_same_predictions(model, loaded, XA)
+
+
+def test_python_operators_on_inputs_round_trip(tmp_path: Any) -> None:
+    x = keras.Input(shape=(3,))
+    h = keras.layers.Dense(4)(x / 255.0 - 0.5)
+    model = keras.Model(x, [-(h[:, :2] ** 2), 1.0 / (h * h + 1)])
+    model.save(tmp_path / "ops.keras")
+    assert_same_predictions(model, keras.models.load_model(tmp_path / "ops.keras"), XA)

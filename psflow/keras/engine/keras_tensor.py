@@ -44,8 +44,58 @@ class KerasTensor:
         return f"<KerasTensor shape={tuple(self.shape)}, dtype={self.dtype}, name={self.name}>"
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        # NumPy would otherwise try to iterate the placeholder and fail obscurely.
-        raise TypeError(f"{self!r} is symbolic: it has no value until the model is called on data")
+        # NumPy (and every op converting its inputs) would otherwise fail obscurely.
+        raise TypeError(
+            f"{self!r} is symbolic: it has no value until the model is called on data; "
+            "compute on it with layers, Python operators (+ - * / ** [...]) or "
+            "keras.layers.Lambda"
+        )
+
+    # -- Python operators: each becomes a layer of the graph --------------------------------
+    def _binary(self, op: str, other: Any, reverse: bool = False) -> Any:
+        from psflow.keras.layers.operators import TensorOperator
+
+        if isinstance(other, KerasTensor):
+            pair = [other, self] if reverse else [self, other]
+            return TensorOperator(op, dtype=self.dtype)(pair)
+        return TensorOperator(op, constant=other, reverse=reverse, dtype=self.dtype)(self)
+
+    def __add__(self, other: Any) -> Any:
+        return self._binary("add", other)
+
+    def __radd__(self, other: Any) -> Any:
+        return self._binary("add", other, reverse=True)
+
+    def __sub__(self, other: Any) -> Any:
+        return self._binary("subtract", other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return self._binary("subtract", other, reverse=True)
+
+    def __mul__(self, other: Any) -> Any:
+        return self._binary("multiply", other)
+
+    def __rmul__(self, other: Any) -> Any:
+        return self._binary("multiply", other, reverse=True)
+
+    def __truediv__(self, other: Any) -> Any:
+        return self._binary("divide", other)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return self._binary("divide", other, reverse=True)
+
+    def __pow__(self, other: Any) -> Any:
+        return self._binary("pow", other)
+
+    def __neg__(self) -> Any:
+        from psflow.keras.layers.operators import TensorOperator
+
+        return TensorOperator("negative", dtype=self.dtype)(self)
+
+    def __getitem__(self, key: Any) -> Any:
+        from psflow.keras.layers.operators import TensorSlice
+
+        return TensorSlice(key, dtype=self.dtype)(self)
 
 
 class Node:

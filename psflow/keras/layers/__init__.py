@@ -30,3 +30,4 @@ from psflow.keras.layers.merge import (
     multiply,
     subtract,
 )
+from psflow.keras.layers.operators import TensorOperator, TensorSlice
