@@ -4,8 +4,8 @@ Optional: runs only where TensorFlow is installed. Each framework runs the
 program in its own process; the program prints JSON: log names and values of
 a multi-input/multi-output model trained with loss_weights and per-output
 metrics, its weights after training, a save/load round trip, the learning
-rates ReduceLROnPlateau sets for a fixed sequence of values, and the
-TensorBoard tags written.
+rates ReduceLROnPlateau sets for a fixed sequence of values, CSVLogger's
+columns, where TerminateOnNaN stops, and the TensorBoard tags written.
 """
 
 from __future__ import annotations
@@ -78,6 +78,23 @@ for epoch, value in enumerate([1.0, 1.0, 0.99995, 1.0, 0.5, 0.6, 0.6, 0.6, 0.6, 
     rates.append(float(np.asarray(model.optimizer.learning_rate)))
 out["plateau"] = rates
 
+csv_path = os.path.join(tempfile.mkdtemp(), "log.csv")
+one_in = keras.Input(shape=(3,))
+tiny = keras.Model(one_in, keras.layers.Dense(1)(one_in))
+tiny.compile("sgd", loss="mse", metrics=["mae"])
+tiny.fit(xa, y1, batch_size=8, epochs=2, validation_data=(xa, y1), verbose=0,
+         callbacks=[keras.callbacks.CSVLogger(csv_path)])
+with open(csv_path) as f:
+    rows = [line.strip().split(",") for line in f if line.strip()]
+out["csv"] = [rows[0], [r[0] for r in rows[1:]]]
+batches = []
+bad = y1.copy()
+bad[8:] = np.nan
+nan_history = tiny.fit(xa, bad, batch_size=4, epochs=3, shuffle=False, verbose=0, callbacks=[
+    keras.callbacks.TerminateOnNaN(),
+    keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches.append(batch))])
+out["nan"] = [batches, len(nan_history.history["loss"])]
+
 import importlib.util
 out["tensorboard_dirs"] = out["tensorboard_log_dir"] = None
 if importlib.util.find_spec("tensorboard") is not None:  # optional on both sides
@@ -128,6 +145,8 @@ def test_psflow_gives_tf_keras_results() -> None:
         np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-6)
     assert ours["loaded_equal"] and theirs["loaded_equal"]
     np.testing.assert_allclose(ours["plateau"], theirs["plateau"], rtol=1e-6)
+    assert ours["csv"] == theirs["csv"]
+    assert ours["nan"] == theirs["nan"]
     if theirs["tensorboard_dirs"] is None:
         return  # TensorFlow's side has no tensorboard package: no tags to compare with
     assert ours["tensorboard_dirs"] == theirs["tensorboard_dirs"]
