@@ -215,6 +215,8 @@ def test_save_respects_overwrite_and_leaves_no_temporary_files(tmp_path: Any) ->
     with pytest.raises(errors.AlreadyExistsError, match=r"m\.keras"):
         model.save(tmp_path / "m.keras", overwrite=False)
     model.save(tmp_path / "m.keras")
+    with pytest.raises(errors.UnimplementedError, match=r"m\.h5"):
+        model.save(tmp_path / "m.h5")
     assert sorted(os.listdir(tmp_path)) == ["m.keras"]
 
 

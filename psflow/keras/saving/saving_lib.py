@@ -86,12 +86,17 @@ def save_model(
 
     Raises:
         AlreadyExistsError: ``filepath`` exists and ``overwrite`` is False.
+        UnimplementedError: an ``.h5``/``.hdf5`` path (Keras's legacy format).
         FailedPreconditionError: the model is not built yet.
         InvalidArgumentError: a layer whose config cannot be written as JSON.
     """
     from psflow.io import safetensors
 
     path = os.fspath(filepath)
+    if path.endswith((".h5", ".hdf5")):
+        raise errors.UnimplementedError(
+            f"{path!r}: HDF5 model files are not supported; save to a '.keras' file or a directory"
+        )
     if not overwrite and os.path.exists(path):
         raise errors.AlreadyExistsError(f"{path} exists and overwrite=False")
     if not model.built:
