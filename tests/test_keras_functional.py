@@ -250,6 +250,29 @@ def test_single_output_model_keeps_plain_log_names() -> None:
     assert sorted(logs) == ["loss", "mae"]
 
 
+@pytest.mark.parametrize(
+    ("outputs", "y", "loss", "metrics"),
+    [
+        ("list", "list", "mse", ["mae"]),
+        ("list", "array", ["mse"], [["mae"]]),
+        ("dict", "dict", {"k": "mse"}, {"k": "mae"}),
+    ],
+)
+def test_one_output_in_a_list_or_dict_keeps_plain_log_names(
+    outputs: str, y: str, loss: Any, metrics: Any
+) -> None:
+    x = keras.Input(shape=(3,))
+    head = keras.layers.Dense(1, name="head")
+    out = head(x)
+    model = keras.Model(x, [out] if outputs == "list" else {"k": out})
+    model.compile("sgd", loss=loss, metrics=metrics)
+    target = {"list": [Y1], "array": Y1, "dict": {"k": Y1}}[y]
+    logs = model.evaluate(XA, target, verbose=0, return_dict=True)
+    assert sorted(logs) == ["loss", "mae"]
+    w, b = head.kernel.numpy(), head.bias.numpy()
+    assert logs["loss"] == pytest.approx(float(np.mean((XA @ w + b - Y1) ** 2)), rel=1e-5)
+
+
 def test_summary_has_a_connected_to_column() -> None:
     lines: list[str] = []
     keras.clear_session()

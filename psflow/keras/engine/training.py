@@ -61,6 +61,7 @@ class Model(Layer):
         self._output_losses: Any = None  # compile_utils.OutputLosses for several outputs
         self._compile_config: dict[str, Any] | None = None
         self._build_input_shape: Any = None  # what the model was built for: saved with it
+        self._unwrap_single = False  # one output in a list/dict: losses see the bare tensors
         self._global_batch_size: int | None = None
 
     # -- compile ---------------------------------------------------------------------
@@ -98,10 +99,11 @@ class Model(Layer):
             compiled = [m for m, _ in pairs]
             routes = [i for _, i in pairs]
         else:
-            if isinstance(metrics, dict):
-                metrics = [m for v in metrics.values() for m in (v if isinstance(v, list) else [v])]
-            if isinstance(loss, dict) and len(loss) == 1:
-                loss = next(iter(loss.values()))
+            if len(names) == 1:  # one output, maybe in a list or dict: Keras's plain names
+                metrics = _single_output_entries(metrics)
+                weighted_metrics = _single_output_entries(weighted_metrics)
+                if isinstance(loss, (dict, list, tuple)) and len(loss) == 1:
+                    loss = next(iter(loss.values())) if isinstance(loss, dict) else loss[0]
             self._output_losses = None
             self.loss = None if loss is None else losses_lib.get(loss)
             with metrics_lib.local_metrics():
@@ -114,6 +116,7 @@ class Model(Layer):
             m if getattr(m, "_ps", None) is None else _local_twin(m) for m in compiled
         ]
         self._metric_outputs = routes
+        self._unwrap_single = len(names) == 1
         self._compile_config = {
             "optimizer": optimizer,
             "loss": loss,
@@ -183,6 +186,8 @@ class Model(Layer):
             raise errors.InvalidArgumentError(
                 "Training needs targets: give y (or a dataset of (x, y))"
             )
+        if self._unwrap_single:
+            y, y_pred, sample_weight = (_unwrap(v) for v in (y, y_pred, sample_weight))
         loss = self.loss(y, y_pred, sample_weight)
         extra = self.losses
         if extra:
@@ -230,7 +235,9 @@ class Model(Layer):
     ) -> dict[str, Any]:
         self._loss_tracker.update_state(loss, sample_weight=np.float64(batch_size))
         for m, index in zip(self._compiled_metrics, self._metric_outputs):
-            if index is None:
+            if index is None and self._unwrap_single:
+                m.update_state(_unwrap(y), _unwrap(y_pred), _unwrap(sample_weight))
+            elif index is None:
                 m.update_state(y, y_pred, sample_weight)
             else:
                 from psflow.keras.engine import compile_utils
@@ -548,6 +555,25 @@ class Model(Layer):
         saving_lib.save_model(
             self, filepath, overwrite=overwrite, include_optimizer=include_optimizer
         )
+
+
+def _single_output_entries(metrics: Any) -> Any:
+    """Metrics for a model's only output, given as a dict or a list with one entry per output."""
+    if isinstance(metrics, dict):
+        metrics = list(metrics.values())
+    if isinstance(metrics, (list, tuple)) and len(metrics) == 1:
+        only = metrics[0]
+        return list(only) if isinstance(only, (list, tuple)) else [only]
+    return metrics
+
+
+def _unwrap(value: Any) -> Any:
+    """The one entry of a one-element list or dict (a single output's structure)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return value[0]
+    if isinstance(value, dict) and len(value) == 1:
+        return next(iter(value.values()))
+    return value
 
 
 def _unbatched(shape: Any) -> Any:
