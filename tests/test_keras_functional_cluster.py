@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,12 @@ def test_functional_model_trains_saves_and_loads_on_a_cluster(
         )
     assert all(isinstance(v, PSVariable) for v in model.weights)
     before = model.evaluate([XA, XB], [Y1, Y2], batch_size=4, verbose=0, return_dict=True)
-    history = model.fit([XA, XB], [Y1, Y2], batch_size=2, epochs=4, verbose=0).history
+    have_tensorboard = importlib.util.find_spec("tensorboard") is not None
+    log_dir = tmp_path / "logs"
+    callbacks = [keras.callbacks.TensorBoard(log_dir, update_freq=2)] if have_tensorboard else []
+    history = model.fit(
+        [XA, XB], [Y1, Y2], batch_size=2, epochs=4, verbose=0, callbacks=callbacks
+    ).history
     assert sorted(history) == ["loss", "out1_loss", "out2_accuracy", "out2_loss"]
     after = model.evaluate([XA, XB], [Y1, Y2], batch_size=4, verbose=0, return_dict=True)
     assert after["loss"] < before["loss"]
@@ -38,6 +45,9 @@ def test_functional_model_trains_saves_and_loads_on_a_cluster(
     assert after["loss"] == pytest.approx(
         0.5 * after["out1_loss"] + 2.0 * after["out2_loss"], rel=1e-5
     )
+    if have_tensorboard:  # event files are named after the writing process: only this one
+        files = os.listdir(log_dir / "train")
+        assert files and all(f".{os.getpid()}." in name for name in files), files
     model.save(tmp_path / "cluster.keras")
     want = model.predict([XA, XB], verbose=0)
     loaded = keras.models.load_model(tmp_path / "cluster.keras")  # outside the strategy: local
