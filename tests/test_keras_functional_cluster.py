@@ -25,7 +25,7 @@ def test_functional_model_trains_saves_and_loads_on_a_cluster(
     with strategy.scope():
         model = two_headed()
         model.compile(
-            keras.optimizers.SGD(0.05),
+            keras.optimizers.SGD(0.1),
             loss={"out1": "mse", "out2": "sparse_categorical_crossentropy"},
             loss_weights={"out1": 0.5, "out2": 2.0},
             metrics={"out2": ["accuracy"]},
@@ -36,7 +36,7 @@ def test_functional_model_trains_saves_and_loads_on_a_cluster(
     log_dir = tmp_path / "logs"
     callbacks = [keras.callbacks.TensorBoard(log_dir, update_freq=2)] if have_tensorboard else []
     history = model.fit(
-        [XA, XB], [Y1, Y2], batch_size=2, epochs=4, verbose=0, callbacks=callbacks
+        [XA, XB], [Y1, Y2], batch_size=4, epochs=3, verbose=0, callbacks=callbacks
     ).history
     assert sorted(history) == ["loss", "out1_loss", "out2_accuracy", "out2_loss"]
     after = model.evaluate([XA, XB], [Y1, Y2], batch_size=4, verbose=0, return_dict=True)
