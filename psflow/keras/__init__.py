@@ -13,14 +13,17 @@ from psflow.keras import (
     layers,
     losses,
     metrics,
+    models,
     optimizers,
     regularizers,
+    saving,
     utils,
 )
 from psflow.keras.engine.sequential import Sequential
 from psflow.keras.engine.training import Model
 from psflow.keras.layers import Input
 from psflow.keras.layers.base import clear_session
+from psflow.keras.saving import load_model
 
 
 def __getattr__(name: str):

@@ -498,3 +498,8 @@ class BackupAndRestore(Callback):
 
             shutil.rmtree(self.backup_dir, ignore_errors=True)
             self._manager = None
+
+
+# -- callbacks in their own modules, re-exported under keras.callbacks (helper funcapi) --
+from psflow.keras.callbacks_plateau import ReduceLROnPlateau as ReduceLROnPlateau  # noqa: E402
+from psflow.keras.callbacks_tensorboard import TensorBoard as TensorBoard  # noqa: E402

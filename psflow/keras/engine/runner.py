@@ -170,16 +170,19 @@ class MirroredRunner(LocalRunner):
 
         outputs: list[Any] = []
 
-        def step_fn(batch: Any) -> None:
-            y = self._run(self.model.predict_step, batch)
-            parts = y.values if isinstance(y, PerReplica) else (y,)
+        def gather(leaf: Any) -> Any:
             import numpy as np
 
-            outputs.append(
-                np.concatenate([_host(p) for p in parts], axis=0)
-                if len(parts) > 1
-                else _host(parts[0])
-            )
+            parts = leaf.values if isinstance(leaf, PerReplica) else (leaf,)
+            hosts = [_host(p) for p in parts]
+            return np.concatenate(hosts, axis=0) if len(hosts) > 1 else hosts[0]
+
+        def step_fn(batch: Any) -> None:
+            from psflow.util import nest
+
+            y = self._run(self.model.predict_step, batch)
+            # one PerReplica per output (a model with several outputs gives a structure of them)
+            outputs.append(nest.map_structure(gather, y))
 
         self._steps(
             source,

@@ -6,9 +6,10 @@ from typing import Any
 
 from psflow import errors
 from psflow.framework.tensor import TensorShape
+from psflow.keras.engine.keras_tensor import KerasTensor
 from psflow.keras.engine.training import Model
 from psflow.keras.layers.base import Layer
-from psflow.keras.layers.core import InputLayer, KerasInput
+from psflow.keras.layers.core import InputLayer
 
 
 class Sequential(Model):
@@ -46,8 +47,12 @@ class Sequential(Model):
             TypeError: ``layer`` is not a layer.
             InvalidArgumentError: an ``Input`` after other layers.
         """
-        if isinstance(layer, KerasInput):
-            layer = layer._layer
+        if isinstance(layer, KerasTensor):
+            if layer.node is None or not isinstance(layer.node.layer, InputLayer):
+                raise errors.InvalidArgumentError(
+                    f"Sequential.add takes layers or a keras.Input, got the Keras tensor {layer!r}"
+                )
+            layer = layer.node.layer
         if not isinstance(layer, Layer):
             raise TypeError(
                 f"Sequential.add expects a Layer, got {type(layer).__name__}: {layer!r}"
@@ -106,10 +111,29 @@ class Sequential(Model):
         return shape
 
     def get_config(self) -> dict[str, Any]:
+        from psflow.keras.saving import serialization
+
         return {
             "name": self.name,
-            "layers": [
-                {"class_name": type(layer).__name__, "config": layer.get_config()}
-                for layer in self._layers
-            ],
+            "trainable": self.trainable,
+            "layers": [serialization.serialize_keras_object(layer) for layer in self._layers],
         }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Sequential:
+        """Rebuilds the stack from :meth:`get_config` (layers resolved by class name).
+
+        Raises:
+            InvalidArgumentError: an unknown layer class (named) or a malformed entry.
+        """
+        from psflow.keras.saving import serialization
+
+        entries = config.get("layers")
+        if not isinstance(entries, list):
+            raise errors.InvalidArgumentError(
+                f"A Sequential config needs a list of layers, got {entries!r:.200}"
+            )
+        layers = [serialization.deserialize_keras_object(e) for e in entries]
+        model = cls(layers, name=config.get("name"))
+        model.trainable = config.get("trainable", True)
+        return model

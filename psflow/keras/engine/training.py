@@ -30,15 +30,24 @@ class _NotCompiledError(errors.FailedPreconditionError, ValueError):
 class Model(Layer):
     """A layer with training methods (Keras's ``keras.Model``).
 
-    Subclass it and define ``call``; or use :class:`Sequential`. The
-    functional form ``Model(inputs, outputs)`` is not supported.
+    Three ways to make one: ``Model(inputs, outputs)`` over ``keras.Input``s
+    (the functional API, see :class:`~psflow.keras.engine.functional.Functional`),
+    :class:`Sequential`, or a subclass that defines ``call``.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Keras's rule: Model(inputs, outputs) is a functional model.
+        if cls is Model and (args or "inputs" in kwargs or "outputs" in kwargs):
+            from psflow.keras.engine.functional import Functional
+
+            return super().__new__(Functional)
+        return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if args or "inputs" in kwargs or "outputs" in kwargs:
             raise errors.UnimplementedError(
-                "The functional API Model(inputs, outputs) is not supported; use Sequential or "
-                "subclass Model and define call()"
+                f"{type(self).__name__}: a subclassed Model cannot take inputs/outputs; build a "
+                "functional model with keras.Model(inputs, outputs) or define call()"
             )
         super().__init__(**kwargs)
         self.optimizer: Any = None
@@ -48,6 +57,11 @@ class Model(Layer):
         with metrics_lib.local_metrics():  # fit aggregates these itself, on the chief
             self._loss_tracker = metrics_lib.Mean(name="loss")
         self._compiled_metrics: list[metrics_lib.Metric] = []
+        self._metric_outputs: list[int | None] = []  # which output each metric reads (None: all)
+        self._output_losses: Any = None  # compile_utils.OutputLosses for several outputs
+        self._compile_config: dict[str, Any] | None = None
+        self._build_input_shape: Any = None  # what the model was built for: saved with it
+        self._unwrap_single = False  # one output in a list/dict: losses see the bare tensors
         self._global_batch_size: int | None = None
 
     # -- compile ---------------------------------------------------------------------
@@ -68,20 +82,54 @@ class Model(Layer):
         Raises:
             ValueError: an unknown optimizer, loss or metric name (quoted).
         """
+        names = self.output_names or []
         with self._strategy_scope():
             self.optimizer = optimizers_lib.get(optimizer)
-        self.loss = None if loss is None else losses_lib.get(loss)
-        if isinstance(metrics, dict):
-            raise errors.UnimplementedError(
-                "Per-output metric dicts are not supported (single-output models)"
+        routes: list[int | None]
+        if len(names) > 1:  # several outputs: Keras's per-output losses and metrics
+            from psflow.keras.engine import compile_utils
+
+            self._output_losses = (
+                None if loss is None else compile_utils.OutputLosses(loss, loss_weights, names)
             )
-        with metrics_lib.local_metrics():
-            compiled = [metrics_lib.get(m) for m in [*(metrics or []), *(weighted_metrics or [])]]
+            self.loss = None if loss is None else self._output_losses
+            pairs = compile_utils.output_metrics(metrics, names) + compile_utils.output_metrics(
+                weighted_metrics, names
+            )
+            compiled = [m for m, _ in pairs]
+            routes = [i for _, i in pairs]
+        else:
+            if len(names) == 1:  # one output, maybe in a list or dict: Keras's plain names
+                metrics = _single_output_entries(metrics)
+                weighted_metrics = _single_output_entries(weighted_metrics)
+                if isinstance(loss, (dict, list, tuple)) and len(loss) == 1:
+                    loss = next(iter(loss.values())) if isinstance(loss, dict) else loss[0]
+            self._output_losses = None
+            self.loss = None if loss is None else losses_lib.get(loss)
+            with metrics_lib.local_metrics():
+                compiled = [
+                    metrics_lib.get(m) for m in [*(metrics or []), *(weighted_metrics or [])]
+                ]
+            routes = [None] * len(compiled)
         # a metric the user built in a parameter-server scope: fit keeps a local twin of it
         self._compiled_metrics = [
             m if getattr(m, "_ps", None) is None else _local_twin(m) for m in compiled
         ]
+        self._metric_outputs = routes
+        self._unwrap_single = len(names) == 1
+        self._compile_config = {
+            "optimizer": optimizer,
+            "loss": loss,
+            "metrics": metrics,
+            "loss_weights": loss_weights,
+            "weighted_metrics": weighted_metrics,
+        }
         self.compiled = True
+
+    def _maybe_build(self, input_shape: Any) -> None:
+        if not self.built and self._build_input_shape is None:
+            self._build_input_shape = _unbatched(input_shape)
+        super()._maybe_build(input_shape)
 
     def _strategy_scope(self) -> Any:
         import contextlib
@@ -96,9 +144,17 @@ class Model(Layer):
         return self._strategy or distribute_lib.get_strategy()
 
     @property
+    def output_names(self) -> list[str] | None:
+        """Names of the outputs; None where the model does not declare them (subclassed)."""
+        return None
+
+    @property
     def metrics(self) -> list[metrics_lib.Metric]:
-        """The loss tracker and the compiled metrics."""
-        return [self._loss_tracker, *self._compiled_metrics] if self.compiled else []
+        """The loss tracker, the per-output loss trackers and the compiled metrics."""
+        if not self.compiled:
+            return []
+        per_output = self._output_losses.metrics if self._output_losses is not None else []
+        return [self._loss_tracker, *per_output, *self._compiled_metrics]
 
     @property
     def metrics_names(self) -> list[str]:
@@ -130,6 +186,8 @@ class Model(Layer):
             raise errors.InvalidArgumentError(
                 "Training needs targets: give y (or a dataset of (x, y))"
             )
+        if self._unwrap_single:
+            y, y_pred, sample_weight = (_unwrap(v) for v in (y, y_pred, sample_weight))
         loss = self.loss(y, y_pred, sample_weight)
         extra = self.losses
         if extra:
@@ -176,8 +234,16 @@ class Model(Layer):
         self, loss: Any, y: Any, y_pred: Any, sample_weight: Any, batch_size: int
     ) -> dict[str, Any]:
         self._loss_tracker.update_state(loss, sample_weight=np.float64(batch_size))
-        for m in self._compiled_metrics:
-            m.update_state(y, y_pred, sample_weight)
+        for m, index in zip(self._compiled_metrics, self._metric_outputs):
+            if index is None and self._unwrap_single:
+                m.update_state(_unwrap(y), _unwrap(y_pred), _unwrap(sample_weight))
+            elif index is None:
+                m.update_state(y, y_pred, sample_weight)
+            else:
+                from psflow.keras.engine import compile_utils
+
+                picked = compile_utils.select(self.output_names, index, y, y_pred, sample_weight)
+                m.update_state(*picked)
         return {m.name: m.result() for m in self.metrics}
 
     def _runner(self) -> Any:
@@ -463,44 +529,64 @@ class Model(Layer):
             )
         self.set_weights(arrays)
 
-    def summary(self, line_length: int = 65, print_fn: Any = None, **kwargs: Any) -> None:
-        """Prints a table of layers, output shapes and parameter counts (Keras's format)."""
-        out = print_fn or print
-        layers = getattr(self, "layers", None) or self._sublayers
-        # Keras 2's column ends: 45% and 85% of the line, then the line's end.
-        ends = [int(line_length * 0.45), int(line_length * 0.85), line_length]
+    def summary(self, line_length: int | None = None, print_fn: Any = None, **kwargs: Any) -> None:
+        """Prints a table of layers, output shapes and parameter counts (Keras's format).
 
-        def row(*fields: str) -> str:
-            line = ""
-            for field, end in zip(fields, ends):
-                line += field
-                line = line.ljust(end) if len(line) < end else line + " "
-            return line
+        Functional models get a fourth column, the layers each one is connected to.
+        """
+        from psflow.keras.engine import summary as summary_lib
 
-        out(f'Model: "{self.name}"')
-        out("_" * line_length)
-        out(row(" Layer (type)", "Output Shape", "Param #"))
-        out("=" * line_length)
-        shape = getattr(self, "_batch_input_shape", None)
-        for layer in layers:
-            if shape is not None:
-                try:
-                    shape = tuple(layer.compute_output_shape(shape))
-                    shown = str(shape)
-                except Exception:
-                    shown, shape = "?", None
-            else:
-                shown = "?" if not layer.built else "multiple"
-            name = f"{layer.name} ({type(layer).__name__})"
-            out(row(" " + name, shown, str(layer.count_params())))
-            out(" " * line_length)
-        out("=" * line_length)
-        total = self.count_params()
-        trainable = int(sum(int(np.prod(v.shape)) for v in self.trainable_weights))
-        out(f"Total params: {total} ({_bytes(total)})")
-        out(f"Trainable params: {trainable} ({_bytes(trainable)})")
-        out(f"Non-trainable params: {total - trainable} ({_bytes(total - trainable)})")
-        out("_" * line_length)
+        summary_lib.print_summary(self, self._summary_rows(), line_length, print_fn)
+
+    def _summary_rows(self) -> list[tuple[Any, str, str | None]]:
+        """(layer, output shape, connected-to or None) per layer; layers chained in order."""
+        from psflow.keras.engine import summary as summary_lib
+
+        return summary_lib.chained_rows(self)
+
+    # -- whole-model files ------------------------------------------------------------
+    def save(self, filepath: str, overwrite: bool = True, include_optimizer: bool = True) -> None:
+        """Saves architecture, weights and compile settings to a ``.keras`` file or a directory.
+
+        See :func:`psflow.keras.saving.save_model`.
+        """
+        from psflow.keras.saving import saving_lib
+
+        saving_lib.save_model(
+            self, filepath, overwrite=overwrite, include_optimizer=include_optimizer
+        )
+
+
+def _single_output_entries(metrics: Any) -> Any:
+    """Metrics for a model's only output, given as a dict or a list with one entry per output."""
+    if isinstance(metrics, dict):
+        metrics = list(metrics.values())
+    if isinstance(metrics, (list, tuple)) and len(metrics) == 1:
+        only = metrics[0]
+        return list(only) if isinstance(only, (list, tuple)) else [only]
+    return metrics
+
+
+def _unwrap(value: Any) -> Any:
+    """The one entry of a one-element list or dict (a single output's structure)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return value[0]
+    if isinstance(value, dict) and len(value) == 1:
+        return next(iter(value.values()))
+    return value
+
+
+def _unbatched(shape: Any) -> Any:
+    """A build shape with the batch dimension unknown (it is not part of the model)."""
+    from psflow.keras.engine.keras_tensor import is_shape
+
+    if isinstance(shape, dict):
+        return {k: _unbatched(v) for k, v in shape.items()}
+    if is_shape(shape):
+        return (None, *tuple(shape)[1:]) if len(shape) else ()
+    if isinstance(shape, (list, tuple)):
+        return [_unbatched(s) for s in shape]
+    return None
 
 
 def _local_twin(metric: metrics_lib.Metric) -> metrics_lib.Metric:
@@ -511,12 +597,3 @@ def _local_twin(metric: metrics_lib.Metric) -> metrics_lib.Metric:
     twin._lock = type(metric._lock)()
     twin._clear_local()
     return twin
-
-
-def _bytes(n_params: int) -> str:
-    size = n_params * 4.0
-    for unit in ("Byte", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{size:.2f} GB"

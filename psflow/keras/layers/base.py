@@ -23,6 +23,7 @@ from psflow.distribute import distribute_lib
 from psflow.framework.tensor import Tensor, TensorShape, to_array
 from psflow.framework.variable import Variable
 from psflow.keras import initializers
+from psflow.keras.engine import keras_tensor
 
 _name_lock = threading.Lock()
 _name_counts: dict[str, itertools.count] = defaultdict(itertools.count)
@@ -309,6 +310,8 @@ class Layer:
         self.built = True
 
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if keras_tensor.is_symbolic(inputs):  # building a functional graph, not computing
+            return keras_tensor.symbolic_call(self, (inputs, *args), kwargs)
         if not self.built:
             self._maybe_build(_shape_of(inputs))
         if "training" in kwargs and not _takes_training(type(self)):

@@ -1,5 +1,11 @@
 """Keras utilities."""
 
+from psflow.keras.saving.serialization import (
+    custom_object_scope,
+    get_registered_name,
+    get_registered_object,
+    register_keras_serializable,
+)
 from psflow.keras.utils.progbar import Progbar
 
 
