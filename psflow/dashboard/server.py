@@ -34,7 +34,7 @@ import socket
 import threading
 import urllib.parse
 
-from psflow.errors import UnavailableError
+from psflow.errors import FailedPreconditionError, UnavailableError
 from psflow.security.config import SecurityConfig, check_bind, is_loopback
 
 from .collector import ClusterMonitor
@@ -133,10 +133,13 @@ class DashboardServer:
         bind: the address to listen on.
         port: the port, 0 for any free one (read :attr:`port`).
         security: beyond loopback, its token guards every request.
+        require_token: guard requests with ``security``'s token on loopback too
+            (None: only beyond loopback).
 
     Raises:
-        FailedPreconditionError: ``bind`` is not loopback and ``security`` has no
-            token (TLS client certificates cannot guard a browser page here).
+        FailedPreconditionError: ``bind`` is not loopback (or ``require_token``)
+            and ``security`` has no token (TLS client certificates cannot guard a
+            browser page here).
         UnavailableError: the address cannot be bound (the message names it).
     """
 
@@ -147,11 +150,17 @@ class DashboardServer:
         port: int = 0,
         *,
         security: SecurityConfig | None = None,
+        require_token: bool | None = None,
     ) -> None:
         security = security or SecurityConfig()
-        token_only = SecurityConfig(token=security.token)
-        check_bind(bind, token_only)
-        token = None if is_loopback(bind) else security.token
+        check_bind(bind, SecurityConfig(token=security.token))
+        if require_token is None:
+            require_token = not is_loopback(bind)
+        if require_token and security.token is None:
+            raise FailedPreconditionError(
+                "the dashboard cannot require a token: none is configured"
+            )
+        token = security.token if require_token else None
         handler = type("DashboardHandler", (_Handler,), {"monitor": monitor, "token": token})
         host = bind[1:-1] if bind.startswith("[") and bind.endswith("]") else bind
         server_cls = _Server
