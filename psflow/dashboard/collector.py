@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 API_VERSION = 1
 """Bumped when a field of ``/api/cluster`` changes meaning or disappears."""
 
+_REASON_CHARS = 80
+"""How much of a probe's error an event's message quotes (all of it is in its data)."""
+
 EVENTS_SHOWN = 200
 """The newest events the document carries."""
 
@@ -157,7 +160,10 @@ class ClusterMonitor:
             if seen and task.failures >= self._lost_after and task.state != "lost":
                 task.state = "lost"
                 kind = EventKind.PS_LOST if task.job == "ps" else EventKind.WORKER_LOST
-                self.events.record(kind, task.task, f"{task.task} lost: {answer.error}")
+                reason = (answer.error or "")[:_REASON_CHARS]
+                self.events.record(
+                    kind, task.task, f"{task.task} lost: {reason}", {"error": answer.error}
+                )
             return
         values = dict(answer.values or {})
         was_lost = task.state == "lost"

@@ -132,9 +132,11 @@ class TrainingProgress:
         """The ``training`` object of ``/api/cluster`` (see the schema in tests/schemas/)."""
         with self._lock:
             times = list(self._times)
-            speed = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
-            if speed is not None and not math.isfinite(speed):
-                speed = None
+            speed = None
+            if len(times) > 1 and self._state == "running":
+                # up to now, not to the last step: a stalled run's speed falls towards zero
+                span = max(times[-1] - times[0], self._clock() - times[0])
+                speed = (len(times) - 1) / span if span > 0 else None
             eta = None
             if self._epochs is not None and self._steps_per_epoch and speed:
                 total = self._epochs * self._steps_per_epoch

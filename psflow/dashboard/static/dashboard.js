@@ -115,13 +115,12 @@ function renderTraining(t) {
     return span;
   }));
   const stepKeys = new Set();
-  for (const p of t.steps) for (const k of Object.keys(p)) stepKeys.add(k);
-  stepKeys.delete("step"); stepKeys.delete("epoch");
-  const stepMetrics = [...stepKeys].sort((a, b) => (a === "loss" ? -1 : b === "loss" ? 1 : 0));
-  const lossChart = lineChart(document.getElementById("loss-chart"),
-    stepMetrics.filter((k) => k === "loss" || stepMetrics.length <= 3).map((k) => ({
-      name: k, points: t.steps.map((p) => [p.step, p[k] === undefined ? null : p[k]]),
-    })), {xLabel: "step"});
+  for (const p of t.steps) for (const k of Object.keys(p)) if (/loss/.test(k)) stepKeys.add(k);
+  const lossChart = lineChart(document.getElementById("loss-chart"), [...stepKeys].sort().map(
+    (k) => ({name: k, points: t.steps.map((p) => [p.step, p[k] === undefined ? null : p[k]])})),
+    {xLabel: "step"});
+  lossChart.setAttribute("data-last-step",
+                         String(t.steps.length ? t.steps[t.steps.length - 1].step : 0));
   lossChart.id = "loss-svg";
   const epochKeys = new Set();
   for (const e of t.epoch_logs) for (const k of Object.keys(e)) epochKeys.add(k);
