@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from chief.script import Target, split_command
+from chief.status import LauncherStatus
 from chief.supervisor import RoleProcess, Supervisor, shell_status
 from psflow.errors import (
     DeadlineExceededError,
@@ -95,6 +96,8 @@ class LocalClusterConfig:
         grace: seconds a role has to exit after SIGTERM before SIGKILL.
         dashboard_port: the chief serves its dashboard on this port of ``host``
             (0: a free one the launcher picks), or None for none.
+        status_interval: show every role's state every this many seconds
+            (:mod:`chief.status`), or None for no status view.
 
     Raises:
         InvalidArgumentError: a value is out of range (the message names it).
@@ -109,6 +112,7 @@ class LocalClusterConfig:
     ready_timeout: float = 60.0
     grace: float = 15.0
     dashboard_port: int | None = None
+    status_interval: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_ps", "num_workers"):
@@ -137,6 +141,8 @@ class LocalClusterConfig:
         d = self.dashboard_port
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 65535):
             raise InvalidArgumentError(f"dashboard port {d!r} must be an integer in 0..65535")
+        if self.status_interval is not None and not self.status_interval > 0:
+            raise InvalidArgumentError(f"status interval {self.status_interval!r} must be > 0")
         if self.target.path is not None and not os.path.isfile(self.target.path):
             raise InvalidArgumentError(f"script {self.target.path!r} does not exist")
         if self.target.path is None and not self.target.module:
@@ -386,6 +392,7 @@ class LocalCluster:
         self._ready: set[str] = set()
         self._startup_error: OpError | None = None
         self._supervisor: Supervisor | None = None
+        self._status: LauncherStatus | None = None
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -450,6 +457,8 @@ class LocalCluster:
         while True:
             self._check_signals()
             supervisor.pump(0.1)
+            if self._status is not None:
+                self._status.refresh()
             for role in supervisor.poll():
                 if role is chief:
                     continue
@@ -508,9 +517,14 @@ class LocalCluster:
         log.info("cluster %s; chief runs %s", json.dumps(cluster), config.target)
         if config.dashboard_port is not None:
             log.info("dashboard at http://%s/", host_port(config.host, config.dashboard_port))
-        self._supervisor = Supervisor(self._stdout, self._stderr, on_line=self._on_line)
+        stdout, stderr = self._stdout, self._stderr
+        if config.status_interval is not None:
+            self._status = self._start_status(cluster, config.status_interval)
+            stdout = self._status.wrap(stdout or sys.stdout)
+            stderr = self._status.wrap(stderr or sys.stderr)
+        self._supervisor = Supervisor(stdout, stderr, on_line=self._on_line)
         started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
-        with self._signal_handlers():
+        with self._signal_handlers(), self._status_around_logging():
             try:
                 for spec in specs[:-1]:
                     started[spec.task_type].append(self._start(spec))
@@ -535,7 +549,24 @@ class LocalCluster:
                     escalate=lambda: len(self._signals) >= 2,
                     stages=(started[CHIEF], started[WORKER], started[PS]),
                 )
+                if self._status is not None:
+                    self._status.close()
                 self._log_statuses()
+
+    def _start_status(self, cluster: Mapping[str, Sequence[str]], interval: float):
+        def processes() -> dict[str, str]:  # the chief: no probe covers it
+            roles = self._supervisor.roles if self._supervisor is not None else []
+            return {
+                r.name: "running" if r.returncode is None else f"exit {shell_status(r.returncode)}"
+                for r in roles
+                if r.name == CHIEF
+            }
+
+        stream = self._stderr or sys.stderr
+        return LauncherStatus(cluster, self._environ, stream, processes, interval=interval)
+
+    def _status_around_logging(self):
+        return self._status.around_logging() if self._status else contextlib.nullcontext()
 
     def _log_statuses(self) -> None:
         supervisor = self._require_supervisor()
@@ -590,6 +621,19 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="PORT",
         help="the chief serves a live dashboard at http://HOST:PORT/ (no PORT: a free one)",
+    )
+    p.add_argument(
+        "--status",
+        action="store_true",
+        help="show every role's state: a table redrawn in place on a terminal, "
+        "a [local] status: line otherwise",
+    )
+    p.add_argument(
+        "--status-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between --status refreshes (default 2)",
     )
     return p
 
@@ -658,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             ready_timeout=args.ready_timeout,
             grace=args.grace,
             dashboard_port=args.dashboard,
+            status_interval=args.status_interval if args.status else None,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)
