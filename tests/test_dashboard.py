@@ -252,3 +252,89 @@ def test_chief_serves_the_dashboard_while_the_script_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "version 1 workers 0" in proc.stdout
     assert f"dashboard at http://127.0.0.1:{port}/" in proc.stderr
+
+
+def test_checkpoints_written_appear_on_the_timeline(tmp_path):
+    import psflow as pf
+
+    with start_dashboard({}, port=0) as dash:
+        v = pf.Variable(np.arange(3, dtype=np.float32))
+        manager = pf.train.CheckpointManager(pf.train.Checkpoint(v=v), str(tmp_path), max_to_keep=2)
+        paths = [manager.save() for _ in range(2)]
+        events = document(dash.url)["events"]
+    written = [e for e in events if e["kind"] == "checkpoint_written"]
+    assert [e["message"] for e in written] == [f"checkpoint {p}" for p in paths]
+
+
+def test_without_a_dashboard_publishing_records_nothing():
+    from psflow.observability import events, progress
+
+    assert events.installed() is None and progress.installed() is None
+    events.publish(EventKind.WORKER_LOST, "worker:0", "nobody listens")  # a no-op
+    with start_dashboard({}, port=0) as dash:
+        assert events.installed() is dash.monitor.events
+    assert events.installed() is None and progress.installed() is None  # restored on close
+
+
+@pytest.mark.parametrize(
+    ("argv", "port"),
+    [
+        (["--dashboard", "run.py", "7"], 0),
+        (["--dashboard", "8080", "run.py", "7"], 8080),
+        (["--dashboard=8080", "run.py", "7"], 8080),
+        (["--ps", "1", "run.py", "--dashboard", "7"], None),  # the script's own option
+    ],
+)
+def test_local_dashboard_option_forms(argv, port):
+    from chief import local
+
+    parser = local._parser()
+    options = local._value_options(parser)
+    own, target = local.split_command(local._join_dashboard_port(argv, options), options)
+    assert target.path == "run.py" and target.args[-1] == "7"
+    args = parser.parse_args(["--ps", "1", "--workers", "1", *own])
+    assert args.dashboard == port
+
+
+def test_local_plans_the_dashboard_on_the_chief_only(tmp_path):
+    from chief import local
+
+    script = tmp_path / "run.py"
+    script.write_text("pass\n")
+    config = local.LocalClusterConfig(
+        1, 1, local.Target(str(script), None, ()), dashboard_port=8123
+    )
+    roles = local.plan_roles(config, [5000, 5001, 5002])
+    chief = [r for r in roles if r.task_type == "chief"][0]
+    assert chief.argv[3:5] == ("--dashboard-port", "8123")
+    assert all("--dashboard-port" not in r.argv for r in roles if r is not chief)
+
+
+@pytest.mark.parametrize("port", [70000, -1])
+def test_local_rejects_a_bad_dashboard_port(tmp_path, capsys, port):
+    from chief import local
+
+    script = tmp_path / "run.py"
+    script.write_text("pass\n")
+    status = local.main(["--ps", "1", "--workers", "1", f"--dashboard={port}", str(script)])
+    assert status == 2
+    assert f"dashboard port {port} must be an integer in 0..65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "psflow.observability.events",
+        "psflow.observability.progress",
+        "psflow.dashboard.server",
+        "psflow.dashboard.app",
+        "psflow.dashboard.terminal",
+        "chief.local",
+    ],
+)
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
