@@ -338,3 +338,22 @@ def test_docstring_examples(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_chief_refuses_a_dashboard_beyond_loopback_without_a_token(tmp_path):
+    script = tmp_path / "noop.py"
+    script.write_text("print('ran')\n")
+    env = {
+        k: v for k, v in child_env().items() if not k.startswith(("PSFLOW_AUTH_", "PSFLOW_TLS_"))
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "chief", "--dashboard-port", "0", "--dashboard-bind", "0.0.0.0",
+         str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "refusing to serve on '0.0.0.0' without authentication" in proc.stderr
+    assert "ran" not in proc.stdout

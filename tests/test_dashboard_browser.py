@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 
+import jsonschema
 import pytest
 
 from tests.conftest import ROOT, child_env, pick_free_port
@@ -86,9 +87,17 @@ def render(
     return proc.stdout
 
 
+SCHEMA = json.loads(
+    (pathlib.Path(__file__).parent / "schemas" / "cluster_api.schema.json").read_text()
+)
+
+
 def api(url: str) -> dict:
+    """The live document, checked against its schema."""
     with urllib.request.urlopen(url + "api/cluster", timeout=10) as reply:
-        return json.load(reply)
+        doc = json.load(reply)
+    jsonschema.validate(doc, SCHEMA, cls=jsonschema.Draft202012Validator)
+    return doc
 
 
 def wait_api(

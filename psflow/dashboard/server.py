@@ -161,6 +161,12 @@ class DashboardServer:
                 "the dashboard cannot require a token: none is configured"
             )
         token = security.token if require_token else None
+        if token is not None and not is_loopback(bind):
+            log.warning(
+                "the dashboard on %s takes the cluster's token over plain HTTP: reach it "
+                "through an SSH tunnel or a TLS proxy",
+                bind,
+            )
         handler = type("DashboardHandler", (_Handler,), {"monitor": monitor, "token": token})
         host = bind[1:-1] if bind.startswith("[") and bind.endswith("]") else bind
         server_cls = _Server
