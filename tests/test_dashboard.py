@@ -357,3 +357,41 @@ def test_chief_refuses_a_dashboard_beyond_loopback_without_a_token(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "refusing to serve on '0.0.0.0' without authentication" in proc.stderr
     assert "ran" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_timeline_of_a_fit_that_loses_and_restores_a_ps(start_cluster, tmp_path):
+    import os
+    import threading
+
+    import psflow as pf
+
+    cluster = start_cluster(2, 1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(384, 6)).astype(np.float32)
+    y = (x @ rng.normal(size=(6, 1))).astype(np.float32)
+
+    class KillPS(pf.keras.callbacks.Callback):
+        steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            KillPS.steps += 1
+            if KillPS.steps == 18:  # in the second of three 12-step epochs
+                os.kill(cluster.ps[1].proc.pid, signal.SIGKILL)
+                threading.Timer(0.5, lambda: cluster.restart_ps(1)).start()
+
+    with start_dashboard(cluster.spec(), port=0, interval=0.2) as dash:
+        strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+        with strategy.scope():
+            model = pf.keras.Sequential([pf.keras.layers.Dense(1, input_shape=(6,))])
+            model.compile(optimizer=pf.keras.optimizers.SGD(0.02), loss="mse")
+        backup = pf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[backup, KillPS()])
+        doc = wait_for(dash.url, lambda d: by_task(d, "ps")["ps:1"]["state"] == "up")
+    kinds = [(e["kind"], e["task"]) for e in doc["events"]]
+    assert ("ps_restored", "ps:1") in kinds, kinds
+    assert kinds.count(("checkpoint_written", "chief")) >= 2, kinds  # one backup per epoch
+    assert kinds[0] == ("training_started", "chief") and kinds[-1][0] == "training_ended"
+    t = doc["training"]
+    assert t["state"] == "finished" and len(t["epoch_logs"]) == 3
+    np.testing.assert_allclose([e["loss"] for e in t["epoch_logs"]], history.history["loss"])
