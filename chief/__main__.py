@@ -31,6 +31,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Mapping
+from typing import Any
 
 from chief.script import Target, run_target, split_command
 from psflow.errors import InvalidArgumentError, OpError
@@ -124,19 +125,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = None):
-    """The chief's dashboard over TF_CONFIG's cluster (empty when embedded), or None on error."""
+def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The chief's dashboard over TF_CONFIG's cluster (empty when embedded), or None on error.
+
+    The environment's credentials authenticate its probes and, beyond
+    loopback, guard the page.
+    """
     from psflow.dashboard.app import start_dashboard
     from psflow.distribute.cluster_resolver import TFConfigClusterResolver
+    from psflow.security.config import SecurityConfig
 
     try:
+        security = SecurityConfig.from_environment(environ)
         spec = TFConfigClusterResolver(environ=environ).cluster_spec()
         cluster = {
             job: [spec.task_address(job, i) for i in spec.task_indices(job)]
             for job in spec.jobs
             if job in ("ps", "worker")
         }
-        dashboard = start_dashboard(cluster, port=port, bind=bind)
+        dashboard = start_dashboard(cluster, port=port, bind=bind, security=security)
     except (OpError, ValueError) as e:
         log.error("cannot start the dashboard: %s", e)
         return None
