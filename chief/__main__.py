@@ -31,6 +31,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Mapping
+from typing import Any
 
 from chief.script import Target, run_target, split_command
 from psflow.errors import InvalidArgumentError, OpError
@@ -38,7 +39,7 @@ from psflow.exit_codes import ExitCode, exit_code_for
 
 log = logging.getLogger("chief")
 
-_VALUE_OPTIONS = {"--log-level"}
+_VALUE_OPTIONS = {"--log-level", "--dashboard-port", "--dashboard-bind"}
 
 
 class Terminated(BaseException):
@@ -97,7 +98,8 @@ def _raise_terminated(signum: int, frame: object) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m chief",
-        usage="python -m chief [--log-level LEVEL] (SCRIPT | -m MODULE) [ARGS...]",
+        usage="python -m chief [--log-level LEVEL] [--dashboard-port PORT] "
+        "(SCRIPT | -m MODULE) [ARGS...]",
         description="Run a program (a script or -m MODULE) as the chief task of a psflow "
         "cluster, or embedded when TF_CONFIG names no cluster.",
     )
@@ -108,7 +110,45 @@ def _parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="level of the chief's own messages",
     )
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        metavar="PORT",
+        help="serve the live dashboard at http://BIND:PORT/ (0: a free port; default: off)",
+    )
+    p.add_argument(
+        "--dashboard-bind",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address of the dashboard (default 127.0.0.1; others need PSFLOW_AUTH_TOKEN)",
+    )
     return p
+
+
+def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The chief's dashboard over TF_CONFIG's cluster (empty when embedded), or None on error.
+
+    The environment's credentials authenticate its probes and, beyond
+    loopback, guard the page.
+    """
+    from psflow.dashboard.app import start_dashboard
+    from psflow.distribute.cluster_resolver import TFConfigClusterResolver
+    from psflow.security.config import SecurityConfig
+
+    try:
+        security = SecurityConfig.from_environment(environ)
+        spec = TFConfigClusterResolver(environ=environ).cluster_spec()
+        cluster = {
+            job: [spec.task_address(job, i) for i in spec.task_indices(job)]
+            for job in spec.jobs
+            if job in ("ps", "worker")
+        }
+        dashboard = start_dashboard(cluster, port=port, bind=bind, security=security)
+    except (OpError, ValueError) as e:
+        log.error("cannot start the dashboard: %s", e)
+        return None
+    log.info("dashboard at %s", dashboard.url)
+    return dashboard
 
 
 def _configure_logging(level: str) -> None:
@@ -194,7 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     from psflow import memory
 
     memory.ensure_tuned()  # the chief's embedded mode and its pulls move megabyte buffers too
-    return run_chief(target)
+    if args.dashboard_port is None:
+        return run_chief(target)
+    dashboard = _start_dashboard(args.dashboard_port, args.dashboard_bind)
+    if dashboard is None:
+        return int(ExitCode.USAGE_ERROR)
+    try:
+        return run_chief(target)
+    finally:
+        dashboard.close()
 
 
 if __name__ == "__main__":

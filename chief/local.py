@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from chief.script import Target, split_command
+from chief.status import LauncherStatus
 from chief.supervisor import RoleProcess, Supervisor, shell_status
 from psflow.errors import (
     DeadlineExceededError,
@@ -93,6 +94,10 @@ class LocalClusterConfig:
         host: the loopback address every task binds and is reached at.
         ready_timeout: seconds each ps and worker has to print its ready line.
         grace: seconds a role has to exit after SIGTERM before SIGKILL.
+        dashboard_port: the chief serves its dashboard on this port of ``host``
+            (0: a free one the launcher picks), or None for none.
+        status_interval: show every role's state every this many seconds
+            (:mod:`chief.status`), or None for no status view.
 
     Raises:
         InvalidArgumentError: a value is out of range (the message names it).
@@ -106,6 +111,8 @@ class LocalClusterConfig:
     host: str = "127.0.0.1"
     ready_timeout: float = 60.0
     grace: float = 15.0
+    dashboard_port: int | None = None
+    status_interval: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_ps", "num_workers"):
@@ -131,6 +138,11 @@ class LocalClusterConfig:
             raise InvalidArgumentError(f"ready_timeout {self.ready_timeout!r} must be > 0")
         if not self.grace >= 0:
             raise InvalidArgumentError(f"grace {self.grace!r} must be >= 0")
+        d = self.dashboard_port
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 65535):
+            raise InvalidArgumentError(f"dashboard port {d!r} must be an integer in 0..65535")
+        if self.status_interval is not None and not self.status_interval > 0:
+            raise InvalidArgumentError(f"status interval {self.status_interval!r} must be > 0")
         if self.target.path is not None and not os.path.isfile(self.target.path):
             raise InvalidArgumentError(f"script {self.target.path!r} does not exist")
         if self.target.path is None and not self.target.module:
@@ -334,7 +346,10 @@ def plan_roles(
         env = {"TF_CONFIG": tf_config(cluster, WORKER, i), **devices[i]}
         roles.append(RoleSpec(WORKER, i, address, argv, env))
     target = config.target
-    argv = (python, "-m", "chief", *target.argv, *target.args)
+    dashboard = (
+        () if config.dashboard_port is None else ("--dashboard-port", str(config.dashboard_port))
+    )
+    argv = (python, "-m", "chief", *dashboard, *target.argv, *target.args)
     env = {"TF_CONFIG": tf_config(cluster, CHIEF, 0)}
     roles.append(RoleSpec(CHIEF, 0, cluster[CHIEF][0], argv, env))
     return roles
@@ -377,6 +392,7 @@ class LocalCluster:
         self._ready: set[str] = set()
         self._startup_error: OpError | None = None
         self._supervisor: Supervisor | None = None
+        self._status: LauncherStatus | None = None
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -441,6 +457,8 @@ class LocalCluster:
         while True:
             self._check_signals()
             supervisor.pump(0.1)
+            if self._status is not None:
+                self._status.refresh()
             for role in supervisor.poll():
                 if role is chief:
                     continue
@@ -488,15 +506,25 @@ class LocalCluster:
         config = self.config
         try:
             ports = pick_ports(config.num_tasks, config.host, config.port_base)
+            if config.dashboard_port == 0:  # picked here so that the launcher can say where
+                port = pick_ports(1, config.host)[0]
+                config = self.config = dataclasses.replace(config, dashboard_port=port)
             specs = plan_roles(config, ports, self._gpus)
         except OpError as e:
             log.error("cannot start the local cluster: %s", e)
             return int(ExitCode.USER_ERROR)
         cluster = cluster_dict(config.num_ps, config.num_workers, config.host, ports)
         log.info("cluster %s; chief runs %s", json.dumps(cluster), config.target)
-        self._supervisor = Supervisor(self._stdout, self._stderr, on_line=self._on_line)
+        if config.dashboard_port is not None:
+            log.info("dashboard at http://%s/", host_port(config.host, config.dashboard_port))
+        stdout, stderr = self._stdout, self._stderr
+        if config.status_interval is not None:
+            self._status = self._start_status(cluster, config.status_interval)
+            stdout = self._status.wrap(stdout or sys.stdout)
+            stderr = self._status.wrap(stderr or sys.stderr)
+        self._supervisor = Supervisor(stdout, stderr, on_line=self._on_line)
         started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
-        with self._signal_handlers():
+        with self._signal_handlers(), self._status_around_logging():
             try:
                 for spec in specs[:-1]:
                     started[spec.task_type].append(self._start(spec))
@@ -521,7 +549,24 @@ class LocalCluster:
                     escalate=lambda: len(self._signals) >= 2,
                     stages=(started[CHIEF], started[WORKER], started[PS]),
                 )
+                if self._status is not None:
+                    self._status.close()
                 self._log_statuses()
+
+    def _start_status(self, cluster: Mapping[str, Sequence[str]], interval: float):
+        def processes() -> dict[str, str]:  # the chief: no probe covers it
+            roles = self._supervisor.roles if self._supervisor is not None else []
+            return {
+                r.name: "running" if r.returncode is None else f"exit {shell_status(r.returncode)}"
+                for r in roles
+                if r.name == CHIEF
+            }
+
+        stream = self._stderr or sys.stderr
+        return LauncherStatus(cluster, self._environ, stream, processes, interval=interval)
+
+    def _status_around_logging(self):
+        return self._status.around_logging() if self._status else contextlib.nullcontext()
 
     def _log_statuses(self) -> None:
         supervisor = self._require_supervisor()
@@ -569,14 +614,64 @@ def _parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="level of the launcher's own messages",
     )
+    p.add_argument(
+        "--dashboard",
+        nargs="?",
+        const=0,
+        type=int,
+        metavar="PORT",
+        help="the chief serves a live dashboard at http://HOST:PORT/ (no PORT: a free one)",
+    )
+    p.add_argument(
+        "--status",
+        action="store_true",
+        help="show every role's state: a table redrawn in place on a terminal, "
+        "a [local] status: line otherwise",
+    )
+    p.add_argument(
+        "--status-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between --status refreshes (default 2)",
+    )
     return p
+
+
+def _join_dashboard_port(argv: list[str], value_options: set[str]) -> list[str]:
+    """``--dashboard 8080`` -> ``--dashboard=8080``: the port is optional, the script is not.
+
+    Only the launcher's own options (before the script) are looked at.
+
+    Example:
+        >>> _join_dashboard_port(["--ps", "1", "--dashboard", "80", "t.py", "9"], {"--ps"})
+        ['--ps', '1', '--dashboard=80', 't.py', '9']
+        >>> _join_dashboard_port(["--dashboard", "t.py"], set())
+        ['--dashboard', 't.py']
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--", "-m") or not arg.startswith("-"):
+            return out + argv[i:]  # the target begins: its arguments are left alone
+        if arg == "--dashboard" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            out.append(f"--dashboard={argv[i + 1]}")
+            i += 2
+        elif arg in value_options and i + 1 < len(argv):
+            out += argv[i : i + 2]
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
 
 
 def _value_options(parser: argparse.ArgumentParser) -> set[str]:
     return {
         option
         for action in parser._actions
-        if action.nargs != 0
+        if action.nargs not in (0, "?")  # optional values are written --opt=VALUE
         for option in action.option_strings
     }
 
@@ -586,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
     try:
-        own, target = split_command(argv, _value_options(parser))
+        options = _value_options(parser)
+        own, target = split_command(_join_dashboard_port(argv, options), options)
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"psflow local: {e}\n")
@@ -605,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             ready_timeout=args.ready_timeout,
             grace=args.grace,
+            dashboard_port=args.dashboard,
+            status_interval=args.status_interval if args.status else None,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

@@ -22,12 +22,14 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -90,15 +92,25 @@ def module_of(command: list[str]) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
+def compose_file() -> dict[str, Any]:
     return load(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def compose(compose_file) -> dict[str, Any]:
+    """What ``docker compose up`` runs: the services of no profile (monitoring is opt-in)."""
+    document = copy.deepcopy(compose_file)
+    document["services"] = {
+        name: s for name, s in document["services"].items() if not s.get("profiles")
+    }
+    return document
 
 
 # -- the schema ---------------------------------------------------------------------------
 
 
-def test_compose_file_matches_the_compose_schema(compose):
-    assert schema_errors(compose) == []
+def test_compose_file_matches_the_compose_schema(compose_file):
+    assert schema_errors(compose_file) == []
 
 
 def test_gpu_override_matches_the_compose_schema():
@@ -342,6 +354,8 @@ class LocalCompose:
         argv = [sys.executable, *command[1:]]
         if module_of(command) in SERVER_MODULES:
             argv += ["--bind", "127.0.0.1"]  # compose binds 0.0.0.0 in a container
+        if "--metrics-port" in argv:  # one port per container there, one machine here
+            argv[argv.index("--metrics-port") + 1] = "auto"
         elif module_of(command) == "chief" and not self.has_chief_main:
             argv = [sys.executable, *command[3:]]  # the script itself, as TF_CONFIG's chief
         return argv
@@ -439,3 +453,153 @@ def test_compose_topology_runs_as_local_processes(compose, tmp_path):
         for svc in services.values():
             svc.kill()
     assert all(svc.proc.returncode is not None for svc in services.values())
+
+
+# -- the monitoring profile (Prometheus + Grafana) ------------------------------------------
+
+PROMETHEUS_CONFIG = DOCKER / "prometheus" / "prometheus.yml"
+GRAFANA = DOCKER / "grafana"
+GRAFANA_DASHBOARD = GRAFANA / "dashboards" / "psflow.json"
+METRICS_PORT = 9100
+PROMQL_BUILTINS = {"up"}  # series Prometheus itself adds to every target
+
+
+def compose_mounts(service: dict[str, Any]) -> dict[str, pathlib.Path]:
+    """A service's bind mounts, container path -> file or directory of this repository."""
+    mounts = {}
+    for volume in service.get("volumes") or []:
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            mounts[target] = DOCKER / source[2:]
+    return mounts
+
+
+def test_monitoring_services_run_only_with_their_profile(compose_file):
+    services = compose_file["services"]
+    profiled = {n for n, s in services.items() if s.get("profiles")}
+    assert profiled == {"prometheus", "grafana"}
+    assert all(services[n]["profiles"] == ["monitoring"] for n in profiled)
+    assert depends_on(services["grafana"]) == {"prometheus": "service_started"}
+    for name in profiled:  # reachable from this host only
+        assert all(str(p).startswith("127.0.0.1:") for p in services[name]["ports"]), name
+        for target, source in compose_mounts(services[name]).items():
+            assert source.exists(), f"{name} mounts {source} at {target}, which does not exist"
+
+
+def test_prometheus_scrapes_every_server_on_its_metrics_port(compose_file):
+    services = compose_file["services"]
+    mounts = compose_mounts(services["prometheus"])
+    config_path = services["prometheus"]["command"][0].split("=", 1)[1]
+    assert mounts[config_path] == PROMETHEUS_CONFIG
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    targets = {
+        job["job_name"]: {t for sc in job["static_configs"] for t in sc["targets"]}
+        for job in config["scrape_configs"]
+    }
+    servers = {
+        "psflow-ps": {
+            n for n, s in services.items() if module_of(s.get("command", [])) == "ps_server"
+        },
+        "psflow-worker": {
+            n for n, s in services.items() if module_of(s.get("command", [])) == "worker"
+        },
+    }
+    assert set(targets) == set(servers)
+    for job, names in servers.items():
+        assert targets[job] == {f"{n}:{METRICS_PORT}" for n in names}, job
+        for name in names:
+            command = services[name]["command"]
+            assert command[command.index("--metrics-port") + 1] == str(METRICS_PORT), name
+            assert METRICS_PORT in exposed_ports(services[name]), name
+
+
+def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(compose_file):
+    mounts = compose_mounts(compose_file["services"]["grafana"])
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())[
+        "datasources"
+    ]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "psflow.yaml").read_text())[
+        "providers"
+    ]
+    assert mounts[provider["options"]["path"]] == GRAFANA_DASHBOARD.parent
+    dashboard = json.loads(GRAFANA_DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert panel["targets"] and len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == datasource["uid"], panel["title"]
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+
+
+def grafana_metric_names() -> set[str]:
+    dashboard = json.loads(GRAFANA_DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    names = {m for e in exprs for m in re.findall(r"\bpsflow_[a-z_]+\b", e)}
+    assert names, "the dashboard queries no psflow metric"
+    return names
+
+
+def exposed_metric_names(text: str) -> set[str]:
+    """Every series name a /metrics page can carry (histograms: _bucket, _sum, _count)."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names.add(name)
+            if kind == "histogram":
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+@pytest.mark.slow
+def test_grafana_queries_only_metrics_the_servers_expose(tmp_path):
+    # The names come from real processes' /metrics pages, not from a list kept by hand.
+    from tests.conftest import start_server
+
+    ps = start_server(
+        "ps_server",
+        ["--port", "0", "--task", "ps:0", "--metrics-port", "auto"],
+        "PSFLOW_READY ps",
+        log_dir=tmp_path,
+    )
+    try:
+        worker = start_server(
+            "worker",
+            [
+                "--port",
+                "0",
+                "--task",
+                "worker:0",
+                "--ps",
+                ps.address,
+                "--workers",
+                "1",
+                "--metrics-port",
+                "auto",
+            ],
+            "PSFLOW_READY worker",
+            log_dir=tmp_path,
+        )
+        try:
+            exposed = set()
+            for server in (ps, worker):
+                fields = dict(f.split("=", 1) for f in server.ready_line.split() if "=" in f)
+                url = f"http://127.0.0.1:{fields['metrics_port']}/metrics"
+                with urllib.request.urlopen(url, timeout=10) as reply:
+                    exposed |= exposed_metric_names(reply.read().decode())
+        finally:
+            worker.reap()
+    finally:
+        ps.reap()
+    missing = grafana_metric_names() - exposed - PROMQL_BUILTINS
+    assert not missing, f"the Grafana dashboard queries metrics nobody exposes: {sorted(missing)}"

@@ -108,6 +108,12 @@ def wrapped_command(command: list[str]) -> list[str]:
     return command
 
 
+def grpc_port(container: dict[str, Any]) -> dict[str, Any]:
+    """The container's gRPC port: the one that is not ``metrics``."""
+    (port,) = [p for p in container["ports"] if p["name"] != "metrics"]
+    return port
+
+
 def cluster_env() -> dict[str, str]:
     """The environment the manifests give a pod: the ConfigMap and the namespace."""
     return {**one("ConfigMap", "psflow-cluster")["data"], "PSFLOW_K8S_NAMESPACE": NAMESPACE}
@@ -220,7 +226,7 @@ def test_every_pod_derives_a_valid_cluster_of_the_manifests_pods():
         assert command[:3] == ["python", "-m", ENTRYPOINTS[job]], fqdn
         assert container["command"][0] == "psflow-k8s-env"
         if job != "chief":
-            (port,) = container["ports"]
+            port = grpc_port(container)
             assert port["containerPort"] == 2222
             assert service["spec"]["ports"][0]["targetPort"] == port["name"]
     assert all(c == configs[0] for c in configs), "pods disagree on the cluster"
@@ -269,7 +275,7 @@ def test_servers_have_native_grpc_probes_on_their_port():
         if command[2] == "chief":
             assert "readinessProbe" not in container, owner  # the chief serves nothing
             continue
-        (port,) = container["ports"]
+        port = grpc_port(container)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": port["containerPort"]}, (owner, probe)
 
@@ -406,7 +412,9 @@ def test_tfjob_has_the_fields_the_operator_requires():
         (container,) = replica["template"]["spec"]["containers"]
         # The operator's defaults: container "tensorflow", port "tfjob-port" 2222.
         assert container["name"] == "tensorflow", role
-        assert container["ports"] == [{"name": "tfjob-port", "containerPort": 2222}], role
+        # (the operator finds its port by name; a server also serves its metrics)
+        assert container["ports"][0] == {"name": "tfjob-port", "containerPort": 2222}, role
+        assert [p["name"] for p in container["ports"][1:]] in ([], ["metrics"]), role
 
 
 def test_tfjob_pod_templates_match_kubernetes_schemas(kubernetes_validate):
@@ -531,3 +539,52 @@ def test_wrapper_waits_for_the_servers_then_runs_the_chief_command(start_ps):
     assert "127.0.0.1:2" in result.stderr and "ran" not in result.stdout
     result = run_wrapper(["--wait-for", "evaluator", "--", *ran], env)
     assert result.returncode == ExitCode.USAGE_ERROR and "evaluator" in result.stderr
+
+
+# -- monitoring: metrics ports, annotations, the ServiceMonitor -----------------------------
+
+METRICS_PORT = 9100
+SERVICE_MONITOR = K8S / "monitoring" / "servicemonitor.yaml"
+
+
+def test_statefulset_servers_serve_metrics_where_prometheus_looks():
+    for name in ("psflow-ps", "psflow-worker"):
+        pod = one("StatefulSet", name)["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        command = wrapped_command(container["command"])
+        assert command[command.index("--metrics-port") + 1] == str(METRICS_PORT), name
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["metrics"] == METRICS_PORT, name
+        annotations = pod["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert annotations["prometheus.io/port"] == str(METRICS_PORT), name
+        assert annotations["prometheus.io/path"] == "/metrics", name
+        service_ports = {p["name"]: p for p in one("Service", name)["spec"]["ports"]}
+        assert service_ports["metrics"]["targetPort"] == "metrics", name
+
+
+def test_service_monitor_selects_the_server_services_by_their_metrics_port():
+    (monitor,) = [d for d in yaml.safe_load_all(SERVICE_MONITOR.read_text()) if d]
+    assert (monitor["apiVersion"], monitor["kind"]) == (
+        "monitoring.coreos.com/v1",
+        "ServiceMonitor",
+    )
+    selector = monitor["spec"]["selector"]
+
+    def matches(labels: dict[str, str]) -> bool:
+        if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+            return False
+        for rule in selector.get("matchExpressions", []):
+            assert rule["operator"] == "In", rule  # the only operator this test evaluates
+            if labels.get(rule["key"]) not in rule["values"]:
+                return False
+        return True
+
+    chosen = {s["metadata"]["name"] for s in find("Service") if matches(s["metadata"]["labels"])}
+    assert chosen == {"psflow-ps", "psflow-worker"}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["path"] == "/metrics"
+        for name in chosen:
+            assert endpoint["port"] in {p["name"] for p in one("Service", name)["spec"]["ports"]}
+    # Kept out of the directory `kubectl apply -f docker/k8s/` reads: it needs the operator's CRD.
+    assert all(o["kind"] != "ServiceMonitor" for _, o in OBJECTS)

@@ -167,6 +167,35 @@ class ProgbarLogger(Callback):
             self._bar.update(self._seen, list((logs or {}).items()), finalize=True)
 
 
+class ProgressPublisher(Callback):
+    """Reports ``fit``'s steps and epochs to a ``psflow.observability.progress.TrainingProgress``.
+
+    ``fit`` adds one by itself when the process installed a recorder (the
+    chief does when its dashboard is on); pass one explicitly to record a
+    particular run.
+    """
+
+    def __init__(self, progress: Any) -> None:
+        super().__init__()
+        self.progress = progress
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.progress.train_begin(self.params.get("epochs"), self.params.get("steps"))
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.progress.step(self._epoch, batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.progress.epoch_end(epoch, logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.progress.train_end()
+
+
 def _improved(monitor: str, mode: str, current: float, best: float, min_delta: float) -> bool:
     if mode == "auto":
         mode = (

@@ -18,6 +18,7 @@ from typing import Any
 
 from psflow import errors
 from psflow.io.files import atomic_write
+from psflow.observability import events
 from psflow.train.checkpoint import MANIFEST, Checkpoint
 
 STATE_FILE = "checkpoint"
@@ -210,6 +211,9 @@ class CheckpointManager:
         self._write_state()
         for old in stale:  # after the state file no longer names them
             shutil.rmtree(old, ignore_errors=True)
+        events.publish(
+            events.EventKind.CHECKPOINT_WRITTEN, "chief", f"checkpoint {path}", {"step": step}
+        )
         return path
 
     def _write_state(self) -> None:

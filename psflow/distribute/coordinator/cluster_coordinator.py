@@ -41,6 +41,7 @@ from psflow import errors
 from psflow.distribute.coordinator import closure as closure_lib
 from psflow.distribute.coordinator.remote_value import PerWorkerValues, RemoteValue
 from psflow.distribute.coordinator.workers import Closure, Worker
+from psflow.observability import events
 from psflow.util import nest
 
 log = logging.getLogger("psflow.coordinator")
@@ -395,6 +396,7 @@ class ClusterCoordinator:
                     self._cond.notify_all()
 
     def _requeue(self, state: _WorkerState, closure: Closure) -> None:
+        events.publish(events.EventKind.CLOSURE_REQUEUED, state.worker.task, "closure re-queued")
         with self._cond:
             if closure.resource_key is not None:
                 state.targeted.appendleft(closure)

@@ -18,6 +18,7 @@ from psflow.keras import optimizers as optimizers_lib
 from psflow.keras.engine import data_adapter
 from psflow.keras.engine.runner import runner_for
 from psflow.keras.layers.base import Layer
+from psflow.observability import events, progress
 from psflow.ops import math_ops
 from psflow.util import nest
 
@@ -331,6 +332,8 @@ class Model(Layer):
         if verbose:
             cb_list.append(callbacks_lib.ProgbarLogger())
         cb_list.append(history)
+        if progress.installed() is not None:  # the chief's dashboard follows every fit
+            cb_list.append(callbacks_lib.ProgressPublisher(progress.installed()))
         cbs = callbacks_lib.CallbackList(
             cb_list, self, {"verbose": verbose, "epochs": epochs, "steps": steps}
         )
@@ -387,6 +390,7 @@ class Model(Layer):
             ) from error
         recover()
         resumed = backups[0].restore()
+        events.publish(events.EventKind.PS_RESTORED, task, f"{task} restored from the backup")
         return resumed if resumed is not None else 0
 
     def _evaluate_source(self, source: Any, steps: int | None, cbs: Any) -> dict[str, float]:
