@@ -173,13 +173,35 @@ def xp_for(dev: Device) -> Any:
 
 
 def place(array: Any, dev: Device | None = None) -> Any:
-    """Moves (or copies) ``array`` to ``dev`` (the current device by default)."""
+    """Moves (or copies) ``array`` to ``dev`` (the current device by default).
+
+    An array already on ``dev`` is returned as it is; one on another GPU is
+    copied there (``cupy.asarray`` alone would hand it back unmoved).
+    """
     dev = dev or current_device()
     if not dev.is_gpu:
         return to_numpy(array)
     cp = cupy_or_none()
-    with cp.cuda.Device(physical_gpu(dev.index)):
+    target = physical_gpu(dev.index)
+    if isinstance(array, cp.ndarray) and int(array.device.id) != target:
+        return _peer_copy(cp, array, target)
+    with cp.cuda.Device(target):
         return cp.asarray(array)
+
+
+def _peer_copy(cp: Any, array: Any, target: int) -> Any:
+    """A copy of a CuPy array on GPU ``target``, as a raw device-to-device memcpy.
+
+    A memcpy needs no peer access between the GPUs, where a kernel reading
+    the other GPU's memory would.
+    """
+    with cp.cuda.Device(int(array.device.id)):
+        src = cp.ascontiguousarray(array)
+    with cp.cuda.Device(target):
+        out = cp.empty(src.shape, src.dtype)
+        if src.nbytes:
+            out.data.copy_from_device(src.data, src.nbytes)
+    return out
 
 
 def device_of(array: Any) -> Device:
@@ -187,6 +209,25 @@ def device_of(array: Any) -> Device:
     if isinstance(array, (np.ndarray, np.generic)):
         return CPU0
     return Device("GPU", int(array.device.id))
+
+
+def erf(array: Any) -> Any:
+    """The error function, elementwise, on the array's own device.
+
+    NumPy has no ``erf`` (``math.erf`` is applied per element); CuPy keeps it in
+    ``cupyx.scipy.special``, not in the ``cupy`` namespace.
+    """
+    if isinstance(array, np.ndarray):
+        return _np_erf(array.dtype)(array)
+    import cupyx.scipy.special
+
+    return cupyx.scipy.special.erf(array)
+
+
+def _np_erf(dtype: np.dtype) -> Any:
+    import math
+
+    return np.vectorize(math.erf, otypes=[dtype])
 
 
 def scatter_add(out: Any, indices: Any, values: Any) -> None:

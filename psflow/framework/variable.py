@@ -297,6 +297,9 @@ class Variable(metaclass=_VariableMeta):
                 f"{what} on {self._name} of shape {tuple(current.shape)} got shape "
                 f"{tuple(new.shape)}"
             )
+        here = backend.device_of(current)
+        if backend.device_of(new) != here:  # host values into a GPU variable, and back
+            new = backend.place(new, here)
         return new.astype(current.dtype, copy=False)
 
     def _write(self, array: Any) -> None:

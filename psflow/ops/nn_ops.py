@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from psflow import errors
+from psflow import backend, errors
 from psflow.framework.tensor import Tensor, convert_to_tensor
 from psflow.ops import array_ops, math_ops
 from psflow.ops._core import binary, node, normalize_axis, operands, out, xp
@@ -129,10 +129,7 @@ def gelu(features: Any, approximate: bool = False, name: str | None = None) -> T
                 (g * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * dinner)).astype(g.dtype),
             ),
         )
-    from math import erf as _erf
-
-    erf = np.vectorize(_erf, otypes=[a.dtype]) if m is np else None
-    cdf = 0.5 * (1 + (erf(a / np.sqrt(2)) if erf is not None else m.erf(a / np.sqrt(2))))
+    cdf = 0.5 * (1 + backend.erf(a / np.sqrt(2)))
     z = (a * cdf).astype(a.dtype)
     pdf = m.exp(-0.5 * a * a) / np.sqrt(2 * np.pi)
     return out(z, (x,), lambda g, needs: ((g * (cdf + a * pdf)).astype(g.dtype),))
