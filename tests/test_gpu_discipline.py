@@ -394,3 +394,39 @@ def test_the_double_is_gone_after_the_fixture():
         assert backend.gpu_count() == 1
     assert getattr(sys.modules.get("cupy"), "__file__", None) != strict_cupy.__file__
     assert backend.gpu_count() == (0 if backend.cupy_or_none() is None else backend.gpu_count())
+
+
+_GPU_CHECK_UNDER_THE_DOUBLE = """
+import sys
+sys.path.insert(0, "benchmarks")
+from tests import strict_cupy
+import gpu_check
+with strict_cupy.installed(devices=1):
+    code = gpu_check.main(["--quick", "--mb", "0.25"])
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_gpu_branches_and_skips_nccl_on_one_gpu():
+    import json
+    import subprocess
+
+    from tests.conftest import ROOT, child_env
+
+    result = subprocess.run(
+        [sys.executable, "-c", _GPU_CHECK_UNDER_THE_DOUBLE],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = {r["case"]: r for r in map(json.loads, result.stdout.splitlines())}
+    for case in ("fit_arrays", "metrics", "ps_worker", "train_step", "mirrored", "ring"):
+        assert records[f"gpu/{case}"]["value"] == "pass", records[f"gpu/{case}"]
+        assert records[f"cpu/{case}"]["value"] == "pass", records[f"cpu/{case}"]
+    nccl = records["gpu/nccl"]
+    assert (nccl["metric"], nccl["reason"]) == ("skipped", "fewer than 2 GPUs (1)")
+    assert records["summary"]["failed"] == []
