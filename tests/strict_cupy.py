@@ -143,6 +143,11 @@ def _index(key: Any, dev: int) -> Any:
     return _unwrap(key, dev) if isinstance(key, ndarray) else key
 
 
+def _advanced(key: Any) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (ndarray, np.ndarray, list)) for k in keys)
+
+
 class _Flags:
     def __init__(self, a: np.ndarray) -> None:
         self.c_contiguous = bool(a.flags.c_contiguous)
@@ -297,7 +302,11 @@ class ndarray:  # noqa: N801 - CuPy's name
         return _wrap(self._a[_index(key, self._dev)], self._dev)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if isinstance(value, np.ndarray):  # CuPy copies a host value over, explicitly enough
+        if isinstance(value, np.ndarray) and value.shape != ():
+            # CuPy fills a basic slice with a scalar only; an advanced index (an
+            # index array or mask) copies the host values over with cupy.array
+            if not _advanced(key):
+                raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
             _st().transfers.count("to_device")
         elif isinstance(value, ndarray):
             value = _unwrap(value, self._dev)

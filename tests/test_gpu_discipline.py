@@ -105,13 +105,16 @@ def test_the_double_refuses_implicit_host_device_mixing_like_cupy(gpu):
         dev.tobytes()
     with pytest.raises(ValueError, match=r"non-scalar numpy\.ndarray"):
         cupy.copyto(dev, host)
+    with pytest.raises(ValueError, match=r"non-scalar numpy\.ndarray"):
+        dev[:] = host
+    dev[np.array([0, 2])] = host[:2]  # an advanced index copies host values over, as CuPy
     with cupy.cuda.Device(1):
         other = cupy.zeros(3, np.float32)
     with pytest.raises(ValueError, match="different from the current device"):
         dev + other
     # the explicit ways across work, and are counted
     gpu.reset()
-    np.testing.assert_array_equal(cupy.asnumpy(dev * 2), host * 2)
+    np.testing.assert_array_equal(cupy.asnumpy(dev * 2), [0, 2, 2])
     assert (gpu.to_host, type(dev.sum()).__module__) == (1, "cupy")
 
 
@@ -430,3 +433,41 @@ def test_gpu_check_runs_its_gpu_branches_and_skips_nccl_on_one_gpu():
     nccl = records["gpu/nccl"]
     assert (nccl["metric"], nccl["reason"]) == ("skipped", "fewer than 2 GPUs (1)")
     assert records["summary"]["failed"] == []
+
+
+@pytest.mark.slow
+def test_keras_fit_on_arrays_with_a_gpu_worker_process_equals_local_training(start_ps, tmp_path):
+    """The docker/compose.gpu.yaml job: a chief's ``fit(numpy arrays)`` run by a GPU worker."""
+    from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+    from psflow.distribute.coordinator.cluster_coordinator import shutdown_all
+    from tests.conftest import start_server
+
+    ps = start_ps()
+    worker = start_server(
+        "tests.gpu_worker",
+        ["--port", "0", "--task", "worker:0", "--ps", ps.address, "--workers", "1"],
+        "PSFLOW_READY worker",
+        log_dir=tmp_path,
+    )
+    x, y = _data()
+    try:
+        spec = {"ps": [ps.address], "worker": [worker.address], "chief": ["127.0.0.1:1"]}
+        resolver = SimpleClusterResolver(ClusterSpec(spec), task_type="chief", task_id=0)
+        strategy = pf.distribute.ParameterServerStrategy(resolver, mode="sync")
+        with strategy.scope():
+            model = _model()
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+        evaluated = model.evaluate(x, y, batch_size=16, verbose=0)
+        predicted = model.predict(x[:4], verbose=0)
+        weights = _host_weights(model)
+    finally:
+        shutdown_all()
+        worker.reap()
+    assert "raised" not in worker.log_tail(), worker.log_tail()
+    ref = _model()
+    want = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    _assert_histories_close(history, want)
+    np.testing.assert_allclose(evaluated, ref.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(predicted, ref.predict(x[:4], verbose=0), rtol=1e-5, atol=1e-6)
+    for g, w in zip(weights, _host_weights(ref)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
