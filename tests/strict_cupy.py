@@ -128,12 +128,41 @@ def _wrap(value: Any, dev: int) -> Any:
     return value
 
 
-def _kernel(fn: Any, args: tuple, kwargs: dict) -> Any:
-    """Runs a NumPy function as a kernel on the current device."""
+# Parameters CuPy reads on the host (shapes, split points, index lists): a NumPy
+# array is accepted there. Position of the parameter in the function, and its name.
+_HOST_PARAMS = {
+    "split": (1, "indices_or_sections"),
+    "array_split": (1, "indices_or_sections"),
+    "take": (1, "indices"),
+    "tile": (1, "reps"),
+    "reshape": (1, "newshape"),
+    "transpose": (1, "axes"),
+    "broadcast_to": (1, "shape"),
+    "repeat": (1, "repeats"),
+}
+
+
+def _kernel(fn: Any, args: tuple, kwargs: dict, host: tuple = (None, None)) -> Any:
+    """Runs a NumPy function as a kernel on the current device.
+
+    ``host`` names the one parameter (position, name) read on the host, where a
+    NumPy array is not an operand.
+    """
     dev = _st().current()
-    args = tuple(_unwrap(a, dev) for a in args)
-    kwargs = {k: _unwrap(v, dev) for k, v in kwargs.items()}
+    pos, name = host
+    args = tuple(
+        a if i == pos and isinstance(a, np.ndarray) else _unwrap(a, dev) for i, a in enumerate(args)
+    )
+    kwargs = {
+        k: v if k == name and isinstance(v, np.ndarray) else _unwrap(v, dev)
+        for k, v in kwargs.items()
+    }
     return _wrap(fn(*args, **kwargs), dev)
+
+
+def _host_param(name: str, method: bool) -> tuple:
+    pos, param = _HOST_PARAMS.get(name, (None, None))
+    return (pos - 1 if method and pos is not None else pos), param
 
 
 def _index(key: Any, dev: int) -> Any:
@@ -321,9 +350,11 @@ class ndarray:  # noqa: N801 - CuPy's name
         if not callable(attr):
             return _wrap(attr, self._dev)
 
+        host = _host_param(name, method=True)
+
         def method(*args: Any, **kwargs: Any) -> Any:
             with _on(self._dev):  # a method runs on its array's device
-                return _kernel(attr, args, kwargs)
+                return _kernel(attr, args, kwargs, host)
 
         return method
 
@@ -430,7 +461,8 @@ def _numpy_attr(source: Any, name: str) -> Any:
         return attr  # dtypes, constants
     if isinstance(attr, np.ufunc):
         return _Ufunc(attr)
-    return lambda *args, **kwargs: _kernel(attr, args, kwargs)
+    host = _host_param(name, method=False)
+    return lambda *args, **kwargs: _kernel(attr, args, kwargs, host)
 
 
 class _Ufunc:

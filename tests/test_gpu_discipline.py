@@ -10,6 +10,7 @@ device discipline; they do not replace a run on a real GPU
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -108,6 +109,8 @@ def test_the_double_refuses_implicit_host_device_mixing_like_cupy(gpu):
     with pytest.raises(ValueError, match=r"non-scalar numpy\.ndarray"):
         dev[:] = host
     dev[np.array([0, 2])] = host[:2]  # an advanced index copies host values over, as CuPy
+    # where CuPy reads an argument on the host (split points, shapes), host arrays are fine
+    assert [p.shape for p in cupy.split(dev, np.array([1]))] == [(1,), (2,)]
     with cupy.cuda.Device(1):
         other = cupy.zeros(3, np.float32)
     with pytest.raises(ValueError, match="different from the current device"):
@@ -400,6 +403,7 @@ def test_the_double_is_gone_after_the_fixture():
 
 
 _GPU_CHECK_UNDER_THE_DOUBLE = """
+import contextlib
 import sys
 sys.path.insert(0, "benchmarks")
 from tests import strict_cupy
@@ -470,4 +474,62 @@ def test_keras_fit_on_arrays_with_a_gpu_worker_process_equals_local_training(sta
     np.testing.assert_allclose(evaluated, ref.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
     np.testing.assert_allclose(predicted, ref.predict(x[:4], verbose=0), rtol=1e-5, atol=1e-6)
     for g, w in zip(weights, _host_weights(ref)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+class _CTR(pf.keras.Model):
+    """The ps_embedding_ctr example's model: an embedding joined to dense features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table = np.random.default_rng(2).normal(0, 0.1, (20, 3)).astype(np.float32)
+        kernel = np.random.default_rng(3).normal(0, 0.3, (3 + FEATURES, 1)).astype(np.float32)
+        self.user = pf.keras.layers.Embedding(20, 3, embeddings_initializer=_given(table))
+        self.out = pf.keras.layers.Dense(1, activation="sigmoid", kernel_initializer=_given(kernel))
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        return self.out(pf.concat([self.user(inputs["user"]), inputs["x"]], axis=1))
+
+
+@pytest.mark.parametrize(
+    ("where", "gpus"),
+    [
+        ("local", 2),
+        ("sharded_ps", 1),
+        pytest.param(
+            "sharded_ps",
+            2,
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=errors.InvalidArgumentError,
+                reason="known bug (optimizer.apply_gradients, not this module's): a replica "
+                "whose batch touches no row of a shard drops its None gradient, so the "
+                "replicas all-reduce different numbers of gradients",
+            ),
+        ),
+    ],
+)
+def test_an_embedding_model_with_concat_fits_on_a_gpu_like_on_the_cpu(where, gpus):
+    x, _ = _data()
+    features = {"user": np.arange(32) % 20, "x": x}
+    labels = (x[:, :1] > 0).astype(np.float32)
+
+    def run() -> tuple[dict, list[np.ndarray]]:
+        if where == "sharded_ps":
+            partitioner = pf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+            scope = pf.distribute.ParameterServerStrategy(variable_partitioner=partitioner).scope()
+        else:
+            scope = contextlib.nullcontext()
+        with scope:
+            model = _CTR()
+            model.compile(optimizer=pf.keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+        history = model.fit(features, labels, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return history.history, _host_weights(model)
+
+    with strict_cupy.installed(devices=gpus):
+        got = run()
+        with pf.device("/cpu:0"):
+            want = run()
+    _assert_histories_close(got[0], want[0])
+    for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
