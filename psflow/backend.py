@@ -217,8 +217,8 @@ def erf(array: Any) -> Any:
     NumPy has no ``erf`` (``math.erf`` is applied per element); CuPy keeps it in
     ``cupyx.scipy.special``, not in the ``cupy`` namespace.
     """
-    if isinstance(array, np.ndarray):
-        return _np_erf(array.dtype)(array)
+    if xp_of(array) is np:  # NumPy arrays and scalars
+        return _np_erf(np.result_type(array))(array)
     import cupyx.scipy.special
 
     return cupyx.scipy.special.erf(array)

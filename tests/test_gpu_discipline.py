@@ -287,7 +287,7 @@ def test_mirrored_fit_on_two_gpus_equals_one_cpu(gpu):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_mirrored_custom_loop_on_two_gpus_equals_numpy_sgd(gpu):
+def test_mirrored_custom_loop_on_two_gpus_equals_single_device_training(gpu):
     x, y = _data()
     strategy = pf.distribute.MirroredStrategy()
     with strategy.scope():
@@ -399,7 +399,7 @@ def test_the_double_is_gone_after_the_fixture():
     with strict_cupy.installed(devices=1):
         assert backend.gpu_count() == 1
     assert getattr(sys.modules.get("cupy"), "__file__", None) != strict_cupy.__file__
-    assert backend.gpu_count() == (0 if backend.cupy_or_none() is None else backend.gpu_count())
+    assert getattr(backend.cupy_or_none(), "__file__", None) != strict_cupy.__file__
 
 
 _GPU_CHECK_UNDER_THE_DOUBLE = """
