@@ -205,10 +205,36 @@ def _peer_copy(cp: Any, array: Any, target: int) -> Any:
 
 
 def device_of(array: Any) -> Device:
-    """The device an array lives on."""
+    """The (logical) device an array lives on.
+
+    A CuPy array knows its CUDA device; with a device map (visible devices,
+    logical splits) that is translated back, so ``place(x, device_of(y))``
+    lands on ``y``'s GPU.
+    """
     if isinstance(array, (np.ndarray, np.generic)):
         return CPU0
-    return Device("GPU", int(array.device.id))
+    return Device("GPU", logical_gpu(int(array.device.id)))
+
+
+def on_device_of(array: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which ``array``'s GPU is CuPy's current device (nothing for host arrays).
+
+    A CuPy kernel runs on the current device; one writing an array that lives
+    on another GPU needs peer access, which many multi-GPU machines lack.
+    """
+    if xp_of(array) is np:
+        return contextlib.nullcontext()
+    return cupy_or_none().cuda.Device(int(array.device.id))
+
+
+def logical_gpu(physical: int) -> int:
+    """The first logical GPU index that runs on CUDA device ``physical``.
+
+    Without a map (or for a GPU outside it) logical and physical indices agree.
+    """
+    if _gpu_map is None or physical not in _gpu_map:
+        return physical
+    return _gpu_map.index(physical)
 
 
 def erf(array: Any) -> Any:

@@ -608,13 +608,17 @@ def installed(devices: int = 2) -> Iterator[Transfers]:
     """Makes ``import cupy`` give the double (``devices`` GPUs) and psflow see it.
 
     psflow caches whether CuPy is present (``psflow.backend``); that cache is
-    reset on entry and on exit, so code after the block sees the CPU again.
+    reset on entry and on exit, and the device configuration (visible and
+    logical devices) is restored on exit, so code after the block sees the
+    CPU again.
     """
     global _state
-    from psflow import backend
+    from psflow import backend, config
 
     saved = {name: sys.modules.get(name) for name in build_modules()}
     saved_map = backend._gpu_map
+    # device configuration made while the fake GPUs exist must not outlive them
+    saved_config = [(d, dict(d)) for d in (config._visible, config._logical)]
     _state = _State(devices)
     sys.modules.update(build_modules())
     backend._cupy_checked = False
@@ -628,4 +632,7 @@ def installed(devices: int = 2) -> Iterator[Transfers]:
                 sys.modules[name] = mod
         backend._cupy, backend._cupy_checked = None, False
         backend._gpu_map = saved_map
+        for live, copy in saved_config:
+            live.clear()
+            live.update(copy)
         _state = None

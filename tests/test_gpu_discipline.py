@@ -236,6 +236,25 @@ def test_host_weights_assign_save_and_restore_into_gpu_variables(gpu, tmp_path):
     assert _devices_of(model) == {"GPU"}
 
 
+def test_with_only_the_second_gpu_visible_arrays_live_on_it_as_logical_gpu_0(gpu):
+    visible = pf.config.list_physical_devices("GPU")[1]
+    pf.config.set_visible_devices([visible], "GPU")
+    assert len(pf.config.list_logical_devices("GPU")) == 1
+    with pf.device("/gpu:0"):
+        v = pf.Variable(np.zeros(3, np.float32))
+        model = _model()
+        model.fit(*_data(8), batch_size=4, epochs=1, verbose=0)
+    assert v._array().device.id == 1  # CUDA device 1 ...
+    assert backend.device_of(v._array()) == backend.Device("GPU", 0)  # ... is logical GPU 0
+    assert v.device.endswith("device:GPU:0")
+    v.assign(np.arange(3, dtype=np.float32))  # host values land on CUDA device 1
+    v.assign_add(np.ones(3, np.float32))  # computed there too, from any current device
+    v.assign_sub([1.0, 1.0, 1.0])
+    model.set_weights(_weights())
+    assert v._array().device.id == 1 and {w.device for w in model.weights} == {v.device}
+    np.testing.assert_array_equal(v.numpy(), [0, 1, 2])
+
+
 def test_a_bad_host_value_for_a_gpu_variable_is_refused_and_changes_nothing(gpu):
     v = pf.Variable(np.zeros((2, 2), np.float32))
     with pytest.raises(errors.InvalidArgumentError, match=r"shape \(2, 2\) got shape \(3,\)"):
