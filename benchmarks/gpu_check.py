@@ -7,6 +7,12 @@ On a machine where CuPy imports and sees a GPU it checks, each on its own
   of NumPy values into variables on ``/GPU:0``;
 * ``gpu/train_step``: one training step of an MLP on ``/GPU:0`` (gradients by
   psflow's tape, SGD update) against the same step computed by hand in NumPy;
+* ``gpu/fit_arrays``: ``model.fit`` on NumPy arrays (host batches the step must
+  move to the device), its weights and reported loss/accuracy against NumPy;
+* ``gpu/metrics``: ``model.evaluate`` with several metrics against NumPy;
+* ``gpu/ps_worker``: a parameter-server worker computing on ``/GPU:0`` against
+  a local PS process (``python -m ps_server``): dense pulls and pushes, and an
+  embedding table's sparse row pulls and pushes, against NumPy;
 * ``gpu/mirrored``: MirroredStrategy over N logical GPUs split from GPU 0
   (``psflow.config.set_logical_device_configuration``), a few steps of TF's
   custom loop against NumPy on the global batches; every replica's copy equal;
@@ -14,7 +20,8 @@ On a machine where CuPy imports and sees a GPU it checks, each on its own
   against a NumPy sum, with its bus bandwidth next to a device-to-device copy
   bandwidth measured here;
 * ``gpu/nccl``: ``psflow.collective.NcclAllReduce`` over the physical GPUs
-  (one replica per GPU) where CuPy has NCCL, same measurements.
+  (one replica per GPU) where CuPy has NCCL, same measurements; reported as
+  *skipped* (not passed) with fewer than 2 GPUs or without NCCL.
 
 The same checks run on NumPy first (``cpu/...``: logical CPU devices, host
 copies), everywhere. Without a GPU the GPU part is skipped, saying so in a JSON
@@ -37,6 +44,7 @@ check failed, 2 when the script could not run at all.
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
 import json
 import logging
@@ -142,6 +150,24 @@ def numpy_sgd(
     return ws
 
 
+def numpy_forward(weights: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The MLP's logits, in float64."""
+    w1, b1, w2, b2 = (w.astype(np.float64) for w in weights)
+    return np.maximum(x @ w1 + b1, 0.0) @ w2 + b2
+
+
+def numpy_loss_and_hits(
+    weights: list[np.ndarray], x: np.ndarray, y: np.ndarray, k: int = 1
+) -> tuple[float, float]:
+    """Mean softmax cross-entropy and the fraction of labels among the top-``k`` logits."""
+    logits = numpy_forward(weights, x)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    loss = float(-log_p[np.arange(len(y)), y].mean())
+    top = np.argsort(-logits, axis=1)[:, :k]
+    return loss, float((top == y[:, None]).any(axis=1).mean())
+
+
 def psflow_model(weights: list[np.ndarray]) -> Any:
     """The MLP with these initial weights, created on the current device.
 
@@ -217,6 +243,156 @@ def check_train_step(device: str, batch: int) -> dict[str, Any]:
         "grad_rel_err": grad_err,
         "weight_rel_err": weight_err,
         "arrays_on": sorted(set(on_device)),
+    }
+
+
+def check_fit_arrays(device: str, batch: int, steps: int) -> dict[str, Any]:
+    """``fit`` on NumPy arrays on ``device``: weights, loss and accuracy against NumPy."""
+    import psflow as pf
+
+    weights = init_weights()
+    x, y = make_data(batch * steps, seed=4)
+    batches = [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+    with pf.device(device):
+        model = psflow_model(weights)
+        model.compile(
+            optimizer=pf.keras.optimizers.SGD(LEARNING_RATE),
+            loss=pf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        start = time.perf_counter()
+        history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history
+        seconds = time.perf_counter() - start
+        placed = {pf.backend.device_of(v._array()).device_type for v in model.trainable_variables}
+    # the reported figures are means over the epoch, each batch seen before its update
+    ws, losses, hits = [w.astype(np.float64) for w in weights], [], []
+    for bx, by in batches:
+        loss, hit = numpy_loss_and_hits(ws, bx, by)
+        losses.append(loss)
+        hits.append(hit)
+        ws = numpy_sgd(ws, [(bx, by)])
+    weight_err = max(rel_err(v._array(), w) for v, w in zip(model.trainable_variables, ws))
+    loss_err = abs(history["loss"][0] - float(np.mean(losses))) / max(float(np.mean(losses)), 1e-30)
+    acc_ok = abs(history["accuracy"][0] - float(np.mean(hits))) <= 1e-6
+    expected = pf.backend.parse_device(device).device_type
+    return {
+        "ok": weight_err <= RTOL and loss_err <= RTOL and acc_ok and placed == {expected},
+        "weight_rel_err": weight_err,
+        "loss_rel_err": loss_err,
+        "accuracy": history["accuracy"][0],
+        "steps_per_s": round(steps / seconds, 2),
+    }
+
+
+def check_metrics(device: str, batch: int) -> dict[str, Any]:
+    """``evaluate`` with loss, accuracy and top-2 accuracy on ``device`` against NumPy."""
+    import psflow as pf
+
+    weights = init_weights()
+    x, y = make_data(batch * 2, seed=5)
+    with pf.device(device):
+        model = psflow_model(weights)
+        model.compile(
+            optimizer="sgd",
+            loss=pf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy", pf.keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+        )
+        loss, acc, top2 = model.evaluate(x, y, batch_size=batch, verbose=0)
+    want_loss, want_acc = numpy_loss_and_hits(weights, x, y)
+    _, want_top2 = numpy_loss_and_hits(weights, x, y, k=2)
+    loss_err = abs(loss - want_loss) / max(want_loss, 1e-30)
+    ok = loss_err <= RTOL and abs(acc - want_acc) <= 1e-6 and abs(top2 - want_top2) <= 1e-6
+    return {"ok": ok, "loss_rel_err": loss_err, "accuracy": acc, "top2": top2}
+
+
+class LocalPS:
+    """A ``python -m ps_server`` process on loopback, for the worker checks."""
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        import os
+        import selectors
+        import subprocess
+
+        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # a loopback PS only
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ps_server", "--port", "0", "--bind", "127.0.0.1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=ROOT,
+        )
+        deadline = time.monotonic() + timeout
+        line = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in line:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError("the PS process did not become ready")
+                if sel.select(min(left, 0.5)):
+                    line += os.read(self.proc.stdout.fileno(), 4096)
+        fields = dict(f.split("=", 1) for f in line.decode().split() if "=" in f)
+        self.address = f"127.0.0.1:{fields['port']}"
+
+    def close(self) -> None:
+        """Stops the process (SIGTERM, then SIGKILL) and reaps it."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+def check_ps_worker(device: str, ps_address: str, batch: int, steps: int) -> dict[str, Any]:
+    """A PS worker on ``device``: dense and sparse pulls and pushes against NumPy."""
+    import psflow as pf
+
+    weights = init_weights()
+    x, y = make_data(batch * steps, seed=6)
+    batches = [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+    rows = 16
+    table0 = np.random.default_rng(7).normal(size=(rows, LAYERS[0])).astype(np.float32)
+    prefix = f"gpu_check/{device.strip('/').replace(':', '')}/"  # one PS serves both sides
+    with pf.device(device):
+        strategy = pf.distribute.ParameterServerStrategy._for_worker([ps_address], 1, "worker:0")
+        with strategy.scope():
+            variables = [pf.Variable(w, name=f"{prefix}{i}") for i, w in enumerate(weights)]
+            table = pf.Variable(table0, name=f"{prefix}table")
+            opt = pf.keras.optimizers.SGD(LEARNING_RATE)
+        loss_fn = pf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        start = time.perf_counter()
+        for step, (bx, by) in enumerate(batches):
+            ids = pf.constant([step % rows, (3 * step + 1) % rows])
+            with pf.GradientTape() as tape:
+                w1, b1, w2, b2 = variables
+                h = pf.nn.relu(pf.matmul(pf.constant(bx), w1) + b1)
+                loss = loss_fn(pf.constant(by), pf.matmul(h, w2) + b2)
+                loss = loss + pf.reduce_sum(pf.nn.embedding_lookup(table, ids))
+            grads = tape.gradient(loss, [*variables, table])
+            sparse = isinstance(grads[-1], pf.IndexedSlices)
+            opt.apply_gradients(zip(grads, [*variables, table]))
+        seconds = time.perf_counter() - start
+        got = [v.numpy() for v in variables]
+        got_table = table.numpy()
+    want = numpy_sgd(weights, batches)
+    want_table = table0.astype(np.float64)
+    for step in range(len(batches)):  # d(sum of rows)/d(row) = 1 per lookup
+        for r in (step % rows, (3 * step + 1) % rows):
+            want_table[r] -= LEARNING_RATE
+    dense_err = max(rel_err(g, w) for g, w in zip(got, want))
+    sparse_err = rel_err(got_table, want_table)
+    return {
+        "ok": dense_err <= RTOL and sparse_err <= RTOL and sparse,
+        "dense_rel_err": dense_err,
+        "sparse_rel_err": sparse_err,
+        "sparse_gradient": sparse,
+        "steps_per_s": round(len(batches) / seconds, 2),
     }
 
 
@@ -420,6 +596,16 @@ def main(argv: list[str] | None = None) -> int:
     # -- the same code paths on NumPy ------------------------------------------------------
     run_check("cpu/assign_host_values", lambda: check_assign_host_values("/cpu:0"))
     run_check("cpu/train_step", lambda: check_train_step("/cpu:0", batch))
+    run_check("cpu/fit_arrays", lambda: check_fit_arrays("/cpu:0", batch, steps))
+    run_check("cpu/metrics", lambda: check_metrics("/cpu:0", batch))
+    try:
+        ps: LocalPS | None = LocalPS()
+    except Exception as exc:  # reported as a failed check; the others still run
+        ps = None
+        emit({"case": "ps", "metric": "check", "value": "fail", "error": str(exc)})
+    if ps is not None:
+        atexit.register(ps.close)  # reaped even if a later step raises
+        run_check("cpu/ps_worker", lambda: check_ps_worker("/cpu:0", ps.address, batch, steps))
     run_check("cpu/mirrored", lambda: check_mirrored("CPU", replicas, batch, steps))
     run_check(
         "cpu/ring",
@@ -434,13 +620,22 @@ def main(argv: list[str] | None = None) -> int:
         emit({"case": "gpu", "metric": "devices", "value": pf.backend.gpu_count(), "detail": why})
         run_check("gpu/assign_host_values", lambda: check_assign_host_values("/gpu:0"))
         run_check("gpu/train_step", lambda: check_train_step("/gpu:0", batch))
+        run_check("gpu/fit_arrays", lambda: check_fit_arrays("/gpu:0", batch, steps))
+        run_check("gpu/metrics", lambda: check_metrics("/gpu:0", batch))
+        if ps is not None:
+            run_check("gpu/ps_worker", lambda: check_ps_worker("/gpu:0", ps.address, batch, steps))
         run_check("gpu/mirrored", lambda: check_mirrored("GPU", replicas, batch, steps))
         run_check("gpu/ring", lambda: check_all_reduce("GPU", "ring", replicas, elements, reps))
-        if nccl_available():
-            gpus = pf.backend.gpu_count()
-            run_check("gpu/nccl", lambda: check_all_reduce("GPU", "nccl", gpus, elements, reps))
-        else:
+        gpus = pf.backend.gpu_count()
+        if gpus < 2:  # one GPU proves nothing about NCCL: say so, do not pass it
+            reason = f"fewer than 2 GPUs ({gpus})"
+            emit({"case": "gpu/nccl", "metric": "skipped", "value": None, "reason": reason})
+        elif not nccl_available():
             emit({"case": "gpu/nccl", "metric": "skipped", "value": None, "reason": "no NCCL"})
+        else:
+            run_check("gpu/nccl", lambda: check_all_reduce("GPU", "nccl", gpus, elements, reps))
+    if ps is not None:
+        ps.close()
 
     faulthandler.cancel_dump_traceback_later()
     checks = [r for r in _results if r["metric"] == "check"]

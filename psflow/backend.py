@@ -173,20 +173,87 @@ def xp_for(dev: Device) -> Any:
 
 
 def place(array: Any, dev: Device | None = None) -> Any:
-    """Moves (or copies) ``array`` to ``dev`` (the current device by default)."""
+    """Moves (or copies) ``array`` to ``dev`` (the current device by default).
+
+    An array already on ``dev`` is returned as it is; one on another GPU is
+    copied there (``cupy.asarray`` alone would hand it back unmoved).
+    """
     dev = dev or current_device()
     if not dev.is_gpu:
         return to_numpy(array)
     cp = cupy_or_none()
-    with cp.cuda.Device(physical_gpu(dev.index)):
+    target = physical_gpu(dev.index)
+    if isinstance(array, cp.ndarray) and int(array.device.id) != target:
+        return _peer_copy(cp, array, target)
+    with cp.cuda.Device(target):
         return cp.asarray(array)
 
 
+def _peer_copy(cp: Any, array: Any, target: int) -> Any:
+    """A copy of a CuPy array on GPU ``target``, as a raw device-to-device memcpy.
+
+    A memcpy needs no peer access between the GPUs, where a kernel reading
+    the other GPU's memory would.
+    """
+    with cp.cuda.Device(int(array.device.id)):
+        src = cp.ascontiguousarray(array)
+    with cp.cuda.Device(target):
+        out = cp.empty(src.shape, src.dtype)
+        if src.nbytes:
+            out.data.copy_from_device(src.data, src.nbytes)
+    return out
+
+
 def device_of(array: Any) -> Device:
-    """The device an array lives on."""
+    """The (logical) device an array lives on.
+
+    A CuPy array knows its CUDA device; with a device map (visible devices,
+    logical splits) that is translated back, so ``place(x, device_of(y))``
+    lands on ``y``'s GPU.
+    """
     if isinstance(array, (np.ndarray, np.generic)):
         return CPU0
-    return Device("GPU", int(array.device.id))
+    return Device("GPU", logical_gpu(int(array.device.id)))
+
+
+def on_device_of(array: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which ``array``'s GPU is CuPy's current device (nothing for host arrays).
+
+    A CuPy kernel runs on the current device; one writing an array that lives
+    on another GPU needs peer access, which many multi-GPU machines lack.
+    """
+    if xp_of(array) is np:
+        return contextlib.nullcontext()
+    return cupy_or_none().cuda.Device(int(array.device.id))
+
+
+def logical_gpu(physical: int) -> int:
+    """The first logical GPU index that runs on CUDA device ``physical``.
+
+    Without a map (or for a GPU outside it) logical and physical indices agree.
+    """
+    if _gpu_map is None or physical not in _gpu_map:
+        return physical
+    return _gpu_map.index(physical)
+
+
+def erf(array: Any) -> Any:
+    """The error function, elementwise, on the array's own device.
+
+    NumPy has no ``erf`` (``math.erf`` is applied per element); CuPy keeps it in
+    ``cupyx.scipy.special``, not in the ``cupy`` namespace.
+    """
+    if xp_of(array) is np:  # NumPy arrays and scalars
+        return _np_erf(np.result_type(array))(array)
+    import cupyx.scipy.special
+
+    return cupyx.scipy.special.erf(array)
+
+
+def _np_erf(dtype: np.dtype) -> Any:
+    import math
+
+    return np.vectorize(math.erf, otypes=[dtype])
 
 
 def scatter_add(out: Any, indices: Any, values: Any) -> None:

@@ -89,7 +89,16 @@ class CupyKernels:
                 )
 
     def divide(self, rank: int, x: Any, n: int) -> None:
-        """``x /= n`` in place."""
+        """``x /= n`` in place (floating and complex dtypes, as the NumPy kernel).
+
+        Raises:
+            InvalidArgumentError: ``x`` has an integer dtype, where an in-place
+                division cannot hold the mean (the API refuses integer MEAN first).
+        """
+        if x.dtype.kind not in "fc":
+            raise errors.InvalidArgumentError(
+                f"ReduceOp.MEAN cannot divide a {x.dtype} array in place; reduce with SUM"
+            )
         with self.on_rank(rank):
             cupy.divide(x, n, out=x)
 

@@ -297,12 +297,16 @@ class Variable(metaclass=_VariableMeta):
                 f"{what} on {self._name} of shape {tuple(current.shape)} got shape "
                 f"{tuple(new.shape)}"
             )
+        here = backend.device_of(current)
+        if backend.device_of(new) != here:  # host values into a GPU variable, and back
+            new = backend.place(new, here)
         return new.astype(current.dtype, copy=False)
 
     def _write(self, array: Any) -> None:
         """Replaces the value with ``array`` (subclasses push it to where the value lives)."""
         xp = backend.xp_of(self._value)
-        xp.copyto(self._value, array)
+        with backend.on_device_of(self._value):  # the copy runs where the variable lives
+            xp.copyto(self._value, array)
 
     def assign(
         self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
@@ -320,7 +324,8 @@ class Variable(metaclass=_VariableMeta):
     ) -> Any:
         """Adds ``delta`` to the value."""
         delta = self._checked_update(delta, "assign_add")
-        self._write(self._array() + delta)
+        with backend.on_device_of(delta):  # placed where the variable lives
+            self._write(self._array() + delta)
         return self if read_value else None
 
     def assign_sub(
@@ -328,7 +333,8 @@ class Variable(metaclass=_VariableMeta):
     ) -> Any:
         """Subtracts ``delta`` from the value."""
         delta = self._checked_update(delta, "assign_sub")
-        self._write(self._array() - delta)
+        with backend.on_device_of(delta):
+            self._write(self._array() - delta)
         return self if read_value else None
 
     def ref(self) -> Any:

@@ -33,6 +33,18 @@ def _host(x: Any) -> np.ndarray:
     return backend.to_numpy(to_array(x))
 
 
+def on_host(structure: Any) -> Any:
+    """Every tensor or array of ``structure`` as a tensor on the host (``None`` stays).
+
+    Metrics compute on the host; copying a step's labels and predictions once,
+    before every metric reads them, keeps a GPU step to one device sync per
+    array instead of one per metric.
+    """
+    from psflow.util import nest
+
+    return nest.map_structure(lambda v: None if v is None else Tensor._wrap(_host(v)), structure)
+
+
 _local = threading.local()
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from psflow import errors
+from psflow import backend, errors
 from psflow.framework.tensor import Tensor, convert_to_tensor
 from psflow.ops import array_ops, math_ops
 from psflow.ops._core import binary, node, normalize_axis, operands, out, xp
@@ -111,13 +112,20 @@ def selu(features: Any, name: str | None = None) -> Tensor:
     )
 
 
+# Python floats, not NumPy scalars: they take the input's dtype, so a float32 gelu
+# stays float32 (a float64 scalar would promote it, slow on most GPUs)
+_SQRT_2 = math.sqrt(2.0)
+_SQRT_2PI = math.sqrt(2.0 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
 def gelu(features: Any, approximate: bool = False, name: str | None = None) -> Tensor:
     """Gaussian error linear unit (tanh approximation when ``approximate``)."""
     x = _float_node(features, "gelu")
     a = x._array()
     m = xp(a)
     if approximate:
-        c = np.sqrt(2 / np.pi)
+        c = _SQRT_2_OVER_PI
         inner = c * (a + 0.044715 * a**3)
         t = m.tanh(inner)
         z = (0.5 * a * (1 + t)).astype(a.dtype)
@@ -129,12 +137,9 @@ def gelu(features: Any, approximate: bool = False, name: str | None = None) -> T
                 (g * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * dinner)).astype(g.dtype),
             ),
         )
-    from math import erf as _erf
-
-    erf = np.vectorize(_erf, otypes=[a.dtype]) if m is np else None
-    cdf = 0.5 * (1 + (erf(a / np.sqrt(2)) if erf is not None else m.erf(a / np.sqrt(2))))
+    cdf = 0.5 * (1 + backend.erf(a / _SQRT_2))
     z = (a * cdf).astype(a.dtype)
-    pdf = m.exp(-0.5 * a * a) / np.sqrt(2 * np.pi)
+    pdf = m.exp(-0.5 * a * a) / _SQRT_2PI
     return out(z, (x,), lambda g, needs: ((g * (cdf + a * pdf)).astype(g.dtype),))
 
 

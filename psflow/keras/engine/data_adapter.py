@@ -283,6 +283,29 @@ def batch_size_of(x: Any) -> int:
     return int(leaf.shape[0]) if len(leaf.shape) else 1
 
 
+def on_device(batch: Any) -> Any:
+    """The batch with every host array placed on the current device.
+
+    Data pipelines produce host (NumPy) arrays; a step on a GPU computes on
+    CuPy arrays, which never mix with host ones implicitly. Tensors already on
+    the device, and every batch on a CPU device, come back unchanged.
+    """
+    dev = backend.current_device()
+    if not dev.is_gpu:
+        return batch
+    return nest.map_structure(lambda v: _placed(v, dev), batch)
+
+
+def _placed(value: Any, dev: backend.Device) -> Any:
+    if isinstance(value, Tensor):  # variables stay where they live
+        arr = value._array()
+        placed = backend.place(arr, dev)
+        return value if placed is arr else Tensor._wrap(placed)
+    if isinstance(value, np.ndarray):
+        return Tensor._wrap(backend.place(value, dev))
+    return value
+
+
 def as_tensors(batch: Any) -> Any:
     """Converts every leaf of a batch into a tensor."""
     return nest.map_structure(

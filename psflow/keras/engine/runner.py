@@ -56,7 +56,7 @@ class LocalRunner:
         return self._steps(
             source,
             steps,
-            lambda batch: self.strategy.run(self.model.train_step, args=(batch,)),
+            lambda batch: self.strategy.run(self.model.train_step, args=(_on_device(batch),)),
             callbacks.on_train_batch_begin,
             callbacks.on_train_batch_end,
         )
@@ -66,7 +66,7 @@ class LocalRunner:
         return self._steps(
             source,
             steps,
-            lambda batch: self.strategy.run(self.model.test_step, args=(batch,)),
+            lambda batch: self.strategy.run(self.model.test_step, args=(_on_device(batch),)),
             callbacks.on_test_batch_begin,
             callbacks.on_test_batch_end,
         )
@@ -76,7 +76,7 @@ class LocalRunner:
         outputs: list[Any] = []
 
         def step_fn(batch: Any) -> None:
-            y = self.strategy.run(self.model.predict_step, args=(batch,))
+            y = self.strategy.run(self.model.predict_step, args=(_on_device(batch),))
             outputs.append(_host(y))
 
         self._steps(
@@ -87,6 +87,13 @@ class LocalRunner:
             lambda s, logs: callbacks.on_predict_batch_end(s, {}),
         )
         return outputs
+
+
+def _on_device(batch: Any) -> Any:
+    """The batch on the step's device, so that an overridden ``train_step`` gets it there too."""
+    from psflow.keras.engine import data_adapter
+
+    return data_adapter.on_device(batch)
 
 
 def _host(value: Any) -> Any:

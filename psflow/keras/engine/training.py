@@ -207,6 +207,8 @@ class Model(Layer):
 
     def train_step(self, data: Any) -> dict[str, Any]:
         """One step: forward, loss, gradients, optimizer update, metrics. Override to customize."""
+        # host batches go to this replica's device here, where every runner's step runs
+        data = data_adapter.on_device(data)
         x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
         batch_size = data_adapter.batch_size_of(x)
         with GradientTape() as tape:
@@ -221,6 +223,7 @@ class Model(Layer):
 
     def test_step(self, data: Any) -> dict[str, Any]:
         """One evaluation step: forward, loss, metrics."""
+        data = data_adapter.on_device(data)
         x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         loss = self.compute_loss(x, y, y_pred, sample_weight)
@@ -228,12 +231,14 @@ class Model(Layer):
 
     def predict_step(self, data: Any) -> Any:
         """One prediction step."""
-        x, _, _ = data_adapter.unpack_x_y_sample_weight(data)
+        x, _, _ = data_adapter.unpack_x_y_sample_weight(data_adapter.on_device(data))
         return self(x, training=False)
 
     def _update_metrics(
         self, loss: Any, y: Any, y_pred: Any, sample_weight: Any, batch_size: int
     ) -> dict[str, Any]:
+        # one host copy of the step's outputs serves every metric (else each copies its own)
+        loss, y, y_pred, sample_weight = metrics_lib.on_host((loss, y, y_pred, sample_weight))
         self._loss_tracker.update_state(loss, sample_weight=np.float64(batch_size))
         for m, index in zip(self._compiled_metrics, self._metric_outputs):
             if index is None and self._unwrap_single:
@@ -257,7 +262,7 @@ class Model(Layer):
 
         first = select_replica(0, source.peek())  # a distributed element: replica 0's share
         x, _, _ = data_adapter.unpack_x_y_sample_weight(first)
-        x = data_adapter.as_tensors(x)
+        x = data_adapter.on_device(data_adapter.as_tensors(x))
         with self._strategy_scope():
             self(x, training=False)
 
