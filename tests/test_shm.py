@@ -152,7 +152,7 @@ def test_a_push_naming_a_bad_segment_is_rejected_and_changes_nothing(start_ps):
         conn.configure_optimizer(["v"], {"name": "sgd", "learning_rate": 1.0})
         for name, code in [
             ("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
-            (f"{shm.new_prefix()}-nope", grpc.StatusCode.NOT_FOUND),
+            (f"{shm.new_prefix()}-nope-{'0' * 32}", grpc.StatusCode.NOT_FOUND),
         ]:
             header = ps_pb2.PushHeader(shm_payload=name)
             header.id.client_id, header.id.sequence = "bad", 1
