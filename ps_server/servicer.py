@@ -184,31 +184,29 @@ class ParameterServerServicer:
         its log records, records its metrics."""
         metrics = self.metrics
 
-        def abort(context: grpc.ServicerContext, e: BaseException) -> None:
+        def abort(context: grpc.ServicerContext, e: BaseException, watched: Any) -> None:
+            if _gone(context, watched):
+                # the client cancelled or its deadline passed (the request stream then
+                # breaks off however it may): nobody waits for an answer, and a client
+                # giving up is neither a rejection nor a server error
+                log.debug("%s ended by its client: %s: %s", name, type(e).__name__, e)
+                context.abort(grpc.StatusCode.CANCELLED, "the call ended on the client side")
             if isinstance(e, OpError):
                 log.debug("%s rejected: %s", name, e)
                 if metrics is not None:
                     metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
                 context.abort(to_grpc_code(e), _details(e.message))
-            if not context.is_active():
-                # the client cancelled or its deadline passed: nobody is waiting for
-                # an answer, and a client giving up is not a server error
-                log.debug("%s ended by its client: %s: %s", name, type(e).__name__, e)
-                return
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
 
-        @contextlib.contextmanager
-        def admitted(context: grpc.ServicerContext) -> Iterator[Any]:
-            with contextlib.ExitStack() as stack:
-                if self.gate is not None:
-                    stack.enter_context(self.gate.admit(context.peer()))
-                watched = None
-                if self.idle is not None and kind is not Kind.UNARY_UNARY:
-                    watched = stack.enter_context(
-                        self.idle.watching(f"{name} from {context.peer()}", context.cancel)
-                    )
-                yield watched
+        def admit(stack: contextlib.ExitStack, context: grpc.ServicerContext) -> Any:
+            """Takes a slot and, for a streaming call, starts its idle watch."""
+            if self.gate is not None:
+                stack.enter_context(self.gate.admit(context.peer()))
+            if self.idle is None or kind is Kind.UNARY_UNARY:
+                return None
+            label = f"{name} from {context.peer()}"
+            return stack.enter_context(self.idle.watching(label, context.cancel))
 
         def done(start: float, code: str) -> None:
             if metrics is not None:
@@ -219,15 +217,16 @@ class ParameterServerServicer:
 
             @functools.wraps(fn)
             def stream(request, context):
-                start, code = time.perf_counter(), "OK"
+                start, code, watched = time.perf_counter(), "OK", None
                 with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
                     try:
-                        with admitted(context) as watched:
+                        with contextlib.ExitStack() as stack:
+                            watched = admit(stack, context)
                             replies = fn(request, context)
                             yield from replies if watched is None else touching(replies, watched)
                     except Exception as e:
-                        code = _status_name(e, context)
-                        abort(context, e)
+                        code = _status_name(e, context, watched)
+                        abort(context, e, watched)
                     finally:
                         done(start, code)
 
@@ -235,16 +234,17 @@ class ParameterServerServicer:
 
         @functools.wraps(fn)
         def unary(request, context):
-            start, code = time.perf_counter(), "OK"
+            start, code, watched = time.perf_counter(), "OK", None
             with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
                 try:
-                    with admitted(context) as watched:
+                    with contextlib.ExitStack() as stack:
+                        watched = admit(stack, context)
                         if watched is not None:
                             request = touching(request, watched)
                         return fn(request, context)
                 except Exception as e:
-                    code = _status_name(e, context)
-                    abort(context, e)
+                    code = _status_name(e, context, watched)
+                    abort(context, e, watched)
                 finally:
                     done(start, code)
 
@@ -553,12 +553,16 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-def _status_name(e: BaseException, context: grpc.ServicerContext) -> str:
-    if isinstance(e, OpError):
-        return e.code.name
-    if not context.is_active():  # the client went away: not a server error
+def _gone(context: grpc.ServicerContext, watched: Any) -> bool:
+    """Whether the call ended outside the handler: the client cancelled, its deadline
+    passed, or the idle watch cancelled it (gRPC may not have noticed that yet)."""
+    return not context.is_active() or (watched is not None and watched.expired)
+
+
+def _status_name(e: BaseException, context: grpc.ServicerContext, watched: Any) -> str:
+    if _gone(context, watched):  # the client went away: not a server error
         return "DEADLINE_EXCEEDED" if context.time_remaining() <= 0 else "CANCELLED"
-    return "INTERNAL"
+    return e.code.name if isinstance(e, OpError) else "INTERNAL"
 
 
 def _details(message: str) -> str:

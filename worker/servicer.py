@@ -108,7 +108,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if not context.is_active():  # the caller gave up: not a worker error
                     code = "CANCELLED"
                     log.debug("%s ended by its client: %s", name, e)
-                    return None
+                    context.abort(grpc.StatusCode.CANCELLED, "the call ended on the client side")
                 code = "INTERNAL"
                 log.exception("%s failed", name)
                 context.abort(
