@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 
 import grpc
@@ -127,13 +128,18 @@ def test_hostile_optimizer_json_is_invalid_argument(ps, text):
 
 @pytest.mark.slow
 def test_a_sync_push_waiting_without_a_client_deadline_completes(ps):
+    with PSClient(ps.address, timeout=30) as client:
+        before = client.stats()["bytes_in"]
     with grpc.insecure_channel(ps.address) as channel:
         push = channel.unary_unary(method_path("Push"))
         waiting = push.future(_push("a", 1, step=0, num_required=2, wait=True))  # no deadline
         try:
-            other = ps_pb2.PushResponse.FromString(push(_push("b", 1, step=0, num_required=2),
-                                                        timeout=30))  # fmt: skip
-            assert other.applied
+            with PSClient(ps.address, timeout=30) as client:  # "a" is in and waiting
+                deadline = time.monotonic() + 20
+                while client.stats()["bytes_in"] == before and not waiting.done():
+                    assert time.monotonic() < deadline, "the first contribution never arrived"
+                    time.sleep(0.05)
+            push(_push("b", 1, step=0, num_required=2), timeout=30)
             assert ps_pb2.PushResponse.FromString(waiting.result(timeout=30)).applied
         finally:
             waiting.cancel()
