@@ -237,8 +237,8 @@ def _planted(kind: str, name: str, token: bytes, tmp_path) -> None:
         ("open to others", grpc.StatusCode.PERMISSION_DENIED),
     ],
 )
-def test_a_push_segment_the_client_did_not_create_is_refused(start_ps_module, tmp_path, kind, code):
-    server = start_ps_module()  # one per case: a hung open would not hide in a shared one
+def test_a_push_segment_the_client_did_not_create_is_refused(start_ps, tmp_path, kind, code):
+    server = start_ps()  # one per case: a hung open must not hide behind a shared one
     conn = GrpcPSConnection(server.address)
     token = os.urandom(16)
     name = f"{shm.new_prefix()}-evil-{token.hex()}"
