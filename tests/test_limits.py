@@ -1,8 +1,10 @@
 """Server limits on live processes: RESOURCE_EXHAUSTED naming the limit and the value, no change.
 
 PS: ``--max-tensor-bytes`` (variables, gradients, row indices),
-``--max-variables``, ``--max-streams`` (calls in progress; the one above is
-refused at once).  Worker: ``--max-closure-bytes``.
+``--max-variables``, ``--max-streams`` and ``--max-streams-per-client`` (calls
+in progress; the one above is refused at once), ``--stream-idle-timeout`` (an
+idle streaming call is cancelled, its slot freed; a client giving up is not a
+server error).  Worker: ``--max-closure-bytes``.
 """
 
 from __future__ import annotations
