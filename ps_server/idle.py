@@ -5,7 +5,10 @@ thread) from its first message to its last; a client that sends a header and
 then nothing would hold it forever.  :class:`IdleWatch` gives every watched
 call an idle timeout: each message received (or sent) restarts its clock, and
 a call whose clock runs out is cancelled, which wakes the handler blocked on
-the next message and frees the slot.
+the next message and frees the slot.  When every slot is taken, the call idle
+the longest (over a second) is cancelled at once to admit a new one
+(:meth:`IdleWatch.evict_idlest`), so idle streams from many connections cannot
+lock others out until the timeout.
 
 One watchdog thread serves all calls; it runs only while calls are watched.
 """
@@ -78,6 +81,35 @@ class IdleWatch:
             with self._lock:
                 self._calls.pop(key, None)
 
+    def evict_idlest(self, min_idle: float) -> bool:
+        """Cancels the call idle the longest, if it has been idle over ``min_idle`` seconds.
+
+        Used when every slot is taken: a call that stopped moving yields its
+        slot to one that wants to move.  Returns whether a call was cancelled.
+        """
+        now = time.monotonic()
+        with self._lock:
+            candidates = [
+                (entry.last, label, entry)
+                for label, entry in self._calls.values()
+                if not (entry.expired or entry.done) and now - entry.last > min_idle
+            ]
+            if not candidates:
+                return False
+            _, label, entry = min(candidates, key=lambda c: c[0])
+            entry.expired = True
+        log.info("%s idle for %.1fs, its slot needed: cancelled", label, now - entry.last)
+        self._expire(label, entry)
+        return True
+
+    def _expire(self, label: str, entry: Watched) -> None:
+        try:
+            entry.cancel()
+        except Exception:  # the call ended meanwhile
+            log.debug("cancelling %s failed", label, exc_info=True)
+        if self._on_expire is not None:
+            self._on_expire(label)
+
     def _run(self) -> None:
         # Wakes a few times per timeout; exits once nothing is watched (the next
         # watched call starts it again), so an idle server has no thread spinning.
@@ -98,12 +130,7 @@ class IdleWatch:
                     entry.expired = True
             for label, entry in stale:
                 log.info("%s idle for over %.1fs: cancelled", label, self.timeout)
-                try:
-                    entry.cancel()
-                except Exception:  # the call ended meanwhile
-                    log.debug("cancelling %s failed", label, exc_info=True)
-                if self._on_expire is not None:
-                    self._on_expire(label)
+                self._expire(label, entry)
 
 
 def touching(messages: Iterable[Any], entry: Watched) -> Iterator[Any]:

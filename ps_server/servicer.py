@@ -53,6 +53,10 @@ _NO_LIMIT = 1 << 62
 # error quoting a caller's text must still reach the caller: details are cut to this.
 MAX_DETAILS_CHARS = 4096
 MAX_OPTIMIZER_JSON = 64 << 10
+# With every slot taken, a streaming call idle this long is cancelled to admit a new
+# call, which waits up to EVICT_WAIT for the slot to be released.
+EVICT_AFTER_IDLE = 1.0
+EVICT_WAIT = 2.0
 
 
 class _Bad:
@@ -202,7 +206,15 @@ class ParameterServerServicer:
         def admit(stack: contextlib.ExitStack, context: grpc.ServicerContext) -> Any:
             """Takes a slot and, for a streaming call, starts its idle watch."""
             if self.gate is not None:
-                stack.enter_context(self.gate.admit(context.peer()))
+                try:
+                    stack.enter_context(self.gate.admit(context.peer()))
+                except ResourceExhaustedError as e:
+                    # every slot taken: a streaming call that stopped moving yields its own
+                    if getattr(e, "reason", None) != "too_many_streams" or not (
+                        self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
+                    ):
+                        raise
+                    stack.enter_context(self.gate.admit(context.peer(), wait=EVICT_WAIT))
             if self.idle is None or kind is Kind.UNARY_UNARY:
                 return None
             label = f"{name} from {context.peer()}"

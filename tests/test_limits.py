@@ -273,6 +273,31 @@ def test_64_idle_streams_of_one_client_leave_room_for_others(start_ps):
 
 
 @pytest.mark.slow
+def test_64_idle_connections_yield_their_slots_to_a_well_behaved_push(start_ps):
+    server = _server_with_s(start_ps)  # defaults: 64 streams, a 30 s idle timeout
+    release = threading.Event()
+    options = [("grpc.use_local_subchannel_pool", 1)]  # 64 connections, as 64 processes
+    channels = [grpc.insecure_channel(server.address, options=options) for _ in range(64)]
+    try:
+        idle = [
+            ch.stream_unary(method_path("PushStream")).future(_idle_push(i + 1, release))
+            for i, ch in enumerate(channels)
+        ]
+        _wait_for(lambda: _active(server) == 64, "the 64 idle streams never became active")
+        time.sleep(1.2)  # idle for over a second: they yield under pressure
+        assert _timed_push(server.address, 100) < 1.0
+        assert _timed_push(server.address, 101) < 1.0  # (the slot the first one freed)
+        _wait_for(lambda: sum(f.done() for f in idle) == 1, "one idle stream yields")
+        assert {f.exception().code() for f in idle if f.done()} == {grpc.StatusCode.CANCELLED}
+    finally:
+        release.set()
+        for ch in channels:
+            ch.close()
+    assert _rejected(server, "stream_idle") == 1
+    assert _rejected(server, "too_many_streams") == 0
+
+
+@pytest.mark.slow
 def test_idle_streams_are_cancelled_and_their_slots_freed(start_ps):
     server = _server_with_s(start_ps, "--max-streams", "6", "--stream-idle-timeout", "1")
     release = threading.Event()

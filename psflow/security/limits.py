@@ -147,18 +147,25 @@ class StreamGate:
         self.flag = flag
         self.per_client = per_client or limit
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self.active = 0
         self._by_client: dict[str, int] = {}
 
     @contextlib.contextmanager
-    def admit(self, client: str = "") -> Iterator[None]:
+    def admit(self, client: str = "", wait: float = 0.0) -> Iterator[None]:
         """Holds one slot for the ``with`` block.
+
+        Args:
+            client: who calls (the per-client count).
+            wait: seconds to wait for a slot when all are taken (0: refuse at once).
 
         Raises:
             ResourceExhaustedError: ``limit`` calls are already in progress, or
                 ``per_client`` of ``client``'s.
         """
         with self._lock:
+            if wait > 0:
+                self._released.wait_for(lambda: self.active < self.limit, timeout=wait)
             if self.active >= self.limit:
                 raise limit_exceeded(
                     "too_many_streams",
@@ -183,6 +190,7 @@ class StreamGate:
         finally:
             with self._lock:
                 self.active -= 1
+                self._released.notify()
                 left = self._by_client[client] - 1
                 if left:
                     self._by_client[client] = left
