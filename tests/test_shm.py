@@ -226,6 +226,11 @@ def _planted(kind: str, name: str, token: bytes, tmp_path) -> None:
         raise AssertionError(kind)
 
 
+@pytest.fixture(scope="module")
+def planted_ps(start_ps_module):
+    return start_ps_module()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, code",
@@ -237,18 +242,19 @@ def _planted(kind: str, name: str, token: bytes, tmp_path) -> None:
         ("open to others", grpc.StatusCode.PERMISSION_DENIED),
     ],
 )
-def test_a_push_segment_the_client_did_not_create_is_refused(start_ps, tmp_path, kind, code):
-    server = start_ps()  # one per case: a hung open must not hide behind a shared one
+def test_a_push_segment_the_client_did_not_create_is_refused(planted_ps, tmp_path, kind, code):
+    server = planted_ps
+    var = f"v-{kind.replace(' ', '-')}"
     conn = GrpcPSConnection(server.address)
     token = os.urandom(16)
     name = f"{shm.new_prefix()}-evil-{token.hex()}"
     _planted(kind, name, token, tmp_path)
     try:
-        conn.create([VarSpec("v", np.dtype(np.float32), (2,), True)], [np.zeros(2, np.float32)])
-        conn.configure_optimizer(["v"], {"name": "sgd", "learning_rate": 1.0})
+        conn.create([VarSpec(var, np.dtype(np.float32), (2,), True)], [np.zeros(2, np.float32)])
+        conn.configure_optimizer([var], {"name": "sgd", "learning_rate": 1.0})
         header = ps_pb2.PushHeader(shm_payload=name)
         header.id.client_id, header.id.sequence = "planted", 1
-        header.items.add(name="v", values=codec.spec_to_proto(np.float32, (2,)))
+        header.items.add(name=var, values=codec.spec_to_proto(np.float32, (2,)))
         message = framing.encode_message(header.SerializeToString(), [])
         with grpc.insecure_channel(server.address) as channel:
             start = time.monotonic()
@@ -257,9 +263,9 @@ def test_a_push_segment_the_client_did_not_create_is_refused(start_ps, tmp_path,
             assert info.value.code() == code, info.value.details()
             assert time.monotonic() - start < 10  # a FIFO does not block the open
         # nothing applied, and our own shared-memory pushes still go through
-        conn.push([Grad("v", np.ones(2, np.float32))], push_id=("t", 1))
+        conn.push([Grad(var, np.ones(2, np.float32))], push_id=(var, 1))
         assert conn._payload is not None
-        ((v, _),) = conn.pull(["v"])
+        ((v, _),) = conn.pull([var])
         assert v.tolist() == [-1.0, -1.0]
     finally:
         conn.close()
