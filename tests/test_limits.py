@@ -251,25 +251,25 @@ def _timed_push(address: str, seq: int) -> float:
 
 @pytest.mark.slow
 def test_64_idle_streams_of_one_client_leave_room_for_others(start_ps):
-    server = _server_with_s(start_ps)  # defaults: 64 streams, 16 per client
+    server = _server_with_s(start_ps)  # defaults: 64 streams, 32 per client
     release = threading.Event()
     with grpc.insecure_channel(server.address) as attacker:
         stream = attacker.stream_unary(method_path("PushStream"))
         idle = [stream.future(_idle_push(i + 1, release)) for i in range(64)]  # no deadline
         try:
-            _wait_for(lambda: sum(f.done() for f in idle) == 48, "48 refused at once")
+            _wait_for(lambda: sum(f.done() for f in idle) == 32, "32 refused at once")
             codes = {f.exception().code() for f in idle if f.done()}
             assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-            assert "--max-streams-per-client=16" in next(
+            assert "--max-streams-per-client=32" in next(
                 f.exception().details() for f in idle if f.done()
             )
-            assert _active(server) == 16
+            assert _active(server) == 32
             assert _timed_push(server.address, 100) < 1.0
         finally:
             release.set()
             for f in idle:
                 f.cancel()
-    assert _rejected(server, "too_many_streams_per_client") == 48
+    assert _rejected(server, "too_many_streams_per_client") == 32
 
 
 @pytest.mark.slow
