@@ -34,7 +34,7 @@ from psflow.observability.logs import configure_logging
 from psflow.ps.store import VariableStore
 from psflow.security.config import is_loopback
 from psflow.security.flags import add_limit_flags, add_security_flags, security_from_flags
-from psflow.security.limits import PSLimits
+from psflow.security.limits import DEFAULT_MAX_SYNC_CONTRIBUTORS, PSLimits
 from psflow.transport import shm
 
 from .server import serve
@@ -50,6 +50,24 @@ def _from_tf_config() -> tuple[str, int, str]:
     address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
     _, _, port = address.rpartition(":")
     return "0.0.0.0", int(port), f"{resolver.task_type}:{resolver.task_id}"
+
+
+def _cluster_workers() -> int | None:
+    """The number of worker tasks in TF_CONFIG's cluster (None: no usable TF_CONFIG).
+
+    A sync step needs one contribution per worker, so this bounds ``num_required``.
+    """
+    if not os.environ.get("TF_CONFIG"):
+        return None
+    from psflow.distribute.cluster_resolver import TFConfigClusterResolver  # lazy: optional module
+
+    try:
+        spec = TFConfigClusterResolver().cluster_spec().as_dict()
+    except (ImportError, OpError, ValueError, KeyError) as e:
+        log.warning("TF_CONFIG unusable for the worker count: %s", e)
+        return None
+    workers = spec.get("worker") or ()
+    return max(len(workers), 1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_malloc_tuning:
         os.environ[memory.ENV_MALLOC_TUNING] = "0"
     memory.ensure_tuned()
-    limits = PSLimits(args.max_tensor_bytes, args.max_variables, args.max_streams)
+    limits = PSLimits(
+        args.max_tensor_bytes,
+        args.max_variables,
+        args.max_streams,
+        max_streams_per_client=args.max_streams_per_client,
+        stream_idle_timeout=args.stream_idle_timeout,
+        max_sync_contributors=(
+            args.max_sync_contributors or _cluster_workers() or DEFAULT_MAX_SYNC_CONTRIBUTORS
+        ),
+    )
     mirrors = None
     if args.shm == "on" or (args.shm == "auto" and is_loopback(bind)):
         if shm.enabled():
@@ -111,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tensor_bytes=limits.max_tensor_bytes,
         max_variables=limits.max_variables,
         mirrors=mirrors,
+        max_sync_contributors=limits.max_sync_contributors,
     )
     try:
         return serve(
@@ -125,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             security=security,
             insecure=args.insecure,
             max_streams=limits.max_streams,
+            max_streams_per_client=limits.max_streams_per_client,
+            stream_idle_timeout=limits.stream_idle_timeout,
             metrics_port=args.metrics_port,
             metrics_bind=args.metrics_bind,
         )

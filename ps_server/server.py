@@ -52,6 +52,8 @@ def create_server(
     security: SecurityConfig | None = None,
     insecure: bool = False,
     max_streams: int | None = None,
+    max_streams_per_client: int | None = None,
+    stream_idle_timeout: float | None = None,
     metrics: PSMetrics | None = None,
 ) -> tuple[grpc.Server, int]:
     """Builds a gRPC server for ``store`` and binds it; returns ``(server, port)``.
@@ -61,7 +63,9 @@ def create_server(
     With ``security``, every call but the health check needs the token and/or
     a client certificate; ``max_streams`` bounds the calls served at once
     (the thread pool grows to ``max_streams + 2`` so the limit, not the pool,
-    is what a caller meets).
+    is what a caller meets), ``max_streams_per_client`` those of one client
+    connection; a streaming call idle for ``stream_idle_timeout`` seconds is
+    cancelled.
 
     Raises:
         FailedPreconditionError: ``bind`` is not loopback, ``security``
@@ -84,6 +88,8 @@ def create_server(
         chunk_bytes=chunk_bytes,
         max_message_bytes=max_message_bytes,
         max_streams=max_streams,
+        max_streams_per_client=max_streams_per_client,
+        stream_idle_timeout=stream_idle_timeout,
         metrics=metrics,
     )
     if metrics is not None and servicer.gate is not None:
@@ -116,6 +122,8 @@ def serve(
     security: SecurityConfig | None = None,
     insecure: bool = False,
     max_streams: int | None = None,
+    max_streams_per_client: int | None = None,
+    stream_idle_timeout: float | None = None,
     metrics_port: int | None = None,
     metrics_bind: str | None = None,
 ) -> int:
@@ -140,6 +148,8 @@ def serve(
         security=security,
         insecure=insecure,
         max_streams=max_streams,
+        max_streams_per_client=max_streams_per_client,
+        stream_idle_timeout=stream_idle_timeout,
         metrics=metrics,
     )
     metrics_server = None

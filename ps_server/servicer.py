@@ -27,12 +27,15 @@ from psflow.observability.logs import log_context, set_log_context
 from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
 from psflow.ps.checkpoint import restore_shard, save_shard
+from psflow.ps.names import quote
 from psflow.ps.store import Gradient, VariableMeta, VariableStore
-from psflow.ps.tensors import segments_from_pieces
+from psflow.ps.tensors import check_extent, segments_from_pieces
 from psflow.security.limits import StreamGate, limit_exceeded
 from psflow.transport import codec, framing, shm
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
+
+from .idle import IdleWatch, touching
 
 __all__ = ["ParameterServerServicer"]
 
@@ -46,6 +49,14 @@ _WRITE_OPS = {
 _HEADER_SLACK = 1 << 20
 _MIN_CHUNK = 4096
 _NO_LIMIT = 1 << 62
+# gRPC refuses status details beyond its metadata limit (8 KB by default), and an
+# error quoting a caller's text must still reach the caller: details are cut to this.
+MAX_DETAILS_CHARS = 4096
+MAX_OPTIMIZER_JSON = 64 << 10
+# With every slot taken, a streaming call idle this long is cancelled to admit a new
+# call, which waits up to EVICT_WAIT for the slot to be released.
+EVICT_AFTER_IDLE = 1.0
+EVICT_WAIT = 2.0
 
 
 class _Bad:
@@ -119,6 +130,9 @@ class ParameterServerServicer:
         max_message_bytes: the server's message size limit (bounds unary replies).
         max_streams: calls served at once; one more is refused with
             RESOURCE_EXHAUSTED (None: no limit beyond the thread pool).
+        max_streams_per_client: of those, calls one client connection may have.
+        stream_idle_timeout: seconds a streaming call may go without a message
+            before it is cancelled (None: never).
         metrics: where to record calls, bytes, latencies and rejections.
     """
 
@@ -129,13 +143,24 @@ class ParameterServerServicer:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_streams: int | None = None,
+        max_streams_per_client: int | None = None,
+        stream_idle_timeout: float | None = None,
         metrics: PSMetrics | None = None,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
         self.max_unary_payload = max_message_bytes - _HEADER_SLACK
-        self.gate = StreamGate(max_streams) if max_streams else None
+        self.gate = (
+            StreamGate(max_streams, per_client=max_streams_per_client) if max_streams else None
+        )
         self.metrics = metrics
+        self.idle = None
+        if stream_idle_timeout:
+            on_expire = None
+            if metrics is not None:
+                on_expire = lambda _label: metrics.record_rejection("stream_idle")  # noqa: E731
+            self.idle = IdleWatch(stream_idle_timeout, on_expire)
         self._ids = itertools.count(1)
         self._shm_payloads = shm.SegmentCache()
 
@@ -151,28 +176,49 @@ class ParameterServerServicer:
         for name, (kind, req_cls, _resp_cls, framed_req, framed_resp) in METHODS.items():
             parse = framing.split_message if framed_req else req_cls.FromString
             handlers[name] = factories[kind](
-                self._edge(name, getattr(self, name)),
+                self._edge(name, kind, getattr(self, name)),
                 request_deserializer=_lenient(parse),
                 response_serializer=None if framed_resp else _serialize,
             )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
-    def _edge(self, name: str, fn: Callable) -> Callable:
+    def _edge(self, name: str, kind: Kind, fn: Callable) -> Callable:
         """Converts typed errors into status codes (the only place that does); admits
-        the call under the stream limit, tags its log records, records its metrics."""
+        the call under the stream limits, watches a streaming call for idleness, tags
+        its log records, records its metrics."""
         metrics = self.metrics
 
-        def abort(context: grpc.ServicerContext, e: BaseException) -> None:
+        def abort(context: grpc.ServicerContext, e: BaseException, watched: Any) -> None:
+            if _gone(context, watched):
+                # the client cancelled or its deadline passed (the request stream then
+                # breaks off however it may): nobody waits for an answer, and a client
+                # giving up is neither a rejection nor a server error
+                log.debug("%s ended by its client: %s: %s", name, type(e).__name__, e)
+                context.abort(grpc.StatusCode.CANCELLED, "the call ended on the client side")
             if isinstance(e, OpError):
                 log.debug("%s rejected: %s", name, e)
                 if metrics is not None:
                     metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
-                context.abort(to_grpc_code(e), e.message)
+                context.abort(to_grpc_code(e), _details(e.message))
             log.exception("%s failed", name)
-            context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
 
-        def admitted() -> contextlib.AbstractContextManager:
-            return self.gate.admit() if self.gate is not None else contextlib.nullcontext()
+        def admit(stack: contextlib.ExitStack, context: grpc.ServicerContext) -> Any:
+            """Takes a slot and, for a streaming call, starts its idle watch."""
+            if self.gate is not None:
+                try:
+                    stack.enter_context(self.gate.admit(context.peer()))
+                except ResourceExhaustedError as e:
+                    # every slot taken: a streaming call that stopped moving yields its own
+                    if getattr(e, "reason", None) != "too_many_streams" or not (
+                        self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
+                    ):
+                        raise
+                    stack.enter_context(self.gate.admit(context.peer(), wait=EVICT_WAIT))
+            if self.idle is None or kind is Kind.UNARY_UNARY:
+                return None
+            label = f"{name} from {context.peer()}"
+            return stack.enter_context(self.idle.watching(label, context.cancel))
 
         def done(start: float, code: str) -> None:
             if metrics is not None:
@@ -183,14 +229,16 @@ class ParameterServerServicer:
 
             @functools.wraps(fn)
             def stream(request, context):
-                start, code = time.perf_counter(), "OK"
+                start, code, watched = time.perf_counter(), "OK", None
                 with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
                     try:
-                        with admitted():
-                            yield from fn(request, context)
+                        with contextlib.ExitStack() as stack:
+                            watched = admit(stack, context)
+                            replies = fn(request, context)
+                            yield from replies if watched is None else touching(replies, watched)
                     except Exception as e:
-                        code = _status_name(e)
-                        abort(context, e)
+                        code = _status_name(e, context, watched)
+                        abort(context, e, watched)
                     finally:
                         done(start, code)
 
@@ -198,14 +246,17 @@ class ParameterServerServicer:
 
         @functools.wraps(fn)
         def unary(request, context):
-            start, code = time.perf_counter(), "OK"
+            start, code, watched = time.perf_counter(), "OK", None
             with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
                 try:
-                    with admitted():
+                    with contextlib.ExitStack() as stack:
+                        watched = admit(stack, context)
+                        if watched is not None:
+                            request = touching(request, watched)
                         return fn(request, context)
                 except Exception as e:
-                    code = _status_name(e)
-                    abort(context, e)
+                    code = _status_name(e, context, watched)
+                    abort(context, e, watched)
                 finally:
                     done(start, code)
 
@@ -215,6 +266,7 @@ class ParameterServerServicer:
         """A checked wire spec; above ``max_tensor_bytes`` is RESOURCE_EXHAUSTED."""
         dtype, shape, nbytes = codec.check_spec(dtype_code, shape, max_bytes=_NO_LIMIT)
         limit = self.store.max_tensor_bytes
+        check_extent(shape, dtype.itemsize, limit, what=what)
         if nbytes > limit:
             raise limit_exceeded(
                 "tensor_too_large",
@@ -244,12 +296,16 @@ class ParameterServerServicer:
             raise InvalidArgumentError(f"unknown write op {header.op}")
         specs = []
         for v in header.variables:
-            dtype, shape, nbytes = self._spec(v.spec.dtype, v.spec.shape, f"variable {v.name!r}")
+            dtype, shape, nbytes = self._spec(
+                v.spec.dtype, v.spec.shape, f"variable {quote(v.name)}"
+            )
             specs.append((v, dtype, shape, nbytes))
         assembler = framing.PayloadAssembler([s[3] for s in specs])
         _receive(assembler, payloads)
         values = [
-            segments_from_pieces(dtype, shape, assembler.pieces(i), what=f"value of {v.name!r}")
+            segments_from_pieces(
+                dtype, shape, assembler.pieces(i), what=f"value of {quote(v.name)}"
+            )
             for i, (v, dtype, shape, _) in enumerate(specs)
         ]
         if header.op == ps_pb2.WRITE_OP_CREATE:
@@ -291,7 +347,7 @@ class ParameterServerServicer:
         for i, item in enumerate(request.items):
             if item.HasField("indices"):
                 idx = item.indices
-                self._spec(idx.dtype, idx.shape, f"row indices for {item.name!r}")
+                self._spec(idx.dtype, idx.shape, f"row indices for {quote(item.name)}")
                 rows[i] = codec.decode_tensor(idx, max_bytes=_NO_LIMIT)
         return names, rows
 
@@ -361,17 +417,17 @@ class ParameterServerServicer:
         if not header.HasField("id") or not header.id.client_id:
             raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
         step = header.step if header.HasField("step") else None
-        if self.metrics is not None:
-            self.metrics.record_push_seen(header.id.client_id, step)
-        set_log_context(step=step, request_id=f"{header.id.client_id}:{header.id.sequence}")
+        set_log_context(step=step, request_id=f"{header.id.client_id[:64]}:{header.id.sequence}")
         layout, sizes = [], []
         for item in header.items:
             dtype, shape, nbytes = self._spec(
-                item.values.dtype, item.values.shape, f"gradient for {item.name!r}"
+                item.values.dtype, item.values.shape, f"gradient for {quote(item.name)}"
             )
             if item.sparse:
                 if not shape:
-                    raise InvalidArgumentError(f"sparse gradient for {item.name!r} has no rows")
+                    raise InvalidArgumentError(
+                        f"sparse gradient for {quote(item.name)} has no rows"
+                    )
                 sizes.append(shape[0] * 8)
             layout.append((item, dtype, shape, len(sizes)))
             sizes.append(nbytes)
@@ -388,7 +444,7 @@ class ParameterServerServicer:
         _receive(assembler, payloads)
         grads = []
         for item, dtype, shape, k in layout:
-            what = f"gradient for {item.name!r}"
+            what = f"gradient for {quote(item.name)}"
             values = segments_from_pieces(dtype, shape, assembler.pieces(k), what=what)
             indices = None
             if item.sparse:
@@ -409,6 +465,8 @@ class ParameterServerServicer:
             max_staleness=header.max_staleness if header.HasField("max_staleness") else None,
             timeout=context.time_remaining(),
         )
+        if self.metrics is not None:  # only now: a rejected push leaves no series behind
+            self.metrics.record_push_seen(header.id.client_id, step)
         if self.metrics is not None and not result.duplicate:
             self.metrics.record_push(
                 [
@@ -431,7 +489,7 @@ class ParameterServerServicer:
     ) -> ps_pb2.ListVariablesResponse:
         """Describes every variable."""
         _check(request)
-        return ps_pb2.ListVariablesResponse(
+        reply = ps_pb2.ListVariablesResponse(
             variables=[
                 ps_pb2.VariableInfo(
                     variable=ps_pb2.VariableSpec(
@@ -449,6 +507,13 @@ class ParameterServerServicer:
                 for info in self.store.list_variables()
             ]
         )
+        size = reply.ByteSize()
+        if size > self.max_message_bytes:
+            raise ResourceExhaustedError(
+                f"the list of {len(reply.variables)} variables is {size} bytes, above the "
+                f"message limit of {self.max_message_bytes}"
+            )
+        return reply
 
     def _prefix(self, prefix: str) -> str:
         return prefix or self.store.task.replace(":", "-")
@@ -500,17 +565,45 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-def _status_name(e: BaseException) -> str:
+def _gone(context: grpc.ServicerContext, watched: Any) -> bool:
+    """Whether the call ended outside the handler: the client cancelled, its deadline
+    passed, or the idle watch cancelled it (gRPC may not have noticed that yet)."""
+    return not context.is_active() or (watched is not None and watched.expired)
+
+
+def _status_name(e: BaseException, context: grpc.ServicerContext, watched: Any) -> str:
+    if _gone(context, watched):  # the client went away: not a server error
+        return "DEADLINE_EXCEEDED" if context.time_remaining() <= 0 else "CANCELLED"
     return e.code.name if isinstance(e, OpError) else "INTERNAL"
+
+
+def _details(message: str) -> str:
+    """A status message that fits gRPC's metadata and encodes as UTF-8."""
+    if len(message) > MAX_DETAILS_CHARS:
+        message = f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} chars)"
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:
     if not text:
         return None
+    if len(text) > MAX_OPTIMIZER_JSON:
+        raise InvalidArgumentError(
+            f"optimizer config of {quote(what)} is {len(text)} characters, above the limit "
+            f"of {MAX_OPTIMIZER_JSON}"
+        )
     try:
         config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidArgumentError(f"optimizer config of {what!r} is not JSON: {text!r}") from e
+    except RecursionError as e:
+        raise InvalidArgumentError(
+            f"optimizer config of {quote(what)} is nested too deeply: {quote(text)}"
+        ) from e
+    except ValueError as e:  # not JSON, or an integer of more digits than Python converts
+        raise InvalidArgumentError(
+            f"optimizer config of {quote(what)} is not JSON ({e}): {quote(text)}"
+        ) from e
     if not isinstance(config, dict):
-        raise InvalidArgumentError(f"optimizer config of {what!r} is not an object: {text!r}")
+        raise InvalidArgumentError(
+            f"optimizer config of {quote(what)} is not an object: {quote(text)}"
+        )
     return config

@@ -296,8 +296,10 @@ class UpdateRule(abc.ABC):
                     )
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidArgumentError(f"{self.name} {f.name} must be a number, got {value!r}")
-            elif not math.isfinite(value):
-                raise InvalidArgumentError(f"{self.name} {f.name} must be finite, got {value!r}")
+            elif not _finite(value):
+                raise InvalidArgumentError(
+                    f"{self.name} {f.name} must be a finite float, got {_quote_number(value)}"
+                )
         # Store floats as Python floats so get_config round-trips through JSON.
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -309,6 +311,22 @@ class UpdateRule(abc.ABC):
             raise InvalidArgumentError(
                 f"{self.name} {field} must be {rule}, got {getattr(self, field)!r}"
             )
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite number a float can hold (a 400-digit int is not)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _quote_number(value: Any) -> str:
+    """``repr(value)``, shortened for numbers thousands of digits long."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @_register

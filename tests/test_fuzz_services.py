@@ -3,9 +3,14 @@
 Over 10,000 generated requests, bounded in time: protobuf messages with random
 field values, random raw bytes through generic calls, truncated frames, huge
 declared shapes, wrong dtypes, out-of-range indices, unknown methods, bad or
-missing tokens.  Afterwards both processes are up and healthy, every reply was
-a proper gRPC status from an expected set (never INTERNAL, UNKNOWN or
-UNAVAILABLE), and a control variable is unchanged.
+missing tokens, and the hostile fields of issue 21 (empty shapes with huge
+dimensions, 400-digit and deeply nested optimizer JSON, names and ids of
+kilobytes, unbounded sync steps, bad checkpoint paths, foreign shared-memory
+segments, closures whose exceptions misbehave).  Afterwards both processes are
+up and healthy, every reply was a proper gRPC status from an expected set
+(never INTERNAL, UNKNOWN or UNAVAILABLE), a control variable is unchanged,
+and the PS's resident memory grew by less than 50 MB.  The status counts are
+printed (``pytest -s``).
 
 The control variable is named only by requests that must be refused: ones with
 a wrong token (otherwise valid, so a hole in authentication would change it),
@@ -17,6 +22,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -62,6 +68,8 @@ FUZZ_VARS = {
 DTYPES = {1: 2, 2: 4, 3: 8, 4: 1, 5: 2, 6: 4, 7: 8, 8: 1, 9: 1}  # wire code -> itemsize
 PS_ALLOWED = {
     "OK",
+    "DATA_LOSS",  # hostile restores
+    "PERMISSION_DENIED",  # hostile checkpoint directories
     "INVALID_ARGUMENT",
     "NOT_FOUND",
     "FAILED_PRECONDITION",
@@ -79,6 +87,27 @@ WORKER_ALLOWED = {
     "UNAUTHENTICATED",
     "UNIMPLEMENTED",
 }
+RSS_GROWTH_LIMIT = 50 << 20
+WARMUP_REQUESTS = 500
+SHM_DIRECTORY = f"psflow-{os.getpid()}-0badc0de-dir-{'0' * 32}"  # a directory, not a segment
+HUGE_LR = '{"name": "sgd", "learning_rate": 1' + "0" * 400 + "}"
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+HOSTILE_OPTIMIZERS = [
+    HUGE_LR,
+    '{"name": "sgd", "momentum": 1' + "0" * 400 + "}",
+    DEEP_JSON,
+    '{"name": "sgd", "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
+    '{"name": "sgd", "learning_rate": 1e999}',
+    '{"name": "adam", "epsilon": 1' + "0" * 5000 + "}",
+]
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 class _Sender:
@@ -124,9 +153,10 @@ class _Sender:
 class PSFuzzer:
     """Generates ``(method, payload, metadata, label)`` for the ParameterServer service."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, tmp: str = "/nonexistent") -> None:
         self.rng = rng
         self.seq = 0
+        self.tmp = tmp
 
     def _name(self) -> str:
         r = self.rng
@@ -139,12 +169,15 @@ class PSFuzzer:
                 "f_" + "x" * 300,
                 "ünï/cødé",
                 f"fz{r.randrange(8)}",
+                "long" + "n" * r.choice([1021, 1025, 20_000]),  # at, above the name limit
             ]
         )
 
     def _shape(self) -> list[int]:
         r = self.rng
         pick = r.random()
+        if pick < 0.05:  # empty, with a dimension NumPy cannot index
+            return r.choice([[0, 2**63 - 1], [2**62, 0], [0, 1 << 40, 1 << 40]])
         if pick < 0.1:
             return [r.choice([1 << 40, 1 << 62, 2**63 - 1])]
         if pick < 0.2:
@@ -164,12 +197,19 @@ class PSFuzzer:
         r = self.rng
         header = ps_pb2.PushHeader(items=items)
         self.seq += 1
-        header.id.client_id = r.choice(["fuzz", "fuzz", "other", ""])
+        header.id.client_id = r.choice(
+            ["fuzz", "fuzz", "other", "", f"id{r.randrange(1000)}-" + "c" * r.choice([100, 5000])]
+        )
         header.id.sequence = r.choice([self.seq, self.seq, 0, r.randrange(1 << 40)])
         if not control and r.random() < 0.15:
             header.step = r.randint(-2, 20)
-            header.num_required = r.randint(-1, 3)
+            header.num_required = r.choice([-1, 0, 1, 2, 3, 2**31 - 1])
             header.wait_applied = r.random() < 0.05 and header.num_required == 1
+        if r.random() < 0.03:  # a foreign shared-memory segment, or a path
+            header.shm_payload = r.choice(
+                ["../../etc/passwd", "/dev/shm/x", f"psflow-1-deadbeef-p1-{'0' * 32}",
+                 f"psflow-{os.getpid()}-0badc0de-x", SHM_DIRECTORY]
+            )  # fmt: skip
         if r.random() < 0.1:
             header.max_staleness = r.randint(-1, 3)
         return header
@@ -234,6 +274,8 @@ class PSFuzzer:
             spec.spec.dtype, spec.spec.shape[:] = code, shape
             spec.optimizer_json = r.choice(
                 ["", '{"name": "sgd"}', "{bad", "[1]", '{"name": "nope"}']
+                if r.random() < 0.9
+                else HOSTILE_OPTIMIZERS
             )
             count = 1
             for d in shape:
@@ -280,20 +322,43 @@ class PSFuzzer:
             )
             names = [r.choice([*FUZZ_VARS, "missing", ""]) for _ in range(r.randint(0, 3))]
             text = json.dumps(config) if r.random() < 0.9 else "{not json"
+            if r.random() < 0.1:
+                text = r.choice(HOSTILE_OPTIMIZERS)
             request = ps_pb2.ConfigureOptimizerRequest(names=names, optimizer_json=text)
             return "ConfigureOptimizer", request.SerializeToString(), GOOD_MD, "configure"
         if pick < 0.6:
             request = ps_pb2.RestoreRequest(
-                directory=r.choice(["", "/nonexistent/psflow-fuzz", "relative/none"]),
-                prefix=r.choice(["", "ps-0", "../x"]),
-            )
+                directory=r.choice(["", "/nonexistent/psflow-fuzz", "relative/none",
+                                    *self._hostile_dirs()]),
+                prefix=r.choice(["", "ps-0", "../x", "p" * 300, "saved"]),
+            )  # fmt: skip
+            if r.random() < 0.2:  # (naming one that exists would restore only it)
+                request.names[:] = [r.choice(["missing", "m" * 5000])]
             return "Restore", request.SerializeToString(), GOOD_MD, "restore"
         if pick < 0.7:
-            return "Save", ps_pb2.SaveRequest(directory="").SerializeToString(), GOOD_MD, "save"
+            request = ps_pb2.SaveRequest(
+                directory=r.choice(["", *self._hostile_dirs()]),
+                prefix=r.choice(["", "../x", "p" * 300, "a\0b", "saved"]),
+                step=r.choice([0, 1, -1, 2**62]),
+            )
+            return "Save", request.SerializeToString(), GOOD_MD, "save"
         if pick < 0.85:
             request = ps_pb2.GetStatsRequest(include_log=r.random() < 0.2)
             return "GetStats", request.SerializeToString(), GOOD_MD, "stats"
         return "ListVariables", r.randbytes(r.randint(0, 8)), GOOD_MD, "list"
+
+    def _hostile_dirs(self) -> list[str]:
+        """Checkpoint directories that cannot hold a checkpoint (and one that can)."""
+        a_file = os.path.join(self.tmp, "a-file")
+        return [
+            os.path.join(self.tmp, "a\0b"),
+            a_file,
+            os.path.join(a_file, "below"),
+            os.path.join(self.tmp, "n" * 5000),
+            os.path.join(self.tmp, "n" * 300, "x"),
+            os.path.join(self.tmp, "missing", "sub"),
+            os.path.join(self.tmp, "ckpt"),
+        ]
 
     def raw(self):
         """Random bytes to a random method, or a call to a method that does not exist."""
@@ -368,8 +433,33 @@ def _kind(method: str) -> str:
 
 # -- worker requests ---------------------------------------------------------------------------
 def _harmless_functions() -> list[bytes]:
+    import sys
+
+    from psflow import errors
+
     def fails():
         raise ValueError("fuzz")
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    def bad_str():
+        raise Unprintable()
+
+    def surrogate():
+        raise ValueError("lone \ud800")
+
+    def int_code():
+        e = errors.InvalidArgumentError("int code")
+        e.code = 3
+        raise e
+
+    def exits():
+        sys.exit(1)
+
+    def interrupts():
+        raise KeyboardInterrupt
 
     return [
         cloudpickle.dumps(lambda: 1),
@@ -377,6 +467,7 @@ def _harmless_functions() -> list[bytes]:
         cloudpickle.dumps(lambda x=0: x + 1),
         cloudpickle.dumps(len),
         cloudpickle.dumps(3),  # not callable
+        *(cloudpickle.dumps(f) for f in (bad_str, surrogate, int_code, exits, interrupts)),
     ]
 
 
@@ -401,7 +492,17 @@ class WorkerFuzzer:
     def run_closure(self):
         r = self.rng
         request = worker_pb2.RunClosureRequest(
-            session_id=r.choice(["s1", "s2", "", "ß" * 3, f"s{r.randrange(50)}"]),
+            session_id=r.choice(
+                [
+                    "s1",
+                    "s2",
+                    "",
+                    "ß" * 3,
+                    f"s{r.randrange(50)}",
+                    f"h{r.randrange(500)}",
+                    "L" * r.choice([1024, 2000, 100_000]),
+                ]
+            ),
             closure_id=r.randrange(1 << 20),
             function_key=r.choice(["", "k1", "once-x", f"k{r.randrange(20)}", "once-"]),
             resource_key=r.choice(["", "", "", "res", f"r{r.randrange(5)}"]),
@@ -452,8 +553,12 @@ class WorkerFuzzer:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("fuzz")
+    (log_dir / "a-file").write_text("not a directory")
     env = {"PSFLOW_AUTH_TOKEN": TOKEN}
     started = []
+    shm_dir = os.path.join("/dev/shm", SHM_DIRECTORY)
+    if os.path.isdir("/dev/shm"):
+        os.makedirs(shm_dir, exist_ok=True)
     try:
         ps = start_server(
             "ps_server",
@@ -482,10 +587,12 @@ def targets(tmp_path_factory):
                     trainable=trainable,
                     optimizer={"name": "sgd"} if trainable else None,
                 )
-        yield ps, worker
+        yield ps, worker, str(log_dir)
     finally:
         for server in started:
             server.reap()
+        if os.path.isdir(shm_dir):
+            os.rmdir(shm_dir)
 
 
 def _summary(sender: _Sender) -> str:
@@ -495,14 +602,17 @@ def _summary(sender: _Sender) -> str:
 
 @pytest.mark.slow
 def test_fuzz_ps_and_worker(targets):
-    ps, worker = targets
+    ps, worker, tmp = targets
     rng = random.Random(SEED)
     deadline = time.monotonic() + TIME_BUDGET
     ps_sender, worker_sender = _Sender(ps.address), _Sender(worker.address)
+    rss_start = rss_before = _rss_bytes(ps.proc.pid)
     try:
-        for n, (method, payload, metadata, label) in enumerate(PSFuzzer(rng)):
+        for n, (method, payload, metadata, label) in enumerate(PSFuzzer(rng, tmp)):
             if n == PS_REQUESTS or time.monotonic() > deadline:
                 break
+            if n == WARMUP_REQUESTS:  # thread pool, caches and arenas in place: the baseline
+                rss_before = _rss_bytes(ps.proc.pid)
             path = method_path(method) if method in METHODS or method == "Nope" else f"/x/{method}"
             code = ps_sender.send(path, _kind(method), payload, metadata, label)
             if label.startswith("control"):
@@ -519,6 +629,14 @@ def test_fuzz_ps_and_worker(targets):
         ps_sender.close()
         worker_sender.close()
     total = sum(ps_sender.codes.values()) + sum(worker_sender.codes.values())
+    time.sleep(1.0)  # let the allocator settle (freed arenas trimmed)
+    rss_growth = _rss_bytes(ps.proc.pid) - rss_before
+    print(
+        f"fuzz: {total} calls; PS RSS growth {rss_growth / 2**20:.1f} MB after the first "
+        f"{WARMUP_REQUESTS} calls, {(rss_growth + rss_before - rss_start) / 2**20:.1f} MB in all"
+    )
+    print("PS status counts:", dict(ps_sender.codes))
+    print("worker status counts:", dict(worker_sender.codes))
     log.info("PS: %s\nworker: %s", _summary(ps_sender), _summary(worker_sender))
     assert sum(ps_sender.codes.values()) == PS_REQUESTS, "time budget ran out: " + _summary(
         ps_sender
@@ -540,6 +658,8 @@ def test_fuzz_ps_and_worker(targets):
     assert accepted_writes > 20, _summary(ps_sender)  # some random pushes/writes were valid
     # both processes are up and serving, the control variable unchanged, both still work
     assert ps.proc.poll() is None and worker.proc.poll() is None
+    assert rss_growth < RSS_GROWTH_LIMIT, f"PS RSS grew by {rss_growth} bytes"
+    assert "Traceback" not in ps.log_tail(5000) and "Traceback" not in worker.log_tail(5000)
     security = SecurityConfig(token=TOKEN)
     with PSClient(ps.address, security=security, timeout=30) as client:
         assert client.health() == "SERVING"

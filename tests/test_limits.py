@@ -1,8 +1,10 @@
 """Server limits on live processes: RESOURCE_EXHAUSTED naming the limit and the value, no change.
 
 PS: ``--max-tensor-bytes`` (variables, gradients, row indices),
-``--max-variables``, ``--max-streams`` (calls in progress; the one above is
-refused at once).  Worker: ``--max-closure-bytes``.
+``--max-variables``, ``--max-streams`` and ``--max-streams-per-client`` (calls
+in progress; the one above is refused at once), ``--stream-idle-timeout`` (an
+idle streaming call is cancelled, its slot freed; a client giving up is not a
+server error).  Worker: ``--max-closure-bytes``.
 """
 
 from __future__ import annotations
@@ -202,3 +204,176 @@ def test_closures_above_max_closure_bytes_are_refused(limited_worker):
         assert (status.closures_run, status.closures_failed) == (1, 0)
     finally:
         client.close()
+
+
+# -- idle and abandoned streams (issue 21) -----------------------------------------------------
+def _active(server) -> float:
+    return _scrape(server).get(("psflow_ps_active_streams", (("task", "ps:0"),)), 0.0)
+
+
+def _rpcs(server, method: str, code: str) -> float:
+    key = ("psflow_ps_rpcs_total", (("code", code), ("method", method), ("task", "ps:0")))
+    return _scrape(server).get(key, 0.0)
+
+
+def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _idle_push(seq: int, release: threading.Event):
+    """A PushStream that sends its header, then nothing until released (bounded)."""
+    yield _raw_push("s", [4], b"", seq)
+    release.wait(60)
+
+
+def _server_with_s(start_ps, *args: str):
+    server = start_ps("--metrics-port", "auto", *args)
+    with PSClient(server.address, timeout=30) as client:
+        client.create_variable("s", np.zeros(4, np.float32), optimizer={"name": "sgd"})
+    return server
+
+
+def _timed_push(address: str, seq: int) -> float:
+    """Seconds a well-behaved push takes on a fresh, already connected channel (its own
+    connection, as another process would have: channels of one process share by default)."""
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        start = time.monotonic()
+        reply = channel.unary_unary(method_path("Push"))(
+            _raw_push("s", [4], np.ones(4, np.float32).tobytes(), seq), timeout=10
+        )
+        assert ps_pb2.PushResponse.FromString(reply).applied
+        return time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_64_idle_streams_of_one_client_leave_room_for_others(start_ps):
+    server = _server_with_s(start_ps)  # defaults: 64 streams, 32 per client
+    release = threading.Event()
+    with grpc.insecure_channel(server.address) as attacker:
+        stream = attacker.stream_unary(method_path("PushStream"))
+        idle = [stream.future(_idle_push(i + 1, release)) for i in range(64)]  # no deadline
+        try:
+            _wait_for(lambda: sum(f.done() for f in idle) == 32, "32 refused at once")
+            codes = {f.exception().code() for f in idle if f.done()}
+            assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert "--max-streams-per-client=32" in next(
+                f.exception().details() for f in idle if f.done()
+            )
+            assert _active(server) == 32
+            assert _timed_push(server.address, 100) < 1.0
+        finally:
+            release.set()
+            for f in idle:
+                f.cancel()
+    assert _rejected(server, "too_many_streams_per_client") == 32
+
+
+@pytest.mark.slow
+def test_64_idle_connections_yield_their_slots_to_a_well_behaved_push(start_ps):
+    server = _server_with_s(start_ps)  # defaults: 64 streams, a 30 s idle timeout
+    release = threading.Event()
+    options = [("grpc.use_local_subchannel_pool", 1)]  # 64 connections, as 64 processes
+    channels = [grpc.insecure_channel(server.address, options=options) for _ in range(64)]
+    try:
+        idle = [
+            ch.stream_unary(method_path("PushStream")).future(_idle_push(i + 1, release))
+            for i, ch in enumerate(channels)
+        ]
+        _wait_for(lambda: _active(server) == 64, "the 64 idle streams never became active")
+        time.sleep(1.2)  # idle for over a second: they yield under pressure
+        assert _timed_push(server.address, 100) < 1.0
+        assert _timed_push(server.address, 101) < 1.0  # (the slot the first one freed)
+        _wait_for(lambda: sum(f.done() for f in idle) == 1, "one idle stream yields")
+        assert {f.exception().code() for f in idle if f.done()} == {grpc.StatusCode.CANCELLED}
+    finally:
+        release.set()
+        for ch in channels:
+            ch.close()
+    assert _rejected(server, "stream_idle") == 1
+    assert _rejected(server, "too_many_streams") == 0
+
+
+@pytest.mark.slow
+def test_idle_streams_are_cancelled_and_their_slots_freed(start_ps):
+    server = _server_with_s(start_ps, "--max-streams", "6", "--stream-idle-timeout", "1")
+    release = threading.Event()
+    channels = [grpc.insecure_channel(server.address) for _ in range(6)]  # 6 clients
+    try:
+        idle = [
+            ch.stream_unary(method_path("PushStream")).future(_idle_push(i + 1, release))
+            for i, ch in enumerate(channels)
+        ]
+        _wait_for(lambda: all(f.done() for f in idle), "idle streams never cancelled")
+        assert {f.exception().code() for f in idle} == {grpc.StatusCode.CANCELLED}
+        # a slow stream that keeps moving is not idle: a chunk every 0.4 s for 2.4 s
+        grad = np.ones(4, np.float32).tobytes()
+
+        def slow():
+            yield _raw_push("s", [4], b"", 50)
+            for i in range(0, 16, 4):
+                time.sleep(0.6)
+                yield framing.encode_message(None, [grad[i : i + 4]])
+
+        with grpc.insecure_channel(server.address) as channel:
+            reply = channel.stream_unary(method_path("PushStream"))(slow(), timeout=30)
+        assert ps_pb2.PushResponse.FromString(reply).applied
+        assert _timed_push(server.address, 51) < 1.0
+    finally:
+        release.set()
+        for ch in channels:
+            ch.close()
+    assert _rejected(server, "stream_idle") == 6
+    # the handlers record their calls just after the clients saw them end
+    _wait_for(
+        lambda: _rpcs(server, "PushStream", "CANCELLED") == 6,
+        str(
+            {
+                k: v
+                for k, v in _scrape(server).items()
+                if k[0] in ("psflow_ps_rpcs_total", "psflow_ps_active_streams")
+            }
+        ),
+    )
+    assert _rpcs(server, "PushStream", "INTERNAL") == 0
+    assert "Traceback" not in server.log_tail(400)
+    with PSClient(server.address, timeout=30) as client:
+        np.testing.assert_array_equal(client.pull("s"), np.full(4, -0.02, np.float32))
+
+
+@pytest.mark.slow
+def test_a_client_giving_up_is_not_a_server_error(start_ps):
+    server = _server_with_s(start_ps)
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stream = channel.stream_unary(method_path("PushStream"))
+            cancelled = stream.future(_idle_push(1, release))
+            _wait_for(lambda: _active(server) == 1, "the stream never started")
+            cancelled.cancel()
+            expired = stream.future(_idle_push(2, release), timeout=0.5)
+            with pytest.raises(grpc.RpcError) as info:
+                expired.result(timeout=30)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        release.set()
+    _wait_for(
+        lambda: _rpcs(server, "PushStream", "DEADLINE_EXCEEDED") == 1,
+        str(
+            {
+                k: v
+                for k, v in _scrape(server).items()
+                if k[0] in ("psflow_ps_rpcs_total", "psflow_ps_active_streams")
+            }
+        ),
+    )
+    _wait_for(
+        lambda: _rpcs(server, "PushStream", "CANCELLED") == 1,
+        str({k: v for k, v in _scrape(server).items() if k[0] == "psflow_ps_rpcs_total"}),
+    )
+    assert _rpcs(server, "PushStream", "INTERNAL") == 0
+    assert "Traceback" not in server.log_tail(400)
+    assert _timed_push(server.address, 3) < 1.0

@@ -152,7 +152,7 @@ def test_a_push_naming_a_bad_segment_is_rejected_and_changes_nothing(start_ps):
         conn.configure_optimizer(["v"], {"name": "sgd", "learning_rate": 1.0})
         for name, code in [
             ("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
-            (f"{shm.new_prefix()}-nope", grpc.StatusCode.NOT_FOUND),
+            (f"{shm.new_prefix()}-nope-{'0' * 32}", grpc.StatusCode.NOT_FOUND),
         ]:
             header = ps_pb2.PushHeader(shm_payload=name)
             header.id.client_id, header.id.sequence = "bad", 1
@@ -190,3 +190,103 @@ def test_a_restarted_ps_is_read_afresh_not_from_its_old_mirror(start_ps, tmp_pat
             again.reap()
     finally:
         conn.close()
+
+
+# -- segments someone else put under /dev/shm (issue 21) ----------------------------------------
+def _payload_file(path: str, token: bytes, payload: bytes, mode: int = 0o600) -> None:
+    """A file laid out as a genuine push segment: magic, token, then the payload."""
+    header = np.zeros(shm.HEADER_BYTES, np.uint8)
+    header[:8] = np.frombuffer(np.int64(shm.PAYLOAD_MAGIC).tobytes(), np.uint8)
+    header[8:24] = np.frombuffer(token, np.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, header.tobytes() + payload)
+    finally:
+        os.close(fd)
+    os.chmod(path, mode)
+
+
+def _planted(kind: str, name: str, token: bytes, tmp_path) -> None:
+    """Puts ``kind`` of thing at /dev/shm/<name>."""
+    path = os.path.join(shm.SHM_DIR, name)
+    secret = np.full(2, 1000.0, np.float32).tobytes()  # what a leak would apply
+    if kind == "symlink":  # to a file the server can read, even one laid out as a segment
+        target = tmp_path / "secret"
+        _payload_file(str(target), token, secret)
+        os.symlink(target, path)
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "directory":
+        os.mkdir(path, 0o700)
+    elif kind == "no token":
+        _payload_file(path, b"\0" * 16, secret)
+    elif kind == "open to others":
+        _payload_file(path, token, secret, mode=0o644)
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.fixture(scope="module")
+def planted_ps(start_ps_module):
+    return start_ps_module()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, code",
+    [
+        ("symlink", grpc.StatusCode.INVALID_ARGUMENT),
+        ("fifo", grpc.StatusCode.INVALID_ARGUMENT),
+        ("directory", grpc.StatusCode.INVALID_ARGUMENT),
+        ("no token", grpc.StatusCode.INVALID_ARGUMENT),
+        ("open to others", grpc.StatusCode.PERMISSION_DENIED),
+    ],
+)
+def test_a_push_segment_the_client_did_not_create_is_refused(planted_ps, tmp_path, kind, code):
+    server = planted_ps
+    var = f"v-{kind.replace(' ', '-')}"
+    conn = GrpcPSConnection(server.address)
+    token = os.urandom(16)
+    name = f"{shm.new_prefix()}-evil-{token.hex()}"
+    _planted(kind, name, token, tmp_path)
+    try:
+        conn.create([VarSpec(var, np.dtype(np.float32), (2,), True)], [np.zeros(2, np.float32)])
+        conn.configure_optimizer([var], {"name": "sgd", "learning_rate": 1.0})
+        header = ps_pb2.PushHeader(shm_payload=name)
+        header.id.client_id, header.id.sequence = "planted", 1
+        header.items.add(name=var, values=codec.spec_to_proto(np.float32, (2,)))
+        message = framing.encode_message(header.SerializeToString(), [])
+        with grpc.insecure_channel(server.address) as channel:
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary(method_path("Push"))(message, timeout=20)
+            assert info.value.code() == code, info.value.details()
+            assert time.monotonic() - start < 10  # a FIFO does not block the open
+        # nothing applied, and our own shared-memory pushes still go through
+        conn.push([Grad(var, np.ones(2, np.float32))], push_id=(var, 1))
+        assert conn._payload is not None
+        ((v, _),) = conn.pull([var])
+        assert v.tolist() == [-1.0, -1.0]
+    finally:
+        conn.close()
+        path = os.path.join(shm.SHM_DIR, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+
+
+def test_a_mirror_reader_does_not_follow_links(tmp_path):
+    value = np.arange(3, dtype=np.float64)
+    mirror = shm.Mirror(f"{shm.new_prefix()}-v1", value)
+    link = f"{shm.new_prefix()}-v1"
+    os.symlink(os.path.join(shm.SHM_DIR, mirror.name), os.path.join(shm.SHM_DIR, link))
+    try:
+        with pytest.raises(errors.InvalidArgumentError, match="cannot be used"):
+            shm.MirrorReader(link, np.float64, (3,))
+        reader = shm.MirrorReader(mirror.name, np.float64, (3,))
+        assert reader.read()[0].tolist() == [0.0, 1.0, 2.0]
+        reader.close()
+    finally:
+        os.unlink(os.path.join(shm.SHM_DIR, link))
+        mirror.close()

@@ -114,7 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_malloc_tuning:  # (gradients and pulled values are megabyte buffers every step)
         os.environ[memory.ENV_MALLOC_TUNING] = "0"
     memory.ensure_tuned()
-    executor = ClosureExecutor(task, strategy_factory)
+    limits = WorkerLimits(
+        max_closure_bytes=args.max_closure_bytes,
+        max_sessions=args.max_sessions,
+        session_ttl=args.session_ttl,
+    )
+    executor = ClosureExecutor(
+        task, strategy_factory, max_sessions=limits.max_sessions, session_ttl=limits.session_ttl
+    )
     try:
         return serve(
             executor,
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             grace=args.grace,
             security=security,
             insecure=args.insecure,
-            limits=WorkerLimits(max_closure_bytes=args.max_closure_bytes),
+            limits=limits,
             metrics_port=args.metrics_port,
             metrics_bind=args.metrics_bind,
         )

@@ -4,23 +4,37 @@ Each coordinator session keeps, on this worker, the functions it has sent
 (by key) and the resources its closures created (datasets, iterators).
 Closures run one at a time, as TensorFlow's workers run them, inside this
 worker's parameter-server session so variable handles resolve here.
+
+A worker may outlive many coordinators, and any caller can name a session, so
+sessions are bounded: one exists only once it holds a function or a resource,
+at most ``max_sessions`` are kept (the least recently used is dropped first:
+its coordinator then gets ``function_missing`` / ``missing_resource`` and sends
+them again), one unused for ``session_ttl`` seconds is dropped, and a session
+id or key longer than :data:`MAX_KEY_CHARS` is refused.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
+from psflow import errors
 from psflow.distribute.coordinator import closure as closure_lib
 from psflow.distribute.ps import session as session_lib
+from psflow.security.limits import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL
 
 log = logging.getLogger("psflow.worker")
+
+MAX_KEY_CHARS = 1024  # session ids, function and resource keys
+MAX_TEXT_CHARS = 64 << 10  # a closure error's message and traceback, each
 
 
 @dataclasses.dataclass
@@ -38,6 +52,57 @@ class Outcome:
 class _Session:
     functions: dict[str, Any] = dataclasses.field(default_factory=dict)
     resources: dict[str, Any] = dataclasses.field(default_factory=dict)
+    used: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.functions or self.resources)
+
+
+def _text(value: Any, limit: int = MAX_TEXT_CHARS) -> str:
+    """``value`` as text a protobuf string holds: bounded, lone surrogates escaped."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} chars)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as e:  # a __str__ that raises must not take the reply down
+        return f"<str() of {type(exc).__name__} failed: {type(e).__name__}>"
+
+
+def _code(exc: BaseException) -> int:
+    """The canonical code of a psflow error; UNKNOWN for anything else or a bogus ``code``."""
+    code = getattr(exc, "code", None) if isinstance(exc, errors.OpError) else None
+    try:
+        return int(errors.Code(code))
+    except (TypeError, ValueError):
+        return int(errors.Code.UNKNOWN)
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """A closure's exception as ``ClosureError`` fields, whatever the exception does.
+
+    An exception whose ``__str__`` raises, whose message holds lone surrogates
+    or whose ``code`` is not a :class:`~psflow.errors.Code` still gives a
+    reply (the worker's own failure would otherwise be the caller's UNKNOWN).
+    """
+    try:
+        fields = closure_lib.describe_error(exc)
+    except Exception:
+        try:
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        except Exception:
+            tb = ""
+        fields = {"type": type(exc).__name__, "message": _safe_str(exc), "traceback": tb}
+        fields["pickled"] = b""
+    fields["code"] = _code(exc)
+    for key in ("type", "message", "traceback"):
+        fields[key] = _text(fields.get(key, ""))
+    return fields
 
 
 class ClosureExecutor:
@@ -50,11 +115,20 @@ class ClosureExecutor:
             start before the parameter servers.
     """
 
-    def __init__(self, task: str, strategy_factory: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        task: str,
+        strategy_factory: Callable[[], Any],
+        *,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        session_ttl: float = DEFAULT_SESSION_TTL,
+    ) -> None:
         self.task = task
         self._factory = strategy_factory
         self._strategy: Any = None
-        self._sessions: dict[str, _Session] = {}
+        self.max_sessions = max_sessions
+        self.session_ttl = session_ttl
+        self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._run_lock = threading.Lock()
         self.closures_run = 0
@@ -69,7 +143,46 @@ class ClosureExecutor:
     def session_ids(self) -> list[str]:
         """Sessions with state here."""
         with self._lock:
+            self._expire()
             return sorted(self._sessions)
+
+    def _expire(self) -> None:
+        """Drops sessions unused for ``session_ttl`` (lock held; oldest first)."""
+        cutoff = time.monotonic() - self.session_ttl
+        while self._sessions:
+            sid, state = next(iter(self._sessions.items()))
+            if state.used > cutoff:
+                break
+            del self._sessions[sid]
+            log.info("session %.64r unused for %.0fs: dropped", sid, self.session_ttl)
+
+    def _session(self, session_id: str) -> _Session:
+        """The session's state; a new one is kept only once it holds something."""
+        with self._lock:
+            self._expire()
+            state = self._sessions.get(session_id)
+            if state is None:
+                return _Session()
+            state.used = time.monotonic()
+            self._sessions.move_to_end(session_id)
+            return state
+
+    def _keep(self, session_id: str, state: _Session) -> None:
+        """Keeps a session that now holds something, dropping the least recently used."""
+        if state.empty:
+            return
+        with self._lock:
+            existing = self._sessions.get(session_id)
+            if existing is not None and existing is not state:  # a concurrent first use
+                existing.functions.update(state.functions)
+                existing.resources.update(state.resources)
+                state = existing
+            state.used = time.monotonic()
+            self._sessions[session_id] = state
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                sid, _ = self._sessions.popitem(last=False)
+                log.info("more than %d sessions: dropped %.64r", self.max_sessions, sid)
 
     def end_session(self, session_id: str) -> bool:
         """Drops a session's functions and resources; returns whether it existed."""
@@ -86,9 +199,39 @@ class ClosureExecutor:
         step: int = 0,
         closure_id: int = 0,
     ) -> Outcome:
-        """Runs one closure and describes how it ended (never raises for the closure's errors)."""
-        with self._lock:
-            state = self._sessions.setdefault(session_id, _Session())
+        """Runs one closure and describes how it ended (never raises for the closure's errors).
+
+        Raises:
+            InvalidArgumentError: a session id or key longer than :data:`MAX_KEY_CHARS`.
+        """
+        for what, key in (
+            ("session_id", session_id),
+            ("function_key", function_key),
+            ("resource_key", resource_key),
+        ):
+            if len(key) > MAX_KEY_CHARS:
+                raise errors.InvalidArgumentError(
+                    f"{what} of {len(key)} characters (starting {key[:32]!r}) is above the "
+                    f"limit of {MAX_KEY_CHARS}"
+                )
+        state = self._session(session_id)
+        try:
+            return self._run(state, session_id, function_key, function, arguments,
+                             resource_key, step, closure_id)  # fmt: skip
+        finally:
+            self._keep(session_id, state)
+
+    def _run(
+        self,
+        state: _Session,
+        session_id: str,
+        function_key: str,
+        function: bytes,
+        arguments: bytes,
+        resource_key: str,
+        step: int,
+        closure_id: int,
+    ) -> Outcome:
         with self._run_lock:
             start = time.monotonic()
             ps = self._ps_session()
@@ -99,18 +242,18 @@ class ClosureExecutor:
                         return Outcome(function_missing=True)
                     try:
                         fn = cloudpickle.loads(function)
-                    except Exception as e:
+                    except BaseException as e:  # unpickling runs the sender's code
                         self.closures_failed += 1
-                        return Outcome(error=closure_lib.describe_error(e))
+                        return Outcome(error=describe(e))
                     if not function_key.startswith("once-"):
                         state.functions[function_key] = fn
                 try:
                     args, kwargs = cloudpickle.loads(arguments) if arguments else ((), {})
                 except closure_lib.MissingResourceError as e:
                     return Outcome(missing_resource=e.key)
-                except Exception as e:
+                except BaseException as e:
                     self.closures_failed += 1
-                    return Outcome(error=closure_lib.describe_error(e))
+                    return Outcome(error=describe(e))
                 try:
                     key = f"{session_id}/c{closure_id}" if closure_id else None
                     with ps.step(step or None, key):
@@ -122,11 +265,12 @@ class ClosureExecutor:
                         payload = cloudpickle.dumps(value)
                 except closure_lib.MissingResourceError as e:
                     return Outcome(missing_resource=e.key)
-                except Exception as e:
+                except BaseException as e:  # sys.exit() and KeyboardInterrupt included:
+                    # raised by the closure, they end the closure, never this worker
                     self.closures_failed += 1
-                    log.info("closure %s raised %s: %s", function_key, type(e).__name__, e)
-                    return Outcome(
-                        error=closure_lib.describe_error(e), run_seconds=time.monotonic() - start
-                    )
+                    error = describe(e)
+                    log.info("closure %.64r raised %s: %.200s", function_key, error["type"],
+                             error["message"])  # fmt: skip
+                    return Outcome(error=error, run_seconds=time.monotonic() - start)
             self.closures_run += 1
             return Outcome(result=payload, run_seconds=time.monotonic() - start)

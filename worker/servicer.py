@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from psflow.security.limits import WorkerLimits, limit_exceeded
 from worker.executor import ClosureExecutor
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+MAX_DETAILS_CHARS = 4096  # gRPC refuses status details beyond its metadata limit
+
+log = logging.getLogger(__name__)
 
 
 class _Malformed:
@@ -39,6 +43,13 @@ def _lenient(message_cls: type) -> Callable[[bytes], Any]:
             return _Malformed(f"malformed {message_cls.__name__}: {e}")
 
     return parse
+
+
+def _details(message: str) -> str:
+    """A status message that fits gRPC's metadata and encodes as UTF-8."""
+    if len(message) > MAX_DETAILS_CHARS:
+        message = f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} chars)"
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -92,7 +103,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 code = e.code.name
                 if metrics is not None:
                     metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
-                context.abort(errors.to_grpc_code(e), str(e))
+                context.abort(errors.to_grpc_code(e), _details(str(e)))
+            except Exception as e:
+                if not context.is_active():  # the caller gave up: not a worker error
+                    code = "CANCELLED"
+                    log.debug("%s ended by its client: %s", name, e)
+                    context.abort(grpc.StatusCode.CANCELLED, "the call ended on the client side")
+                code = "INTERNAL"
+                log.exception("%s failed", name)
+                context.abort(
+                    grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}")
+                )
             finally:
                 if metrics is not None:
                     metrics.record_rpc(name, code)

@@ -62,6 +62,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 """Seconds: 100 µs (a loopback round trip) to 30 s (a long closure)."""
 
 OVERFLOW = "other"
+# Label values come from callers (client ids, variable names): a longer one is cut,
+# so no caller can make one series arbitrarily large.
+MAX_LABEL_CHARS = 128
 
 
 def _escape_label(value: str) -> str:
@@ -87,6 +90,12 @@ def _labels_text(labels: Mapping[str, str]) -> str:
         return ""
     inner = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
     return "{" + inner + "}"
+
+
+def _bounded(value: str) -> str:
+    if len(value) <= MAX_LABEL_CHARS:
+        return value
+    return f"{value[: MAX_LABEL_CHARS - 16]}...({len(value)} chars)"
 
 
 def _check_name(name: str) -> None:
@@ -146,7 +155,7 @@ class _Metric:
             raise InvalidArgumentError(
                 f"{self.name} needs {len(self.labelnames)} label values, got {len(values)}"
             )
-        key = tuple(str(v) for v in values)
+        key = tuple(_bounded(str(v)) for v in values)
         child = self._children.get(key)
         if child is not None:
             return child
@@ -160,6 +169,12 @@ class _Metric:
                     child = self._new_child()
                     self._children[key] = child
             return child
+
+    def remove(self, *values: str) -> bool:
+        """Drops the series of these label values; returns whether it existed."""
+        key = tuple(_bounded(str(v)) for v in values)
+        with self._lock:
+            return self._children.pop(key, None) is not None
 
     def _series(self) -> list[tuple[dict[str, str], object]]:
         with self._lock:

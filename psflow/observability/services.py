@@ -22,13 +22,17 @@ Worker (``psflow_worker_*``): ``closures_total{outcome}``, ``closure_seconds``,
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .metrics import Family, Registry
 
-__all__ = ["STALENESS_BUCKETS", "PSMetrics", "WorkerMetrics"]
+__all__ = ["MAX_CLIENT_SERIES", "STALENESS_BUCKETS", "PSMetrics", "WorkerMetrics"]
+
+MAX_CLIENT_SERIES = 256  # clients with a last-push series (least recently seen dropped)
 
 STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
 
@@ -96,6 +100,8 @@ class PSMetrics:
         )
         self._store_stats = store_stats
         self._active_streams = active_streams
+        self._clients: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._clients_lock = threading.Lock()
         r.add_collector(self._collect)
 
     def watch_streams(self, active_streams: Callable[[], int]) -> None:
@@ -113,8 +119,20 @@ class PSMetrics:
         self.rejected.labels(self.task, reason).inc()
 
     def record_push_seen(self, client_id: str, step: int | None) -> None:
-        """A push arrived from ``client_id`` (accepted or not)."""
-        self.last_push.labels(self.task, client_id).set(time.time())
+        """An accepted push from ``client_id``.
+
+        Only the :data:`MAX_CLIENT_SERIES` most recent clients keep a series (the
+        least recently seen one is dropped), so client ids cannot grow the metrics.
+        """
+        with self._clients_lock:
+            self._clients[client_id] = None
+            self._clients.move_to_end(client_id)
+            evicted = []
+            while len(self._clients) > MAX_CLIENT_SERIES:
+                evicted.append(self._clients.popitem(last=False)[0])
+            self.last_push.labels(self.task, client_id).set(time.time())
+            for old in evicted:
+                self.last_push.remove(self.task, old)
         if step is not None:
             self.step.labels(self.task).set_max(step)
 

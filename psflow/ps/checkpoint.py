@@ -14,27 +14,99 @@ tasks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import glob
 import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from psflow.errors import DataLossError, NotFoundError
+from psflow.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    OpError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from psflow.io import manifest as mf
 from psflow.io.safetensors import load_file, save_file
 from psflow.update_rules import rule_from_config
 
+from .names import quote
 from .store import VariableMeta, VariableStore
 from .variables import Variable
 
 __all__ = ["RestoreResult", "SaveResult", "restore_shard", "save_shard"]
 
 log = logging.getLogger(__name__)
+
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+# a file name is at most 255 bytes; the prefix gets ".<12 hex>.safetensors" and the
+# manifest's temporary ".<prefix>.manifest.json.tmp-<pid>-<8 hex>" around it
+MAX_PREFIX_BYTES = 200
+
+
+def check_location(directory: str, prefix: str, *, need_prefix: bool = True) -> None:
+    """Refuses a checkpoint directory or shard prefix no file could be written under.
+
+    Raises:
+        InvalidArgumentError: an empty directory, a NUL byte, a directory
+            longer than :data:`MAX_PATH_CHARS`, or a prefix that is not a plain
+            file name of at most :data:`MAX_PREFIX_BYTES` bytes (quoted).
+    """
+    if not isinstance(directory, str) or not directory:
+        raise InvalidArgumentError(
+            f"checkpoint directory must be a non-empty string: {quote(directory)}"
+        )
+    if "\0" in directory or len(directory) > MAX_PATH_CHARS:
+        raise InvalidArgumentError(
+            f"checkpoint directory {quote(directory)} holds a NUL byte or is longer than "
+            f"{MAX_PATH_CHARS} characters"
+        )
+    if not need_prefix and prefix == "":
+        return
+    if (
+        not isinstance(prefix, str)
+        or prefix in ("", ".", "..")
+        or "\0" in prefix
+        or "/" in prefix
+        or os.sep in prefix
+        or len(prefix.encode("utf-8", "surrogatepass")) > MAX_PREFIX_BYTES
+    ):
+        raise InvalidArgumentError(
+            f"checkpoint prefix {quote(prefix)} is not a plain file name of at most "
+            f"{MAX_PREFIX_BYTES} bytes"
+        )
+
+
+@contextlib.contextmanager
+def _os_errors(action: str, path: str) -> Iterator[None]:
+    """Turns the file system's refusals into typed errors naming ``path``."""
+    try:
+        yield
+    except OpError:
+        raise
+    except FileNotFoundError as e:
+        raise NotFoundError(f"{action} {quote(path)}: {e.strerror}") from e
+    except PermissionError as e:
+        raise PermissionDeniedError(f"{action} {quote(path)}: {e.strerror}") from e
+    except OSError as e:
+        message = f"{action} {quote(path)}: {e.strerror or e}"
+        if e.errno == errno.ENAMETOOLONG:
+            raise InvalidArgumentError(message) from e
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ResourceExhaustedError(message) from e
+        # a directory that is a file, a path below a file, a read-only file system...
+        raise FailedPreconditionError(message) from e
+    except ValueError as e:  # e.g. a NUL byte the checks above did not see
+        raise InvalidArgumentError(f"{action} {quote(path)}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +134,15 @@ def save_shard(
     ``step`` (default: the step of the last save or restore) is recorded in the
     manifest and becomes the store's step.
     """
+    check_location(directory, prefix)
     step = store.step if step is None else int(step)
-    store.step = step
+    with _os_errors("cannot save a checkpoint to", directory):
+        result = _save(store, directory, prefix, step)
+    store.step = step  # only once the checkpoint exists
+    return result
+
+
+def _save(store: VariableStore, directory: str, prefix: str, step: int) -> SaveResult:
     os.makedirs(directory, exist_ok=True)
     tensor_file = f"{prefix}.{uuid.uuid4().hex[:12]}.safetensors"
     start = time.monotonic()
@@ -130,14 +209,19 @@ def _build(entry: dict, arrays: dict[str, np.ndarray], where: str) -> Variable:
     try:
         dtype = np.dtype(entry["dtype"])
     except TypeError as e:
-        raise DataLossError(f"{where}: variable {name!r} has dtype {entry['dtype']!r}") from e
+        raise DataLossError(
+            f"{where}: variable {quote(name)} has dtype {quote(entry['dtype'])}"
+        ) from e
     meta = VariableMeta(name, dtype, tuple(entry["shape"]), entry["trainable"])
     value = arrays[entry["value_key"]]
     if value.dtype != dtype or value.shape != meta.shape:
         raise DataLossError(f"{where}: value of {name!r} does not match its manifest entry")
     var = Variable(meta, value)
     if entry.get("optimizer"):
-        var.set_rule(rule_from_config(entry["optimizer"]))
+        try:
+            var.set_rule(rule_from_config(entry["optimizer"]))
+        except InvalidArgumentError as e:
+            raise DataLossError(f"{where}: optimizer of {quote(name)}: {e}") from e
         if sorted(entry["slots"]) != sorted(var.rule.slot_names):
             raise DataLossError(
                 f"{where}: {name!r} has slots {sorted(entry['slots'])}, its optimizer needs "
@@ -159,14 +243,50 @@ def _load_entries(directory: str, manifest: dict, entries: list[dict], where: st
     for e in entries:
         keys.append(e["value_key"])
         keys.extend(e["slots"].values())
-    path = os.path.join(directory, manifest["tensor_file"])
+    tensor_file = manifest["tensor_file"]
+    if tensor_file in ("", ".", "..") or os.path.basename(tensor_file) != tensor_file:
+        raise DataLossError(f"{where}: tensor_file {quote(tensor_file)} is not a file name")
+    path = os.path.join(directory, tensor_file)
     try:
         arrays = load_file(path, keys, checksums=manifest["checksums"])
     except FileNotFoundError as e:
         raise DataLossError(f"{where}: tensor file {path} is missing") from e
     except KeyError as e:
         raise DataLossError(f"{where}: {e}") from e
+    except (OSError, ValueError) as e:  # a directory, unreadable, a NUL byte...
+        raise DataLossError(f"{where}: tensor file {quote(path)}: {e}") from e
     return [_build(e, arrays, where) for e in entries]
+
+
+def _read(path: str) -> dict:
+    """A manifest, with every way its content can be malformed as DataLossError."""
+    try:
+        manifest = mf.read_manifest(path)
+    except RecursionError as e:
+        raise DataLossError(f"{path}: manifest JSON is nested too deeply") from e
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise DataLossError(f"{path}: manifest is not valid JSON: {e}") from e
+    return manifest
+
+
+def _step(manifest: dict, where: str) -> int:
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise DataLossError(f"{where}: manifest step {quote(step)} is not an integer")
+    return step
+
+
+@contextlib.contextmanager
+def _malformed(where: str) -> Iterator[None]:
+    """Turns lookups and conversions of manifest entries gone wrong into DataLossError."""
+    try:
+        yield
+    except OpError:
+        raise
+    except (KeyError, TypeError, ValueError, RecursionError, OverflowError) as e:
+        raise DataLossError(
+            f"{where}: malformed manifest entry: {type(e).__name__}: {quote(str(e))}"
+        ) from e
 
 
 def restore_shard(
@@ -186,26 +306,9 @@ def restore_shard(
         DataLossError: a checksum mismatch or a malformed file (the shard is unchanged).
     """
     start = time.monotonic()
-    if not names:
-        path = mf.manifest_path(directory, prefix)
-        try:
-            manifest = mf.read_manifest(path)
-        except FileNotFoundError as e:
-            raise NotFoundError(f"no checkpoint manifest at {path}") from e
-        variables = _load_entries(directory, manifest, manifest["variables"], path)
-        step = int(manifest["step"])
-    else:
-        wanted = set(names)
-        variables, step = [], 0
-        for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.manifest.json"))):
-            manifest = mf.read_manifest(path)
-            entries = [e for e in manifest["variables"] if e["name"] in wanted]
-            if entries:
-                variables += _load_entries(directory, manifest, entries, path)
-                wanted -= {e["name"] for e in entries}
-                step = max(step, int(manifest["step"]))
-        if wanted:
-            raise NotFoundError(f"variables {sorted(wanted)} are in no manifest under {directory}")
+    check_location(directory, prefix, need_prefix=not names)
+    with _os_errors("cannot restore a checkpoint from", directory):
+        variables, step = _gather(directory, prefix, names)
     store.replace_all(variables)
     store.step = step
     log.info(
@@ -215,3 +318,33 @@ def restore_shard(
         time.monotonic() - start,
     )
     return RestoreResult(step, tuple(v.meta.name for v in variables))
+
+
+def _gather(directory: str, prefix: str, names: Sequence[str] | None) -> tuple[list[Variable], int]:
+    """The variables (and the step) a restore installs, all read and checked."""
+    if not names:
+        path = mf.manifest_path(directory, prefix)
+        try:
+            manifest = _read(path)
+        except FileNotFoundError as e:
+            raise NotFoundError(f"no checkpoint manifest at {quote(path)}") from e
+        step = _step(manifest, path)
+        with _malformed(path):
+            return _load_entries(directory, manifest, manifest["variables"], path), step
+    wanted = set(names)
+    variables: list[Variable] = []
+    step = 0
+    for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.manifest.json"))):
+        manifest = _read(path)
+        with _malformed(path):
+            entries = [e for e in manifest["variables"] if e["name"] in wanted]
+            if entries:
+                variables += _load_entries(directory, manifest, entries, path)
+                wanted -= {e["name"] for e in entries}
+                step = max(step, _step(manifest, path))
+    if wanted:
+        shown = [quote(n) for n in sorted(wanted)[:10]]
+        raise NotFoundError(
+            f"variables {shown} ({len(wanted)} in all) are in no manifest under {quote(directory)}"
+        )
+    return variables, step

@@ -52,12 +52,14 @@ from psflow.errors import (
     OpError,
     ResourceExhaustedError,
 )
+from psflow.security.limits import limit_exceeded
 from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
 from psflow.update_rules import dedupe_rows, rule_from_config
 
 from .dedup import DedupWindow, State
+from .names import check_name, quote
 from .stats import PushLogEntry, Stats
-from .tensors import Segments, as_segments
+from .tensors import Segments, as_segments, check_extent
 from .variables import PendingStep, Variable, VariableMeta
 
 __all__ = [
@@ -73,6 +75,16 @@ log = logging.getLogger(__name__)
 
 WRITE_OPS = ("assign", "assign_add", "assign_sub")
 MAX_PENDING_STEPS = 16
+# The longest a call waits inside the store (a retry racing its original, a sync
+# step's completion): a caller without a deadline must not hold a thread forever.
+MAX_WAIT_SECONDS = 600.0
+
+
+def _bounded_wait(timeout: float | None) -> float:
+    """``timeout`` clamped to ``[0, MAX_WAIT_SECONDS]`` (None: the maximum)."""
+    if timeout is None or not timeout < MAX_WAIT_SECONDS:  # also catches NaN
+        return MAX_WAIT_SECONDS
+    return max(0.0, float(timeout))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +148,8 @@ class VariableStore:
             is rejected with ``ResourceExhaustedError``.
         dedup_window: request ids remembered per client.
         log_size: entries kept in the push log.
+        max_sync_contributors: the largest ``num_required`` a sync step may
+            name (None: no limit); it bounds the contributions one step keeps.
     """
 
     def __init__(
@@ -147,7 +161,9 @@ class VariableStore:
         dedup_window: int = 4096,
         log_size: int = 10_000,
         mirrors: Any = None,
+        max_sync_contributors: int | None = None,
     ) -> None:
+        self.max_sync_contributors = max_sync_contributors
         self.task = task
         # psflow.transport.shm.MirrorSet: dense values published for same-host readers
         self.mirrors = mirrors
@@ -172,7 +188,7 @@ class VariableStore:
     def _get(self, name: str) -> Variable:
         var = self._vars.get(name)
         if var is None:
-            raise NotFoundError(f"variable {name!r} not found on {self.task}")
+            raise NotFoundError(f"variable {quote(name)} not found on {self.task}")
         return var
 
     def _lookup(self, names: Sequence[str]) -> list[Variable]:
@@ -180,7 +196,7 @@ class VariableStore:
             seen = set()
             for n in names:
                 if n in seen:
-                    raise InvalidArgumentError(f"variable {n!r} named twice in one request")
+                    raise InvalidArgumentError(f"variable {quote(n)} named twice in one request")
                 seen.add(n)
             return [self._get(n) for n in names]
 
@@ -208,13 +224,13 @@ class VariableStore:
         return seg
 
     def _check_meta(self, meta: VariableMeta) -> None:
-        if not isinstance(meta.name, str) or not meta.name:
-            raise InvalidArgumentError(
-                f"variable name must be a non-empty string, not {meta.name!r}"
-            )
+        check_name(meta.name)
         dtype_to_wire(meta.dtype)
         if any(d < 0 for d in meta.shape):
             raise InvalidArgumentError(f"variable {meta.name!r} has negative shape {meta.shape}")
+        check_extent(
+            meta.shape, meta.dtype.itemsize, self.max_tensor_bytes, what=f"variable {meta.name!r}"
+        )
         if meta.nbytes > self.max_tensor_bytes:
             err = ResourceExhaustedError(
                 f"variable {meta.name!r} of shape {meta.shape} is {meta.nbytes} bytes, above "
@@ -442,8 +458,9 @@ class VariableStore:
         """Runs ``run`` once per request id; duplicates get ``on_duplicate(reply)``."""
         client_id, sequence = request_id
         with self._rejecting():
-            if not isinstance(client_id, str) or not client_id or int(sequence) < 0:
-                raise InvalidArgumentError(f"bad request id {request_id!r}")
+            check_name(client_id, "client id")
+            if int(sequence) < 0:
+                raise InvalidArgumentError(f"bad request id sequence {sequence!r}")
         for _ in range(100):
             state, entry = self._dedup.begin(client_id, int(sequence))
             if state is State.NEW:
@@ -460,8 +477,7 @@ class VariableStore:
                         f"request id {request_id} is older than the {self.task} "
                         "deduplication window; it may or may not have been applied"
                     )
-            deadline = None if wait is None else time.monotonic() + wait
-            entry.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            entry.done.wait(_bounded_wait(wait))
             if not entry.done.is_set():
                 raise DeadlineExceededError(f"request id {request_id} still in progress")
             if entry.reply is not None:
@@ -486,6 +502,15 @@ class VariableStore:
             if int(num_required) < 1:
                 raise InvalidArgumentError(
                     f"sync step {step} needs num_required >= 1, got {num_required}"
+                )
+            limit = self.max_sync_contributors
+            if limit is not None and int(num_required) > limit:
+                raise limit_exceeded(
+                    "too_many_contributors",
+                    f"sync step {step} with num_required={num_required}",
+                    int(num_required),
+                    limit,
+                    "--max-sync-contributors",
                 )
         variables = self._lookup([g.name for g in grads])
         checked = []
@@ -646,12 +671,12 @@ class VariableStore:
         var.changed.notify_all()
 
     def _wait_step(self, variables: Sequence[Variable], step: int, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + _bounded_wait(timeout)
         for var in variables:
             with var.lock:
                 while var.sync_step < step and step in var.pending:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
                         raise DeadlineExceededError(
                             f"sync step {step} of {var.meta.name!r} not applied in time: "
                             f"{len(var.pending[step].contributions)} of "

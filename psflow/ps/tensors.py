@@ -17,7 +17,7 @@ import numpy as np
 from psflow.errors import InvalidArgumentError
 from psflow.transport.codec import c_contiguous
 
-__all__ = ["Segments", "as_segments", "segments_from_pieces"]
+__all__ = ["Segments", "as_segments", "check_extent", "segments_from_pieces"]
 
 
 class Segments:
@@ -67,6 +67,27 @@ def as_segments(value: Any) -> Segments:
         return value
     arr = c_contiguous(value)
     return Segments(arr.dtype, arr.shape, [(0, arr.reshape(-1))])
+
+
+def check_extent(shape: Sequence[int], itemsize: int, limit: int, *, what: str) -> None:
+    """Refuses an empty shape whose non-zero dimensions alone would exceed ``limit`` bytes.
+
+    A zero dimension makes a tensor empty, but NumPy still refuses to build an
+    array whose other dimensions overflow its index type (``[0, 2**63 - 1]``),
+    so such a shape is bad input however few bytes it holds.
+
+    Raises:
+        InvalidArgumentError: the product of the non-zero dimensions times
+            ``itemsize`` is above ``limit`` (quoted with the shape).
+    """
+    if all(shape):
+        return  # not empty: its byte count is its extent, checked by the caller
+    extent = math.prod(max(int(d), 1) for d in shape) * int(itemsize)
+    if extent > limit:
+        raise InvalidArgumentError(
+            f"{what} has shape {tuple(shape)}: its non-zero dimensions span {extent} bytes, "
+            f"above the limit of {limit} even though the tensor is empty"
+        )
 
 
 def segments_from_pieces(

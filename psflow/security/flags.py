@@ -25,9 +25,24 @@ from .config import (
     check_bind,
     is_loopback,
 )
-from .limits import DEFAULT_MAX_CLOSURE_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_MAX_VARIABLES
+from .limits import (
+    DEFAULT_MAX_CLOSURE_BYTES,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_STREAMS,
+    DEFAULT_MAX_STREAMS_PER_CLIENT,
+    DEFAULT_MAX_SYNC_CONTRIBUTORS,
+    DEFAULT_MAX_VARIABLES,
+    DEFAULT_SESSION_TTL,
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+)
 
-__all__ = ["add_limit_flags", "add_security_flags", "positive_int", "security_from_flags"]
+__all__ = [
+    "add_limit_flags",
+    "add_security_flags",
+    "positive_int",
+    "positive_seconds",
+    "security_from_flags",
+]
 
 
 def positive_int(text: str) -> int:
@@ -38,6 +53,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0 seconds (and finite)")
     return value
 
 
@@ -108,10 +134,43 @@ def add_limit_flags(parser: argparse.ArgumentParser, role: str) -> None:
             default=DEFAULT_MAX_STREAMS,
             help=f"calls served at once (default {DEFAULT_MAX_STREAMS})",
         )
+        g.add_argument(
+            "--max-streams-per-client",
+            type=positive_int,
+            default=DEFAULT_MAX_STREAMS_PER_CLIENT,
+            help="of those, calls one client connection may have "
+            f"(default {DEFAULT_MAX_STREAMS_PER_CLIENT})",
+        )
+        g.add_argument(
+            "--stream-idle-timeout",
+            type=positive_seconds,
+            default=DEFAULT_STREAM_IDLE_TIMEOUT,
+            help="seconds a streaming call may go without a message before it is "
+            f"cancelled (default {DEFAULT_STREAM_IDLE_TIMEOUT:g})",
+        )
+        g.add_argument(
+            "--max-sync-contributors",
+            type=positive_int,
+            help="largest num_required of a synchronous step (default: the worker count "
+            f"of TF_CONFIG's cluster, else {DEFAULT_MAX_SYNC_CONTRIBUTORS})",
+        )
     else:
         g.add_argument(
             "--max-closure-bytes",
             type=positive_int,
             default=DEFAULT_MAX_CLOSURE_BYTES,
             help=f"function + arguments of one closure (default {DEFAULT_MAX_CLOSURE_BYTES})",
+        )
+        g.add_argument(
+            "--max-sessions",
+            type=positive_int,
+            default=DEFAULT_MAX_SESSIONS,
+            help="coordinator sessions kept, least recently used dropped first "
+            f"(default {DEFAULT_MAX_SESSIONS})",
+        )
+        g.add_argument(
+            "--session-ttl",
+            type=positive_seconds,
+            default=DEFAULT_SESSION_TTL,
+            help=f"seconds an unused session is kept (default {DEFAULT_SESSION_TTL:g})",
         )

@@ -28,8 +28,13 @@ from psflow.errors import InvalidArgumentError, ResourceExhaustedError
 
 __all__ = [
     "DEFAULT_MAX_CLOSURE_BYTES",
+    "DEFAULT_MAX_SESSIONS",
     "DEFAULT_MAX_STREAMS",
+    "DEFAULT_MAX_STREAMS_PER_CLIENT",
+    "DEFAULT_MAX_SYNC_CONTRIBUTORS",
     "DEFAULT_MAX_VARIABLES",
+    "DEFAULT_SESSION_TTL",
+    "DEFAULT_STREAM_IDLE_TIMEOUT",
     "PSLimits",
     "StreamGate",
     "WorkerLimits",
@@ -38,7 +43,12 @@ __all__ = [
 
 DEFAULT_MAX_VARIABLES = 1_000_000
 DEFAULT_MAX_STREAMS = 64
+DEFAULT_MAX_STREAMS_PER_CLIENT = 32  # half the default slots: one process, one connection
+DEFAULT_STREAM_IDLE_TIMEOUT = 30.0
+DEFAULT_MAX_SYNC_CONTRIBUTORS = 1024
 DEFAULT_MAX_CLOSURE_BYTES = 1 << 30
+DEFAULT_MAX_SESSIONS = 256
+DEFAULT_SESSION_TTL = 3600.0
 
 
 def limit_exceeded(
@@ -62,6 +72,11 @@ def _check_positive(name: str, value: int | None) -> None:
         raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class PSLimits:
     """Limits of a parameter server.
@@ -71,15 +86,26 @@ class PSLimits:
             machine's memory, the store's default).
         max_variables: variables one PS task holds.
         max_streams: RPCs of the ParameterServer service running at once.
+        max_streams_per_client: of those, RPCs one client connection may run.
+        stream_idle_timeout: seconds a streaming call may go without a message
+            before it is cancelled (its slot freed).
+        max_sync_contributors: the largest ``num_required`` of a sync step
+            (the cluster's worker count, where the PS knows it).
     """
 
     max_tensor_bytes: int | None = None
     max_variables: int = DEFAULT_MAX_VARIABLES
     max_streams: int = DEFAULT_MAX_STREAMS
+    max_streams_per_client: int = DEFAULT_MAX_STREAMS_PER_CLIENT
+    stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT
+    max_sync_contributors: int = DEFAULT_MAX_SYNC_CONTRIBUTORS
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            _check_positive(field.name, getattr(self, field.name))
+            if field.name == "stream_idle_timeout":
+                _check_seconds(field.name, self.stream_idle_timeout)
+            else:
+                _check_positive(field.name, getattr(self, field.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,37 +114,58 @@ class WorkerLimits:
 
     Attributes:
         max_closure_bytes: function plus arguments of one RunClosure request.
+        max_sessions: coordinator sessions kept (least recently used dropped first).
+        session_ttl: seconds an unused session is kept.
     """
 
     max_closure_bytes: int = DEFAULT_MAX_CLOSURE_BYTES
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    session_ttl: float = DEFAULT_SESSION_TTL
 
     def __post_init__(self) -> None:
         _check_positive("max_closure_bytes", self.max_closure_bytes)
+        _check_positive("max_sessions", self.max_sessions)
+        _check_seconds("session_ttl", self.session_ttl)
 
 
 class StreamGate:
-    """Counts calls in progress and refuses the one above ``limit``.
+    """Counts calls in progress and refuses the one above ``limit`` (in all) or
+    above ``per_client`` (from one client), so one client cannot take every slot.
 
     Args:
         limit: calls allowed at once.
         flag: the option that sets it (named in the error).
+        per_client: calls one client may have at once (None: ``limit``).
     """
 
-    def __init__(self, limit: int, flag: str = "--max-streams") -> None:
+    def __init__(
+        self, limit: int, flag: str = "--max-streams", per_client: int | None = None
+    ) -> None:
         _check_positive("limit", limit)
+        _check_positive("per_client", per_client)
         self.limit = limit
         self.flag = flag
+        self.per_client = per_client or limit
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self.active = 0
+        self._by_client: dict[str, int] = {}
 
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
+    def admit(self, client: str = "", wait: float = 0.0) -> Iterator[None]:
         """Holds one slot for the ``with`` block.
 
+        Args:
+            client: who calls (the per-client count).
+            wait: seconds to wait for a slot when all are taken (0: refuse at once).
+
         Raises:
-            ResourceExhaustedError: ``limit`` calls are already in progress.
+            ResourceExhaustedError: ``limit`` calls are already in progress, or
+                ``per_client`` of ``client``'s.
         """
         with self._lock:
+            if wait > 0:
+                self._released.wait_for(lambda: self.active < self.limit, timeout=wait)
             if self.active >= self.limit:
                 raise limit_exceeded(
                     "too_many_streams",
@@ -127,9 +174,25 @@ class StreamGate:
                     self.limit,
                     self.flag,
                 )
+            mine = self._by_client.get(client, 0)
+            if mine >= self.per_client:
+                raise limit_exceeded(
+                    "too_many_streams_per_client",
+                    f"{mine + 1} concurrent calls from one client",
+                    mine + 1,
+                    self.per_client,
+                    f"{self.flag}-per-client",
+                )
             self.active += 1
+            self._by_client[client] = mine + 1
         try:
             yield
         finally:
             with self._lock:
                 self.active -= 1
+                self._released.notify()
+                left = self._by_client[client] - 1
+                if left:
+                    self._by_client[client] = left
+                else:
+                    del self._by_client[client]

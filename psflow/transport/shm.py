@@ -14,7 +14,15 @@ machine (loopback addresses), bulk bytes can skip it:
 
 Segments are files under ``/dev/shm`` (mode 0600: only this user's processes
 can map them), named ``psflow-<pid>-<token>-...`` so that segments left by a
-killed process can be recognised and removed (:func:`remove_stale`). Set
+killed process can be recognised and removed (:func:`remove_stale`).
+
+``/dev/shm`` is writable by every user, so a segment someone else named is
+never trusted: an existing segment is opened without following symbolic
+links and without blocking (a FIFO would otherwise hang the open), and is
+used only if it is a regular file of this user with no access for others.
+A push segment must also prove that the client created it: its name ends in
+a random 128-bit token that its 64-byte header repeats after the magic, which
+a link to any other file (or another user's planted file) does not hold. Set
 ``PSFLOW_SHM=0`` to turn the fast path off; it is also off wherever
 ``/dev/shm`` is missing (then everything travels over gRPC).
 """
@@ -27,6 +35,8 @@ import mmap
 import os
 import platform
 import re
+import secrets
+import stat
 import threading
 import time
 import uuid
@@ -40,7 +50,10 @@ from psflow import errors
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64  # magic, sequence, version, data bytes, writer's pid, then reserved
 MAGIC = 0x7073666C6F770001  # "psflow" + format 1
+PAYLOAD_MAGIC = 0x7073666C6F770101  # "psflow" + push payload, format 1
 _NAME = re.compile(r"^psflow-(?P<pid>\d+)-[0-9a-f]{8}-[A-Za-z0-9_.-]{1,160}$")
+_PAYLOAD_TOKEN = re.compile(r"-(?P<token>[0-9a-f]{32})$")
+_OPEN_EXISTING = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _READ_RETRIES = 10_000
 
 
@@ -77,16 +90,59 @@ def check_name(name: str) -> str:
     return name
 
 
+def _open_existing(name: str, flags: int) -> int:
+    """Opens segment ``name`` only if it is a regular file of ours, closed to others.
+
+    Never follows a symbolic link and never blocks (``O_NONBLOCK``: a FIFO
+    opens at once and is then refused by type).
+
+    Raises:
+        FileNotFoundError: no such segment.
+        InvalidArgumentError: a link, FIFO, directory, socket... (quoted).
+        PermissionDeniedError: another user's file, or one others may access.
+    """
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, flags | _OPEN_EXISTING)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a symbolic link; EISDIR, ENXIO: not a file
+        raise errors.InvalidArgumentError(
+            f"shared-memory segment {name!r} cannot be used: {e.strerror}"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise errors.InvalidArgumentError(
+                f"shared-memory segment {name!r} is not a regular file"
+            )
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise errors.PermissionDeniedError(
+                f"shared-memory segment {name!r} belongs to uid {st.st_uid} with mode "
+                f"{stat.S_IMODE(st.st_mode):o}; only this user's mode-0600 segments are used"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Segment:
-    """A shared-memory file mapped into this process."""
+    """A shared-memory file mapped into this process.
+
+    Raises:
+        FileNotFoundError, InvalidArgumentError, PermissionDeniedError: opening
+            an existing segment that is missing or not to be trusted (see
+            :func:`_open_existing`).
+    """
 
     def __init__(self, name: str, size: int, *, create: bool, writable: bool = True) -> None:
         self.name = check_name(name)
-        path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR if writable else os.O_RDONLY
         if create:
-            flags |= os.O_CREAT | os.O_EXCL
-        fd = os.open(path, flags, 0o600)
+            fd = os.open(os.path.join(SHM_DIR, name), flags | os.O_CREAT | os.O_EXCL, 0o600)
+        else:
+            fd = _open_existing(name, flags)
         try:
             if create:
                 os.ftruncate(fd, size)
@@ -235,7 +291,11 @@ class MirrorReader:
 
 
 class PayloadBuffer:
-    """A client's segment for push payloads; grows (as a new segment) when a payload is larger."""
+    """A client's segment for push payloads; grows (as a new segment) when a payload is larger.
+
+    Layout: a 64-byte header (:data:`PAYLOAD_MAGIC`, then the 16-byte token
+    that ends the segment's name), then the payload.
+    """
 
     def __init__(self) -> None:
         self._prefix = new_prefix()
@@ -251,12 +311,20 @@ class PayloadBuffer:
                 self._segment.close(unlink=True)
             self._count += 1
             size = max(total, 1 << 20)
-            self._segment = Segment(f"{self._prefix}-p{self._count}", size + size // 4, create=True)
+            token = secrets.token_bytes(16)
+            self._segment = Segment(
+                f"{self._prefix}-p{self._count}-{token.hex()}",
+                HEADER_BYTES + size + size // 4,
+                create=True,
+            )
+            header = self._segment.array(np.uint8, (HEADER_BYTES,))
+            header[8:24] = np.frombuffer(token, np.uint8)
+            header[:8] = np.frombuffer(np.int64(PAYLOAD_MAGIC).tobytes(), np.uint8)
             # removed at interpreter exit too, if nobody closed the buffer
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _unlink_quietly, [self._segment.name])
         view = self._segment.array(np.uint8, (self._segment.size,))
-        offset = 0
+        offset = HEADER_BYTES
         for a in arrays:
             n = a.nbytes
             np.copyto(view[offset : offset + n], a.reshape(-1).view(np.uint8))
@@ -271,7 +339,11 @@ class PayloadBuffer:
 
 
 class SegmentCache:
-    """Segments a PS opened to read pushes from (read-only, reopened when they change)."""
+    """Push segments a PS opened to read from (read-only, by name, least recent evicted).
+
+    Opening happens outside the cache's lock, so a slow or hostile file never
+    stalls the pushes of other clients.
+    """
 
     def __init__(self, limit: int = 256) -> None:
         self._segments: dict[str, Segment] = {}
@@ -279,30 +351,53 @@ class SegmentCache:
         self._limit = limit
 
     def view(self, name: str, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of segment ``name``.
+        """The ``nbytes`` of payload in push segment ``name``.
 
         Raises:
-            InvalidArgumentError: a bad name, or a segment smaller than ``nbytes``.
+            InvalidArgumentError: a bad name, a segment that is not a regular
+                file, whose header does not hold its name's token, or smaller
+                than ``nbytes``.
+            PermissionDeniedError: a segment of another user, or open to others.
             NotFoundError: no such segment.
         """
         check_name(name)
+        token = _PAYLOAD_TOKEN.search(name)
+        if token is None:
+            raise errors.InvalidArgumentError(
+                f"{name!r} is not a push segment name (no token at its end)"
+            )
         with self._lock:
             seg = self._segments.get(name)
-            if seg is None:
-                try:
-                    seg = Segment(name, 0, create=False, writable=False)
-                except FileNotFoundError:
-                    raise errors.NotFoundError(
-                        f"shared-memory segment {name!r} does not exist"
-                    ) from None
+        if seg is None:
+            try:
+                seg = Segment(name, 0, create=False, writable=False)
+            except FileNotFoundError:
+                raise errors.NotFoundError(
+                    f"shared-memory segment {name!r} does not exist"
+                ) from None
+            _check_payload_header(seg, bytes.fromhex(token.group("token")))
+            with self._lock:
                 if len(self._segments) >= self._limit:
                     self._segments.pop(next(iter(self._segments))).close()
-                self._segments[name] = seg
-        if seg.size < nbytes:
+                seg = self._segments.setdefault(name, seg)
+        if seg.size < HEADER_BYTES + nbytes:
             raise errors.InvalidArgumentError(
-                f"segment {name!r} holds {seg.size} bytes, the push needs {nbytes}"
+                f"segment {name!r} holds {max(seg.size - HEADER_BYTES, 0)} payload bytes, "
+                f"the push needs {nbytes}"
             )
-        return seg.view()[:nbytes]
+        return seg.view()[HEADER_BYTES : HEADER_BYTES + nbytes]
+
+
+def _check_payload_header(seg: Segment, token: bytes) -> None:
+    """Refuses a segment whose header does not carry the token its name ends in."""
+    header = bytes(seg.view()[:HEADER_BYTES])
+    magic = int.from_bytes(header[:8], "little") if len(header) == HEADER_BYTES else 0
+    if magic != PAYLOAD_MAGIC or header[8:24] != token:
+        seg.close()
+        raise errors.InvalidArgumentError(
+            f"shared-memory segment {seg.name!r} was not written as a psflow push payload "
+            "(its header does not hold its name's token)"
+        )
 
 
 def _unlink_quietly(names: list[str]) -> None:
