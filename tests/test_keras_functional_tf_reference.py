@@ -11,14 +11,11 @@ columns, where TerminateOnNaN stops, and the TensorBoard tags written.
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import child_env
+from tests.tf_reference import run_reference_program
 
 pytestmark = [
     pytest.mark.slow,
@@ -111,16 +108,7 @@ print("RESULT " + json.dumps(out))
 
 
 def run_program(framework: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", PROGRAM, framework],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=child_env({"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_reference_program(PROGRAM, framework)
 
 
 def tags(directory: str) -> set[str]:

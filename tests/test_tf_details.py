@@ -12,8 +12,6 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,8 +20,8 @@ import pytest
 
 import psflow as pf
 from psflow import errors
-from tests.conftest import child_env
 from tests.test_mirrored_training import logical_cpus
+from tests.tf_reference import run_reference_program
 
 
 @pytest.fixture
@@ -408,16 +406,7 @@ print("RESULT " + json.dumps(out))
 
 
 def _run_program(framework: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", PROGRAM, framework],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=child_env({"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_reference_program(PROGRAM, framework)
 
 
 @pytest.mark.slow
