@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -191,6 +192,14 @@ class GrpcPSConnection(PSConnection):
 
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         return self.client.stats(include_log=include_log)
+
+    def probe(self, timeout: float) -> None:
+        # the health service answers first; ListVariables proves the PS service does too
+        deadline = time.monotonic() + timeout
+        status = self.client.health(timeout=timeout)
+        if status != "SERVING":
+            raise errors.UnavailableError(f"{self.task} reports {status}", task=self.task)
+        self.client.list_variables(timeout=max(deadline - time.monotonic(), 0.001))
 
     def close(self) -> None:
         self._forget_mirrors()

@@ -17,7 +17,9 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,11 +27,14 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, errors
+from psflow.distribute.ps import recovery
 from psflow.distribute.ps.connection import Grad, PSConnection, VarSpec
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 
 PREFETCH_LIMIT_BYTES = 16 << 20
+
+log = logging.getLogger("psflow.distribute")
 
 _local = threading.local()
 _default: list[PSSession | None] = [None]
@@ -423,26 +428,35 @@ class PSSession:
                 out.setdefault(h.ps_index, []).append(h)
         return out
 
-    def wait_ready(self, timeout: float) -> None:
-        """Waits until every PS task answers (after a restart).
+    def wait_ready(
+        self,
+        timeout: float,
+        *,
+        probe_timeout: float = recovery.DEFAULT_PROBE_TIMEOUT,
+        progress_every: float = recovery.DEFAULT_PROGRESS_INTERVAL,
+    ) -> None:
+        """Waits until every PS task answers (after a restart), all within ``timeout`` seconds.
+
+        Logs a line naming the task it waits for at once and then every
+        ``progress_every`` seconds.  Each probe's deadline is
+        ``min(probe_timeout, time left)``: a frozen or partitioned PS cannot
+        hold the wait past ``timeout``.
 
         Raises:
-            PSUnavailableError: a task still does not answer after ``timeout`` seconds.
+            PSUnavailableError: a task still does not answer after ``timeout``
+                seconds (the message and ``.task`` name it).
         """
-        import time
-
         deadline = time.monotonic() + timeout
         for c in self.connections:
-            while True:
-                try:
-                    c.list_variables()
-                    break
-                except errors.UnavailableError as e:
-                    if time.monotonic() >= deadline:
-                        raise errors.PSUnavailableError(
-                            f"{c.task} did not come back within {timeout}s: {e}", task=c.task
-                        ) from None
-                    time.sleep(0.2)
+            progress = recovery.Progress(
+                f"{self.task} waits for parameter server {c.task} to answer again",
+                timeout,
+                progress_every,
+                log,
+            )
+            recovery.wait_until(c.task, c.probe, deadline, progress, probe_timeout)
+            if progress.lines:
+                log.warning("%s: %s answers again", self.task, c.task)
 
     def stats(self, include_log: bool = False) -> list[dict[str, Any]]:
         """Every PS task's counters."""
