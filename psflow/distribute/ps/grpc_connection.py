@@ -53,21 +53,28 @@ class GrpcPSConnection(PSConnection):
 
     # -- the shared-memory path ------------------------------------------------------------
     def _mirror(self, name: str) -> shm.MirrorReader | None:
-        """This variable's mirror, mapped on first use (None: not mirrored)."""
+        """This variable's mirror, mapped on first use (None: not mirrored).
+
+        Only what the PS lists is remembered, mirror or not: a name it does not
+        list (yet: a restarted PS before its variables are restored) is looked
+        up again on the next pull, so the restored variable gets its mirror.
+        """
         if name in self._mirrors:
             return self._mirrors[name]
         with self._shm_lock:
             if name not in self._mirrors:
                 for d in self.client.list_variables():
-                    if d.name in self._mirrors or not d.shm_name:
+                    if d.name in self._mirrors:
+                        continue
+                    if not d.shm_name:
+                        self._mirrors[d.name] = None  # the PS does not mirror it
                         continue
                     try:
                         self._mirrors[d.name] = shm.MirrorReader(d.shm_name, d.dtype, d.shape)
                     except (OSError, errors.OpError) as e:  # another host after all, or gone
                         log.info("%s: no shared-memory path for %s (%s)", self.task, d.name, e)
                         self._mirrors[d.name] = None
-                self._mirrors.setdefault(name, None)
-        return self._mirrors[name]
+        return self._mirrors.get(name)
 
     def _forget_mirrors(self) -> None:
         with self._shm_lock:
