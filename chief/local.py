@@ -20,7 +20,13 @@ Failures and teardown:
 * a ps or worker that exits while the chief runs is reported and the chief
   keeps running, as TensorFlow's coordinator does: it re-queues a lost worker's
   closures, and a lost parameter server surfaces in the chief as an error
-  (exit 138 from ``python -m chief``: retryable);
+  (exit 138 from ``python -m chief``: retryable) - at once without
+  ``BackupAndRestore``, else after ``PSFLOW_PS_RECOVERY_TIMEOUT`` seconds;
+* with ``--restart on-failure`` (:mod:`chief.restart`) a role that failed is
+  started again in its slot - same task, port and token, as a StatefulSet
+  would - up to ``--max-restarts`` times each: a worker rejoins, a parameter
+  server comes back empty and ``fit`` with ``BackupAndRestore`` rolls back to
+  its last backup, a chief that exited retryable (128-255) runs again;
 * when the chief exits, every role is stopped (SIGTERM, ``--grace`` seconds,
   SIGKILL) and the launcher exits with the chief's status (``128 + N`` if
   signal N killed it);
@@ -57,6 +63,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from chief.restart import DEFAULT_MAX_RESTARTS, RestartBook, RestartMode, RestartPolicy
 from chief.script import Target, split_command
 from chief.supervisor import RoleProcess, Supervisor, shell_status
 from psflow.errors import (
@@ -93,6 +100,8 @@ class LocalClusterConfig:
         host: the loopback address every task binds and is reached at.
         ready_timeout: seconds each ps and worker has to print its ready line.
         grace: seconds a role has to exit after SIGTERM before SIGKILL.
+        restart: whether and how often a role that died is started again in
+            its slot (:mod:`chief.restart`; never by default).
 
     Raises:
         InvalidArgumentError: a value is out of range (the message names it).
@@ -106,6 +115,7 @@ class LocalClusterConfig:
     host: str = "127.0.0.1"
     ready_timeout: float = 60.0
     grace: float = 15.0
+    restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
         for name in ("num_ps", "num_workers"):
@@ -131,6 +141,8 @@ class LocalClusterConfig:
             raise InvalidArgumentError(f"ready_timeout {self.ready_timeout!r} must be > 0")
         if not self.grace >= 0:
             raise InvalidArgumentError(f"grace {self.grace!r} must be >= 0")
+        if not isinstance(self.restart, RestartPolicy):
+            raise InvalidArgumentError(f"restart {self.restart!r} must be a RestartPolicy")
         if self.target.path is not None and not os.path.isfile(self.target.path):
             raise InvalidArgumentError(f"script {self.target.path!r} does not exist")
         if self.target.path is None and not self.target.module:
@@ -377,6 +389,9 @@ class LocalCluster:
         self._ready: set[str] = set()
         self._startup_error: OpError | None = None
         self._supervisor: Supervisor | None = None
+        self._started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
+        self._restarts = RestartBook(config.restart)
+        self._due: dict[str, float] = {}  # role name -> when to start it again
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -411,7 +426,16 @@ class LocalCluster:
             )
             return
         self._ready.add(role.name)
-        log.info("%s ready at %s (pid %d)", role.name, spec.address, role.pid)
+        if self._restarts.used(role.name):
+            log.warning(
+                "%s is back at %s (pid %d, restart %d)",
+                role.name,
+                spec.address,
+                role.pid,
+                self._restarts.used(role.name),
+            )
+        else:
+            log.info("%s ready at %s (pid %d)", role.name, spec.address, role.pid)
 
     def _wait_ready(self, servers: list[RoleProcess]) -> None:
         supervisor = self._require_supervisor()
@@ -442,24 +466,74 @@ class LocalCluster:
             self._check_signals()
             supervisor.pump(0.1)
             for role in supervisor.poll():
-                if role is chief:
-                    continue
-                status = shell_status(role.returncode or 0)
-                consequence = (
-                    "the chief keeps running; its closures move to the other workers"
-                    if role.name.startswith(WORKER)
-                    else "the chief keeps running and will get errors for its variables"
-                )
+                if role.name != CHIEF:
+                    self._on_role_exit(role)
+            self._start_due()
+            chief = self._started[CHIEF][-1] if self._started[CHIEF] else chief  # restarted?
+            if chief.running or CHIEF in self._due:
+                continue
+            status = shell_status(chief.returncode or 0)
+            if self._schedule_restart(chief, status):
+                continue
+            log.info("chief exited with status %d; stopping the cluster", status)
+            return status
+
+    def _on_role_exit(self, role: RoleProcess) -> None:
+        """A ps or worker exited while the chief runs: say so; restart it if the policy says so."""
+        status = shell_status(role.returncode or 0)
+        if self._schedule_restart(role, status):
+            return
+        if role.name.startswith(WORKER):
+            consequence = "the chief keeps running; its closures move to the other workers"
+        else:
+            consequence = (
+                "the chief keeps running; fit with BackupAndRestore waits for it up to "
+                "PSFLOW_PS_RECOVERY_TIMEOUT (300 s) and then exits 138, other programs get "
+                "errors for its variables (restart it in its slot: --restart on-failure)"
+            )
+        log.error(
+            "%s exited with status %d while the chief runs; %s", role.name, status, consequence
+        )
+
+    def _schedule_restart(self, role: RoleProcess, status: int) -> bool:
+        """Plans ``role``'s restart in its slot if the policy allows; returns whether it did."""
+        is_chief = role.name == CHIEF
+        delay = self._restarts.next_delay(role.name, status, is_chief=is_chief)
+        if delay is None:
+            policy = self.config.restart
+            if policy.enabled and self._restarts.failed(status, is_chief=is_chief):
                 log.error(
-                    "%s exited with status %d while the chief runs; %s",
+                    "%s exited with status %d and was restarted %d times already "
+                    "(--max-restarts %d): not restarting it",
                     role.name,
                     status,
-                    consequence,
+                    self._restarts.used(role.name),
+                    policy.max_restarts,
                 )
-            if not chief.running:
-                status = shell_status(chief.returncode or 0)
-                log.info("chief exited with status %d; stopping the cluster", status)
-                return status
+            return False
+        spec = self._specs[role.name]
+        log.warning(
+            "%s exited with status %d; restarting it at %s in %.1fs (restart %d of %d)",
+            role.name,
+            status,
+            spec.address,
+            delay,
+            self._restarts.used(role.name),
+            self.config.restart.max_restarts,
+        )
+        self._due[role.name] = time.monotonic() + delay
+        return True
+
+    def _start_due(self) -> None:
+        """Starts every role whose restart is due, in its slot (same task, port and token)."""
+        now = time.monotonic()
+        for name, due in list(self._due.items()):
+            if due > now:
+                continue
+            del self._due[name]
+            spec = self._specs[name]
+            self._ready.discard(name)
+            self._started[spec.task_type].append(self._start(spec))
 
     def _require_supervisor(self) -> Supervisor:
         if self._supervisor is None:
@@ -495,7 +569,7 @@ class LocalCluster:
         cluster = cluster_dict(config.num_ps, config.num_workers, config.host, ports)
         log.info("cluster %s; chief runs %s", json.dumps(cluster), config.target)
         self._supervisor = Supervisor(self._stdout, self._stderr, on_line=self._on_line)
-        started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
+        started = self._started
         with self._signal_handlers():
             try:
                 for spec in specs[:-1]:
@@ -563,6 +637,20 @@ def _parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=15.0, metavar="S", help="seconds to exit after SIGTERM"
     )
     p.add_argument(
+        "--restart",
+        default=RestartMode.NEVER.value,
+        metavar="{never,on-failure}",
+        help="on-failure: start a ps, worker or chief that failed again in its slot "
+        "(same task, port and credentials), as Kubernetes restarts a pod (default: never)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=DEFAULT_MAX_RESTARTS,
+        metavar="N",
+        help=f"restarts per task with --restart on-failure (default {DEFAULT_MAX_RESTARTS})",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -605,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             ready_timeout=args.ready_timeout,
             grace=args.grace,
+            restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)
