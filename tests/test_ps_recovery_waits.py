@@ -219,3 +219,50 @@ def test_chief_exits_retryable_within_the_recovery_timeout_when_a_ps_never_retur
     assert "PSUnavailableError" in err and "ps:1 did not come back within 5s" in err, err[-3000:]
     assert "PSFLOW_PS_RECOVERY_TIMEOUT" in err, err[-3000:]
     assert "DONE" not in out
+
+
+@pytest.mark.slow
+def test_a_push_held_at_a_sync_barrier_says_so_and_gives_up_typed_on_time(start_cluster, caplog):
+    import numpy as np
+
+    import psflow as pf
+    from psflow.distribute.ps.session import SyncConfig
+    from psflow.distribute.ps.values import PSVariable
+
+    cluster = start_cluster(num_ps=1, num_workers=0)
+    timeout = 3.0
+    session = PSSession(
+        [GrpcPSConnection(cluster.ps[0].address, task="ps:0")],
+        SyncConfig("sync", num_workers=2, timeout=timeout, progress_every=1.0),
+        task="worker:0",
+    )
+    try:
+        var = PSVariable(session, "barrier/w", "w", 0, (3,), "float32", True)
+        session.create([var], [np.zeros(3, np.float32)])
+        t0 = time.monotonic()
+        with (
+            caplog.at_level(logging.WARNING, logger="psflow.distribute"),
+            pytest.raises(errors.DeadlineExceededError) as info,
+            session.step(step=1),
+        ):  # the other worker never pushes its gradient of step 1
+            session.apply_optimizer(
+                pf.keras.optimizers.SGD(0.1), [(np.ones(3, np.float32), var)], step=1
+            )
+        took = time.monotonic() - t0
+        assert timeout - 0.2 <= took <= timeout + SLACK, took
+        assert info.value.task == "ps:0"
+        lines = [r.getMessage() for r in caplog.records if "barrier" in r.getMessage()]
+        assert lines, [r.getMessage() for r in caplog.records]
+        assert "worker:0 waits at the barrier of sync step 1 on ps:0 for 2 workers" in lines[0]
+        ((value, _),) = session.connections[0].pull(["barrier/w"])
+        np.testing.assert_array_equal(value, np.zeros(3, np.float32))  # nothing applied
+    finally:
+        session.close()
+
+
+def test_sync_config_rejects_an_unbounded_barrier_wait():
+    from psflow.distribute.ps.session import SyncConfig
+
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(errors.InvalidArgumentError, match="sync timeout"):
+            SyncConfig("sync", num_workers=2, timeout=bad)

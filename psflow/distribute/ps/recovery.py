@@ -27,11 +27,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from psflow import errors
 
@@ -191,3 +194,68 @@ def wait_until(
         pause = min(_RETRY_PAUSE, deadline - clock())
         if pause > 0:
             time.sleep(pause)
+
+
+class WaitWatch:
+    """Reports blocking calls that last long: one thread, started on first use.
+
+    A call that cannot report progress itself (a synchronous push held at the
+    PS's barrier until every worker contributed) runs inside :meth:`waiting`;
+    while it lasts longer than ``every`` seconds, a line saying what it waits
+    for and for how long is logged every ``every`` seconds.  Entering and
+    leaving costs a lock and a dict update; the reporting thread wakes at most
+    once a second and ends with :meth:`close`.
+
+    Args:
+        every: seconds between lines about one wait.
+        logger: where lines go.
+    """
+
+    def __init__(self, every: float, logger: logging.Logger) -> None:
+        if not every > 0:
+            raise errors.InvalidArgumentError(f"every {every!r} must be a number of seconds > 0")
+        self.every = every
+        self._log = logger
+        self._lock = threading.Lock()
+        self._waits: dict[int, list] = {}  # id -> [what, timeout, started, next line]
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+        self.lines = 0
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, timeout: float | None) -> Iterator[None]:
+        """Reports the body as waiting for ``what`` (limited to ``timeout`` seconds) while it lasts."""
+        now = time.monotonic()
+        key = next(self._ids)
+        with self._lock:
+            self._waits[key] = [what, timeout, now, now + self.every]
+            if self._thread is None and not self._closed.is_set():
+                self._thread = threading.Thread(
+                    target=self._report, name="psflow-wait-watch", daemon=True
+                )
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._waits[key]
+
+    def _report(self) -> None:
+        while not self._closed.wait(min(1.0, self.every)):
+            now = time.monotonic()
+            with self._lock:
+                due = [w for w in self._waits.values() if w[3] <= now]
+                for w in due:
+                    w[3] = now + self.every
+            for what, timeout, started, _ in due:
+                self.lines += 1
+                limit = f" of {timeout:.0f}s" if timeout is not None else ""
+                self._log.warning("%s: %.0fs%s", what, now - started, limit)
+
+    def close(self) -> None:
+        """Stops the reporting thread (bounded join)."""
+        self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
