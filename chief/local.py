@@ -63,6 +63,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from chief.liveness import LivenessProber
 from chief.restart import DEFAULT_MAX_RESTARTS, RestartBook, RestartMode, RestartPolicy
 from chief.script import Target, split_command
 from chief.supervisor import RoleProcess, Supervisor, shell_status
@@ -83,6 +84,8 @@ MAX_TASKS_PER_JOB = 256
 """The most ps or worker tasks one machine is asked to run (a guard against typos)."""
 
 READY_PREFIX = "PSFLOW_READY "
+DEFAULT_HEALTH_GRACE = 30.0
+"""Seconds a parameter server may fail health checks under ``--restart on-failure``."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -102,6 +105,9 @@ class LocalClusterConfig:
         grace: seconds a role has to exit after SIGTERM before SIGKILL.
         restart: whether and how often a role that died is started again in
             its slot (:mod:`chief.restart`; never by default).
+        health_grace: with restarts on, seconds a ready parameter server may
+            fail its health checks (frozen, cut off) before it is killed and
+            restarted (:mod:`chief.liveness`); None: not probed.
 
     Raises:
         InvalidArgumentError: a value is out of range (the message names it).
@@ -116,6 +122,7 @@ class LocalClusterConfig:
     ready_timeout: float = 60.0
     grace: float = 15.0
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
+    health_grace: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_ps", "num_workers"):
@@ -143,6 +150,9 @@ class LocalClusterConfig:
             raise InvalidArgumentError(f"grace {self.grace!r} must be >= 0")
         if not isinstance(self.restart, RestartPolicy):
             raise InvalidArgumentError(f"restart {self.restart!r} must be a RestartPolicy")
+        g = self.health_grace
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g <= 0):
+            raise InvalidArgumentError(f"health_grace {g!r} must be a number of seconds > 0")
         if self.target.path is not None and not os.path.isfile(self.target.path):
             raise InvalidArgumentError(f"script {self.target.path!r} does not exist")
         if self.target.path is None and not self.target.module:
@@ -392,6 +402,11 @@ class LocalCluster:
         self._started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
         self._restarts = RestartBook(config.restart)
         self._due: dict[str, float] = {}  # role name -> when to start it again
+        self._prober = (
+            LivenessProber(config.health_grace)
+            if config.health_grace is not None and config.restart.enabled
+            else None
+        )
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -426,6 +441,8 @@ class LocalCluster:
             )
             return
         self._ready.add(role.name)
+        if self._prober is not None and spec.task_type == PS:
+            self._prober.watch(role.name, spec.address)
         if self._restarts.used(role.name):
             log.warning(
                 "%s is back at %s (pid %d, restart %d)",
@@ -466,8 +483,11 @@ class LocalCluster:
             self._check_signals()
             supervisor.pump(0.1)
             for role in supervisor.poll():
+                if self._prober is not None:
+                    self._prober.forget(role.name)
                 if role.name != CHIEF:
                     self._on_role_exit(role)
+            self._kill_silent()
             self._start_due()
             chief = self._started[CHIEF][-1] if self._started[CHIEF] else chief  # restarted?
             if chief.running or CHIEF in self._due:
@@ -494,6 +514,27 @@ class LocalCluster:
         log.error(
             "%s exited with status %d while the chief runs; %s", role.name, status, consequence
         )
+
+    def _kill_silent(self) -> None:
+        """SIGKILLs a parameter server that failed its health checks past the grace period.
+
+        Its exit then goes through the restart policy like any other failure.
+        """
+        if self._prober is None:
+            return
+        for name, silent_for in self._prober.silent():
+            self._prober.forget(name)
+            running = [r for r in self._require_supervisor().roles if r.name == name and r.running]
+            if not running:
+                continue
+            log.warning(
+                "%s has not answered health checks for %.1fs (--health-grace %g): "
+                "treating it as failed (SIGKILL)",
+                name,
+                silent_for,
+                self._prober.grace,
+            )
+            running[-1].signal_group(signal.SIGKILL)
 
     def _schedule_restart(self, role: RoleProcess, status: int) -> bool:
         """Plans ``role``'s restart in its slot if the policy allows; returns whether it did."""
@@ -590,6 +631,8 @@ class LocalCluster:
                 log.error("the local cluster failed to start: %s", e)
                 return int(ExitCode.USER_ERROR)
             finally:
+                if self._prober is not None:
+                    self._prober.stop()
                 self._supervisor.stop(
                     config.grace,
                     escalate=lambda: len(self._signals) >= 2,
@@ -651,6 +694,14 @@ def _parser() -> argparse.ArgumentParser:
         help=f"restarts per task with --restart on-failure (default {DEFAULT_MAX_RESTARTS})",
     )
     p.add_argument(
+        "--health-grace",
+        type=float,
+        default=DEFAULT_HEALTH_GRACE,
+        metavar="S",
+        help="with --restart on-failure: a ps that fails its health checks for S seconds "
+        f"(frozen, cut off) is killed and restarted (default {DEFAULT_HEALTH_GRACE:g}; 0: never)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -694,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
             ready_timeout=args.ready_timeout,
             grace=args.grace,
             restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
+            health_grace=args.health_grace or None,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

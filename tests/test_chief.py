@@ -306,6 +306,7 @@ def test_pdeathsig_refuses_to_start_when_the_parent_is_already_gone():
         "chief.pdeathsig",
         "chief.supervisor",
         "chief.restart",
+        "chief.liveness",
         "psflow.cli",
     ],
 )

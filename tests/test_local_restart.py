@@ -8,6 +8,7 @@ shared-memory mirrors again.  Chief restarts follow the exit code's class.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -233,3 +234,36 @@ def test_killed_ps_then_worker_recover_without_a_human_and_training_completes(la
         # again (each step would otherwise pull it over gRPC: 2 workers x dozens of steps)
         assert result["pulls"][1] <= 8, result
     assert wait_gone(run.role_pids().values(), timeout=10) == []
+
+
+@pytest.mark.slow
+def test_a_frozen_ps_fails_its_health_checks_and_is_restarted_in_its_slot(launch, tmp_path):
+    script = tmp_path / "chief.py"
+    release = tmp_path / "release"
+    script.write_text(
+        "import pathlib, sys, time\n"
+        "deadline = time.monotonic() + 90\n"
+        "while not pathlib.Path(sys.argv[1]).exists() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+    )
+    grace = 3.0
+    run = launch("--restart", "on-failure", "--health-grace", str(grace), "--ps", "1",
+                 "--workers", "1", str(script), str(release))  # fmt: skip
+    end = _wait_after(run, 0, r"starting the chief")
+    ps0 = run.role_pids()["ps:0"]
+    port = re.search(r"PSFLOW_READY ps port=(\d+) task=ps:0", run.output).group(1)
+    os.kill(ps0, signal.SIGSTOP)  # alive, but answers nothing: nothing exits by itself
+    frozen_at = time.monotonic()
+    try:
+        end = _wait_after(run, end, r"ps:0 has not answered health checks for [\d.]+s", 60)
+        noticed = time.monotonic() - frozen_at
+        end = _wait_after(run, end, rf"ps:0 is back at 127\.0\.0\.1:{port} \(pid \d+", 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ps0, signal.SIGCONT)
+    assert grace <= noticed <= grace + 10, noticed
+    assert wait_gone([ps0], timeout=10) == []
+    assert run.role_pids()["ps:0"] != ps0
+    release.touch()
+    assert run.finish(timeout=60) == 0, run.output[-3000:]
+    assert "ps:0 exited with status 137; restarting it" in run.output
