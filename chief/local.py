@@ -26,7 +26,10 @@ Failures and teardown:
   started again in its slot - same task, port and token, as a StatefulSet
   would - up to ``--max-restarts`` times each: a worker rejoins, a parameter
   server comes back empty and ``fit`` with ``BackupAndRestore`` rolls back to
-  its last backup, a chief that exited retryable (128-255) runs again;
+  its last backup, a chief that exited retryable (128-255) runs again; a
+  ready parameter server that fails its health checks for ``--health-grace``
+  seconds (frozen, cut off) is killed and so restarted too
+  (:mod:`chief.liveness`);
 * when the chief exits, every role is stopped (SIGTERM, ``--grace`` seconds,
   SIGKILL) and the launcher exits with the chief's status (``128 + N`` if
   signal N killed it);
