@@ -124,7 +124,8 @@ def test_wait_ready_returns_when_a_killed_ps_is_restarted_in_its_slot(start_clus
         restarter.start()
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="psflow.distribute"):
-            session.wait_ready(60.0, progress_every=1.0)
+            # probes shorter than the outage: the first fails for sure, and says so
+            session.wait_ready(60.0, probe_timeout=0.5, progress_every=1.0)
         restarter.join(30)
         assert time.monotonic() - t0 < 45
         messages = [r.getMessage() for r in caplog.records]

@@ -254,12 +254,12 @@ class PSRunner:
         return done
 
     def wait_for_parameter_servers(self, config: Any = None) -> None:
-        """After a PS loss: let in-flight closures finish or fail, then wait for every PS task.
+        """After a PS loss: wait for every PS task to answer, then for in-flight closures to end.
 
-        The whole wait, closures included, is bounded by ``config.ps_timeout``
-        (a :class:`psflow.distribute.ps.recovery.RecoveryConfig`; by default
-        the environment's, ``PSFLOW_PS_RECOVERY_TIMEOUT``, 300 s) and logs
-        which task it waits for every few seconds.
+        The whole wait is bounded by ``config.ps_timeout`` (a
+        :class:`psflow.distribute.ps.recovery.RecoveryConfig`; by default the
+        environment's, ``PSFLOW_PS_RECOVERY_TIMEOUT``, 300 s; closures get at
+        least one second) and logs which task it waits for every few seconds.
 
         Raises:
             PSUnavailableError: a PS task did not come back in time (names it).
