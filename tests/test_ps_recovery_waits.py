@@ -212,10 +212,12 @@ def test_chief_exits_retryable_within_the_recovery_timeout_when_a_ps_never_retur
         reader.join(30)
     err = "".join(text for _, text in err_lines)
     assert chief.returncode == int(ExitCode.RETRYABLE), err[-3000:]
-    waits = [t for t, text in err_lines if "waits for parameter server ps:1" in text]
-    assert waits, err[-3000:]
-    # the wait itself keeps its limit; noticing the loss (a closure's push failing) comes first
-    assert exited_at - waits[0] <= timeout + SLACK, (exited_at - waits[0], err[-3000:])
+    # the wait starts with this line, and keeps its limit; noticing the loss (a closure's
+    # push to the dead task failing) comes before it
+    started = [t for t, text in err_lines if "parameter server ps:1 was lost" in text]
+    assert started and "waiting up to 5s" in err, err[-3000:]
+    assert exited_at - started[0] <= timeout + SLACK, (exited_at - started[0], err[-3000:])
+    assert "waits for parameter server ps:1" in err, err[-3000:]  # its progress lines
     assert exited_at - killed_at <= timeout + 20, exited_at - killed_at
     assert "PSUnavailableError" in err and "ps:1 did not come back within 5s" in err, err[-3000:]
     assert "PSFLOW_PS_RECOVERY_TIMEOUT" in err, err[-3000:]
