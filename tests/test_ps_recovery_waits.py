@@ -269,3 +269,12 @@ def test_sync_config_rejects_an_unbounded_barrier_wait():
     for bad in (0, -1, float("inf")):
         with pytest.raises(errors.InvalidArgumentError, match="sync timeout"):
             SyncConfig("sync", num_workers=2, timeout=bad)
+
+
+def test_docstring_examples():
+    import doctest
+
+    from psflow.distribute.ps import recovery
+
+    result = doctest.testmod(recovery)
+    assert result.attempted > 0 and result.failed == 0
