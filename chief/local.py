@@ -20,7 +20,16 @@ Failures and teardown:
 * a ps or worker that exits while the chief runs is reported and the chief
   keeps running, as TensorFlow's coordinator does: it re-queues a lost worker's
   closures, and a lost parameter server surfaces in the chief as an error
-  (exit 138 from ``python -m chief``: retryable);
+  (exit 138 from ``python -m chief``: retryable) - at once without
+  ``BackupAndRestore``, else after ``PSFLOW_PS_RECOVERY_TIMEOUT`` seconds;
+* with ``--restart on-failure`` (:mod:`chief.restart`) a role that failed is
+  started again in its slot - same task, port and token, as a StatefulSet
+  would - up to ``--max-restarts`` times each: a worker rejoins, a parameter
+  server comes back empty and ``fit`` with ``BackupAndRestore`` rolls back to
+  its last backup, a chief that exited retryable (128-255) runs again; a
+  ready parameter server that fails its health checks for ``--health-grace``
+  seconds (frozen, cut off) is killed and so restarted too
+  (:mod:`chief.liveness`);
 * when the chief exits, every role is stopped (SIGTERM, ``--grace`` seconds,
   SIGKILL) and the launcher exits with the chief's status (``128 + N`` if
   signal N killed it);
@@ -57,6 +66,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from chief.liveness import LivenessProber
+from chief.restart import DEFAULT_MAX_RESTARTS, RestartBook, RestartMode, RestartPolicy
 from chief.script import Target, split_command
 from chief.status import LauncherStatus
 from chief.supervisor import RoleProcess, Supervisor, shell_status
@@ -77,6 +88,8 @@ MAX_TASKS_PER_JOB = 256
 """The most ps or worker tasks one machine is asked to run (a guard against typos)."""
 
 READY_PREFIX = "PSFLOW_READY "
+DEFAULT_HEALTH_GRACE = 30.0
+"""Seconds a parameter server may fail health checks under ``--restart on-failure``."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -98,6 +111,11 @@ class LocalClusterConfig:
             (0: a free one the launcher picks), or None for none.
         status_interval: show every role's state every this many seconds
             (:mod:`chief.status`), or None for no status view.
+        restart: whether and how often a role that died is started again in
+            its slot (:mod:`chief.restart`; never by default).
+        health_grace: with restarts on, seconds a ready parameter server may
+            fail its health checks (frozen, cut off) before it is killed and
+            restarted (:mod:`chief.liveness`); None: not probed.
 
     Raises:
         InvalidArgumentError: a value is out of range (the message names it).
@@ -113,6 +131,8 @@ class LocalClusterConfig:
     grace: float = 15.0
     dashboard_port: int | None = None
     status_interval: float | None = None
+    restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
+    health_grace: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_ps", "num_workers"):
@@ -143,6 +163,11 @@ class LocalClusterConfig:
             raise InvalidArgumentError(f"dashboard port {d!r} must be an integer in 0..65535")
         if self.status_interval is not None and not self.status_interval > 0:
             raise InvalidArgumentError(f"status interval {self.status_interval!r} must be > 0")
+        if not isinstance(self.restart, RestartPolicy):
+            raise InvalidArgumentError(f"restart {self.restart!r} must be a RestartPolicy")
+        g = self.health_grace
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g <= 0):
+            raise InvalidArgumentError(f"health_grace {g!r} must be a number of seconds > 0")
         if self.target.path is not None and not os.path.isfile(self.target.path):
             raise InvalidArgumentError(f"script {self.target.path!r} does not exist")
         if self.target.path is None and not self.target.module:
@@ -393,6 +418,14 @@ class LocalCluster:
         self._startup_error: OpError | None = None
         self._supervisor: Supervisor | None = None
         self._status: LauncherStatus | None = None
+        self._started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
+        self._restarts = RestartBook(config.restart)
+        self._due: dict[str, float] = {}  # role name -> when to start it again
+        self._prober = (
+            LivenessProber(config.health_grace)
+            if config.health_grace is not None and config.restart.enabled
+            else None
+        )
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -427,7 +460,18 @@ class LocalCluster:
             )
             return
         self._ready.add(role.name)
-        log.info("%s ready at %s (pid %d)", role.name, spec.address, role.pid)
+        if self._prober is not None and spec.task_type == PS:
+            self._prober.watch(role.name, spec.address)
+        if self._restarts.used(role.name):
+            log.warning(
+                "%s is back at %s (pid %d, restart %d)",
+                role.name,
+                spec.address,
+                role.pid,
+                self._restarts.used(role.name),
+            )
+        else:
+            log.info("%s ready at %s (pid %d)", role.name, spec.address, role.pid)
 
     def _wait_ready(self, servers: list[RoleProcess]) -> None:
         supervisor = self._require_supervisor()
@@ -460,24 +504,98 @@ class LocalCluster:
             if self._status is not None:
                 self._status.refresh()
             for role in supervisor.poll():
-                if role is chief:
-                    continue
-                status = shell_status(role.returncode or 0)
-                consequence = (
-                    "the chief keeps running; its closures move to the other workers"
-                    if role.name.startswith(WORKER)
-                    else "the chief keeps running and will get errors for its variables"
-                )
+                if self._prober is not None:
+                    self._prober.forget(role.name)
+                if role.name != CHIEF:
+                    self._on_role_exit(role)
+            self._kill_silent()
+            self._start_due()
+            chief = self._started[CHIEF][-1] if self._started[CHIEF] else chief  # restarted?
+            if chief.running or CHIEF in self._due:
+                continue
+            status = shell_status(chief.returncode or 0)
+            if self._schedule_restart(chief, status):
+                continue
+            log.info("chief exited with status %d; stopping the cluster", status)
+            return status
+
+    def _on_role_exit(self, role: RoleProcess) -> None:
+        """A ps or worker exited while the chief runs: say so; restart it if the policy says so."""
+        status = shell_status(role.returncode or 0)
+        if self._schedule_restart(role, status):
+            return
+        if role.name.startswith(WORKER):
+            consequence = "the chief keeps running; its closures move to the other workers"
+        else:
+            consequence = (
+                "the chief keeps running; fit with BackupAndRestore waits for it up to "
+                "PSFLOW_PS_RECOVERY_TIMEOUT (300 s) and then exits 138, other programs get "
+                "errors for its variables (restart it in its slot: --restart on-failure)"
+            )
+        log.error(
+            "%s exited with status %d while the chief runs; %s", role.name, status, consequence
+        )
+
+    def _kill_silent(self) -> None:
+        """SIGKILLs a parameter server that failed its health checks past the grace period.
+
+        Its exit then goes through the restart policy like any other failure.
+        """
+        if self._prober is None:
+            return
+        for name, silent_for in self._prober.silent():
+            self._prober.forget(name)
+            running = [r for r in self._require_supervisor().roles if r.name == name and r.running]
+            if not running:
+                continue
+            log.warning(
+                "%s has not answered health checks for %.1fs (--health-grace %g): "
+                "treating it as failed (SIGKILL)",
+                name,
+                silent_for,
+                self._prober.grace,
+            )
+            running[-1].signal_group(signal.SIGKILL)
+
+    def _schedule_restart(self, role: RoleProcess, status: int) -> bool:
+        """Plans ``role``'s restart in its slot if the policy allows; returns whether it did."""
+        is_chief = role.name == CHIEF
+        delay = self._restarts.next_delay(role.name, status, is_chief=is_chief)
+        if delay is None:
+            policy = self.config.restart
+            if policy.enabled and self._restarts.failed(status, is_chief=is_chief):
                 log.error(
-                    "%s exited with status %d while the chief runs; %s",
+                    "%s exited with status %d and was restarted %d times already "
+                    "(--max-restarts %d): not restarting it",
                     role.name,
                     status,
-                    consequence,
+                    self._restarts.used(role.name),
+                    policy.max_restarts,
                 )
-            if not chief.running:
-                status = shell_status(chief.returncode or 0)
-                log.info("chief exited with status %d; stopping the cluster", status)
-                return status
+            return False
+        spec = self._specs[role.name]
+        log.warning(
+            "%s exited with status %d; restarting it at %s in %.1fs (restart %d of %d)",
+            role.name,
+            status,
+            spec.address,
+            delay,
+            self._restarts.used(role.name),
+            self.config.restart.max_restarts,
+        )
+        self._due[role.name] = time.monotonic() + delay
+        return True
+
+    def _start_due(self) -> None:
+        """Starts every role whose restart is due, in its slot (same task, port and token)."""
+        now = time.monotonic()
+        for name, due in list(self._due.items()):
+            if due > now:
+                continue
+            del self._due[name]
+            spec = self._specs[name]
+            self._ready.discard(name)
+            self._started[spec.task_type].append(self._start(spec))
 
     def _require_supervisor(self) -> Supervisor:
         if self._supervisor is None:
@@ -523,7 +641,7 @@ class LocalCluster:
             stdout = self._status.wrap(stdout or sys.stdout)
             stderr = self._status.wrap(stderr or sys.stderr)
         self._supervisor = Supervisor(stdout, stderr, on_line=self._on_line)
-        started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
+        started = self._started
         with self._signal_handlers(), self._status_around_logging():
             try:
                 for spec in specs[:-1]:
@@ -544,6 +662,8 @@ class LocalCluster:
                 log.error("the local cluster failed to start: %s", e)
                 return int(ExitCode.USER_ERROR)
             finally:
+                if self._prober is not None:
+                    self._prober.stop()
                 self._supervisor.stop(
                     config.grace,
                     escalate=lambda: len(self._signals) >= 2,
@@ -606,6 +726,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--grace", type=float, default=15.0, metavar="S", help="seconds to exit after SIGTERM"
+    )
+    p.add_argument(
+        "--restart",
+        default=RestartMode.NEVER.value,
+        metavar="{never,on-failure}",
+        help="on-failure: start a ps, worker or chief that failed again in its slot "
+        "(same task, port and credentials), as Kubernetes restarts a pod (default: never)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=DEFAULT_MAX_RESTARTS,
+        metavar="N",
+        help=f"restarts per task with --restart on-failure (default {DEFAULT_MAX_RESTARTS})",
+    )
+    p.add_argument(
+        "--health-grace",
+        type=float,
+        default=DEFAULT_HEALTH_GRACE,
+        metavar="S",
+        help="with --restart on-failure: a ps that fails its health checks for S seconds "
+        f"(frozen, cut off) is killed and restarted (default {DEFAULT_HEALTH_GRACE:g}; 0: never)",
     )
     p.add_argument(
         "--log-level",
@@ -703,6 +845,8 @@ def main(argv: list[str] | None = None) -> int:
             grace=args.grace,
             dashboard_port=args.dashboard,
             status_interval=args.status_interval if args.status else None,
+            restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
+            health_grace=args.health_grace or None,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

@@ -299,7 +299,16 @@ def test_pdeathsig_refuses_to_start_when_the_parent_is_already_gone():
 
 # -- docstring examples -------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "name", ["chief.script", "chief.local", "chief.pdeathsig", "chief.supervisor", "psflow.cli"]
+    "name",
+    [
+        "chief.script",
+        "chief.local",
+        "chief.pdeathsig",
+        "chief.supervisor",
+        "chief.restart",
+        "chief.liveness",
+        "psflow.cli",
+    ],
 )
 def test_docstring_examples(name):
     import doctest

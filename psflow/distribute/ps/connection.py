@@ -111,5 +111,15 @@ class PSConnection(abc.ABC):
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         """Counters of the task (bytes, pushes, staleness; the push log on request)."""
 
+    def probe(self, timeout: float) -> None:
+        """Returns once the task answers and serves, within ``timeout`` seconds.
+
+        Raises:
+            UnavailableError: the task cannot be reached or does not serve yet.
+            DeadlineExceededError: the task did not answer in ``timeout`` (frozen,
+                partitioned).
+        """
+        self.list_variables()
+
     def close(self) -> None:
         """Releases the connection."""

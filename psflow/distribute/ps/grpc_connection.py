@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,21 +53,28 @@ class GrpcPSConnection(PSConnection):
 
     # -- the shared-memory path ------------------------------------------------------------
     def _mirror(self, name: str) -> shm.MirrorReader | None:
-        """This variable's mirror, mapped on first use (None: not mirrored)."""
+        """This variable's mirror, mapped on first use (None: not mirrored).
+
+        Only what the PS lists is remembered, mirror or not: a name it does not
+        list (yet: a restarted PS before its variables are restored) is looked
+        up again on the next pull, so the restored variable gets its mirror.
+        """
         if name in self._mirrors:
             return self._mirrors[name]
         with self._shm_lock:
             if name not in self._mirrors:
                 for d in self.client.list_variables():
-                    if d.name in self._mirrors or not d.shm_name:
+                    if d.name in self._mirrors:
+                        continue
+                    if not d.shm_name:
+                        self._mirrors[d.name] = None  # the PS does not mirror it
                         continue
                     try:
                         self._mirrors[d.name] = shm.MirrorReader(d.shm_name, d.dtype, d.shape)
                     except (OSError, errors.OpError) as e:  # another host after all, or gone
                         log.info("%s: no shared-memory path for %s (%s)", self.task, d.name, e)
                         self._mirrors[d.name] = None
-                self._mirrors.setdefault(name, None)
-        return self._mirrors[name]
+        return self._mirrors.get(name)
 
     def _forget_mirrors(self) -> None:
         with self._shm_lock:
@@ -192,6 +200,14 @@ class GrpcPSConnection(PSConnection):
 
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         return self.client.stats(include_log=include_log)
+
+    def probe(self, timeout: float) -> None:
+        # the health service answers first; ListVariables proves the PS service does too
+        deadline = time.monotonic() + timeout
+        status = self.client.health(timeout=timeout)
+        if status != "SERVING":
+            raise errors.UnavailableError(f"{self.task} reports {status}", task=self.task)
+        self.client.list_variables(timeout=max(deadline - time.monotonic(), 0.001))
 
     def close(self) -> None:
         self._forget_mirrors()

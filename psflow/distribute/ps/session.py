@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import json
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,11 +28,14 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, errors
+from psflow.distribute.ps import recovery
 from psflow.distribute.ps.connection import Grad, PSConnection, VarSpec
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 
 PREFETCH_LIMIT_BYTES = 16 << 20
+
+log = logging.getLogger("psflow.distribute")
 
 _local = threading.local()
 _default: list[PSSession | None] = [None]
@@ -66,16 +72,33 @@ def set_default(session: PSSession | None) -> None:
 
 
 class SyncConfig:
-    """How pushes are applied: ``async``, ``sync`` (mean of one push per worker per step)."""
+    """How pushes are applied: ``async``, ``sync`` (mean of one push per worker per step).
 
-    def __init__(self, mode: str = "async", num_workers: int = 1, timeout: float = 300.0) -> None:
+    ``timeout``: seconds a synchronous step waits for every worker's gradient
+    (finite); ``progress_every``: seconds between the lines a push waiting at
+    that barrier logs.
+    """
+
+    def __init__(
+        self,
+        mode: str = "async",
+        num_workers: int = 1,
+        timeout: float = 300.0,
+        progress_every: float = recovery.DEFAULT_PROGRESS_INTERVAL,
+    ) -> None:
         if mode not in ("async", "sync", "bounded"):
             raise errors.InvalidArgumentError(
                 f"Unknown training mode {mode!r}; expected async, sync or bounded"
             )
+        if not 0 < timeout < float("inf"):
+            raise errors.InvalidArgumentError(
+                f"sync timeout {timeout!r} must be a finite number of seconds > 0"
+            )
         self.mode = mode
         self.num_workers = num_workers
         self.timeout = timeout
+        # a push held at a sync barrier says so this often (seconds)
+        self.progress_every = progress_every
 
 
 class PSSession:
@@ -120,6 +143,7 @@ class PSSession:
         )
         self.bytes_pulled = 0
         self.bytes_pushed = 0
+        self._watch = recovery.WaitWatch(self.sync.progress_every, log)
 
     # -- plumbing ----------------------------------------------------------------------
     def _next_id(self, ps: int) -> tuple[str, int]:
@@ -151,6 +175,7 @@ class PSSession:
         """Closes every connection and the call pool."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        self._watch.close()
         for c in self.connections:
             c.close()
 
@@ -358,7 +383,8 @@ class PSSession:
             )
 
         def push(ps: int, items: list[Grad]) -> Any:
-            return self.connections[ps].push(
+            call = functools.partial(
+                self.connections[ps].push,
                 items,
                 push_id=self._next_id(ps),
                 step=step_id,
@@ -366,6 +392,15 @@ class PSSession:
                 wait_applied=sync,
                 timeout=self.sync.timeout if sync else None,
             )
+            if not sync:
+                return call()
+            # held at the PS until every worker's gradient of this step arrived: say so
+            what = (
+                f"{self.task} waits at the barrier of sync step {step_id} on "
+                f"{self.connections[ps].task} for {self.sync.num_workers} workers' gradients"
+            )
+            with self._watch.waiting(what, self.sync.timeout):
+                return call()
 
         replies = self._on_each(
             {ps: (lambda ps=ps, items=items: push(ps, items)) for ps, items in grads.items()}
@@ -423,26 +458,35 @@ class PSSession:
                 out.setdefault(h.ps_index, []).append(h)
         return out
 
-    def wait_ready(self, timeout: float) -> None:
-        """Waits until every PS task answers (after a restart).
+    def wait_ready(
+        self,
+        timeout: float,
+        *,
+        probe_timeout: float = recovery.DEFAULT_PROBE_TIMEOUT,
+        progress_every: float = recovery.DEFAULT_PROGRESS_INTERVAL,
+    ) -> None:
+        """Waits until every PS task answers (after a restart), all within ``timeout`` seconds.
+
+        Logs a line naming the task it waits for at once and then every
+        ``progress_every`` seconds.  Each probe's deadline is
+        ``min(probe_timeout, time left)``: a frozen or partitioned PS cannot
+        hold the wait past ``timeout``.
 
         Raises:
-            PSUnavailableError: a task still does not answer after ``timeout`` seconds.
+            PSUnavailableError: a task still does not answer after ``timeout``
+                seconds (the message and ``.task`` name it).
         """
-        import time
-
         deadline = time.monotonic() + timeout
         for c in self.connections:
-            while True:
-                try:
-                    c.list_variables()
-                    break
-                except errors.UnavailableError as e:
-                    if time.monotonic() >= deadline:
-                        raise errors.PSUnavailableError(
-                            f"{c.task} did not come back within {timeout}s: {e}", task=c.task
-                        ) from None
-                    time.sleep(0.2)
+            progress = recovery.Progress(
+                f"{self.task} waits for parameter server {c.task} to answer again",
+                timeout,
+                progress_every,
+                log,
+            )
+            recovery.wait_until(c.task, c.probe, deadline, progress, probe_timeout)
+            if progress.lines:
+                log.warning("%s: %s answers again", self.task, c.task)
 
     def stats(self, include_log: bool = False) -> list[dict[str, Any]]:
         """Every PS task's counters."""

@@ -253,20 +253,33 @@ class PSRunner:
         self.coordinator.join()
         return done
 
-    def wait_for_parameter_servers(self) -> None:
-        """After a PS loss: let in-flight closures finish or fail, then wait for every PS task.
+    def wait_for_parameter_servers(self, config: Any = None) -> None:
+        """After a PS loss: wait for every PS task to answer, then for in-flight closures to end.
 
-        Bounded by ``PSFLOW_PS_RECOVERY_TIMEOUT`` seconds (default 300).
+        The whole wait is bounded by ``config.ps_timeout`` (a
+        :class:`psflow.distribute.ps.recovery.RecoveryConfig`; by default the
+        environment's, ``PSFLOW_PS_RECOVERY_TIMEOUT``, 300 s; closures get at
+        least one second) and logs which task it waits for every few seconds.
 
         Raises:
-            PSUnavailableError: a PS task did not come back in time.
+            PSUnavailableError: a PS task did not come back in time (names it).
         """
-        import os
+        import time
 
-        timeout = float(os.environ.get("PSFLOW_PS_RECOVERY_TIMEOUT", "300"))
+        from psflow.distribute.ps.recovery import RecoveryConfig
+
+        config = config or RecoveryConfig.from_environ()
+        deadline = time.monotonic() + config.ps_timeout
+        # the PS tasks first: closures stuck retrying against the lost task must not eat
+        # the time it has to come back
+        self.strategy._session.wait_ready(
+            config.ps_timeout,
+            probe_timeout=config.probe_timeout,
+            progress_every=config.progress_every,
+        )
+        left = deadline - time.monotonic()
         with contextlib.suppress(Exception):  # the closures that hit the lost PS: this failure
-            self.coordinator.join()
-        self.strategy._session.wait_ready(timeout)
+            self.coordinator.join(timeout=max(left, 1.0))
 
     def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
         """One epoch of closures; returns the steps that ran."""

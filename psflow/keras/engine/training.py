@@ -393,7 +393,20 @@ class Model(Layer):
                 f"keras.callbacks.BackupAndRestore to fit): {error.message}",
                 task=task,
             ) from error
-        recover()
+        import logging
+
+        from psflow.distribute.ps.recovery import ENV_PS_TIMEOUT, RecoveryConfig
+
+        config = RecoveryConfig.from_environ()
+        logging.getLogger("psflow.keras").warning(
+            "parameter server %s was lost (%s); waiting up to %.0fs (%s) for it to come back, "
+            "then restoring the last backup",
+            task,
+            error.message,
+            config.ps_timeout,
+            ENV_PS_TIMEOUT,
+        )
+        recover(config)
         resumed = backups[0].restore()
         events.publish(events.EventKind.PS_RESTORED, task, f"{task} restored from the backup")
         return resumed if resumed is not None else 0
