@@ -394,7 +394,13 @@ class PSClient:
             {name: value}, trainable=trainable, optimizer=optimizer, timeout=timeout
         )[name]
 
-    def _assign(self, op: int, values: Mapping[str, Any], timeout: float | None) -> dict[str, int]:
+    def _assign(
+        self,
+        op: int,
+        values: Mapping[str, Any],
+        timeout: float | None,
+        request_id: tuple[str, int] | None = None,
+    ) -> dict[str, int]:
         specs, arrays = [], []
         for name, value in values.items():
             arr = codec.to_host(value)
@@ -402,8 +408,10 @@ class PSClient:
                 ps_pb2.VariableSpec(name=name, spec=codec.spec_to_proto(arr.dtype, arr.shape))
             )
             arrays.append(arr)
-        # assign is idempotent; add/sub carry an id so their retries apply once.
-        request_id = None if op == ps_pb2.WRITE_OP_ASSIGN else self.next_request_id()
+        # assign is idempotent; add/sub carry an id so their retries apply once. A caller's
+        # id (a closure's, the same when the closure is re-run elsewhere) takes precedence.
+        if request_id is None and op != ps_pb2.WRITE_OP_ASSIGN:
+            request_id = self.next_request_id()
         reply = self._write(op, specs, arrays, request_id=request_id, retry=True, timeout=timeout)
         return {s.name: v for s, v in zip(specs, reply.versions, strict=True)}
 
@@ -420,19 +428,37 @@ class PSClient:
         return self._assign(ps_pb2.WRITE_OP_ASSIGN, self._values(name_or_values, value), timeout)
 
     def assign_add(
-        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+        self,
+        name_or_values: str | Mapping[str, Any],
+        value: Any = None,
+        *,
+        timeout=None,
+        request_id: tuple[str, int] | None = None,
     ) -> dict[str, int]:
-        """Adds to values (exactly once, even if retried); returns versions."""
+        """Adds to values (exactly once, even if retried); returns versions.
+
+        ``request_id`` (client id, sequence) replaces this client's own id, so that
+        the same write sent by another process is recognised as a duplicate.
+        """
         return self._assign(
-            ps_pb2.WRITE_OP_ASSIGN_ADD, self._values(name_or_values, value), timeout
+            ps_pb2.WRITE_OP_ASSIGN_ADD, self._values(name_or_values, value), timeout, request_id
         )
 
     def assign_sub(
-        self, name_or_values: str | Mapping[str, Any], value: Any = None, *, timeout=None
+        self,
+        name_or_values: str | Mapping[str, Any],
+        value: Any = None,
+        *,
+        timeout=None,
+        request_id: tuple[str, int] | None = None,
     ) -> dict[str, int]:
-        """Subtracts from values (exactly once, even if retried); returns versions."""
+        """Subtracts from values (exactly once, even if retried); returns versions.
+
+        ``request_id`` (client id, sequence) replaces this client's own id, so that
+        the same write sent by another process is recognised as a duplicate.
+        """
         return self._assign(
-            ps_pb2.WRITE_OP_ASSIGN_SUB, self._values(name_or_values, value), timeout
+            ps_pb2.WRITE_OP_ASSIGN_SUB, self._values(name_or_values, value), timeout, request_id
         )
 
     def configure_optimizer(

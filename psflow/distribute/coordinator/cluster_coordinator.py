@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -39,7 +38,9 @@ from typing import Any
 
 from psflow import errors
 from psflow.distribute.coordinator import closure as closure_lib
+from psflow.distribute.coordinator.config import CoordinatorConfig
 from psflow.distribute.coordinator.remote_value import PerWorkerValues, RemoteValue
+from psflow.distribute.coordinator.stragglers import StepTimes
 from psflow.distribute.coordinator.workers import Closure, Worker
 from psflow.util import nest
 
@@ -54,34 +55,6 @@ def shutdown_all() -> None:
         coordinator.shutdown()
 
 
-def _env_int(name: str, default: int) -> int:
-    """A positive integer from the environment (``default`` when unset).
-
-    Raises:
-        InvalidArgumentError: set, but not an integer >= 1.
-    """
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise errors.InvalidArgumentError(f"{name} must be an integer, got {raw!r}") from None
-    if value < 1:
-        raise errors.InvalidArgumentError(f"{name} must be >= 1, got {raw!r}")
-    return value
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise errors.InvalidArgumentError(f"{name} must be a number, got {raw!r}") from None
-
-
 class _WorkerState:
     """The coordinator's view of one worker."""
 
@@ -89,13 +62,16 @@ class _WorkerState:
         self.worker = worker
         self.up = True
         self.down_since: float | None = None
+        self.last_seen = time.monotonic()  # when it last answered a call or a probe
         self.targeted: collections.deque[Closure] = collections.deque()
         self.started = 0  # general closures dispatched (its step clock)
         self.done = 0
         self.closures_run = 0
         self.recovering = False
         self.rebuilding = False
+        self.unresponsive = False  # marked down by the health probe, not by a failed call
         self.resources_in_flight = 0  # targeted closures sent and not yet answered
+        self.running: dict[int, tuple[Closure, float]] = {}  # attempt id -> (closure, start)
 
 
 class ClusterCoordinator:
@@ -123,22 +99,31 @@ class ClusterCoordinator:
                 f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}"
             )
         self._strategy = strategy
+        self._config = CoordinatorConfig.from_environ()
         self._session_id = uuid.uuid4().hex
         self._functions = closure_lib.FunctionCache()
         self._ids = itertools.count(1)
+        self._attempt_ids = itertools.count(1)
         self._cond = threading.Condition()
         self._queue: collections.deque[Closure] = collections.deque()
-        self._inflight = 0
+        self._unfinished = 0  # general closures scheduled and not yet finished
         self._error: BaseException | None = None
         self._closed = False
         self._resources: list[tuple[str, int, Callable[..., Any], tuple]] = []
         self._staleness = strategy.extended.staleness
-        self._unavailable_timeout = _env_float("PSFLOW_WORKER_UNAVAILABLE_TIMEOUT", 600.0)
+        self._async = strategy.mode == "async"
+        self._step_times = StepTimes(
+            self._config.straggler_factor if self._async else 0.0,
+            self._config.straggler_min_seconds,
+        )
+        self.speculative_runs = 0  # late closures re-run on another worker
+        self.scheduled = 0  # closures scheduled (general), for progress and tests
         # In async mode a worker that runs closures one at a time itself gets the next
         # closure while it runs the current one, so it never waits for the round trip.
         # Sync and bounded modes count steps per closure: one at a time there.
-        depth = 1 if strategy.mode != "async" else _env_int("PSFLOW_CLOSURES_IN_FLIGHT", 2)
+        depth = 1 if not self._async else self._config.closures_in_flight
         self._states = [_WorkerState(w) for w in strategy.extended._make_workers()]
+        self._queue_bound = self._config.queued_per_worker * len(self._states)
         self._threads = [
             threading.Thread(
                 target=self._dispatch,
@@ -149,6 +134,18 @@ class ClusterCoordinator:
             for s in self._states
             for slot in range(min(depth, s.worker.max_in_flight))
         ]
+        # A probe per remote worker: a frozen or partitioned worker is noticed after the
+        # grace, not when the kernel finally resets its socket.
+        self._threads += [
+            threading.Thread(
+                target=self._probe, args=(s,), name=f"health-{s.worker.task}", daemon=True
+            )
+            for s in self._states
+            if s.worker.probed
+        ]
+        self._threads.append(
+            threading.Thread(target=self._watch_stragglers, name="stragglers", daemon=True)
+        )
         strategy.extended._coordinator = self
         self._initialized = True
         _alive.add(self)
@@ -182,13 +179,39 @@ class ClusterCoordinator:
         self._raise_pending_error()
         closure_id = next(self._ids)
         rv = RemoteValue(closure_id, getattr(fn, "__name__", ""))
-        closure = Closure(closure_id, fn, tuple(args or ()), dict(kwargs or {}), rv)
+        closure = Closure(closure_id, fn, tuple(args or ()), dict(kwargs or {}), rv, queued=True)
+        deadline = time.monotonic() + self._config.schedule_timeout
         with self._cond:
+            # A bounded queue: with every worker gone, the caller waits here (and then
+            # gets the no-worker error) instead of piling up closures nobody runs.
+            while len(self._queue) >= self._queue_bound and not self._closed:
+                if self._error is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.ResourceExhaustedError(
+                        f"schedule waited {self._config.schedule_timeout:.0f}s for room in a queue "
+                        f"of {self._queue_bound} closures ({self._stall_report()})"
+                    )
+                self._check_all_down()
+                self._cond.wait(min(left, 1.0))
             if self._closed:
                 raise errors.FailedPreconditionError("The coordinator is shut down")
-            self._queue.append(closure)
-            self._cond.notify_all()
+            if self._error is None:
+                self._queue.append(closure)
+                self._unfinished += 1
+                self.scheduled += 1
+                self._cond.notify_all()
+        if self._error is not None:
+            self._raise_pending_error()
         return rv
+
+    def _busy(self) -> bool:
+        """Closures still to finish: general ones, and resources of workers that are up.
+
+        A worker lost for good keeps its resource closures; they must not hold ``join``.
+        """
+        return bool(self._unfinished or any(s.targeted and s.up for s in self._states))
 
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled closure has finished.
@@ -197,26 +220,38 @@ class ClusterCoordinator:
             The first error a closure raised (once), after cancelling the rest.
             DeadlineExceededError: ``timeout`` passed first; the message names the
                 workers still busy or down.
+            WorkerUnavailableError: no worker was reachable for
+                ``PSFLOW_WORKER_UNAVAILABLE_TIMEOUT`` seconds; it names them.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (
-                self._queue or self._inflight or any(s.targeted for s in self._states)
-            ) and self._error is None:
+            while self._busy() and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise errors.DeadlineExceededError(
-                        f"join timed out after {timeout}s: {len(self._queue)} queued, {self._inflight} running; "
-                        f"{self._stall_report()}"
+                        f"join timed out after {timeout}s: {len(self._queue)} queued, "
+                        f"{self._unfinished} unfinished; {self._stall_report()}"
                     )
-                self._cond.wait(left if left is not None else 1.0)
+                self._check_all_down()
+                self._cond.wait(min(left, 1.0) if left is not None else 1.0)
         self._raise_pending_error()
 
     def done(self) -> bool:
         """Whether every scheduled closure has finished (raises a pending error)."""
         self._raise_pending_error()
         with self._cond:
-            return not (self._queue or self._inflight or any(s.targeted for s in self._states))
+            return not self._busy()
+
+    def counters(self) -> dict[str, int]:
+        """Closures scheduled, queued, unfinished and speculatively re-run so far."""
+        with self._cond:
+            return {
+                "scheduled": self.scheduled,
+                "queued": len(self._queue),
+                "unfinished": self._unfinished,
+                "speculative_runs": self.speculative_runs,
+                "workers_up": sum(s.up for s in self._states),
+            }
 
     def fetch(self, val: Any) -> Any:
         """Waits for remote values in a structure and returns their NumPy values."""
@@ -234,6 +269,14 @@ class ClusterCoordinator:
         """
         make = self._strategy.extended._dataset_factory(dataset_fn, self.num_workers)
         return self._per_worker_resource("ds", lambda w: (make, (w,)), kind="dataset")
+
+    def put_on_workers(self, value: Any) -> PerWorkerValues:
+        """Sends ``value`` to every worker once; a closure given the result gets its worker's copy.
+
+        Each worker keeps its copy (which may hold worker-side state, e.g. open
+        readers) for the session; a restarted worker gets it again.
+        """
+        return self._per_worker_resource("val", lambda w: (_identity, (value,)), kind="value")
 
     def _create_per_worker_iterators(self, datasets: PerWorkerValues) -> PerWorkerValues:
         return self._per_worker_resource(
@@ -270,10 +313,12 @@ class ClusterCoordinator:
                 return
             self._closed = True
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=10)
+        deadline = time.monotonic() + 5.0
+        for t in self._threads:  # a dispatcher blocked on a frozen worker ends when its
+            t.join(timeout=max(deadline - time.monotonic(), 0.01))  # channel closes below
         for s in self._states:
-            s.worker.end_session(self._session_id)
+            if s.up:
+                s.worker.end_session(self._session_id)
             s.worker.close()
 
     # -- errors ----------------------------------------------------------------------
@@ -288,15 +333,21 @@ class ClusterCoordinator:
         with self._cond:
             if self._error is None:
                 self._error = error
-            cancelled = list(self._queue)
+            cancelled = [c for c in self._queue if not c.finished]
             self._queue.clear()
+            for c in cancelled:
+                c.queued = False
+                if not c.running:
+                    c.finished = True
+                    self._unfinished -= 1
             self._cond.notify_all()
         for c in cancelled:
-            c.remote_value._set_error(
-                errors.CancelledError(
-                    f"Closure {c.closure_id} was cancelled because an earlier closure failed"
+            if c.finished:
+                c.remote_value._set_error(
+                    errors.CancelledError(
+                        f"Closure {c.closure_id} was cancelled because an earlier closure failed"
+                    )
                 )
-            )
 
     def _stall_report(self) -> str:
         parts = []
@@ -313,8 +364,8 @@ class ClusterCoordinator:
         slowest = min(live) if live else state.done
         return state.started - slowest < self._staleness + 1
 
-    def _take(self, state: _WorkerState, extra: bool = False) -> Closure | None:
-        """The next closure for ``state``'s worker; None once shut down.
+    def _take(self, state: _WorkerState, extra: bool = False) -> tuple[int, Closure] | None:
+        """The next closure for ``state``'s worker and its attempt id; None once shut down.
 
         An ``extra`` dispatcher (a second closure in flight) takes general closures
         only, and none while the worker's resources are being (re)built, since those
@@ -330,76 +381,110 @@ class ClusterCoordinator:
                     if state.targeted and not extra:
                         closure = state.targeted.popleft()
                         state.resources_in_flight += 1
-                        self._inflight += 1
-                        return closure
+                        return self._start(state, closure)
+                    while self._queue and self._queue[0].finished:
+                        self._queue.popleft().queued = False  # a re-run whose first run won
                     if self._queue and self._may_start(state):
                         closure = self._queue.popleft()
+                        closure.queued = False
                         state.started += 1
                         closure.step = state.started
-                        self._inflight += 1
-                        return closure
+                        return self._start(state, closure)
                 self._check_all_down()
                 self._cond.wait(1.0)
+
+    def _start(self, state: _WorkerState, closure: Closure) -> tuple[int, Closure]:
+        attempt = next(self._attempt_ids)
+        closure.running += 1
+        state.running[attempt] = (closure, time.monotonic())
+        return attempt, closure
 
     def _check_all_down(self) -> None:
         """Fails the queued closures when no worker has answered for too long."""
         if not self._queue or any(s.up for s in self._states):
             return
-        since = min(s.down_since or time.monotonic() for s in self._states)
-        if time.monotonic() - since > self._unavailable_timeout:
+        since = max(s.down_since or time.monotonic() for s in self._states)
+        timeout = self._config.worker_unavailable_timeout
+        if time.monotonic() - since > timeout:
             tasks = ", ".join(s.worker.task for s in self._states)
             self._fail(
                 errors.WorkerUnavailableError(
-                    f"No worker reachable for {self._unavailable_timeout:.0f}s ({tasks}); giving up"
+                    f"No worker reachable for {timeout:g}s (lost: {tasks}); giving up with "
+                    f"{len(self._queue)} closures queued"
                 )
             )
 
     def _dispatch(self, state: _WorkerState, extra: bool = False) -> None:
         while True:
-            closure = self._take(state, extra)
-            if closure is None:
+            taken = self._take(state, extra)
+            if taken is None:
                 return
+            attempt, closure = taken
             try:
                 value = state.worker.run(self._session_id, closure, self._functions)
             except errors.WorkerUnavailableError as e:
-                log.warning(
-                    "%s lost (%s); re-queuing closure %d", state.worker.task, e, closure.closure_id
-                )
-                self._worker_lost(state, closure)
+                self._end_attempt(state, attempt, closure)
+                if not self._closed:
+                    log.warning(
+                        "%s lost (%s); re-queuing closure %d",
+                        state.worker.task,
+                        e,
+                        closure.closure_id,
+                    )
+                    self._worker_lost(state, closure)
             except closure_lib.MissingResourceError:
+                self._end_attempt(state, attempt, closure)
                 self._worker_restarted(state, closure)
             except BaseException as e:  # the closure's own error
-                closure.remote_value._set_error(e)
-                if closure.resource_key is None:
-                    with self._cond:
-                        state.done += 1
-                self._fail(e)
+                if self._end_attempt(state, attempt, closure, finish=True):
+                    closure.remote_value._set_error(e)
+                    self._fail(e)
             else:
-                closure.remote_value._set_value(value)
-                with self._cond:
-                    state.closures_run += 1
-                    if closure.resource_key is None:
-                        state.done += 1
-            finally:
-                with self._cond:
-                    self._inflight -= 1
-                    if closure.resource_key is not None:
-                        state.resources_in_flight -= 1
-                    self._cond.notify_all()
+                if self._end_attempt(state, attempt, closure, finish=True):
+                    closure.remote_value._set_value(value)
+
+    def _end_attempt(
+        self, state: _WorkerState, attempt: int, closure: Closure, finish: bool = False
+    ) -> bool:
+        """Books the end of one attempt; with ``finish``, whether its result is the one kept."""
+        with self._cond:
+            _, started = state.running.pop(attempt)
+            closure.running -= 1
+            state.last_seen = time.monotonic()
+            if closure.resource_key is not None:
+                state.resources_in_flight -= 1
+            won = finish and not closure.finished
+            if won:
+                closure.finished = True
+                state.closures_run += 1
+                if closure.resource_key is None:
+                    state.done += 1
+                    self._unfinished -= 1
+                    self._step_times.record(time.monotonic() - started)
+            self._cond.notify_all()
+            return won
 
     def _requeue(self, state: _WorkerState, closure: Closure) -> None:
+        """Queues ``closure`` again unless it finished, waits already or still runs elsewhere."""
         with self._cond:
             if closure.resource_key is not None:
                 state.targeted.appendleft(closure)
-            else:
+            elif not (closure.finished or closure.queued or closure.running):
                 state.started -= 1
+                closure.queued = True
                 self._queue.appendleft(closure)
             self._cond.notify_all()
 
-    def _worker_lost(self, state: _WorkerState, closure: Closure) -> None:
+    def _mark_down(self, state: _WorkerState) -> None:
         with self._cond:
-            state.up = False
-            state.down_since = time.monotonic()
+            if state.up:
+                state.up = False
+                state.down_since = time.monotonic()
+            self._cond.notify_all()
+
+    def _worker_lost(self, state: _WorkerState, closure: Closure) -> None:
+        self._mark_down(state)
+        with self._cond:
             start_recovery = not state.recovering  # both dispatchers may see the loss
             state.recovering = True
         self._requeue(state, closure)
@@ -413,9 +498,8 @@ class ClusterCoordinator:
 
     def _worker_restarted(self, state: _WorkerState, closure: Closure) -> None:
         self._requeue(state, closure)
+        self._mark_down(state)
         with self._cond:
-            state.up = False
-            state.down_since = time.monotonic()
             if state.rebuilding:  # the other dispatcher found it first and rebuilds
                 return
             state.rebuilding = True
@@ -437,6 +521,84 @@ class ClusterCoordinator:
         finally:
             state.recovering = False
 
+    def _probe(self, state: _WorkerState) -> None:
+        """Health-checks one worker (GetStatus, with a deadline) for as long as the coordinator runs.
+
+        A worker that leaves probes unanswered for the grace is marked down and the
+        closures it holds run elsewhere; when it answers again it is used again.
+        """
+        cfg = self._config
+        probe_timeout = max(min(cfg.health_grace / 2, 2.0), 0.05)
+        while not self._closed:
+            answered = state.worker.healthy(timeout=probe_timeout)
+            now = time.monotonic()
+            orphans: list[Closure] = []
+            with self._cond:
+                if answered:
+                    state.last_seen = now
+                    if state.unresponsive and not state.recovering:
+                        log.info("%s answers again; using it again", state.worker.task)
+                        state.unresponsive = False
+                        state.up = True
+                        state.down_since = None
+                        self._cond.notify_all()
+                elif state.up and now - state.last_seen > cfg.health_grace:
+                    log.warning(
+                        "%s has not answered for %.1fs; its closures run elsewhere",
+                        state.worker.task,
+                        now - state.last_seen,
+                    )
+                    state.unresponsive = True
+                    state.up = False
+                    state.down_since = now
+                    orphans = [c for c, _ in state.running.values() if c.resource_key is None]
+                    self._cond.notify_all()
+            for closure in orphans:
+                with self._cond:
+                    if closure.finished or closure.queued:
+                        continue
+                    closure.queued = True
+                    self._queue.appendleft(closure)
+                    self._cond.notify_all()
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=cfg.health_interval)
+
+    def _watch_stragglers(self) -> None:
+        """Re-runs a late closure on an idle worker (async mode); the first result wins.
+
+        The re-run has the closure's id, so its pushes carry the same request ids and
+        the parameter servers apply only the first of the two.
+        """
+        while not self._closed:
+            threshold = self._step_times.threshold()
+            if threshold is not None:
+                now = time.monotonic()
+                with self._cond:
+                    idle = any(s.up and not s.running for s in self._states)
+                    if idle and not self._queue:
+                        for s in self._states:
+                            for closure, started in list(s.running.values()):
+                                if (
+                                    closure.resource_key is None
+                                    and not (closure.finished or closure.queued)
+                                    and not closure.speculated
+                                    and now - started > threshold
+                                ):
+                                    log.info(
+                                        "closure %d on %s is late (%.1fs > %.1fs); re-running it",
+                                        closure.closure_id,
+                                        s.worker.task,
+                                        now - started,
+                                        threshold,
+                                    )
+                                    closure.speculated = True
+                                    closure.queued = True
+                                    self._queue.appendleft(closure)
+                                    self.speculative_runs += 1
+                        self._cond.notify_all()
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=0.2)
+
     def _rebuild(self, state: _WorkerState) -> None:
         """Re-creates this session's datasets and iterators on a (restarted) worker."""
         forget = getattr(state.worker, "forget_functions", None)
@@ -452,12 +614,18 @@ class ClusterCoordinator:
             pending = [c for c in state.targeted if c.resource_key not in {k for k, *_ in specs}]
             state.targeted = collections.deque([*rebuilt, *pending])
             state.up = True
+            state.unresponsive = False
             state.down_since = None
+            state.last_seen = time.monotonic()
             self._cond.notify_all()
         log.info("%s is back; rebuilt %d resources", state.worker.task, len(specs))
 
     def __repr__(self) -> str:
         return f"ClusterCoordinator(workers={self.num_workers})"
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _make_iterator(dataset: Any) -> Any:

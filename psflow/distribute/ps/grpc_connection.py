@@ -161,12 +161,12 @@ class GrpcPSConnection(PSConnection):
         values: Sequence[np.ndarray],
         request_id: tuple[str, int] | None = None,
     ) -> list[int]:
-        method = {
-            "assign": self.client.assign,
-            "assign_add": self.client.assign_add,
-            "assign_sub": self.client.assign_sub,
-        }[op]
-        versions = method(dict(zip(names, values)))
+        values_by_name = dict(zip(names, values))
+        if op == "assign":
+            versions = self.client.assign(values_by_name)
+        else:  # the session's id: a closure re-run on another worker adds once
+            method = self.client.assign_add if op == "assign_add" else self.client.assign_sub
+            versions = method(values_by_name, request_id=request_id)
         return [versions[n] for n in names]
 
     def list_variables(self) -> list[dict[str, Any]]:
