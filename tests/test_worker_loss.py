@@ -88,7 +88,7 @@ def _check_exact(strategy, model, epochs: int, steps: int) -> None:
 
 @pytest.mark.parametrize(
     "where",
-    ["mid_epoch", "epoch_boundary", "validation", "two_of_three", "restarted_later"],
+    ["mid_epoch", "epoch_boundary", "validation", "two_of_three", "restarted_later", "dataset"],
 )
 def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoch(
     start_cluster, where
@@ -111,10 +111,13 @@ def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoc
     step = {"mid_epoch": per_epoch // 2, "epoch_boundary": per_epoch}.get(where, 5)
     at = _At(None if where == "validation" else step, kill, where == "validation")
     epochs = 6 if where == "restarted_later" else 3
+    data = (
+        {"x": pf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)}
+        if where == "dataset"
+        else {"x": x, "y": y, "batch_size": BATCH}
+    )
     history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,
+        **data,
         epochs=epochs,
         verbose=0,
         callbacks=[at],
@@ -236,3 +239,29 @@ def test_coordinator_config_rejects_bad_values_by_name():
             CoordinatorConfig.from_environ({name: raw})
     cfg = CoordinatorConfig.from_environ({"PSFLOW_STRAGGLER_FACTOR": "0"})
     assert cfg.straggler_factor == 0.0 and cfg.health_grace == CoordinatorConfig().health_grace
+
+
+def test_a_custom_loop_finishes_on_the_survivor_with_each_step_applied_once(start_cluster):
+    cluster = start_cluster(num_ps=1, num_workers=2)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        total = pf.Variable(np.zeros((), np.float32), trainable=False, name="total")
+
+    def dataset_fn(ctx):
+        return pf.data.Dataset.range(10_000).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def step(it):
+        next(it)
+        total.assign_add(np.float32(1.0))
+        return 1
+
+    values = [coordinator.schedule(step, args=(iterator,)) for _ in range(20)]
+    coordinator.join()
+    os.kill(cluster.workers[1].proc.pid, signal.SIGKILL)
+    values += [coordinator.schedule(step, args=(iterator,)) for _ in range(40)]
+    coordinator.join(timeout=60)
+    assert sum(v.fetch() for v in values) == 60
+    assert float(total.numpy()) == 60.0
