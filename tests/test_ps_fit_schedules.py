@@ -59,7 +59,10 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_schedule_gives_single_process_steps_under_ps_fit(start_cluster, name):
+def test_schedule_gives_single_process_steps_under_ps_fit(start_cluster, monkeypatch, name):
+    # one closure at a time: two sent at once may start in either order on the worker,
+    # which would change the order of the batches (not their rates)
+    monkeypatch.setenv("PSFLOW_CLOSURES_IN_FLIGHT", "1")
     make_lr, callbacks_fn = SCHEDULES[name]
     reference = _fit(None, make_lr(), callbacks_fn)
     cluster = start_cluster(num_ps=1, num_workers=1)
@@ -72,3 +75,12 @@ def test_schedule_gives_single_process_steps_under_ps_fit(start_cluster, name):
     # a frozen rate (the schedule's first value every step) would end elsewhere
     frozen = _fit(None, float(make_lr()(0)) if callable(make_lr()) else make_lr(), list)
     assert not np.allclose(frozen.weights[0].numpy(), model.weights[0].numpy(), atol=1e-4)
+
+
+def test_schedule_in_the_embedded_default_matches_one_process():
+    make_lr = SCHEDULES["exponential"][0]
+    reference = _fit(None, make_lr(), list)
+    model = _fit(pf.distribute.ParameterServerStrategy(), make_lr(), list)
+    assert int(model.optimizer.iterations) == 3 * (96 // 16)
+    for got, want in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)

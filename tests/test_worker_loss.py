@@ -21,7 +21,7 @@ from psflow.distribute.coordinator.workers import GrpcWorker
 
 pytestmark = pytest.mark.slow
 
-N = 512
+N = 256
 BATCH = 16
 
 
@@ -110,7 +110,7 @@ def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoc
 
     step = {"mid_epoch": per_epoch // 2, "epoch_boundary": per_epoch}.get(where, 5)
     at = _At(None if where == "validation" else step, kill, where == "validation")
-    epochs = 6 if where == "restarted_later" else 3
+    epochs = 8 if where == "restarted_later" else 3
     data = (
         {"x": pf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)}
         if where == "dataset"
@@ -232,6 +232,7 @@ def test_coordinator_config_rejects_bad_values_by_name():
         ("PSFLOW_HEALTH_GRACE", "soon"),
         ("PSFLOW_HEALTH_GRACE", "-1"),
         ("PSFLOW_STRAGGLER_FACTOR", "inf"),
+        ("PSFLOW_STRAGGLER_FACTOR", "0.5"),
         ("PSFLOW_MAX_QUEUED_PER_WORKER", "0"),
         ("PSFLOW_SCHEDULE_TIMEOUT", "nan"),
     ]:
@@ -265,3 +266,20 @@ def test_a_custom_loop_finishes_on_the_survivor_with_each_step_applied_once(star
     coordinator.join(timeout=60)
     assert sum(v.fetch() for v in values) == 60
     assert float(total.numpy()) == 60.0
+
+
+def test_fit_with_every_worker_gone_raises_a_typed_error_naming_them(start_cluster, monkeypatch):
+    monkeypatch.setenv("PSFLOW_WORKER_UNAVAILABLE_TIMEOUT", "2")
+    cluster = start_cluster(num_ps=1, num_workers=2)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    model = _model(strategy)
+    x, y = _data()
+
+    def kill_all():
+        for w in cluster.workers:
+            os.kill(w.proc.pid, signal.SIGKILL)
+
+    start = time.monotonic()
+    with pytest.raises(pf.errors.WorkerUnavailableError, match=r"worker:0.*worker:1"):
+        model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[_At(5, kill_all)])
+    assert time.monotonic() - start < 30

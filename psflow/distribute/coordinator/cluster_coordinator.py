@@ -382,16 +382,30 @@ class ClusterCoordinator:
                         closure = state.targeted.popleft()
                         state.resources_in_flight += 1
                         return self._start(state, closure)
-                    while self._queue and self._queue[0].finished:
-                        self._queue.popleft().queued = False  # a re-run whose first run won
-                    if self._queue and self._may_start(state):
-                        closure = self._queue.popleft()
-                        closure.queued = False
+                    closure = self._next_general(state) if self._may_start(state) else None
+                    if closure is not None:
                         state.started += 1
                         closure.step = state.started
                         return self._start(state, closure)
                 self._check_all_down()
                 self._cond.wait(1.0)
+
+    def _next_general(self, state: _WorkerState) -> Closure | None:
+        """Takes the first queued closure this worker should run (under the lock).
+
+        Skips re-runs whose first run already won, and a late closure's re-run on the
+        worker that still runs the original (it must go to another one).
+        """
+        while self._queue and self._queue[0].finished:
+            self._queue.popleft().queued = False
+        mine = {id(c) for c, _ in state.running.values()}
+        for i, closure in enumerate(self._queue):
+            if closure.finished or id(closure) in mine:
+                continue
+            del self._queue[i]
+            closure.queued = False
+            return closure
+        return None
 
     def _start(self, state: _WorkerState, closure: Closure) -> tuple[int, Closure]:
         attempt = next(self._attempt_ids)

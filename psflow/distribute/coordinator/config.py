@@ -92,6 +92,12 @@ class CoordinatorConfig:
         """
         env = os.environ if environ is None else environ
         d = cls()
+        factor = _number(env, "PSFLOW_STRAGGLER_FACTOR", d.straggler_factor, 0.0)
+        if 0 < factor < 1:
+            raise errors.InvalidArgumentError(
+                "PSFLOW_STRAGGLER_FACTOR must be 0 (off) or >= 1 (a multiple of the typical "
+                f"closure time), got {env['PSFLOW_STRAGGLER_FACTOR']!r}"
+            )
         return cls(
             closures_in_flight=_integer(env, "PSFLOW_CLOSURES_IN_FLIGHT", d.closures_in_flight),
             worker_unavailable_timeout=_number(
@@ -99,7 +105,7 @@ class CoordinatorConfig:
             ),
             health_interval=_number(env, "PSFLOW_HEALTH_INTERVAL", d.health_interval, 0.05),
             health_grace=_number(env, "PSFLOW_HEALTH_GRACE", d.health_grace, 0.1),
-            straggler_factor=_number(env, "PSFLOW_STRAGGLER_FACTOR", d.straggler_factor, 0.0),
+            straggler_factor=factor,
             straggler_min_seconds=_number(
                 env, "PSFLOW_STRAGGLER_MIN_SECONDS", d.straggler_min_seconds, 0.0
             ),

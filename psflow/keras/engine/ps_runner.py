@@ -178,6 +178,10 @@ class PSRunner:
         model = self.model
         optimizer = model.optimizer if kind == "train" else None
         base_step = int(optimizer.iterations) if optimizer is not None else 0
+        # Remote workers train a copy of the optimizer: they get the rate and step with
+        # each closure. The chief as its own worker trains this very optimizer, which
+        # counts its steps and evaluates its schedule itself.
+        carry_rate = optimizer is not None and not self.in_process
         # Enough closures in flight that a frozen or slow worker holding a few of them
         # does not starve the others; the coordinator bounds its own queue too.
         window = 4 * self.num_workers
@@ -191,7 +195,7 @@ class PSRunner:
             ):
                 on_begin(scheduled)
                 lr = step = None
-                if optimizer is not None:
+                if carry_rate:
                     step = base_step + scheduled
                     lr = _learning_rate_at(optimizer, step)
                 rv = self.coordinator.schedule(program, args=(on_workers, plan.ticket(), lr, step))
@@ -215,7 +219,7 @@ class PSRunner:
                 for metric, state in zip(model.metrics, states):
                     metric.merge_state(state)
             done += 1
-            if optimizer is not None:
+            if carry_rate:
                 optimizer.iterations = base_step + done
             on_end(done - 1, model._current_logs())
         self.coordinator.join()
