@@ -14,7 +14,20 @@ Semantics follow TensorFlow's coordinator:
   another worker; when the worker comes back in its slot, the session's
   datasets and iterators are rebuilt there and it is used again;
 * with bounded staleness ``k``, no worker starts a step more than ``k`` steps
-  ahead of the slowest live worker.
+  ahead of the slowest live worker;
+* the queue is bounded (``schedule`` blocks while it is full), as TensorFlow's is.
+
+Beyond TensorFlow's (knobs in :class:`CoordinatorConfig`):
+
+* a probe thread per worker calls its GetStatus with a deadline; a worker that
+  stops answering (frozen, partitioned) is treated as lost after a grace, its
+  closures re-run elsewhere, without waiting for the kernel to reset a socket;
+* in async mode a closure running much longer than recent ones is re-run on an
+  idle worker; the first result wins. Both runs carry the closure's id, from
+  which the workers derive their push ids, so the parameter servers apply the
+  closure's updates once;
+* with no worker reachable for ``worker_unavailable_timeout`` seconds, the
+  queued closures fail with a ``WorkerUnavailableError`` naming the workers.
 
 Example:
     >>> import psflow as pf

@@ -95,7 +95,9 @@ class PSRunner:
         self.in_process = strategy.extended.embedded
         self._epoch = 0
         self._programs: dict[tuple[int, str], _StepProgram] = {}
-        self._readers: dict[int, tuple[Any, Any]] = {}  # id(source) -> (reader, on workers)
+        # id(source) -> (source, its reader, the reader's copies on the workers); the
+        # source is held so that its id cannot be reused by another one
+        self._readers: dict[int, tuple[Any, Any, Any]] = {}
 
     def prepare(self, source: Any) -> Any:
         """Nothing to do here: batches are handed out per step."""
@@ -115,7 +117,7 @@ class PSRunner:
         key = id(source)
         known = self._readers.get(key)
         if known is not None:
-            return known
+            return known[1], known[2]
         if isinstance(source, data_adapter.ArrayBatches):
             from psflow import random as random_lib
 
@@ -135,9 +137,9 @@ class PSRunner:
                 "ParameterServerStrategy fit needs arrays or a psflow.data.Dataset, got "
                 f"{type(getattr(source, 'dataset', source)).__name__}"
             )
-        known = (reader, self.coordinator.put_on_workers(reader))
-        self._readers[key] = known
-        return known
+        on_workers = self.coordinator.put_on_workers(reader)
+        self._readers[key] = (source, reader, on_workers)
+        return reader, on_workers
 
     def _steps_for_sync(self, reader: Any, steps: int | None) -> int | None:
         if self.strategy.mode != "sync":
