@@ -34,6 +34,7 @@ class _Tagged(pf.keras.Model):
             1, kernel_initializer=pf.keras.initializers.GlorotUniform(seed=1)
         )
         self.seen = pf.Variable(np.zeros(N, np.float32), trainable=False, name="seen")
+        self.die_in_validation: str | None = None  # a marker path: worker:1 dies once
 
     def call(self, x, training=False):
         return self.dense(x[:, :-1])
@@ -43,6 +44,18 @@ class _Tagged(pf.keras.Model):
         ids = np.asarray(x.numpy()[:, -1], dtype=np.int64)
         self.seen.assign_add(np.bincount(ids, minlength=N).astype(np.float32))
         return super().train_step(data)
+
+    def test_step(self, data):
+        if self.die_in_validation is not None:
+            from psflow.distribute.ps import session as session_lib
+
+            if session_lib.current().task == "worker:1":
+                try:  # the first validation step on worker:1 kills its process
+                    os.close(os.open(self.die_in_validation, os.O_CREAT | os.O_EXCL))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                except FileExistsError:
+                    pass
+        return super().test_step(data)
 
 
 def _data() -> tuple[np.ndarray, np.ndarray]:
@@ -61,22 +74,17 @@ def _model(strategy) -> _Tagged:
 
 
 class _At(pf.keras.callbacks.Callback):
-    """Runs ``action`` once, after train step ``step`` or before validation of epoch 0."""
+    """Runs ``action`` once, after train step ``step``."""
 
-    def __init__(self, step: int | None, action, during_validation: bool = False) -> None:
+    def __init__(self, step: int | None, action) -> None:
         super().__init__()
-        self.step, self.action, self.during_validation = step, action, during_validation
+        self.step, self.action = step, action
         self.steps = 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.steps += 1
         if self.steps == self.step:
             self.action()
-
-    def on_test_batch_end(self, batch, logs=None):
-        if self.during_validation and self.action is not None and batch == 2:
-            self.action()
-            self.action = None
 
 
 def _check_exact(strategy, model, epochs: int, steps: int) -> None:
@@ -91,7 +99,7 @@ def _check_exact(strategy, model, epochs: int, steps: int) -> None:
     ["mid_epoch", "epoch_boundary", "validation", "two_of_three", "restarted_later", "dataset"],
 )
 def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoch(
-    start_cluster, where
+    start_cluster, tmp_path, where
 ):
     workers = 3 if where == "two_of_three" else 2
     cluster = start_cluster(num_ps=1, num_workers=workers)
@@ -109,7 +117,9 @@ def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoc
             cluster.restart_worker(1)
 
     step = {"mid_epoch": per_epoch // 2, "epoch_boundary": per_epoch}.get(where, 5)
-    at = _At(None if where == "validation" else step, kill, where == "validation")
+    at = _At(None if where == "validation" else step, kill)
+    if where == "validation":  # worker:1 kills itself in its first validation step
+        model.die_in_validation = str(tmp_path / "died")
     epochs = 8 if where == "restarted_later" else 3
     data = (
         {"x": pf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)}
@@ -125,6 +135,12 @@ def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoc
     )
     assert len(history.history["loss"]) == epochs
     assert np.isfinite(history.history["loss"]).all()
+    if where == "validation":
+        assert cluster.workers[1].proc.wait(10) == -signal.SIGKILL
+        kernel, bias = (w.numpy() for w in model.dense.weights)
+        want = float(np.mean((x[:128, :-1] @ kernel + bias - y[:128]) ** 2))
+        # every validation example counted once, though a worker died in the middle
+        np.testing.assert_allclose(history.history["val_loss"][-1], want, rtol=1e-4)
     _check_exact(strategy, model, epochs, at.steps)
     if where == "restarted_later":  # the slot is used again once its process is back
         deadline = time.monotonic() + 20
