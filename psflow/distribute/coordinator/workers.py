@@ -106,6 +106,9 @@ class Worker(abc.ABC):
     def end_session(self, session_id: str) -> None:
         """Forgets the session's state on the worker."""
 
+    def forget_functions(self) -> None:
+        """The worker restarted: every function must be sent again (none are cached here)."""
+
     def healthy(self, timeout: float = 2.0) -> bool:
         """Whether the worker answers now."""
         return True
