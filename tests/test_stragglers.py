@@ -14,12 +14,12 @@ from psflow.distribute.coordinator.stragglers import StepTimes
 pytestmark = pytest.mark.slow
 
 
-def _slow_the_first_time(marker: str) -> str:
+def _slow_the_first_time(marker: str, seconds: float = 8.0) -> str:
     from psflow.distribute.ps import session as session_lib
 
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-        time.sleep(8.0)  # the first attempt stalls; a re-run finds the marker
+        time.sleep(seconds)  # the first attempt stalls; a re-run finds the marker
     except FileExistsError:
         pass
     return session_lib.current().task
@@ -55,6 +55,17 @@ def test_a_late_closure_is_re_run_elsewhere_and_applied_once(start_cluster, monk
     coordinator.join(timeout=30)
     time.sleep(8.0 - elapsed + 1.0)  # the stalled attempt ends and pushes: deduplicated
     assert float(total.numpy()) == 21.0
+
+    # a closure reading a per-worker iterator is not re-run while it runs: a second run
+    # would consume another element of another worker's iterator
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: pf.data.Dataset.range(100)))
+
+    def late_reader(it):
+        return int(next(it)), _slow_the_first_time(marker + "-it", 3.0)
+
+    element, _ = coordinator.schedule(late_reader, args=(iterator,)).fetch(timeout=30)
+    assert element == 0
+    assert coordinator.counters()["speculative_runs"] == 1
 
 
 def test_threshold_follows_recent_closure_times():

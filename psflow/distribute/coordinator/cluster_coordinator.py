@@ -174,7 +174,11 @@ class ClusterCoordinator(Recovery):
         self._raise_pending_error()
         closure_id = next(self._ids)
         rv = RemoteValue(closure_id, getattr(fn, "__name__", ""))
-        closure = Closure(closure_id, fn, tuple(args or ()), dict(kwargs or {}), rv, queued=True)
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        speculable = not any(
+            isinstance(x, _PerWorkerIterator) for x in nest.flatten((args, kwargs))
+        )
+        closure = Closure(closure_id, fn, args, kwargs, rv, queued=True, speculable=speculable)
         deadline = time.monotonic() + self._config.schedule_timeout
         with self._cond:
             # A bounded queue: with every worker gone, the caller waits here (and then

@@ -201,6 +201,7 @@ class Recovery:
                                 if (
                                     closure.resource_key is None
                                     and not (closure.finished or closure.queued)
+                                    and closure.speculable
                                     and not closure.speculated
                                     and now - started > threshold
                                 ):

@@ -68,6 +68,9 @@ class Closure:
     running: int = 0
     finished: bool = False
     speculated: bool = False
+    # whether a second run may start while the first still runs: not when the closure
+    # reads a per-worker iterator (the two runs would consume two different elements)
+    speculable: bool = True
 
     def args_for(self, worker_index: int) -> tuple[tuple, dict]:
         """The arguments with every per-worker value replaced by this worker's component."""
