@@ -131,7 +131,7 @@ def test_closures_spread_over_remote_workers(start_cluster):
 
 
 def _dispatchers(coordinator) -> list[str]:
-    return sorted(t.name for t in coordinator._threads)
+    return sorted(t.name for t in coordinator._threads if t.name.startswith("coordinator-"))
 
 
 @pytest.mark.slow

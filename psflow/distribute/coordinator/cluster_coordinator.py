@@ -14,7 +14,20 @@ Semantics follow TensorFlow's coordinator:
   another worker; when the worker comes back in its slot, the session's
   datasets and iterators are rebuilt there and it is used again;
 * with bounded staleness ``k``, no worker starts a step more than ``k`` steps
-  ahead of the slowest live worker.
+  ahead of the slowest live worker;
+* the queue is bounded (``schedule`` blocks while it is full), as TensorFlow's is.
+
+Beyond TensorFlow's (knobs in :class:`CoordinatorConfig`):
+
+* a probe thread per worker calls its GetStatus with a deadline; a worker that
+  stops answering (frozen, partitioned) is treated as lost after a grace, its
+  closures re-run elsewhere, without waiting for the kernel to reset a socket;
+* in async mode a closure running much longer than recent ones is re-run on an
+  idle worker; the first result wins. Both runs carry the closure's id, from
+  which the workers derive their push ids, so the parameter servers apply the
+  closure's updates once;
+* with no worker reachable for ``worker_unavailable_timeout`` seconds, the
+  queued closures fail with a ``WorkerUnavailableError`` naming the workers.
 
 Example:
     >>> import psflow as pf
@@ -29,7 +42,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -39,9 +51,11 @@ from typing import Any
 
 from psflow import errors
 from psflow.distribute.coordinator import closure as closure_lib
+from psflow.distribute.coordinator.config import CoordinatorConfig
+from psflow.distribute.coordinator.recovery import Recovery, WorkerState
 from psflow.distribute.coordinator.remote_value import PerWorkerValues, RemoteValue
-from psflow.distribute.coordinator.workers import Closure, Worker
-from psflow.observability import events
+from psflow.distribute.coordinator.stragglers import StepTimes
+from psflow.distribute.coordinator.workers import Closure
 from psflow.util import nest
 
 log = logging.getLogger("psflow.coordinator")
@@ -55,51 +69,7 @@ def shutdown_all() -> None:
         coordinator.shutdown()
 
 
-def _env_int(name: str, default: int) -> int:
-    """A positive integer from the environment (``default`` when unset).
-
-    Raises:
-        InvalidArgumentError: set, but not an integer >= 1.
-    """
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise errors.InvalidArgumentError(f"{name} must be an integer, got {raw!r}") from None
-    if value < 1:
-        raise errors.InvalidArgumentError(f"{name} must be >= 1, got {raw!r}")
-    return value
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise errors.InvalidArgumentError(f"{name} must be a number, got {raw!r}") from None
-
-
-class _WorkerState:
-    """The coordinator's view of one worker."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.up = True
-        self.down_since: float | None = None
-        self.targeted: collections.deque[Closure] = collections.deque()
-        self.started = 0  # general closures dispatched (its step clock)
-        self.done = 0
-        self.closures_run = 0
-        self.recovering = False
-        self.rebuilding = False
-        self.resources_in_flight = 0  # targeted closures sent and not yet answered
-
-
-class ClusterCoordinator:
+class ClusterCoordinator(Recovery):
     """Schedules functions on the workers of a ParameterServerStrategy (``tf.distribute``'s).
 
     Creating a second coordinator for the same strategy returns the first.
@@ -124,22 +94,31 @@ class ClusterCoordinator:
                 f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}"
             )
         self._strategy = strategy
+        self._config = CoordinatorConfig.from_environ()
         self._session_id = uuid.uuid4().hex
         self._functions = closure_lib.FunctionCache()
         self._ids = itertools.count(1)
+        self._attempt_ids = itertools.count(1)
         self._cond = threading.Condition()
         self._queue: collections.deque[Closure] = collections.deque()
-        self._inflight = 0
+        self._unfinished = 0  # general closures scheduled and not yet finished
         self._error: BaseException | None = None
         self._closed = False
         self._resources: list[tuple[str, int, Callable[..., Any], tuple]] = []
         self._staleness = strategy.extended.staleness
-        self._unavailable_timeout = _env_float("PSFLOW_WORKER_UNAVAILABLE_TIMEOUT", 600.0)
+        self._async = strategy.mode == "async"
+        self._step_times = StepTimes(
+            self._config.straggler_factor if self._async else 0.0,
+            self._config.straggler_min_seconds,
+        )
+        self.speculative_runs = 0  # late closures re-run on another worker
+        self.scheduled = 0  # closures scheduled (general), for progress and tests
         # In async mode a worker that runs closures one at a time itself gets the next
         # closure while it runs the current one, so it never waits for the round trip.
         # Sync and bounded modes count steps per closure: one at a time there.
-        depth = 1 if strategy.mode != "async" else _env_int("PSFLOW_CLOSURES_IN_FLIGHT", 2)
-        self._states = [_WorkerState(w) for w in strategy.extended._make_workers()]
+        depth = 1 if not self._async else self._config.closures_in_flight
+        self._states = [WorkerState(w) for w in strategy.extended._make_workers()]
+        self._queue_bound = self._config.queued_per_worker * len(self._states)
         self._threads = [
             threading.Thread(
                 target=self._dispatch,
@@ -150,6 +129,18 @@ class ClusterCoordinator:
             for s in self._states
             for slot in range(min(depth, s.worker.max_in_flight))
         ]
+        # A probe per remote worker: a frozen or partitioned worker is noticed after the
+        # grace, not when the kernel finally resets its socket.
+        self._threads += [
+            threading.Thread(
+                target=self._probe, args=(s,), name=f"health-{s.worker.task}", daemon=True
+            )
+            for s in self._states
+            if s.worker.probed
+        ]
+        self._threads.append(
+            threading.Thread(target=self._watch_stragglers, name="stragglers", daemon=True)
+        )
         strategy.extended._coordinator = self
         self._initialized = True
         _alive.add(self)
@@ -183,13 +174,43 @@ class ClusterCoordinator:
         self._raise_pending_error()
         closure_id = next(self._ids)
         rv = RemoteValue(closure_id, getattr(fn, "__name__", ""))
-        closure = Closure(closure_id, fn, tuple(args or ()), dict(kwargs or {}), rv)
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        speculable = not any(
+            isinstance(x, _PerWorkerIterator) for x in nest.flatten((args, kwargs))
+        )
+        closure = Closure(closure_id, fn, args, kwargs, rv, queued=True, speculable=speculable)
+        deadline = time.monotonic() + self._config.schedule_timeout
         with self._cond:
+            # A bounded queue: with every worker gone, the caller waits here (and then
+            # gets the no-worker error) instead of piling up closures nobody runs.
+            while len(self._queue) >= self._queue_bound and not self._closed:
+                if self._error is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.ResourceExhaustedError(
+                        f"schedule waited {self._config.schedule_timeout:.0f}s for room in a queue "
+                        f"of {self._queue_bound} closures ({self._stall_report()})"
+                    )
+                self._check_all_down()
+                self._cond.wait(min(left, 1.0))
             if self._closed:
                 raise errors.FailedPreconditionError("The coordinator is shut down")
-            self._queue.append(closure)
-            self._cond.notify_all()
+            if self._error is None:
+                self._queue.append(closure)
+                self._unfinished += 1
+                self.scheduled += 1
+                self._cond.notify_all()
+        if self._error is not None:
+            self._raise_pending_error()
         return rv
+
+    def _busy(self) -> bool:
+        """Closures still to finish: general ones, and resources of workers that are up.
+
+        A worker lost for good keeps its resource closures; they must not hold ``join``.
+        """
+        return bool(self._unfinished or any(s.targeted and s.up for s in self._states))
 
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled closure has finished.
@@ -198,26 +219,38 @@ class ClusterCoordinator:
             The first error a closure raised (once), after cancelling the rest.
             DeadlineExceededError: ``timeout`` passed first; the message names the
                 workers still busy or down.
+            WorkerUnavailableError: no worker was reachable for
+                ``PSFLOW_WORKER_UNAVAILABLE_TIMEOUT`` seconds; it names them.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (
-                self._queue or self._inflight or any(s.targeted for s in self._states)
-            ) and self._error is None:
+            while self._busy() and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise errors.DeadlineExceededError(
-                        f"join timed out after {timeout}s: {len(self._queue)} queued, {self._inflight} running; "
-                        f"{self._stall_report()}"
+                        f"join timed out after {timeout}s: {len(self._queue)} queued, "
+                        f"{self._unfinished} unfinished; {self._stall_report()}"
                     )
-                self._cond.wait(left if left is not None else 1.0)
+                self._check_all_down()
+                self._cond.wait(min(left, 1.0) if left is not None else 1.0)
         self._raise_pending_error()
 
     def done(self) -> bool:
         """Whether every scheduled closure has finished (raises a pending error)."""
         self._raise_pending_error()
         with self._cond:
-            return not (self._queue or self._inflight or any(s.targeted for s in self._states))
+            return not self._busy()
+
+    def counters(self) -> dict[str, int]:
+        """Closures scheduled, queued, unfinished and speculatively re-run so far."""
+        with self._cond:
+            return {
+                "scheduled": self.scheduled,
+                "queued": len(self._queue),
+                "unfinished": self._unfinished,
+                "speculative_runs": self.speculative_runs,
+                "workers_up": sum(s.up for s in self._states),
+            }
 
     def fetch(self, val: Any) -> Any:
         """Waits for remote values in a structure and returns their NumPy values."""
@@ -235,6 +268,14 @@ class ClusterCoordinator:
         """
         make = self._strategy.extended._dataset_factory(dataset_fn, self.num_workers)
         return self._per_worker_resource("ds", lambda w: (make, (w,)), kind="dataset")
+
+    def put_on_workers(self, value: Any) -> PerWorkerValues:
+        """Sends ``value`` to every worker once; a closure given the result gets its worker's copy.
+
+        Each worker keeps its copy (which may hold worker-side state, e.g. open
+        readers) for the session; a restarted worker gets it again.
+        """
+        return self._per_worker_resource("val", lambda w: (_identity, (value,)), kind="value")
 
     def _create_per_worker_iterators(self, datasets: PerWorkerValues) -> PerWorkerValues:
         return self._per_worker_resource(
@@ -255,7 +296,7 @@ class ClusterCoordinator:
         return result_cls(tuple(values), self, kind)
 
     def _schedule_on(
-        self, state: _WorkerState, fn: Callable[..., Any], args: tuple, resource_key: str | None
+        self, state: WorkerState, fn: Callable[..., Any], args: tuple, resource_key: str | None
     ) -> RemoteValue:
         closure_id = next(self._ids)
         rv = RemoteValue(closure_id, resource_key or "")
@@ -271,10 +312,12 @@ class ClusterCoordinator:
                 return
             self._closed = True
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=10)
+        deadline = time.monotonic() + 5.0
+        for t in self._threads:  # a dispatcher blocked on a frozen worker ends when its
+            t.join(timeout=max(deadline - time.monotonic(), 0.01))  # channel closes below
         for s in self._states:
-            s.worker.end_session(self._session_id)
+            if s.up:
+                s.worker.end_session(self._session_id)
             s.worker.close()
 
     # -- errors ----------------------------------------------------------------------
@@ -289,15 +332,21 @@ class ClusterCoordinator:
         with self._cond:
             if self._error is None:
                 self._error = error
-            cancelled = list(self._queue)
+            cancelled = [c for c in self._queue if not c.finished]
             self._queue.clear()
+            for c in cancelled:
+                c.queued = False
+                if not c.running:
+                    c.finished = True
+                    self._unfinished -= 1
             self._cond.notify_all()
         for c in cancelled:
-            c.remote_value._set_error(
-                errors.CancelledError(
-                    f"Closure {c.closure_id} was cancelled because an earlier closure failed"
+            if c.finished:
+                c.remote_value._set_error(
+                    errors.CancelledError(
+                        f"Closure {c.closure_id} was cancelled because an earlier closure failed"
+                    )
                 )
-            )
 
     def _stall_report(self) -> str:
         parts = []
@@ -307,15 +356,15 @@ class ClusterCoordinator:
         return "; ".join(parts)
 
     # -- dispatching -------------------------------------------------------------------
-    def _may_start(self, state: _WorkerState) -> bool:
+    def _may_start(self, state: WorkerState) -> bool:
         if self._staleness is None:
             return True
         live = [s.done for s in self._states if s.up]
         slowest = min(live) if live else state.done
         return state.started - slowest < self._staleness + 1
 
-    def _take(self, state: _WorkerState, extra: bool = False) -> Closure | None:
-        """The next closure for ``state``'s worker; None once shut down.
+    def _take(self, state: WorkerState, extra: bool = False) -> tuple[int, Closure] | None:
+        """The next closure for ``state``'s worker and its attempt id; None once shut down.
 
         An ``extra`` dispatcher (a second closure in flight) takes general closures
         only, and none while the worker's resources are being (re)built, since those
@@ -331,43 +380,58 @@ class ClusterCoordinator:
                     if state.targeted and not extra:
                         closure = state.targeted.popleft()
                         state.resources_in_flight += 1
-                        self._inflight += 1
-                        return closure
-                    if self._queue and self._may_start(state):
-                        closure = self._queue.popleft()
+                        return self._start(state, closure)
+                    closure = self._next_general(state) if self._may_start(state) else None
+                    if closure is not None:
                         state.started += 1
                         closure.step = state.started
-                        self._inflight += 1
-                        return closure
+                        return self._start(state, closure)
                 self._check_all_down()
                 self._cond.wait(1.0)
 
-    def _check_all_down(self) -> None:
-        """Fails the queued closures when no worker has answered for too long."""
-        if not self._queue or any(s.up for s in self._states):
-            return
-        since = min(s.down_since or time.monotonic() for s in self._states)
-        if time.monotonic() - since > self._unavailable_timeout:
-            tasks = ", ".join(s.worker.task for s in self._states)
-            self._fail(
-                errors.WorkerUnavailableError(
-                    f"No worker reachable for {self._unavailable_timeout:.0f}s ({tasks}); giving up"
-                )
-            )
+    def _next_general(self, state: WorkerState) -> Closure | None:
+        """Takes the first queued closure this worker should run (under the lock).
 
-    def _dispatch(self, state: _WorkerState, extra: bool = False) -> None:
+        Skips re-runs whose first run already won, and a late closure's re-run on the
+        worker that still runs the original (it must go to another one).
+        """
+        while self._queue and self._queue[0].finished:
+            self._queue.popleft().queued = False
+        mine = {id(c) for c, _ in state.running.values()}
+        for i, closure in enumerate(self._queue):
+            if closure.finished or id(closure) in mine:
+                continue
+            del self._queue[i]
+            closure.queued = False
+            return closure
+        return None
+
+    def _start(self, state: WorkerState, closure: Closure) -> tuple[int, Closure]:
+        attempt = next(self._attempt_ids)
+        closure.running += 1
+        state.running[attempt] = (closure, time.monotonic())
+        return attempt, closure
+
+    def _dispatch(self, state: WorkerState, extra: bool = False) -> None:
         while True:
-            closure = self._take(state, extra)
-            if closure is None:
+            taken = self._take(state, extra)
+            if taken is None:
                 return
+            attempt, closure = taken
             try:
                 value = state.worker.run(self._session_id, closure, self._functions)
             except errors.WorkerUnavailableError as e:
-                log.warning(
-                    "%s lost (%s); re-queuing closure %d", state.worker.task, e, closure.closure_id
-                )
-                self._worker_lost(state, closure)
+                self._end_attempt(state, attempt, closure)
+                if not self._closed:
+                    log.warning(
+                        "%s lost (%s); re-queuing closure %d",
+                        state.worker.task,
+                        e,
+                        closure.closure_id,
+                    )
+                    self._worker_lost(state, closure)
             except closure_lib.MissingResourceError:
+                self._end_attempt(state, attempt, closure)
                 self._worker_restarted(state, closure)
             except BaseException as e:  # the closure's own error
                 if isinstance(e, StopIteration):  # its iterator ran out: TF's OutOfRangeError
@@ -377,96 +441,40 @@ class ClusterCoordinator:
                     )
                     end.__cause__ = e
                     e = end
-                closure.remote_value._set_error(e)
-                if closure.resource_key is None:
-                    with self._cond:
-                        state.done += 1
-                self._fail(e)
+                if self._end_attempt(state, attempt, closure, finish=True):
+                    closure.remote_value._set_error(e)
+                    self._fail(e)
             else:
-                closure.remote_value._set_value(value)
-                with self._cond:
-                    state.closures_run += 1
-                    if closure.resource_key is None:
-                        state.done += 1
-            finally:
-                with self._cond:
-                    self._inflight -= 1
-                    if closure.resource_key is not None:
-                        state.resources_in_flight -= 1
-                    self._cond.notify_all()
+                if self._end_attempt(state, attempt, closure, finish=True):
+                    closure.remote_value._set_value(value)
 
-    def _requeue(self, state: _WorkerState, closure: Closure) -> None:
-        events.publish(events.EventKind.CLOSURE_REQUEUED, state.worker.task, "closure re-queued")
+    def _end_attempt(
+        self, state: WorkerState, attempt: int, closure: Closure, finish: bool = False
+    ) -> bool:
+        """Books the end of one attempt; with ``finish``, whether its result is the one kept."""
         with self._cond:
+            _, started = state.running.pop(attempt)
+            closure.running -= 1
+            state.last_seen = time.monotonic()
             if closure.resource_key is not None:
-                state.targeted.appendleft(closure)
-            else:
-                state.started -= 1
-                self._queue.appendleft(closure)
+                state.resources_in_flight -= 1
+            won = finish and not closure.finished
+            if won:
+                closure.finished = True
+                state.closures_run += 1
+                if closure.resource_key is None:
+                    state.done += 1
+                    self._unfinished -= 1
+                    self._step_times.record(time.monotonic() - started)
             self._cond.notify_all()
-
-    def _worker_lost(self, state: _WorkerState, closure: Closure) -> None:
-        with self._cond:
-            state.up = False
-            state.down_since = time.monotonic()
-            start_recovery = not state.recovering  # both dispatchers may see the loss
-            state.recovering = True
-        self._requeue(state, closure)
-        if start_recovery:
-            threading.Thread(
-                target=self._recover,
-                args=(state,),
-                name=f"recover-{state.worker.task}",
-                daemon=True,
-            ).start()
-
-    def _worker_restarted(self, state: _WorkerState, closure: Closure) -> None:
-        self._requeue(state, closure)
-        with self._cond:
-            state.up = False
-            state.down_since = time.monotonic()
-            if state.rebuilding:  # the other dispatcher found it first and rebuilds
-                return
-            state.rebuilding = True
-        try:
-            self._rebuild(state)
-        finally:
-            with self._cond:
-                state.rebuilding = False
-                self._cond.notify_all()
-
-    def _recover(self, state: _WorkerState) -> None:
-        """Probes a lost worker until it answers again, then rebuilds its resources."""
-        try:
-            while not self._closed:
-                if state.worker.healthy(timeout=2.0):
-                    self._rebuild(state)
-                    return
-                time.sleep(0.5)
-        finally:
-            state.recovering = False
-
-    def _rebuild(self, state: _WorkerState) -> None:
-        """Re-creates this session's datasets and iterators on a (restarted) worker."""
-        forget = getattr(state.worker, "forget_functions", None)
-        if forget is not None:
-            forget()
-        with self._cond:
-            specs = [r for r in self._resources if r[1] == state.worker.index]
-            rebuilt = collections.deque(
-                Closure(next(self._ids), fn, args, {}, RemoteValue(0, key), resource_key=key)
-                for key, _, fn, args in specs
-            )
-            # resources first, in creation order, then whatever was waiting for this worker
-            pending = [c for c in state.targeted if c.resource_key not in {k for k, *_ in specs}]
-            state.targeted = collections.deque([*rebuilt, *pending])
-            state.up = True
-            state.down_since = None
-            self._cond.notify_all()
-        log.info("%s is back; rebuilt %d resources", state.worker.task, len(specs))
+            return won
 
     def __repr__(self) -> str:
         return f"ClusterCoordinator(workers={self.num_workers})"
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _make_iterator(dataset: Any) -> Any:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import abc
 import enum
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from psflow import errors
@@ -32,17 +34,40 @@ class RemoteValue:
         self._value: Any = None
         self._error: BaseException | None = None
         self._status = RemoteValueStatus.NOT_READY
+        self._callbacks: list[Callable[[RemoteValue], Any]] = []
+        self._lock = threading.Lock()
 
     # -- producer side ---------------------------------------------------------------
     def _set_value(self, value: Any) -> None:
         self._value = value
         self._status = RemoteValueStatus.READY
         self._event.set()
+        self._run_callbacks()
 
     def _set_error(self, error: BaseException) -> None:
         self._error = error
         self._status = RemoteValueStatus.ABORTED
         self._event.set()
+        self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[[RemoteValue], Any]) -> None:
+        """Calls ``fn(self)`` once the value or an error arrives (now, if it already has).
+
+        ``fn`` runs on the coordinator's thread that delivered the value: keep it short
+        (e.g. put the value on a queue), which is how results are consumed as they
+        complete rather than in scheduling order.
+        """
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def _reset(self) -> None:
         """Makes the value pending again (its closure is being re-run)."""
@@ -80,6 +105,20 @@ class RemoteValue:
 
     def __repr__(self) -> str:
         return f"<RemoteValue closure={self._closure_id} status={self._status.value}>"
+
+
+class PerWorkerArgument(abc.ABC):
+    """A closure argument decided when a worker takes the closure, not when it is scheduled.
+
+    The coordinator calls :meth:`for_worker` with the worker's index before it sends
+    the closure, and sends what it returns. A re-run of the closure (after a failure,
+    or a speculative one) calls it again: implementations return the same value
+    every time, so a re-run repeats the same work (e.g. trains the same batch).
+    """
+
+    @abc.abstractmethod
+    def for_worker(self, worker_index: int) -> Any:
+        """The value the closure receives on worker ``worker_index``."""
 
 
 class PerWorkerValues:

@@ -21,7 +21,7 @@ import grpc
 
 from psflow import errors
 from psflow.distribute.coordinator import closure as closure_lib
-from psflow.distribute.coordinator.remote_value import RemoteValue
+from psflow.distribute.coordinator.remote_value import PerWorkerArgument, RemoteValue
 from psflow.util import nest
 
 #: gRPC options for every psflow channel: no 4 MB cap (psflow streams big tensors itself).
@@ -29,6 +29,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
     ("grpc.enable_retries", 0),
+    # A restarted worker is found again within about a second (gRPC's default backoff
+    # grows to minutes, during which a returning process would sit unused).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -57,11 +62,22 @@ class Closure:
     remote_value: RemoteValue
     resource_key: str | None = None
     step: int = 0
+    # The coordinator's bookkeeping (under its lock): a closure may run more than once
+    # at a time (a speculative re-run of a late one); the first result wins.
+    queued: bool = False
+    running: int = 0
+    finished: bool = False
+    speculated: bool = False
+    # whether a second run may start while the first still runs: not when the closure
+    # reads a per-worker iterator (the two runs would consume two different elements)
+    speculable: bool = True
 
     def args_for(self, worker_index: int) -> tuple[tuple, dict]:
         """The arguments with every per-worker value replaced by this worker's component."""
 
         def pick(x: Any) -> Any:
+            if isinstance(x, PerWorkerArgument):
+                return x.for_worker(worker_index)
             if getattr(x, "_is_per_worker", False):
                 x = x.values[worker_index]
             return x.get() if isinstance(x, RemoteValue) else x
@@ -79,6 +95,8 @@ class Worker(abc.ABC):
     """
 
     max_in_flight = 1
+    #: whether the coordinator health-checks it (a remote process can freeze; the chief cannot)
+    probed = False
 
     def __init__(self, index: int, task: str) -> None:
         self.index = index
@@ -90,6 +108,9 @@ class Worker(abc.ABC):
 
     def end_session(self, session_id: str) -> None:
         """Forgets the session's state on the worker."""
+
+    def forget_functions(self) -> None:
+        """The worker restarted: every function must be sent again (none are cached here)."""
 
     def healthy(self, timeout: float = 2.0) -> bool:
         """Whether the worker answers now."""
@@ -155,6 +176,7 @@ class GrpcWorker(Worker):
     ) -> None:
         super().__init__(index, f"worker:{index}")
         self.max_in_flight = 2
+        self.probed = True
         from psflow.proto import worker_pb2, worker_pb2_grpc
         from psflow.security.config import default_security
         from psflow.security.grpc_auth import open_channel

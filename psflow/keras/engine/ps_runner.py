@@ -1,122 +1,78 @@
 """Keras ``fit``/``evaluate``/``predict`` under ParameterServerStrategy: steps as closures.
 
-Each epoch builds a dataset and an iterator on every worker; each worker reads
-its own shard (arrays: every N-th example after a shared per-epoch shuffle;
-datasets: every N-th batch). The chief schedules one closure per step through
-the coordinator and keeps going until every worker's shard is exhausted, so a
-finite dataset needs no ``steps_per_epoch`` (TensorFlow requires one).
+The chief hands out the data (see :mod:`psflow.keras.engine.ps_batches`): each
+step closure carries the batch it trains, the learning rate and the step it
+trains at, so a closure re-run elsewhere (its worker died, froze or is late)
+trains the same batch once, and a schedule gives the same per-step learning
+rates as in one process. Results are consumed as they complete, from any
+worker; the epoch ends when its batches are done, wherever they ran. A finite
+dataset needs no ``steps_per_epoch`` (TensorFlow requires one).
 
 Workers send back their metrics' state after each step and the chief merges
 it, so the loss and metrics of an epoch cover every worker's batches. In
-``sync`` mode each step is one batch from every worker; the epoch then has as
-many steps as the smallest shard has full batches.
+``sync`` mode each step is one batch from every worker: the epoch has a
+multiple of the worker count of full batches.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
+import queue
 from typing import Any
 
-import numpy as np
-
 from psflow import errors
-from psflow.framework.tensor import Tensor
-from psflow.keras.engine import data_adapter
-
-
-class _ArrayShards:
-    """A picklable ``make(worker, epoch)`` of per-worker batch iterables over in-memory arrays."""
-
-    def __init__(self, source: data_adapter.ArrayBatches, num_workers: int, seed: int) -> None:
-        self.x, self.y, self.sw = source.x, source.y, source.sample_weight
-        self.n = source.num_examples
-        self.batch_size = source.batch_size
-        self.shuffle = source.shuffle
-        self.num_workers = num_workers
-        self.seed = seed
-
-    def indices(self, worker: int, epoch: int) -> np.ndarray:
-        """The examples ``worker`` reads in ``epoch``, in order."""
-        order = (
-            np.random.default_rng([self.seed, epoch]).permutation(self.n)
-            if self.shuffle
-            else np.arange(self.n)
-        )
-        return order[worker :: self.num_workers]
-
-    def batches_per_worker(self) -> list[int]:
-        """Batches each worker's shard yields."""
-        return [
-            math.ceil(len(range(w, self.n, self.num_workers)) / self.batch_size)
-            for w in range(self.num_workers)
-        ]
-
-    def __call__(self, worker: int, epoch: int) -> Any:
-        from psflow.util import nest
-
-        idx = self.indices(worker, epoch)
-        bs = self.batch_size
-
-        def batches() -> Any:
-            for start in range(0, len(idx), bs):
-                sel = idx[start : start + bs]
-
-                def take(a: Any, sel: Any = sel) -> Tensor:
-                    return Tensor._wrap(a[sel])
-
-                parts = [nest.map_structure(take, self.x)]
-                if self.y is not None:
-                    parts.append(nest.map_structure(take, self.y))
-                if self.sw is not None:
-                    parts.append(nest.map_structure(take, self.sw))
-                yield tuple(parts) if len(parts) > 1 else (parts[0],)
-
-        return batches()
-
-
-class _DatasetShards:
-    """A picklable ``make(worker, epoch)``: every N-th batch of a dataset."""
-
-    def __init__(self, dataset: Any, num_workers: int) -> None:
-        self.dataset = dataset
-        self.num_workers = num_workers
-
-    def __call__(self, worker: int, epoch: int) -> Any:
-        ds = self.dataset.shard(self.num_workers, worker) if self.num_workers > 1 else self.dataset
-        return iter(ds)
-
-
-def _worker_index() -> int:
-    from psflow.distribute.ps import session as session_lib
-
-    task = session_lib.current().task
-    return int(task.rsplit(":", 1)[1]) if task.startswith("worker:") else 0
+from psflow.keras.engine import data_adapter, ps_batches
 
 
 class _StepProgram:
-    """What a step closure runs on a worker: one train/test step and the metrics' state."""
+    """What a step closure runs on a worker: one train/test step on its batch, and the metrics."""
 
     def __init__(self, model: Any, kind: str, in_process: bool) -> None:
         self.model = model
         self.kind = kind
         self.in_process = in_process
 
-    def __call__(self, iterator: Any, learning_rate: float | None = None) -> Any:
+    def __call__(
+        self,
+        reader: Any,
+        batch: ps_batches.Batch | None,
+        learning_rate: float | None = None,
+        step: int | None = None,
+    ) -> Any:
         model = self.model
-        try:
-            batch = next(iterator)
-        except (StopIteration, errors.OutOfRangeError):
-            return (_worker_index(), None, False)
+        data = None if batch is None else reader.read(batch)
+        if data is None:
+            return (batch, None, False)
         if learning_rate is not None and model.optimizer is not None:
+            # The chief's schedule evaluated at this closure's own step: a re-run or an
+            # out-of-order step trains with the rate it would have had in one process.
             model.optimizer.learning_rate = learning_rate
+            model.optimizer.iterations = step
         if not self.in_process:
             model.reset_metrics()
-        step = model.train_step if self.kind == "train" else model.test_step
-        model.distribute_strategy.run(step, args=(batch,))
+        step_fn = model.train_step if self.kind == "train" else model.test_step
+        strategy = model.distribute_strategy
+        strategy.run(step_fn, args=(_for_local_replicas(data),))
         states = None if self.in_process else [m.get_state() for m in model.metrics]
-        return (_worker_index(), states, True)
+        return (batch, states, True)
+
+
+def _for_local_replicas(data: Any) -> Any:
+    """The batch split over this worker's devices when it has several (as its datasets are)."""
+    from psflow.distribute.parameter_server_strategy import _for_local_replicas as split
+
+    return next(iter(split([data])))
+
+
+def _learning_rate_at(optimizer: Any, step: int) -> float:
+    """``optimizer.learning_rate`` as it is at ``step`` (a schedule is evaluated there)."""
+    current = int(optimizer.iterations)
+    optimizer.iterations = step
+    try:
+        return float(optimizer.learning_rate)
+    finally:
+        optimizer.iterations = current
 
 
 def _predict_batch(model: Any, x: Any) -> Any:
@@ -139,67 +95,73 @@ class PSRunner:
         self.in_process = strategy.extended.embedded
         self._epoch = 0
         self._programs: dict[tuple[int, str], _StepProgram] = {}
-        self._makers: dict[int, Any] = {}
+        # id(source) -> (source, its reader, the reader's copies on the workers); the
+        # source is held so that its id cannot be reused by another one
+        self._readers: dict[int, tuple[Any, Any, Any]] = {}
 
     def prepare(self, source: Any) -> Any:
-        """Nothing to do here: sharding happens per worker, per epoch."""
+        """Nothing to do here: batches are handed out per step."""
         return source
 
     def steps_estimate(self, source: Any) -> int | None:
-        """Steps of an epoch over every worker's shard, when known (for the progress bar)."""
+        """Steps of an epoch, when known (for the progress bar)."""
         if self.strategy.mode == "sync":
             try:
-                return self._steps_for_sync(self._maker(source), None)
+                return self._steps_for_sync(self._reader(source)[0], None)
             except errors.InvalidArgumentError:
                 return None
         return steps_per_epoch_estimate(source, self.num_workers)
 
-    def _maker(self, source: Any) -> Any:
+    def _reader(self, source: Any) -> tuple[Any, Any]:
+        """The source's worker-side reader, and its copies on the workers (sent once)."""
         key = id(source)
-        maker = self._makers.get(key)
-        if maker is None:
-            if isinstance(source, data_adapter.ArrayBatches):
-                from psflow import random as random_lib
+        known = self._readers.get(key)
+        if known is not None:
+            return known[1], known[2]
+        if isinstance(source, data_adapter.ArrayBatches):
+            from psflow import random as random_lib
 
-                seed = int(random_lib.new_generator().integers(0, 2**31 - 1))
-                maker = _ArrayShards(source, self.num_workers, seed)
-            elif isinstance(source, data_adapter.DatasetBatches) and hasattr(
-                source.dataset, "shard"
-            ):
-                maker = _DatasetShards(source.dataset, self.num_workers)
-            else:
-                raise errors.InvalidArgumentError(
-                    "ParameterServerStrategy fit needs arrays or a psflow.data.Dataset, got "
-                    f"{type(getattr(source, 'dataset', source)).__name__}"
-                )
-            self._makers[key] = maker
-        return maker
+            seed = int(random_lib.new_generator().integers(0, 2**31 - 1))
+            reader: Any = ps_batches.ArrayReader(
+                source.x,
+                source.y,
+                source.sample_weight,
+                source.batch_size,
+                bool(source.shuffle),
+                seed,
+            )
+        elif isinstance(source, data_adapter.DatasetBatches) and hasattr(source.dataset, "shard"):
+            reader = ps_batches.DatasetReader(source.dataset, self.num_workers)
+        else:
+            raise errors.InvalidArgumentError(
+                "ParameterServerStrategy fit needs arrays or a psflow.data.Dataset, got "
+                f"{type(getattr(source, 'dataset', source)).__name__}"
+            )
+        on_workers = self.coordinator.put_on_workers(reader)
+        self._readers[key] = (source, reader, on_workers)
+        return reader, on_workers
 
-    def _steps_for_sync(self, maker: Any, steps: int | None) -> int | None:
+    def _steps_for_sync(self, reader: Any, steps: int | None) -> int | None:
         if self.strategy.mode != "sync":
             return steps
         if steps is not None:
             return steps * self.num_workers
-        if isinstance(maker, _ArrayShards):
-            full = [
-                len(range(w, maker.n, maker.num_workers)) // maker.batch_size
-                for w in range(self.num_workers)
-            ]
-            return min(full) * self.num_workers
-        card = int(maker.dataset.cardinality())
+        if isinstance(reader, ps_batches.ArrayReader):
+            full = reader.n // reader.batch_size
+            return (full // self.num_workers) * self.num_workers
+        card = int(reader.dataset.cardinality())
         if card < 0:
             raise errors.InvalidArgumentError(
                 "Synchronous fit on a dataset of unknown size needs steps_per_epoch"
             )
         return (card // self.num_workers) * self.num_workers
 
-    def _iterators(self, maker: Any) -> Any:
+    def _plan(self, reader: Any) -> Any:
         epoch = self._epoch
         self._epoch += 1
-        datasets = self.coordinator.create_per_worker_dataset(
-            lambda ctx, _m=maker, _e=epoch: _m(ctx.input_pipeline_id, _e)
-        )
-        return iter(datasets)
+        if isinstance(reader, ps_batches.ArrayReader):
+            return ps_batches.ArrayPlan(epoch, reader.num_batches)
+        return ps_batches.DatasetPlan(epoch, reader.num_shards)
 
     def _program(self, kind: str) -> _StepProgram:
         key = (id(self.model), kind)
@@ -210,46 +172,58 @@ class PSRunner:
         return program
 
     def _run(self, kind: str, source: Any, steps: int | None, on_begin: Any, on_end: Any) -> int:
-        maker = self._maker(source)
-        total = self._steps_for_sync(maker, steps)
-        iterators = self._iterators(maker)
+        reader, on_workers = self._reader(source)
+        total = self._steps_for_sync(reader, steps)
+        plan = self._plan(reader)
         program = self._program(kind)
-        pending: collections.deque = collections.deque()
-        exhausted: set[int] = set()
-        scheduled = done = 0
-        window = 2 * self.num_workers
+        completed: queue.SimpleQueue = queue.SimpleQueue()
         model = self.model
+        optimizer = model.optimizer if kind == "train" else None
+        base_step = int(optimizer.iterations) if optimizer is not None else 0
+        # Remote workers train a copy of the optimizer: they get the rate and step with
+        # each closure. The chief as its own worker trains this very optimizer, which
+        # counts its steps and evaluates its schedule itself.
+        carry_rate = optimizer is not None and not self.in_process
+        # Enough closures in flight that a frozen or slow worker holding a few of them
+        # does not starve the others; the coordinator bounds its own queue too.
+        window = 4 * self.num_workers
+        pending = scheduled = done = 0
         while True:
             while (
-                len(pending) < window
-                and len(exhausted) < self.num_workers
+                pending < window
+                and not plan.exhausted()
                 and (total is None or scheduled < total)
+                and not model.stop_training
             ):
                 on_begin(scheduled)
-                lr = (
-                    model.optimizer.learning_rate
-                    if (kind == "train" and model.optimizer is not None)
-                    else None
-                )
-                pending.append(self.coordinator.schedule(program, args=(iterators, lr)))
+                lr = step = None
+                if carry_rate:
+                    step = base_step + scheduled
+                    lr = _learning_rate_at(optimizer, step)
+                rv = self.coordinator.schedule(program, args=(on_workers, plan.ticket(), lr, step))
+                rv.add_done_callback(completed.put)
+                pending += 1
                 scheduled += 1
             if not pending:
                 break
+            rv = completed.get()  # every closure completes: with its value, or an error
+            pending -= 1
             try:
-                worker, states, ran = pending.popleft().get()
+                batch, states, ran = rv.get()
             except Exception:
                 self.coordinator.join()  # raises the first error: the cause of the others
                 raise
             if not ran:
-                exhausted.add(worker)
+                if batch is not None:
+                    plan.ended(batch)
                 continue
             if states is not None:
                 for metric, state in zip(model.metrics, states):
                     metric.merge_state(state)
-            on_end(done, model._current_logs())
             done += 1
-            if model.stop_training:
-                break
+            if carry_rate:
+                optimizer.iterations = base_step + done
+            on_end(done - 1, model._current_logs())
         self.coordinator.join()
         return done
 

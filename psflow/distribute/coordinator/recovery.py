@@ -1,0 +1,242 @@
+"""How the coordinator handles workers that fail: lost, restarted, frozen, late, all gone.
+
+:class:`WorkerState` is the coordinator's view of one worker; :class:`Recovery`
+holds the coordinator's reactions to failures (a mixin of
+:class:`~psflow.distribute.coordinator.cluster_coordinator.ClusterCoordinator`,
+sharing its lock and queue):
+
+* a call that finds the worker unreachable marks it down and re-queues its
+  closure; a thread probes it until it answers, then rebuilds its resources;
+* a worker that answers with a missing resource restarted: rebuilt at once;
+* a probe thread per worker calls GetStatus with a deadline; no answer for the
+  health grace marks it down and re-queues what it holds (it may be frozen
+  or partitioned, with no socket reset to tell);
+* a closure much later than recent ones is re-run on an idle worker (async
+  mode); the first result wins;
+* no worker reachable for the timeout: the queued closures fail, naming them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from psflow import errors
+from psflow.distribute.coordinator.config import CoordinatorConfig
+from psflow.distribute.coordinator.remote_value import RemoteValue
+from psflow.distribute.coordinator.stragglers import StepTimes
+from psflow.distribute.coordinator.workers import Closure, Worker
+from psflow.observability import events
+
+log = logging.getLogger("psflow.coordinator")
+
+
+class WorkerState:
+    """The coordinator's view of one worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.up = True
+        self.down_since: float | None = None
+        self.last_seen = time.monotonic()  # when it last answered a call or a probe
+        self.targeted: collections.deque[Closure] = collections.deque()
+        self.started = 0  # general closures dispatched (its step clock)
+        self.done = 0
+        self.closures_run = 0
+        self.recovering = False
+        self.rebuilding = False
+        self.unresponsive = False  # marked down by the health probe, not by a failed call
+        self.resources_in_flight = 0  # targeted closures sent and not yet answered
+        self.running: dict[int, tuple[Closure, float]] = {}  # attempt id -> (closure, start)
+
+
+class Recovery:
+    """The failure handling of the coordinator (see the module docstring).
+
+    It works on the coordinator's state, under the coordinator's lock:
+    """
+
+    _cond: threading.Condition
+    _queue: collections.deque[Closure]
+    _states: list[WorkerState]
+    _config: CoordinatorConfig
+    _closed: bool
+    _ids: Iterator[int]
+    _resources: list[tuple[str, int, Callable[..., Any], tuple]]
+    _step_times: StepTimes
+    speculative_runs: int
+
+    def _check_all_down(self) -> None:
+        """Fails the queued closures when no worker has answered for too long."""
+        if not self._queue or any(s.up for s in self._states):
+            return
+        since = max(s.down_since or time.monotonic() for s in self._states)
+        timeout = self._config.worker_unavailable_timeout
+        if time.monotonic() - since > timeout:
+            tasks = ", ".join(s.worker.task for s in self._states)
+            self._fail(
+                errors.WorkerUnavailableError(
+                    f"No worker reachable for {timeout:g}s (lost: {tasks}); giving up with "
+                    f"{len(self._queue)} closures queued"
+                )
+            )
+
+    def _requeue(self, state: WorkerState, closure: Closure) -> None:
+        """Queues ``closure`` again unless it finished, waits already or still runs elsewhere."""
+        events.publish(events.EventKind.CLOSURE_REQUEUED, state.worker.task, "closure re-queued")
+        with self._cond:
+            if closure.resource_key is not None:
+                state.targeted.appendleft(closure)
+            elif not (closure.finished or closure.queued or closure.running):
+                state.started -= 1
+                closure.queued = True
+                self._queue.appendleft(closure)
+            self._cond.notify_all()
+
+    def _mark_down(self, state: WorkerState) -> None:
+        with self._cond:
+            if state.up:
+                state.up = False
+                state.down_since = time.monotonic()
+            self._cond.notify_all()
+
+    def _worker_lost(self, state: WorkerState, closure: Closure) -> None:
+        self._mark_down(state)
+        with self._cond:
+            start_recovery = not state.recovering  # both dispatchers may see the loss
+            state.recovering = True
+        self._requeue(state, closure)
+        if start_recovery:
+            threading.Thread(
+                target=self._recover,
+                args=(state,),
+                name=f"recover-{state.worker.task}",
+                daemon=True,
+            ).start()
+
+    def _worker_restarted(self, state: WorkerState, closure: Closure) -> None:
+        self._requeue(state, closure)
+        self._mark_down(state)
+        with self._cond:
+            if state.rebuilding:  # the other dispatcher found it first and rebuilds
+                return
+            state.rebuilding = True
+        try:
+            self._rebuild(state)
+        finally:
+            with self._cond:
+                state.rebuilding = False
+                self._cond.notify_all()
+
+    def _recover(self, state: WorkerState) -> None:
+        """Probes a lost worker until it answers again, then rebuilds its resources."""
+        try:
+            while not self._closed:
+                if state.worker.healthy(timeout=2.0):
+                    self._rebuild(state)
+                    return
+                time.sleep(0.5)
+        finally:
+            state.recovering = False
+
+    def _probe(self, state: WorkerState) -> None:
+        """Health-checks one worker (GetStatus, with a deadline) for as long as the coordinator runs.
+
+        A worker that leaves probes unanswered for the grace is marked down and the
+        closures it holds run elsewhere; when it answers again it is used again.
+        """
+        cfg = self._config
+        probe_timeout = max(min(cfg.health_grace / 2, 2.0), 0.05)
+        while not self._closed:
+            answered = state.worker.healthy(timeout=probe_timeout)
+            now = time.monotonic()
+            orphans: list[Closure] = []
+            with self._cond:
+                if answered:
+                    state.last_seen = now
+                    if state.unresponsive and not state.recovering:
+                        log.info("%s answers again; using it again", state.worker.task)
+                        state.unresponsive = False
+                        state.up = True
+                        state.down_since = None
+                        self._cond.notify_all()
+                elif state.up and now - state.last_seen > cfg.health_grace:
+                    log.warning(
+                        "%s has not answered for %.1fs; its closures run elsewhere",
+                        state.worker.task,
+                        now - state.last_seen,
+                    )
+                    state.unresponsive = True
+                    state.up = False
+                    state.down_since = now
+                    orphans = [c for c, _ in state.running.values() if c.resource_key is None]
+                    self._cond.notify_all()
+            for closure in orphans:
+                with self._cond:
+                    if closure.finished or closure.queued:
+                        continue
+                    closure.queued = True
+                    self._queue.appendleft(closure)
+                    self._cond.notify_all()
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=cfg.health_interval)
+
+    def _watch_stragglers(self) -> None:
+        """Re-runs a late closure on an idle worker (async mode); the first result wins.
+
+        The re-run has the closure's id, so its pushes carry the same request ids and
+        the parameter servers apply only the first of the two.
+        """
+        while not self._closed:
+            threshold = self._step_times.threshold()
+            if threshold is not None:
+                now = time.monotonic()
+                with self._cond:
+                    idle = any(s.up and not s.running for s in self._states)
+                    if idle and not self._queue:
+                        for s in self._states:
+                            for closure, started in list(s.running.values()):
+                                if (
+                                    closure.resource_key is None
+                                    and not (closure.finished or closure.queued)
+                                    and closure.speculable
+                                    and not closure.speculated
+                                    and now - started > threshold
+                                ):
+                                    log.info(
+                                        "closure %d on %s is late (%.1fs > %.1fs); re-running it",
+                                        closure.closure_id,
+                                        s.worker.task,
+                                        now - started,
+                                        threshold,
+                                    )
+                                    closure.speculated = True
+                                    closure.queued = True
+                                    self._queue.appendleft(closure)
+                                    self.speculative_runs += 1
+                        self._cond.notify_all()
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=0.2)
+
+    def _rebuild(self, state: WorkerState) -> None:
+        """Re-creates this session's datasets and iterators on a (restarted) worker."""
+        state.worker.forget_functions()
+        with self._cond:
+            specs = [r for r in self._resources if r[1] == state.worker.index]
+            rebuilt = collections.deque(
+                Closure(next(self._ids), fn, args, {}, RemoteValue(0, key), resource_key=key)
+                for key, _, fn, args in specs
+            )
+            # resources first, in creation order, then whatever was waiting for this worker
+            pending = [c for c in state.targeted if c.resource_key not in {k for k, *_ in specs}]
+            state.targeted = collections.deque([*rebuilt, *pending])
+            state.up = True
+            state.unresponsive = False
+            state.down_since = None
+            state.last_seen = time.monotonic()
+            self._cond.notify_all()
+        log.info("%s is back; rebuilt %d resources", state.worker.task, len(specs))
