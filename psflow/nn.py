@@ -1,5 +1,15 @@
 """``psflow.nn``: TensorFlow's ``tf.nn`` names."""
 
+from psflow.ops.conv_ops import (
+    avg_pool,
+    avg_pool1d,
+    avg_pool2d,
+    conv1d,
+    conv2d,
+    max_pool,
+    max_pool1d,
+    max_pool2d,
+)
 from psflow.ops.nn_ops import (
     bias_add,
     compute_average_loss,

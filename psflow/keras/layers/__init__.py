@@ -11,3 +11,25 @@ from psflow.keras.layers.core import (
     Reshape,
 )
 from psflow.keras.layers.embedding import Embedding
+
+# isort: split
+# -- convolution, pooling, normalization, preprocessing (the "layers" work) --
+from psflow.keras.layers.convolutional import Conv1D, Conv2D, Convolution1D, Convolution2D
+from psflow.keras.layers.pooling import (
+    AveragePooling1D,
+    AveragePooling2D,
+    AvgPool1D,
+    AvgPool2D,
+    GlobalAveragePooling1D,
+    GlobalAveragePooling2D,
+    GlobalAvgPool1D,
+    GlobalAvgPool2D,
+    GlobalMaxPool1D,
+    GlobalMaxPool2D,
+    GlobalMaxPooling1D,
+    GlobalMaxPooling2D,
+    MaxPool1D,
+    MaxPool2D,
+    MaxPooling1D,
+    MaxPooling2D,
+)
