@@ -7,7 +7,8 @@ height of one. A window op reads its input through a strided *patch view*
 - convolution copies the view once into an im2col matrix and multiplies it by
   the kernel reshaped to ``(KH*KW*C, F)``: one GEMM forward, two backward
   (kernel: ``cols.T @ g``; input: ``g @ kernel.T``, folded back by col2im);
-- pooling reduces the view over its window axes.
+- pooling combines, elementwise, the ``KH*KW`` slabs ``(N, OH, OW, C)`` that
+  the window positions read (the channel axis stays contiguous).
 
 col2im (the adjoint of the patch view) adds each kernel position's slab of
 gradient into the padded input gradient: ``KH*KW`` strided adds, each over
@@ -174,6 +175,25 @@ def _patches(
     return m.lib.stride_tricks.as_strided(a, shape=shape, strides=view_strides)
 
 
+def _windows(
+    out_hw: tuple[int, int],
+    kernel: tuple[int, int],
+    strides: tuple[int, int],
+    dilations: tuple[int, int],
+) -> list[tuple[int, int, slice, slice]]:
+    """For each kernel position ``(i, j)``, the rows and columns of the padded input it reads
+    across all output positions (so ``padded[:, rows, cols]`` is an ``(N, OH, OW, C)`` slab)."""
+    (oh, ow), (kh, kw) = out_hw, kernel
+    windows = []
+    for i in range(kh):
+        r0 = i * dilations[0]
+        rows = slice(r0, r0 + strides[0] * (oh - 1) + 1, strides[0])
+        for j in range(kw):
+            c0 = j * dilations[1]
+            windows.append((i, j, rows, slice(c0, c0 + strides[1] * (ow - 1) + 1, strides[1])))
+    return windows
+
+
 def _col2im(
     dpatches: Any,
     padded_shape: tuple[int, ...],
@@ -185,13 +205,8 @@ def _col2im(
     m = xp(dpatches)
     _, oh, ow, kh, kw, _ = dpatches.shape
     dx = m.zeros(padded_shape, dtype=dpatches.dtype)
-    for i in range(kh):
-        r0 = i * dilations[0]
-        rows = slice(r0, r0 + strides[0] * (oh - 1) + 1, strides[0])
-        for j in range(kw):
-            c0 = j * dilations[1]
-            cols = slice(c0, c0 + strides[1] * (ow - 1) + 1, strides[1])
-            dx[:, rows, cols, :] += dpatches[:, :, :, i, j, :]
+    for i, j, rows, cols in _windows((oh, ow), (kh, kw), strides, dilations):
+        dx[:, rows, cols, :] += dpatches[:, :, :, i, j, :]
     return _crop(dx, pads)
 
 
@@ -348,23 +363,27 @@ def _pool_args(
 
 
 def _max_pool(x: Any, k: tuple[int, int], s: tuple[int, int], pads: Pads, op_name: str) -> Tensor:
+    # one elementwise maximum per window position over whole (N, OH, OW, C) slabs: the channel
+    # axis stays contiguous, which a reduction over the patch view's window axes would not keep
     a = x._array()
     m = xp(a)
     oh, ow = _out_sizes(a.shape[1:3], pads, k, s, op_name)
     padded = _pad(a, pads, -np.inf)
-    view = _patches(padded, (oh, ow), k, s, (1, 1))
-    z = view.max(axis=(3, 4))
-    padded_shape = padded.shape
+    windows = _windows((oh, ow), k, s, (1, 1))
+    z = padded[:, windows[0][2], windows[0][3], :].copy()
+    for _, _, rows, cols in windows[1:]:
+        m.maximum(z, padded[:, rows, cols, :], out=z)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
         # each window's gradient goes to its first maximum, in row-major window order
-        n, c = a.shape[0], a.shape[3]
-        flat = view.reshape(n, oh, ow, k[0] * k[1], c)
-        first = flat.argmax(axis=3)[:, :, :, None, :]
-        positions = m.arange(k[0] * k[1]).reshape(1, 1, 1, -1, 1)
-        dpatches = (first == positions) * g[:, :, :, None, :]
-        dpatches = dpatches.reshape(n, oh, ow, k[0], k[1], c)
-        return (_col2im(dpatches, padded_shape, pads, s, (1, 1)),)
+        dx = m.zeros(padded.shape, dtype=g.dtype)
+        taken = m.zeros(z.shape, dtype=bool)
+        for _, _, rows, cols in windows:
+            hit = padded[:, rows, cols, :] == z
+            hit &= ~taken
+            taken |= hit
+            dx[:, rows, cols, :] += g * hit
+        return (_crop(dx, pads),)
 
     return out(z, (x,), backward)
 
@@ -380,19 +399,23 @@ def _avg_pool(x: Any, k: tuple[int, int], s: tuple[int, int], pads: Pads, op_nam
     m = xp(a)
     oh, ow = _out_sizes(a.shape[1:3], pads, k, s, op_name)
     padded = _pad(a, pads, 0.0)
-    view = _patches(padded, (oh, ow), k, s, (1, 1))
+    windows = _windows((oh, ow), k, s, (1, 1))
     counts = np.outer(
         _window_counts(a.shape[1], k[0], s[0], pads[0], oh),
         _window_counts(a.shape[2], k[1], s[1], pads[1], ow),
     )
     inv = m.asarray((1.0 / counts).astype(a.dtype))[None, :, :, None]
-    z = view.sum(axis=(3, 4)) * inv
-    padded_shape = padded.shape
+    z = padded[:, windows[0][2], windows[0][3], :].copy()
+    for _, _, rows, cols in windows[1:]:
+        z += padded[:, rows, cols, :]
+    z *= inv
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
-        share = (g * inv)[:, :, :, None, None, :]
-        dpatches = m.broadcast_to(share, (*g.shape[:3], k[0], k[1], g.shape[3]))
-        return (_col2im(dpatches, padded_shape, pads, s, (1, 1)),)
+        share = g * inv
+        dx = m.zeros(padded.shape, dtype=g.dtype)
+        for _, _, rows, cols in windows:
+            dx[:, rows, cols, :] += share
+        return (_crop(dx, pads),)
 
     return out(z, (x,), backward)
 
