@@ -15,6 +15,7 @@ from psflow.keras.layers.embedding import Embedding
 # isort: split
 # -- convolution, pooling, normalization, preprocessing (the "layers" work) --
 from psflow.keras.layers.convolutional import Conv1D, Conv2D, Convolution1D, Convolution2D
+from psflow.keras.layers.normalization import BatchNormalization, LayerNormalization
 from psflow.keras.layers.pooling import (
     AveragePooling1D,
     AveragePooling2D,
