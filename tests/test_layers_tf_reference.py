@@ -117,3 +117,57 @@ def test_layer_output_and_gradients_equal_tf_keras(
     # the moving statistics moved (or not) the same way
     for a, b in zip(ours.get_weights(), theirs.get_weights()):
         np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+
+
+# -- preprocessing -------------------------------------------------------------------------
+
+TEXT = np.array([["a", "b", "c", "a"], ["d", "a", "", "b"], ["hello", "x", "zz", "ä"]])
+INTS = np.array([[12, 1138, 42, 0], [7, 12, 12, -5]], dtype=np.int64)
+
+PREPROCESSING: list[tuple[str, dict[str, Any], np.ndarray, bool]] = [
+    *(
+        ("StringLookup", dict(output_mode=m, **kw), TEXT, True)
+        for m in ("int", "multi_hot", "count")
+        for kw in ({}, {"mask_token": "", "num_oov_indices": 3}, {"max_tokens": 4})
+    ),
+    ("StringLookup", dict(output_mode="one_hot"), TEXT[:, :1], True),
+    *(
+        ("IntegerLookup", dict(output_mode=m, **kw), INTS, True)
+        for m in ("int", "count")
+        for kw in ({}, {"mask_token": 0, "num_oov_indices": 2})
+    ),
+    *(
+        ("Hashing", dict(num_bins=n, **kw), data, False)
+        for n in (1, 3, 17)
+        for kw in ({}, {"salt": 42}, {"salt": [3, 9]}, {"mask_value": "a"})
+        for data in (TEXT,)
+    ),
+    ("Hashing", dict(num_bins=9), INTS, False),
+    ("Hashing", dict(num_bins=9, output_mode="multi_hot"), INTS, False),
+    ("CategoryEncoding", dict(num_tokens=5, output_mode="count"), np.array([[0, 4], [3, 3]]), False),
+    ("CategoryEncoding", dict(num_tokens=5, output_mode="one_hot"), np.array([[1], [4]]), False),
+    ("Discretization", dict(num_bins=5), np.linspace(-3, 7, 37).reshape(1, -1), True),
+    ("Discretization", dict(bin_boundaries=[-1.0, 0.0, 2.5]), np.array([[-2.0, 0.0, 2.5, 9.0]]), False),
+    ("Normalization", dict(), np.random.default_rng(1).normal(size=(20, 4)) * 3 + 1, True),
+    ("Normalization", dict(axis=None), np.random.default_rng(2).normal(size=(20, 4)), True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "data", "adapt"), PREPROCESSING, ids=str)
+def test_preprocessing_layer_equals_tf_keras(
+    cls: str, kwargs: dict[str, Any], data: np.ndarray, adapt: bool
+) -> None:
+    if data.dtype.kind == "f":
+        data = data.astype(np.float32)
+    theirs = getattr(tf.keras.layers, cls)(**kwargs)
+    ours = getattr(pf.keras.layers, cls)(**kwargs)
+    if adapt:
+        theirs.adapt(data)
+        ours.adapt(data)
+    if hasattr(theirs, "get_vocabulary"):
+        want_vocab = [v.decode() if isinstance(v, bytes) else v for v in theirs.get_vocabulary()]
+        assert ours.get_vocabulary() == want_vocab
+    want = np.asarray(theirs(data))
+    got = ours(data).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=TOL, atol=TOL)

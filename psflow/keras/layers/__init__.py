@@ -34,3 +34,11 @@ from psflow.keras.layers.pooling import (
     MaxPooling1D,
     MaxPooling2D,
 )
+from psflow.keras.layers.preprocessing import (
+    CategoryEncoding,
+    Discretization,
+    Hashing,
+    IntegerLookup,
+    Normalization,
+    StringLookup,
+)

@@ -291,7 +291,7 @@ class LayerNormalization(_Normalization):
         >>> import psflow as pf
         >>> y = pf.keras.layers.LayerNormalization()(pf.constant([[1.0, 3.0]]))
         >>> [round(float(v), 3) for v in y.numpy()[0]]
-        [-0.999, 0.999]
+        [-1.0, 1.0]
     """
 
     def __init__(
