@@ -221,9 +221,20 @@ def _crop(dx: Any, pads: Pads) -> Any:
 
 
 def _conv(
-    x: Any, w: Any, strides: tuple[int, int], pads: Pads, dilations: tuple[int, int], op_name: str
+    x: Any,
+    w: Any,
+    strides: tuple[int, int],
+    pads: Pads,
+    dilations: tuple[int, int],
+    op_name: str,
+    bias: Any = None,
+    relu: bool = False,
 ) -> Tensor:
-    """The 2-D convolution of nodes ``x`` (NHWC) and ``w`` (HWIO) with its VJP."""
+    """The 2-D convolution of nodes ``x`` (NHWC) and ``w`` (HWIO) with its VJP.
+
+    With ``bias`` (a node of ``out_channels``) and ``relu``, ``relu(conv + bias)`` is
+    one op: the sum and the activation run in place in the product's buffer.
+    """
     a, k = x._array(), w._array()
     if k.dtype != a.dtype:
         raise errors.InvalidArgumentError(
@@ -243,20 +254,75 @@ def _conv(
         n * oh * ow, kh * kw * cin
     )
     wm = k.reshape(kh * kw * cin, cout)
-    z = (cols @ wm).reshape(n, oh, ow, cout)
+    z2 = cols @ wm
+    inputs: tuple[Any, ...] = (x, w)
+    if bias is not None:
+        z2 += bias._array()
+        inputs = (x, w, bias)
+    if relu:
+        xp(z2).maximum(z2, 0, out=z2)
+    z = z2.reshape(n, oh, ow, cout)
     padded_shape = padded.shape
 
-    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, Any]:
+    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
         g2 = g.reshape(n * oh * ow, cout)
+        if relu:  # an explicit dtype: NumPy's mixed float-by-bool loop is several times slower
+            g2 = xp(g2).multiply(g2, z2 > 0, dtype=g2.dtype)
         dx = dw = None
         if needs[0]:
             dcols = (g2 @ wm.T).reshape(n, oh, ow, kh, kw, cin)
             dx = _col2im(dcols, padded_shape, pads, strides, dilations)
         if needs[1]:
             dw = (cols.T @ g2).reshape(k.shape)
+        if len(needs) == 3:
+            return dx, dw, g2.sum(axis=0) if needs[2] else None
         return dx, dw
 
-    return out(z, (x, w), backward)
+    return out(z, inputs, backward)
+
+
+def conv_layer(
+    x: Any,
+    kernel: Any,
+    bias: Any,
+    rank: int,
+    strides: tuple[int, ...],
+    padding: str,
+    dilations: tuple[int, ...],
+    relu: bool,
+) -> Tensor:
+    """``relu?(conv(x, kernel) + bias)`` for the Keras convolution layers, as one op.
+
+    ``rank`` is 1 (NWC input, ``padding`` may be ``"CAUSAL"``) or 2 (NHWC); ``bias``
+    may be None. The same values as :func:`conv2d`/:func:`conv1d`, then ``add`` and
+    ``relu``, with the bias and activation fused into the product's buffer.
+
+    Raises:
+        InvalidArgumentError: as :func:`conv2d`; a bias whose dtype or length differs.
+    """
+    from psflow.ops import array_ops
+
+    x = _float_input(x, rank + 2, "conv")
+    w = _float_input(kernel, rank + 2, "conv", "filters")
+    b = None
+    if bias is not None:
+        b = node(bias)
+        if b._array().dtype != w._array().dtype or b._array().shape != w._array().shape[-1:]:
+            raise errors.InvalidArgumentError(
+                f"conv: bias of shape {list(b._array().shape)} and dtype {b._array().dtype} "
+                f"does not fit filters {list(w._array().shape)}"
+            )
+    if rank == 1:
+        x, w = array_ops.expand_dims(x, 1), array_ops.expand_dims(w, 0)
+        strides, dilations = (1, *strides), (1, *dilations)
+    k = w._array().shape
+    extents = ((k[0] - 1) * dilations[0] + 1, (k[1] - 1) * dilations[1] + 1)
+    if padding.upper() == "CAUSAL":
+        pads: Pads = ((0, 0), (extents[1] - 1, 0))
+    else:
+        pads = _pads(padding, x._array().shape[1:3], extents, strides, "conv")
+    y = _conv(x, w, (strides[0], strides[1]), pads, (dilations[0], dilations[1]), "conv", b, relu)
+    return array_ops.squeeze(y, axis=1) if rank == 1 else y
 
 
 def conv2d(

@@ -166,6 +166,18 @@ class _Conv(Layer):
                 f"{self.name}: expected inputs of rank {self.rank + 2} with "
                 f"{self.input_channels} channels, got shape {list(a.shape)}"
             )
+        relu = self.activation is activations.relu
+        if relu or self.activation is activations.linear:  # bias and relu fused into the op
+            return conv_ops.conv_layer(
+                x,
+                self.kernel,
+                self.bias,
+                self.rank,
+                self.strides,
+                self.padding,
+                self.dilation_rate,
+                relu,
+            )
         y = self._convolve(x)
         if self.bias is not None:
             y = math_ops.add(y, self.bias)
