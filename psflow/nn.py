@@ -36,3 +36,4 @@ from psflow.ops.nn_ops import (
     swish,
     tanh,
 )
+from psflow.ops.normalization_ops import batch_normalization

@@ -186,3 +186,15 @@ def test_bad_arguments_raise_invalid_argument_naming_the_value(call, fragment: s
     with pytest.raises(pf.errors.InvalidArgumentError, match=None) as info:
         call()
     assert fragment in str(info.value)
+
+
+def test_batch_normalization_op_matches_numpy_and_finite_differences() -> None:
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4, 3))
+    mean, var = rng.standard_normal(3), rng.uniform(0.5, 2, 3)
+    offset, scale = rng.standard_normal(3), rng.standard_normal(3)
+    got = pf.nn.batch_normalization(x, mean, var, offset, scale, 1e-3).numpy()
+    np.testing.assert_allclose(got, scale * (x - mean) / np.sqrt(var + 1e-3) + offset, rtol=1e-12)
+    check_gradients(
+        lambda *a: pf.nn.batch_normalization(*a, variance_epsilon=1e-3), x, mean, var, offset, scale
+    )
