@@ -13,7 +13,7 @@ from psflow.keras.layers.convolutional import (
     normalize_padding,
     normalize_tuple,
 )
-from psflow.ops import conv_ops, math_ops
+from psflow.ops import math_ops, pool_ops
 from psflow.ops._core import node
 
 
@@ -82,7 +82,7 @@ class MaxPooling2D(_Pooling):
     """
 
     def _pool(self, x: Any) -> Any:
-        return conv_ops.max_pool2d(x, self.pool_size, self.strides, self.padding.upper())
+        return pool_ops.max_pool2d(x, self.pool_size, self.strides, self.padding.upper())
 
 
 class AveragePooling2D(_Pooling):
@@ -90,7 +90,7 @@ class AveragePooling2D(_Pooling):
     (with ``"same"`` padding, over the real elements of the window only)."""
 
     def _pool(self, x: Any) -> Any:
-        return conv_ops.avg_pool2d(x, self.pool_size, self.strides, self.padding.upper())
+        return pool_ops.avg_pool2d(x, self.pool_size, self.strides, self.padding.upper())
 
 
 class MaxPooling1D(_Pooling):
@@ -99,7 +99,7 @@ class MaxPooling1D(_Pooling):
     rank = 1
 
     def _pool(self, x: Any) -> Any:
-        return conv_ops.max_pool1d(x, self.pool_size, self.strides, self.padding.upper())
+        return pool_ops.max_pool1d(x, self.pool_size, self.strides, self.padding.upper())
 
 
 class AveragePooling1D(_Pooling):
@@ -108,7 +108,7 @@ class AveragePooling1D(_Pooling):
     rank = 1
 
     def _pool(self, x: Any) -> Any:
-        return conv_ops.avg_pool1d(x, self.pool_size, self.strides, self.padding.upper())
+        return pool_ops.avg_pool1d(x, self.pool_size, self.strides, self.padding.upper())
 
 
 class _GlobalPooling(Layer):
