@@ -1,8 +1,15 @@
-"""Local ``model.fit`` throughput: psflow.keras against tf.keras on the same MLP.
+"""Local ``model.fit`` throughput: psflow.keras against tf.keras on the same models.
 
-The model is the 784 -> 512 -> 512 -> 10 MLP of BENCHMARKS.md (ReLU, softmax
-cross-entropy from logits, SGD 0.1), trained with ``model.fit`` on seeded
-synthetic data at batch 64 and 256. Each side runs in its own worker process
+Two models (``--models``), each trained with ``model.fit`` on seeded synthetic
+data at batch 64 and 256 with softmax cross-entropy from logits:
+
+- ``mlp``: the 784 -> 512 -> 512 -> 10 MLP of BENCHMARKS.md (ReLU, SGD 0.1);
+- ``cnn``: the model of TensorFlow's "Distributed training with Keras" tutorial
+  on 28x28x1 inputs: Conv2D 32x3x3 ReLU -> MaxPooling2D -> Flatten -> Dense 64
+  ReLU -> Dense 10 (SGD 0.01 here; the tutorial's optimizer does not change
+  what is compared, the engines).
+
+Each side runs in its own worker process
 (so TensorFlow's thread pools never share a process with psflow's NumPy), both
 idle while the other measures, and the measurements alternate A B A B.
 
@@ -36,43 +43,67 @@ from typing import Any, TextIO
 BENCH = "train_local"
 SIDES = ("psflow", "tf.keras")
 DIMS = (784, 512, 512, 10)
-LEARNING_RATE = 0.1
+IMAGE = (28, 28, 1)
+LEARNING_RATE = {"mlp": 0.1, "cnn": 0.01}
+CASE = {"mlp": "mlp-784-512-512-10", "cnn": "cnn-conv32-pool-dense64-10-28x28"}
+MODELS = tuple(CASE)
 SEED = 1234
 
 
 # -- the workers ---------------------------------------------------------------------------
 
 
-def _data(examples: int) -> tuple[Any, Any]:
+def _data(model: str, examples: int) -> tuple[Any, Any]:
     """Seeded synthetic inputs (standard normal) and integer labels, the same on both sides."""
     import numpy as np
 
     rng = np.random.default_rng(SEED)
-    x = rng.standard_normal((examples, DIMS[0]), dtype=np.float32)
+    shape = (DIMS[0],) if model == "mlp" else IMAGE
+    x = rng.standard_normal((examples, *shape), dtype=np.float32)
     y = rng.integers(0, DIMS[-1], examples).astype(np.int64)
     return x, y
 
 
-def _psflow_model() -> Any:
-    import psflow as pf
-    from psflow import keras
-
-    pf.random.set_seed(SEED)
-    model = keras.Sequential(
-        [
-            keras.layers.Dense(DIMS[1], activation="relu", input_shape=(DIMS[0],)),
-            keras.layers.Dense(DIMS[2], activation="relu"),
-            keras.layers.Dense(DIMS[3]),
+def _layers(keras: Any, model: str) -> list[Any]:
+    """The model's layers in either framework's Keras (the same names in both)."""
+    L = keras.layers
+    if model == "mlp":
+        return [
+            L.Dense(DIMS[1], activation="relu"),
+            L.Dense(DIMS[2], activation="relu"),
+            L.Dense(DIMS[3]),
         ]
-    )
+    return [
+        L.Conv2D(32, 3, activation="relu"),
+        L.MaxPooling2D(),
+        L.Flatten(),
+        L.Dense(64, activation="relu"),
+        L.Dense(DIMS[3]),
+    ]
+
+
+def _compile(keras: Any, model: Any, name: str) -> Any:
     model.compile(
-        optimizer=keras.optimizers.SGD(LEARNING_RATE),
+        optimizer=keras.optimizers.SGD(LEARNING_RATE[name]),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     return model, keras.callbacks.Callback
 
 
-def _tf_model(threads: int | None) -> Any:
+def _input_shape(model: str) -> tuple[int, ...]:
+    return (DIMS[0],) if model == "mlp" else IMAGE
+
+
+def _psflow_model(name: str) -> Any:
+    import psflow as pf
+    from psflow import keras
+
+    pf.random.set_seed(SEED)
+    model = keras.Sequential([keras.Input(_input_shape(name)), *_layers(keras, name)])
+    return _compile(keras, model, name)
+
+
+def _tf_model(name: str, threads: int | None) -> Any:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
@@ -81,19 +112,8 @@ def _tf_model(threads: int | None) -> Any:
         tf.config.threading.set_inter_op_parallelism_threads(threads)
     tf.keras.utils.set_random_seed(SEED)
     keras = tf.keras
-    model = keras.Sequential(
-        [
-            keras.Input((DIMS[0],)),
-            keras.layers.Dense(DIMS[1], activation="relu"),
-            keras.layers.Dense(DIMS[2], activation="relu"),
-            keras.layers.Dense(DIMS[3]),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.SGD(LEARNING_RATE),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model, keras.callbacks.Callback
+    model = keras.Sequential([keras.Input(_input_shape(name)), *_layers(keras, name)])
+    return _compile(keras, model, name)
 
 
 def _version(side: str) -> str:
@@ -121,24 +141,24 @@ def _stamper(callback_cls: type) -> Any:
 
 
 def worker(side: str, threads: int | None) -> None:
-    """Serves ``{"batch": B, "steps": S}`` requests on stdin with timings on stdout."""
+    """Serves ``{"model": M, "batch": B, "steps": S}`` requests on stdin with timings on stdout."""
     import numpy as np
 
-    make = _psflow_model if side == "psflow" else lambda: _tf_model(threads)
-    models: dict[int, Any] = {}
-    data: dict[int, Any] = {}
+    make = _psflow_model if side == "psflow" else lambda name: _tf_model(name, threads)
+    models: dict[tuple[str, int], Any] = {}
+    data: dict[tuple[str, int, int], Any] = {}
     reply = sys.stdout
     reply.write(json.dumps({"ready": True, "version": _version(side)}) + "\n")
     reply.flush()
     for line in sys.stdin:  # ends when the parent closes stdin
         request = json.loads(line)
-        batch, steps = int(request["batch"]), int(request["steps"])
-        if batch not in models:
-            models[batch] = make()
-        model, callback_cls = models[batch]
-        if (batch, steps) not in data:
-            data[batch, steps] = _data(batch * steps)
-        x, y = data[batch, steps]
+        name, batch, steps = request["model"], int(request["batch"]), int(request["steps"])
+        if (name, batch) not in models:
+            models[name, batch] = make(name)
+        model, callback_cls = models[name, batch]
+        if (name, batch, steps) not in data:
+            data[name, batch, steps] = _data(name, batch * steps)
+        x, y = data[name, batch, steps]
         stamper = _stamper(callback_cls)
         start = time.perf_counter()
         history = model.fit(
@@ -202,10 +222,11 @@ class Worker:
             raise RuntimeError(f"{self.side} worker exited with status {self.proc.wait(10)}")
         return json.loads(line)
 
-    def run(self, batch: int, steps: int) -> dict[str, Any]:
-        """One timed ``fit`` epoch in the worker."""
+    def run(self, model: str, batch: int, steps: int) -> dict[str, Any]:
+        """One timed ``fit`` epoch of ``model`` in the worker."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"batch": batch, "steps": steps}) + "\n")
+        request = {"model": model, "batch": batch, "steps": steps}
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -249,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-tf", action="store_true", help="skip the tf.keras side")
     parser.add_argument("--reps", type=int, default=None, help="alternating repetitions")
     parser.add_argument("--batches", default="64,256", help="batch sizes (64,256)")
+    parser.add_argument("--models", default="mlp,cnn", help="models among mlp,cnn (both)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per side")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per answer")
     parser.add_argument(
@@ -267,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     reps = args.reps or (3 if args.quick else 5)
     batches = [int(b) for b in args.batches.split(",")]
+    models = [m.strip() for m in args.models.split(",")]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
     # Examples per timed epoch: long enough to average over many steps on 2 cores.
     epoch_examples = 4096 if args.quick else 25600
     steps = {b: max(8, epoch_examples // b) for b in batches}
@@ -280,25 +306,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     load_start = _load()
     workers: dict[str, Worker] = {}
-    results: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    results: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     try:
         for side in sides:
             _log(f"starting the {side} worker...")
             extra = dict(kv.split("=", 1) for kv in args.psflow_env) if side == "psflow" else {}
             workers[side] = Worker(side, args.threads, args.timeout, extra)
         for side in sides:  # warm-up: build each model, first steps
-            for b in batches:
-                workers[side].run(b, 4)
+            for name in models:
+                for b in batches:
+                    workers[side].run(name, b, 4)
         for rep in range(reps):
-            for b in batches:
-                order = sides if rep % 2 == 0 else sides[::-1]  # A B, then B A
-                for side in order:
-                    r = workers[side].run(b, steps[b])
-                    results.setdefault((side, b), []).append(r)
-                    _log(
-                        f"rep {rep + 1}/{reps} batch {b:4d} {side:9s} "
-                        f"{(r['steps'] - 1) / r['steady_s']:8.1f} steps/s"
-                    )
+            for name in models:
+                for b in batches:
+                    order = sides if rep % 2 == 0 else sides[::-1]  # A B, then B A
+                    for side in order:
+                        r = workers[side].run(name, b, steps[b])
+                        results.setdefault((name, side, b), []).append(r)
+                        _log(
+                            f"rep {rep + 1}/{reps} {name} batch {b:4d} {side:9s} "
+                            f"{(r['steps'] - 1) / r['steady_s']:8.1f} steps/s"
+                        )
     finally:
         for w in workers.values():
             w.close()
@@ -306,59 +334,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     versions = {side: w.version for side, w in workers.items()}
     load = {"loadavg_1m_start": load_start, "loadavg_1m_end": _load(), "cpus": os.cpu_count()}
     table = []
-    for b in batches:
-        rates = {}
-        for side in sides:
-            runs = results[(side, b)]
-            step_rates = [(r["steps"] - 1) / r["steady_s"] for r in runs]
-            rate = statistics.median(step_rates)
-            rates[side] = rate * b
-            common = {
-                "case": f"fit/mlp-784-512-512-10/b{b}",
-                "side": side,
-                "version": versions[side],
-                "n": len(runs),
-                "steps_per_epoch": steps[b],
-                "fit_s": statistics.median(r["fit_s"] for r in runs),
-                "final_loss": runs[-1]["loss"],
-                "threads": args.threads or "default",
-                "env": args.psflow_env if side == "psflow" else [],
-                **load,
-            }
-            _emit(
-                {
-                    **common,
-                    "metric": "steps_per_s",
-                    "value": rate,
-                    "unit": "steps/s",
-                    "min": min(step_rates),
-                    "max": max(step_rates),
+    for name in models:
+        for b in batches:
+            rates = {}
+            case = f"fit/{CASE[name]}/b{b}"
+            for side in sides:
+                runs = results[(name, side, b)]
+                step_rates = [(r["steps"] - 1) / r["steady_s"] for r in runs]
+                rate = statistics.median(step_rates)
+                rates[side] = rate * b
+                common = {
+                    "case": case,
+                    "side": side,
+                    "version": versions[side],
+                    "n": len(runs),
+                    "steps_per_epoch": steps[b],
+                    "fit_s": statistics.median(r["fit_s"] for r in runs),
+                    "final_loss": runs[-1]["loss"],
+                    "threads": args.threads or "default",
+                    "env": args.psflow_env if side == "psflow" else [],
+                    **load,
                 }
-            )
-            _emit({**common, "metric": "examples_per_s", "value": rate * b, "unit": "examples/s"})
-            table.append((b, side, rate, rate * b))
-        if "tf.keras" in rates:
-            _emit(
-                {
-                    "case": f"fit/mlp-784-512-512-10/b{b}",
-                    "metric": "ratio",
-                    "value": rates["psflow"] / rates["tf.keras"],
-                    "unit": "x",
-                    "numerator": "psflow examples/s",
-                    "baseline": f"tf.keras {versions['tf.keras']} examples/s",
-                }
-            )
+                _emit(
+                    {
+                        **common,
+                        "metric": "steps_per_s",
+                        "value": rate,
+                        "unit": "steps/s",
+                        "min": min(step_rates),
+                        "max": max(step_rates),
+                    }
+                )
+                _emit(
+                    {**common, "metric": "examples_per_s", "value": rate * b, "unit": "examples/s"}
+                )
+                table.append((name, b, side, rate, rate * b))
+            if "tf.keras" in rates:
+                _emit(
+                    {
+                        "case": case,
+                        "metric": "ratio",
+                        "value": rates["psflow"] / rates["tf.keras"],
+                        "unit": "x",
+                        "numerator": "psflow examples/s",
+                        "baseline": f"tf.keras {versions['tf.keras']} examples/s",
+                    }
+                )
 
     _log(
-        f"\nmodel.fit, MLP 784-512-512-10, SGD {LEARNING_RATE}, {platform.processor() or 'cpu'}, "
+        f"\nmodel.fit, SGD {LEARNING_RATE}, {platform.processor() or 'cpu'}, "
         f"{os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
         f"load average {load_start} -> {load['loadavg_1m_end']}, median of {reps}"
     )
-    _log(f"{'batch':>5} {'side':9} {'steps/s':>9} {'examples/s':>11} {'vs tf.keras':>11}")
-    for b, side, rate, ex in table:
-        tf_ex = next((e for bb, s, _, e in table if bb == b and s == "tf.keras"), None)
+    _log(
+        f"{'model':5} {'batch':>5} {'side':9} {'steps/s':>9} {'examples/s':>11} {'vs tf.keras':>11}"
+    )
+    for name, b, side, rate, ex in table:
+        tf_ex = next(
+            (e for n, bb, s, _, e in table if n == name and bb == b and s == "tf.keras"), None
+        )
         ratio = f"{ex / tf_ex:10.2f}x" if tf_ex else " " * 11
-        _log(f"{b:5d} {side:9} {rate:9.1f} {ex:11.0f} {ratio}")
+        _log(f"{name:5} {b:5d} {side:9} {rate:9.1f} {ex:11.0f} {ratio}")
     return 0
 
 

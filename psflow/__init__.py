@@ -27,6 +27,7 @@ from psflow.dtypes import (
     int16,
     int32,
     int64,
+    string,
     uint8,
     uint16,
     uint32,

@@ -104,6 +104,9 @@ uint16 = DType("uint16", np.uint16)
 uint32 = DType("uint32", np.uint32)
 uint64 = DType("uint64", np.uint64)
 bool = DType("bool", np.bool_)
+# variable-length text: NumPy object arrays of Python ``str`` (TensorFlow's ``tf.string``, which
+# holds bytes; psflow decodes bytes as UTF-8 when it makes the tensor). Host-only, never on a GPU.
+string = DType("string", np.object_)
 half = float16
 double = float64
 
@@ -120,6 +123,7 @@ ALL: tuple[DType, ...] = (
     uint32,
     uint64,
     bool,
+    string,
 )
 _BY_NP: dict[np.dtype, DType] = {d.np: d for d in ALL}
 _BY_NAME: dict[str, DType] = {d.name: d for d in ALL}
@@ -145,10 +149,14 @@ def as_dtype(value: Any) -> DType:
         return int32
     if value is builtins.bool:
         return bool
+    if value is builtins.str or value is builtins.bytes:
+        return string
     try:
         npd = np.dtype(value)
     except TypeError:
         raise TypeError(f"Cannot interpret {value!r} as a psflow dtype") from None
+    if npd.kind in "US":  # fixed-width NumPy text becomes variable-length strings
+        return string
     found = _BY_NP.get(npd)
     if found is None:
         raise TypeError(f"Unsupported dtype {value!r}; supported: {[d.name for d in ALL]}")

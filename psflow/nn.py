@@ -1,5 +1,6 @@
 """``psflow.nn``: TensorFlow's ``tf.nn`` names."""
 
+from psflow.ops.conv_ops import conv1d, conv2d
 from psflow.ops.nn_ops import (
     bias_add,
     compute_average_loss,
@@ -26,3 +27,5 @@ from psflow.ops.nn_ops import (
     swish,
     tanh,
 )
+from psflow.ops.normalization_ops import batch_normalization
+from psflow.ops.pool_ops import avg_pool, avg_pool1d, avg_pool2d, max_pool, max_pool1d, max_pool2d

@@ -343,6 +343,23 @@ def _dropout_noise_shape(x: Any) -> Any:
 
 case("dropout-noise_shape", _dropout_noise_shape, n(4, 5))
 
+# -- convolution, pooling, normalization (more configurations in tests/test_conv_ops.py) --
+case("conv2d", lambda x, w: pf.nn.conv2d(x, w, 2, "SAME"), many(n(2, 5, 4, 2), n(3, 2, 2, 3)))
+case(
+    "conv1d", lambda x, w: pf.nn.conv1d(x, w, 1, "VALID", dilations=2), many(n(2, 6, 2), n(2, 2, 3))
+)
+case("max_pool2d", lambda x: pf.nn.max_pool2d(x, 2, 1, "SAME"), n(2, 4, 3, 2))
+case("max_pool1d", lambda x: pf.nn.max_pool1d(x, 3, 2, "VALID"), n(2, 7, 2))
+case("max_pool", lambda x: pf.nn.max_pool(x, 2, 2, "VALID"), n(1, 4, 4, 2))
+case("avg_pool2d", lambda x: pf.nn.avg_pool2d(x, 3, 2, "SAME"), n(2, 5, 4, 2))
+case("avg_pool1d", lambda x: pf.nn.avg_pool1d(x, 2, 1, "SAME"), n(2, 5, 2))
+case("avg_pool", lambda x: pf.nn.avg_pool(x, 2, 1, "VALID"), n(2, 5, 2))
+case(
+    "batch_normalization",
+    lambda x, m, v, o, g: pf.nn.batch_normalization(x, m, v, o, g, 1e-3),
+    many(n(4, 3), n(3), pos(3), n(3), n(3)),
+)
+
 
 @pytest.mark.parametrize(("fn", "inputs", "kw"), CASES)
 def test_gradient_matches_finite_differences(request: Any, fn: Any, inputs: Any, kw: Any) -> None:

@@ -37,11 +37,18 @@ def test_train_local_benchmark_prints_json_lines_and_a_table() -> None:
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert all(r["bench"] == "train_local" for r in records)
     assert {"case": "tf.keras", "metric": "skipped"}.items() <= records[0].items()
-    by_metric = {r["metric"]: r for r in records[1:]}
-    assert set(by_metric) == {"steps_per_s", "examples_per_s"}
-    steps, examples = by_metric["steps_per_s"], by_metric["examples_per_s"]
-    assert steps["case"] == "fit/mlp-784-512-512-10/b32" and steps["side"] == "psflow"
-    assert steps["unit"] == "steps/s" and steps["value"] > 0 and steps["n"] == 1
-    assert examples["value"] == pytest.approx(steps["value"] * 32)
-    assert steps["steps_per_epoch"] == 128 and steps["final_loss"] > 0
-    assert "examples/s" in proc.stderr and "psflow" in proc.stderr
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in records[1:]:
+        by_case.setdefault(r["case"], {})[r["metric"]] = r
+    assert set(by_case) == {
+        "fit/mlp-784-512-512-10/b32",
+        "fit/cnn-conv32-pool-dense64-10-28x28/b32",
+    }
+    for by_metric in by_case.values():
+        assert set(by_metric) == {"steps_per_s", "examples_per_s"}
+        steps, examples = by_metric["steps_per_s"], by_metric["examples_per_s"]
+        assert steps["side"] == "psflow" and steps["unit"] == "steps/s"
+        assert steps["value"] > 0 and steps["n"] == 1
+        assert examples["value"] == pytest.approx(steps["value"] * 32)
+        assert steps["steps_per_epoch"] == 128 and steps["final_loss"] > 0
+    assert "examples/s" in proc.stderr and "cnn" in proc.stderr and "mlp" in proc.stderr

@@ -215,7 +215,7 @@ BAD_INPUTS: list[Any] = [
     ("unknown-dtype", lambda: pf.zeros([2], dtype="floaty"), TypeError, r"floaty"),
     ("cast-unknown-dtype", lambda: pf.cast(pf.ones([2]), "int33"), TypeError, r"int33"),
     ("object-dtype", lambda: pf.constant([1], dtype=object), TypeError, r"object"),
-    ("string", lambda: pf.constant("abc"), TypeError, r"'abc'"),
+    ("string-cast", lambda: pf.cast(pf.constant("abc"), "float32"), TypeError, r"'abc'"),
     ("string-operand", lambda: pf.ones([2]) + "abc", TypeError, r"'abc'"),
     ("object", lambda: pf.constant({"a": 1}), TypeError, r"\{'a': 1\}"),
     ("none", lambda: pf.constant(None), TypeError, r"None"),

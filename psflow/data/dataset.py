@@ -54,12 +54,25 @@ class _Plan(NamedTuple):
 def rows_of(plan: _Plan) -> Iterator[tuple[Any, ...]]:
     """The elements (flat tuples) of a plan, one chunk gathered at a time."""
     for chunk in plan.chunks:
-        cols = plan.gather(chunk)
+        cols = tuple(
+            _object_rows(c) if c.dtype.kind == "O" and c.ndim == 1 else c
+            for c in plan.gather(chunk)
+        )
         if len(cols) == 1:
             for v in cols[0]:
                 yield (v,)
         else:
             yield from zip(*cols)
+
+
+def _object_rows(column: np.ndarray) -> list[np.ndarray]:
+    """A string column's rows as 0-d object arrays (iterating it would give bare ``str``)."""
+    rows = []
+    for v in column.tolist():
+        row = np.empty((), dtype=object)
+        row[()] = v
+        rows.append(row)
+    return rows
 
 
 def int_arg(value: Any, name: str) -> int:

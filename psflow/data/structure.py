@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, dtypes, errors
-from psflow.framework.tensor import Tensor, TensorShape, is_tensor, to_array
+from psflow.framework.tensor import Tensor, TensorShape, is_tensor, string_array, to_array
 
 
 class TensorSpec:
@@ -257,7 +257,7 @@ def to_host_array(value: Any, what: str = "value") -> np.ndarray:
         except errors.InvalidArgumentError as e:
             raise errors.InvalidArgumentError(f"The {what} {value!r} is malformed: {e}") from None
     arr = _host(arr)
-    if arr.dtype.kind not in "fiub":
+    if arr.dtype.kind not in "fiubO":  # "O": string tensors' text (to_array made it str)
         raise TypeError(f"The {what} {value!r} has non-numeric element type {arr.dtype}")
     dtypes.from_numpy(arr.dtype)
     return arr
@@ -280,7 +280,10 @@ def convert_to_dtype(value: Any, spec: TensorSpec, what: str = "value") -> np.nd
             arr = np.asarray(value)
         except (TypeError, ValueError) as e:
             raise TypeError(f"The {what} {value!r} cannot be converted to a tensor: {e}") from None
-    if arr.dtype.kind not in "fiub":
+    text = arr.dtype.kind in "USO"
+    if text and want.kind == "O":
+        arr = string_array(arr, value)  # validates the elements: text only
+    elif text or arr.dtype.kind not in "fiub" or want.kind == "O":
         raise TypeError(
             f"The {what} {value!r} has element type {arr.dtype}, expected {spec.dtype.name}"
         )

@@ -92,6 +92,12 @@ def _python_array(value: Any, dtype: dtypes.DType | None) -> np.ndarray:
     kind = arr.dtype.kind
     if kind == "c":
         raise TypeError(f"Complex values are not supported: {value!r}")
+    if kind in "USO":
+        return string_array(arr, value, dtype)
+    if dtype is not None and dtype.np.kind == "O":
+        raise TypeError(
+            f"Cannot convert {value!r} to a tensor of dtype string (object arrays of text): not text"
+        )
     if kind not in "fiub":
         raise TypeError(
             f"Cannot convert {value!r} (element type {arr.dtype}) to a psflow tensor: not numeric"
@@ -124,6 +130,8 @@ def _array_from(value: Any, dtype: dtypes.DType | None, copy: bool) -> Any:
             )
         return arr.copy() if copy else arr
     if isinstance(value, np.ndarray) or type(value).__module__.startswith("cupy"):
+        if value.dtype.kind in "USO":
+            return string_array(value, value, dtype)
         if value.dtype.kind not in "fiub":
             raise TypeError(f"Cannot convert an array of element type {value.dtype} to a tensor")
         if dtype is not None and value.dtype != dtype.np:
@@ -146,9 +154,39 @@ def _array_from(value: Any, dtype: dtypes.DType | None, copy: bool) -> Any:
         return xp.stack([xp.asarray(a) for a in xp_arrays]).astype(
             dtype.np if dtype else xp_arrays[0].dtype, copy=False
         )
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"String tensors are not supported: {value!r}")
     return _python_array(value, dtype)
+
+
+def string_array(arr: np.ndarray, value: Any, dtype: dtypes.DType | None = None) -> np.ndarray:
+    """``arr`` (NumPy text or objects) as a string tensor's array: an object array of ``str``.
+
+    Bytes are decoded as UTF-8. Always a new array, so the tensor owns it.
+
+    Raises:
+        TypeError: ``dtype`` is not ``string``, an element is neither ``str`` nor ``bytes``,
+            or bytes are not UTF-8; the message quotes ``value``.
+    """
+    if dtype is not None and dtype.np.kind != "O":
+        raise TypeError(f"Cannot convert {value!r} to a tensor of dtype {dtype.name}: it is text")
+    if arr.dtype.kind == "U":
+        return arr.astype(object)
+    out = np.empty(arr.shape, dtype=object)
+    flat_out = out.reshape(-1)
+    for i, e in enumerate(arr.reshape(-1).tolist()):
+        if isinstance(e, bytes):
+            try:
+                e = e.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TypeError(
+                    f"Cannot convert {value!r} to a string tensor: {e!r} is not UTF-8"
+                ) from None
+        elif not isinstance(e, str):
+            raise TypeError(
+                f"Cannot convert {value!r} (element type {arr.dtype}) to a psflow tensor: "
+                f"{e!r} is neither a number nor text"
+            )
+        flat_out[i] = e
+    return out
 
 
 _VARIABLE_CLS: Any = None
@@ -203,7 +241,7 @@ def _place(arr: Any) -> Any:
     if isinstance(arr, np.generic):
         arr = np.asarray(arr)
     dev = backend.current_device()
-    if dev.is_gpu and isinstance(arr, np.ndarray):
+    if dev.is_gpu and isinstance(arr, np.ndarray) and arr.dtype.kind != "O":  # text stays on host
         return backend.place(arr, dev)
     return arr
 

@@ -295,6 +295,8 @@ def cast(x: Any, dtype: Any, name: str | None = None) -> Tensor:
     a = x._array()
     if a.dtype == want.np:
         return out(a, (x,), lambda g, needs: (g,))
+    if a.dtype.kind == "O" or want.np.kind == "O":  # text parses in preprocessing layers only
+        raise TypeError(f"cast: cannot cast {dtypes.from_numpy(a.dtype).name} {x!r} to {want.name}")
     z = a.astype(want.np)
     if want.is_floating and a.dtype.kind == "f":
         return out(z, (x,), lambda g, needs: (g.astype(a.dtype),))

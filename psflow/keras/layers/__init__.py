@@ -1,6 +1,7 @@
 """Keras layers."""
 
 from psflow.keras.layers.base import Layer
+from psflow.keras.layers.convolutional import Conv1D, Conv2D, Convolution1D, Convolution2D
 from psflow.keras.layers.core import (
     Activation,
     Dense,
@@ -12,8 +13,6 @@ from psflow.keras.layers.core import (
     Reshape,
 )
 from psflow.keras.layers.embedding import Embedding
-
-# -- functional API: merge layers (helper funcapi) --
 from psflow.keras.layers.merge import (
     Add,
     Average,
@@ -30,4 +29,31 @@ from psflow.keras.layers.merge import (
     multiply,
     subtract,
 )
+from psflow.keras.layers.normalization import BatchNormalization, LayerNormalization
 from psflow.keras.layers.operators import TensorOperator, TensorSlice
+from psflow.keras.layers.pooling import (
+    AveragePooling1D,
+    AveragePooling2D,
+    AvgPool1D,
+    AvgPool2D,
+    GlobalAveragePooling1D,
+    GlobalAveragePooling2D,
+    GlobalAvgPool1D,
+    GlobalAvgPool2D,
+    GlobalMaxPool1D,
+    GlobalMaxPool2D,
+    GlobalMaxPooling1D,
+    GlobalMaxPooling2D,
+    MaxPool1D,
+    MaxPool2D,
+    MaxPooling1D,
+    MaxPooling2D,
+)
+from psflow.keras.layers.preprocessing import (
+    CategoryEncoding,
+    Discretization,
+    Hashing,
+    IntegerLookup,
+    Normalization,
+    StringLookup,
+)

@@ -222,6 +222,8 @@ class Layer:
             else ("zeros" if not dt.is_floating else "glorot_uniform")
         )
         vname = f"{self.name}/{name or 'weight'}"
+        # how replicas' writes combine (BatchNormalization's moving statistics average)
+        sync = {k: kwargs[k] for k in ("synchronization", "aggregation") if k in kwargs}
 
         def make() -> Variable:
             return Variable(
@@ -230,6 +232,7 @@ class Layer:
                 name=vname,
                 dtype=dt,
                 constraint=constraint,
+                **sync,
             )
 
         if self._strategy is not None and not distribute_lib.has_strategy():

@@ -1,0 +1,217 @@
+"""Convolution ops over channels-last tensors, as BLAS matmuls.
+
+Every op works on two spatial dimensions (``NHWC``); the 1-D variants add a
+height of one. The input's patch view (:mod:`psflow.ops.window_geometry`) is
+copied once into an im2col matrix and multiplied by the kernel reshaped to
+``(KH*KW*C, F)``: one GEMM forward, two backward (kernel: ``cols.T @ g``;
+input: ``g @ kernel.T``, folded back by col2im).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psflow import errors
+from psflow.framework.tensor import Tensor
+from psflow.ops._core import node, out, xp
+from psflow.ops.window_geometry import (
+    Pads,
+    check_format,
+    col2im,
+    float_input,
+    out_sizes,
+    pad_input,
+    padding_amounts,
+    patch_view,
+    spatial_values,
+)
+
+# -- convolution ------------------------------------------------------------------------
+
+
+def _conv(
+    x: Any,
+    w: Any,
+    strides: tuple[int, int],
+    pads: Pads,
+    dilations: tuple[int, int],
+    op_name: str,
+    bias: Any = None,
+    relu: bool = False,
+) -> Tensor:
+    """The 2-D convolution of nodes ``x`` (NHWC) and ``w`` (HWIO) with its VJP.
+
+    With ``bias`` (a node of ``out_channels``) and ``relu``, ``relu(conv + bias)`` is
+    one op: the sum and the activation run in place in the product's buffer.
+    """
+    a, k = x._array(), w._array()
+    if k.dtype != a.dtype:
+        raise errors.InvalidArgumentError(
+            f"{op_name}: filters dtype {k.dtype.name} differs from input dtype {a.dtype.name}"
+        )
+    if k.shape[2] != a.shape[3]:
+        raise errors.InvalidArgumentError(
+            f"{op_name}: input has {a.shape[3]} channels but filters expect {k.shape[2]} "
+            f"(filters shape {list(k.shape)})"
+        )
+    kh, kw, cin, cout = k.shape
+    extents = ((kh - 1) * dilations[0] + 1, (kw - 1) * dilations[1] + 1)
+    oh, ow = out_sizes(a.shape[1:3], pads, extents, strides, op_name)
+    padded = pad_input(a, pads, 0.0)
+    n = a.shape[0]
+    cols = patch_view(padded, (oh, ow), (kh, kw), strides, dilations).reshape(
+        n * oh * ow, kh * kw * cin
+    )
+    wm = k.reshape(kh * kw * cin, cout)
+    z2 = cols @ wm
+    inputs: tuple[Any, ...] = (x, w)
+    if bias is not None:
+        z2 += bias._array()
+        inputs = (x, w, bias)
+    if relu:
+        xp(z2).maximum(z2, 0, out=z2)
+    z = z2.reshape(n, oh, ow, cout)
+    padded_shape = padded.shape
+
+    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
+        g2 = g.reshape(n * oh * ow, cout)
+        if relu:  # an explicit dtype: NumPy's mixed float-by-bool loop is several times slower
+            g2 = xp(g2).multiply(g2, z2 > 0, dtype=g2.dtype)
+        dx = dw = None
+        if needs[0]:
+            dcols = (g2 @ wm.T).reshape(n, oh, ow, kh, kw, cin)
+            dx = col2im(dcols, padded_shape, pads, strides, dilations)
+        if needs[1]:
+            dw = (cols.T @ g2).reshape(k.shape)
+        if len(needs) == 3:
+            return dx, dw, g2.sum(axis=0) if needs[2] else None
+        return dx, dw
+
+    return out(z, inputs, backward)
+
+
+def conv_layer(
+    x: Any,
+    kernel: Any,
+    bias: Any,
+    rank: int,
+    strides: tuple[int, ...],
+    padding: str,
+    dilations: tuple[int, ...],
+    relu: bool,
+) -> Tensor:
+    """``relu?(conv(x, kernel) + bias)`` for the Keras convolution layers, as one op.
+
+    ``rank`` is 1 (NWC input, ``padding`` may be ``"CAUSAL"``) or 2 (NHWC); ``bias``
+    may be None. The same values as :func:`conv2d`/:func:`conv1d`, then ``add`` and
+    ``relu``, with the bias and activation fused into the product's buffer.
+
+    Raises:
+        InvalidArgumentError: as :func:`conv2d`; a bias whose dtype or length differs.
+    """
+    from psflow.ops import array_ops
+
+    x = float_input(x, rank + 2, "conv")
+    w = float_input(kernel, rank + 2, "conv", "filters")
+    b = None
+    if bias is not None:
+        b = node(bias)
+        if b._array().dtype != w._array().dtype or b._array().shape != w._array().shape[-1:]:
+            raise errors.InvalidArgumentError(
+                f"conv: bias of shape {list(b._array().shape)} and dtype {b._array().dtype} "
+                f"does not fit filters {list(w._array().shape)}"
+            )
+    if rank == 1:
+        x, w = array_ops.expand_dims(x, 1), array_ops.expand_dims(w, 0)
+        strides, dilations = (1, *strides), (1, *dilations)
+    k = w._array().shape
+    extents = ((k[0] - 1) * dilations[0] + 1, (k[1] - 1) * dilations[1] + 1)
+    if padding.upper() == "CAUSAL":
+        pads: Pads = ((0, 0), (extents[1] - 1, 0))
+    else:
+        pads = padding_amounts(padding, x._array().shape[1:3], extents, strides, "conv")
+    y = _conv(x, w, (strides[0], strides[1]), pads, (dilations[0], dilations[1]), "conv", b, relu)
+    return array_ops.squeeze(y, axis=1) if rank == 1 else y
+
+
+def conv2d(
+    input: Any,
+    filters: Any,
+    strides: Any,
+    padding: Any,
+    data_format: str | None = "NHWC",
+    dilations: Any = None,
+    name: str | None = None,
+) -> Tensor:
+    """2-D convolution (TensorFlow's ``tf.nn.conv2d``), channels last.
+
+    Args:
+        input: ``[batch, height, width, in_channels]``.
+        filters: ``[filter_height, filter_width, in_channels, out_channels]``.
+        strides: an int, or 1, 2 or 4 ints (``[1, s_h, s_w, 1]``).
+        padding: ``"SAME"``, ``"VALID"`` or explicit ``[[0, 0], [t, b], [l, r], [0, 0]]``.
+        data_format: only ``"NHWC"``.
+        dilations: like ``strides`` (1 by default).
+
+    Example:
+        >>> import psflow as pf
+        >>> pf.nn.conv2d(pf.ones([1, 5, 5, 1]), pf.ones([3, 3, 1, 2]), 1, "VALID").shape
+        TensorShape([1, 3, 3, 2])
+
+    Raises:
+        InvalidArgumentError: ranks, channel counts or dtypes that do not match, a
+            non-positive stride or dilation, or a window larger than the padded input.
+    """
+    check_format(data_format, ("NHWC",), "conv2d")
+    x = float_input(input, 4, "conv2d")
+    w = float_input(filters, 4, "conv2d", "filters")
+    s = spatial_values(strides, 2, "strides", "conv2d")
+    d = spatial_values(1 if dilations is None else dilations, 2, "dilations", "conv2d")
+    kshape = w._array().shape
+    extents = ((kshape[0] - 1) * d[0] + 1, (kshape[1] - 1) * d[1] + 1)
+    pads = padding_amounts(padding, x._array().shape[1:3], extents, s, "conv2d")
+    return _conv(x, w, (s[0], s[1]), pads, (d[0], d[1]), "conv2d")
+
+
+def conv1d(
+    input: Any,
+    filters: Any,
+    stride: Any,
+    padding: Any,
+    data_format: str | None = "NWC",
+    dilations: Any = None,
+    name: str | None = None,
+) -> Tensor:
+    """1-D convolution (TensorFlow's ``tf.nn.conv1d``): ``[batch, width, channels]`` input,
+    ``[filter_width, in_channels, out_channels]`` filters.
+
+    ``padding`` may also be ``"CAUSAL"`` (Keras's causal padding: all of it before).
+
+    Raises:
+        InvalidArgumentError: as :func:`conv2d`.
+    """
+    from psflow.ops import array_ops
+
+    check_format(data_format, ("NWC",), "conv1d")
+    x = float_input(input, 3, "conv1d")
+    w = float_input(filters, 3, "conv1d", "filters")
+    (s,) = spatial_values(stride, 1, "stride", "conv1d")
+    (d,) = spatial_values(1 if dilations is None else dilations, 1, "dilations", "conv1d")
+    k = w._array().shape[0]
+    extent = (k - 1) * d + 1
+    if isinstance(padding, str) and padding.upper() == "CAUSAL":
+        pads: Pads = ((0, 0), (extent - 1, 0))
+    elif isinstance(padding, str):
+        pads = padding_amounts(padding, (1, x._array().shape[1]), (1, extent), (1, s), "conv1d")
+    else:  # explicit: [[l, r]] or TF's [[0, 0], [l, r], [0, 0]]
+        pairs = [list(p) for p in padding]
+        if len(pairs) not in (1, 3) or (len(pairs) == 3 and pairs[0] + pairs[2] != [0] * 4):
+            raise errors.InvalidArgumentError(
+                f"conv1d: explicit padding must be [[l, r]] or [[0, 0], [l, r], [0, 0]], got "
+                f"{padding!r}"
+            )
+        pads = padding_amounts([(0, 0), pairs[len(pairs) // 2]], (), (), (), "conv1d")
+    x4 = array_ops.expand_dims(x, 1)
+    w4 = array_ops.expand_dims(w, 0)
+    y = _conv(x4, w4, (1, s), pads, (1, d), "conv1d")
+    return array_ops.squeeze(y, axis=1)
