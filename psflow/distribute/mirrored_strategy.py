@@ -36,6 +36,7 @@ from psflow.collective.ring import RingAllReduce
 from psflow.distribute import distribute_lib, input_lib, reduce_util
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.replica_pool import ReplicaPool, available_cores
+from psflow.distribute.sync_on_read import SyncOnReadVariable, check_aggregation
 from psflow.distribute.values import (
     MirroredVariable,
     PerReplica,
@@ -367,10 +368,21 @@ class MirroredExtended(distribute_lib.StrategyExtended):
 
     def _create_mirrored(
         self, next_creator: Callable[..., Any], kwargs: dict[str, Any]
-    ) -> MirroredVariable:
+    ) -> MirroredVariable | SyncOnReadVariable:
+        """One copy per device: a mirrored variable, or a sync-on-read one for ON_READ.
+
+        Raises:
+            InvalidArgumentError: ON_READ with MEAN of a non-floating dtype (as TensorFlow).
+        """
         kwargs = dict(kwargs)
         aggregation = variable_lib.VariableAggregation(
             kwargs.get("aggregation") or variable_lib.VariableAggregation.NONE
+        )
+        on_read = (
+            variable_lib.VariableSynchronization(
+                kwargs.get("synchronization") or variable_lib.VariableSynchronization.AUTO
+            )
+            is variable_lib.VariableSynchronization.ON_READ
         )
         base = (kwargs.get("name") or "Variable").split(":")[0]
         copies: list[variable_lib.Variable] = []
@@ -378,6 +390,8 @@ class MirroredExtended(distribute_lib.StrategyExtended):
             with backend.device(dev):
                 if i == 0:
                     copies.append(next_creator(**kwargs))
+                    if on_read:
+                        check_aggregation(aggregation, copies[0]._value.dtype, base)
                 else:
                     copies.append(
                         next_creator(
@@ -388,6 +402,8 @@ class MirroredExtended(distribute_lib.StrategyExtended):
                             }
                         )
                     )
+        if on_read:
+            return SyncOnReadVariable(self._container_strategy(), copies, aggregation=aggregation)
         return MirroredVariable(self._container_strategy(), copies, aggregation=aggregation)
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
@@ -629,7 +645,8 @@ class MirroredStrategy(distribute_lib.Strategy):
         op = ReduceOp.from_value(reduce_op)
 
         def reduce_leaf(v: Any) -> Any:
-            parts = list(v.values) if isinstance(v, PerReplica) else None
+            # a sync-on-read variable's copies are per-replica values (TensorFlow sums them)
+            parts = list(v.values) if isinstance(v, (PerReplica, SyncOnReadVariable)) else None
             if parts is None:
                 if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
                     raise errors.InvalidArgumentError(
@@ -661,7 +678,7 @@ class MirroredStrategy(distribute_lib.Strategy):
                 return reduce_util.mean(Tensor._wrap(total), max(count, 1))
             return Tensor._wrap(total)
 
-        if isinstance(value, PerReplica):
+        if isinstance(value, (PerReplica, SyncOnReadVariable)):
             return reduce_leaf(value)
         return nest.map_structure(reduce_leaf, value)
 
