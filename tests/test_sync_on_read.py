@@ -137,3 +137,30 @@ def test_parameter_server_strategy_keeps_one_variable_that_every_worker_updates(
         assert float(v.numpy()) == 7.0
     finally:
         shutdown_all()
+
+
+def test_the_module_example_runs() -> None:
+    import doctest
+
+    import psflow.distribute.sync_on_read as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_bad_write_inside_run_fails_run_and_leaves_that_copy_alone() -> None:
+    with logical_cpus(2):
+        strategy = pf.distribute.MirroredStrategy()
+        with strategy.scope():
+            v = pf.Variable(
+                [1.0, 2.0], synchronization=ON_READ, aggregation=pf.VariableAggregation.MEAN
+            )
+
+        def step() -> None:
+            rid = int(pf.distribute.get_replica_context().replica_id_in_sync_group)
+            v.assign([5.0, 6.0] if rid == 0 else [7.0, 8.0, 9.0])
+
+        with pytest.raises(errors.InvalidArgumentError, match=r"got shape \(3,\)"):
+            strategy.run(step)
+        np.testing.assert_array_equal(v.values[0].numpy(), [5.0, 6.0])  # its own write
+        np.testing.assert_array_equal(v.values[1].numpy(), [1.0, 2.0])
