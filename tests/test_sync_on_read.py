@@ -164,3 +164,32 @@ def test_a_bad_write_inside_run_fails_run_and_leaves_that_copy_alone() -> None:
             strategy.run(step)
         np.testing.assert_array_equal(v.values[0].numpy(), [5.0, 6.0])  # its own write
         np.testing.assert_array_equal(v.values[1].numpy(), [1.0, 2.0])
+
+
+def test_read_var_gives_the_aggregate_in_both_contexts() -> None:
+    """TensorFlow's ``strategy.extended.read_var``: the aggregate of a sync-on-read variable
+    (what a layer's inference may read instead of its replica's own copy)."""
+    with logical_cpus(2):
+        strategy = pf.distribute.MirroredStrategy()
+        with strategy.scope():
+            v = pf.Variable(
+                [1.0, 2.0], synchronization=ON_READ, aggregation=pf.VariableAggregation.MEAN
+            )
+            w = pf.Variable([4.0])
+        strategy.run(
+            lambda: v.assign_add(
+                pf.fill(
+                    [2],
+                    pf.cast(
+                        pf.distribute.get_replica_context().replica_id_in_sync_group, "float32"
+                    ),
+                )
+            )
+        )
+        np.testing.assert_array_equal(strategy.extended.read_var(v), [1.5, 2.5])
+        np.testing.assert_array_equal(strategy.extended.read_var(w), [4.0])
+        inside = strategy.run(lambda: (v.read_value(), strategy.extended.read_var(v)))
+        own = [t.numpy().tolist() for t in strategy.experimental_local_results(inside[0])]
+        assert own == [[1.0, 2.0], [2.0, 3.0]]
+        for t in strategy.experimental_local_results(inside[1]):
+            np.testing.assert_array_equal(t, [1.5, 2.5])

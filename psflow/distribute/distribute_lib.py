@@ -222,6 +222,10 @@ class StrategyExtended:
         """The distributed container of a per-replica component (itself here)."""
         return value
 
+    def read_var(self, v: Any) -> Any:
+        """``v``'s value as a tensor, aggregated across replicas for a sync-on-read variable."""
+        return v.read_value()
+
 
 class Strategy:
     """Base of the distribution strategies (TensorFlow's ``tf.distribute.Strategy``).

@@ -427,6 +427,16 @@ class MirroredExtended(distribute_lib.StrategyExtended):
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
         return self._container_strategy().reduce(reduce_op, value, axis=None)
 
+    def read_var(self, v: Any) -> Any:
+        """The aggregate of a sync-on-read variable (also inside ``run``); others' value.
+
+        Inside ``run`` only with copies no replica writes meanwhile (reading them
+        for inference, say): the other replicas' copies are read as they are.
+        """
+        if isinstance(v, SyncOnReadVariable):
+            return Tensor._wrap(v._aggregate())
+        return v.read_value()
+
 
 class MirroredStrategy(distribute_lib.Strategy):
     """Synchronous training on several devices of one machine (``tf.distribute.MirroredStrategy``).
