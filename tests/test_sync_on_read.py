@@ -193,3 +193,38 @@ def test_read_var_gives_the_aggregate_in_both_contexts() -> None:
         assert own == [[1.0, 2.0], [2.0, 3.0]]
         for t in strategy.experimental_local_results(inside[1]):
             np.testing.assert_array_equal(t, [1.5, 2.5])
+
+
+def test_batch_normalization_predicts_under_mirrored_as_on_one_device() -> None:
+    """BatchNormalization keeps its moving statistics sync-on-read (ON_READ, MEAN): each
+    replica moves its own copy while training; inference must read their aggregate
+    (``strategy.extended.read_var``), not its replica's copy, to predict as one device
+    with the same weights does. (Skipped in trees without the layer.)"""
+    if not hasattr(pf.keras.layers, "BatchNormalization"):
+        pytest.skip("this tree has no BatchNormalization")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    x[16:] += 3.0  # the replicas' halves of each batch differ: so do their copies
+    y = rng.normal(size=(32, 1)).astype(np.float32)
+
+    def make() -> Any:
+        model = pf.keras.Sequential(
+            [
+                pf.keras.layers.BatchNormalization(momentum=0.5),
+                pf.keras.layers.Dense(1, kernel_initializer="ones"),
+            ]
+        )
+        model.build((None, 4))
+        model.compile(optimizer=pf.keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    with logical_cpus(2):
+        strategy = pf.distribute.MirroredStrategy()
+        with strategy.scope():
+            model = make()
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        got = model.predict(x, batch_size=32, verbose=0)
+        weights = model.get_weights()
+    one = make()
+    one.set_weights(weights)
+    np.testing.assert_allclose(got, one.predict(x, batch_size=32, verbose=0), rtol=1e-5, atol=1e-5)
