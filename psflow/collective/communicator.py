@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import threading
@@ -38,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psflow import errors
+from psflow.collective import absent
 from psflow.collective import arrays as arr
 from psflow.collective.api import CrossDeviceOps
 from psflow.collective.executor import drive
@@ -119,6 +121,7 @@ class Communicator:
         op: ReduceOp | str = ReduceOp.SUM,
         *,
         out: Sequence[Any] | None = None,
+        present: Sequence[bool] | None = None,
     ) -> list[Any]:
         """Reduces this replica's ``arrays`` with the other replicas' (called by all N).
 
@@ -127,9 +130,12 @@ class Communicator:
             arrays: this replica's arrays; the same shapes and dtypes on every rank.
             op: ``SUM`` or ``MEAN``; every rank must pass the same.
             out: optional arrays to write the result into (``arrays`` for in place).
+            present: ``present[i] = False`` says this rank has nothing for array ``i``
+                (it passes zeros there); see :mod:`.absent`.
 
         Returns:
-            This replica's copy of the reduced arrays (bitwise equal on every rank).
+            This replica's copy of the reduced arrays (bitwise equal on every rank),
+            ``None`` for an array no rank had (with ``present``).
 
         Raises:
             DeadlineExceededError: some rank did not arrive (or progress) within
@@ -141,6 +147,7 @@ class Communicator:
                 arr.check_sequence(arrays, f"arrays of rank {rank}"),
                 ReduceOp.parse(op),
                 out,
+                absent.check_present(present, len(arrays), f"all_reduce of rank {rank}"),
             )
         except errors.OpError as exc:
             payload = exc
@@ -158,15 +165,27 @@ class Communicator:
                     "but the others did not"
                 )
             out_rows = None if outs[0] is None else outs
-            return self.ops.build_all_reduce(
-                [p[0] for p in payloads], payloads[0][1], out_rows, self.options
+            rows = [p[0] for p in payloads]
+            flags = [p[3] for p in payloads]
+            if all(f is None for f in flags) or len({len(r) for r in rows}) > 1:
+                return self.ops.build_all_reduce(rows, payloads[0][1], out_rows, self.options)
+            kept = absent.agreed(flags, len(rows[0]))
+            if out_rows is not None:
+                out_rows = [[o[i] for i in kept] for o in out_rows]
+            inner = self.ops.build_all_reduce(
+                [[r[i] for i in kept] for r in rows], payloads[0][1], out_rows, self.options
             )
+            return absent.SubsetJob(inner, kept, len(rows[0]))
 
         return self._collective(rank, "all_reduce", payload, build)
 
     def reduce_and_update(
-        self, rank: int, arrays: Sequence[Any], update: Callable[[int, int, int, Any], None]
-    ) -> None:
+        self,
+        rank: int,
+        arrays: Sequence[Any],
+        update: Callable[[int, int, int, Any], None],
+        present: Sequence[bool] | None = None,
+    ) -> list[bool]:
         """Sums the replicas' ``arrays`` and hands each summed range to an update (called by all N).
 
         The flattened arrays are split into one contiguous range per rank; this
@@ -174,7 +193,11 @@ class Communicator:
         ``update(index, lo, hi, summed)`` for each piece, which must apply
         ``summed`` (elements ``lo:hi`` of array ``index``, flattened) to every
         replica's state.  Returns once every rank is done.  See
-        :mod:`psflow.collective.reduce_update`.
+        :mod:`psflow.collective.reduce_update`.  With ``present`` (as for
+        :meth:`all_reduce`) an array no rank has is neither summed nor updated.
+
+        Returns:
+            For each array, whether it was summed and updated.
 
         Raises:
             DeadlineExceededError: some rank did not arrive within the timeout.
@@ -183,14 +206,25 @@ class Communicator:
         from psflow.collective.reduce_update import ReduceUpdateJob
 
         try:
-            payload: Any = (arr.check_sequence(arrays, f"arrays of rank {rank}"), update)
+            payload: Any = (
+                arr.check_sequence(arrays, f"arrays of rank {rank}"),
+                update,
+                absent.check_present(present, len(arrays), f"reduce_and_update of rank {rank}"),
+            )
         except errors.OpError as exc:
             payload = exc
 
         def build(payloads: list[Any]) -> Job:
-            return ReduceUpdateJob([list(p[0]) for p in payloads], [p[1] for p in payloads])
+            rows = [list(p[0]) for p in payloads]
+            if len({len(r) for r in rows}) > 1:  # the job names the mismatch
+                return ReduceUpdateJob(rows, [p[1] for p in payloads])
+            kept = absent.agreed([p[2] for p in payloads], len(rows[0]))
+            updates = [functools.partial(_update_at, kept, p[1]) for p in payloads]
+            inner = ReduceUpdateJob([[r[i] for i in kept] for r in rows], updates)
+            return absent.SubsetJob(inner, kept, len(rows[0]))
 
-        self._collective(rank, "reduce_and_update", payload, build)
+        done = self._collective(rank, "reduce_and_update", payload, build)
+        return [d is not None for d in done]
 
     def all_gather(self, rank: int, array: Any, axis: int = 0) -> Any:
         """Concatenates every replica's ``array`` along ``axis`` (called by all N).
@@ -395,3 +429,10 @@ class Communicator:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+def _update_at(
+    kept: list[int], update: Callable[[int, int, int, Any], None], k: int, lo: int, hi: int, s: Any
+) -> None:
+    """Calls a caller's update with its own index of the ``k``-th agreed array."""
+    update(kept[k], lo, hi, s)

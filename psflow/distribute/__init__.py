@@ -25,4 +25,5 @@ from psflow.distribute.mirrored_strategy import MirroredStrategy
 from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 from psflow.distribute.ps.values import ShardedVariable
 from psflow.distribute.reduce_util import ReduceOp
+from psflow.distribute.sync_on_read import SyncOnReadVariable
 from psflow.distribute.values import MirroredVariable, PerReplica

@@ -222,6 +222,10 @@ class StrategyExtended:
         """The distributed container of a per-replica component (itself here)."""
         return value
 
+    def read_var(self, v: Any) -> Any:
+        """``v``'s value as a tensor, aggregated across replicas for a sync-on-read variable."""
+        return v.read_value()
+
 
 class Strategy:
     """Base of the distribution strategies (TensorFlow's ``tf.distribute.Strategy``).
@@ -394,6 +398,10 @@ class ReplicaContext:
         with _enter(_Context(self._strategy, None)):
             return merge_fn(self._strategy, *args, **(kwargs or {}))
 
+    def _all_reduce_gradients(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        """Sums gradients across replicas, ``None`` where no replica has one (one replica: as is)."""
+        return list(grads)
+
     def _apply_in_replica(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> bool:
         """Applies already-reduced gradients to this replica's own copies, without a merge.
 
@@ -404,14 +412,15 @@ class ReplicaContext:
 
     def _reduce_and_apply(
         self, optimizer: Any, grads: list[Any], variables: list[Any], step: int
-    ) -> bool:
+    ) -> int | None:
         """Sums this replica's gradients with the others' and applies them, in one collective.
 
-        Returns False (nothing done) where the strategy has no such fused path;
-        the answer must depend on the variables and gradient kinds only, so every
+        ``grads`` may hold ``None`` (no gradient on this replica). Returns how many
+        variables were updated, or None (nothing done) where the strategy has no
+        such fused path; the answer must depend on the variables only, so every
         replica agrees.
         """
-        return False
+        return None
 
     def __enter__(self) -> ReplicaContext:
         _stack().append(_Context(self._strategy, self))

@@ -36,6 +36,7 @@ from psflow.collective.ring import RingAllReduce
 from psflow.distribute import distribute_lib, input_lib, reduce_util
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.replica_pool import ReplicaPool, available_cores
+from psflow.distribute.sync_on_read import SyncOnReadVariable, check_aggregation
 from psflow.distribute.values import (
     MirroredVariable,
     PerReplica,
@@ -205,6 +206,29 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         reduced = strategy._communicator.all_reduce(self._replica_id, arrays, op.value)
         return nest.pack_sequence_as(value, [Tensor._wrap(a) for a in reduced])
 
+    def _all_reduce_gradients(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        """Sums gradients across replicas; ``None`` where no replica has one.
+
+        A replica without a gradient for a variable (its batch touched no row of
+        that shard) adds zeros, so every replica reduces the same list; the
+        variables no replica has a gradient for are agreed on in the same
+        rendezvous (see :mod:`psflow.collective.absent`).
+        """
+        strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
+        present = [g is not None for g in grads]
+        arrays = [
+            _zeros_for(v)
+            if g is None
+            else g.dense_array()
+            if isinstance(g, IndexedSlices)
+            else to_array(g)
+            for g, v in zip(grads, variables)
+        ]
+        reduced = strategy._communicator.all_reduce(
+            self._replica_id, arrays, "SUM", present=present
+        )
+        return [None if r is None else Tensor._wrap(r) for r in reduced]
+
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates ``value`` from every replica along ``axis``."""
         strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
@@ -255,8 +279,8 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
 
     def _reduce_and_apply(
         self, optimizer: Any, grads: list[Any], variables: list[Any], step: int
-    ) -> bool:
-        """Sums the replicas' dense gradients and updates every copy, split by elements.
+    ) -> int | None:
+        """Sums the replicas' gradients and updates every copy, split by elements.
 
         One :meth:`Communicator.reduce_and_update` call replaces the all-reduce and
         the per-replica updates: each replica thread sums one range of the
@@ -264,29 +288,33 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         copies (weights and optimizer slots), so the reduced gradients are never
         written out and each copy is updated by one pass over its memory.  The
         copies stay bitwise identical.  Taken for mirrored variables of this
-        strategy on CPU devices with dense NumPy gradients and no constraint;
-        otherwise (False) the caller all-reduces and applies.
+        strategy on CPU devices with no constraint, whatever the gradients (the
+        choice depends on the variables only, so every replica makes the same):
+        sparse ones are densified as the all-reduce would, a missing one adds
+        zeros (see :meth:`_all_reduce_gradients`).  Returns how many variables
+        were updated, or None (nothing done) where the caller must all-reduce and
+        apply.
         """
         strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
         extended = strategy.extended
         if not strategy._fused_update or strategy.num_replicas_in_sync < 2:
-            return False
+            return None
+        for v in variables:
+            if getattr(v, "_update_group", None) is not extended or v.constraint is not None:
+                return None
+            if any(
+                type(c._value) is not np.ndarray or not c._value.flags.c_contiguous
+                for c in v.values
+            ):
+                return None
         arrays = []
         for g, v in zip(grads, variables):
-            if (
-                getattr(v, "_update_group", None) is not extended
-                or v.constraint is not None
-                or isinstance(g, IndexedSlices)
-            ):
-                return False
-            a = to_array(g)
-            copies = [c._value for c in v.values]
-            if type(a) is not np.ndarray or any(
-                type(c) is not np.ndarray or not c.flags.c_contiguous or c.dtype != a.dtype
-                for c in copies
-            ):
-                return False
-            arrays.append(a)
+            dtype = v.values[0]._value.dtype
+            if g is None:
+                arrays.append(np.zeros(v.values[0]._value.shape, dtype))
+                continue
+            a = g.dense_array() if isinstance(g, IndexedSlices) else to_array(g)
+            arrays.append(np.asarray(backend.to_numpy(a), dtype=dtype))
         rule = optimizer.rule
         # every replica's slots exist before the rendezvous (creating them is idempotent)
         targets = [
@@ -306,8 +334,10 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
                 step,
             )
 
-        strategy._communicator.reduce_and_update(self._replica_id, arrays, update)
-        return True
+        done = strategy._communicator.reduce_and_update(
+            self._replica_id, arrays, update, present=[g is not None for g in grads]
+        )
+        return sum(done)
 
 
 class MirroredExtended(distribute_lib.StrategyExtended):
@@ -338,10 +368,21 @@ class MirroredExtended(distribute_lib.StrategyExtended):
 
     def _create_mirrored(
         self, next_creator: Callable[..., Any], kwargs: dict[str, Any]
-    ) -> MirroredVariable:
+    ) -> MirroredVariable | SyncOnReadVariable:
+        """One copy per device: a mirrored variable, or a sync-on-read one for ON_READ.
+
+        Raises:
+            InvalidArgumentError: ON_READ with MEAN of a non-floating dtype (as TensorFlow).
+        """
         kwargs = dict(kwargs)
         aggregation = variable_lib.VariableAggregation(
             kwargs.get("aggregation") or variable_lib.VariableAggregation.NONE
+        )
+        on_read = (
+            variable_lib.VariableSynchronization(
+                kwargs.get("synchronization") or variable_lib.VariableSynchronization.AUTO
+            )
+            is variable_lib.VariableSynchronization.ON_READ
         )
         base = (kwargs.get("name") or "Variable").split(":")[0]
         copies: list[variable_lib.Variable] = []
@@ -349,6 +390,8 @@ class MirroredExtended(distribute_lib.StrategyExtended):
             with backend.device(dev):
                 if i == 0:
                     copies.append(next_creator(**kwargs))
+                    if on_read:
+                        check_aggregation(aggregation, copies[0]._value.dtype, base)
                 else:
                     copies.append(
                         next_creator(
@@ -359,6 +402,8 @@ class MirroredExtended(distribute_lib.StrategyExtended):
                             }
                         )
                     )
+        if on_read:
+            return SyncOnReadVariable(self._container_strategy(), copies, aggregation=aggregation)
         return MirroredVariable(self._container_strategy(), copies, aggregation=aggregation)
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
@@ -373,12 +418,24 @@ class MirroredExtended(distribute_lib.StrategyExtended):
             with backend.device(self._devices[i]):
                 for grad, var in pairs:
                     g = grad.values[i] if isinstance(grad, PerReplica) else grad
+                    if g is None:  # this replica had no gradient (not aggregated)
+                        continue
                     optimizer._apply_local(var, g, step, replica=i, array=var.values[i]._value)
 
         strategy._merge.for_each_replica(strategy._replica_threads(), update_replica)
 
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
         return self._container_strategy().reduce(reduce_op, value, axis=None)
+
+    def read_var(self, v: Any) -> Any:
+        """The aggregate of a sync-on-read variable (also inside ``run``); others' value.
+
+        Inside ``run`` only with copies no replica writes meanwhile (reading them
+        for inference, say): the other replicas' copies are read as they are.
+        """
+        if isinstance(v, SyncOnReadVariable):
+            return Tensor._wrap(v._aggregate())
+        return v.read_value()
 
 
 class MirroredStrategy(distribute_lib.Strategy):
@@ -598,7 +655,8 @@ class MirroredStrategy(distribute_lib.Strategy):
         op = ReduceOp.from_value(reduce_op)
 
         def reduce_leaf(v: Any) -> Any:
-            parts = list(v.values) if isinstance(v, PerReplica) else None
+            # a sync-on-read variable's copies are per-replica values (TensorFlow sums them)
+            parts = list(v.values) if isinstance(v, (PerReplica, SyncOnReadVariable)) else None
             if parts is None:
                 if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
                     raise errors.InvalidArgumentError(
@@ -630,7 +688,7 @@ class MirroredStrategy(distribute_lib.Strategy):
                 return reduce_util.mean(Tensor._wrap(total), max(count, 1))
             return Tensor._wrap(total)
 
-        if isinstance(value, PerReplica):
+        if isinstance(value, (PerReplica, SyncOnReadVariable)):
             return reduce_leaf(value)
         return nest.map_structure(reduce_leaf, value)
 
@@ -668,3 +726,9 @@ class MirroredStrategy(distribute_lib.Strategy):
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={list(self.devices)})"
+
+
+def _zeros_for(variable: Any) -> Any:
+    """Zeros shaped like ``variable``, on this replica's device: a missing gradient."""
+    xp = backend.xp_for(backend.current_device())
+    return xp.zeros(tuple(variable.shape), dtype=variable.dtype.np)

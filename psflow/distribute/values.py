@@ -13,6 +13,7 @@ from typing import Any
 
 from psflow import errors
 from psflow.distribute import distribute_lib
+from psflow.distribute.sync_on_read import SyncOnReadVariable
 from psflow.framework import variable as variable_lib
 from psflow.framework.tensor import TensorShape
 from psflow.util import nest
@@ -94,16 +95,14 @@ def local_results(value: Any, num_replicas: int) -> tuple[Any, ...]:
         >>> local_results({"a": PerReplica((1, 2)), "b": 3}, 2)
         ({'a': 1, 'b': 3}, {'a': 2, 'b': 3})
     """
-    if isinstance(value, (PerReplica, MirroredVariable)):
+    kinds = (PerReplica, MirroredVariable, SyncOnReadVariable)
+    if isinstance(value, kinds):
         return tuple(value.values)
     if not nest.is_nested(value):
         return (value,)
 
     def pick(replica: int) -> Any:
-        return nest.map_structure(
-            lambda x: x.values[replica] if isinstance(x, (PerReplica, MirroredVariable)) else x,
-            value,
-        )
+        return nest.map_structure(lambda x: x.values[replica] if isinstance(x, kinds) else x, value)
 
     return tuple(pick(i) for i in range(num_replicas))
 

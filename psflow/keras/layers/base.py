@@ -26,6 +26,7 @@ from psflow.keras import initializers
 from psflow.keras.engine import keras_tensor
 
 _name_lock = threading.Lock()
+_track_lock = threading.Lock()  # layers' weight lists, appended to from replica threads
 _name_counts: dict[str, itertools.count] = defaultdict(itertools.count)
 
 
@@ -240,7 +241,13 @@ class Layer:
                 v = make()
         else:
             v = make()
-        self._own_weights.append(v)
+        # Built lazily inside MirroredStrategy.run, every replica thread creates the weight
+        # (one merge_call hands all of them the same variable): track it once, or each
+        # replica would see the others' appends at its own time and list it twice.
+        with _track_lock:
+            if any(w is v for w in self._own_weights):
+                return v
+            self._own_weights.append(v)
         if regularizer is not None:
             from psflow.keras import regularizers
 

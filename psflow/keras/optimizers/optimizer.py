@@ -16,7 +16,6 @@ import numpy as np
 
 from psflow import backend, errors, update_rules
 from psflow.distribute import distribute_lib
-from psflow.distribute.reduce_util import ReduceOp
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
@@ -234,41 +233,62 @@ class Optimizer:
         Raises:
             InvalidArgumentError: a gradient whose shape differs from its variable's.
         """
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            return self.iterations
-        for g, v in pairs:
+        all_pairs = list(grads_and_vars)
+        for g, v in all_pairs:
+            if g is None:
+                continue
             gshape = g._dense_shape if isinstance(g, IndexedSlices) else to_array(g).shape
             if tuple(gshape) != _shape_of(v):
                 raise errors.InvalidArgumentError(
                     f"Gradient of shape {list(gshape)} does not match variable {v.name} of shape "
                     f"{list(v.shape)}"
                 )
-        grads = self._clip([g for g, _ in pairs])
-        variables = [v for _, v in pairs]
         ctx = distribute_lib.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1 and distribute_lib.has_strategy():
-            if not (
-                skip_gradients_aggregation
-                or kwargs.get("experimental_aggregate_gradients") is False
-            ):
-                # Read before the all-reduce: no replica can update the count until every
-                # replica has arrived there, so all of them apply the same step.
-                step = self._iterations + 1
-                if ctx._reduce_and_apply(self, grads, variables, step):
+        if not (ctx is not None and ctx.num_replicas_in_sync > 1 and distribute_lib.has_strategy()):
+            pairs = [(g, v) for g, v in all_pairs if g is not None]
+            if pairs:
+                grads = self._clip([g for g, _ in pairs])
+                self._distributed_apply(distribute_lib.get_strategy(), grads, [v for _, v in pairs])
+            return self.iterations
+        # Several replicas: each keeps its None gradients in place, so that all of them
+        # reduce (or merge) the same list; a variable is skipped only when no replica has
+        # a gradient for it, which the collective agrees on (as one device skips a None).
+        grads = self._clip_present([g for g, _ in all_pairs])
+        variables = [v for _, v in all_pairs]
+        if not variables:
+            return self.iterations
+        if not (
+            skip_gradients_aggregation or kwargs.get("experimental_aggregate_gradients") is False
+        ):
+            # Read before the all-reduce: no replica can update the count until every
+            # replica has arrived there, so all of them apply the same step.
+            step = self._iterations + 1
+            applied = ctx._reduce_and_apply(self, grads, variables, step)
+            if applied is not None:
+                if applied:
                     self._iterations = step
-                    return self.iterations
-                grads = ctx.all_reduce(ReduceOp.SUM, grads)
-                if ctx._apply_in_replica(self, list(zip(grads, variables)), step):
-                    self._iterations = step
-                    return self.iterations
-            ctx.merge_call(
-                lambda strategy, gs, vs: self._distributed_apply(strategy, gs, vs),
-                args=(grads, variables),
-            )
-        else:
-            self._distributed_apply(distribute_lib.get_strategy(), grads, variables)
+                return self.iterations
+            reduced = ctx._all_reduce_gradients(grads, variables)
+            pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
+            if not pairs:
+                return self.iterations
+            if ctx._apply_in_replica(self, pairs, step):
+                self._iterations = step
+                return self.iterations
+            grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        ctx.merge_call(
+            lambda strategy, gs, vs: self._distributed_apply(strategy, gs, vs),
+            args=(grads, variables),
+        )
         return self.iterations
+
+    def _clip_present(self, grads: list[Any]) -> list[Any]:
+        """Clips the gradients that are not ``None``, keeping the ``None`` ones in place."""
+        present = [g for g in grads if g is not None]
+        if not present:
+            return list(grads)
+        clipped = iter(self._clip(present))
+        return [None if g is None else next(clipped) for g in grads]
 
     def _distributed_apply(self, strategy: Any, grads: Any, variables: list[Any]) -> None:
         """Applies gradients in cross-replica context, grouped by where variables live."""
@@ -278,6 +298,8 @@ class Optimizer:
         grads = list(grads) if not hasattr(grads, "_is_per_replica") else grads
         for i, v in enumerate(variables):
             g = grads[i] if isinstance(grads, list) else grads
+            if g is None:  # no replica had a gradient for it (merged without aggregation)
+                continue
             group = getattr(v, "_update_group", None)
             if group is None:
                 local.append((g, v))
