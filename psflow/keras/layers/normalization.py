@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from psflow import errors
+from psflow.distribute import distribute_lib
 from psflow.framework.tensor import TensorShape
 from psflow.framework.variable import VariableAggregation, VariableSynchronization
 from psflow.keras import initializers, regularizers
@@ -260,8 +261,13 @@ class BatchNormalization(_Normalization):
         x = _float_input(inputs, self.dtype)
         self._check_input(x)
         if not (training and self.trainable):
+            # the statistics are sync-on-read: a replica's own copy moved with its own
+            # batches only, so inference reads their aggregate, as on one device
+            read = distribute_lib.get_strategy().extended.read_var
             return self._normalize(
-                x, self._broadcast(self.moving_mean), self._broadcast(self.moving_variance)
+                x,
+                self._broadcast(read(self.moving_mean)),
+                self._broadcast(read(self.moving_variance)),
             )
         mean, variance = nn_ops.moments(x, self.reduction_axes, keepdims=True)
         y = self._normalize(x, mean, variance)
