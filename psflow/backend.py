@@ -196,9 +196,9 @@ def _peer_copy(cp: Any, array: Any, target: int) -> Any:
     the other GPU's memory would.
     """
     with cp.cuda.Device(int(array.device.id)):
-        src = cp.ascontiguousarray(array)
+        src = cp.ascontiguousarray(array)  # NumPy's rule: a 0-d array comes back 1-d
     with cp.cuda.Device(target):
-        out = cp.empty(src.shape, src.dtype)
+        out = cp.empty(array.shape, src.dtype)
         if src.nbytes:
             out.data.copy_from_device(src.data, src.nbytes)
     return out
