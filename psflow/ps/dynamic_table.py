@@ -252,6 +252,16 @@ class DynamicTable:
             out[have] = self._rows[slots[have]]
         return out[inverse.reshape(-1)]
 
+    def peek(self, ids: Any) -> np.ndarray:
+        """The current rows of ``ids`` without creating, counting or touching any
+        (zeros where an id has no row)."""
+        ids = check_ids(ids)
+        with self._lock:
+            slots = self._index.find(ids)
+            out = np.zeros((ids.shape[0], self.config.dim), self.dtype)
+            out[slots >= 0] = self._rows[slots[slots >= 0]]
+        return out
+
     def _count_candidates(self, ids: np.ndarray) -> np.ndarray:
         """Counts one sighting of each (absent) id; True where it is now admitted."""
         if self.config.min_count <= 1:
