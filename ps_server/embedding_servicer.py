@@ -9,6 +9,7 @@ request bytes are INVALID_ARGUMENT, not INTERNAL.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -114,7 +115,13 @@ class EmbeddingServicer:
         request_id = None
         if request.HasField("request_id"):
             request_id = (request.request_id.client_id, request.request_id.sequence)
-        step = self.tables.push(request.table, ids, grads, request_id)
+        optimizer = None
+        if request.optimizer_json:
+            try:
+                optimizer = json.loads(request.optimizer_json)
+            except ValueError as e:
+                raise InvalidArgumentError(f"optimizer_json is not JSON: {e}") from e
+        step = self.tables.push(request.table, ids, grads, request_id, optimizer)
         return embedding_pb2.PushGradientsResponse(step=step)
 
     def HotRows(self, request: Any) -> embedding_pb2.HotRowsResponse:

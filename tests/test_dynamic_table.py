@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psflow.errors import InvalidArgumentError
+from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
 from psflow.ps.key_index import KeyIndex, shard_of
 from psflow.update_rules import rule_from_config
@@ -230,3 +230,20 @@ def test_hot_ids_are_the_busiest_first():
         table.lookup(np.arange(i, dtype=np.int64))  # id 0 seen 5 times, id 4 once
     ids, counts = table.hot_ids(3)
     assert ids.tolist() == [0, 1, 2] and counts.tolist() == [5, 4, 3]
+
+
+def test_the_first_push_binds_the_optimizer_and_another_is_refused():
+    table = DynamicTable(TableConfig("t", 2, initializer="zeros"))
+    ids, grads = np.array([4], np.int64), np.ones((1, 2), np.float32)
+    table.lookup(ids)
+    with pytest.raises(FailedPreconditionError, match="no optimizer"):
+        table.apply_gradients(ids, grads)
+    assert table.stats().step == 0
+    table.apply_gradients(ids, grads, {"name": "adagrad", "learning_rate": 0.5})
+    with pytest.raises(FailedPreconditionError, match="sgd"):
+        table.apply_gradients(ids, grads, {"name": "sgd"})
+    table.apply_gradients(ids, grads)  # the bound rule
+    assert table.stats().step == 2
+    assert table.config.optimizer["name"] == "adagrad"
+    assert TableConfig("t", 2, initializer="zeros").optimizer is None
+    assert table.config.accepts(TableConfig("t", 2, initializer="zeros"))

@@ -39,16 +39,18 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PushGradientsRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads", "request_id")
+    __slots__ = ("table", "ids", "grads", "request_id", "optimizer_json")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: _tensor_pb2.Tensor
     grads: _tensor_pb2.Tensor
     request_id: _ps_pb2.RequestId
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[_Union[_ps_pb2.RequestId, _Mapping]] = ...) -> None: ...
+    optimizer_json: str
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[_Union[_ps_pb2.RequestId, _Mapping]] = ..., optimizer_json: _Optional[str] = ...) -> None: ...
 
 class PushGradientsResponse(_message.Message):
     __slots__ = ("step",)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from psflow.errors import InvalidArgumentError
+from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.update_rules import UpdateRule, rule_from_config
 
 from .key_index import KeyIndex, mix64
@@ -92,7 +92,8 @@ class TableConfig:
         initializer: one of :data:`INITIALIZERS`.
         init_scale: the initializer's range / standard deviation.
         seed: seeds every row's initial value together with its id.
-        optimizer: the update rule's config (``{"name": "adagrad", ...}``).
+        optimizer: the update rule's config (``{"name": "adagrad", ...}``); None:
+            bound by the first push that names one (the training optimizer's).
         min_count: lookups an id needs before it gets its own row (>= 1).
         ttl_steps: pushes a row may go untouched before eviction (0: never).
         capacity: rows to allocate up front (the table grows beyond it).
@@ -104,7 +105,7 @@ class TableConfig:
     initializer: str = "uniform"
     init_scale: float = 0.05
     seed: int = 0
-    optimizer: dict = dataclasses.field(default_factory=lambda: {"name": "sgd"})
+    optimizer: dict | None = None
     min_count: int = 1
     ttl_steps: int = 0
     capacity: int = 1024
@@ -135,7 +136,15 @@ class TableConfig:
             raise InvalidArgumentError(
                 f"table {self.name!r}: seed must be an int64, got {self.seed!r}"
             )
-        rule_from_config(self.optimizer)  # raises on a bad optimizer config
+        if self.optimizer is not None:
+            rule_from_config(self.optimizer)  # raises on a bad optimizer config
+
+    def accepts(self, other: TableConfig) -> bool:
+        """Whether creating ``other`` where this table exists is a no-op: the same
+        config, or the same but for an optimizer ``other`` leaves unset."""
+        if other.optimizer is None:
+            other = dataclasses.replace(other, optimizer=self.optimizer)
+        return other == self
 
     def to_json(self) -> str:
         """The config as JSON (it travels in requests and checkpoints)."""
@@ -200,12 +209,14 @@ class DynamicTable:
 
     def __init__(self, config: TableConfig) -> None:
         self.config = config
-        self.rule: UpdateRule = rule_from_config(config.optimizer)
+        self.rule: UpdateRule | None = (
+            None if config.optimizer is None else rule_from_config(config.optimizer)
+        )
         self.dtype = np.dtype(config.dtype)
         self._lock = threading.Lock()
         self._index = KeyIndex(config.capacity)
         self._rows = np.zeros((self._index.capacity, config.dim), self.dtype)
-        self._slots = self.rule.init_slots(self._rows)
+        self._slots = {} if self.rule is None else self.rule.init_slots(self._rows)
         self._touched = np.zeros(self._index.capacity, np.uint32)
         self._traffic = np.zeros(self._index.capacity, np.uint32)
         # Candidates (ids waiting for admission): counts and last touch only.
@@ -292,24 +303,29 @@ class DynamicTable:
         c = self.config
         rows = initial_rows(c.initializer, c.seed, ids, c.dim, c.init_scale, self.dtype)
         self._rows[slots] = rows
-        for k, v in self.rule.init_slots(rows).items():
-            self._slots[k][slots] = v
+        if self.rule is not None:
+            for k, v in self.rule.init_slots(rows).items():
+                self._slots[k][slots] = v
         self._traffic[slots] = 0
         self._counters["created"] += ids.shape[0]
         return slots
 
     # -- writes -----------------------------------------------------------------------
-    def apply_gradients(self, ids: Any, grads: Any) -> int:
+    def apply_gradients(self, ids: Any, grads: Any, optimizer: dict | None = None) -> int:
         """Applies gradient rows ``grads`` for ``ids``; returns the new step.
 
         Duplicates are summed first; ids without a row (not admitted, or evicted
         since their lookup) have their gradients dropped and counted.  Then rows
-        untouched for ``ttl_steps`` pushes are evicted.
+        untouched for ``ttl_steps`` pushes are evicted.  ``optimizer`` (a rule
+        config) binds a table created without one; it must match a bound one.
 
         Raises:
-            InvalidArgumentError: bad ids, or ``grads`` not ``(len(ids), dim)``
-                of a float dtype; nothing changes.
+            InvalidArgumentError: bad ids, ``grads`` not ``(len(ids), dim)`` of a
+                float dtype, or a bad optimizer config; nothing changes.
+            FailedPreconditionError: no optimizer bound or given, or another one
+                than the bound one.
         """
+        rule = None if optimizer is None else rule_from_config(optimizer)
         ids = check_ids(ids)
         grads = np.asarray(grads)
         if grads.shape != (ids.shape[0], self.config.dim) or grads.dtype.kind != "f":
@@ -326,6 +342,7 @@ class DynamicTable:
             summed = np.zeros((unique.shape[0], self.config.dim), self.dtype)
             np.add.at(summed, inverse.reshape(-1), grads)
         with self._lock:
+            self._bind(rule)
             slots = self._index.find(unique)
             have = slots >= 0
             self._counters["dropped_gradients"] += int((~have).sum())
@@ -338,6 +355,24 @@ class DynamicTable:
                 self._traffic[slots[have]] += 1
             self._evict()
             return self.step
+
+    def _bind(self, rule: UpdateRule | None) -> None:
+        if rule is None:
+            if self.rule is None:
+                raise FailedPreconditionError(
+                    f"table {self.config.name!r} has no optimizer: give one in its config "
+                    "or with the push"
+                )
+            return
+        if self.rule is None:
+            self.rule = rule
+            self._slots = rule.init_slots(self._rows)
+            self.config = dataclasses.replace(self.config, optimizer=rule.get_config())
+        elif rule != self.rule:
+            raise FailedPreconditionError(
+                f"table {self.config.name!r} is updated by {self.rule.get_config()}, "
+                f"not {rule.get_config()}"
+            )
 
     def _evict(self) -> None:
         ttl = self.config.ttl_steps

@@ -75,7 +75,8 @@ class TableRegistry:
         with self._lock:
             held = self._tables.get(config.name)
             if held is not None:
-                if (held[0].config, held[1], held[2]) != (config, shard_index, num_shards):
+                same_shard = (held[1], held[2]) == (shard_index, num_shards)
+                if not (same_shard and held[0].config.accepts(config)):
                     raise AlreadyExistsError(
                         f"table {config.name!r} exists with config {held[0].config.to_json()} "
                         f"as shard {held[1]} of {held[2]}",
@@ -123,9 +124,17 @@ class TableRegistry:
         return table.lookup(ids)
 
     def push(
-        self, name: str, ids: Any, grads: Any, request_id: tuple[str, int] | None = None
+        self,
+        name: str,
+        ids: Any,
+        grads: Any,
+        request_id: tuple[str, int] | None = None,
+        optimizer: dict | None = None,
     ) -> int:
         """Applies gradient rows once per ``request_id``; returns the table's step.
+
+        ``optimizer`` binds or must match the table's update rule (see
+        :meth:`DynamicTable.apply_gradients`).
 
         Raises:
             NotFoundError: unknown table.
@@ -134,7 +143,7 @@ class TableRegistry:
         """
         table, ids = self._owned(name, ids)
         if request_id is None:
-            return table.apply_gradients(ids, grads)
+            return table.apply_gradients(ids, grads, optimizer)
         state, entry = self._dedup.begin(*request_id)
         if state is State.TOO_OLD:
             raise InvalidArgumentError(
@@ -146,7 +155,7 @@ class TableRegistry:
                 raise InvalidArgumentError(f"request {request_id} failed", task=self.task)
             return entry.reply
         try:
-            step = table.apply_gradients(ids, grads)
+            step = table.apply_gradients(ids, grads, optimizer)
         except BaseException:
             self._dedup.abandon(*request_id, entry)
             raise

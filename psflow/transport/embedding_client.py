@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import json
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -217,9 +218,10 @@ class EmbeddingClient:
             raise InvalidArgumentError(f"the width of table {table!r} is unknown to this client")
         return self._configs[table].dim
 
-    def push(self, table: str, ids: Any, grads: Any) -> list[int]:
+    def push(self, table: str, ids: Any, grads: Any, optimizer: dict | None = None) -> list[int]:
         """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
-        each shard's step (-1 where it got no ids).
+        each shard's step (-1 where it got no ids).  ``optimizer`` (an update
+        rule's config) binds a table created without one, or must match it.
 
         Raises:
             NotFoundError: unknown table.
@@ -240,6 +242,7 @@ class EmbeddingClient:
             summed = np.empty_like(grads)
             summed[inverse.reshape(-1)] = grads
         parts = self._split(unique)
+        optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
 
         def one(s: int) -> int:
             if parts[s].size == 0:
@@ -251,6 +254,7 @@ class EmbeddingClient:
                 ids=codec.encode_tensor(unique[parts[s]]),
                 grads=codec.encode_tensor(summed[parts[s]]),
                 request_id=ps_pb2.RequestId(client_id=self.client_id, sequence=sequence),
+                optimizer_json=optimizer_json,
             )
             reply = self._call(s, "PushGradients", request, retries=1)
             with self._lock:
