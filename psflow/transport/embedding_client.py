@@ -35,13 +35,14 @@ from psflow.errors import DeadlineExceededError, InvalidArgumentError, Unavailab
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.key_index import shard_of
+from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
 
 from . import codec
 from .options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
-__all__ = ["EmbeddingClient", "WireBytes"]
+__all__ = ["EmbeddingClient", "InProcessEmbeddingClient", "WireBytes"]
 
 _SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
 
@@ -307,3 +308,60 @@ class EmbeddingClient:
             return self._call(s, "RestoreTables", request).rows
 
         return sum(self._on_every_shard(one))
+
+
+class InProcessEmbeddingClient:
+    """The same interface as :class:`EmbeddingClient` over a :class:`TableRegistry`
+    in this process (the embedded parameter server, or local training): the
+    same tables and arithmetic, no RPC.
+
+    Args:
+        registry: the tables (a new registry by default).
+    """
+
+    def __init__(self, registry: TableRegistry | None = None) -> None:
+        self.registry = registry or TableRegistry("ps:0")
+        self.bytes = WireBytes()
+        self.num_shards = 1
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def create_table(self, config: TableConfig) -> bool:
+        """Creates the table (see :meth:`EmbeddingClient.create_table`)."""
+        return self.registry.create(config, 0, 1)
+
+    def lookup(self, table: str, ids: Any) -> np.ndarray:
+        """Rows of ``ids``: shape ``ids.shape + (dim,)``."""
+        ids = np.asarray(ids)
+        rows = self.registry.lookup(table, _as_ids(ids))
+        return rows.reshape(*ids.shape, rows.shape[-1])
+
+    def push(self, table: str, ids: Any, grads: Any, optimizer: dict | None = None) -> list[int]:
+        """Applies gradient rows (see :meth:`EmbeddingClient.push`)."""
+        flat = _as_ids(ids)
+        grads = np.asarray(grads)
+        if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
+            raise InvalidArgumentError(
+                f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
+            )
+        grads = grads.reshape(flat.shape[0], grads.shape[-1])
+        return [self.registry.push(table, flat, grads, None, optimizer)]
+
+    def hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``count`` busiest ids and their rows."""
+        t = self.registry.table(table)
+        ids, _ = t.hot_ids(count)
+        return ids, t.peek(ids)
+
+    def stats(self) -> list[dict[str, TableStats]]:
+        """The table counters (one shard)."""
+        return [self.registry.stats()]
+
+    def save(self, directory: str) -> list[str]:
+        """Writes the tables into ``directory``."""
+        return [self.registry.save(directory, "ps-0")[0]]
+
+    def restore(self, directory: str) -> int:
+        """Restores every table found in ``directory``; returns the rows restored."""
+        return self.registry.restore(directory, 0, 1)[1]

@@ -10,4 +10,5 @@ from psflow.keras.layers.core import (
     InputLayer,
     Reshape,
 )
+from psflow.keras.layers.dynamic_embedding import DynamicEmbedding
 from psflow.keras.layers.embedding import Embedding
