@@ -18,6 +18,7 @@ import pytest
 from psflow import errors
 from psflow.proto import embedding_pb2
 from psflow.ps.dynamic_table import DynamicTable, TableConfig
+from psflow.ps.hot_rows import HotRowPolicy
 from psflow.ps.key_index import shard_of
 from psflow.transport import codec
 from psflow.transport.embedding_client import EmbeddingClient
@@ -217,3 +218,23 @@ def test_killed_ps_restarts_with_its_table_from_the_last_checkpoint(start_ps, tm
         assert after[on_1].tobytes() == saved[on_1].tobytes()
         assert after[~on_1].tobytes() == now[~on_1].tobytes()
         assert client.stats()[1]["emb"].rows == int(on_1.sum())
+
+
+def test_hot_row_cache_cuts_pulled_bytes_and_is_exact_when_refreshed_every_lookup(start_ps):
+    servers = _cluster(start_ps, 2)
+    addresses = [s.address for s in servers]
+    config = TableConfig("emb", DIM, optimizer={"name": "sgd", "learning_rate": 0.1})
+    with (
+        EmbeddingClient(addresses, timeout=30) as plain,
+        EmbeddingClient(addresses, timeout=30, hot_rows=HotRowPolicy(32, 1)) as exact,
+        EmbeddingClient(addresses, timeout=30, hot_rows=HotRowPolicy(128, 15)) as lazy,
+    ):
+        plain.create_table(config)
+        for ids, grads in _traffic(7, 30, batch=256):
+            want = plain.lookup("emb", ids)
+            assert exact.lookup("emb", ids).tobytes() == want.tobytes()
+            stale = lazy.lookup("emb", ids)
+            # Only cached rows may be stale, and by at most 14 pushes of 0.1 * N(0, 1) sums.
+            assert np.abs(stale - want).max() < 10.0
+            plain.push("emb", ids, grads)
+        assert lazy.bytes.pulled < 0.8 * plain.bytes.pulled, (lazy.bytes, plain.bytes)

@@ -34,6 +34,7 @@ import numpy as np
 from psflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, from_grpc
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
+from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
 from psflow.ps.key_index import shard_of
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, default_security
@@ -74,6 +75,8 @@ class EmbeddingClient:
         timeout: deadline of each call, in seconds.
         security: token and TLS material (default: the environment's).
         max_message_bytes: gRPC message size limit.
+        hot_rows: cache each table's busiest rows here (see
+            :mod:`psflow.ps.hot_rows`); None: every lookup goes to the PS.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class EmbeddingClient:
         timeout: float = 60.0,
         security: SecurityConfig | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        hot_rows: HotRowPolicy | None = None,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
@@ -94,6 +98,8 @@ class EmbeddingClient:
         self._sequence = itertools.count(1)
         self._lock = threading.Lock()
         self._configs: dict[str, TableConfig] = {}
+        self.hot_rows = hot_rows
+        self._hot: dict[str, HotRowCache] = {}
         metadata = self.security.call_metadata() or None
         self._channels = [
             open_channel(a, self.security, channel_options(max_message_bytes))
@@ -186,33 +192,51 @@ class EmbeddingClient:
         ids = np.asarray(ids)
         flat = _as_ids(ids)
         unique, inverse = np.unique(flat, return_inverse=True)
-        parts = self._split(unique)
+        cached: tuple[np.ndarray, np.ndarray] | None = None
+        if self.hot_rows is not None and unique.size:
+            cached = self._hot_cache(table).split(unique)
+        missing = unique if cached is None else unique[~cached[0]]
+        parts = self._split(missing)
 
         def one(s: int) -> np.ndarray | None:
             if parts[s].size == 0:
                 return None
             request = embedding_pb2.LookupRequest(
-                table=table, ids=codec.encode_tensor(unique[parts[s]])
+                table=table, ids=codec.encode_tensor(missing[parts[s]])
             )
             rows = codec.decode_tensor(self._call(s, "Lookup", request, retries=1).rows)
             with self._lock:
-                self.bytes.pulled += unique[parts[s]].nbytes + rows.nbytes
+                self.bytes.pulled += missing[parts[s]].nbytes + rows.nbytes
             return rows
 
         results = self._on_every_shard(one)
         with self._lock:
             self.bytes.lookups += 1
-        dim = next((r.shape[1] for r in results if r is not None), None)
-        if dim is None:  # no ids: ask the config (or a shard) for the width
-            dim = self._dim(table)
-            dtype = np.dtype(self._configs[table].dtype)
-        else:
-            dtype = next(r.dtype for r in results if r is not None)
+        known = [r for r in results if r is not None]
+        if cached is not None and cached[0].any():
+            known.append(cached[1])
+        if known:
+            dim, dtype = known[0].shape[1], known[0].dtype
+        else:  # no ids: the width comes from the config
+            dim, dtype = self._dim(table), np.dtype(self._configs[table].dtype)
         out = np.empty((unique.shape[0], dim), dtype)
+        at = np.arange(unique.shape[0]) if cached is None else np.flatnonzero(~cached[0])
         for s, rows in enumerate(results):
             if rows is not None:
-                out[parts[s]] = rows
+                out[at[parts[s]]] = rows
+        if cached is not None and cached[0].any():
+            out[cached[0]] = cached[1]
         return out[inverse.reshape(-1)].reshape(*ids.shape, dim)
+
+    def _hot_cache(self, table: str) -> HotRowCache:
+        with self._lock:
+            cache = self._hot.get(table)
+            if cache is None:
+                policy = self.hot_rows
+                cache = self._hot[table] = HotRowCache(
+                    policy, lambda: self.fetch_hot_rows(table, policy.count)
+                )
+            return cache
 
     def _dim(self, table: str) -> int:
         if table not in self._configs:
@@ -267,7 +291,7 @@ class EmbeddingClient:
             self.bytes.pushes += 1
         return steps
 
-    def hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
 
         def one(s: int) -> tuple[np.ndarray, np.ndarray]:
@@ -348,7 +372,7 @@ class InProcessEmbeddingClient:
         grads = grads.reshape(flat.shape[0], grads.shape[-1])
         return [self.registry.push(table, flat, grads, None, optimizer)]
 
-    def hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids and their rows."""
         t = self.registry.table(table)
         ids, _ = t.hot_ids(count)
