@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +61,9 @@ class EmbeddingServicer:
     def __init__(self, tables: TableRegistry, max_tensor_bytes: int) -> None:
         self.tables = tables
         self.max_tensor_bytes = max_tensor_bytes
+        self._bytes_lock = threading.Lock()
+        self.bytes_in = 0
+        self.bytes_out = 0
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """A handler for every method of the service."""
@@ -90,6 +94,12 @@ class EmbeddingServicer:
 
         return unary
 
+    def _count(self, request: Any, reply: Any) -> Any:
+        with self._bytes_lock:
+            self.bytes_in += request.ByteSize()
+            self.bytes_out += reply.ByteSize()
+        return reply
+
     def _tensor(self, message: Any, what: str) -> np.ndarray:
         if not message.ByteSize():
             raise InvalidArgumentError(f"{what} is missing")
@@ -106,7 +116,7 @@ class EmbeddingServicer:
         """Reads rows."""
         ids = self._tensor(request.ids, "ids")
         rows = self.tables.lookup(request.table, ids)
-        return embedding_pb2.LookupResponse(rows=codec.encode_tensor(rows))
+        return self._count(request, embedding_pb2.LookupResponse(rows=codec.encode_tensor(rows)))
 
     def PushGradients(self, request: Any) -> embedding_pb2.PushGradientsResponse:
         """Applies gradient rows, once per request id."""
@@ -122,7 +132,7 @@ class EmbeddingServicer:
             except ValueError as e:
                 raise InvalidArgumentError(f"optimizer_json is not JSON: {e}") from e
         step = self.tables.push(request.table, ids, grads, request_id, optimizer)
-        return embedding_pb2.PushGradientsResponse(step=step)
+        return self._count(request, embedding_pb2.PushGradientsResponse(step=step))
 
     def HotRows(self, request: Any) -> embedding_pb2.HotRowsResponse:
         """The busiest rows."""
@@ -143,7 +153,9 @@ class EmbeddingServicer:
             tables=[
                 embedding_pb2.TableStats(table=name, **vars(stats))
                 for name, stats in self.tables.stats().items()
-            ]
+            ],
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
         )
 
     def SaveTables(self, request: Any) -> embedding_pb2.SaveTablesResponse:

@@ -60,6 +60,10 @@ def test_sharded_table_equals_one_local_table(start_ps):
         assert all(s["emb"].rows > 0 for s in stats)
         # Only unique ids travelled: ids + rows of each distinct id per lookup.
         assert client.bytes.pulled < 15 * 64 * (8 + 4 * DIM) + every.size * (8 + 4 * DIM)
+        # The servers count the serialized messages: the tensors plus a little framing.
+        served_in, served_out = map(sum, zip(*client.server_bytes()))
+        tensors = client.bytes.pulled + client.bytes.pushed
+        assert tensors < served_in + served_out < 1.2 * tensors
 
 
 def _raw_call(address: str, method: str, request) -> None:

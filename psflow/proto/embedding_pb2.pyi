@@ -107,10 +107,14 @@ class TableStats(_message.Message):
     def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., candidates: _Optional[int] = ..., step: _Optional[int] = ..., created: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., evicted_candidates: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., lookups: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class GetTableStatsResponse(_message.Message):
-    __slots__ = ("tables",)
+    __slots__ = ("tables", "bytes_in", "bytes_out")
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...
+    bytes_in: int
+    bytes_out: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class SaveTablesRequest(_message.Message):
     __slots__ = ("directory",)

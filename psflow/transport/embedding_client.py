@@ -314,6 +314,16 @@ class EmbeddingClient:
 
         return self._on_every_shard(one)
 
+    def server_bytes(self) -> list[tuple[int, int]]:
+        """``(bytes in, bytes out)`` of every task's Lookup and PushGradients calls
+        (serialized messages), in task order."""
+
+        def one(s: int) -> tuple[int, int]:
+            reply = self._call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
+            return reply.bytes_in, reply.bytes_out
+
+        return self._on_every_shard(one)
+
     def save(self, directory: str) -> list[str]:
         """Every task writes its tables into ``directory``; returns the files."""
         request = embedding_pb2.SaveTablesRequest(directory=directory)
