@@ -9,8 +9,9 @@ only the rows of its unique ids; the tape's gradient is sparse rows
 PS by the optimizer's own update rule.
 
 Where the table lives follows the strategy: the PS tasks of the current
-ParameterServerStrategy session (gRPC), the embedded PS of its default mode
-(in process), or, without any strategy, a table private to the layer.
+ParameterServerStrategy the layer was created under (gRPC), the embedded PS
+of its default mode (in process), or, created outside any strategy, a table
+private to the layer.
 
 Example:
     >>> import numpy as np
@@ -139,13 +140,7 @@ class DynamicTableHandle:
         """Where the table lives now (see the module doc)."""
         if self._local is not None:
             return self._local
-        try:
-            session = session_lib.current()
-        except errors.FailedPreconditionError:
-            self._local = _Backend(InProcessEmbeddingClient())
-            self._local.client.create_table(self.config)
-            return self._local
-        return _backend_for(session)
+        return _backend_for(session_lib.current())
 
     def _array(self) -> np.ndarray:
         return np.zeros((0, self.config.dim), self._dtype.np)
@@ -251,7 +246,10 @@ class DynamicEmbedding(Layer):
 
     def build(self, input_shape: Any = None) -> None:
         """Creates the table where the strategy keeps variables."""
-        self.table = DynamicTableHandle(self.config)
+        # Without a strategy the table is the layer's own, even if a PS session
+        # exists in this process (it belongs to another model).
+        local = None if self._strategy is not None else _Backend(InProcessEmbeddingClient())
+        self.table = DynamicTableHandle(self.config, local)
         self.table.backend.client.create_table(self.config)
         self._own_weights.append(self.table)
         self.built = True
