@@ -427,6 +427,8 @@ def main() -> int:
         "examples/s",
         batch=batch,
         steps=steps,
+        n=len(runs),
+        runs=[r["examples_per_s"] for r in runs],
     )
     emit(BENCH, "psflow", "bytes_per_step", ours["bytes_per_step"], "B", measured=True)
     emit(BENCH, "psflow", "ps_memory", ours["ps_rss"] / 2**20, "MiB", rows=ours["rows"])
