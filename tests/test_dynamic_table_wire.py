@@ -242,3 +242,20 @@ def test_hot_row_cache_cuts_pulled_bytes_and_is_exact_when_refreshed_every_looku
             assert np.abs(stale - want).max() < 10.0
             plain.push("emb", ids, grads)
         assert lazy.bytes.pulled < 0.8 * plain.bytes.pulled, (lazy.bytes, plain.bytes)
+
+
+def test_sigterm_writes_the_tables_and_restart_restores_them(start_ps, tmp_path):
+    config = TableConfig("emb", DIM, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    server = start_ps("--task", "ps:0", "--checkpoint-dir", str(tmp_path))
+    with EmbeddingClient([server.address], timeout=30) as client:
+        client.create_table(config)
+        _train(client, 8, 4)
+        ids = np.unique(np.concatenate([i for i, _ in _traffic(8, 4)]))
+        before = client.lookup("emb", ids)
+        stats = client.stats()[0]["emb"]
+    assert server.stop(signal.SIGTERM) == 0
+    restarted = start_ps("--task", "ps:0", "--restore", str(tmp_path))
+    with EmbeddingClient([restarted.address], timeout=30) as client:
+        after = client.stats()[0]["emb"]
+        assert (after.rows, after.step) == (stats.rows, stats.step)
+        assert client.lookup("emb", ids).tobytes() == before.tobytes()
