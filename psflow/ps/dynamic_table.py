@@ -447,9 +447,12 @@ class DynamicTable:
                 state[f"slot/{k}"] = v[live].copy()
             return state
 
-    def import_state(self, parts: list[dict[str, np.ndarray]], keep: Any = None) -> int:
-        """Replaces the table with the union of exported ``parts`` (from any number
-        of shards), keeping the ids for which ``keep(ids)`` is True; returns rows kept.
+    @classmethod
+    def from_parts(
+        cls, config: TableConfig, parts: list[dict[str, np.ndarray]], keep: Any = None
+    ) -> DynamicTable:
+        """A table holding the union of exported ``parts`` (:meth:`export_state` of
+        any number of shards), keeping the ids for which ``keep(ids)`` is True.
 
         The step becomes the largest part's step (shards step independently; Adam
         bias correction continues from there) and counters are summed.
@@ -460,7 +463,7 @@ class DynamicTable:
         def cat(key: str, like: np.ndarray) -> np.ndarray:
             return np.concatenate([p[key] for p in parts])[mask] if parts else like
 
-        fresh = DynamicTable(dataclasses.replace(self.config, capacity=max(int(mask.sum()), 1)))
+        fresh = cls(dataclasses.replace(config, capacity=max(int(mask.sum()), 1)))
         with fresh._lock:
             new_slots = fresh._create(ids[mask])
             fresh._rows[new_slots] = cat("rows", fresh._rows[:0])
@@ -487,9 +490,7 @@ class DynamicTable:
                 for n, v in zip(names, p["counters"].tolist()):
                     fresh._counters[n] += v
             fresh.step = max((int(p["step"]) for p in parts), default=0)
-        with self._lock:
-            self.__dict__.update({k: v for k, v in fresh.__dict__.items() if k != "_lock"})
-        return int(mask.sum())
+        return fresh
 
 
 def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

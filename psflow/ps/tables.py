@@ -241,10 +241,10 @@ class TableRegistry:
         restored = {}
         rows = 0
         for name, config in configs.items():
-            table = DynamicTable(config)
-            rows += table.import_state(
-                parts[name], keep=lambda ids: shard_of(ids, num_shards) == shard_index
+            table = DynamicTable.from_parts(
+                config, parts[name], keep=lambda ids: shard_of(ids, num_shards) == shard_index
             )
+            rows += table.stats().rows
             restored[name] = (table, shard_index, num_shards)
         with self._lock:
             self._tables.update(restored)
