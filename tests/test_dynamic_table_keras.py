@@ -13,6 +13,7 @@ import pytest
 import psflow as pf
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.ps.dynamic_table import initial_rows
+from psflow.ps.hot_rows import HotRowPolicy
 
 VOCAB = np.array([7, 2**40 + 1, -5, 123456789, 42, 2**62 + 3], np.int64)
 DIM, SEED = 4, 9
@@ -29,10 +30,10 @@ def _dense_head() -> pf.keras.layers.Dense:
     return pf.keras.layers.Dense(1, kernel_initializer=pf.keras.initializers.GlorotUniform(seed=3))
 
 
-def _dynamic_model() -> pf.keras.Model:
+def _dynamic_model(hot_rows=None) -> pf.keras.Model:
     return pf.keras.Sequential(
         [
-            pf.keras.layers.DynamicEmbedding(DIM, seed=SEED, input_shape=(3,)),
+            pf.keras.layers.DynamicEmbedding(DIM, seed=SEED, input_shape=(3,), hot_rows=hot_rows),
             pf.keras.layers.Flatten(),
             _dense_head(),
         ]
@@ -122,12 +123,14 @@ def test_dynamic_embedding_rejects_bad_arguments():
 
 @pytest.mark.slow
 def test_one_worker_cluster_equals_the_reference_step_for_step(start_cluster):
+    # The worker caches hot rows, refreshed at every lookup: exact, and it
+    # shows the policy travels with the model to the worker.
     cluster = start_cluster(num_ps=2, num_workers=1)
     ids, y = _data()
     batch, steps = 8, 6
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
     with strategy.scope():
-        model = _dynamic_model()
+        model = _dynamic_model(HotRowPolicy(count=8, refresh_every=1))
         optimizer = pf.keras.optimizers.SGD(0.1)
     head = model.layers[2].kernel.numpy()
     reference = _train_reference(lambda: pf.keras.optimizers.SGD(0.1), ids, y, batch, steps, head)
@@ -156,3 +159,8 @@ def test_one_worker_cluster_equals_the_reference_step_for_step(start_cluster):
     )
     stats = model.layers[0].table.backend.client.stats()
     assert sum(s[model.layers[0].config.name].rows for s in stats) == len(VOCAB)
+    # Every id is hot (8 cached per shard): the worker sends a Lookup only for
+    # ids it sees for the first time (at most one per id); without the cache it
+    # would send one per shard per step (12), plus the chief's check above (2).
+    lookups = sum(s[model.layers[0].config.name].lookups for s in stats)
+    assert lookups <= len(VOCAB) + 2 < 2 * steps + 2

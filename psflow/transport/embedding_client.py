@@ -75,8 +75,9 @@ class EmbeddingClient:
         timeout: deadline of each call, in seconds.
         security: token and TLS material (default: the environment's).
         max_message_bytes: gRPC message size limit.
-        hot_rows: cache each table's busiest rows here (see
-            :mod:`psflow.ps.hot_rows`); None: every lookup goes to the PS.
+        hot_rows: cache every table's busiest rows here (see
+            :mod:`psflow.ps.hot_rows`; :meth:`cache_hot_rows` sets it per
+            table); None: lookups go to the PS.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class EmbeddingClient:
         self._configs: dict[str, TableConfig] = {}
         self.hot_rows = hot_rows
         self._hot: dict[str, HotRowCache] = {}
+        self._hot_policies: dict[str, HotRowPolicy] = {}
         metadata = self.security.call_metadata() or None
         self._channels = [
             open_channel(a, self.security, channel_options(max_message_bytes))
@@ -193,7 +195,7 @@ class EmbeddingClient:
         flat = _as_ids(ids)
         unique, inverse = np.unique(flat, return_inverse=True)
         cached: tuple[np.ndarray, np.ndarray] | None = None
-        if self.hot_rows is not None and unique.size:
+        if unique.size and (self.hot_rows is not None or table in self._hot_policies):
             cached = self._hot_cache(table).split(unique)
         missing = unique if cached is None else unique[~cached[0]]
         parts = self._split(missing)
@@ -228,11 +230,17 @@ class EmbeddingClient:
             out[cached[0]] = cached[1]
         return out[inverse.reshape(-1)].reshape(*ids.shape, dim)
 
+    def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
+        """Caches ``table``'s hot rows with ``policy`` from its next lookup on
+        (a table's first policy stays)."""
+        with self._lock:
+            self._hot_policies.setdefault(table, policy)
+
     def _hot_cache(self, table: str) -> HotRowCache:
         with self._lock:
             cache = self._hot.get(table)
             if cache is None:
-                policy = self.hot_rows
+                policy = self._hot_policies.get(table, self.hot_rows)
                 cache = self._hot[table] = HotRowCache(
                     policy, lambda: self.fetch_hot_rows(table, policy.count)
                 )
@@ -364,6 +372,9 @@ class InProcessEmbeddingClient:
     def create_table(self, config: TableConfig) -> bool:
         """Creates the table (see :meth:`EmbeddingClient.create_table`)."""
         return self.registry.create(config, 0, 1)
+
+    def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
+        """Nothing to do: in process, every lookup reads the table itself."""
 
     def lookup(self, table: str, ids: Any) -> np.ndarray:
         """Rows of ``ids``: shape ``ids.shape + (dim,)``."""

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 import zlib
 from typing import Any
@@ -36,6 +37,7 @@ from psflow.framework.tensor import Tensor, TensorShape, to_array
 from psflow.keras.layers.base import Layer
 from psflow.ops._core import node, out
 from psflow.ps.dynamic_table import TableConfig
+from psflow.ps.hot_rows import HotRowPolicy
 from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
 
 __all__ = ["DynamicEmbedding", "DynamicTableHandle"]
@@ -104,8 +106,14 @@ class DynamicTableHandle:
 
     _is_variable = True
 
-    def __init__(self, config: TableConfig, local: _Backend | None = None) -> None:
+    def __init__(
+        self,
+        config: TableConfig,
+        local: _Backend | None = None,
+        hot_rows: HotRowPolicy | None = None,
+    ) -> None:
         self.config = config
+        self.hot_rows = hot_rows
         self._local = local
         self._dtype = dtypes.as_dtype(config.dtype)
         self._trainable = True
@@ -166,7 +174,10 @@ class DynamicTableHandle:
         flat = idx.reshape(-1).astype(np.int64)
         dim = self.config.dim
         if flat.size:
-            rows = self.backend.client.lookup(self.config.name, flat)
+            client = self.backend.client
+            if self.hot_rows is not None:
+                client.cache_hot_rows(self.config.name, self.hot_rows)
+            rows = client.lookup(self.config.name, flat)
         else:
             rows = np.zeros((0, dim), self._dtype.np)
         gathered = rows.reshape((*idx.shape, dim))
@@ -178,7 +189,8 @@ class DynamicTableHandle:
         return out(gathered, (self,), backward)
 
     def __reduce__(self) -> tuple:
-        return (_resolve, (self.config.to_json(),))
+        hot = None if self.hot_rows is None else dataclasses.astuple(self.hot_rows)
+        return (_resolve, (self.config.to_json(), hot))
 
     def __deepcopy__(self, memo: dict) -> DynamicTableHandle:
         return self
@@ -187,8 +199,9 @@ class DynamicTableHandle:
         return f"<DynamicTableHandle {self.config.name!r} dim={self.config.dim}>"
 
 
-def _resolve(config_json: str) -> DynamicTableHandle:
-    return DynamicTableHandle(TableConfig.from_json(config_json))
+def _resolve(config_json: str, hot: tuple[int, int] | None) -> DynamicTableHandle:
+    policy = None if hot is None else HotRowPolicy(*hot)
+    return DynamicTableHandle(TableConfig.from_json(config_json), hot_rows=policy)
 
 
 class DynamicEmbedding(Layer):
@@ -207,6 +220,9 @@ class DynamicEmbedding(Layer):
         ttl_steps: pushes a row may go untouched before it is evicted (0: never).
         capacity: rows each PS allocates up front.
         table_name: the table's name on the PS (default: the layer's name).
+        hot_rows: each worker caches the table's busiest rows with this policy
+            (:mod:`psflow.ps.hot_rows`: fewer pulled bytes, reads up to
+            ``refresh_every - 1`` lookups stale); None: every row is pulled.
     """
 
     def __init__(
@@ -221,6 +237,7 @@ class DynamicEmbedding(Layer):
         ttl_steps: int = 0,
         capacity: int = 1024,
         table_name: str | None = None,
+        hot_rows: HotRowPolicy | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -242,6 +259,7 @@ class DynamicEmbedding(Layer):
             capacity=capacity,
         )
         self.output_dim = output_dim
+        self.hot_rows = hot_rows
         self.table: DynamicTableHandle | None = None
 
     def build(self, input_shape: Any = None) -> None:
@@ -249,7 +267,7 @@ class DynamicEmbedding(Layer):
         # Without a strategy the table is the layer's own, even if a PS session
         # exists in this process (it belongs to another model).
         local = None if self._strategy is not None else _Backend(InProcessEmbeddingClient())
-        self.table = DynamicTableHandle(self.config, local)
+        self.table = DynamicTableHandle(self.config, local, self.hot_rows)
         self.table.backend.client.create_table(self.config)
         self._own_weights.append(self.table)
         self.built = True
