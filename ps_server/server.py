@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 
 import grpc
 from grpc_health.v1 import health
 
 from psflow import serving
+from psflow.io import manifest as mf
 from psflow.observability.http import MetricsServer
 from psflow.observability.metrics import Registry
 from psflow.observability.services import PSMetrics
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
+from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, check_bind
 from psflow.security.grpc_auth import server_interceptors
 from psflow.transport.options import (
@@ -31,6 +34,7 @@ from psflow.transport.options import (
 )
 from psflow.transport.service import SERVICE
 
+from .embedding_servicer import EmbeddingServicer
 from .servicer import ParameterServerServicer
 
 __all__ = ["READY_PREFIX", "create_server", "serve"]
@@ -55,6 +59,7 @@ def create_server(
     max_streams_per_client: int | None = None,
     stream_idle_timeout: float | None = None,
     metrics: PSMetrics | None = None,
+    tables: TableRegistry | None = None,
 ) -> tuple[grpc.Server, int]:
     """Builds a gRPC server for ``store`` and binds it; returns ``(server, port)``.
 
@@ -65,7 +70,8 @@ def create_server(
     (the thread pool grows to ``max_streams + 2`` so the limit, not the pool,
     is what a caller meets), ``max_streams_per_client`` those of one client
     connection; a streaming call idle for ``stream_idle_timeout`` seconds is
-    cancelled.
+    cancelled.  ``tables`` (a new registry if None) is served by the
+    EmbeddingService beside the ParameterServer service.
 
     Raises:
         FailedPreconditionError: ``bind`` is not loopback, ``security``
@@ -95,6 +101,8 @@ def create_server(
     if metrics is not None and servicer.gate is not None:
         gate = servicer.gate
         metrics.watch_streams(lambda: gate.active)
+    embedding = EmbeddingServicer(tables or TableRegistry(store.task), store.max_tensor_bytes)
+    server.add_generic_rpc_handlers((embedding.generic_handler(),))
     bound = serving.register_and_bind(
         server,
         servicer.generic_handler(),
@@ -126,6 +134,7 @@ def serve(
     stream_idle_timeout: float | None = None,
     metrics_port: int | None = None,
     metrics_bind: str | None = None,
+    tables: TableRegistry | None = None,
 ) -> int:
     """Runs a parameter server until SIGTERM/SIGINT (or ``stop_event``); returns 0.
 
@@ -135,6 +144,7 @@ def serve(
     handlers are installed only when called from the main thread.
     """
     health_servicer = health.HealthServicer()
+    tables = tables or TableRegistry(store.task)
     metrics = None
     if metrics_port is not None:
         metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
@@ -151,6 +161,7 @@ def serve(
         max_streams_per_client=max_streams_per_client,
         stream_idle_timeout=stream_idle_timeout,
         metrics=metrics,
+        tables=tables,
     )
     metrics_server = None
     if metrics is not None:
@@ -160,6 +171,12 @@ def serve(
 
     def restore() -> None:
         if restore_dir:
+            shard = tables.saved_shard(restore_dir, prefix)
+            if shard is not None:  # this task's dynamic embedding tables
+                names, rows = tables.restore(restore_dir, *shard)
+                log.info("restored tables %s (%d rows) from %s", names, rows, restore_dir)
+                if not os.path.exists(mf.manifest_path(restore_dir, prefix)):
+                    return
             result = restore_shard(store, restore_dir, prefix)
             log.info(
                 "restored step %d (%d variables) from %s",
@@ -174,6 +191,8 @@ def serve(
         if checkpoint_dir:
             result = save_shard(store, checkpoint_dir, prefix)
             log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)
+            if tables.stats():
+                tables.save(checkpoint_dir, prefix)
 
     return serving.run_until_stopped(
         server,

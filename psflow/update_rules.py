@@ -47,6 +47,7 @@ __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
+    "Ftrl",
     "RMSprop",
     "UpdateRule",
     "array_module",
@@ -528,6 +529,71 @@ class RMSprop(UpdateRule):
             var -= mom
         else:
             var -= increment
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class Ftrl(UpdateRule):
+    """FTRL-Proximal, the optimizer of wide (linear) CTR models; Keras's ``Ftrl``.
+
+    ``n' = n + g^2``; ``z += g + 2*l2s*w - (n'^-p - n^-p) / lr * w``;
+    ``w = (clip(z, -l1, l1) - z) / (n'^-p / lr + 2*(l2 + beta / (2*lr)))``;
+    ``n = n'`` with ``p = learning_rate_power`` (``-0.5``: the square root).
+    """
+
+    name: ClassVar[str] = "ftrl"
+    learning_rate: float = 0.001
+    learning_rate_power: float = -0.5
+    initial_accumulator_value: float = 0.1
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    l2_shrinkage_regularization_strength: float = 0.0
+    beta: float = 0.0
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._require(self.learning_rate > 0, "learning_rate", "> 0")
+        self._require(self.learning_rate_power <= 0, "learning_rate_power", "<= 0")
+        self._require(self.initial_accumulator_value >= 0, "initial_accumulator_value", ">= 0")
+        for field in (
+            "l1_regularization_strength",
+            "l2_regularization_strength",
+            "l2_shrinkage_regularization_strength",
+            "beta",
+        ):
+            self._require(getattr(self, field) >= 0, field, ">= 0")
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        """``accumulator`` (sum of squared gradients) and ``linear`` (the FTRL ``z``)."""
+        return ("accumulator", "linear")
+
+    def init_slots(self, var: Any) -> dict[str, Any]:
+        """The accumulator filled with ``initial_accumulator_value``, ``linear`` zeros."""
+        xp = array_module(var)
+        return {
+            "accumulator": xp.full_like(var, _scalar(self.initial_accumulator_value, var.dtype)),
+            "linear": xp.zeros_like(var),
+        }
+
+    def _update(self, var, grad, slots, step):
+        xp = array_module(var)
+        dt = var.dtype
+        lr = _scalar(self.learning_rate, dt)
+        neg_power = _scalar(-self.learning_rate_power, dt)
+        l1 = _scalar(self.l1_regularization_strength, dt)
+        # Keras adds beta / (2 lr) to l2 in the variable's dtype.
+        l2 = _scalar(self.l2_regularization_strength, dt) + _scalar(self.beta, dt) / (
+            _scalar(2.0, dt) * lr
+        )
+        acc, linear = slots["accumulator"], slots["linear"]
+        grad_to_use = grad + _scalar(2 * self.l2_shrinkage_regularization_strength, dt) * var
+        new_acc = acc + xp.square(grad)
+        new_pow = xp.power(new_acc, neg_power)
+        linear += grad_to_use - (new_pow - xp.power(acc, neg_power)) / lr * var
+        quadratic = new_pow / lr + _scalar(2, dt) * l2
+        var[...] = (xp.clip(linear, -l1, l1) - linear) / quadratic
+        acc[...] = new_acc
 
 
 def rule_from_config(config: dict[str, Any] | str) -> UpdateRule:

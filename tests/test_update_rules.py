@@ -65,6 +65,17 @@ def ref_rmsprop(w, g, st, lr, rho=0.9, momentum=0.0, eps=1e-7, centered=False):
     return w - inc
 
 
+def ref_ftrl(w, g, st, lr, power=-0.5, init=0.1, l1=0.0, l2=0.0, l2s=0.0, beta=0.0):
+    # McMahan et al.'s per-coordinate FTRL-Proximal, in Keras's parameterisation.
+    n = st.get("n", init)
+    z = st.get("z", 0.0)
+    n_new = n + g * g
+    z += g + 2 * l2s * w - (n_new**-power - n**-power) / lr * w
+    st["n"], st["z"] = n_new, z
+    quadratic = n_new**-power / lr + 2 * (l2 + beta / (2 * lr))
+    return (max(-l1, min(l1, z)) - z) / quadratic
+
+
 CASES = [
     ("sgd", {"learning_rate": 0.1}, lambda w, g, s, t: ref_sgd(w, g, s, 0.1)),
     (
@@ -85,6 +96,18 @@ CASES = [
     ),
     ("adagrad", {"learning_rate": 0.1}, lambda w, g, s, t: ref_adagrad(w, g, s, 0.1)),
     ("rmsprop", {"learning_rate": 0.01}, lambda w, g, s, t: ref_rmsprop(w, g, s, 0.01)),
+    ("ftrl", {"learning_rate": 0.1}, lambda w, g, s, t: ref_ftrl(w, g, s, 0.1)),
+    (
+        "ftrl",
+        {
+            "learning_rate": 0.1,
+            "l1_regularization_strength": 0.3,
+            "l2_regularization_strength": 0.2,
+            "l2_shrinkage_regularization_strength": 0.05,
+            "beta": 0.5,
+        },
+        lambda w, g, s, t: ref_ftrl(w, g, s, 0.1, l1=0.3, l2=0.2, l2s=0.05, beta=0.5),
+    ),
     (
         "rmsprop",
         {"learning_rate": 0.01, "momentum": 0.5, "centered": True},
@@ -273,7 +296,7 @@ def test_config_round_trips_through_json():
         cfg = json.loads(json.dumps(rule.get_config()))
         assert rule_from_config(cfg) == rule
     assert rule_from_config("SGD") == SGD()
-    assert set(registered_rules()) == {"sgd", "adam", "adagrad", "rmsprop"}
+    assert set(registered_rules()) == {"sgd", "adam", "adagrad", "rmsprop", "ftrl"}
 
 
 def test_keras_defaults_and_slot_names():

@@ -7,4 +7,4 @@ Example:
     ((1437, 8, 8), (360, 8, 8))
 """
 
-from psflow.keras.datasets import digits
+from psflow.keras.datasets import ctr, digits

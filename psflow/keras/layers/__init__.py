@@ -12,6 +12,7 @@ from psflow.keras.layers.core import (
     Lambda,
     Reshape,
 )
+from psflow.keras.layers.dynamic_embedding import DynamicEmbedding
 from psflow.keras.layers.embedding import Embedding
 from psflow.keras.layers.merge import (
     Add,

@@ -1,0 +1,523 @@
+"""CTR training with embedding tables on parameter servers: psflow's dynamic tables vs TensorFlow.
+
+Both sides run 2 parameter servers and 2 workers as separate processes on
+loopback and train the same model on the same Criteo-shaped data
+(``psflow.keras.datasets.ctr``: 13 dense + 26 Zipf-distributed categorical
+features, labels from a hidden logistic model):
+one 8-float embedding row per id, the 26 rows and the dense features into
+Dense(64, relu) -> Dense(1), sigmoid cross-entropy, Adagrad 0.05, a custom
+loop scheduled through the ClusterCoordinator (one closure = one batch).
+
+- psflow: ``DynamicEmbedding`` on the raw int64 ids (no vocabulary; rows made
+  on first sight, sharded by id hash; lookups and pushes carry unique ids).
+- TensorFlow: a fixed ``Embedding(VOCAB, 8)`` partitioned over the 2 PS by
+  ``FixedShardsPartitioner(2)``, ids hashed into ``[0, VOCAB)`` first (so
+  unrelated ids collide: TensorFlow's PSS needs a fixed vocabulary).
+
+Measured: examples/s (ratio), bytes on the wire per step (psflow: counted by
+the servers; TensorFlow: the formula below, it has no counter), resident
+memory of the PS processes, test AUC of both and of a single-process psflow
+run on the same batches, pulled bytes with the hot-row cache on vs off, and
+the memory per row of a large dynamic table (the 10M-row bound in the full run).
+
+TensorFlow bytes per step (formula): gathered rows ``B*26*8*4`` out of the PS
+(TensorFlow gathers per occurrence), gradient rows ``B*26*(8*4+8)`` in, and
+the dense weights pulled and pushed once (``2 * 4 * dense_params``).
+
+Prints JSON lines (stdout) and a table (stderr); ``--quick`` is the same cases
+with fewer steps.  Format: shared/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import _cluster
+from _common import emit, progress, table
+
+BENCH = "recsys"
+VOCAB = 1 << 20
+DIM = 8
+HIDDEN = 64
+NUM_CAT, NUM_DENSE = 26, 13
+DENSE_PARAMS = (NUM_CAT * DIM + NUM_DENSE) * HIDDEN + HIDDEN + HIDDEN + 1
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux ``/proc``), 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def make_data(path: str, train: int, test: int) -> None:
+    """Writes the train and test sets (and TensorFlow's hashed ids) to ``path``."""
+    import numpy as np
+
+    from psflow.keras.datasets import ctr
+
+    x, y, _ = ctr.load_data(train, seed=1)
+    xt, yt, logit_t = ctr.load_data(test, seed=2)
+    np.savez(
+        path,
+        cat=x["cat"],
+        dense=x["dense"],
+        y=y,
+        cat_test=xt["cat"],
+        dense_test=xt["dense"],
+        y_test=yt,
+        logit_test=logit_t,
+        cat_tf=(x["cat"].view(np.uint64) % np.uint64(VOCAB)).astype(np.int64),
+        cat_tf_test=(xt["cat"].view(np.uint64) % np.uint64(VOCAB)).astype(np.int64),
+    )
+
+
+def psflow_model(pf, name: str):
+    """The model, psflow side."""
+
+    class Model(pf.keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = pf.keras.layers.DynamicEmbedding(DIM, table_name=name, seed=3)
+            self.hidden = pf.keras.layers.Dense(HIDDEN, activation="relu")
+            self.out = pf.keras.layers.Dense(1)
+
+        def call(self, inputs, training=None):
+            cat, dense = inputs
+            e = pf.reshape(self.emb(cat), (-1, NUM_CAT * DIM))
+            return self.out(self.hidden(pf.concat([e, dense], axis=1)))
+
+    return Model()
+
+
+def _loss(pf, logits, y):
+    return pf.reduce_mean(pf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def single_process_auc(data: dict, batch: int, steps: int) -> float:
+    """AUC of the same model trained in this process on the same batches."""
+    import psflow as pf
+    from psflow.keras.datasets import ctr
+
+    pf.random.set_seed(0)
+    model = psflow_model(pf, "single")
+    optimizer = pf.keras.optimizers.Adagrad(0.05)
+    n = data["cat"].shape[0]
+    for s in range(steps):
+        lo = (s * batch) % (n - batch)
+        xb = (
+            pf.constant(data["cat"][lo : lo + batch]),
+            pf.constant(data["dense"][lo : lo + batch]),
+        )
+        with pf.GradientTape() as tape:
+            loss = _loss(pf, model(xb), pf.constant(data["y"][lo : lo + batch]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    scores = model((pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))).numpy()
+    return ctr.roc_auc(data["y_test"], scores)
+
+
+def run_psflow(data: dict, cluster: dict, ps_pids: list[int], batch: int, steps: int) -> dict:
+    """Throughput, bytes per step, PS memory, AUC and hot-row bytes of the psflow side."""
+
+    import psflow as pf
+    from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+    from psflow.keras.datasets import ctr
+    from psflow.ps.dynamic_table import TableConfig
+    from psflow.ps.hot_rows import HotRowPolicy
+    from psflow.transport.embedding_client import EmbeddingClient
+
+    resolver = SimpleClusterResolver(
+        ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0
+    )
+    pf.random.set_seed(0)
+    strategy = pf.distribute.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        model = psflow_model(pf, "ctr")
+        optimizer = pf.keras.optimizers.Adagrad(0.05)
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    cat, dense, y = data["cat"], data["dense"], data["y"]
+
+    def dataset_fn(ctx):
+        ds = pf.data.Dataset.from_tensor_slices(((cat, dense), y))
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(batch)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def step_fn(it):
+        xb, yb = next(it)
+
+        def replica_fn(xb, yb):
+            with pf.GradientTape() as tape:
+                loss = _loss(pf, model(xb, training=True), yb)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.run(replica_fn, args=(xb, yb))
+
+    client = EmbeddingClient(cluster["ps"], timeout=60)
+
+    def wire() -> int:
+        dense_bytes = sum(s["bytes_in"] + s["bytes_out"] for s in strategy.ps_stats())
+        return dense_bytes + sum(a + b for a, b in client.server_bytes())
+
+    for _ in range(5):
+        coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+    before = wire()
+    start = time.perf_counter()
+    for _ in range(steps):
+        coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+    elapsed = time.perf_counter() - start
+    per_step = (wire() - before) / steps
+    rss = sum(rss_bytes(p) for p in ps_pids)
+    rows = sum(s["ctr"].rows for s in client.stats())
+    scores = model((pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))).numpy()
+    auc = ctr.roc_auc(data["y_test"], scores)
+    coordinator.shutdown()
+
+    # Hot rows: the same lookup stream through a client with and without the cache.
+    hot = {}
+    for label, policy in (("off", None), ("on", HotRowPolicy(1024, 10))):
+        c = EmbeddingClient(cluster["ps"], timeout=60, hot_rows=policy)
+        c.create_table(TableConfig(f"hot_{label}", DIM, optimizer={"name": "adagrad"}))
+        for s in range(steps):
+            c.lookup(f"hot_{label}", cat[s * batch : (s + 1) * batch])
+        hot[label] = c.bytes.pulled / steps
+        c.close()
+    client.close()
+    return {
+        "examples_per_s": steps * batch / elapsed,
+        "bytes_per_step": per_step,
+        "ps_rss": rss,
+        "rows": rows,
+        "auc": auc,
+        "hot_off": hot["off"],
+        "hot_on": hot["on"],
+        "auc_oracle": ctr.roc_auc(data["y_test"], data["logit_test"]),
+    }
+
+
+TF_CHIEF = """
+import json, os, sys, time
+import numpy as np
+import tensorflow as tf
+spec, path, batch, steps, vocab, dim, hidden = json.loads(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:8])
+d = np.load(path)
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")
+strategy = tf.distribute.ParameterServerStrategy(
+    resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+# Plain tf.Variables and TensorFlow's own Adagrad kernels: Keras 3 layers cannot
+# differentiate a partitioned (Sharded) variable under a GradientTape.
+with strategy.scope():
+    glorot = tf.keras.initializers.GlorotUniform(seed=1)
+    params = [
+        tf.Variable(tf.random.stateless_uniform((vocab, dim), (0, 1), -0.05, 0.05), name="emb"),
+        tf.Variable(glorot((26 * dim + 13, hidden)), name="w1"),
+        tf.Variable(tf.zeros((hidden,)), name="b1"),
+        tf.Variable(glorot((hidden, 1)), name="w2"),
+        tf.Variable(tf.zeros((1,)), name="b2"),
+    ]
+emb, w1, b1, w2, b2 = params
+shards = lambda v: list(getattr(v, "variables", [v]))
+flat_p = [s for v in params for s in shards(v)]
+flat_a = []
+for s in flat_p:  # each accumulator on its shard's PS, as Keras makes slots
+    with strategy.scope(), strategy.extended.colocate_vars_with(s):
+        flat_a.append(tf.Variable(tf.fill(s.shape, 0.1)))
+assert [s.shape for s in flat_p] == [s.shape for s in flat_a]
+
+def forward(cat, dense):
+    e = tf.reshape(tf.nn.embedding_lookup(emb, cat), (-1, 26 * dim))
+    h = tf.nn.relu(tf.matmul(tf.concat([e, dense], 1), w1) + b1)
+    return tf.matmul(h, w2) + b2
+
+cat, dense, y = d["cat_tf"], d["dense"], d["y"]
+def dataset_fn(ctx):
+    ds = tf.data.Dataset.from_tensor_slices(((cat, dense), y))
+    return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(batch)
+@tf.function
+def per_worker_dataset_fn():
+    return strategy.distribute_datasets_from_function(dataset_fn)
+iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+@tf.function
+def step_fn(it):
+    def replica_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = forward(*xb)
+            loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=yb, logits=logits))
+        grads = tape.gradient(loss, flat_p)
+        for v, a, g in zip(flat_p, flat_a, grads):
+            if isinstance(g, tf.IndexedSlices):
+                tf.raw_ops.ResourceSparseApplyAdagradV2(
+                    var=v.handle, accum=a.handle, lr=0.05, epsilon=1e-7, grad=g.values, indices=g.indices)
+            else:
+                tf.raw_ops.ResourceApplyAdagradV2(
+                    var=v.handle, accum=a.handle, lr=0.05, epsilon=1e-7, grad=g)
+        return loss
+    xb, yb = next(it)
+    return strategy.run(replica_fn, args=(xb, yb))
+for _ in range(5):
+    coordinator.schedule(step_fn, args=(iterator,))
+coordinator.join()
+start = time.perf_counter()
+for _ in range(steps):
+    coordinator.schedule(step_fn, args=(iterator,))
+coordinator.join()
+elapsed = time.perf_counter() - start
+scores = forward(tf.constant(d["cat_tf_test"]), tf.constant(d["dense_test"])).numpy().ravel()
+print("SCORES " + json.dumps(scores.tolist()), flush=True)
+print("RESULT " + json.dumps({"examples_per_s": steps * batch / elapsed}), flush=True)
+time.sleep(0.5)
+"""
+
+
+def run_tensorflow(python: str, path: str, batch: int, steps: int) -> dict | None:
+    """TensorFlow's side; None when it could not run."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+    with _cluster.Processes() as procs:
+        spec = _tf_cluster(procs, python, env)
+        ps_pids = [p.pid for p in procs.procs[:2]]
+        chief = subprocess.Popen(
+            [
+                python,
+                "-c",
+                TF_CHIEF,
+                json.dumps(spec),
+                path,
+                *map(str, (batch, steps, VOCAB, DIM, HIDDEN)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_cluster.child_env(env),
+            cwd=_cluster.ROOT,
+        )
+        result, scores, rss = None, None, 0
+        deadline = time.monotonic() + 900
+        for line in chief.stdout:
+            if line.startswith("SCORES "):
+                scores = json.loads(line[len("SCORES ") :])
+                rss = sum(rss_bytes(p) for p in ps_pids)  # measured while the PS still run
+            elif line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT ") :])
+            if time.monotonic() > deadline:
+                break
+        try:
+            chief.wait(60)
+        except subprocess.TimeoutExpired:
+            chief.kill()
+            chief.wait()
+        if result is None:
+            progress(f"TensorFlow run failed: {chief.stderr.read()[-2000:]}")
+            return None
+        result["scores"], result["ps_rss"] = scores, rss
+        return result
+
+
+def _tf_cluster(procs: _cluster.Processes, python: str, env: dict) -> dict:
+    ports = _cluster.free_ports(5)
+    spec = {
+        "ps": [f"127.0.0.1:{p}" for p in ports[:2]],
+        "worker": [f"127.0.0.1:{p}" for p in ports[2:4]],
+        "chief": [f"127.0.0.1:{ports[4]}"],
+    }
+    for job in ("ps", "worker"):
+        for i in range(2):
+            procs.start(
+                [python, "-c", _cluster.TF_SERVER, json.dumps(spec), job, str(i)],
+                "TF_READY",
+                env,
+                timeout=180,
+            )
+    return spec
+
+
+def table_memory(rows: int) -> tuple[float, float, float]:
+    """``(bytes per row, row + slot bytes, seconds)`` of a dynamic table of ``rows`` ids."""
+    import numpy as np
+
+    from psflow.ps.dynamic_table import DynamicTable, TableConfig
+
+    table = DynamicTable(TableConfig("big", DIM, optimizer={"name": "adagrad"}, capacity=rows))
+    start = time.perf_counter()
+    chunk = 1 << 20
+    for lo in range(0, rows, chunk):
+        ids = np.arange(lo, min(rows, lo + chunk), dtype=np.int64) * 7919 - 12345
+        table.lookup(ids)
+    elapsed = time.perf_counter() - start
+    assert table.stats().rows == rows
+    return table.nbytes / rows, 2 * DIM * 4, elapsed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps, a 1M-row memory check")
+    p.add_argument("--no-tf", action="store_true", help="skip TensorFlow")
+    p.add_argument(
+        "--tf-python",
+        default=sys.executable,
+        help="the interpreter with TensorFlow (default: this one)",
+    )
+    args = p.parse_args()
+    batch = 512
+    steps = 30 if args.quick else 200
+    rounds = 1 if args.quick else 3
+    big_rows = 1_000_000 if args.quick else 10_000_000
+    env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ctr.npz")
+        progress("generating data")
+        make_data(path, batch * (steps + 5), 20_000)
+        data = dict(np.load(path))
+        has_tf = not args.no_tf and (
+            args.tf_python != sys.executable or importlib.util.find_spec("tensorflow") is not None
+        )
+        if not has_tf:
+            emit(BENCH, "tensorflow", "skipped", 0, "", reason="tensorflow is not installed")
+        runs, tf_runs = [], []
+        for r in range(rounds):  # A B A B: drift on the shared machine hits both sides
+            progress(f"round {r + 1}/{rounds}: psflow, 2 PS + 2 workers")
+            with _cluster.Processes() as procs:
+                cluster = _cluster.psflow_cluster(procs, 2, 2, env)
+                ps_pids = [proc.pid for proc in procs.procs[:2]]
+                runs.append(run_psflow(data, cluster, ps_pids, batch, steps))
+            if has_tf:
+                progress(f"round {r + 1}/{rounds}: TensorFlow, 2 PS + 2 workers")
+                tf_out = run_tensorflow(args.tf_python, path, batch, steps)
+                if tf_out is not None:
+                    tf_runs.append(tf_out)
+        ours = dict(runs[-1])
+        ours["examples_per_s"] = statistics.median(r["examples_per_s"] for r in runs)
+        theirs = None
+        if tf_runs:
+            theirs = dict(tf_runs[-1])
+            theirs["examples_per_s"] = statistics.median(r["examples_per_s"] for r in tf_runs)
+        progress("psflow: single process")
+        single = single_process_auc(data, batch, steps)
+        progress(f"dynamic table of {big_rows:,} rows")
+        per_row, row_slot, fill_s = table_memory(big_rows)
+
+    from psflow.keras.datasets import ctr
+
+    emit(
+        BENCH,
+        "psflow",
+        "throughput",
+        ours["examples_per_s"],
+        "examples/s",
+        batch=batch,
+        steps=steps,
+        n=len(runs),
+        runs=[r["examples_per_s"] for r in runs],
+    )
+    emit(BENCH, "psflow", "bytes_per_step", ours["bytes_per_step"], "B", measured=True)
+    emit(BENCH, "psflow", "ps_memory", ours["ps_rss"] / 2**20, "MiB", rows=ours["rows"])
+    emit(BENCH, "psflow", "auc", ours["auc"], "", oracle=ours["auc_oracle"])
+    emit(BENCH, "psflow-single-process", "auc", single, "")
+    emit(BENCH, "hot-rows/off", "pulled_per_step", ours["hot_off"], "B")
+    emit(BENCH, "hot-rows/on", "pulled_per_step", ours["hot_on"], "B", count=1024, refresh_every=10)
+    emit(
+        BENCH,
+        "hot-rows",
+        "ratio",
+        ours["hot_on"] / ours["hot_off"],
+        "x",
+        a="cache-on",
+        b="cache-off",
+    )
+    emit(
+        BENCH,
+        f"table/{big_rows}",
+        "bytes_per_row",
+        per_row,
+        "B",
+        row_and_slot=row_slot,
+        bound=row_slot + 32,
+        fill_s=fill_s,
+    )
+    tf_formula = batch * NUM_CAT * (DIM * 4 + DIM * 4 + 8) + 2 * 4 * DENSE_PARAMS
+    rows = [
+        ["examples/s", round(ours["examples_per_s"]), "-", "-"],
+        ["bytes/step", round(ours["bytes_per_step"]), round(tf_formula), "-"],
+        ["PS RSS MiB", round(ours["ps_rss"] / 2**20), "-", "-"],
+        [f"AUC (single-process psflow {single:.4f})", round(ours["auc"], 4), "-", "-"],
+    ]
+    if theirs is not None:
+        ratio = ours["examples_per_s"] / theirs["examples_per_s"]
+        tf_auc = ctr.roc_auc(data["y_test"], np.array(theirs["scores"]))
+        emit(
+            BENCH,
+            "tensorflow",
+            "throughput",
+            theirs["examples_per_s"],
+            "examples/s",
+            batch=batch,
+            n=len(tf_runs),
+            runs=[r["examples_per_s"] for r in tf_runs],
+        )
+        emit(BENCH, "throughput", "ratio", ratio, "x", a="psflow", b="tensorflow-pss")
+        emit(BENCH, "tensorflow", "bytes_per_step", tf_formula, "B", measured=False, formula=True)
+        emit(BENCH, "tensorflow", "ps_memory", theirs["ps_rss"] / 2**20, "MiB", vocab=VOCAB)
+        emit(BENCH, "tensorflow", "auc", tf_auc, "")
+        rows = [
+            [
+                "examples/s",
+                round(ours["examples_per_s"]),
+                round(theirs["examples_per_s"]),
+                round(ratio, 2),
+            ],
+            [
+                "bytes/step",
+                round(ours["bytes_per_step"]),
+                round(tf_formula),
+                round(ours["bytes_per_step"] / tf_formula, 2),
+            ],
+            [
+                "PS RSS MiB",
+                round(ours["ps_rss"] / 2**20),
+                round(theirs["ps_rss"] / 2**20),
+                round(ours["ps_rss"] / max(theirs["ps_rss"], 1), 2),
+            ],
+            [
+                f"AUC (single-process psflow {single:.4f})",
+                round(ours["auc"], 4),
+                round(tf_auc, 4),
+                "-",
+            ],
+        ]
+    table(["2 PS + 2 workers", "psflow", "TensorFlow", "ratio"], rows)
+    table(
+        ["other", "value"],
+        [
+            ["hot-row cache pulled bytes on/off", round(ours["hot_on"] / ours["hot_off"], 3)],
+            [
+                f"dynamic table bytes/row at {big_rows:,} rows (bound {row_slot + 32})",
+                round(per_row, 1),
+            ],
+        ],
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

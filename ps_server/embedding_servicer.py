@@ -1,0 +1,175 @@
+"""The EmbeddingService gRPC servicer: translates RPCs to TableRegistry calls.
+
+It holds no algorithm: it decodes tensors (dtype, shape and byte counts are
+wire format), calls :class:`psflow.ps.tables.TableRegistry`, and turns typed
+psflow errors into gRPC status codes (only here, at the edge).  Malformed
+request bytes are INVALID_ARGUMENT, not INTERNAL.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from psflow.errors import InvalidArgumentError, OpError, to_grpc_code
+from psflow.proto import embedding_pb2
+from psflow.ps.dynamic_table import TableConfig
+from psflow.ps.tables import TableRegistry
+from psflow.transport import codec
+
+__all__ = ["EMBEDDING_SERVICE", "EmbeddingServicer"]
+
+log = logging.getLogger(__name__)
+
+EMBEDDING_SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
+
+
+class _Malformed:
+    """A request whose bytes did not parse; the handler raises ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: OpError) -> None:
+        self.error = error
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as e:  # protobuf DecodeError and friends
+            return _Malformed(InvalidArgumentError(f"malformed request: {e}"))
+
+    return deserialize
+
+
+class EmbeddingServicer:
+    """Serves a :class:`TableRegistry` over ``psflow.v1.EmbeddingService``.
+
+    Args:
+        tables: the task's tables.
+        max_tensor_bytes: the largest tensor a request may carry.
+    """
+
+    def __init__(self, tables: TableRegistry, max_tensor_bytes: int) -> None:
+        self.tables = tables
+        self.max_tensor_bytes = max_tensor_bytes
+        self._bytes_lock = threading.Lock()
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """A handler for every method of the service."""
+        service = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
+        handlers = {}
+        for method in service.methods:
+            request_cls = getattr(embedding_pb2, method.input_type.name)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                self._edge(method.name, getattr(self, method.name)),
+                request_deserializer=_lenient(request_cls.FromString),
+                response_serializer=lambda m: m.SerializeToString(),
+            )
+        return grpc.method_handlers_generic_handler(EMBEDDING_SERVICE, handlers)
+
+    def _edge(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                if isinstance(request, _Malformed):
+                    raise request.error
+                return fn(request)
+            except OpError as e:
+                log.debug("%s rejected: %s", name, e)
+                context.abort(to_grpc_code(e), e.message)
+            except Exception as e:
+                log.exception("%s failed", name)
+                context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+
+        return unary
+
+    def _count(self, request: Any, reply: Any) -> Any:
+        with self._bytes_lock:
+            self.bytes_in += request.ByteSize()
+            self.bytes_out += reply.ByteSize()
+        return reply
+
+    def _tensor(self, message: Any, what: str) -> np.ndarray:
+        if not message.ByteSize():
+            raise InvalidArgumentError(f"{what} is missing")
+        return codec.decode_tensor(message, max_bytes=self.max_tensor_bytes)
+
+    # -- methods ------------------------------------------------------------------------
+    def CreateTable(self, request: Any) -> embedding_pb2.CreateTableResponse:
+        """Creates a table shard."""
+        config = TableConfig.from_json(request.config_json)
+        created = self.tables.create(config, request.shard_index, request.num_shards)
+        return embedding_pb2.CreateTableResponse(created=created)
+
+    def Lookup(self, request: Any) -> embedding_pb2.LookupResponse:
+        """Reads rows."""
+        ids = self._tensor(request.ids, "ids")
+        rows = self.tables.lookup(request.table, ids)
+        return self._count(request, embedding_pb2.LookupResponse(rows=codec.encode_tensor(rows)))
+
+    def PushGradients(self, request: Any) -> embedding_pb2.PushGradientsResponse:
+        """Applies gradient rows, once per request id."""
+        ids = self._tensor(request.ids, "ids")
+        grads = self._tensor(request.grads, "grads")
+        request_id = None
+        if request.HasField("request_id"):
+            request_id = (request.request_id.client_id, request.request_id.sequence)
+        optimizer = None
+        if request.optimizer_json:
+            try:
+                optimizer = json.loads(request.optimizer_json)
+            except ValueError as e:
+                raise InvalidArgumentError(f"optimizer_json is not JSON: {e}") from e
+        step = self.tables.push(request.table, ids, grads, request_id, optimizer)
+        return self._count(request, embedding_pb2.PushGradientsResponse(step=step))
+
+    def HotRows(self, request: Any) -> embedding_pb2.HotRowsResponse:
+        """The busiest rows."""
+        if request.count < 0:
+            raise InvalidArgumentError(f"count must be >= 0, got {request.count}")
+        table = self.tables.table(request.table)
+        ids, traffic = table.hot_ids(request.count)
+        rows = table.peek(ids)
+        return embedding_pb2.HotRowsResponse(
+            ids=codec.encode_tensor(ids),
+            rows=codec.encode_tensor(rows),
+            traffic=codec.encode_tensor(traffic),
+        )
+
+    def GetTableStats(self, request: Any) -> embedding_pb2.GetTableStatsResponse:
+        """Counters of every table."""
+        return embedding_pb2.GetTableStatsResponse(
+            tables=[
+                embedding_pb2.TableStats(table=name, **vars(stats))
+                for name, stats in self.tables.stats().items()
+            ],
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+        )
+
+    def SaveTables(self, request: Any) -> embedding_pb2.SaveTablesResponse:
+        """Writes this task's tables."""
+        if not request.directory:
+            raise InvalidArgumentError("SaveTables needs a directory")
+        path, names = self.tables.save(request.directory, self.tables.task.replace(":", "-"))
+        return embedding_pb2.SaveTablesResponse(path=path, tables=names)
+
+    def RestoreTables(self, request: Any) -> embedding_pb2.RestoreTablesResponse:
+        """Restores tables from every table file in a directory."""
+        if not request.directory:
+            raise InvalidArgumentError("RestoreTables needs a directory")
+        names, rows = self.tables.restore(
+            request.directory, request.shard_index, request.num_shards
+        )
+        return embedding_pb2.RestoreTablesResponse(tables=names, rows=rows)

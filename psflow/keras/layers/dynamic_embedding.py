@@ -1,0 +1,297 @@
+"""``DynamicEmbedding``: an embedding over int64 ids with no vocabulary.
+
+The table lives on the parameter servers as a dynamic table
+(:mod:`psflow.ps.dynamic_table`): a row is created on first lookup, seeded by
+``(seed, id)``, sharded over the PS tasks by a hash of the id.  A batch pulls
+only the rows of its unique ids; the tape's gradient is sparse rows
+(:class:`~psflow.framework.indexed_slices.IndexedSlices` indexed by id), which
+``optimizer.apply_gradients`` pushes back, summed per id, to be applied on the
+PS by the optimizer's own update rule.
+
+Where the table lives follows the strategy: the PS tasks of the current
+ParameterServerStrategy the layer was created under (gRPC), the embedded PS
+of its default mode (in process), or, created outside any strategy, a table
+private to the layer.
+
+Example:
+    >>> import numpy as np
+    >>> import psflow as pf
+    >>> layer = pf.keras.layers.DynamicEmbedding(4, seed=1)
+    >>> layer(np.array([[3, 10**15]])).shape
+    TensorShape([1, 2, 4])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+import zlib
+from typing import Any
+
+import numpy as np
+
+from psflow import backend, dtypes, errors
+from psflow.distribute.ps import session as session_lib
+from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.tensor import Tensor, TensorShape, to_array
+from psflow.keras.layers.base import Layer
+from psflow.ops._core import node, out
+from psflow.ps.dynamic_table import TableConfig
+from psflow.ps.hot_rows import HotRowPolicy
+from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
+
+__all__ = ["DynamicEmbedding", "DynamicTableHandle"]
+
+
+class _Backend:
+    """A table client and the optimizer hook that pushes its gradients.
+
+    It is the ``_update_group`` of every table it serves: the optimizer hands
+    it all of a step's ``(IndexedSlices, handle)`` pairs at once.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
+        """Pushes each table's gradient rows with ``optimizer``'s update rule."""
+        config = optimizer.rule.get_config()
+        for grad, handle in pairs:
+            if not isinstance(grad, IndexedSlices):
+                raise errors.InvalidArgumentError(
+                    f"{handle.name}: a dynamic table takes sparse row gradients, got a dense one"
+                )
+            values = backend.to_numpy(grad._values)
+            ids = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
+            values = values.reshape(ids.size, -1).astype(handle.config.dtype, copy=False)
+            self.client.push(handle.config.name, ids, values, optimizer=config)
+
+
+# One backend per PS session (the chief's, or a worker's), made on first use.
+_by_session: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _backend_for(session: Any) -> _Backend:
+    from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+    from psflow.distribute.ps.inprocess import InProcessPSConnection
+
+    found = _by_session.get(session)
+    if found is not None:
+        return found
+    connections = session.connections
+    if all(isinstance(c, GrpcPSConnection) for c in connections):
+        client: Any = EmbeddingClient(
+            [c.address for c in connections],
+            security=connections[0].client.security,
+            timeout=connections[0].client.timeout,
+        )
+    elif len(connections) == 1 and isinstance(connections[0], InProcessPSConnection):
+        client = InProcessEmbeddingClient()
+    else:
+        raise errors.UnimplementedError(
+            "dynamic embedding tables need gRPC or embedded parameter servers"
+        )
+    return _by_session.setdefault(session, _Backend(client))
+
+
+class DynamicTableHandle:
+    """The trainable "variable" of a :class:`DynamicEmbedding`: a reference to a
+    dynamic table, never its rows.
+
+    Its nominal shape is ``(0, dim)``: a dynamic table has no fixed row count,
+    so ``get_weights`` holds no rows (tables are checkpointed with
+    ``EmbeddingClient.save``).  Pickled into a closure, it travels as its config
+    and finds the table through the receiving process's PS session.
+    """
+
+    _is_variable = True
+
+    def __init__(
+        self,
+        config: TableConfig,
+        local: _Backend | None = None,
+        hot_rows: HotRowPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.hot_rows = hot_rows
+        self._local = local
+        self._dtype = dtypes.as_dtype(config.dtype)
+        self._trainable = True
+        self.constraint = None
+
+    @property
+    def name(self) -> str:
+        """The table's name, as a variable name."""
+        return f"{self.config.name}:0"
+
+    @property
+    def dtype(self) -> dtypes.DType:
+        """The rows' dtype."""
+        return self._dtype
+
+    @property
+    def shape(self) -> TensorShape:
+        """``(0, dim)``: no fixed row count."""
+        return TensorShape((0, self.config.dim))
+
+    @property
+    def trainable(self) -> bool:
+        """Always True."""
+        return self._trainable
+
+    @property
+    def _update_group(self) -> _Backend:
+        return self.backend
+
+    @property
+    def backend(self) -> _Backend:
+        """Where the table lives now (see the module doc)."""
+        if self._local is not None:
+            return self._local
+        return _backend_for(session_lib.current())
+
+    def _array(self) -> np.ndarray:
+        return np.zeros((0, self.config.dim), self._dtype.np)
+
+    def numpy(self) -> np.ndarray:
+        """No rows (see the class doc)."""
+        return self._array()
+
+    def assign(self, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Accepts only the empty value :meth:`numpy` returns (``set_weights`` round trips)."""
+        if tuple(np.shape(to_array(value))) != (0, self.config.dim):
+            raise errors.InvalidArgumentError(
+                f"{self.name}: a dynamic table cannot be assigned rows; restore a table checkpoint"
+            )
+
+    def lookup(self, ids: Any) -> Tensor:
+        """Rows of ``ids`` (any integer shape); the gradient is sparse rows by id."""
+        idx = backend.to_numpy(to_array(node(ids)))
+        if idx.dtype.kind not in "iu":
+            raise errors.InvalidArgumentError(
+                f"{self.config.name}: ids must be integers, got {idx.dtype.name}"
+            )
+        flat = idx.reshape(-1).astype(np.int64)
+        dim = self.config.dim
+        if flat.size:
+            client = self.backend.client
+            if self.hot_rows is not None:
+                client.cache_hot_rows(self.config.name, self.hot_rows)
+            rows = client.lookup(self.config.name, flat)
+        else:
+            rows = np.zeros((0, dim), self._dtype.np)
+        gathered = rows.reshape((*idx.shape, dim))
+        shape = (0, dim)
+
+        def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
+            return (IndexedSlices._raw(g.reshape((flat.size, dim)), flat, shape),)
+
+        return out(gathered, (self,), backward)
+
+    def __reduce__(self) -> tuple:
+        hot = None if self.hot_rows is None else dataclasses.astuple(self.hot_rows)
+        return (_resolve, (self.config.to_json(), hot))
+
+    def __deepcopy__(self, memo: dict) -> DynamicTableHandle:
+        return self
+
+    def __repr__(self) -> str:
+        return f"<DynamicTableHandle {self.config.name!r} dim={self.config.dim}>"
+
+
+def _resolve(config_json: str, hot: tuple[int, int] | None) -> DynamicTableHandle:
+    policy = None if hot is None else HotRowPolicy(*hot)
+    return DynamicTableHandle(TableConfig.from_json(config_json), hot_rows=policy)
+
+
+class DynamicEmbedding(Layer):
+    """Maps int64 ids from an unbounded space to vectors of ``output_dim``.
+
+    Args:
+        output_dim: floats per row.
+        initializer: ``"uniform"`` (in ``[-init_scale, init_scale)``),
+            ``"normal"`` (std ``init_scale``) or ``"zeros"``.
+        init_scale: see ``initializer``.
+        seed: seeds every row with its id (default: from the layer's name,
+            so every process agrees).
+        optimizer: the table's update rule config; None: the training
+            optimizer's (bound by the first push).
+        min_count: lookups an id needs before it gets its own row.
+        ttl_steps: pushes a row may go untouched before it is evicted (0: never).
+        capacity: rows each PS allocates up front.
+        table_name: the table's name on the PS (default: the layer's name).
+        hot_rows: each worker caches the table's busiest rows with this policy
+            (:mod:`psflow.ps.hot_rows`: fewer pulled bytes, reads up to
+            ``refresh_every - 1`` lookups stale); None: every row is pulled.
+    """
+
+    def __init__(
+        self,
+        output_dim: int,
+        *,
+        initializer: str = "uniform",
+        init_scale: float = 0.05,
+        seed: int | None = None,
+        optimizer: dict | None = None,
+        min_count: int = 1,
+        ttl_steps: int = 0,
+        capacity: int = 1024,
+        table_name: str | None = None,
+        hot_rows: HotRowPolicy | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim <= 0:
+            raise errors.InvalidArgumentError(
+                f"DynamicEmbedding: output_dim must be an integer > 0, got {output_dim!r}"
+            )
+        name = table_name or self.name
+        self.config = TableConfig(
+            name,
+            output_dim,
+            dtype=dtypes.as_dtype(self.dtype).name,
+            initializer=initializer,
+            init_scale=float(init_scale),
+            seed=zlib.crc32(name.encode()) if seed is None else int(seed),
+            optimizer=optimizer,
+            min_count=min_count,
+            ttl_steps=ttl_steps,
+            capacity=capacity,
+        )
+        self.output_dim = output_dim
+        self.hot_rows = hot_rows
+        self.table: DynamicTableHandle | None = None
+
+    def build(self, input_shape: Any = None) -> None:
+        """Creates the table where the strategy keeps variables."""
+        # Without a strategy the table is the layer's own, even if a PS session
+        # exists in this process (it belongs to another model).
+        local = None if self._strategy is not None else _Backend(InProcessEmbeddingClient())
+        self.table = DynamicTableHandle(self.config, local, self.hot_rows)
+        self.table.backend.client.create_table(self.config)
+        self._own_weights.append(self.table)
+        self.built = True
+
+    def call(self, inputs: Any) -> Any:
+        """The rows of ``inputs`` (integer ids of any shape)."""
+        return self.table.lookup(inputs)
+
+    def compute_output_shape(self, input_shape: Any) -> TensorShape:
+        """``input_shape + (output_dim,)``."""
+        return TensorShape((*tuple(input_shape), self.output_dim))
+
+    def get_config(self) -> dict[str, Any]:
+        """The layer's arguments."""
+        c = self.config
+        return {
+            **super().get_config(),
+            "output_dim": self.output_dim,
+            "initializer": c.initializer,
+            "init_scale": c.init_scale,
+            "seed": c.seed,
+            "optimizer": c.optimizer,
+            "min_count": c.min_count,
+            "ttl_steps": c.ttl_steps,
+            "capacity": c.capacity,
+            "table_name": c.name,
+        }

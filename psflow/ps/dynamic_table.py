@@ -1,0 +1,507 @@
+"""Dynamic embedding tables: rows keyed by int64 ids from an unbounded space.
+
+A :class:`DynamicTable` is one parameter-server task's shard of a table with
+no vocabulary.  Guarantees:
+
+* **No collisions.** Every id owns its row (a :class:`~psflow.ps.key_index.KeyIndex`
+  maps ids to dense slots); nothing is hashed into shared buckets.
+* **Deterministic rows.** A row is created on first touch by the initializer,
+  seeded by ``(seed, id)`` (:func:`initial_rows`), so its value does not depend
+  on arrival order, on other ids or on the number of shards.
+* **Sparse updates as TensorFlow sums them.** Duplicate ids in a push are summed
+  in order of appearance (``unsorted_segment_sum``), then the table's update
+  rule (:mod:`psflow.update_rules`, lazy: only touched rows and their slots
+  change) runs on the touched rows.  ``step`` is the number of pushes this
+  shard applied, so a dense table with the same rows and the same pushes gets
+  the same bits.
+* **Admission.** With ``min_count > 1`` an id is a *candidate* until it was
+  looked up in ``min_count`` requests; until then it reads the shared default
+  row (zeros) and its gradients are dropped (counted).
+* **Eviction.** With ``ttl_steps``, after each push the rows (and candidates)
+  not touched during the last ``ttl_steps`` pushes are removed (counted).
+* **No partial state change on bad input.** Requests are validated before any
+  change; one lock per table serialises changes.
+
+Example:
+    >>> import numpy as np
+    >>> table = DynamicTable(TableConfig("t", dim=2, initializer="zeros",
+    ...                                  optimizer={"name": "sgd", "learning_rate": 1.0}))
+    >>> table.lookup(np.array([7, 10**15], np.int64)).tolist()
+    [[0.0, 0.0], [0.0, 0.0]]
+    >>> _ = table.apply_gradients(np.array([7, 7], np.int64), np.ones((2, 2), np.float32))
+    >>> table.lookup(np.array([7], np.int64)).tolist()
+    [[-2.0, -2.0]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from psflow.errors import FailedPreconditionError, InvalidArgumentError
+from psflow.update_rules import UpdateRule, rule_from_config
+
+from .key_index import KeyIndex, mix64
+
+__all__ = ["INITIALIZERS", "DynamicTable", "TableConfig", "TableStats", "initial_rows"]
+
+INITIALIZERS = ("uniform", "normal", "zeros")
+_SEED_MIX = np.uint64(0xD1B54A32D192ED03)
+_COLUMN_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _uniform_bits(seed: int, ids: np.ndarray, dim: int, stream: int) -> np.ndarray:
+    """Uniform floats in ``[0, 1)``, shape ``(len(ids), dim)``: a counter-based hash
+    of ``(seed, stream, id, column)``, so each row depends on its id alone."""
+    base = mix64(ids ^ np.int64(seed)) ^ (np.uint64(stream) * _SEED_MIX)
+    cols = np.arange(1, dim + 1, dtype=np.uint64) * _COLUMN_MIX
+    bits = mix64((base[:, None] + cols[None, :]).view(np.int64))
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def initial_rows(
+    initializer: str, seed: int, ids: np.ndarray, dim: int, scale: float, dtype: np.dtype
+) -> np.ndarray:
+    """The first value of the rows of ``ids``: a pure function of ``(seed, id)``.
+
+    ``uniform`` draws from ``[-scale, scale)``, ``normal`` from N(0, scale^2)
+    (Box-Muller), ``zeros`` is zeros.
+    """
+    if initializer == "zeros":
+        return np.zeros((ids.shape[0], dim), dtype)
+    u = _uniform_bits(seed, ids, dim, 0)
+    if initializer == "uniform":
+        return ((2.0 * u - 1.0) * scale).astype(dtype)
+    v = _uniform_bits(seed, ids, dim, 1)
+    radius = np.sqrt(-2.0 * np.log1p(-u))  # 1 - u is in (0, 1]: no log(0)
+    return (radius * np.cos(2.0 * np.pi * v) * scale).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """What a dynamic table is; the same on every shard.
+
+    Attributes:
+        name: the table's name.
+        dim: floats per row (> 0).
+        dtype: the rows' floating dtype name.
+        initializer: one of :data:`INITIALIZERS`.
+        init_scale: the initializer's range / standard deviation.
+        seed: seeds every row's initial value together with its id.
+        optimizer: the update rule's config (``{"name": "adagrad", ...}``); None:
+            bound by the first push that names one (the training optimizer's).
+        min_count: lookups an id needs before it gets its own row (>= 1).
+        ttl_steps: pushes a row may go untouched before eviction (0: never).
+        capacity: rows to allocate up front (the table grows beyond it).
+    """
+
+    name: str
+    dim: int
+    dtype: str = "float32"
+    initializer: str = "uniform"
+    init_scale: float = 0.05
+    seed: int = 0
+    optimizer: dict | None = None
+    min_count: int = 1
+    ttl_steps: int = 0
+    capacity: int = 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgumentError(f"table name must be a non-empty string, got {self.name!r}")
+        for field, low in (("dim", 1), ("min_count", 1), ("ttl_steps", 0), ("capacity", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: {field} must be an integer >= {low}, got {value!r}"
+                )
+        try:
+            kind = np.dtype(self.dtype).kind
+        except TypeError:
+            kind = None
+        if kind != "f":
+            raise InvalidArgumentError(
+                f"table {self.name!r}: dtype must be a float type, got {self.dtype!r}"
+            )
+        if self.initializer not in INITIALIZERS:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: unknown initializer {self.initializer!r}; "
+                f"accepted: {list(INITIALIZERS)}"
+            )
+        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: seed must be an int64, got {self.seed!r}"
+            )
+        if self.optimizer is not None:
+            rule_from_config(self.optimizer)  # raises on a bad optimizer config
+
+    def accepts(self, other: TableConfig) -> bool:
+        """Whether creating ``other`` where this table exists is a no-op: the same
+        config, or the same but for an optimizer ``other`` leaves unset."""
+        if other.optimizer is None:
+            other = dataclasses.replace(other, optimizer=self.optimizer)
+        return other == self
+
+    def to_json(self) -> str:
+        """The config as JSON (it travels in requests and checkpoints)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TableConfig:
+        """Parses :meth:`to_json`'s output.
+
+        Raises:
+            InvalidArgumentError: not JSON, not an object, unknown or bad fields.
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise InvalidArgumentError(f"table config is not JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"table config must be an object, got {data!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise InvalidArgumentError(f"unknown table config fields {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise InvalidArgumentError(f"bad table config: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStats:
+    """A table shard's counters at one moment."""
+
+    rows: int
+    candidates: int
+    step: int
+    created: int
+    admitted: int
+    evicted_rows: int
+    evicted_candidates: int
+    dropped_gradients: int
+    lookups: int
+    nbytes: int
+
+
+def check_ids(ids: Any, what: str = "ids") -> np.ndarray:
+    """``ids`` as a 1-D int64 array.
+
+    Raises:
+        InvalidArgumentError: not 1-D, or not int64 (int32 too: ids come from an
+            unbounded space and must not be narrowed silently).
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.dtype != np.int64:
+        raise InvalidArgumentError(
+            f"{what} must be a 1-D int64 array, got dtype {ids.dtype} and shape {ids.shape}"
+        )
+    return ids
+
+
+class DynamicTable:
+    """One shard of a dynamic embedding table (see the module doc)."""
+
+    def __init__(self, config: TableConfig) -> None:
+        self.config = config
+        self.rule: UpdateRule | None = (
+            None if config.optimizer is None else rule_from_config(config.optimizer)
+        )
+        self.dtype = np.dtype(config.dtype)
+        self._lock = threading.Lock()
+        self._index = KeyIndex(config.capacity)
+        self._rows = np.zeros((self._index.capacity, config.dim), self.dtype)
+        self._slots = {} if self.rule is None else self.rule.init_slots(self._rows)
+        self._touched = np.zeros(self._index.capacity, np.uint32)
+        self._traffic = np.zeros(self._index.capacity, np.uint32)
+        # Candidates (ids waiting for admission): counts and last touch only.
+        self._cand = KeyIndex(64)
+        self._cand_count = np.zeros(self._cand.capacity, np.uint32)
+        self._cand_touched = np.zeros(self._cand.capacity, np.uint32)
+        self.step = 0
+        self._counters = dict.fromkeys(
+            (
+                "created",
+                "admitted",
+                "evicted_rows",
+                "evicted_candidates",
+                "dropped_gradients",
+                "lookups",
+            ),
+            0,
+        )
+
+    # -- reads ----------------------------------------------------------------------
+    def lookup(self, ids: Any) -> np.ndarray:
+        """The rows of ``ids`` (int64, 1-D), creating and admitting rows as needed.
+
+        Repeated ids in one request count once towards admission.
+
+        Raises:
+            InvalidArgumentError: ``ids`` not a 1-D int64 array; nothing changes.
+        """
+        ids = check_ids(ids)
+        unique, inverse = _unique(ids)
+        with self._lock:
+            self._counters["lookups"] += 1
+            slots = self._index.find(unique)
+            missing = slots < 0
+            if missing.any():
+                admit = self._count_candidates(unique[missing])
+                new_ids = unique[missing][admit]
+                if new_ids.size:
+                    slots[np.flatnonzero(missing)[admit]] = self._create(new_ids)
+            have = slots >= 0
+            self._touched[slots[have]] = self.step
+            self._traffic[slots[have]] += 1
+            out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
+            out[have] = self._rows[slots[have]]
+        return out[inverse.reshape(-1)]
+
+    def peek(self, ids: Any) -> np.ndarray:
+        """The current rows of ``ids`` without creating, counting or touching any
+        (zeros where an id has no row)."""
+        ids = check_ids(ids)
+        with self._lock:
+            slots = self._index.find(ids)
+            out = np.zeros((ids.shape[0], self.config.dim), self.dtype)
+            out[slots >= 0] = self._rows[slots[slots >= 0]]
+        return out
+
+    def _count_candidates(self, ids: np.ndarray) -> np.ndarray:
+        """Counts one sighting of each (absent) id; True where it is now admitted."""
+        if self.config.min_count <= 1:
+            return np.ones(ids.shape[0], bool)
+        cand = self._cand.find(ids)
+        new = cand < 0
+        if new.any():
+            if self._cand.reserve(int(new.sum())):
+                self._cand_count = _grown(self._cand_count, self._cand.capacity)
+                self._cand_touched = _grown(self._cand_touched, self._cand.capacity)
+            cand[new] = self._cand.insert(ids[new])
+            self._cand_count[cand[new]] = 0
+        self._cand_count[cand] += 1
+        self._cand_touched[cand] = self.step
+        admit = self._cand_count[cand] >= self.config.min_count
+        self._cand.remove(cand[admit])
+        self._counters["admitted"] += int(admit.sum())
+        return admit
+
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        if self._index.reserve(ids.shape[0]):
+            cap = self._index.capacity
+            self._rows = _grown(self._rows, cap)
+            self._slots = {k: _grown(v, cap) for k, v in self._slots.items()}
+            self._touched = _grown(self._touched, cap)
+            self._traffic = _grown(self._traffic, cap)
+        slots = self._index.insert(ids)
+        c = self.config
+        rows = initial_rows(c.initializer, c.seed, ids, c.dim, c.init_scale, self.dtype)
+        self._rows[slots] = rows
+        if self.rule is not None:
+            for k, v in self.rule.init_slots(rows).items():
+                self._slots[k][slots] = v
+        self._traffic[slots] = 0
+        self._counters["created"] += ids.shape[0]
+        return slots
+
+    # -- writes -----------------------------------------------------------------------
+    def apply_gradients(self, ids: Any, grads: Any, optimizer: dict | None = None) -> int:
+        """Applies gradient rows ``grads`` for ``ids``; returns the new step.
+
+        Duplicates are summed first; ids without a row (not admitted, or evicted
+        since their lookup) have their gradients dropped and counted.  Then rows
+        untouched for ``ttl_steps`` pushes are evicted.  ``optimizer`` (a rule
+        config) binds a table created without one; it must match a bound one.
+
+        Raises:
+            InvalidArgumentError: bad ids, ``grads`` not ``(len(ids), dim)`` of a
+                float dtype, or a bad optimizer config; nothing changes.
+            FailedPreconditionError: no optimizer bound or given, or another one
+                than the bound one.
+        """
+        rule = None if optimizer is None else rule_from_config(optimizer)
+        ids = check_ids(ids)
+        grads = np.asarray(grads)
+        if grads.shape != (ids.shape[0], self.config.dim) or grads.dtype.kind != "f":
+            raise InvalidArgumentError(
+                f"table {self.config.name!r}: gradients must be float of shape "
+                f"({ids.shape[0]}, {self.config.dim}), got {grads.dtype} {grads.shape}"
+            )
+        grads = grads.astype(self.dtype, copy=False)
+        unique, inverse = _unique(ids)
+        if unique.shape[0] == ids.shape[0]:
+            summed = np.empty_like(grads)
+            summed[inverse.reshape(-1)] = grads
+        else:  # unsorted_segment_sum, in order of appearance
+            summed = np.zeros((unique.shape[0], self.config.dim), self.dtype)
+            np.add.at(summed, inverse.reshape(-1), grads)
+        with self._lock:
+            self._bind(rule)
+            slots = self._index.find(unique)
+            have = slots >= 0
+            self._counters["dropped_gradients"] += int((~have).sum())
+            self.step += 1
+            if have.any():
+                self.rule.apply_sparse(
+                    self._rows, slots[have], summed[have], self._slots, self.step
+                )
+                self._touched[slots[have]] = self.step
+                self._traffic[slots[have]] += 1
+            self._evict()
+            return self.step
+
+    def _bind(self, rule: UpdateRule | None) -> None:
+        if rule is None:
+            if self.rule is None:
+                raise FailedPreconditionError(
+                    f"table {self.config.name!r} has no optimizer: give one in its config "
+                    "or with the push"
+                )
+            return
+        if self.rule is None:
+            self.rule = rule
+            self._slots = rule.init_slots(self._rows)
+            self.config = dataclasses.replace(self.config, optimizer=rule.get_config())
+        elif rule != self.rule:
+            raise FailedPreconditionError(
+                f"table {self.config.name!r} is updated by {self.rule.get_config()}, "
+                f"not {rule.get_config()}"
+            )
+
+    def _evict(self) -> None:
+        ttl = self.config.ttl_steps
+        if not ttl or self.step <= ttl:
+            return
+        horizon = self.step - ttl
+        live = self._index.live_slots()
+        stale = live[self._touched[live] < horizon]
+        self._index.remove(stale)
+        self._counters["evicted_rows"] += stale.size
+        cand = self._cand.live_slots()
+        stale = cand[self._cand_touched[cand] < horizon]
+        self._cand.remove(stale)
+        self._counters["evicted_candidates"] += stale.size
+
+    # -- inspection and checkpoints -------------------------------------------------
+    def stats(self) -> TableStats:
+        """The counters, row counts and bytes held, consistently."""
+        with self._lock:
+            return TableStats(
+                rows=self._index.size,
+                candidates=self._cand.size,
+                step=self.step,
+                nbytes=self.nbytes,
+                **self._counters,
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the table holds (rows, slots, index, counters)."""
+        return (
+            self._rows.nbytes
+            + sum(v.nbytes for v in self._slots.values())
+            + self._touched.nbytes
+            + self._traffic.nbytes
+            + self._index.nbytes
+            + self._cand.nbytes
+            + self._cand_count.nbytes
+            + self._cand_touched.nbytes
+        )
+
+    def hot_ids(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` ids with the most traffic (lookups + pushes), and their counts,
+        busiest first."""
+        with self._lock:
+            live = self._index.live_slots()
+            traffic = self._traffic[live]
+            k = min(int(k), live.size)
+            if k <= 0:
+                return np.zeros(0, np.int64), np.zeros(0, np.int64)
+            top = np.argpartition(-traffic.astype(np.int64), k - 1)[:k]
+            top = top[np.argsort(-traffic[top].astype(np.int64), kind="stable")]
+            return self._index.keys[live[top]].copy(), traffic[top].astype(np.int64)
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """Every id, row, slot and counter as arrays (a consistent copy)."""
+        with self._lock:
+            live = self._index.live_slots()
+            cand = self._cand.live_slots()
+            state = {
+                "ids": self._index.keys[live].copy(),
+                "rows": self._rows[live].copy(),
+                "touched": self._touched[live].copy(),
+                "traffic": self._traffic[live].copy(),
+                "candidate_ids": self._cand.keys[cand].copy(),
+                "candidate_counts": self._cand_count[cand].copy(),
+                "candidate_touched": self._cand_touched[cand].copy(),
+                "step": np.array(self.step, np.int64),
+                "counters": np.array([self._counters[k] for k in sorted(self._counters)], np.int64),
+            }
+            for k, v in self._slots.items():
+                state[f"slot/{k}"] = v[live].copy()
+            return state
+
+    @classmethod
+    def from_parts(
+        cls, config: TableConfig, parts: list[dict[str, np.ndarray]], keep: Any = None
+    ) -> DynamicTable:
+        """A table holding the union of exported ``parts`` (:meth:`export_state` of
+        any number of shards), keeping the ids for which ``keep(ids)`` is True.
+
+        The step becomes the largest part's step (shards step independently; Adam
+        bias correction continues from there) and counters are summed.
+        """
+        ids = np.concatenate([p["ids"] for p in parts]) if parts else np.zeros(0, np.int64)
+        mask = np.ones(ids.shape[0], bool) if keep is None else np.asarray(keep(ids), bool)
+
+        def cat(key: str, like: np.ndarray) -> np.ndarray:
+            return np.concatenate([p[key] for p in parts])[mask] if parts else like
+
+        fresh = cls(dataclasses.replace(config, capacity=max(int(mask.sum()), 1)))
+        with fresh._lock:
+            new_slots = fresh._create(ids[mask])
+            fresh._rows[new_slots] = cat("rows", fresh._rows[:0])
+            for k in fresh._slots:
+                fresh._slots[k][new_slots] = cat(f"slot/{k}", fresh._rows[:0])
+            fresh._touched[new_slots] = cat("touched", fresh._touched[:0])
+            fresh._traffic[new_slots] = cat("traffic", fresh._traffic[:0])
+            cids = np.concatenate([p["candidate_ids"] for p in parts]) if parts else ids[:0]
+            cmask = np.ones(cids.shape[0], bool) if keep is None else np.asarray(keep(cids), bool)
+            if cmask.any():
+                if fresh._cand.reserve(int(cmask.sum())):
+                    fresh._cand_count = _grown(fresh._cand_count, fresh._cand.capacity)
+                    fresh._cand_touched = _grown(fresh._cand_touched, fresh._cand.capacity)
+                cs = fresh._cand.insert(cids[cmask])
+                fresh._cand_count[cs] = np.concatenate([p["candidate_counts"] for p in parts])[
+                    cmask
+                ]
+                fresh._cand_touched[cs] = np.concatenate([p["candidate_touched"] for p in parts])[
+                    cmask
+                ]
+            names = sorted(fresh._counters)
+            fresh._counters = {n: 0 for n in names}
+            for p in parts:
+                for n, v in zip(names, p["counters"].tolist()):
+                    fresh._counters[n] += v
+            fresh.step = max((int(p["step"]) for p in parts), default=0)
+        return fresh
+
+
+def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_inverse=True)``, without the sort when ``ids`` is
+    already strictly increasing (clients send sorted unique ids)."""
+    if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, np.arange(ids.shape[0])
+    return np.unique(ids, return_inverse=True)
+
+
+def _grown(array: np.ndarray, rows: int) -> np.ndarray:
+    """``array`` with its first dimension extended to ``rows`` (new entries zero)."""
+    extra = np.zeros((rows - array.shape[0], *array.shape[1:]), array.dtype)
+    return np.concatenate([array, extra])

@@ -1,0 +1,209 @@
+"""A vectorised open-addressing map from int64 keys to dense slot numbers.
+
+Dynamic embedding tables (:mod:`psflow.ps.dynamic_table`) keep their rows in
+dense NumPy arrays; this index says which slot holds which key.  It is a
+linear-probing hash table over one ``int32`` array (``EMPTY``, ``TOMBSTONE`` or
+a slot number), probed for a whole batch of keys at once: every round of the
+probe loop handles all keys still searching, so the Python loop runs as many
+times as the longest probe sequence, not once per key.
+
+Memory per key: 8 bytes of key, 1 byte of liveness and 4 bytes per index
+entry at a load of at most ``MAX_LOAD`` (so below 6 and 12 bytes per key).
+Removed keys leave tombstones; the index is rebuilt when keys and tombstones
+together pass ``MAX_LOAD``.  Freed slots are reused before new ones.
+
+Example:
+    >>> import numpy as np
+    >>> index = KeyIndex(4)
+    >>> index.insert(np.array([10, -7], np.int64))
+    array([0, 1])
+    >>> index.find(np.array([-7, 3, 10], np.int64))
+    array([ 1, -1,  0])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["EMPTY", "MAX_LOAD", "TOMBSTONE", "KeyIndex", "mix64", "shard_of"]
+
+EMPTY = -1
+TOMBSTONE = -2
+MAX_LOAD = 0.7
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def mix64(keys: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser of int64 (or uint64) ``keys``, as uint64.
+
+    A bijection with good avalanche: consecutive ids land far apart, so both
+    the index and the shard assignment stay balanced on sequential ids.
+    """
+    z = np.ascontiguousarray(keys).view(np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard (``0..num_shards-1``) that owns each int64 key, by hash.
+
+    It mixes the key twice so it is independent of the index position a shard
+    uses (which mixes once): a shard's keys still spread over its whole index.
+    """
+    return (mix64(mix64(keys)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def _index_size(keys: int) -> int:
+    size = 8
+    while size * MAX_LOAD < keys:
+        size *= 2
+    return size
+
+
+class KeyIndex:
+    """Maps unique int64 keys to slots ``0..capacity-1``; not thread-safe (callers lock).
+
+    Args:
+        capacity: slots to allocate up front (grows by half when full).
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        capacity = max(int(capacity), 1)
+        self.keys = np.zeros(capacity, np.int64)
+        self.live = np.zeros(capacity, bool)
+        self._table = np.full(_index_size(capacity), EMPTY, np.int32)
+        self._next = 0  # slots below this were used at least once
+        self._free: list[np.ndarray] = []
+        self._num_free = 0
+        self._tombstones = 0
+        self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        """Slots the dense arrays hold."""
+        return self.keys.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index's own arrays."""
+        return self.keys.nbytes + self.live.nbytes + self._table.nbytes
+
+    def live_slots(self) -> np.ndarray:
+        """The slots holding a key, ascending."""
+        return np.flatnonzero(self.live[: self._next])
+
+    # -- lookups ---------------------------------------------------------------------
+    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(slot, index position)`` of each key; ``-1`` for both when absent."""
+        n = keys.shape[0]
+        slots = np.full(n, -1, np.int64)
+        where = np.full(n, -1, np.int64)
+        mask = np.uint64(self._table.shape[0] - 1)
+        pos = (mix64(keys) & mask).astype(np.int64)
+        pending = np.arange(n)
+        # An empty entry always exists (load < 1), so every probe ends within
+        # one pass over the table.
+        for _ in range(self._table.shape[0]):
+            if pending.size == 0:
+                break
+            entry = self._table[pos]
+            occupied = entry >= 0
+            hit = np.zeros(pending.shape[0], bool)
+            hit[occupied] = self.keys[entry[occupied]] == keys[pending[occupied]]
+            slots[pending[hit]] = entry[hit]
+            where[pending[hit]] = pos[hit]
+            go_on = ~hit & (entry != EMPTY)
+            pending = pending[go_on]
+            pos = (pos[go_on] + 1) & int(mask)
+        return slots, where
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each key in ``keys`` (int64, 1-D), ``-1`` where absent."""
+        return self._probe(keys)[0]
+
+    # -- changes ----------------------------------------------------------------------
+    def reserve(self, extra: int) -> bool:
+        """Makes room for ``extra`` more keys; True when the dense arrays grew
+        (the caller then grows its own per-slot arrays to :attr:`capacity`)."""
+        grew = False
+        free_slots = self._num_free + self.capacity - self._next
+        if extra > free_slots:
+            need = self.capacity + extra - free_slots
+            new_cap = max(need, self.capacity + self.capacity // 2)
+            self.keys = np.concatenate([self.keys, np.zeros(new_cap - self.capacity, np.int64)])
+            self.live = np.concatenate([self.live, np.zeros(new_cap - self.live.shape[0], bool)])
+            grew = True
+        if (self.size + self._tombstones + extra) > MAX_LOAD * self._table.shape[0]:
+            self._rebuild(_index_size(self.size + extra))
+        return grew
+
+    def _allocate(self, n: int) -> np.ndarray:
+        taken: list[np.ndarray] = []
+        while n and self._free:
+            block = self._free.pop()
+            use, rest = block[:n], block[n:]
+            if rest.size:
+                self._free.append(rest)
+            taken.append(use)
+            self._num_free -= use.size
+            n -= use.size
+        if n:
+            taken.append(np.arange(self._next, self._next + n, dtype=np.int64))
+            self._next += n
+        return np.concatenate(taken) if taken else np.zeros(0, np.int64)
+
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """Adds ``keys`` (unique, absent, int64); returns their slots.
+
+        The caller has checked absence with :meth:`find`; call :meth:`reserve` first
+        when it keeps per-slot arrays of its own.
+        """
+        n = keys.shape[0]
+        self.reserve(n)
+        slots = self._allocate(n)
+        self.keys[slots] = keys
+        self.live[slots] = True
+        self._place(keys, slots)
+        self.size += n
+        return slots
+
+    def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        mask = self._table.shape[0] - 1
+        pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
+        pending = np.arange(keys.shape[0])
+        for _ in range(self._table.shape[0]):
+            if pending.size == 0:
+                break
+            entry = self._table[pos]
+            free = np.flatnonzero(entry < 0)
+            # Of several keys reaching the same free entry in this round, the
+            # first takes it; the others probe on.
+            claimed, first = np.unique(pos[free], return_index=True)
+            winners = free[first]
+            self._tombstones -= int(np.count_nonzero(entry[winners] == TOMBSTONE))
+            self._table[claimed] = slots[pending[winners]]
+            won = np.zeros(pending.shape[0], bool)
+            won[winners] = True
+            pending = pending[~won]
+            pos = (pos[~won] + 1) & mask
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Removes the keys held in ``slots`` (live, unique); their slots become free."""
+        if slots.size == 0:
+            return
+        _, where = self._probe(self.keys[slots])
+        self._table[where] = TOMBSTONE
+        self._tombstones += slots.size
+        self.live[slots] = False
+        self._free.append(np.array(slots, np.int64))
+        self._num_free += slots.size
+        self.size -= slots.size
+
+    def _rebuild(self, size: int) -> None:
+        live = self.live_slots()
+        self._table = np.full(max(size, _index_size(live.size)), EMPTY, np.int32)
+        self._tombstones = 0
+        self._place(self.keys[live], live)

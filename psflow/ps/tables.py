@@ -1,0 +1,270 @@
+"""The dynamic embedding tables of one parameter-server task: plain Python, no gRPC.
+
+A :class:`TableRegistry` creates table shards, routes lookups and pushes to
+them, applies each push once (requests carry an id; see
+:mod:`psflow.ps.dedup`), and saves and restores its tables.
+
+Checkpoints: each task writes its tables to ``<prefix>.tables.<uuid>.safetensors``
+and then, as the commit point, ``<prefix>.tables.json`` naming that file, the
+tables' configs, its shard and the sha256 of every tensor (atomic renames; a
+crash leaves the previous checkpoint whole).  A restore reads the files of
+*every* task found in the directory and keeps the ids the restoring task owns
+now, so 2 tasks' tables restore onto 3.
+
+Example:
+    >>> import numpy as np
+    >>> from psflow.ps.dynamic_table import TableConfig
+    >>> reg = TableRegistry("ps:0")
+    >>> reg.create(TableConfig("t", dim=2, initializer="zeros"), 0, 1)
+    True
+    >>> reg.lookup("t", np.array([5], np.int64)).shape
+    (1, 2)
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+
+from psflow.errors import (
+    AlreadyExistsError,
+    DataLossError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from psflow.io.files import atomic_write
+from psflow.io.safetensors import load_file, save_file
+
+from .dedup import DedupWindow, State
+from .dynamic_table import DynamicTable, TableConfig, TableStats, check_ids
+from .key_index import shard_of
+
+__all__ = ["TableRegistry"]
+
+_MANIFEST = ".tables.json"
+
+
+class TableRegistry:
+    """Every dynamic table shard one PS task holds.
+
+    Args:
+        task: this task's name (``"ps:0"``), for file names and errors.
+    """
+
+    def __init__(self, task: str = "ps:0") -> None:
+        self.task = task
+        self._tables: dict[str, tuple[DynamicTable, int, int]] = {}
+        self._lock = threading.Lock()
+        self._dedup = DedupWindow()
+
+    # -- tables ------------------------------------------------------------------------
+    def create(self, config: TableConfig, shard_index: int, num_shards: int) -> bool:
+        """Creates a shard; False if an identical one exists.
+
+        Raises:
+            InvalidArgumentError: a shard outside ``[0, num_shards)``.
+            AlreadyExistsError: a table of that name with another config or shard.
+        """
+        _check_shard(shard_index, num_shards)
+        with self._lock:
+            held = self._tables.get(config.name)
+            if held is not None:
+                same_shard = (held[1], held[2]) == (shard_index, num_shards)
+                if not (same_shard and held[0].config.accepts(config)):
+                    raise AlreadyExistsError(
+                        f"table {config.name!r} exists with config {held[0].config.to_json()} "
+                        f"as shard {held[1]} of {held[2]}",
+                        task=self.task,
+                    )
+                return False
+            self._tables[config.name] = (DynamicTable(config), shard_index, num_shards)
+            return True
+
+    def table(self, name: str) -> DynamicTable:
+        """The shard of table ``name``.
+
+        Raises:
+            NotFoundError: no such table (the known ones are listed).
+        """
+        held = self._tables.get(name)
+        if held is None:
+            raise NotFoundError(
+                f"unknown table {name!r}; tables here: {sorted(self._tables)}", task=self.task
+            )
+        return held[0]
+
+    def _owned(self, name: str, ids: Any) -> tuple[DynamicTable, np.ndarray]:
+        table = self.table(name)
+        _, index, count = self._tables[name]
+        ids = check_ids(ids)
+        if count > 1 and ids.size:
+            wrong = shard_of(ids, count) != index
+            if wrong.any():
+                raise InvalidArgumentError(
+                    f"id {int(ids[wrong][0])} of table {name!r} belongs to shard "
+                    f"{int(shard_of(ids[wrong][:1], count)[0])}, not {index} of {count}",
+                    task=self.task,
+                )
+        return table, ids
+
+    def lookup(self, name: str, ids: Any) -> np.ndarray:
+        """Rows of ``ids`` (see :meth:`DynamicTable.lookup`).
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: bad ids, or ids another shard owns.
+        """
+        table, ids = self._owned(name, ids)
+        return table.lookup(ids)
+
+    def push(
+        self,
+        name: str,
+        ids: Any,
+        grads: Any,
+        request_id: tuple[str, int] | None = None,
+        optimizer: dict | None = None,
+    ) -> int:
+        """Applies gradient rows once per ``request_id``; returns the table's step.
+
+        ``optimizer`` binds or must match the table's update rule (see
+        :meth:`DynamicTable.apply_gradients`).
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: bad ids or gradients, or a request id too old
+                to tell whether it was applied.
+        """
+        table, ids = self._owned(name, ids)
+        if request_id is None:
+            return table.apply_gradients(ids, grads, optimizer)
+        state, entry = self._dedup.begin(*request_id)
+        if state is State.TOO_OLD:
+            raise InvalidArgumentError(
+                f"request id {request_id} is older than the exactly-once window", task=self.task
+            )
+        if state is not State.NEW:
+            entry.done.wait(60.0)
+            if entry.reply is None:
+                raise InvalidArgumentError(f"request {request_id} failed", task=self.task)
+            return entry.reply
+        try:
+            step = table.apply_gradients(ids, grads, optimizer)
+        except BaseException:
+            self._dedup.abandon(*request_id, entry)
+            raise
+        self._dedup.complete(*request_id, entry, step)
+        return step
+
+    def stats(self) -> dict[str, TableStats]:
+        """Every table's counters, by name."""
+        with self._lock:
+            held = dict(self._tables)
+        return {name: held[name][0].stats() for name in sorted(held)}
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save(self, directory: str, prefix: str) -> tuple[str, list[str]]:
+        """Writes every table under ``directory/prefix.tables.*``; returns
+        ``(data file, table names)``."""
+        os.makedirs(directory, exist_ok=True)
+        with self._lock:
+            held = dict(self._tables)
+        tensors: dict[str, np.ndarray] = {}
+        tables = {}
+        for name, (table, index, count) in sorted(held.items()):
+            for key, value in table.export_state().items():
+                tensors[f"{name}\x00{key}"] = value
+            tables[name] = {"config": table.config.to_json(), "shard": index, "shards": count}
+        data = f"{prefix}.tables.{uuid.uuid4().hex}.safetensors"
+        digests = save_file(os.path.join(directory, data), tensors)
+        manifest = {"data": data, "tables": tables, "sha256": digests}
+        with atomic_write(os.path.join(directory, prefix + _MANIFEST)) as f:
+            f.write(json.dumps(manifest, sort_keys=True).encode())
+        for old in glob.glob(
+            os.path.join(directory, glob.escape(prefix) + ".tables.*.safetensors")
+        ):
+            if os.path.basename(old) != data:
+                os.remove(old)
+        return os.path.join(directory, data), sorted(tables)
+
+    def saved_shard(self, directory: str, prefix: str) -> tuple[int, int] | None:
+        """``(shard_index, num_shards)`` this prefix saved with, None without a checkpoint."""
+        path = os.path.join(directory, prefix + _MANIFEST)
+        if not os.path.exists(path):
+            return None
+        tables = _read_manifest(path)["tables"]
+        if not tables:
+            return None
+        first = tables[sorted(tables)[0]]
+        return int(first["shard"]), int(first["shards"])
+
+    def restore(self, directory: str, shard_index: int, num_shards: int) -> tuple[list[str], int]:
+        """Replaces every table found in ``directory`` with the ids this task owns
+        as ``shard_index`` of ``num_shards``; returns ``(tables, rows kept)``.
+
+        Everything is read and verified before anything changes.
+
+        Raises:
+            InvalidArgumentError: a bad shard.
+            NotFoundError: no table checkpoint in ``directory``.
+            DataLossError: a file missing, corrupt, or configs that disagree.
+        """
+        _check_shard(shard_index, num_shards)
+        manifests = sorted(glob.glob(os.path.join(glob.escape(directory), "*" + _MANIFEST)))
+        if not manifests:
+            raise NotFoundError(f"no table checkpoint in {directory!r}", task=self.task)
+        parts: dict[str, list[dict[str, np.ndarray]]] = {}
+        configs: dict[str, TableConfig] = {}
+        for path in manifests:
+            manifest = _read_manifest(path)
+            data = os.path.join(directory, manifest["data"])
+            try:
+                arrays = load_file(data, checksums=manifest["sha256"])
+            except OSError as e:
+                raise DataLossError(f"{path} names {data}, which cannot be read: {e}") from e
+            for name, entry in manifest["tables"].items():
+                config = TableConfig.from_json(entry["config"])
+                if configs.setdefault(name, config) != config:
+                    raise DataLossError(f"table {name!r} has different configs in {path}")
+                part = {}
+                for key, value in arrays.items():
+                    table_name, _, field = key.partition("\x00")
+                    if table_name == name:
+                        part[field] = value
+                parts.setdefault(name, []).append(part)
+        restored = {}
+        rows = 0
+        for name, config in configs.items():
+            table = DynamicTable.from_parts(
+                config, parts[name], keep=lambda ids: shard_of(ids, num_shards) == shard_index
+            )
+            rows += table.stats().rows
+            restored[name] = (table, shard_index, num_shards)
+        with self._lock:
+            self._tables.update(restored)
+        self._dedup.clear()
+        return sorted(restored), rows
+
+
+def _check_shard(index: int, count: int) -> None:
+    if count < 1 or not 0 <= index < count:
+        raise InvalidArgumentError(
+            f"shard {index} of {count}: need 0 <= shard < shards, shards >= 1"
+        )
+
+
+def _read_manifest(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+        if not isinstance(manifest, dict) or not {"data", "tables", "sha256"} <= manifest.keys():
+            raise ValueError("missing keys")
+    except (OSError, ValueError) as e:
+        raise DataLossError(f"table manifest {path} is unreadable: {e}") from e
+    return manifest

@@ -1,0 +1,412 @@
+"""Client of the dynamic embedding tables spread over every PS task.
+
+:class:`EmbeddingClient` holds one channel per PS task.  A lookup or a push
+first reduces its ids to unique ones (a push sums the gradient rows of repeated
+ids, as ``unsorted_segment_sum`` would), splits them by owner
+(:func:`psflow.ps.key_index.shard_of`) and calls the owners in parallel, so the
+wire carries each id at most once per call.  Every call has a deadline; pushes
+carry a request id and are retried once on UNAVAILABLE or DEADLINE_EXCEEDED
+with the same id, so a lost reply never applies a gradient twice.
+
+Example (a running cluster's PS addresses)::
+
+    client = EmbeddingClient(["127.0.0.1:5000", "127.0.0.1:5001"])
+    client.create_table(TableConfig("user", dim=16, optimizer={"name": "adagrad"}))
+    rows = client.lookup("user", np.array([3, 10**12, 3]))
+    client.push("user", np.array([3, 10**12, 3]), np.ones((3, 16), np.float32))
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from psflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, from_grpc
+from psflow.proto import embedding_pb2, ps_pb2
+from psflow.ps.dynamic_table import TableConfig, TableStats
+from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
+from psflow.ps.key_index import shard_of
+from psflow.ps.tables import TableRegistry
+from psflow.security.config import SecurityConfig, default_security
+from psflow.security.grpc_auth import open_channel
+
+from . import codec
+from .options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+__all__ = ["EmbeddingClient", "InProcessEmbeddingClient", "WireBytes"]
+
+_SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
+
+
+@dataclasses.dataclass
+class WireBytes:
+    """Tensor bytes this client sent and received (ids, rows, gradients)."""
+
+    pulled: int = 0
+    pushed: int = 0
+    lookups: int = 0
+    pushes: int = 0
+
+
+def _as_ids(ids: Any) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"ids must be integers, got dtype {ids.dtype}")
+    if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 2**63:
+        raise InvalidArgumentError(f"id {int(ids.max())} does not fit in int64")
+    return ids.reshape(-1).astype(np.int64, copy=False)
+
+
+class EmbeddingClient:
+    """The dynamic tables of a cluster's PS tasks, addressed as one.
+
+    Args:
+        addresses: ``host:port`` of every PS task, in task order (shard i is ``ps:i``).
+        timeout: deadline of each call, in seconds.
+        security: token and TLS material (default: the environment's).
+        max_message_bytes: gRPC message size limit.
+        hot_rows: cache every table's busiest rows here (see
+            :mod:`psflow.ps.hot_rows`; :meth:`cache_hot_rows` sets it per
+            table); None: lookups go to the PS.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        timeout: float = 60.0,
+        security: SecurityConfig | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        hot_rows: HotRowPolicy | None = None,
+    ) -> None:
+        if not addresses:
+            raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self.security = default_security() if security is None else security
+        self.client_id = uuid.uuid4().hex
+        self.bytes = WireBytes()
+        self._sequence = itertools.count(1)
+        self._lock = threading.Lock()
+        self._configs: dict[str, TableConfig] = {}
+        self.hot_rows = hot_rows
+        self._hot: dict[str, HotRowCache] = {}
+        self._hot_policies: dict[str, HotRowPolicy] = {}
+        metadata = self.security.call_metadata() or None
+        self._channels = [
+            open_channel(a, self.security, channel_options(max_message_bytes))
+            for a in self.addresses
+        ]
+        self._stubs: list[dict[str, Callable]] = []
+        for channel in self._channels:
+            stubs = {}
+            for method in _SERVICE.methods:
+                response_cls = getattr(embedding_pb2, method.output_type.name)
+                stub = channel.unary_unary(
+                    f"/{_SERVICE.full_name}/{method.name}",
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=response_cls.FromString,
+                )
+                stubs[method.name] = (
+                    stub if metadata is None else functools.partial(stub, metadata=metadata)
+                )
+            self._stubs.append(stubs)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, len(self.addresses)), thread_name_prefix="embedding-client"
+        )
+
+    @property
+    def num_shards(self) -> int:
+        """The number of PS tasks the tables are spread over."""
+        return len(self.addresses)
+
+    def close(self) -> None:
+        """Closes the channels and the thread pool."""
+        self._pool.shutdown(wait=False)
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> EmbeddingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, shard: int, method: str, request: Any, retries: int = 0) -> Any:
+        for attempt in range(retries + 1):
+            try:
+                return self._stubs[shard][method](request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                error = from_grpc(e, task=f"ps:{shard}")
+                retriable = isinstance(error, (UnavailableError, DeadlineExceededError))
+                if attempt == retries or not retriable:
+                    raise error from None
+        raise AssertionError("unreachable")
+
+    def _on_every_shard(self, fn: Callable[[int], Any]) -> list[Any]:
+        futures = [self._pool.submit(fn, s) for s in range(self.num_shards)]
+        return [f.result() for f in futures]
+
+    # -- tables -------------------------------------------------------------------------
+    def create_table(self, config: TableConfig) -> bool:
+        """Creates ``config``'s table on every PS task; True if any shard was new.
+
+        Raises:
+            AlreadyExistsError: a table of that name exists with another config.
+        """
+        text = config.to_json()
+        replies = self._on_every_shard(
+            lambda s: self._call(
+                s,
+                "CreateTable",
+                embedding_pb2.CreateTableRequest(
+                    config_json=text, shard_index=s, num_shards=self.num_shards
+                ),
+            )
+        )
+        self._configs[config.name] = config
+        return any(r.created for r in replies)
+
+    def _split(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Positions into ``ids`` owned by each shard."""
+        if self.num_shards == 1:
+            return [np.arange(ids.shape[0])]
+        owner = shard_of(ids, self.num_shards)
+        return [np.flatnonzero(owner == s) for s in range(self.num_shards)]
+
+    def lookup(self, table: str, ids: Any) -> np.ndarray:
+        """Rows of ``ids`` (any shape of integers): shape ``ids.shape + (dim,)``.
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: ids not integers.
+        """
+        ids = np.asarray(ids)
+        flat = _as_ids(ids)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        cached: tuple[np.ndarray, np.ndarray] | None = None
+        if unique.size and (self.hot_rows is not None or table in self._hot_policies):
+            cached = self._hot_cache(table).split(unique)
+        missing = unique if cached is None else unique[~cached[0]]
+        parts = self._split(missing)
+
+        def one(s: int) -> np.ndarray | None:
+            if parts[s].size == 0:
+                return None
+            request = embedding_pb2.LookupRequest(
+                table=table, ids=codec.encode_tensor(missing[parts[s]])
+            )
+            rows = codec.decode_tensor(self._call(s, "Lookup", request, retries=1).rows)
+            with self._lock:
+                self.bytes.pulled += missing[parts[s]].nbytes + rows.nbytes
+            return rows
+
+        results = self._on_every_shard(one)
+        with self._lock:
+            self.bytes.lookups += 1
+        known = [r for r in results if r is not None]
+        if cached is not None and cached[0].any():
+            known.append(cached[1])
+        if known:
+            dim, dtype = known[0].shape[1], known[0].dtype
+        else:  # no ids: the width comes from the config
+            dim, dtype = self._dim(table), np.dtype(self._configs[table].dtype)
+        out = np.empty((unique.shape[0], dim), dtype)
+        at = np.arange(unique.shape[0]) if cached is None else np.flatnonzero(~cached[0])
+        for s, rows in enumerate(results):
+            if rows is not None:
+                out[at[parts[s]]] = rows
+        if cached is not None and cached[0].any():
+            out[cached[0]] = cached[1]
+        return out[inverse.reshape(-1)].reshape(*ids.shape, dim)
+
+    def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
+        """Caches ``table``'s hot rows with ``policy`` from its next lookup on
+        (a table's first policy stays)."""
+        with self._lock:
+            self._hot_policies.setdefault(table, policy)
+
+    def _hot_cache(self, table: str) -> HotRowCache:
+        with self._lock:
+            cache = self._hot.get(table)
+            if cache is None:
+                policy = self._hot_policies.get(table, self.hot_rows)
+                cache = self._hot[table] = HotRowCache(
+                    policy, lambda: self.fetch_hot_rows(table, policy.count)
+                )
+            return cache
+
+    def _dim(self, table: str) -> int:
+        if table not in self._configs:
+            raise InvalidArgumentError(f"the width of table {table!r} is unknown to this client")
+        return self._configs[table].dim
+
+    def push(self, table: str, ids: Any, grads: Any, optimizer: dict | None = None) -> list[int]:
+        """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
+        each shard's step (-1 where it got no ids).  ``optimizer`` (an update
+        rule's config) binds a table created without one, or must match it.
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: ids not integers, grads of the wrong shape.
+        """
+        flat = _as_ids(ids)
+        grads = np.asarray(grads)
+        if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
+            raise InvalidArgumentError(
+                f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
+            )
+        grads = grads.reshape(flat.shape[0], grads.shape[-1])
+        unique, inverse = np.unique(flat, return_inverse=True)
+        if unique.shape[0] != flat.shape[0]:
+            summed = np.zeros((unique.shape[0], grads.shape[1]), grads.dtype)
+            np.add.at(summed, inverse.reshape(-1), grads)
+        else:
+            summed = np.empty_like(grads)
+            summed[inverse.reshape(-1)] = grads
+        parts = self._split(unique)
+        optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
+
+        def one(s: int) -> int:
+            if parts[s].size == 0:
+                return -1
+            with self._lock:
+                sequence = next(self._sequence)
+            request = embedding_pb2.PushGradientsRequest(
+                table=table,
+                ids=codec.encode_tensor(unique[parts[s]]),
+                grads=codec.encode_tensor(summed[parts[s]]),
+                request_id=ps_pb2.RequestId(client_id=self.client_id, sequence=sequence),
+                optimizer_json=optimizer_json,
+            )
+            reply = self._call(s, "PushGradients", request, retries=1)
+            with self._lock:
+                self.bytes.pushed += unique[parts[s]].nbytes + summed[parts[s]].nbytes
+            return reply.step
+
+        steps = self._on_every_shard(one)
+        with self._lock:
+            self.bytes.pushes += 1
+        return steps
+
+    def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``count`` busiest ids of each shard and their rows (concatenated)."""
+
+        def one(s: int) -> tuple[np.ndarray, np.ndarray]:
+            reply = self._call(s, "HotRows", embedding_pb2.HotRowsRequest(table=table, count=count))
+            ids, rows = codec.decode_tensor(reply.ids), codec.decode_tensor(reply.rows)
+            with self._lock:
+                self.bytes.pulled += ids.nbytes + rows.nbytes
+            return ids, rows
+
+        results = self._on_every_shard(one)
+        return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
+
+    def stats(self) -> list[dict[str, TableStats]]:
+        """Every shard's table counters, in task order."""
+
+        def one(s: int) -> dict[str, TableStats]:
+            reply = self._call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
+            fields = [f.name for f in dataclasses.fields(TableStats)]
+            return {t.table: TableStats(**{f: getattr(t, f) for f in fields}) for t in reply.tables}
+
+        return self._on_every_shard(one)
+
+    def server_bytes(self) -> list[tuple[int, int]]:
+        """``(bytes in, bytes out)`` of every task's Lookup and PushGradients calls
+        (serialized messages), in task order."""
+
+        def one(s: int) -> tuple[int, int]:
+            reply = self._call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
+            return reply.bytes_in, reply.bytes_out
+
+        return self._on_every_shard(one)
+
+    def save(self, directory: str) -> list[str]:
+        """Every task writes its tables into ``directory``; returns the files."""
+        request = embedding_pb2.SaveTablesRequest(directory=directory)
+        return [
+            r.path for r in self._on_every_shard(lambda s: self._call(s, "SaveTables", request))
+        ]
+
+    def restore(self, directory: str) -> int:
+        """Every task restores the ids it owns now from all table files in
+        ``directory`` (written by any number of tasks); returns the rows restored."""
+
+        def one(s: int) -> int:
+            request = embedding_pb2.RestoreTablesRequest(
+                directory=directory, shard_index=s, num_shards=self.num_shards
+            )
+            return self._call(s, "RestoreTables", request).rows
+
+        return sum(self._on_every_shard(one))
+
+
+class InProcessEmbeddingClient:
+    """The same interface as :class:`EmbeddingClient` over a :class:`TableRegistry`
+    in this process (the embedded parameter server, or local training): the
+    same tables and arithmetic, no RPC.
+
+    Args:
+        registry: the tables (a new registry by default).
+    """
+
+    def __init__(self, registry: TableRegistry | None = None) -> None:
+        self.registry = registry or TableRegistry("ps:0")
+        self.bytes = WireBytes()
+        self.num_shards = 1
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def create_table(self, config: TableConfig) -> bool:
+        """Creates the table (see :meth:`EmbeddingClient.create_table`)."""
+        return self.registry.create(config, 0, 1)
+
+    def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
+        """Nothing to do: in process, every lookup reads the table itself."""
+
+    def lookup(self, table: str, ids: Any) -> np.ndarray:
+        """Rows of ``ids``: shape ``ids.shape + (dim,)``."""
+        ids = np.asarray(ids)
+        rows = self.registry.lookup(table, _as_ids(ids))
+        return rows.reshape(*ids.shape, rows.shape[-1])
+
+    def push(self, table: str, ids: Any, grads: Any, optimizer: dict | None = None) -> list[int]:
+        """Applies gradient rows (see :meth:`EmbeddingClient.push`)."""
+        flat = _as_ids(ids)
+        grads = np.asarray(grads)
+        if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
+            raise InvalidArgumentError(
+                f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
+            )
+        grads = grads.reshape(flat.shape[0], grads.shape[-1])
+        return [self.registry.push(table, flat, grads, None, optimizer)]
+
+    def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``count`` busiest ids and their rows."""
+        t = self.registry.table(table)
+        ids, _ = t.hot_ids(count)
+        return ids, t.peek(ids)
+
+    def stats(self) -> list[dict[str, TableStats]]:
+        """The table counters (one shard)."""
+        return [self.registry.stats()]
+
+    def save(self, directory: str) -> list[str]:
+        """Writes the tables into ``directory``."""
+        return [self.registry.save(directory, "ps-0")[0]]
+
+    def restore(self, directory: str) -> int:
+        """Restores every table found in ``directory``; returns the rows restored."""
+        return self.registry.restore(directory, 0, 1)[1]

@@ -1,0 +1,250 @@
+"""DynamicTable (one PS shard of a dynamic embedding table), in process.
+
+Numerics are checked against a dense table holding the same ids' rows and
+updated by the same update rule; admission/eviction against scripted traffic
+whose counts are worked out by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psflow.errors import FailedPreconditionError, InvalidArgumentError
+from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
+from psflow.ps.key_index import KeyIndex, shard_of
+from psflow.update_rules import rule_from_config
+
+DIM = 4
+OPTIMIZERS = {
+    "sgd": {"name": "sgd", "learning_rate": 0.1},
+    "adagrad": {"name": "adagrad", "learning_rate": 0.1},
+    "adam": {"name": "adam", "learning_rate": 0.01},
+    "ftrl": {"name": "ftrl", "learning_rate": 0.1, "l1_regularization_strength": 0.001},
+}
+
+
+def _batches(seed: int, steps: int, vocab: np.ndarray):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = rng.choice(vocab, size=12)  # duplicates on purpose
+        yield ids, rng.standard_normal((12, DIM)).astype(np.float32)
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_lookups_and_pushes_equal_a_dense_table(opt):
+    vocab = np.array([3, -1, 2**40 + 7, 17, 5, 99, -(2**62), 1234567], np.int64)
+    config = TableConfig("t", DIM, seed=11, optimizer=OPTIMIZERS[opt])
+    table = DynamicTable(config)
+    # The dense reference: one row per vocabulary id, same initial values.
+    dense = initial_rows("uniform", 11, vocab, DIM, 0.05, np.dtype("float32"))
+    rule = rule_from_config(OPTIMIZERS[opt])
+    slots = rule.init_slots(dense)
+    row_of = {int(k): i for i, k in enumerate(vocab)}
+    for step, (ids, grads) in enumerate(_batches(0, 30, vocab), start=1):
+        idx = np.array([row_of[int(i)] for i in ids])
+        np.testing.assert_array_equal(table.lookup(ids), dense[idx])
+        rule.apply_sparse(dense, idx, grads, slots, step)
+        assert table.apply_gradients(ids, grads) == step
+    got = table.lookup(vocab)
+    if opt == "sgd":
+        assert got.tobytes() == dense.tobytes()
+    else:
+        np.testing.assert_allclose(got, dense, rtol=0, atol=1e-6)
+    state = table.export_state()
+    order = np.argsort(state["ids"])
+    ref_order = np.argsort(vocab)
+    for k in rule.slot_names:
+        np.testing.assert_allclose(state[f"slot/{k}"][order], slots[k][ref_order], atol=1e-6)
+
+
+def test_initial_rows_depend_on_seed_and_id_only():
+    ids = np.array([5, 9, -3, 2**50], np.int64)
+    a = initial_rows("normal", 3, ids, 8, 0.1, np.dtype("float32"))
+    b = initial_rows("normal", 3, ids[::-1], 8, 0.1, np.dtype("float32"))[::-1]
+    assert a.tobytes() == b.tobytes()
+    assert not np.array_equal(a, initial_rows("normal", 4, ids, 8, 0.1, np.dtype("float32")))
+    # Reasonable statistics over many ids.
+    many = initial_rows("uniform", 0, np.arange(20000, dtype=np.int64), 8, 0.05, np.float32)
+    assert abs(float(many.mean())) < 1e-3 and many.min() >= -0.05 and many.max() < 0.05
+    normal = initial_rows("normal", 0, np.arange(20000, dtype=np.int64), 8, 1.0, np.float64)
+    assert abs(normal.std() - 1.0) < 0.02 and len(np.unique(normal)) == normal.size
+
+
+def test_rows_do_not_depend_on_arrival_order_or_sharding():
+    ids = np.arange(-50, 50, dtype=np.int64) * 7919
+    one = DynamicTable(TableConfig("t", DIM, seed=5))
+    whole = one.lookup(ids)
+    shards = [DynamicTable(TableConfig("t", DIM, seed=5)) for _ in range(3)]
+    owner = shard_of(ids, 3)
+    assert set(owner.tolist()) == {0, 1, 2}
+    for s, table in enumerate(shards):
+        mine = ids[owner == s][::-1]
+        np.testing.assert_array_equal(table.lookup(mine), whole[owner == s][::-1])
+
+
+def test_admission_and_eviction_counts_are_exact():
+    table = DynamicTable(
+        TableConfig(
+            "t",
+            2,
+            initializer="zeros",
+            min_count=3,
+            ttl_steps=2,
+            optimizer={"name": "sgd", "learning_rate": 1.0},
+        )
+    )
+    ones = np.ones((1, 2), np.float32)
+    a, b = np.array([1], np.int64), np.array([2], np.int64)
+    # 1 seen twice: still a candidate, reads the default row, its gradient is dropped.
+    table.lookup(np.array([1, 1, 2], np.int64))  # duplicates count once
+    table.lookup(a)
+    table.apply_gradients(a, ones)  # step 1
+    st = table.stats()
+    assert (st.rows, st.candidates, st.admitted, st.dropped_gradients) == (0, 2, 0, 1)
+    np.testing.assert_array_equal(table.lookup(a), [[0.0, 0.0]])  # third sighting: admitted
+    table.apply_gradients(a, ones)  # step 2: applied
+    np.testing.assert_array_equal(table.lookup(a), [[-1.0, -1.0]])
+    st = table.stats()
+    assert (st.rows, st.candidates, st.admitted, st.created) == (1, 1, 1, 1)
+    # Candidate 2 was last seen at step 0: evicted after step 3 (3 - 2 > 0).
+    table.apply_gradients(b, ones)  # step 3, dropped
+    st = table.stats()
+    assert (st.candidates, st.evicted_candidates, st.dropped_gradients) == (0, 1, 2)
+    # Row 1 was last touched at step 2; untouched during steps 3 and 4, gone after step 5.
+    table.apply_gradients(b, ones)  # step 4
+    assert table.stats().rows == 1
+    table.apply_gradients(b, ones)  # step 5
+    st = table.stats()
+    assert (st.rows, st.evicted_rows, st.step) == (0, 1, 5)
+    # Evicted means forgotten: counted from zero again.
+    np.testing.assert_array_equal(table.lookup(a), [[0.0, 0.0]])
+    assert table.stats().candidates == 1
+
+
+@pytest.mark.parametrize(
+    "ids, grads, match",
+    [
+        (np.array([1, 2], np.int32), np.ones((2, DIM), np.float32), "int64"),
+        (np.array([[1, 2]], np.int64), np.ones((2, DIM), np.float32), "1-D"),
+        (np.array([1, 2], np.int64), np.ones((2, DIM + 1), np.float32), "shape"),
+        (np.array([1, 2], np.int64), np.ones((2, DIM), np.int32), "float"),
+    ],
+)
+def test_bad_input_is_typed_and_changes_nothing(ids, grads, match):
+    table = DynamicTable(TableConfig("t", DIM))
+    table.lookup(np.array([1, 2], np.int64))
+    before = table.export_state()
+    with pytest.raises(InvalidArgumentError, match=match):
+        table.apply_gradients(ids, grads)
+    with pytest.raises(InvalidArgumentError):
+        table.lookup(np.array([1.5]))
+    after = table.export_state()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].tobytes() == after[k].tobytes(), k
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dim": -3}, "dim"),
+        ({"dim": 0}, "dim"),
+        ({"dtype": "int32"}, "float"),
+        ({"initializer": "glorot"}, "initializer"),
+        ({"min_count": 0}, "min_count"),
+        ({"optimizer": {"name": "lamb"}}, "lamb"),
+    ],
+)
+def test_bad_config_is_typed(kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        TableConfig("t", **{"dim": 2, **kwargs})
+
+
+def test_two_shards_restore_onto_three_with_every_row_and_slot():
+    config = TableConfig("t", DIM, optimizer=OPTIMIZERS["adam"], min_count=2)
+    ids = np.arange(0, 400, dtype=np.int64) * 104729
+    old = [DynamicTable(config) for _ in range(2)]
+    owner = shard_of(ids, 2)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        for s, table in enumerate(old):
+            mine = ids[owner == s]
+            table.lookup(mine)
+            table.apply_gradients(mine, rng.standard_normal((mine.size, DIM)).astype(np.float32))
+    for s, table in enumerate(old):  # some candidates too
+        table.lookup(np.array([-1 - s * 1000], np.int64))
+    parts = [t.export_state() for t in old]
+    new = [
+        DynamicTable.from_parts(config, parts, keep=lambda k, s=s: shard_of(k, 3) == s)
+        for s in range(3)
+    ]
+    kept = [t.stats().rows for t in new]
+    assert sum(kept) == ids.size
+    merged = {}
+    for t in new:
+        st = t.export_state()
+        for i, k in enumerate(st["ids"].tolist()):
+            merged[k] = (st["rows"][i], st["slot/momentum"][i], st["slot/velocity"][i])
+        assert set(shard_of(st["ids"], 3).tolist()) <= {new.index(t)}
+    for p in parts:
+        for i, k in enumerate(p["ids"].tolist()):
+            np.testing.assert_array_equal(merged[k][0], p["rows"][i])
+            np.testing.assert_array_equal(merged[k][1], p["slot/momentum"][i])
+            np.testing.assert_array_equal(merged[k][2], p["slot/velocity"][i])
+    assert sum(t.stats().candidates for t in new) == 2
+    assert max(t.stats().step for t in new) == 3
+
+
+def test_key_index_matches_a_dict_under_inserts_and_removals():
+    rng = np.random.default_rng(0)
+    index, ref = KeyIndex(4), {}
+    for r in range(60):
+        keys = np.unique(
+            rng.integers(-(2**63), 2**63 - 1, size=rng.integers(0, 80), dtype=np.int64)
+        )
+        keys = np.concatenate([keys, np.array(list(ref)[:5], np.int64)])
+        found = index.find(keys)
+        new = np.unique(keys[found < 0])
+        for k, slot in zip(new.tolist(), index.insert(new).tolist()):
+            ref[k] = slot
+        if r % 3 == 0 and ref:
+            victims = rng.choice(list(ref), size=min(15, len(ref)), replace=False)
+            index.remove(np.array([ref.pop(int(v)) for v in victims], np.int64))
+        every = np.array(list(ref), np.int64)
+        np.testing.assert_array_equal(index.find(every), [ref[k] for k in every.tolist()])
+        assert index.size == len(ref)
+
+
+def test_memory_per_row_stays_within_row_and_slot_bytes_plus_32():
+    n = 200_000
+    table = DynamicTable(TableConfig("t", 8, optimizer=OPTIMIZERS["adagrad"], capacity=n))
+    table.lookup(np.arange(n, dtype=np.int64) * 31)
+    row_and_slot = 8 * 4 * 2
+    assert table.stats().rows == n
+    assert table.nbytes / n <= row_and_slot + 32
+
+
+def test_hot_ids_are_the_busiest_first():
+    table = DynamicTable(TableConfig("t", 2))
+    for i in range(1, 6):
+        table.lookup(np.arange(i, dtype=np.int64))  # id 0 seen 5 times, id 4 once
+    ids, counts = table.hot_ids(3)
+    assert ids.tolist() == [0, 1, 2] and counts.tolist() == [5, 4, 3]
+
+
+def test_the_first_push_binds_the_optimizer_and_another_is_refused():
+    table = DynamicTable(TableConfig("t", 2, initializer="zeros"))
+    ids, grads = np.array([4], np.int64), np.ones((1, 2), np.float32)
+    table.lookup(ids)
+    with pytest.raises(FailedPreconditionError, match="no optimizer"):
+        table.apply_gradients(ids, grads)
+    assert table.stats().step == 0
+    table.apply_gradients(ids, grads, {"name": "adagrad", "learning_rate": 0.5})
+    with pytest.raises(FailedPreconditionError, match="sgd"):
+        table.apply_gradients(ids, grads, {"name": "sgd"})
+    table.apply_gradients(ids, grads)  # the bound rule
+    assert table.stats().step == 2
+    assert table.config.optimizer["name"] == "adagrad"
+    assert TableConfig("t", 2, initializer="zeros").optimizer is None
+    assert table.config.accepts(TableConfig("t", 2, initializer="zeros"))
