@@ -164,3 +164,44 @@ def test_one_worker_cluster_equals_the_reference_step_for_step(start_cluster):
     # would send one per shard per step (12), plus the chief's check above (2).
     lookups = sum(s[model.layers[0].config.name].lookups for s in stats)
     assert lookups <= len(VOCAB) + 2 < 2 * steps + 2
+
+
+def _die_once(marker: str) -> None:
+    """Kills this worker process the first time (after its push reached the PS)."""
+    import os
+    import pathlib
+
+    path = pathlib.Path(marker)
+    if not path.exists():
+        path.write_text("died once")
+        os._exit(17)  # like a crash: the reply never leaves this worker
+
+
+@pytest.mark.slow
+def test_a_rerun_closures_table_push_is_applied_once(start_cluster, tmp_path):
+    # loss = sum of id 7's row: its gradient is 1 per step whatever the weights, so
+    # with SGD(1.0) three closures move the row by exactly -3, one of them run twice
+    cluster = start_cluster(num_ps=1, num_workers=2)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    with strategy.scope():
+        layer = pf.keras.layers.DynamicEmbedding(DIM, seed=SEED)
+        layer.build((None, 1))
+        optimizer = pf.keras.optimizers.SGD(1.0)
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    marker = str(tmp_path / "died")
+
+    def step(x: float) -> None:
+        with pf.GradientTape() as tape:
+            loss = pf.reduce_sum(layer(pf.constant([[7]], dtype=pf.int64)))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+        if x == 2.0:
+            _die_once(marker)
+
+    for x in (1.0, 2.0, 3.0):
+        coordinator.schedule(step, args=(x,))
+    coordinator.join()
+    assert (tmp_path / "died").exists()  # the crash happened: one closure ran twice
+    start = initial_rows("uniform", SEED, np.array([7], np.int64), DIM, 0.05, np.dtype("float32"))
+    got = layer.table.backend.client.lookup(layer.config.name, np.array([7], np.int64))
+    np.testing.assert_allclose(got, start - 3.0, atol=1e-6)

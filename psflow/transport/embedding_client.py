@@ -177,6 +177,14 @@ class EmbeddingClient:
         self._configs[config.name] = config
         return any(r.created for r in replies)
 
+    def _request_id(
+        self, shard: int, request_ids: Callable[[int], tuple[str, int]] | None
+    ) -> tuple[str, int]:
+        if request_ids is not None:
+            return request_ids(shard)
+        with self._lock:
+            return (self.client_id, next(self._sequence))
+
     def _split(self, ids: np.ndarray) -> list[np.ndarray]:
         """Positions into ``ids`` owned by each shard."""
         if self.num_shards == 1:
@@ -251,10 +259,20 @@ class EmbeddingClient:
             raise InvalidArgumentError(f"the width of table {table!r} is unknown to this client")
         return self._configs[table].dim
 
-    def push(self, table: str, ids: Any, grads: Any, optimizer: dict | None = None) -> list[int]:
+    def push(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        request_ids: Callable[[int], tuple[str, int]] | None = None,
+    ) -> list[int]:
         """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
         each shard's step (-1 where it got no ids).  ``optimizer`` (an update
         rule's config) binds a table created without one, or must match it.
+        ``request_ids(shard)`` gives each shard's request id (a PS session's
+        :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
+        closure's push is applied once); by default this client's own sequence.
 
         Raises:
             NotFoundError: unknown table.
@@ -276,17 +294,18 @@ class EmbeddingClient:
             summed[inverse.reshape(-1)] = grads
         parts = self._split(unique)
         optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
+        # ids are taken here, in shard order, so a re-run draws the same ones
+        rids = {s: self._request_id(s, request_ids) for s in range(len(parts)) if parts[s].size}
 
         def one(s: int) -> int:
             if parts[s].size == 0:
                 return -1
-            with self._lock:
-                sequence = next(self._sequence)
+            client_id, sequence = rids[s]
             request = embedding_pb2.PushGradientsRequest(
                 table=table,
                 ids=codec.encode_tensor(unique[parts[s]]),
                 grads=codec.encode_tensor(summed[parts[s]]),
-                request_id=ps_pb2.RequestId(client_id=self.client_id, sequence=sequence),
+                request_id=ps_pb2.RequestId(client_id=client_id, sequence=sequence),
                 optimizer_json=optimizer_json,
             )
             reply = self._call(s, "PushGradients", request, retries=1)
@@ -382,7 +401,14 @@ class InProcessEmbeddingClient:
         rows = self.registry.lookup(table, _as_ids(ids))
         return rows.reshape(*ids.shape, rows.shape[-1])
 
-    def push(self, table: str, ids: Any, grads: Any, optimizer: dict | None = None) -> list[int]:
+    def push(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        request_ids: Callable[[int], tuple[str, int]] | None = None,
+    ) -> list[int]:
         """Applies gradient rows (see :meth:`EmbeddingClient.push`)."""
         flat = _as_ids(ids)
         grads = np.asarray(grads)
@@ -391,7 +417,8 @@ class InProcessEmbeddingClient:
                 f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
             )
         grads = grads.reshape(flat.shape[0], grads.shape[-1])
-        return [self.registry.push(table, flat, grads, None, optimizer)]
+        rid = None if request_ids is None else request_ids(0)
+        return [self.registry.push(table, flat, grads, rid, optimizer)]
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids and their rows."""

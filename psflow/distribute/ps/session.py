@@ -146,6 +146,14 @@ class PSSession:
         self._watch = recovery.WaitWatch(self.sync.progress_every, log)
 
     # -- plumbing ----------------------------------------------------------------------
+    def request_id(self, ps: int) -> tuple[str, int]:
+        """The id of the next write to PS task ``ps`` (any service on it).
+
+        Inside a closure it derives from the closure, so the same write of a
+        closure re-run on another worker carries the same id and is applied once.
+        """
+        return self._next_id(ps)
+
     def _next_id(self, ps: int) -> tuple[str, int]:
         """A request id; inside a closure it derives from the closure, so a re-run is deduplicated."""
         closure = self._closure

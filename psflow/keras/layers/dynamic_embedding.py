@@ -50,8 +50,11 @@ class _Backend:
     it all of a step's ``(IndexedSlices, handle)`` pairs at once.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, request_ids: Any = None) -> None:
         self.client = client
+        # the PS session's ids: a closure re-run on another worker pushes with the
+        # same ids as its first run, so the PS applies its table gradients once
+        self.request_ids = request_ids
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
         """Pushes each table's gradient rows with ``optimizer``'s update rule."""
@@ -64,7 +67,9 @@ class _Backend:
             values = backend.to_numpy(grad._values)
             ids = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
             values = values.reshape(ids.size, -1).astype(handle.config.dtype, copy=False)
-            self.client.push(handle.config.name, ids, values, optimizer=config)
+            self.client.push(
+                handle.config.name, ids, values, optimizer=config, request_ids=self.request_ids
+            )
 
 
 # One backend per PS session (the chief's, or a worker's), made on first use.
@@ -91,7 +96,19 @@ def _backend_for(session: Any) -> _Backend:
         raise errors.UnimplementedError(
             "dynamic embedding tables need gRPC or embedded parameter servers"
         )
-    return _by_session.setdefault(session, _Backend(client))
+    return _by_session.setdefault(session, _Backend(client, _session_ids(weakref.ref(session))))
+
+
+def _session_ids(ref: Any) -> Any:
+    """``request_id(shard)`` of the session behind ``ref`` (weak: the backend is its value)."""
+
+    def request_id(shard: int) -> tuple[str, int]:
+        session = ref()
+        if session is None:
+            raise errors.FailedPreconditionError("the PS session of this table is gone")
+        return session.request_id(shard)
+
+    return request_id
 
 
 class DynamicTableHandle:
