@@ -175,11 +175,13 @@ def _built_pipelines(record_dir: pathlib.Path) -> set[tuple[int, int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["none", "worker_dies"])
+@pytest.mark.parametrize("case", ["plain", "worker_dies", "two_devices_per_worker"])
 def test_two_workers_build_their_own_pipelines_and_train_each_batch_once(
-    start_cluster, tmp_path, loss
+    start_cluster, tmp_path, case
 ):
-    cluster = start_cluster(num_ps=1, num_workers=2)
+    # two devices: each step's element is split over the worker's replicas, gradients summed
+    devices = "2" if case == "two_devices_per_worker" else "1"
+    cluster = start_cluster(num_ps=1, num_workers=2, worker_env={"PSFLOW_NUM_CPU_DEVICES": devices})
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
     model = _model(strategy)
     record_dir = tmp_path / "pipelines"
@@ -188,7 +190,7 @@ def test_two_workers_build_their_own_pipelines_and_train_each_batch_once(
         functools.partial(dataset_fn, record_dir=str(record_dir))
     )
     victim = cluster.workers[1].proc.pid
-    callbacks = [_KillAfterEpoch(victim)] if loss == "worker_dies" else []
+    callbacks = [_KillAfterEpoch(victim)] if case == "worker_dies" else []
     model.fit(creator, epochs=3, steps_per_epoch=STEPS, verbose=0, callbacks=callbacks)
     assert int(model.optimizer.iterations) == 3 * STEPS
     (stats,) = strategy.ps_stats()
@@ -199,5 +201,5 @@ def test_two_workers_build_their_own_pipelines_and_train_each_batch_once(
     workers = {cluster.workers[0].proc.pid, victim}
     assert {(p, n) for p, n, _ in built} == {(0, 2), (1, 2)}  # each pipeline knows its index
     assert {pid for _, _, pid in built} <= workers  # built on the workers, not here
-    if loss == "worker_dies":  # the survivor built the lost worker's pipeline and finished it
+    if case == "worker_dies":  # the survivor built the lost worker's pipeline and finished it
         assert (1, 2, cluster.workers[0].proc.pid) in built

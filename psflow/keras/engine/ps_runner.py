@@ -124,10 +124,10 @@ class PSRunner:
         if known is not None:
             return known[1], known[2]
         if isinstance(source, data_adapter.FunctionBatches):
-            # each worker builds its own pipeline from the function: nothing built here
-            reader: Any = ps_batches.FunctionReader(
-                source.dataset_fn, self.num_workers, self.strategy.num_replicas_in_sync
-            )
+            # Each worker builds its own pipeline from the function: nothing built here. A
+            # step trains one element, split over the worker's devices like any batch, so
+            # the context says one replica: get_per_replica_batch_size(g) is the step's g.
+            reader: Any = ps_batches.FunctionReader(source.dataset_fn, self.num_workers, 1)
         elif isinstance(source, data_adapter.ArrayBatches):
             from psflow import random as random_lib
 

@@ -18,6 +18,13 @@ class DatasetCreator(input_lib.DatasetFunction):
     ``fit`` then needs ``steps_per_epoch`` (and ``validation_steps``,
     ``evaluate``'s ``steps``), as in TensorFlow: the dataset may be infinite.
 
+    Each step trains one element of one pipeline, once, even when its worker
+    dies and another worker re-runs it (it rebuilds that pipeline and reads the
+    same position), provided ``dataset_fn`` builds the same dataset every time
+    for the same context (seed its shuffles). A finite dataset is then read
+    exactly once over the epochs; a ``repeat()`` dataset has no epoch, and
+    training runs on from where the previous epoch stopped.
+
     Example:
         >>> import psflow as tf
         >>> def dataset_fn(ctx):
