@@ -177,3 +177,31 @@ class DistributedDatasetsFromFunction:
         if card < 0:
             return Tensor._wrap(np.asarray(card, dtype=np.int64))
         return Tensor._wrap(np.asarray(math.ceil(card / len(self._devices)), dtype=np.int64))
+
+
+class DatasetFunction:
+    """A function that builds an input pipeline from an :class:`InputContext`.
+
+    The common type of what ``fit`` accepts as "a dataset function": Keras's
+    ``DatasetCreator`` and what ``ParameterServerStrategy.distribute_datasets_from_function``
+    returns. Each input pipeline (each worker, under ParameterServerStrategy)
+    calls it with its own context and reads the dataset it returns.
+
+    Args:
+        dataset_fn: ``dataset_fn(input_context) -> dataset``.
+
+    Raises:
+        TypeError: ``dataset_fn`` is not callable (names what it is).
+    """
+
+    def __init__(self, dataset_fn: Callable[[Any], Any]) -> None:
+        if not callable(dataset_fn):
+            raise TypeError(
+                f"dataset_fn must be a callable taking an InputContext, got "
+                f"{type(dataset_fn).__name__}: {dataset_fn!r}"
+            )
+        self.dataset_fn = dataset_fn
+
+    def __call__(self, input_context: Any) -> Any:
+        """The dataset for ``input_context``'s pipeline."""
+        return self.dataset_fn(input_context)

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, errors
-from psflow.distribute import distribute_lib
+from psflow.distribute import distribute_lib, input_lib
 from psflow.distribute.ps import session as session_lib
 from psflow.distribute.ps.values import PSVariable, ShardedVariable, split_rows
 from psflow.framework import variable as variable_lib
@@ -166,8 +166,6 @@ class PSExtended(distribute_lib.StrategyExtended):
 
     def _dataset_factory(self, dataset_fn: Any, num_workers: int) -> Callable[[int], Any]:
         """A picklable ``make(worker_index) -> dataset`` for ``create_per_worker_dataset``."""
-        from psflow.distribute import input_lib
-
         if isinstance(dataset_fn, _PSDistributedDataset):
             return functools.partial(_shard_dataset, dataset_fn._dataset, num_workers)
         if isinstance(dataset_fn, input_lib.DistributedDataset):
@@ -250,10 +248,15 @@ class _PSDistributedDataset:
         return self._dataset.cardinality()
 
 
-class _DatasetFromFunction:
-    """What ``distribute_datasets_from_function`` returns: a function for the workers to call."""
+class _DatasetFromFunction(input_lib.DatasetFunction):
+    """What ``distribute_datasets_from_function`` returns: a function for the workers to call.
+
+    A :class:`~psflow.distribute.input_lib.DatasetFunction`, so ``fit`` takes it
+    as it takes a ``DatasetCreator``.
+    """
 
     def __init__(self, fn: Callable[..., Any], strategy: ParameterServerStrategy) -> None:
+        super().__init__(fn)
         self._fn = fn
         self._strategy = strategy
 

@@ -2,7 +2,10 @@
 
 Arrays are sliced into batches directly (no per-example pipeline), reshuffled
 each epoch from ``psflow.random`` so a seeded run is reproducible. Datasets are
-iterated as they are.
+iterated as they are. Dataset functions (a ``DatasetCreator``, a callable
+``dataset_fn(input_context)``, or what ``distribute_datasets_from_function``
+returns under ParameterServerStrategy) become :class:`FunctionBatches`: each
+input pipeline builds its own dataset; they need the step count, as in TensorFlow.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import numpy as np
 
 from psflow import backend, errors
 from psflow import random as random_lib
+from psflow.distribute import distribute_lib, input_lib
 from psflow.framework.tensor import Tensor, convert_to_tensor, is_tensor
 from psflow.util import nest
 
@@ -207,6 +211,69 @@ class DatasetBatches:
         raise errors.InvalidArgumentError("The dataset is empty")
 
 
+# the argument that bounds each input kind's steps, named in the error when it is missing
+_STEPS_ARGUMENT = {"fit": "steps_per_epoch", "validation_data": "validation_steps"}
+
+
+def _is_dataset_function(x: Any) -> bool:
+    """A ``DatasetCreator`` (or the like), or a bare ``dataset_fn(input_context)``."""
+    if isinstance(x, input_lib.DatasetFunction):
+        return True
+    return (
+        callable(x)
+        and not _is_dataset(x)
+        and not is_distributed(x)
+        and not is_tensor(x)
+        and not hasattr(x, "__next__")
+    )
+
+
+class FunctionBatches(DatasetBatches):
+    """Batches from a dataset function: each input pipeline calls it for its own dataset.
+
+    Under ParameterServerStrategy the runner sends :attr:`dataset_fn` to the
+    workers, each building the pipeline of its worker index (see
+    :class:`psflow.keras.engine.ps_batches.FunctionReader`). Elsewhere one
+    pipeline (``InputContext(1, 0, 1)``) runs here and yields global batches,
+    split across replicas as any dataset's are. The step count is required
+    (the dataset may repeat forever); one iterator runs on across epochs, as
+    TensorFlow's does when ``steps_per_epoch`` is given.
+    """
+
+    def __init__(self, dataset_fn: input_lib.DatasetFunction, steps: int) -> None:
+        self.dataset_fn = dataset_fn
+        self._built: Any = None
+        super().__init__(None, steps)
+
+    @property  # type: ignore[override]
+    def dataset(self) -> Any:
+        """The single pipeline's dataset (built on first use, on this process)."""
+        if self._built is None:
+            self._built = self.dataset_fn(distribute_lib.InputContext(1, 0, 1))
+        return self._built
+
+    @dataset.setter
+    def dataset(self, value: Any) -> None:
+        self._built = value
+
+
+def _function_batches(x: Any, batch_size: Any, steps: int | None, what: str) -> FunctionBatches:
+    kind = type(x).__name__
+    if steps is None:
+        argument = _STEPS_ARGUMENT.get(what, "steps")
+        raise errors.InvalidArgumentError(
+            f"{what}: when x is a dataset function ({kind}), `{argument}` must be given "
+            "(the dataset it builds may be infinite)"
+        )
+    if batch_size is not None and what != "validation_data":
+        raise errors.InvalidArgumentError(
+            f"{what}: batch_size must not be given with a dataset function ({kind}); "
+            f"batch in the dataset_fn, got batch_size={batch_size!r}"
+        )
+    fn = x if isinstance(x, input_lib.DatasetFunction) else input_lib.DatasetFunction(x)
+    return FunctionBatches(fn, int(steps))
+
+
 def make_batches(
     x: Any,
     y: Any = None,
@@ -219,8 +286,9 @@ def make_batches(
     """The batch source for ``x`` (and ``y``, ``sample_weight``).
 
     Raises:
-        InvalidArgumentError: ``y`` given with a dataset or generator, missing ``x``, or
-            arrays of different lengths.
+        InvalidArgumentError: ``y`` given with a dataset or generator, missing ``x``,
+            arrays of different lengths, or a dataset function without the step count
+            (names ``steps_per_epoch``, ``validation_steps`` or ``steps``).
         TypeError: non-numeric data.
     """
     if x is None:
@@ -235,6 +303,13 @@ def make_batches(
                 f"{what}: batch_size must not be given when x is a dataset (batch it)"
             )
         return DatasetBatches(x, steps)
+    if _is_dataset_function(x):
+        if y is not None or sample_weight is not None:
+            raise errors.InvalidArgumentError(
+                f"{what}: y and sample_weight must not be given when x is a dataset function "
+                "(its dataset yields (x, y) or (x, y, sample_weight))"
+            )
+        return _function_batches(x, batch_size, steps, what)
     if hasattr(x, "__next__"):
         if y is not None or sample_weight is not None:
             raise errors.InvalidArgumentError(

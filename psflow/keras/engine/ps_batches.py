@@ -15,6 +15,13 @@ The epoch ends when all its batches are done, wherever they ran.
   or, once its shard is done, of the least advanced unfinished shard (a lost
   worker's shard is finished by the others). A worker reading a position out of
   order (a re-run, a returning worker) resumes from the recorded position.
+* Dataset functions (``DatasetCreator``, ``dataset_fn``): as datasets, but
+  shard ``s`` is the pipeline the function builds for ``InputContext(workers, s)``
+  (:class:`FunctionReader`). They come with ``steps_per_epoch`` and their
+  datasets usually ``repeat()`` forever, so there is no epoch to visit once:
+  one plan runs on across epochs (each step trains the next unread position,
+  once, re-run or not), and an example is seen once per pass over a shard
+  only as far as the user's pipeline makes it so.
 
 The worker side of both is a *reader* (:class:`ArrayReader`,
 :class:`DatasetReader`) sent once to every worker.
@@ -149,6 +156,28 @@ class DatasetReader:
             return None
         self._open[batch.shard] = (batch.epoch, iterator, position + 1)
         return element
+
+
+class FunctionReader(DatasetReader):
+    """Worker side for dataset functions: shard ``s`` is the pipeline ``dataset_fn`` builds for it.
+
+    Pipeline ``s`` gets ``InputContext(num_shards, s, num_replicas)``, so a
+    ``dataset_fn`` that shards by ``input_pipeline_id`` reads worker ``s``'s part;
+    a worker finishing another's shard builds that pipeline itself. Positions
+    are the same batches on every worker only when ``dataset_fn`` is
+    deterministic for its context (a seeded shuffle): that is what exactly-once
+    per step rests on here.
+    """
+
+    def __init__(self, dataset_fn: Any, num_shards: int, num_replicas: int) -> None:
+        super().__init__(None, num_shards)
+        self.dataset_fn = dataset_fn
+        self.num_replicas = num_replicas
+
+    def _shard(self, shard: int) -> Any:
+        from psflow.distribute.distribute_lib import InputContext
+
+        return self.dataset_fn(InputContext(self.num_shards, shard, self.num_replicas))
 
 
 class ArrayPlan:

@@ -6,7 +6,9 @@ trains at, so a closure re-run elsewhere (its worker died, froze or is late)
 trains the same batch once, and a schedule gives the same per-step learning
 rates as in one process. Results are consumed as they complete, from any
 worker; the epoch ends when its batches are done, wherever they ran. A finite
-dataset needs no ``steps_per_epoch`` (TensorFlow requires one).
+dataset needs no ``steps_per_epoch`` (TensorFlow requires one). A dataset
+function (``DatasetCreator``, a ``dataset_fn``, ``distribute_datasets_from_function``)
+does, as in TensorFlow: every worker builds its own pipeline from it.
 
 Workers send back their metrics' state after each step and the chief merges
 it, so the loss and metrics of an epoch cover every worker's batches. In
@@ -98,6 +100,9 @@ class PSRunner:
         # id(source) -> (source, its reader, the reader's copies on the workers); the
         # source is held so that its id cannot be reused by another one
         self._readers: dict[int, tuple[Any, Any, Any]] = {}
+        # id(source) -> the plan training on a dataset function continues (see _plan); its
+        # source is held in _readers
+        self._running: dict[int, Any] = {}
 
     def prepare(self, source: Any) -> Any:
         """Nothing to do here: batches are handed out per step."""
@@ -118,11 +123,16 @@ class PSRunner:
         known = self._readers.get(key)
         if known is not None:
             return known[1], known[2]
-        if isinstance(source, data_adapter.ArrayBatches):
+        if isinstance(source, data_adapter.FunctionBatches):
+            # Each worker builds its own pipeline from the function: nothing built here. A
+            # step trains one element, split over the worker's devices like any batch, so
+            # the context says one replica: get_per_replica_batch_size(g) is the step's g.
+            reader: Any = ps_batches.FunctionReader(source.dataset_fn, self.num_workers, 1)
+        elif isinstance(source, data_adapter.ArrayBatches):
             from psflow import random as random_lib
 
             seed = int(random_lib.new_generator().integers(0, 2**31 - 1))
-            reader: Any = ps_batches.ArrayReader(
+            reader = ps_batches.ArrayReader(
                 source.x,
                 source.y,
                 source.sample_weight,
@@ -134,7 +144,8 @@ class PSRunner:
             reader = ps_batches.DatasetReader(source.dataset, self.num_workers)
         else:
             raise errors.InvalidArgumentError(
-                "ParameterServerStrategy fit needs arrays or a psflow.data.Dataset, got "
+                "ParameterServerStrategy fit needs arrays, a psflow.data.Dataset or a dataset "
+                "function (DatasetCreator), got "
                 f"{type(getattr(source, 'dataset', source)).__name__}"
             )
         on_workers = self.coordinator.put_on_workers(reader)
@@ -156,7 +167,17 @@ class PSRunner:
             )
         return (card // self.num_workers) * self.num_workers
 
-    def _plan(self, reader: Any) -> Any:
+    def _plan(self, kind: str, source: Any, reader: Any) -> Any:
+        if kind == "train" and isinstance(source, data_adapter.FunctionBatches):
+            # steps_per_epoch over a dataset with no epoch (it repeats): training runs on
+            # where the last epoch stopped, as TF's iterator does; evaluation starts over
+            plan = self._running.get(id(source))
+            if plan is None:
+                plan = self._running[id(source)] = self._new_plan(reader)
+            return plan
+        return self._new_plan(reader)
+
+    def _new_plan(self, reader: Any) -> Any:
         epoch = self._epoch
         self._epoch += 1
         if isinstance(reader, ps_batches.ArrayReader):
@@ -174,7 +195,7 @@ class PSRunner:
     def _run(self, kind: str, source: Any, steps: int | None, on_begin: Any, on_end: Any) -> int:
         reader, on_workers = self._reader(source)
         total = self._steps_for_sync(reader, steps)
-        plan = self._plan(reader)
+        plan = self._plan(kind, source, reader)
         program = self._program(kind)
         completed: queue.SimpleQueue = queue.SimpleQueue()
         model = self.model
@@ -192,7 +213,9 @@ class PSRunner:
             while (
                 pending < window
                 and not plan.exhausted()
-                and (total is None or scheduled < total)
+                # steps that trained, or may: a ticket past a shard's end trains nothing and
+                # must not take one of the epoch's steps (steps_per_epoch counts trained ones)
+                and (total is None or done + pending < total)
                 and not model.stop_training
             ):
                 on_begin(scheduled)
@@ -225,6 +248,12 @@ class PSRunner:
                 optimizer.iterations = base_step + done
             on_end(done - 1, model._current_logs())
         self.coordinator.join()
+        if done == 0 and steps is not None and plan.exhausted():
+            raise errors.OutOfRangeError(
+                "Your input ran out of data: the dataset function's datasets ended before this "
+                f"epoch's first step; make sure they yield at least steps * epochs batches "
+                f"(steps={steps}), e.g. with repeat()"
+            )
         return done
 
     def wait_for_parameter_servers(self, config: Any = None) -> None:

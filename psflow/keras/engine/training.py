@@ -189,7 +189,7 @@ class Model(Layer):
             )
         if self._unwrap_single:
             y, y_pred, sample_weight = (_unwrap(v) for v in (y, y_pred, sample_weight))
-        loss = self.loss(y, y_pred, sample_weight)
+        loss = self.loss(_match_rank(y, y_pred), y_pred, sample_weight)
         extra = self.losses
         if extra:
             loss = math_ops.add(loss, math_ops.add_n([math_ops.cast(e, loss.dtype) for e in extra]))
@@ -587,6 +587,18 @@ def _single_output_entries(metrics: Any) -> Any:
         only = metrics[0]
         return list(only) if isinstance(only, (list, tuple)) else [only]
     return metrics
+
+
+def _match_rank(y: Any, y_pred: Any) -> Any:
+    """Labels ``(n,)`` against predictions ``(n, k)`` become ``(n, 1)``, as Keras's compiled
+    loss makes them (so ``mse`` broadcasts a label over ``k`` outputs as in TensorFlow)."""
+    if not (isinstance(y, Tensor) and isinstance(y_pred, Tensor)):
+        return y
+    if y.shape.rank == 1 and y_pred.shape.rank == 2:
+        from psflow.ops import array_ops
+
+        return array_ops.expand_dims(y, -1)
+    return y
 
 
 def _unwrap(value: Any) -> Any:

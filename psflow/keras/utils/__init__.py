@@ -6,6 +6,7 @@ from psflow.keras.saving.serialization import (
     get_registered_object,
     register_keras_serializable,
 )
+from psflow.keras.utils import experimental
 from psflow.keras.utils.progbar import Progbar
 
 
