@@ -115,7 +115,7 @@ class PSRunner:
                 return self._steps_for_sync(self._reader(source)[0], None)
             except errors.InvalidArgumentError:
                 return None
-        return steps_per_epoch_estimate(source, self.num_workers)
+        return steps_per_epoch_estimate(source)
 
     def _reader(self, source: Any) -> tuple[Any, Any]:
         """The source's worker-side reader, and its copies on the workers (sent once)."""
@@ -311,9 +311,12 @@ class PSRunner:
         return outputs
 
 
-def steps_per_epoch_estimate(source: Any, num_workers: int) -> int | None:
-    """Batches an epoch takes across all workers, when known."""
+def steps_per_epoch_estimate(source: Any) -> int | None:
+    """Batches an epoch takes across all workers, when known.
+
+    Arrays are cut into global batches by the chief (:class:`ps_batches.ArrayReader`),
+    however many workers train them.
+    """
     if isinstance(source, data_adapter.ArrayBatches):
-        n, bs = source.num_examples, source.batch_size
-        return sum(math.ceil(len(range(w, n, num_workers)) / bs) for w in range(num_workers))
+        return math.ceil(source.num_examples / source.batch_size)
     return getattr(source, "steps", None)
