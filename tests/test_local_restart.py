@@ -218,7 +218,9 @@ def test_killed_ps_then_worker_recover_without_a_human_and_training_completes(la
     # created hangs the coordinator (see the report of this change)
     worker1 = run.role_pids()["worker:1"]
     os.kill(worker1, signal.SIGKILL)
-    end = _wait_after(run, end, r"worker:1 is back at 127\.0\.0\.1:\d+")
+    # the survivor may finish the run before the restarted worker is back: the restart
+    # is what the launcher owes, the worker's return is the coordinator's business
+    end = _wait_after(run, end, r"worker:1 exited with status 137; restarting it")
     assert run.finish(timeout=120) == 0, run.output[-5000:]
 
     out = run.output
