@@ -299,3 +299,41 @@ def test_fit_with_every_worker_gone_raises_a_typed_error_naming_them(start_clust
     with pytest.raises(pf.errors.WorkerUnavailableError, match=r"worker:0.*worker:1"):
         model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[_At(5, kill_all)])
     assert time.monotonic() - start < 30
+
+
+class _SlowOnWorker1Once:
+    """A dataset_fn during which worker:1 is killed: slow there the first time only."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, ctx):
+        import pathlib
+
+        if ctx.input_pipeline_id == 1 and not pathlib.Path(self.marker).exists():
+            pathlib.Path(self.marker).write_text("slow once")
+            time.sleep(4.0)
+        return pf.data.Dataset.range(1000)
+
+
+@pytest.mark.slow
+def test_a_worker_lost_while_it_builds_its_dataset_rebuilds_it_when_back(start_cluster, tmp_path):
+    # The rebuilt dataset must fill the value its iterator waits on: a replacement
+    # value left the iterator (and join) waiting forever.
+    cluster = start_cluster(num_ps=1, num_workers=2)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(_SlowOnWorker1Once(str(tmp_path / "m"))))
+    time.sleep(1.0)
+    cluster.workers[1].proc.send_signal(signal.SIGKILL)
+    cluster.workers[1].proc.wait(10)
+    back = cluster.restart_worker(1)
+    values = [coordinator.schedule(_next_and_pid, args=(iterator,)) for _ in range(80)]
+    coordinator.join(timeout=90)
+    pids = [v.fetch()[1] for v in values]
+    assert back.proc.pid in pids  # the returning worker got its iterator and trains again
+
+
+def _next_and_pid(it) -> tuple[int, int]:
+    time.sleep(0.05)
+    return int(next(it)), os.getpid()

@@ -227,8 +227,18 @@ class Recovery:
         state.worker.forget_functions()
         with self._cond:
             specs = [r for r in self._resources if r[1] == state.worker.index]
+            # a resource still waiting to be built keeps its value: what is built from it
+            # (an iterator from its dataset) waits on that value, not on a new one
+            waiting = {c.resource_key: c.remote_value for c in state.targeted if c.resource_key}
             rebuilt = collections.deque(
-                Closure(next(self._ids), fn, args, {}, RemoteValue(0, key), resource_key=key)
+                Closure(
+                    next(self._ids),
+                    fn,
+                    args,
+                    {},
+                    waiting.get(key) or RemoteValue(0, key),
+                    resource_key=key,
+                )
                 for key, _, fn, args in specs
             )
             # resources first, in creation order, then whatever was waiting for this worker
