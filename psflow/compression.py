@@ -46,6 +46,7 @@ __all__ = [
     "ErrorFeedback",
     "codec_for_wire",
     "decode_segments",
+    "feedback_from_option",
     "get_codec",
     "wire_dtype",
 ]
@@ -243,3 +244,23 @@ class ErrorFeedback:
         """Forgets every residual (e.g. after restoring a checkpoint)."""
         with self._lock:
             self._residuals.clear()
+
+
+def feedback_from_option(option: str | Mapping[str, str] | None) -> ErrorFeedback | None:
+    """The error feedback a strategy's ``compression=`` option asks for (None: off).
+
+    ``option`` is a codec name for every variable, or ``{ps_variable_name: codec}``.
+
+    Raises:
+        InvalidArgumentError: an unknown codec name, or an option of another type.
+    """
+    if option is None:
+        return None
+    if isinstance(option, str):
+        codec = get_codec(option)
+        return None if codec is None else ErrorFeedback(codec)
+    if isinstance(option, Mapping):
+        return ErrorFeedback({str(k): get_codec(v) for k, v in option.items()})
+    raise InvalidArgumentError(
+        f"compression must be a codec name or a {{variable: codec}} mapping, got {option!r}"
+    )
