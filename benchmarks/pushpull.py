@@ -14,6 +14,9 @@ TCP server.  Then, alternating the sides (A B A B...) so drift hits all of them:
   which a worker on the PS's host uses: the PS mirrors its values into shared
   memory and the pushed bytes travel in a segment (skipped with ``PSFLOW_SHM=0``
   or where /dev/shm is unusable);
+* ``push-bf16/<size>``: the push with ``compression="bf16"`` (encoded on this
+  side, decoded on the PS; half the bytes on the wire); its throughput counts
+  the float32 gradient's bytes, so it compares directly with ``push``;
 * ``pull/4B`` vs ``grpc-raw-unary/4B``: round-trip latency.
 
 Paths: first on loopback (``--shm on``, the default, adds the shared-memory
@@ -414,6 +417,9 @@ def run(args: argparse.Namespace) -> int:
             down_req = struct.pack("<QQ", size * MB, chunk)
             cases = {
                 f"push/{size}MB": lambda g=grad, nm=name: client.push({nm: g}),
+                f"push-bf16/{size}MB": lambda g=grad, nm=name: client.push(
+                    {nm: g}, compression="bf16"
+                ),
                 f"grpc-raw-up/{size}MB": lambda p=prebuilt: up(iter(p), timeout=120),
                 f"pull/{size}MB": lambda nm=name, o=out: client.pull(nm, out=[o]),
                 f"grpc-raw-down/{size}MB": lambda r=down_req: sum(
@@ -443,6 +449,25 @@ def run(args: argparse.Namespace) -> int:
                     max=round(max(vals), 4),
                     chunk_bytes=chunk,
                 )
+            ratio = float(
+                np.median(results[f"push-bf16/{size}MB"]) / np.median(results[f"push/{size}MB"])
+            )
+            _emit(
+                f"push-bf16/{size}MB",
+                "ratio",
+                ratio,
+                "x",
+                baseline="push",
+                wire_bytes=size * MB // 2,
+                gradient_bytes=size * MB,
+            )
+            table.append(
+                (
+                    f"push-bf16/{size}MB",
+                    f"{np.median(results[f'push-bf16/{size}MB']):6.2f} GB/s (of float32)  "
+                    f"vs push {ratio:5.2f}x, half the wire bytes",
+                )
+            )
             for prefix in ("", "shm-") if conn is not None else ("",):
                 for ours, bare in (
                     (f"{prefix}push/{size}MB", f"grpc-raw-up/{size}MB"),
