@@ -105,11 +105,17 @@ class _Bf16(Codec):
     def _encode(self, array: np.ndarray) -> np.ndarray:
         bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
         # round to nearest, ties to even: add 0x7FFF plus the lowest kept bit
-        rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-        out = (rounded >> np.uint32(16)).astype(self.dtype)
-        nan = np.isnan(array)
-        if nan.any():  # rounding could carry a NaN's payload into inf
-            out[nan.reshape(out.shape)] = 0x7FC0
+        # (in place on one temporary: this runs over every pushed element)
+        tmp = bits >> np.uint32(16)
+        tmp &= np.uint32(1)
+        tmp += np.uint32(0x7FFF)
+        tmp += bits
+        tmp >>= np.uint32(16)
+        out = tmp.astype(self.dtype)
+        if not np.isfinite(array).all():
+            # rounding could carry a NaN's low payload bits into inf: keep NaN a NaN
+            nan = np.isnan(array).reshape(out.shape)
+            out[nan] = 0x7FC0
         return out
 
     def _decode(self, wire: np.ndarray) -> np.ndarray:
@@ -229,9 +235,12 @@ class ErrorFeedback:
             residual = self._residuals.get(name)
             corrected = grad if residual is None else grad + residual
             encoded = codec.encode(corrected)
-            lost = corrected - encoded.decode()
-            # an inf/NaN gradient would poison every later step: keep no residual for it
-            self._residuals[name] = np.where(np.isfinite(lost), lost, 0).astype(grad.dtype)
+            lost = np.subtract(corrected, encoded.decode(), dtype=grad.dtype)
+            finite = np.isfinite(lost)
+            if not finite.all():
+                # an inf/NaN gradient would poison every later step: keep no residual for it
+                lost[~finite] = 0
+            self._residuals[name] = lost
         return encoded
 
     def residual(self, name: str) -> np.ndarray | None:
