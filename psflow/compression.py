@@ -233,14 +233,17 @@ class ErrorFeedback:
             return grad
         with self._lock:
             residual = self._residuals.get(name)
-            corrected = grad if residual is None else grad + residual
+            if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
+                corrected = np.array(grad, copy=True)  # becomes this variable's residual buffer
+            else:
+                corrected = np.add(grad, residual, out=residual)  # no new 64 MB per push
             encoded = codec.encode(corrected)
-            lost = np.subtract(corrected, encoded.decode(), dtype=grad.dtype)
-            finite = np.isfinite(lost)
+            corrected -= encoded.decode()  # what the wire lost: the next residual
+            finite = np.isfinite(corrected)
             if not finite.all():
                 # an inf/NaN gradient would poison every later step: keep no residual for it
-                lost[~finite] = 0
-            self._residuals[name] = lost
+                corrected[~finite] = 0
+            self._residuals[name] = corrected
         return encoded
 
     def residual(self, name: str) -> np.ndarray | None:
