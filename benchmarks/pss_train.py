@@ -232,7 +232,11 @@ def run_tensorflow(
         return None
     env = {"TF_CPP_MIN_LOG_LEVEL": "3"}
     with _cluster.Processes() as procs:
-        spec = _cluster.tf_cluster(procs, 2, 2, env, net=net)
+        try:
+            spec = _cluster.tf_cluster(procs, 2, 2, env, net=net)
+        except RuntimeError as e:  # a server that did not come up: report, go on
+            progress(f"TensorFlow cluster did not start: {e}"[:500])
+            return {}
         out = subprocess.run(
             [sys.executable, "-c", TF_CHIEF, json.dumps(spec), json.dumps(cases), str(rtt_n)],
             capture_output=True,
