@@ -166,3 +166,31 @@ def test_pushes_over_a_slow_lossy_link_are_all_applied(delay_ms, loss):
     assert result["version"] == 10
     assert result["min"] == result["max"] == 1.0 - 10
     assert elapsed > 10 * 2 * delay_ms / 1000  # the delay was really there
+
+
+PUSHPULL_ARGS = ["--quick", "--sizes", "1", "--reps", "1", "--no-tf", "--netns", "only"]
+
+
+def test_pushpull_benchmark_runs_across_the_link_and_cleans_up():
+    before = set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pushpull.py"), *PUSHPULL_ARGS],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    throughput = {d["case"]: d["value"] for d in lines if d["metric"] == "throughput"}
+    for case in ("veth/push/1MB", "veth/pull/1MB", "veth/grpc-raw-up/1MB", "veth/push-bf16/1MB"):
+        assert throughput[case] > 0, case
+    assert all(d["path"] == "veth" for d in lines)
+    assert not any(c.startswith("veth/shm-") for c in throughput)  # no shared memory across hosts
+    after = set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
+    assert not {n for n in after - before if n.startswith("psfw")}
