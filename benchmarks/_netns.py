@@ -75,9 +75,10 @@ def remove_stale() -> list[str]:
     removed = []
     listing = _ip("netns", "list", check=False).stdout.split()
     for name in listing:
-        if not name.startswith(_NAME_PREFIX) or not name[:-1][len(_NAME_PREFIX) :].isdigit():
+        pid_text = name[len(_NAME_PREFIX) : -1].split("t")[0]
+        if not name.startswith(_NAME_PREFIX) or not pid_text.isdigit():
             continue
-        pid = int(name[len(_NAME_PREFIX) : -1])
+        pid = int(pid_text)
         if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
             _ip("netns", "del", name, check=False)
             removed.append(name)
@@ -95,16 +96,14 @@ class VethPair:
             created is deleted first).
     """
 
-    def __init__(self, tag: int = 0) -> None:
+    def __init__(self, tag: int = 0, *, _pid: int | None = None) -> None:
         if not 0 <= tag <= 9:
             raise ValueError(f"tag must be 0..9, got {tag}")
-        base = f"{_NAME_PREFIX}{os.getpid()}"
+        pid = os.getpid() if _pid is None else _pid
+        base = f"{_NAME_PREFIX}{pid}t{tag}"
         self.names = {"a": f"{base}a", "b": f"{base}b"}
         # interface names are limited to 15 characters
-        self._links = {
-            "a": f"pfv{os.getpid() % 100000}{tag}a",
-            "b": f"pfv{os.getpid() % 100000}{tag}b",
-        }
+        self._links = {side: f"pfv{pid % 100000}{tag}{side}" for side in ("a", "b")}
         self.addresses = {"a": SERVER_ADDR, "b": CLIENT_ADDR}
         self._created: list[str] = []
         self._old_handlers: dict[int, object] = {}
@@ -113,9 +112,10 @@ class VethPair:
     def attach(cls, base: str) -> VethPair:
         """A handle on a pair another process created (``base``: :attr:`base`); not owned:
         ``close`` leaves it in place."""
-        pair = cls()
-        pair.names = {"a": f"{base}a", "b": f"{base}b"}
-        return pair
+        pid, _, tag = base[len(_NAME_PREFIX) :].partition("t")
+        if not base.startswith(_NAME_PREFIX) or not pid.isdigit() or not tag.isdigit():
+            raise ValueError(f"not the base of a pair this module made: {base!r}")
+        return cls(int(tag), _pid=int(pid))
 
     @property
     def base(self) -> str:
