@@ -52,22 +52,14 @@ print("RESULT " + json.dumps({"min": float(value.min()), "max": float(value.max(
 
 
 def _start_ps(net: _netns.VethPair) -> tuple[subprocess.Popen, str]:
+    return _start_server(net, "a", "ps_server", "ps", ["--bind", _netns.SERVER_ADDR, "--insecure"])
+
+
+def _start_server(
+    net: _netns.VethPair, side: str, module: str, role: str, args: list[str]
+) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        net.exec_in(
-            "a",
-            [
-                sys.executable,
-                "-m",
-                "ps_server",
-                "--port",
-                "0",
-                "--bind",
-                _netns.SERVER_ADDR,
-                "--insecure",
-                "--log-level",
-                "WARNING",
-            ],
-        ),
+        net.exec_in(side, [sys.executable, "-m", module, "--port", "0", *args]),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=child_env(),
@@ -77,14 +69,15 @@ def _start_ps(net: _netns.VethPair) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
-        if line.startswith("PSFLOW_READY ps"):
+        if line.startswith(f"PSFLOW_READY {role}"):
             port = dict(f.split("=", 1) for f in line.split() if "=" in f)["port"]
-            return proc, f"{_netns.SERVER_ADDR}:{port}"
+            host = _netns.SERVER_ADDR if side == "a" else "127.0.0.1"
+            return proc, f"{host}:{port}"
         if not line and proc.poll() is not None:
             break
     proc.kill()
     proc.wait(10)
-    raise RuntimeError("the PS in the namespace did not start")
+    raise RuntimeError(f"{module} in namespace {side} did not start")
 
 
 def _push_across(net: _netns.VethPair, n: int, pushes: int, threads: int) -> dict:
@@ -194,3 +187,85 @@ def test_pushpull_benchmark_runs_across_the_link_and_cleans_up():
         subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     )
     assert not {n for n in after - before if n.startswith("psfw")}
+
+
+# The chief, in namespace "b" with its worker: async training whose every push crosses the link.
+CHIEF = """
+import json, sys
+import numpy as np
+import psflow as pf
+from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+ps, worker, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+resolver = SimpleClusterResolver(
+    ClusterSpec({"ps": [ps], "worker": [worker], "chief": ["127.0.0.1:1"]}),
+    task_type="chief", task_id=0)
+strategy = pf.distribute.ParameterServerStrategy(resolver)
+with strategy.scope():
+    model = pf.keras.Sequential([pf.keras.layers.Dense(4, activation="tanh", input_shape=(3,)),
+                                 pf.keras.layers.Dense(1)])
+    optimizer = pf.keras.optimizers.SGD(0.05)
+coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 3)).astype(np.float32)
+y = x.sum(axis=1, keepdims=True).astype(np.float32)
+dataset = pf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+iterator = iter(coordinator.create_per_worker_dataset(lambda: dataset))
+def step(it):
+    xb, yb = next(it)
+    def replica(xb, yb):
+        with pf.GradientTape() as tape:
+            loss = pf.reduce_mean(pf.square(model(xb, training=True) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return strategy.run(replica, args=(xb, yb))
+losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
+coordinator.join()
+first, last = float(losses[0].fetch()), float(losses[-1].fetch())
+applied = sum(s["pushes_applied"] for s in strategy.ps_stats())
+print("RESULT " + json.dumps({"first": first, "last": last, "applied": applied,
+                              "variables": len(model.trainable_variables)}), flush=True)
+coordinator.shutdown()
+"""
+
+
+@pytest.mark.parametrize(
+    "delay_ms, loss", [(0, 0.0), (10, 1.0)], ids=["clean", "20ms-rtt-1pct-loss"]
+)
+def test_training_across_the_link_applies_every_step(delay_ms, loss):
+    steps = 30
+    with _netns.VethPair() as net:
+        if delay_ms:
+            try:
+                net.netem(delay_ms, loss)
+            except RuntimeError as e:
+                pytest.skip(f"no netem here: {e}")
+        ps, ps_address = _start_ps(net)
+        worker, worker_address = _start_server(
+            net,
+            "b",
+            "worker",
+            "worker",
+            ["--task", "worker:0", "--ps", ps_address, "--workers", "1"],
+        )
+        try:
+            out = subprocess.run(
+                net.exec_in(
+                    "b", [sys.executable, "-c", CHIEF, ps_address, worker_address, str(steps)]
+                ),
+                capture_output=True,
+                text=True,
+                timeout=150,
+                env=child_env(),
+                cwd=ROOT,
+            )
+        finally:
+            for proc in (worker, ps):
+                proc.kill()
+                proc.wait(10)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, out.stderr[-2000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    # nothing lost, nothing doubled: one applied push (all variables of the PS) per step
+    assert result["applied"] == steps
+    assert result["last"] < result["first"]
