@@ -1,5 +1,9 @@
 """Starting benchmark clusters of separate processes on loopback (psflow's and TensorFlow's).
 
+With ``net`` (a :class:`_netns.VethPair`), the parameter servers run in its
+namespace "a" and the workers in "b", so every push and pull crosses the veth
+link as it would cross hosts; the caller (the chief) must then run in "b".
+
 Every process is started with a bounded wait for readiness and killed and
 reaped by :meth:`Processes.close` (also on errors, through ``with``).
 """
@@ -15,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+
+import _netns
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -96,13 +102,26 @@ class Processes:
 
 
 def psflow_cluster(
-    procs: Processes, num_ps: int, num_workers: int, env: dict[str, str] | None = None
+    procs: Processes,
+    num_ps: int,
+    num_workers: int,
+    env: dict[str, str] | None = None,
+    net: _netns.VethPair | None = None,
+    shm: str = "auto",
 ) -> dict[str, list[str]]:
-    """Starts psflow PS and worker processes; returns the cluster dict (without the chief)."""
+    """Starts psflow PS and worker processes; returns the cluster dict (without the chief).
+
+    ``shm`` is the PS's ``--shm`` flag; across ``net`` it is always off.
+    """
+    ps_host = _netns.SERVER_ADDR if net else "127.0.0.1"
+    worker_host = _netns.CLIENT_ADDR if net else "127.0.0.1"
+    # private namespaces: nobody else can reach these addresses
+    net_flags = ["--insecure"] if net else []
     ps = []
     for i in range(num_ps):
         _, line = procs.start(
-            [
+            (net.exec_in("a", []) if net else [])
+            + [
                 sys.executable,
                 "-m",
                 "ps_server",
@@ -112,11 +131,16 @@ def psflow_cluster(
                 f"ps:{i}",
                 "--log-level",
                 "WARNING",
+                "--bind",
+                ps_host,
+                "--shm",
+                "off" if net else shm,
+                *net_flags,
             ],
             "PSFLOW_READY ps",
             env,
         )
-        ps.append("127.0.0.1:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"])
+        ps.append(f"{ps_host}:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"])
     workers = []
     for i in range(num_workers):
         args = [
@@ -133,10 +157,13 @@ def psflow_cluster(
             str(num_workers),
             "--log-level",
             "WARNING",
+            "--bind",
+            worker_host,
+            *net_flags,
         ]
         _, line = procs.start(args, "PSFLOW_READY worker", env)
         workers.append(
-            "127.0.0.1:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"]
+            f"{worker_host}:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"]
         )
     return {"ps": ps, "worker": workers}
 
@@ -154,19 +181,29 @@ server.join()
 
 
 def tf_cluster(
-    procs: Processes, num_ps: int, num_workers: int, env: dict[str, str] | None = None
+    procs: Processes,
+    num_ps: int,
+    num_workers: int,
+    env: dict[str, str] | None = None,
+    net: _netns.VethPair | None = None,
 ) -> dict[str, list[str]]:
-    """Starts TensorFlow ps and worker servers; returns the cluster dict (with a chief address)."""
+    """Starts TensorFlow ps and worker servers; returns the cluster dict (with a chief address).
+
+    Across ``net``: ps tasks in namespace "a", workers (and the chief's address) in "b".
+    """
     ports = free_ports(num_ps + num_workers + 1)
+    ps_host = _netns.SERVER_ADDR if net else "127.0.0.1"
+    worker_host = _netns.CLIENT_ADDR if net else "127.0.0.1"
     spec = {
-        "ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
-        "worker": [f"127.0.0.1:{p}" for p in ports[num_ps : num_ps + num_workers]],
-        "chief": [f"127.0.0.1:{ports[-1]}"],
+        "ps": [f"{ps_host}:{p}" for p in ports[:num_ps]],
+        "worker": [f"{worker_host}:{p}" for p in ports[num_ps : num_ps + num_workers]],
+        "chief": [f"{worker_host}:{ports[-1]}"],
     }
     for job in ("ps", "worker"):
+        prefix = net.exec_in("a", []) if net and job == "ps" else []
         for i in range(len(spec[job])):
             procs.start(
-                [sys.executable, "-c", TF_SERVER, json.dumps(spec), job, str(i)],
+                [*prefix, sys.executable, "-c", TF_SERVER, json.dumps(spec), job, str(i)],
                 "TF_READY",
                 env,
                 timeout=180,

@@ -1,7 +1,8 @@
 """Load on one parameter server: 16 concurrent clients pushing to one variable, side by side.
 
-Every case starts a fresh ``python -m ps_server`` on 127.0.0.1 and one client
-process running ``--clients`` threads (16), each with its own ``PSClient``,
+Every case starts a fresh ``python -m ps_server`` on 127.0.0.1 and
+``--processes`` client processes (16) sharing ``--clients`` threads (16), each
+thread with its own ``PSClient``,
 pushing integer-valued float64 gradients of ``--elements`` values to the same
 variable (SGD, learning rate 1) for the case's seconds.  Cases, alternated
 round by round (A B C D A B C D) so drift hits all of them:
@@ -12,6 +13,14 @@ round by round (A B C D A B C D) so drift hits all of them:
 * ``mtls``: mutual TLS with certificates made by ``openssl`` (skipped without it);
 * ``tensorflow`` (when installed): a ``tf.distribute.Server`` PS task, and a
   worker process whose 16 threads run ``var.assign_sub(grad)`` on the PS.
+
+The PS's CPU use during a psflow case (user+system seconds of the process
+over the case's seconds, from /proc) is reported as ``ps_cpu``: near 1.0 means
+one core's worth of Python under the GIL limits it, far below 1.0 with the
+cores idle that something else (the clients, the thread pool) does.  The
+TensorFlow worker stays one process with ``--clients`` threads (its eager
+runtime holds one connection per process).  ``PSClient`` never uses shared
+memory, so every case is the gRPC path (as ``--shm off`` elsewhere).
 
 Each case checks exactness: the final value must equal the initial value
 minus the sum of every acknowledged gradient (reported as ``"exact"``).
@@ -28,6 +37,7 @@ import contextlib
 import json
 import os
 import pathlib
+import select
 import selectors
 import shutil
 import signal
@@ -58,7 +68,7 @@ SECURE_ENV = (
 # --- client processes --------------------------------------------------------------
 def _client_loop(push, index: int, args, start_at: float, out: dict) -> None:
     """One client: integer gradients until the end time; records acked sum and latencies."""
-    rng = np.random.default_rng(args.seed * 1000 + index)
+    rng = np.random.default_rng(args.seed * 1000 + args.index_base + index)
     acked = np.zeros(args.elements, np.float64)
     latencies: list[float] = []
     errors: list[str] = []
@@ -80,11 +90,14 @@ def _client_loop(push, index: int, args, start_at: float, out: dict) -> None:
 
 
 def _run_threads(make_push, args) -> dict:
-    start_at = time.time() + 1.0  # every client starts together
+    pushes = [make_push(i) for i in range(args.clients)]
+    # every client of every process starts together: say ready, wait for the start time
+    print("READY", flush=True)
+    line = sys.stdin.readline()
+    start_at = float(line) if line.strip() else time.time()
     out: dict = {}
     threads = []
-    for i in range(args.clients):
-        push = make_push(i)
+    for i, push in enumerate(pushes):
         threads.append(threading.Thread(target=_client_loop, args=(push, i, args, start_at, out)))
     for t in threads:
         t.start()
@@ -108,7 +121,8 @@ def _client_psflow(args) -> None:
 
     tune_malloc()
     clients = [
-        PSClient(args.address, timeout=30, client_id=f"load-{i}") for i in range(args.clients)
+        PSClient(args.address, timeout=30, client_id=f"load-{args.index_base + i}")
+        for i in range(args.clients)
     ]
     try:
         result = _run_threads(lambda i: lambda g: clients[i].push({"load": g}), args)
@@ -204,22 +218,65 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _run_client(mode: str, address: str, args, env: dict[str, str]) -> dict:
-    argv = [
-        __file__, "--client", mode, "--address", address, "--clients", str(args.clients),
-        "--seconds", str(args.run_seconds), "--elements", str(args.elements),
-        "--seed", str(args.seed),
-    ]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=args.run_seconds + 240,
-    )
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{mode} client failed ({done.returncode}): {done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    """Runs the clients (``--processes`` processes for psflow, one for TF); merges results."""
+    processes = max(1, min(args.processes, args.clients)) if mode == "psflow" else 1
+    share = [args.clients // processes + (k < args.clients % processes) for k in range(processes)]
+    procs = []
+    with contextlib.ExitStack() as stack:
+        for k in range(processes):
+            argv = [
+                __file__, "--client", mode, "--address", address, "--clients", str(share[k]),
+                "--seconds", str(args.run_seconds), "--elements", str(args.elements),
+                "--seed", str(args.seed), "--index-base", str(sum(share[:k])),
+            ]  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            stack.callback(_stop, proc)
+            procs.append(proc)
+        deadline = time.monotonic() + 180
+        for proc in procs:  # every process imported and connected
+            line = ""
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+                if not ready:
+                    continue
+                line = proc.stdout.readline()
+                if line.startswith("READY") or not line:
+                    break
+            if not line.startswith("READY"):
+                raise RuntimeError(f"{mode} client exited before it was ready ({proc.poll()})")
+        start_at = f"{time.time() + 0.5}\n"
+        for proc in procs:
+            proc.stdin.write(start_at)
+            proc.stdin.flush()
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=args.run_seconds + 240)
+            lines = out.strip().splitlines()
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"{mode} client failed ({proc.returncode}): {err[-2000:]}")
+            results.append(json.loads(lines[-1]))
+    merged = dict(results[0])
+    merged["sum"] = np.sum([r["sum"] for r in results], axis=0).tolist()
+    for key in ("latencies", "errors"):
+        merged[key] = [x for r in results for x in r[key]]
+    merged["clients_done"] = sum(r["clients_done"] for r in results)
+    return merged
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _make_certs(directory: pathlib.Path) -> dict[str, str] | None:
@@ -276,7 +333,12 @@ def _psflow_case(case: str, args, certs: dict[str, str] | None) -> dict:
         initial = np.arange(args.elements, dtype=np.float64) * 1000
         with PSClient(address, security=security, timeout=30) as client:
             client.create_variable("load", initial, optimizer={"name": "sgd", "learning_rate": 1})
+        cpu0, t0 = _cpu_seconds(ps.pid), time.monotonic()
         result = _run_client("psflow", address, args, env)
+        # the clients' start-up wait is in the wall time too: count the pushing seconds only
+        result["ps_cpu"] = (_cpu_seconds(ps.pid) - cpu0) / min(
+            args.run_seconds, time.monotonic() - t0
+        )
         with PSClient(address, security=security, timeout=30) as client:
             final = client.pull("load")
             result["applied"] = client.stats()["pushes_applied"]
@@ -354,6 +416,11 @@ def run(args) -> int:
         if case == "tensorflow":
             tf_version = runs[0].get("tf_version")
             extra["tf_version"] = tf_version
+        else:
+            extra["processes"] = min(args.processes, args.clients)
+            extra["ps_cpu"] = round(float(np.median([res["ps_cpu"] for res in runs])), 3)
+            # the PS's CPU time per acknowledged push: what one push costs it
+            extra["ps_cpu_ms_per_push"] = round(extra["ps_cpu"] / throughput[case] * 1e3, 3)
         emit(BENCH, case, "throughput", round(throughput[case], 1), "pushes/s", n=pushes,
              errors=errors, exact=exact, **extra)  # fmt: skip
         emit(BENCH, case, "latency", round(p50, 3), "ms", p50=round(p50, 3), p99=round(p99, 3),
@@ -383,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow side")
     p.add_argument("--client", choices=["psflow", "tf"], help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--processes", type=int, default=16, help="client processes (psflow)")
     p.add_argument("--serve-tf", metavar="CLUSTER", help=argparse.SUPPRESS)
+    p.add_argument("--index-base", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_tf:
         _serve_tf_ps(args.serve_tf)

@@ -12,8 +12,19 @@ TensorFlow has only async.
 Also the round trip of a scheduled no-op closure (schedule -> worker ->
 fetched result) against a bare grpcio unary round trip, both p50.
 
+Paths: on loopback first (``--shm auto``, the default, lets each PS mirror its
+values into shared memory for the workers on its host; ``--shm off`` makes every
+byte go over gRPC), then, where the machine allows it (root and ``ip``;
+otherwise one ``"metric": "skipped"`` line), across two network namespaces
+joined by a veth link (benchmarks/_netns.py): both sides' parameter servers in
+one namespace, workers and chief in the other, so every push and pull crosses
+the link as between pods on different nodes.  Those cases are prefixed
+``veth/``; the closure round trip stays on the chief's side of the link and is
+not measured there.  ``--netns off`` skips that leg, ``--netns only`` runs it
+alone.
+
 Prints JSON lines (stdout) and a table (stderr); ``--quick`` finishes in about
-a minute. Format: shared/BENCHMARKS.md.
+a minute per leg. Format: shared/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import sys
 import time
 
 import _cluster
+import _netns
 from _common import emit, progress, table
 
 BENCH = "pss_train"
@@ -207,7 +219,9 @@ print("RESULT " + json.dumps(out), flush=True)
 )
 
 
-def run_tensorflow(cases: list[tuple[int, int]], rtt_n: int) -> dict | None:
+def run_tensorflow(
+    cases: list[tuple[int, int]], rtt_n: int, net: _netns.VethPair | None = None
+) -> dict | None:
     """TensorFlow's PSS on the same cluster shape; None when TensorFlow is not installed."""
     try:
         import importlib.util
@@ -218,7 +232,11 @@ def run_tensorflow(cases: list[tuple[int, int]], rtt_n: int) -> dict | None:
         return None
     env = {"TF_CPP_MIN_LOG_LEVEL": "3"}
     with _cluster.Processes() as procs:
-        spec = _cluster.tf_cluster(procs, 2, 2, env)
+        try:
+            spec = _cluster.tf_cluster(procs, 2, 2, env, net=net)
+        except RuntimeError as e:  # a server that did not come up: report, go on
+            progress(f"TensorFlow cluster did not start: {e}"[:500])
+            return {}
         out = subprocess.run(
             [sys.executable, "-c", TF_CHIEF, json.dumps(spec), json.dumps(cases), str(rtt_n)],
             capture_output=True,
@@ -234,11 +252,53 @@ def run_tensorflow(cases: list[tuple[int, int]], rtt_n: int) -> dict | None:
     return {}
 
 
+def run_veth(argv: list[str]) -> int:
+    """The same benchmark across a veth link: this script again, inside namespace "b"."""
+    reason = _netns.unavailable()
+    if reason is not None:
+        emit(BENCH, "veth", "skipped", 0, "", reason=f"no network namespaces: {reason}")
+        return 0
+    _netns.remove_stale()
+    with _netns.VethPair() as net:
+        progress(f"veth leg: PS in {net.names['a']}, workers and chief in {net.names['b']}")
+        cmd = net.exec_in("b", [sys.executable, __file__, *argv, "--netns-child", net.base])
+        child = subprocess.Popen(cmd, env=_cluster.child_env(), cwd=_cluster.ROOT)
+        try:
+            return child.wait(timeout=1800)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and rounds (< ~1 minute)")
     p.add_argument("--no-tf", action="store_true", help="skip TensorFlow")
-    args = p.parse_args()
+    p.add_argument(
+        "--shm", choices=["auto", "off"], default="auto", help="the PS's --shm on loopback"
+    )
+    p.add_argument(
+        "--netns",
+        choices=["auto", "off", "only"],
+        default="auto",
+        help="the leg across a veth link between network namespaces (needs root and ip)",
+    )
+    p.add_argument("--netns-child", help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
+    args = p.parse_args(argv)
+    if args.netns_child:
+        return run_leg(args, _netns.VethPair.attach(args.netns_child))
+    rc = 0 if args.netns == "only" else run_leg(args, None)
+    if args.netns != "off":
+        rc = rc or run_veth(argv)
+    return rc
+
+
+def run_leg(args: argparse.Namespace, net: _netns.VethPair | None) -> int:
+    """Both sides on one path (loopback, or across ``net``); prints lines and tables."""
+    pre = "veth/" if net else ""
+    path = {"path": "veth" if net else "loopback", "shm": "off" if net else args.shm}
     steps = 60 if args.quick else 300
     rounds = 1 if args.quick else 3
     rtt_n = 200 if args.quick else 1000
@@ -250,18 +310,19 @@ def main() -> int:
     for r in range(rounds):
         progress(f"round {r + 1}/{rounds}: psflow")
         with _cluster.Processes() as procs:
-            cluster = _cluster.psflow_cluster(procs, 2, 2, env)
+            cluster = _cluster.psflow_cluster(procs, 2, 2, env, net=net, shm=args.shm)
             for mode in ("async", "sync"):
                 for batch in (64, 256):
                     rate = run_psflow(cluster, batch, mode, steps)
                     results.setdefault(f"{mode}/batch{batch}", []).append(rate)
                     progress(f"  psflow {mode} batch {batch}: {rate:.1f} steps/s")
-            closure, raw = closure_and_grpc_rtt(cluster, procs, rtt_n)
-            rtt["psflow"] += closure
-            rtt["grpc"] += raw
+            if net is None:
+                closure, raw = closure_and_grpc_rtt(cluster, procs, rtt_n)
+                rtt["psflow"] += closure
+                rtt["grpc"] += raw
         if tf_available:
             progress(f"round {r + 1}/{rounds}: TensorFlow")
-            tf_out = run_tensorflow([(64, steps), (256, steps)], rtt_n)
+            tf_out = run_tensorflow([(64, steps), (256, steps)], rtt_n, net)
             if tf_out is None:
                 tf_available = False
                 emit(BENCH, "tensorflow", "skipped", 0, "", reason="tensorflow is not installed")
@@ -276,34 +337,47 @@ def main() -> int:
         # a sync step is one closure per worker (2) applied as one update
         emit(
             BENCH,
-            f"psflow/{case}",
+            f"{pre}psflow/{case}",
             "throughput",
             med,
             "steps/s",
             examples_per_s=med * batch,
             n=len(values),
+            **path,
         )
         tf_med = statistics.median(tf_results[case]) if case in tf_results else None
         if tf_med:
             emit(
                 BENCH,
-                f"tensorflow/{case}",
+                f"{pre}tensorflow/{case}",
                 "throughput",
                 tf_med,
                 "steps/s",
                 examples_per_s=tf_med * batch,
                 n=len(tf_results[case]),
+                **path,
             )
-            emit(BENCH, case, "ratio", med / tf_med, "x", a="psflow", b="tensorflow-2-ps")
+            emit(
+                BENCH,
+                pre + case,
+                "ratio",
+                med / tf_med,
+                "x",
+                a="psflow",
+                b="tensorflow-2-ps",
+                **path,
+            )
         rows.append(
             [
-                case,
+                pre + case,
                 round(med, 1),
                 round(tf_med, 1) if tf_med else "-",
                 round(med / tf_med, 2) if tf_med else "-",
             ]
         )
     table(["case (closures)", "psflow steps/s", "TF steps/s", "ratio"], rows)
+    if net is not None:  # the chief and its workers share a namespace: no round trip here
+        return 0
     p50 = {k: statistics.median(v) * 1e3 for k, v in rtt.items() if v}
     for k, v in rtt.items():
         if v:

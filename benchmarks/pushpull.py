@@ -14,7 +14,20 @@ TCP server.  Then, alternating the sides (A B A B...) so drift hits all of them:
   which a worker on the PS's host uses: the PS mirrors its values into shared
   memory and the pushed bytes travel in a segment (skipped with ``PSFLOW_SHM=0``
   or where /dev/shm is unusable);
+* ``push-bf16/<size>``: the push with ``compression="bf16"`` (encoded on this
+  side, decoded on the PS; half the bytes on the wire); its throughput counts
+  the float32 gradient's bytes, so it compares directly with ``push``;
 * ``pull/4B`` vs ``grpc-raw-unary/4B``: round-trip latency.
+
+Paths: first on loopback (``--shm on``, the default, adds the shared-memory
+cases and lets the PS mirror its values; ``--shm off`` starts the PS with
+``--shm off`` as on a host of its own), then, where the machine allows it
+(root and ``ip``; otherwise one ``"metric": "skipped"`` line), the same cases
+across two network namespaces joined by a veth link (benchmarks/_netns.py):
+servers in one, this client in the other, so neither loopback's shortcuts nor
+shared memory apply.  Those cases are prefixed ``veth/``, and TensorFlow's side
+runs across the same link.  ``--netns off`` skips that leg, ``--netns only``
+runs it alone.
 
 Throughput = payload bytes / wall seconds of one call (GB/s = 1e9 B/s), median
 of the repetitions; latencies are p50/p99 of many calls.  stdout: JSON lines
@@ -35,16 +48,20 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
+import _netns
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = "pushpull"
 MB = 1 << 20
+# "veth/" in the run across namespaces: every case of that leg carries it
+_CASE_PREFIX = ""
 
 
 # --- the bare servers (run as subprocesses of this script) ---------------------
-def _serve_bare_grpc() -> None:
+def _serve_bare_grpc(host: str) -> None:
     import grpc
 
     from psflow.memory import tune_malloc
@@ -85,7 +102,7 @@ def _serve_bare_grpc() -> None:
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(8), options=server_options(), handlers=[handler]
     )
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"{host}:0")
     server.start()
     print(f"READY port={port}", flush=True)
     server.wait_for_termination()
@@ -100,8 +117,8 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _serve_tcp() -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
+def _serve_tcp(host: str) -> None:
+    listener = socket.create_server((host, 0))
     print(f"READY port={listener.getsockname()[1]}", flush=True)
     buffer = bytearray(64 * MB)
     payload = np.random.default_rng(1).bytes(64 * MB)
@@ -134,11 +151,12 @@ def _serve_tf_ps(cluster_json: str) -> None:
     server.join()
 
 
-def _tf_client(reps: int) -> None:
+def _tf_client(reps: int, net: _netns.VethPair | None = None) -> None:
     """TensorFlow's PS side: a tf.distribute.Server PS task, eager remote ops from a worker.
 
     pull = read the PS variable into a NumPy array on the worker; push = send a
     gradient from the worker and ``assign_sub`` it (SGD) on the PS.  Prints JSON lines.
+    With ``net``, the PS runs in namespace "a" (this process must be in "b").
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     ports = []
@@ -146,8 +164,16 @@ def _tf_client(reps: int) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
-    ps, _ = _start([__file__, "--serve", "tf", json.dumps(cluster)], "READY", timeout=120)
+    ps_host, worker_host = (
+        (_netns.SERVER_ADDR, _netns.CLIENT_ADDR) if net else ("127.0.0.1", "127.0.0.1")
+    )
+    cluster = {"ps": [f"{ps_host}:{ports[0]}"], "worker": [f"{worker_host}:{ports[1]}"]}
+    ps, _ = _start(
+        [__file__, "--serve", "tf", json.dumps(cluster)],
+        "READY",
+        timeout=120,
+        prefix=net.exec_in("a", []) if net else (),
+    )
     try:
         import tensorflow as tf
         from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
@@ -195,11 +221,16 @@ def _tf_client(reps: int) -> None:
 
 
 # --- process management ----------------------------------------------------------
-def _start(args: list[str], ready: str, timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
+def _start(
+    args: list[str], ready: str, timeout: float = 60.0, prefix: Sequence[str] = ()
+) -> tuple[subprocess.Popen, int]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        [*prefix, sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
     )
     deadline = time.monotonic() + timeout
     buffer = b""
@@ -218,16 +249,21 @@ def _start(args: list[str], ready: str, timeout: float = 60.0) -> tuple[subproce
 
 
 @contextlib.contextmanager
-def _servers():
+def _servers(shm_on: bool, net: _netns.VethPair | None):
+    """The PS, bare grpcio and TCP servers: on loopback, or in namespace "a" of ``net``."""
+    host = _netns.SERVER_ADDR if net else "127.0.0.1"
+    prefix = net.exec_in("a", []) if net else ()
+    ps_args = ["-m", "ps_server", "--port", "0", "--bind", host, "--log-level", "WARNING"]
+    ps_args += ["--shm", "auto" if shm_on else "off"]
+    if net:  # a private namespace; the bare servers authenticate nobody either
+        ps_args.append("--insecure")
     procs = []
     try:
-        ps, ps_port = _start(
-            ["-m", "ps_server", "--port", "0", "--log-level", "WARNING"], "PSFLOW_READY ps"
-        )
+        ps, ps_port = _start(ps_args, "PSFLOW_READY ps", prefix=prefix)
         procs.append(ps)
-        bare, bare_port = _start([__file__, "--serve", "grpc"], "READY")
+        bare, bare_port = _start([__file__, "--serve", "grpc", host], "READY", prefix=prefix)
         procs.append(bare)
-        tcp, tcp_port = _start([__file__, "--serve", "tcp"], "READY")
+        tcp, tcp_port = _start([__file__, "--serve", "tcp", host], "READY", prefix=prefix)
         procs.append(tcp)
         yield ps_port, bare_port, tcp_port
     finally:
@@ -245,7 +281,14 @@ def _timed(fn) -> float:
 
 
 def _emit(case: str, metric: str, value: float, unit: str, **extra) -> None:
-    line = {"bench": BENCH, "case": case, "metric": metric, "value": round(value, 4), "unit": unit}
+    line = {
+        "bench": BENCH,
+        "case": _CASE_PREFIX + case,
+        "metric": metric,
+        "value": round(value, 4),
+        "unit": unit,
+        "path": "veth" if _CASE_PREFIX else "loopback",
+    }
     line.update(extra)
     print(json.dumps(line), flush=True)
 
@@ -266,7 +309,8 @@ def _run_tf(args: argparse.Namespace, results: dict[str, list[float]]) -> list[t
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     try:
         done = subprocess.run(
-            [sys.executable, __file__, "--tf-client", str(reps)],
+            [sys.executable, __file__, "--tf-client", str(reps)]
+            + (["--netns-child", args.netns_child] if args.netns_child else []),
             capture_output=True,
             text=True,
             timeout=240,
@@ -319,22 +363,26 @@ def run(args: argparse.Namespace) -> int:
     chunk = args.chunk_bytes
     results: dict[str, list[float]] = {}
     table: list[tuple[str, str]] = []
+    net = _netns.VethPair.attach(args.netns_child) if args.netns_child else None
+    host = _netns.SERVER_ADDR if net else "127.0.0.1"
+    shm_on = args.shm == "on" and net is None and shm.enabled()
     sys.stderr.write(
-        f"pushpull: sizes {sizes} MB, {reps} reps, chunk {chunk} B, malloc tuned: {tuned}\n"
+        f"pushpull: sizes {sizes} MB, {reps} reps, chunk {chunk} B, malloc tuned: {tuned}, "
+        f"path {'veth' if net else 'loopback'}, shm {'on' if shm_on else 'off'}\n"
     )
-    with _servers() as (ps_port, bare_port, tcp_port):
+    with _servers(shm_on, net) as (ps_port, bare_port, tcp_port):
         client = PSClient(
-            f"127.0.0.1:{ps_port}", timeout=120, chunk_bytes=chunk, stream_threshold=chunk
+            f"{host}:{ps_port}", timeout=120, chunk_bytes=chunk, stream_threshold=chunk
         )
-        channel = grpc.insecure_channel(f"127.0.0.1:{bare_port}", options=channel_options())
+        channel = grpc.insecure_channel(f"{host}:{bare_port}", options=channel_options())
         up = channel.stream_unary("/bench.Bare/Up")
         down = channel.unary_stream("/bench.Bare/Down")
         echo = channel.unary_unary("/bench.Bare/Echo")
-        tcp = socket.create_connection(("127.0.0.1", tcp_port))
+        tcp = socket.create_connection((host, tcp_port))
         tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rng = np.random.default_rng(0)
         tcp_buf = bytearray(64 * MB)
-        conn = GrpcPSConnection(f"127.0.0.1:{ps_port}", timeout=120) if shm.enabled() else None
+        conn = GrpcPSConnection(f"{host}:{ps_port}", timeout=120) if shm_on else None
         push_ids = iter(range(1 << 30))
 
         def shm_push(name: str, grad: np.ndarray) -> None:
@@ -369,6 +417,9 @@ def run(args: argparse.Namespace) -> int:
             down_req = struct.pack("<QQ", size * MB, chunk)
             cases = {
                 f"push/{size}MB": lambda g=grad, nm=name: client.push({nm: g}),
+                f"push-bf16/{size}MB": lambda g=grad, nm=name: client.push(
+                    {nm: g}, compression="bf16"
+                ),
                 f"grpc-raw-up/{size}MB": lambda p=prebuilt: up(iter(p), timeout=120),
                 f"pull/{size}MB": lambda nm=name, o=out: client.pull(nm, out=[o]),
                 f"grpc-raw-down/{size}MB": lambda r=down_req: sum(
@@ -398,6 +449,25 @@ def run(args: argparse.Namespace) -> int:
                     max=round(max(vals), 4),
                     chunk_bytes=chunk,
                 )
+            ratio = float(
+                np.median(results[f"push-bf16/{size}MB"]) / np.median(results[f"push/{size}MB"])
+            )
+            _emit(
+                f"push-bf16/{size}MB",
+                "ratio",
+                ratio,
+                "x",
+                baseline="push",
+                wire_bytes=size * MB // 2,
+                gradient_bytes=size * MB,
+            )
+            table.append(
+                (
+                    f"push-bf16/{size}MB",
+                    f"{np.median(results[f'push-bf16/{size}MB']):6.2f} GB/s (of float32)  "
+                    f"vs push {ratio:5.2f}x, half the wire bytes",
+                )
+            )
             for prefix in ("", "shm-") if conn is not None else ("",):
                 for ours, bare in (
                     (f"{prefix}push/{size}MB", f"grpc-raw-up/{size}MB"),
@@ -449,8 +519,29 @@ def run(args: argparse.Namespace) -> int:
         channel.close()
         tcp.close()
     table += _run_tf(args, results)
-    sys.stderr.write("\n".join(f"{c:16s} {t}" for c, t in table) + "\n")
+    sys.stderr.write("\n".join(f"{_CASE_PREFIX + c:21s} {t}" for c, t in table) + "\n")
     return 0
+
+
+def run_veth(args: argparse.Namespace, argv: list[str]) -> int:
+    """The same benchmark across a veth link: this script again, inside namespace "b"."""
+    reason = _netns.unavailable()
+    if reason is not None:
+        _emit("veth", "skipped", 0, "", reason=f"no network namespaces: {reason}")
+        return 0
+    _netns.remove_stale()
+    with _netns.VethPair() as net:
+        sys.stderr.write(f"veth leg: servers in {net.names['a']}, client in {net.names['b']}\n")
+        cmd = net.exec_in("b", [sys.executable, __file__, *argv, "--netns-child", net.base])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        child = subprocess.Popen(cmd, env=env)
+        try:
+            return child.wait(timeout=900)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -461,23 +552,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64], help="MB")
     parser.add_argument("--reps", type=int, help="repetitions per case")
     parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow side")
+    parser.add_argument(
+        "--shm",
+        choices=["on", "off"],
+        default="on",
+        help="loopback leg: let the PS use shared memory (and measure it), or not",
+    )
+    parser.add_argument(
+        "--netns",
+        choices=["auto", "off", "only"],
+        default="auto",
+        help="the leg across a veth link between network namespaces (needs root and ip)",
+    )
     parser.add_argument("--serve", choices=["grpc", "tcp", "tf"], help=argparse.SUPPRESS)
     parser.add_argument("--tf-client", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--netns-child", help=argparse.SUPPRESS)
     parser.add_argument("cluster", nargs="?", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    raw_argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(raw_argv)
     if args.serve == "tf":
         _serve_tf_ps(args.cluster)
         return 0
     if args.tf_client:
-        _tf_client(args.tf_client)
+        net = _netns.VethPair.attach(args.netns_child) if args.netns_child else None
+        _tf_client(args.tf_client, net)
         return 0
     if args.serve == "grpc":
-        _serve_bare_grpc()
+        _serve_bare_grpc(args.cluster)
         return 0
     if args.serve == "tcp":
-        _serve_tcp()
+        _serve_tcp(args.cluster)
         return 0
-    return run(args)
+    if args.netns_child:
+        global _CASE_PREFIX
+        _CASE_PREFIX = "veth/"
+        return run(args)
+    rc = 0 if args.netns == "only" else run(args)
+    if args.netns != "off":
+        rc = rc or run_veth(args, raw_argv)
+    return rc
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from psflow import compression
 from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError, to_grpc_code
 from psflow.observability.logs import log_context, set_log_context
 from psflow.observability.services import PSMetrics
@@ -429,8 +430,11 @@ class ParameterServerServicer:
                         f"sparse gradient for {quote(item.name)} has no rows"
                     )
                 sizes.append(shape[0] * 8)
+            wire = compression.wire_dtype(
+                item.compression, dtype, f"gradient for {quote(item.name)}"
+            )
             layout.append((item, dtype, shape, len(sizes)))
-            sizes.append(nbytes)
+            sizes.append(nbytes // dtype.itemsize * wire.itemsize)
         assembler = framing.PayloadAssembler(sizes)
         if header.shm_payload:
             # the bytes wait in the client's shared-memory segment (same host)
@@ -445,7 +449,9 @@ class ParameterServerServicer:
         grads = []
         for item, dtype, shape, k in layout:
             what = f"gradient for {quote(item.name)}"
-            values = segments_from_pieces(dtype, shape, assembler.pieces(k), what=what)
+            wire = compression.wire_dtype(item.compression, dtype, what)
+            values = segments_from_pieces(wire, shape, assembler.pieces(k), what=what)
+            values = compression.decode_segments(item.compression, values, dtype)
             indices = None
             if item.sparse:
                 indices = codec.tensor_from_buffer(

@@ -33,12 +33,13 @@ import inspect
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from psflow import backend, errors
+from psflow import compression as compression_lib
 from psflow.distribute import distribute_lib, input_lib
 from psflow.distribute.ps import session as session_lib
 from psflow.distribute.ps.values import PSVariable, ShardedVariable, split_rows
@@ -277,10 +278,15 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         mode: ``"async"`` (default), ``"sync"`` or ``"bounded"``.
         staleness: with ``mode="bounded"``, the most steps a worker may run ahead.
         sync_timeout: seconds a synchronous step waits for every worker's gradient.
+        compression: ``"bf16"`` or ``"fp16"`` to push dense gradients as 16-bit
+            values with error feedback (decoded on the PS), or
+            ``{ps_variable_name: codec}``; None (default) or ``"none"``: off.
+            It matters across hosts, where pushes are bound by the network; the
+            embedded default has no wire and ignores it.
 
     Raises:
         InvalidArgumentError: a cluster without ps or worker tasks, a bad mode,
-            or this process being a ps or worker task.
+            an unknown codec, or this process being a ps or worker task.
     """
 
     def __init__(
@@ -291,6 +297,7 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         mode: str = "async",
         staleness: int | None = None,
         sync_timeout: float = 300.0,
+        compression: str | Mapping[str, str] | None = None,
     ) -> None:
         from psflow.distribute.cluster_resolver import TFConfigClusterResolver
 
@@ -305,15 +312,19 @@ class ParameterServerStrategy(distribute_lib.Strategy):
                 )
         elif staleness is not None:
             raise errors.InvalidArgumentError(f"staleness={staleness} needs mode='bounded'")
+        feedback = compression_lib.feedback_from_option(compression)  # validates first
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
         spec = resolver.cluster_spec()
         embedded = not spec.jobs
         self._cluster_resolver = resolver
         self._mode = mode
+        self._compression = compression
         if embedded:
             session, workers, replicas = self._embedded_session(mode, sync_timeout)
         else:
             session, workers, replicas = self._cluster_session(resolver, spec, mode, sync_timeout)
+            for connection in session.connections:
+                connection.compression = feedback
         super().__init__(
             PSExtended(
                 self,
@@ -395,6 +406,7 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         self = cls.__new__(cls)
         self._cluster_resolver = None
         self._mode = mode
+        self._compression = None  # the chief's option arrives with its closures
         connections = [
             GrpcPSConnection(addr, task=f"ps:{i}", security=security)
             for i, addr in enumerate(ps_addresses)
@@ -501,7 +513,10 @@ class ParameterServerStrategy(distribute_lib.Strategy):
 
     def __reduce__(self) -> tuple:
         sync = self._session.sync
-        return (_current_strategy, (self._mode, sync.num_workers, sync.timeout))
+        return (
+            _current_strategy,
+            (self._mode, sync.num_workers, sync.timeout, self._compression),
+        )
 
     def __repr__(self) -> str:
         ext = self._extended
@@ -510,7 +525,10 @@ class ParameterServerStrategy(distribute_lib.Strategy):
 
 
 def _current_strategy(
-    mode: str = "async", num_workers: int = 1, sync_timeout: float = 300.0
+    mode: str = "async",
+    num_workers: int = 1,
+    sync_timeout: float = 300.0,
+    compression: str | Mapping[str, str] | None = None,
 ) -> ParameterServerStrategy:
     """Unpickles a strategy reference as this process's strategy, in the chief's training mode."""
     session = session_lib.current()
@@ -521,6 +539,12 @@ def _current_strategy(
     if (sync.mode, sync.num_workers, sync.timeout) != (mode, num_workers, sync_timeout):
         session.sync = session_lib.SyncConfig(mode, num_workers, sync_timeout)
         strategy._mode = mode
+    if strategy._compression != compression:
+        # a new option: fresh residuals; the same one: keep them across closures
+        strategy._compression = compression
+        feedback = compression_lib.feedback_from_option(compression)
+        for connection in session.connections:
+            connection.compression = feedback
     return strategy
 
 

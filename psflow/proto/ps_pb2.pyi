@@ -15,11 +15,20 @@ class WriteOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WRITE_OP_ASSIGN: _ClassVar[WriteOp]
     WRITE_OP_ASSIGN_ADD: _ClassVar[WriteOp]
     WRITE_OP_ASSIGN_SUB: _ClassVar[WriteOp]
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_NONE: _ClassVar[Compression]
+    COMPRESSION_FP16: _ClassVar[Compression]
+    COMPRESSION_BF16: _ClassVar[Compression]
 WRITE_OP_UNSPECIFIED: WriteOp
 WRITE_OP_CREATE: WriteOp
 WRITE_OP_ASSIGN: WriteOp
 WRITE_OP_ASSIGN_ADD: WriteOp
 WRITE_OP_ASSIGN_SUB: WriteOp
+COMPRESSION_NONE: Compression
+COMPRESSION_FP16: Compression
+COMPRESSION_BF16: Compression
 
 class RequestId(_message.Message):
     __slots__ = ("client_id", "sequence")
@@ -122,16 +131,18 @@ class PullResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class PushItem(_message.Message):
-    __slots__ = ("name", "values", "sparse", "base_version")
+    __slots__ = ("name", "values", "sparse", "base_version", "compression")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     values: _tensor_pb2.TensorSpec
     sparse: bool
     base_version: int
-    def __init__(self, name: _Optional[str] = ..., values: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., sparse: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
+    compression: Compression
+    def __init__(self, name: _Optional[str] = ..., values: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., sparse: _Optional[bool] = ..., base_version: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("id", "items", "step", "num_required", "wait_applied", "max_staleness", "shm_payload")

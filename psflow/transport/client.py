@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from psflow import compression as _compression
 from psflow.errors import (
     Code,
     DeadlineExceededError,
@@ -625,6 +626,7 @@ class PSClient:
         max_staleness: int | None = None,
         timeout: float | None = None,
         shm_buffer: Any = None,
+        compression: str | Mapping[str, str] | None = None,
     ) -> PushReply:
         """Pushes gradients of several variables in one RPC, applied exactly once.
 
@@ -640,6 +642,14 @@ class PSClient:
             shm_buffer: a :class:`psflow.transport.shm.PayloadBuffer`: the bytes go
                 through this shared-memory segment (a PS on the same host) and the
                 RPC carries only the header.
+            compression: a codec name (``"fp16"``, ``"bf16"``, ``"none"``) for every
+                dense gradient, or ``{name: codec}``; the PS decodes before applying.
+                Values given as :class:`psflow.compression.Encoded` (from an
+                :class:`~psflow.compression.ErrorFeedback`) travel as encoded.
+
+        Raises:
+            InvalidArgumentError: an unknown codec name, or a codec for a
+                non-float or sparse gradient (nothing is sent).
 
         Raises:
             AbortedError: a contribution to a step already applied, or too stale.
@@ -649,6 +659,7 @@ class PSClient:
         elif isinstance(push_id, int):
             push_id = (self.client_id, push_id)
         names = list(grads)
+        codecs = self._push_codecs(names, compression)
         if isinstance(base_versions, Mapping):
             bases = [int(base_versions.get(n, -1)) for n in names]
         elif base_versions is not None:
@@ -666,7 +677,19 @@ class PSClient:
             header.max_staleness = int(max_staleness)
         arrays: list[np.ndarray] = []
         for name, base, g in zip(names, bases, (grads[n] for n in names), strict=True):
-            if isinstance(g, tuple):
+            if codecs[name] is not None and not isinstance(g, _compression.Encoded):
+                if isinstance(g, tuple):
+                    raise InvalidArgumentError(f"compression of sparse gradient {name!r}")
+                g = codecs[name].encode(codec.to_host(g))
+            if isinstance(g, _compression.Encoded):
+                header.items.add(
+                    name=name,
+                    values=codec.spec_to_proto(g.dtype, g.shape),
+                    base_version=base,
+                    compression=g.codec.wire_code,
+                )
+                arrays.append(np.ascontiguousarray(g.wire))
+            elif isinstance(g, tuple):
                 indices, values = g
                 idx = codec.to_host(indices).astype("<i8", copy=False).reshape(-1)
                 vals = codec.to_host(values)
@@ -703,6 +726,18 @@ class PSClient:
         return PushReply(
             tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness)
         )
+
+    @staticmethod
+    def _push_codecs(
+        names: Sequence[str], compression: str | Mapping[str, str] | None
+    ) -> dict[str, _compression.Codec | None]:
+        """Each gradient's codec, every name checked before anything is sent."""
+        if compression is None:
+            return dict.fromkeys(names)
+        if isinstance(compression, str):
+            one = _compression.get_codec(compression)
+            return dict.fromkeys(names, one)
+        return {n: _compression.get_codec(compression.get(n, "none")) for n in names}
 
     def push_async(self, grads: Mapping[str, Any], **kwargs: Any) -> concurrent.futures.Future:
         """:meth:`push` on the client's thread pool; returns a future.

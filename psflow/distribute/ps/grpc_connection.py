@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from psflow import errors
+from psflow.compression import ErrorFeedback
 from psflow.distribute.ps.connection import Grad, PSConnection, PushReply, VarSpec
-from psflow.transport import shm
+from psflow.transport import codec, shm
 from psflow.transport.client import PSClient
 
 log = logging.getLogger("psflow.distribute")
@@ -34,12 +35,21 @@ class GrpcPSConnection(PSConnection):
         timeout: the deadline of each call.
         security: credentials to present (default: the environment's, see
             ``psflow.security.config``).
+        compression: encodes dense gradients before they are pushed, keeping
+            what rounding lost for the next push (see :mod:`psflow.compression`).
     """
 
     def __init__(
-        self, address: str, task: str = "ps:0", *, timeout: float = 60.0, security: Any = None
+        self,
+        address: str,
+        task: str = "ps:0",
+        *,
+        timeout: float = 60.0,
+        security: Any = None,
+        compression: ErrorFeedback | None = None,
     ) -> None:
         self.task = task
+        self.compression = compression
         self.address = address
         # One message up to 8 MB: a training step's few megabytes cost less unary than
         # streamed in 1 MB chunks (measured: benchmarks/pss_train.py); larger ones stream.
@@ -132,8 +142,14 @@ class GrpcPSConnection(PSConnection):
         wait_applied: bool = False,
         timeout: float | None = None,
     ) -> PushReply:
+        ef = self.compression
         payload = {
-            g.name: (g.values if g.indices is None else (g.indices, g.values)) for g in grads
+            g.name: (
+                (g.values if ef is None else ef.encode(g.name, codec.to_host(g.values)))
+                if g.indices is None
+                else (g.indices, g.values)
+            )
+            for g in grads
         }
         kwargs = {
             "push_id": push_id,
