@@ -153,21 +153,22 @@ def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoc
         assert status.closures_run > 0
 
 
-def test_a_frozen_worker_costs_only_its_own_steps(start_cluster, monkeypatch):
-    """SIGSTOP one of two workers for 6 s: the other keeps >= 50% of its own step rate."""
+@pytest.mark.parametrize("workers, keeps", [(2, 0.5), (3, 0.6)])
+def test_a_frozen_worker_costs_only_its_own_steps(start_cluster, monkeypatch, workers, keeps):
+    """SIGSTOP the last worker for 6 s: the others keep ``keeps`` of their own step rate."""
     monkeypatch.setenv("PSFLOW_HEALTH_GRACE", "2")
     monkeypatch.setenv("PSFLOW_STRAGGLER_MIN_SECONDS", "1")
-    cluster = start_cluster(num_ps=1, num_workers=2)
+    cluster = start_cluster(num_ps=1, num_workers=workers)
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
     model = _model(strategy)
     x, y = _data()
-    probe = GrpcWorker(0, cluster.workers[0].address)
-    frozen = cluster.workers[1].proc.pid
+    probes = [GrpcWorker(i, w.address) for i, w in enumerate(cluster.workers[:-1])]
+    frozen = cluster.workers[-1].proc.pid
     marks: dict[str, float] = {}
 
     def rate_mark(name: str) -> None:
         marks[name] = time.monotonic()
-        marks[name + "_runs"] = probe.status().closures_run
+        marks[name + "_runs"] = sum(probe.status().closures_run for probe in probes)
 
     class Freeze(pf.keras.callbacks.Callback):
         def __init__(self):
@@ -200,7 +201,7 @@ def test_a_frozen_worker_costs_only_its_own_steps(start_cluster, monkeypatch):
         os.kill(frozen, signal.SIGCONT)
     undisturbed = (marks["before_runs"] - marks["start_runs"]) / (marks["before"] - marks["start"])
     during = (marks["cont_runs"] - marks["stop_runs"]) / (marks["cont"] - marks["stop"])
-    assert during >= 0.5 * undisturbed, (during, undisturbed)
+    assert during >= keeps * undisturbed, (during, undisturbed)
     epochs = freeze.steps // (N // BATCH)
     _check_exact(strategy, model, epochs, freeze.steps)
 
