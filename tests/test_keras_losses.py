@@ -346,3 +346,21 @@ def test_loss_value_matches_keras(
     )
     theirs = _keras_loss(tf_keras, case, reduction)(t32, p32, sample_weight=sw)
     np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), rtol=2e-5, atol=1e-5)
+
+
+def test_binary_crossentropy_of_a_sigmoid_activation_works_from_its_logits() -> None:
+    # A saturated sigmoid (exactly 1.0 in float32): clipping the probability gave a
+    # flat loss of -log(1e-7) and no gradient; TensorFlow 2.21 (Keras 3) gives 50 and
+    # a gradient of 1 here, from the logits it keeps on the activation's output.
+    model = pf.keras.Sequential([pf.keras.layers.Dense(1, activation="sigmoid", input_shape=(1,))])
+    model.layers[0].kernel.assign([[50.0]])
+    model.layers[0].bias.assign([0.0])
+    x, y = np.array([[1.0]], np.float32), np.array([[0.0]], np.float32)
+    with pf.GradientTape() as tape:
+        loss = pf.keras.losses.BinaryCrossentropy()(y, model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    assert float(loss) == pytest.approx(50.0)
+    assert [float(g.numpy().ravel()[0]) for g in grads] == pytest.approx([1.0, 1.0])
+    # a probability that is not a sigmoid's output is still clipped, as in Keras
+    clipped = pf.keras.losses.binary_crossentropy(y, pf.constant([[1.0]]))
+    assert 15.0 < float(clipped[0]) < 17.0  # -log(1e-7) in float32

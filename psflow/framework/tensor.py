@@ -303,7 +303,10 @@ class Tensor:
         [[7.0, 10.0], [15.0, 22.0]]
     """
 
-    __slots__ = ("__weakref__", "_value")
+    # ``_sigmoid_logits``: set only on a Keras sigmoid activation's output, so a
+    # cross-entropy of it can work from the logits, as Keras does (see
+    # ``psflow.keras.activations.sigmoid``)
+    __slots__ = ("__weakref__", "_sigmoid_logits", "_value")
     _is_variable = False
     # NumPy defers to our reflected operators: ``np.float32(2) * t`` is a tensor op.
     __array_priority__ = 100

@@ -7,6 +7,7 @@ from typing import Any
 
 from psflow import errors
 from psflow.ops import math_ops, nn_ops
+from psflow.ops._core import node
 
 
 def linear(x: Any) -> Any:
@@ -20,8 +21,23 @@ def relu(x: Any) -> Any:
 
 
 def sigmoid(x: Any) -> Any:
-    """``1 / (1 + exp(-x))``."""
-    return math_ops.sigmoid(x)
+    """``1 / (1 + exp(-x))``.
+
+    The result remembers ``x``: a binary cross-entropy of it (``from_logits=False``)
+    then works from the logits, as Keras does, so a saturated sigmoid (exactly 0
+    or 1 in float32) still gets a gradient instead of a clipped, flat loss.
+    """
+    y = math_ops.sigmoid(x)
+    y._sigmoid_logits = node(x)
+    return y
+
+
+def sigmoid_logits(y: Any) -> Any:
+    """The logits ``y`` is the sigmoid activation of, or None (any other tensor)."""
+    try:
+        return y._sigmoid_logits
+    except AttributeError:
+        return None
 
 
 def tanh(x: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 
 from psflow import errors
 from psflow.framework.tensor import Tensor
+from psflow.keras import activations
 from psflow.ops import array_ops, math_ops, nn_ops
 from psflow.ops._core import node
 
@@ -128,7 +129,15 @@ def binary_crossentropy(
     label_smoothing: float = 0.0,
     axis: int = -1,
 ) -> Tensor:
-    """Per-example binary cross-entropy, averaged over the last axis."""
+    """Per-example binary cross-entropy, averaged over the last axis.
+
+    Probabilities from a sigmoid activation are scored from its logits (Keras's
+    rule), which stays exact where the sigmoid saturates.
+    """
+    if not from_logits:
+        logits = activations.sigmoid_logits(y_pred)
+        if logits is not None:
+            y_pred, from_logits = logits, True
     yt, yp = _same_rank(y_true, y_pred)
     yt = _cast_like(yt, yp)
     _check_shapes(yt, yp, "binary_crossentropy")
