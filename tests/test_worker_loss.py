@@ -329,9 +329,12 @@ def test_a_worker_lost_while_it_builds_its_dataset_rebuilds_it_when_back(start_c
     cluster.workers[1].proc.send_signal(signal.SIGKILL)
     cluster.workers[1].proc.wait(10)
     back = cluster.restart_worker(1)
-    values = [coordinator.schedule(_next_and_pid, args=(iterator,)) for _ in range(80)]
-    coordinator.join(timeout=90)
-    pids = [v.fetch()[1] for v in values]
+    pids: list[int] = []
+    deadline = time.monotonic() + 60
+    while back.proc.pid not in pids and time.monotonic() < deadline:
+        values = [coordinator.schedule(_next_and_pid, args=(iterator,)) for _ in range(10)]
+        coordinator.join(timeout=60)
+        pids += [v.fetch()[1] for v in values]
     assert back.proc.pid in pids  # the returning worker got its iterator and trains again
 
 
