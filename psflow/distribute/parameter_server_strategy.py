@@ -36,8 +36,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
 from psflow import backend, errors
 from psflow.distribute import distribute_lib
 from psflow.distribute.ps import session as session_lib
@@ -100,7 +98,7 @@ class PSExtended(distribute_lib.StrategyExtended):
         if initial is None:
             raise errors.InvalidArgumentError("Variable needs an initial_value")
         value = variable_lib.initial_array(initial, kwargs.get("dtype"), kwargs.get("shape"))
-        host = _contiguous(backend.to_numpy(value))
+        host = backend.to_contiguous_numpy(value)
         name = (kwargs.get("name") or "Variable").split(":")[0]
         sync = kwargs.get("synchronization") or variable_lib.VariableSynchronization.AUTO
         trainable = kwargs.get("trainable")
@@ -148,7 +146,7 @@ class PSExtended(distribute_lib.StrategyExtended):
                     **common,
                 )
             )
-        self._session.create(shards, [_contiguous(v) for v in values])
+        self._session.create(shards, [backend.to_contiguous_numpy(v) for v in values])
         return ShardedVariable([self._session.handle(s.key) for s in shards], name)
 
     # -- workers and datasets ------------------------------------------------------------
@@ -519,9 +517,3 @@ def _current_strategy(
         session.sync = session_lib.SyncConfig(mode, num_workers, sync_timeout)
         strategy._mode = mode
     return strategy
-
-
-def _contiguous(array: Any) -> np.ndarray:
-    """A C-contiguous host array of the same shape (0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
-    array = np.asarray(array)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

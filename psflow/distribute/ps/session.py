@@ -321,7 +321,7 @@ class PSSession:
     # -- writes ------------------------------------------------------------------------
     def write(self, handle: Any, op: str, value: Any) -> None:
         """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
-        arr = _contiguous(backend.to_numpy(to_array(value)).astype(handle.np_dtype, copy=False))
+        arr = backend.to_contiguous_numpy(to_array(value).astype(handle.np_dtype, copy=False))
         ps = handle.ps_index
         (version,) = self.connections[ps].write(
             op, [handle.key], [arr], request_id=self._next_id(ps)
@@ -352,13 +352,15 @@ class PSSession:
                 indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
                 g = Grad(
                     h.key,
-                    _contiguous(values.reshape((indices.size, *h.shape_tuple[1:]))),
+                    backend.to_contiguous_numpy(values.reshape((indices.size, *h.shape_tuple[1:]))),
                     indices,
                     self._versions.get(h.key, -1),
                 )
             else:
                 values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
-                g = Grad(h.key, _contiguous(values), None, self._versions.get(h.key, -1))
+                g = Grad(
+                    h.key, backend.to_contiguous_numpy(values), None, self._versions.get(h.key, -1)
+                )
             grads.setdefault(h.ps_index, []).append(g)
         if to_configure:
             self._on_each(
@@ -494,9 +496,3 @@ class PSSession:
             {ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)}
         )
         return [results[ps] for ps in sorted(results)]
-
-
-def _contiguous(array: Any) -> np.ndarray:
-    """A C-contiguous host array of the same shape (0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
-    array = np.asarray(array)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
