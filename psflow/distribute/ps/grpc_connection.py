@@ -19,6 +19,7 @@ import numpy as np
 
 from psflow import errors
 from psflow.distribute.ps.connection import Grad, PSConnection, PushReply, VarSpec
+from psflow.ps import write_ops
 from psflow.transport import shm
 from psflow.transport.client import PSClient
 
@@ -169,11 +170,8 @@ class GrpcPSConnection(PSConnection):
         values: Sequence[np.ndarray],
         request_id: tuple[str, int] | None = None,
     ) -> list[int]:
-        method = {
-            "assign": self.client.assign,
-            "assign_add": self.client.assign_add,
-            "assign_sub": self.client.assign_sub,
-        }[op]
+        # PSClient names its public write methods after the ops (one table: write_ops)
+        method = getattr(self.client, write_ops.check(op))
         # the caller's id travels to the PS: a re-run closure's write is applied once
         versions = method(dict(zip(names, values)), request_id=request_id)
         return [versions[n] for n in names]
