@@ -150,10 +150,9 @@ class GrpcPSConnection(PSConnection):
                     self._payload = shm.PayloadBuffer()
                 try:
                     reply = self.client.push(payload, shm_buffer=self._payload, **kwargs)
-                except (errors.NotFoundError, errors.InvalidArgumentError) as e:
-                    if "shared-memory" not in str(e) and "segment" not in str(e):
-                        raise
-                    # the PS cannot see our segment (another host after all): plain gRPC
+                except errors.UnimplementedError as e:
+                    # shm.SegmentUnreachableError at the PS: it cannot see our segment
+                    # (another host or container after all), and applied nothing
                     log.info("%s: pushes go over gRPC (%s)", self.task, e)
                     self._shm = False
                     reply = self.client.push(payload, **kwargs)
