@@ -38,6 +38,7 @@ from tests.conftest import start_server
         "psflow.observability.http",
         "psflow.observability.logs",
         "psflow.observability.flags",
+        "psflow.http_server",
     ],
 )
 def test_observability_doctests(module):
