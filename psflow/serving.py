@@ -23,11 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from psflow.errors import UnavailableError
+from psflow.launch import READY_FORMAT
 from psflow.security.grpc_auth import add_port
 
 log = logging.getLogger("psflow.serving")
-
-READY_FORMAT = "PSFLOW_READY {role} port={port} task={task} pid={pid}"
 
 
 def host_port(bind: str, port: int) -> str:
