@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except OpError as e:
         sys.stderr.write(f"ps_server: {e}\n")
         return 2
-    if args.no_malloc_tuning:
-        os.environ[memory.ENV_MALLOC_TUNING] = "0"
-    memory.ensure_tuned()
+    memory.ensure_tuned(False if args.no_malloc_tuning else None)
     limits = PSLimits(
         args.max_tensor_bytes,
         args.max_variables,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from psflow.errors import OpError
@@ -111,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from psflow import memory
 
-    if args.no_malloc_tuning:  # (gradients and pulled values are megabyte buffers every step)
-        os.environ[memory.ENV_MALLOC_TUNING] = "0"
-    memory.ensure_tuned()
+    # gradients and pulled values are megabyte buffers every step
+    memory.ensure_tuned(False if args.no_malloc_tuning else None)
     limits = WorkerLimits(
         max_closure_bytes=args.max_closure_bytes,
         max_sessions=args.max_sessions,

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from psflow import errors
+from psflow import errors, settings
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64  # magic, sequence, version, data bytes, writer's pid, then reserved
@@ -59,7 +59,7 @@ _READ_RETRIES = 10_000
 
 def enabled() -> bool:
     """Whether the shared-memory path may be used in this process."""
-    if os.environ.get("PSFLOW_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.current().shm:
         return False
     # The seqlock relies on x86's store and load ordering (no reordering of stores
     # with stores, nor loads with loads); elsewhere the data goes over gRPC.

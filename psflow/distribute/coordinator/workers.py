@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import os
 import threading
 import time
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import cloudpickle
 import grpc
 
-from psflow import errors
+from psflow import errors, settings
 from psflow.distribute.coordinator import closure as closure_lib
 from psflow.distribute.coordinator.remote_value import PerWorkerArgument, RemoteValue
 from psflow.util import nest
@@ -39,16 +38,7 @@ CHANNEL_OPTIONS = [
 
 def closure_timeout() -> float:
     """Seconds one closure may run on a worker (``PSFLOW_CLOSURE_TIMEOUT``, default 3600)."""
-    raw = os.environ.get("PSFLOW_CLOSURE_TIMEOUT", "3600")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise errors.InvalidArgumentError(
-            f"PSFLOW_CLOSURE_TIMEOUT must be a number, got {raw!r}"
-        ) from None
-    if value <= 0:
-        raise errors.InvalidArgumentError(f"PSFLOW_CLOSURE_TIMEOUT must be > 0, got {raw!r}")
-    return value
+    return settings.current().closure_timeout
 
 
 @dataclasses.dataclass
