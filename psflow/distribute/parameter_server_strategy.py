@@ -160,7 +160,11 @@ class PSExtended(distribute_lib.StrategyExtended):
                 return session.step(step, closure_key)
 
             return [InProcessWorker(0, "worker:0", enter=enter)]
-        return [GrpcWorker(i, addr) for i, addr in enumerate(self._worker_addresses)]
+        # each closure carries the chief's training mode to the worker that runs it
+        training = self._session.sync
+        return [
+            GrpcWorker(i, addr, training=training) for i, addr in enumerate(self._worker_addresses)
+        ]
 
     def _dataset_factory(self, dataset_fn: Any, num_workers: int) -> Callable[[int], Any]:
         """A picklable ``make(worker_index) -> dataset`` for ``create_per_worker_dataset``."""
@@ -495,8 +499,20 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         return self._session.stats(include_log)
 
     def __reduce__(self) -> tuple:
-        sync = self._session.sync
-        return (_current_strategy, (self._mode, sync.num_workers, sync.timeout))
+        # a reference: the receiving process's own strategy, changed in nothing (the
+        # training mode travels with each closure: RunClosureRequest.training)
+        return (_current_strategy, ())
+
+    def _adopt_training_mode(self, sync: session_lib.SyncConfig) -> None:
+        """Applies the chief's training mode (sent with a closure) to this worker's pushes."""
+        current = self._session.sync
+        if (current.mode, current.num_workers, current.timeout) != (
+            sync.mode,
+            sync.num_workers,
+            sync.timeout,
+        ):
+            self._session.sync = sync
+            self._mode = sync.mode
 
     def __repr__(self) -> str:
         ext = self._extended
@@ -504,16 +520,13 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         return f"ParameterServerStrategy({where}, mode={self._mode!r})"
 
 
-def _current_strategy(
-    mode: str = "async", num_workers: int = 1, sync_timeout: float = 300.0
-) -> ParameterServerStrategy:
-    """Unpickles a strategy reference as this process's strategy, in the chief's training mode."""
-    session = session_lib.current()
-    strategy = getattr(session, "strategy", None)
+def _current_strategy() -> ParameterServerStrategy:
+    """Unpickles a strategy reference as this process's strategy (no state is changed).
+
+    Raises:
+        FailedPreconditionError: this process has no ParameterServerStrategy.
+    """
+    strategy = getattr(session_lib.current(), "strategy", None)
     if strategy is None:
         raise errors.FailedPreconditionError("No ParameterServerStrategy in this process")
-    sync = session.sync
-    if (sync.mode, sync.num_workers, sync.timeout) != (mode, num_workers, sync_timeout):
-        session.sync = session_lib.SyncConfig(mode, num_workers, sync_timeout)
-        strategy._mode = mode
     return strategy

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("session_id", "closure_id", "function_key", "function", "arguments", "resource_key", "step")
+    __slots__ = ("session_id", "closure_id", "function_key", "function", "arguments", "resource_key", "step", "training")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class RunClosureRequest(_message.Message):
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     RESOURCE_KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     closure_id: int
     function_key: str
@@ -22,7 +23,18 @@ class RunClosureRequest(_message.Message):
     arguments: bytes
     resource_key: str
     step: int
-    def __init__(self, session_id: _Optional[str] = ..., closure_id: _Optional[int] = ..., function_key: _Optional[str] = ..., function: _Optional[bytes] = ..., arguments: _Optional[bytes] = ..., resource_key: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    training: TrainingMode
+    def __init__(self, session_id: _Optional[str] = ..., closure_id: _Optional[int] = ..., function_key: _Optional[str] = ..., function: _Optional[bytes] = ..., arguments: _Optional[bytes] = ..., resource_key: _Optional[str] = ..., step: _Optional[int] = ..., training: _Optional[_Union[TrainingMode, _Mapping]] = ...) -> None: ...
+
+class TrainingMode(_message.Message):
+    __slots__ = ("mode", "num_workers", "sync_timeout")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    num_workers: int
+    sync_timeout: float
+    def __init__(self, mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., sync_timeout: _Optional[float] = ...) -> None: ...
 
 class ClosureError(_message.Message):
     __slots__ = ("type", "message", "traceback", "pickled", "code")

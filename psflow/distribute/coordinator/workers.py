@@ -153,6 +153,8 @@ class GrpcWorker(Worker):
             ``psflow.security.config.SecurityConfig``; default: the environment's).
         credentials: channel credentials overriding ``security``'s TLS.
         metadata: extra metadata sent with every call (after ``security``'s token).
+        training: the strategy's training mode (a ``SyncConfig``), sent with
+            every closure; None: the worker keeps its own.
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class GrpcWorker(Worker):
         security: Any = None,
         credentials: Any = None,
         metadata: tuple = (),
+        training: Any = None,
     ) -> None:
         super().__init__(index, f"worker:{index}")
         self.max_in_flight = 2
@@ -172,6 +175,15 @@ class GrpcWorker(Worker):
         from psflow.security.grpc_auth import open_channel
 
         self._pb = worker_pb2
+        self._training = (
+            None
+            if training is None
+            else worker_pb2.TrainingMode(
+                mode=training.mode,
+                num_workers=training.num_workers,
+                sync_timeout=training.timeout,
+            )
+        )
         self.address = address
         self._security = default_security() if security is None else security
         if credentials is not None:
@@ -224,6 +236,7 @@ class GrpcWorker(Worker):
                 arguments=arg_bytes,
                 resource_key=closure.resource_key or "",
                 step=closure.step,
+                training=self._training,
             )
             reply = self._call(self._stub.RunClosure, request, self._timeout)
             if reply.function_missing:
