@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 from psflow.errors import InvalidArgumentError
 
@@ -34,6 +35,7 @@ __all__ = [
     "ENV_NUM_CPU_DEVICES",
     "ENV_PROGBAR",
     "ENV_SHM",
+    "PerEnvironment",
     "ProcessSettings",
     "current",
 ]
@@ -45,6 +47,26 @@ ENV_PROGBAR = "PSFLOW_PROGBAR"
 ENV_CLOSURE_TIMEOUT = "PSFLOW_CLOSURE_TIMEOUT"
 _NAMES = (ENV_NUM_CPU_DEVICES, ENV_MALLOC_TUNING, ENV_SHM, ENV_PROGBAR, ENV_CLOSURE_TIMEOUT)
 _OFF = ("0", "false", "no", "off")
+T = TypeVar("T")
+
+
+def _number(
+    env: Mapping[str, str], name: str, default: str, kind: type, what: str, rule: str
+) -> Any:
+    """``kind(env[name])``, which must satisfy ``rule`` (``">= 1"`` or ``"> 0"``).
+
+    Raises:
+        InvalidArgumentError: not a number of ``kind``, or breaking ``rule`` (quoted).
+    """
+    raw = env.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be {what}, got {raw!r}") from None
+    bound = float(rule.split()[1])
+    if not (value >= bound if rule.startswith(">=") else value > bound):
+        raise InvalidArgumentError(f"{name} must be {rule}, got {value!r}")
+    return value
 
 
 def _switch(env: Mapping[str, str], name: str) -> bool:
@@ -70,24 +92,8 @@ class ProcessSettings:
             InvalidArgumentError: a variable holds a value it cannot (quoted, with its name).
         """
         env = os.environ if environ is None else environ
-        raw = env.get(ENV_NUM_CPU_DEVICES, "1")
-        try:
-            cpus = int(raw)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{ENV_NUM_CPU_DEVICES} must be an integer, got {raw!r}"
-            ) from None
-        if cpus < 1:
-            raise InvalidArgumentError(f"{ENV_NUM_CPU_DEVICES} must be >= 1, got {cpus}")
-        raw = env.get(ENV_CLOSURE_TIMEOUT, "3600")
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{ENV_CLOSURE_TIMEOUT} must be a number, got {raw!r}"
-            ) from None
-        if not timeout > 0:
-            raise InvalidArgumentError(f"{ENV_CLOSURE_TIMEOUT} must be > 0, got {raw!r}")
+        cpus = _number(env, ENV_NUM_CPU_DEVICES, "1", int, "an integer", ">= 1")
+        timeout = _number(env, ENV_CLOSURE_TIMEOUT, "3600", float, "a number", "> 0")
         return cls(
             num_cpu_devices=cpus,
             malloc_tuning=_switch(env, ENV_MALLOC_TUNING),
@@ -97,7 +103,32 @@ class ProcessSettings:
         )
 
 
-_CACHE: dict[tuple[str | None, ...], ProcessSettings] = {}
+class PerEnvironment(Generic[T]):
+    """``parse(environ)``, computed once per distinct value of the variables ``names``.
+
+    Library code asks for its configuration often; the environment changes
+    rarely (tests change it), so the parsed object is kept per set of values.
+    """
+
+    def __init__(self, names: Sequence[str], parse: Callable[[Mapping[str, str]], T]) -> None:
+        self._names = tuple(names)
+        self._parse = parse
+        self._cache: dict[tuple[str | None, ...], T] = {}
+
+    def __call__(self, environ: Mapping[str, str] | None = None) -> T:
+        """The parsed configuration of ``environ`` (``os.environ`` by default)."""
+        env = os.environ if environ is None else environ
+        key = tuple(env.get(n) for n in self._names)
+        value = self._cache.get(key)
+        if value is None:
+            value = self._parse(env)
+            if len(self._cache) > 64:  # a long test session may go through many environments
+                self._cache.clear()
+            self._cache[key] = value
+        return value
+
+
+_current = PerEnvironment(_NAMES, ProcessSettings.from_environment)
 
 
 def current(environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -106,12 +137,4 @@ def current(environ: Mapping[str, str] | None = None) -> ProcessSettings:
     Raises:
         InvalidArgumentError: see :meth:`ProcessSettings.from_environment`.
     """
-    env = os.environ if environ is None else environ
-    key = tuple(env.get(n) for n in _NAMES)
-    settings = _CACHE.get(key)
-    if settings is None:
-        settings = ProcessSettings.from_environment(env)
-        if len(_CACHE) > 64:  # a long test session may go through many environments
-            _CACHE.clear()
-        _CACHE[key] = settings
-    return settings
+    return _current(environ)

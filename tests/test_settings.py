@@ -24,8 +24,8 @@ def test_defaults_when_nothing_is_set():
         ("PSFLOW_NUM_CPU_DEVICES", "two", "PSFLOW_NUM_CPU_DEVICES must be an integer, got 'two'"),
         ("PSFLOW_NUM_CPU_DEVICES", "0", "PSFLOW_NUM_CPU_DEVICES must be >= 1, got 0"),
         ("PSFLOW_CLOSURE_TIMEOUT", "soon", "PSFLOW_CLOSURE_TIMEOUT must be a number, got 'soon'"),
-        ("PSFLOW_CLOSURE_TIMEOUT", "-1", "PSFLOW_CLOSURE_TIMEOUT must be > 0, got '-1'"),
-        ("PSFLOW_CLOSURE_TIMEOUT", "nan", "PSFLOW_CLOSURE_TIMEOUT must be > 0, got 'nan'"),
+        ("PSFLOW_CLOSURE_TIMEOUT", "-1", "PSFLOW_CLOSURE_TIMEOUT must be > 0, got -1.0"),
+        ("PSFLOW_CLOSURE_TIMEOUT", "nan", "PSFLOW_CLOSURE_TIMEOUT must be > 0, got nan"),
     ],
 )
 def test_a_bad_value_is_a_typed_error_naming_the_variable(name, value, message):
