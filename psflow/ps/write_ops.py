@@ -65,6 +65,15 @@ def from_wire(code: int) -> str:
     return name
 
 
+def to_wire(op: str) -> int:
+    """The ``WriteHeader.op`` code of write ``op``.
+
+    Raises:
+        InvalidArgumentError: ``op`` is not one of :data:`WRITE_OPS` (quoted).
+    """
+    return _TABLE[check(op)][0]
+
+
 def apply(op: str, dst: np.ndarray, part: np.ndarray) -> None:
     """Applies write ``op`` of ``part`` onto ``dst`` in place (shapes already checked)."""
     _TABLE[check(op)][1](dst, part)
