@@ -15,7 +15,7 @@ import threading
 import grpc
 from grpc_health.v1 import health
 
-from psflow import serving
+from psflow import launch, serving
 from psflow.observability.metrics import Registry
 from psflow.observability.services import PSMetrics
 from psflow.ps.checkpoint import restore_shard, save_shard
@@ -34,7 +34,7 @@ __all__ = ["READY_PREFIX", "create_server", "serve"]
 
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "PSFLOW_READY ps"
+READY_PREFIX = launch.READY_PREFIX + "ps"
 
 
 def create_server(
