@@ -163,7 +163,7 @@ class PSExtended(distribute_lib.StrategyExtended):
             return [InProcessWorker(0, "worker:0", enter=enter)]
         # each closure carries the chief's training mode to the worker that runs it
         training = self._session.sync
-        compression = self._strategy._compression
+        compression = self._container_strategy()._compression
         return [
             GrpcWorker(i, addr, training=training, compression=compression)
             for i, addr in enumerate(self._worker_addresses)
