@@ -79,6 +79,7 @@ from psflow.errors import (
     UnavailableError,
 )
 from psflow.exit_codes import ExitCode
+from psflow.launch import READY_PREFIX, parse_ready
 from psflow.security.config import with_generated_token
 
 log = logging.getLogger("chief.local")
@@ -87,7 +88,6 @@ PS, WORKER, CHIEF = "ps", "worker", "chief"
 MAX_TASKS_PER_JOB = 256
 """The most ps or worker tasks one machine is asked to run (a guard against typos)."""
 
-READY_PREFIX = "PSFLOW_READY "
 DEFAULT_HEALTH_GRACE = 30.0
 """Seconds a parameter server may fail health checks under ``--restart on-failure``."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -449,11 +449,11 @@ class LocalCluster:
 
     # -- readiness ----------------------------------------------------------------------
     def _on_line(self, role: RoleProcess, line: str, from_stdout: bool) -> None:
-        if not (from_stdout and line.startswith(READY_PREFIX)) or role.name in self._ready:
+        ready = parse_ready(line) if from_stdout else None
+        if ready is None or role.name in self._ready:
             return
         spec = self._specs[role.name]
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        if fields.get("task") != role.name or fields.get("port") != str(spec.port):
+        if ready.task != role.name or ready.port != spec.port:
             self._startup_error = FailedPreconditionError(
                 f"{role.name} announced {line!r}, expected task={role.name} port={spec.port}",
                 task=role.name,

@@ -27,13 +27,10 @@ import logging
 import os
 import sys
 
-from psflow import memory
+from psflow import serving
 from psflow.errors import OpError
-from psflow.observability.flags import add_observability_flags
-from psflow.observability.logs import configure_logging
 from psflow.ps.store import VariableStore
 from psflow.security.config import is_loopback
-from psflow.security.flags import add_limit_flags, add_security_flags, security_from_flags
 from psflow.security.limits import DEFAULT_MAX_SYNC_CONTRIBUTORS, PSLimits
 from psflow.transport import shm
 
@@ -72,15 +69,16 @@ def _cluster_workers() -> int | None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ps_server", description=__doc__.splitlines()[0])
-    p.add_argument("--port", type=int, help="port to listen on (0: any); default from TF_CONFIG")
-    p.add_argument("--bind", help="address to bind (default 127.0.0.1; 0.0.0.0 with TF_CONFIG)")
-    p.add_argument("--task", help="task name, e.g. ps:0 (default from TF_CONFIG, else ps:0)")
+    serving.add_server_flags(
+        p,
+        "ps",
+        task_help="task name, e.g. ps:0 (default from TF_CONFIG, else ps:0)",
+        grace_help="seconds to drain calls on SIGTERM",
+    )
     p.add_argument("--checkpoint-dir", help="write a final checkpoint here on SIGTERM")
     p.add_argument("--restore", metavar="DIR", help="restore this task's shard from DIR at start")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds to drain calls on SIGTERM")
     p.add_argument("--threads", type=int, default=32, help="RPC worker threads")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per message")
-    p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
     p.add_argument(
         "--shm",
         choices=("auto", "on", "off"),
@@ -88,9 +86,6 @@ def _parser() -> argparse.ArgumentParser:
         help="mirror dense values into shared memory for clients on this host "
         "(auto: when bound to loopback and /dev/shm is usable)",
     )
-    add_security_flags(p)
-    add_limit_flags(p, "ps")
-    add_observability_flags(p)
     return p
 
 
@@ -109,14 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     bind = bind or "127.0.0.1"
     task = task or "ps:0"
     try:
-        configure_logging("ps", task, args.log_level, args.log_format)
-        security = security_from_flags(args, bind)
+        security = serving.setup_process(args, "ps", task, bind)
     except OpError as e:
         sys.stderr.write(f"ps_server: {e}\n")
         return 2
-    if args.no_malloc_tuning:
-        os.environ[memory.ENV_MALLOC_TUNING] = "0"
-    memory.ensure_tuned()
     limits = PSLimits(
         args.max_tensor_bytes,
         args.max_variables,

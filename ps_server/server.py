@@ -9,7 +9,6 @@ checkpoint is written, and it returns 0.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
@@ -17,16 +16,14 @@ import threading
 import grpc
 from grpc_health.v1 import health
 
-from psflow import serving
+from psflow import launch, serving
 from psflow.io import manifest as mf
-from psflow.observability.http import MetricsServer
 from psflow.observability.metrics import Registry
 from psflow.observability.services import PSMetrics
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
 from psflow.ps.tables import TableRegistry
-from psflow.security.config import SecurityConfig, check_bind
-from psflow.security.grpc_auth import server_interceptors
+from psflow.security.config import SecurityConfig
 from psflow.transport.options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -41,7 +38,7 @@ __all__ = ["READY_PREFIX", "create_server", "serve"]
 
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "PSFLOW_READY ps"
+READY_PREFIX = launch.READY_PREFIX + "ps"
 
 
 def create_server(
@@ -79,15 +76,14 @@ def create_server(
         UnavailableError: the address cannot be bound.
     """
     security = security or SecurityConfig()
-    check_bind(bind, security, insecure)
-    threads = max(max_workers, max_streams + 2) if max_streams else max_workers
-    on_reject = (
-        None if metrics is None else (lambda _m: metrics.record_rejection("unauthenticated"))
-    )
-    server = grpc.server(
-        concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ps-rpc"),
+    server = serving.new_server(
+        bind,
+        security,
+        insecure,
+        threads=max(max_workers, max_streams + 2) if max_streams else max_workers,
+        thread_name_prefix="ps-rpc",
         options=server_options(max_message_bytes),
-        interceptors=server_interceptors(security, on_reject),
+        metrics=metrics,
     )
     servicer = ParameterServerServicer(
         store,
@@ -163,9 +159,7 @@ def serve(
         metrics=metrics,
         tables=tables,
     )
-    metrics_server = None
-    if metrics is not None:
-        metrics_server = MetricsServer(metrics.registry, metrics_bind or bind, metrics_port)
+    metrics_server = serving.start_metrics(metrics, metrics_bind or bind, metrics_port)
     log.info("listening on %s", serving.host_port(bind, bound))
     prefix = store.task.replace(":", "-")
 
@@ -205,7 +199,7 @@ def serve(
         stop_event=stop_event,
         before_serving=restore,
         after_drain=finish,
-        ready_extra=f"metrics_port={metrics_server.port}" if metrics_server is not None else "",
+        ready_extra=serving.ready_fields(metrics_server),
     )
 
 

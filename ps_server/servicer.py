@@ -27,6 +27,7 @@ from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError,
 from psflow.observability.logs import log_context, set_log_context
 from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
+from psflow.ps import write_ops
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.names import quote
 from psflow.ps.store import Gradient, VariableMeta, VariableStore
@@ -42,11 +43,6 @@ __all__ = ["ParameterServerServicer"]
 
 log = logging.getLogger(__name__)
 
-_WRITE_OPS = {
-    ps_pb2.WRITE_OP_ASSIGN: "assign",
-    ps_pb2.WRITE_OP_ASSIGN_ADD: "assign_add",
-    ps_pb2.WRITE_OP_ASSIGN_SUB: "assign_sub",
-}
 _HEADER_SLACK = 1 << 20
 _MIN_CHUNK = 4096
 _NO_LIMIT = 1 << 62
@@ -293,7 +289,7 @@ class ParameterServerServicer:
         self, messages: Iterable[Any], context: grpc.ServicerContext
     ) -> ps_pb2.WriteResponse:
         header, payloads = _framed(messages, ps_pb2.WriteHeader)
-        if header.op != ps_pb2.WRITE_OP_CREATE and header.op not in _WRITE_OPS:
+        if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
             raise InvalidArgumentError(f"unknown write op {header.op}")
         specs = []
         for v in header.variables:
@@ -322,7 +318,7 @@ class ParameterServerServicer:
         if header.HasField("id"):
             request_id = (header.id.client_id, header.id.sequence)
         versions = self.store.assign(
-            _WRITE_OPS[header.op],
+            write_ops.from_wire(header.op),
             [v.name for v, *_ in specs],
             values,
             request_id=request_id,

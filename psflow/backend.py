@@ -68,6 +68,16 @@ def to_numpy(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
+def to_contiguous_numpy(array: Any) -> np.ndarray:
+    """A C-contiguous host copy-if-needed of ``array`` (0-d stays 0-d, unlike ``np.ascontiguousarray``).
+
+    The wire and shared memory take raw bytes, so every buffer handed to them is
+    made host-resident and contiguous here, once.
+    """
+    host = np.asarray(to_numpy(array))
+    return host if host.flags.c_contiguous else np.ascontiguousarray(host)
+
+
 @dataclasses.dataclass(frozen=True)
 class Device:
     """A device: ``CPU:i`` (a logical CPU device) or ``GPU:i``."""
@@ -89,7 +99,7 @@ class Device:
         return self.name
 
 
-_DEVICE_RE = re.compile(r"(?:.*/)?(?:device:)?(?P<type>CPU|GPU|cpu|gpu)(?::(?P<index>\d+))?$")
+_DEVICE_RE = re.compile(r"(?:.*/)?(?:device:)?(?P<type>CPU|GPU)(?::(?P<index>\d+))?$", re.I)
 
 
 def parse_device(spec: str | Device) -> Device:

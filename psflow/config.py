@@ -14,11 +14,10 @@ imports and a driver is present; they too can be split into logical devices.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from typing import Any
 
-from psflow import backend, errors
+from psflow import backend, errors, settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +51,7 @@ _visible: dict[str, list[PhysicalDevice]] = {}
 
 
 def _env_cpu_count() -> int:
-    raw = os.environ.get("PSFLOW_NUM_CPU_DEVICES", "1")
-    try:
-        n = int(raw)
-    except ValueError:
-        raise errors.InvalidArgumentError(
-            f"PSFLOW_NUM_CPU_DEVICES must be an integer, got {raw!r}"
-        ) from None
-    if n < 1:
-        raise errors.InvalidArgumentError(f"PSFLOW_NUM_CPU_DEVICES must be >= 1, got {n}")
-    return n
+    return settings.current().num_cpu_devices
 
 
 def list_physical_devices(device_type: str | None = None) -> list[PhysicalDevice]:

@@ -18,12 +18,13 @@ process entry points; never on import.  ``PSFLOW_MALLOC_TUNING=0`` keeps glibc's
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from psflow import settings
 
 __all__ = ["ENV_MALLOC_TUNING", "ensure_tuned", "tune_malloc"]
 
-ENV_MALLOC_TUNING = "PSFLOW_MALLOC_TUNING"
+ENV_MALLOC_TUNING = settings.ENV_MALLOC_TUNING  # re-exported: the name callers knew
 MMAP_THRESHOLD_BYTES = 256 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 
@@ -55,11 +56,16 @@ def tune_malloc() -> bool:
     return _TUNED
 
 
-def ensure_tuned() -> None:
-    """Applies :func:`tune_malloc` once, unless ``PSFLOW_MALLOC_TUNING=0``; cheap after."""
+def ensure_tuned(enabled: bool | None = None) -> None:
+    """Applies :func:`tune_malloc` once, unless turned off; cheap after.
+
+    Args:
+        enabled: whether to tune (a server's ``--no-malloc-tuning``); None:
+            what ``PSFLOW_MALLOC_TUNING`` says (:mod:`psflow.settings`).
+    """
     global _CHECKED
     if _CHECKED:
         return
     _CHECKED = True
-    if os.environ.get(ENV_MALLOC_TUNING, "1").strip().lower() not in ("0", "false", "no", "off"):
+    if settings.current().malloc_tuning if enabled is None else enabled:
         tune_malloc()

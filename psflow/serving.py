@@ -9,6 +9,8 @@ in-flight calls finish within a grace period before exiting.
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
 import logging
 import os
 import signal
@@ -16,18 +18,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from psflow.errors import UnavailableError
-from psflow.security.grpc_auth import add_port
+from psflow.launch import READY_FORMAT
+from psflow.security.grpc_auth import add_port, server_interceptors
 
 log = logging.getLogger("psflow.serving")
-
-READY_FORMAT = "PSFLOW_READY {role} port={port} task={task} pid={pid}"
 
 
 def host_port(bind: str, port: int) -> str:
@@ -46,6 +47,106 @@ def set_health(servicer: health.HealthServicer, services: Sequence[str], serving
     )
     for name in ("", *services):
         servicer.set(name, status)
+
+
+class RecordsRejections(Protocol):
+    """The servers' metrics: counts a rejected request by reason."""
+
+    def record_rejection(self, reason: str) -> None:
+        """One rejected request."""
+
+
+class HasRegistry(Protocol):
+    """The servers' metrics: their families live in ``registry``."""
+
+    registry: Any
+
+
+def new_server(
+    bind: str,
+    security: Any,
+    insecure: bool,
+    *,
+    threads: int,
+    thread_name_prefix: str,
+    options: Sequence[tuple[str, Any]],
+    metrics: RecordsRejections | None = None,
+) -> grpc.Server:
+    """A gRPC server (not bound, not started) with ``security``'s interceptors.
+
+    A call refused for missing credentials is counted as ``unauthenticated``
+    in ``metrics``.
+
+    Raises:
+        FailedPreconditionError: ``bind`` is not loopback, ``security``
+            authenticates nobody and ``insecure`` is False.
+    """
+    from psflow.security.config import check_bind
+
+    check_bind(bind, security, insecure)
+    on_reject = (
+        None if metrics is None else (lambda _m: metrics.record_rejection("unauthenticated"))
+    )
+    return grpc.server(
+        concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=thread_name_prefix),
+        options=list(options),
+        interceptors=server_interceptors(security, on_reject),
+    )
+
+
+def start_metrics(metrics: HasRegistry | None, bind: str, port: int | None) -> Any:
+    """A ``MetricsServer`` for ``metrics`` on ``bind:port``, or None without metrics.
+
+    Raises:
+        UnavailableError: the metrics port cannot be bound.
+    """
+    if metrics is None or port is None:
+        return None
+    from psflow.observability.http import MetricsServer
+
+    return MetricsServer(metrics.registry, bind, port)
+
+
+def ready_fields(metrics_server: Any) -> str:
+    """The ready line's extra fields: `` metrics_port=<port>`` when metrics are served."""
+    return "" if metrics_server is None else f"metrics_port={metrics_server.port}"
+
+
+def add_server_flags(
+    parser: argparse.ArgumentParser, role: str, *, task_help: str, grace_help: str
+) -> None:
+    """The flags every server process takes: address, task, grace, memory, security,
+    limits and observability (``role``: ``"ps"`` or ``"worker"``)."""
+    from psflow.observability.flags import add_observability_flags
+    from psflow.security.flags import add_limit_flags, add_security_flags
+
+    p = parser
+    p.add_argument("--port", type=int, help="port to listen on (0: any); default from TF_CONFIG")
+    p.add_argument("--bind", help="address to bind (default 127.0.0.1; 0.0.0.0 with TF_CONFIG)")
+    p.add_argument("--task", help=task_help)
+    p.add_argument("--grace", type=float, default=10.0, help=grace_help)
+    p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
+    add_security_flags(p)
+    add_limit_flags(p, role)
+    add_observability_flags(p)
+
+
+def setup_process(args: argparse.Namespace, role: str, task: str, bind: str) -> Any:
+    """Configures logging and malloc tuning from ``add_server_flags``' flags; returns the
+    ``SecurityConfig`` the server binds ``bind`` with.
+
+    Raises:
+        OpError: a bad log level or format, or unusable security settings.
+    """
+    from psflow import memory
+    from psflow.observability.logs import configure_logging
+    from psflow.security.flags import security_from_flags
+
+    configure_logging(role, task, args.log_level, args.log_format)
+    security = security_from_flags(args, bind)
+    # gradients and pulled values are megabyte buffers every step
+    memory.ensure_tuned(False if args.no_malloc_tuning else None)
+    return security
 
 
 def register_and_bind(

@@ -13,16 +13,16 @@ import contextlib
 import dataclasses
 import os
 import pathlib
-import selectors
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from typing import Any
 
 import pytest
+
+from psflow import errors, launch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -35,6 +35,12 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def _log_tail(path: pathlib.Path, n: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    return ""
 
 
 @dataclasses.dataclass
@@ -53,9 +59,7 @@ class ServerProcess:
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines the server logged."""
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        return ""
+        return _log_tail(self.log_path, n)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Sends ``sig`` and waits for the exit code (kills after ``timeout``)."""
@@ -86,39 +90,26 @@ def start_server(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Starts ``python -m module args`` and waits (bounded) for its ready line."""
+    """Starts ``python -m module args`` and waits (bounded) for its ready line.
+
+    ``ready_prefix`` (``"PSFLOW_READY ps"``) names the role whose line counts.
+    """
     log_path = log_dir / f"{module}-{uuid.uuid4().hex[:6]}.log"
-    log_file = open(log_path, "wb")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=log_file,
-        env=child_env(env),
-        cwd=ROOT,
-    )
-    log_file.close()
-    server = ServerProcess(proc, 0, log_path, "")
-    deadline = time.monotonic() + timeout
-    buffer = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or proc.poll() is not None:
-                server.reap()
-                raise RuntimeError(
-                    f"{module} {args} not ready (exit {proc.returncode}):\n{server.log_tail()}"
-                )
-            if not sel.select(min(left, 0.5)):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            buffer += chunk
-            for line in buffer.decode(errors="replace").splitlines():
-                if line.startswith(ready_prefix):
-                    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-                    server.port = int(fields["port"])
-                    server.ready_line = line
-                    return server
+    role = ready_prefix[len(launch.READY_PREFIX) :].strip() or None
+    with open(log_path, "wb") as log_file:  # the child keeps its own descriptor
+        try:
+            proc, ready = launch.start_role(
+                module,
+                args,
+                role=role,
+                env=child_env(env),
+                cwd=ROOT,
+                stderr=log_file,
+                timeout=timeout,
+            )
+        except errors.OpError as e:
+            raise RuntimeError(f"{e}:\n{_log_tail(log_path)}") from None
+    return ServerProcess(proc, ready.port, log_path, ready.line)
 
 
 @contextlib.contextmanager

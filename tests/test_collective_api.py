@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import psflow.collective as coll
-from psflow import errors
+from psflow import backend, errors
 from psflow.collective import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -23,7 +23,7 @@ from psflow.collective import (
     default_cross_device_ops,
 )
 from psflow.collective.buffers import BufferPool
-from psflow.collective.copies import parse_device
+from psflow.collective.copies import device_kind
 from psflow.collective.layout import build_layout, split_sizes
 
 try:
@@ -151,8 +151,9 @@ def test_importing_the_package_does_not_import_cupy():
         ("/job:worker/replica:0/task:1/device:GPU:3", ("GPU", 3)),
     ],
 )
-def test_parse_device(spec, want):
-    assert parse_device(spec) == want
+def test_device_kind_parses_tf_device_names(spec, want):
+    assert device_kind(spec) == want
+    assert device_kind(backend.parse_device(spec)) == want
 
 
 def test_bad_constructor_arguments_are_named():

@@ -38,6 +38,7 @@ from tests.conftest import start_server
         "psflow.observability.http",
         "psflow.observability.logs",
         "psflow.observability.flags",
+        "psflow.http_server",
     ],
 )
 def test_observability_doctests(module):
@@ -60,12 +61,12 @@ def test_exposition_format_and_round_trip():
     assert (
         "# HELP t_requests_total Requests. Second line.\n# TYPE t_requests_total counter\n" in text
     )
-    assert 't_requests_total{path="a\\"b\\\\c\\nd"} 3\n' in text
+    assert 't_requests_total{path="a\\"b\\\\c\\nd"} 3.0\n' in text
     samples = parse_exposition(text)
     assert samples[("t_requests_total", (("path", 'a"b\\c\nd'),))] == 3
     assert samples[("t_temperature", ())] == -2.5
     buckets = [
-        samples[("t_seconds_bucket", (("le", le), ("op", "x")))] for le in ("0.1", "1", "+Inf")
+        samples[("t_seconds_bucket", (("le", le), ("op", "x")))] for le in ("0.1", "1.0", "+Inf")
     ]
     assert buckets == [2, 3, 4]  # cumulative; 0.1 falls in le="0.1"
     assert samples[("t_seconds_count", (("op", "x"),))] == 4
@@ -88,6 +89,18 @@ def test_registry_rejects_misuse_and_caps_series():
     samples = parse_exposition(reg.exposition())
     series = {labels: v for (name, labels), v in samples.items() if name == "t_total"}
     assert len(series) == 4 and series[(("k", "other"),)] == 7  # 3 kept, the rest pooled
+
+
+def test_registry_reports_process_metrics_and_sets_gauge_maxima():
+    reg = Registry()
+    step = reg.gauge("t_step", "Highest step.")
+    for v in (3, 9, 4):
+        step.labels().set_max(v)
+    samples = parse_exposition(reg.exposition())
+    assert samples[("t_step", ())] == 9  # never lowered by a late, smaller step
+    # prometheus-client's process collector (Linux /proc): CPU and memory of this process
+    assert samples[("process_resident_memory_bytes", ())] > 0
+    assert ("process_cpu_seconds_total", ()) in samples
 
 
 def test_metrics_http_server_serves_only_metrics():
@@ -184,7 +197,7 @@ def test_ps_metrics_move_with_the_traffic(start_ps):
     assert moved("psflow_ps_pushes_applied_total") == 6
     assert moved("psflow_ps_sync_steps_applied_total") == 1
     assert moved("psflow_ps_staleness_count") == 5
-    assert value(after, "psflow_ps_staleness_bucket", le="0", **t) == 5  # pull, then push
+    assert value(after, "psflow_ps_staleness_bucket", le="0.0", **t) == 5  # pull, then push
     assert value(after, "psflow_ps_step", **t) == 7
     assert value(after, "psflow_ps_variables", **t) == 1
     assert value(after, "psflow_ps_variable_bytes", **t) == 4000

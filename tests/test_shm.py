@@ -152,7 +152,8 @@ def test_a_push_naming_a_bad_segment_is_rejected_and_changes_nothing(start_ps):
         conn.configure_optimizer(["v"], {"name": "sgd", "learning_rate": 1.0})
         for name, code in [
             ("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
-            (f"{shm.new_prefix()}-nope-{'0' * 32}", grpc.StatusCode.NOT_FOUND),
+            # SegmentUnreachableError: the one push answer that sends a client to gRPC
+            (f"{shm.new_prefix()}-nope-{'0' * 32}", grpc.StatusCode.UNIMPLEMENTED),
         ]:
             header = ps_pb2.PushHeader(shm_payload=name)
             header.id.client_id, header.id.sequence = "bad", 1
@@ -166,6 +167,26 @@ def test_a_push_naming_a_bad_segment_is_rejected_and_changes_nothing(start_ps):
             assert info.value.code() == code, info.value.details()
         ((v, _),) = conn.pull(["v"])
         assert v.tolist() == [0.0, 0.0]
+    finally:
+        conn.close()
+
+
+def test_a_push_the_ps_cannot_see_falls_back_to_grpc_and_applies_once(
+    start_ps, tmp_path, monkeypatch
+):
+    # The client's segments go to a directory the PS never looks in: to the PS the
+    # client is on another host (the PS answers SegmentUnreachableError, UNIMPLEMENTED).
+    server = start_ps()
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    conn = GrpcPSConnection(server.address)
+    try:
+        conn.create([VarSpec("far", np.dtype(np.float32), (3,), True)], [np.zeros(3, np.float32)])
+        conn.configure_optimizer(["far"], {"name": "sgd", "learning_rate": 1.0})
+        conn.push([Grad("far", np.ones(3, np.float32))], push_id=("far", 1))
+        assert conn._shm is False  # later pushes go straight over gRPC
+        conn.push([Grad("far", np.ones(3, np.float32))], push_id=("far", 2))
+        ((v, _),) = conn.pull(["far"])
+        assert v.tolist() == [-2.0, -2.0, -2.0]  # each push applied exactly once
     finally:
         conn.close()
 

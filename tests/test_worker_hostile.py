@@ -141,3 +141,58 @@ def test_sessions_are_kept_only_when_they_hold_something_and_are_bounded(worker)
     while _sessions(worker.address):  # unused for --session-ttl: dropped
         assert time.monotonic() < deadline, _sessions(worker.address)
         time.sleep(0.2)
+
+
+def _sync_of_this_worker():
+    from psflow.distribute.ps import session
+
+    sync = session.current().sync
+    return sync.mode, sync.num_workers, sync.timeout
+
+
+def _run_with(address: str, fn, training):
+    request = worker_pb2.RunClosureRequest(
+        session_id="training", closure_id=1, function_key="once-mode",
+        function=cloudpickle.dumps(fn), training=training,
+    )  # fmt: skip
+    if training is None:
+        request.ClearField("training")
+    return _call(address, "RunClosure", request, worker_pb2.RunClosureResponse)
+
+
+def test_the_training_mode_travels_with_the_closure_and_stays(worker):
+    mode = worker_pb2.TrainingMode(mode="sync", num_workers=3, sync_timeout=42.0)
+    reply = _run_with(worker.address, _sync_of_this_worker, mode)
+    assert not reply.HasField("error"), reply.error
+    assert cloudpickle.loads(reply.result) == ("sync", 3, 42.0)
+    # a closure without a mode (an older chief) leaves the worker's as it is
+    reply = _run_with(worker.address, _sync_of_this_worker, None)
+    assert cloudpickle.loads(reply.result) == ("sync", 3, 42.0)
+    back = worker_pb2.TrainingMode(mode="async", num_workers=1, sync_timeout=300.0)
+    assert cloudpickle.loads(_run_with(worker.address, _sync_of_this_worker, back).result) == (
+        "async", 1, 300.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("training", "quoted"),
+    [
+        (worker_pb2.TrainingMode(mode="eventually", num_workers=1, sync_timeout=5), "eventually"),
+        (worker_pb2.TrainingMode(mode="sync", num_workers=0, sync_timeout=5), "num_workers"),
+        (worker_pb2.TrainingMode(mode="sync", num_workers=2, sync_timeout=0), "timeout 0.0"),
+        (
+            worker_pb2.TrainingMode(
+                mode="async", num_workers=1, sync_timeout=5, compression="int3"
+            ),
+            "int3",
+        ),
+    ],
+)
+def test_a_bad_training_mode_is_refused_and_changes_nothing(worker, training, quoted):
+    before = cloudpickle.loads(_run_with(worker.address, _sync_of_this_worker, None).result)
+    with pytest.raises(grpc.RpcError) as info:
+        _run_with(worker.address, _sync_of_this_worker, training)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert quoted in info.value.details()
+    after = cloudpickle.loads(_run_with(worker.address, _sync_of_this_worker, None).result)
+    assert after == before

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from psflow import serving
 from psflow.errors import OpError
-from psflow.observability.flags import add_observability_flags
-from psflow.observability.logs import configure_logging
-from psflow.security.flags import add_limit_flags, add_security_flags, security_from_flags
 from psflow.security.limits import WorkerLimits
 from worker.executor import ClosureExecutor
 from worker.server import serve
@@ -38,18 +35,14 @@ log = logging.getLogger("psflow.worker")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
-    p.add_argument("--port", type=int, help="port to listen on (0: any); default from TF_CONFIG")
-    p.add_argument("--bind", help="address to bind (default 127.0.0.1; 0.0.0.0 with TF_CONFIG)")
-    p.add_argument("--task", help="task name, e.g. worker:0 (default from TF_CONFIG)")
+    serving.add_server_flags(
+        p,
+        "worker",
+        task_help="task name, e.g. worker:0 (default from TF_CONFIG)",
+        grace_help="seconds to finish a closure on SIGTERM",
+    )
     p.add_argument("--ps", help="comma-separated PS addresses (default from TF_CONFIG)")
     p.add_argument("--workers", type=int, help="number of worker tasks (default from TF_CONFIG)")
-    p.add_argument(
-        "--grace", type=float, default=10.0, help="seconds to finish a closure on SIGTERM"
-    )
-    p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
-    add_security_flags(p)
-    add_limit_flags(p, "worker")
-    add_observability_flags(p)
     return p
 
 
@@ -97,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     bind = bind or "127.0.0.1"
     task = task or "worker:0"
     try:
-        configure_logging("worker", task, args.log_level, args.log_format)
-        security = security_from_flags(args, bind)
+        security = serving.setup_process(args, "worker", task, bind)
     except OpError as e:
         sys.stderr.write(f"worker: {e}\n")
         return 2
@@ -109,11 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         # The worker reaches the parameter servers with its own credentials.
         return ParameterServerStrategy._for_worker(ps, num_workers or 1, task, security=security)
 
-    from psflow import memory
-
-    if args.no_malloc_tuning:  # (gradients and pulled values are megabyte buffers every step)
-        os.environ[memory.ENV_MALLOC_TUNING] = "0"
-    memory.ensure_tuned()
     limits = WorkerLimits(
         max_closure_bytes=args.max_closure_bytes,
         max_sessions=args.max_sessions,

@@ -198,8 +198,12 @@ class ClosureExecutor:
         resource_key: str = "",
         step: int = 0,
         closure_id: int = 0,
+        training: session_lib.TrainingMode | None = None,
     ) -> Outcome:
         """Runs one closure and describes how it ended (never raises for the closure's errors).
+
+        ``training`` is the chief's training mode, applied to this worker's
+        pushes before the closure runs (None: the mode stays as it is).
 
         Raises:
             InvalidArgumentError: a session id or key longer than :data:`MAX_KEY_CHARS`.
@@ -217,7 +221,7 @@ class ClosureExecutor:
         state = self._session(session_id)
         try:
             return self._run(state, session_id, function_key, function, arguments,
-                             resource_key, step, closure_id)  # fmt: skip
+                             resource_key, step, closure_id, training)  # fmt: skip
         finally:
             self._keep(session_id, state)
 
@@ -231,10 +235,13 @@ class ClosureExecutor:
         resource_key: str,
         step: int,
         closure_id: int,
+        training: session_lib.TrainingMode | None,
     ) -> Outcome:
         with self._run_lock:
             start = time.monotonic()
             ps = self._ps_session()
+            if training is not None:  # one closure at a time: the mode is this closure's
+                self._strategy._adopt_training_mode(training.sync, training.compression)
             with session_lib.using(ps), closure_lib.resolving(state.resources):
                 fn = state.functions.get(function_key)
                 if fn is None:

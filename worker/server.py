@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 
 import grpc
 from grpc_health.v1 import health
 
 from psflow import serving
-from psflow.observability.http import MetricsServer
 from psflow.observability.metrics import Registry
 from psflow.observability.services import WorkerMetrics
-from psflow.security.config import SecurityConfig, check_bind
-from psflow.security.grpc_auth import server_interceptors
+from psflow.security.config import SecurityConfig
 from psflow.security.limits import WorkerLimits
 from worker.executor import ClosureExecutor
 from worker.servicer import SERVICE, WorkerServicer
@@ -50,13 +47,14 @@ def create_server(
     """
     security = security or SecurityConfig()
     limits = limits or WorkerLimits()
-    check_bind(bind, security, insecure)
     receive_limit = min(MAX_MESSAGE_BYTES, 2 * limits.max_closure_bytes + _SLACK)
-    on_reject = (
-        None if metrics is None else (lambda _m: metrics.record_rejection("unauthenticated"))
-    )
-    server = grpc.server(
-        concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="worker-rpc"),
+    server = serving.new_server(
+        bind,
+        security,
+        insecure,
+        threads=max_workers,
+        thread_name_prefix="worker-rpc",
+        metrics=metrics,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", receive_limit),
@@ -64,7 +62,6 @@ def create_server(
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
         ],
-        interceptors=server_interceptors(security, on_reject),
     )
     servicer = WorkerServicer(executor, limits=limits, metrics=metrics)
     bound = serving.register_and_bind(
@@ -115,9 +112,7 @@ def serve(
         limits=limits,
         metrics=metrics,
     )
-    metrics_server = None
-    if metrics is not None:
-        metrics_server = MetricsServer(metrics.registry, metrics_bind or bind, metrics_port)
+    metrics_server = serving.start_metrics(metrics, metrics_bind or bind, metrics_port)
     try:
         return serving.run_until_stopped(
             server,
@@ -128,7 +123,7 @@ def serve(
             task=executor.task,
             grace=grace,
             stop_event=stop_event,
-            ready_extra="" if metrics_server is None else f"metrics_port={metrics_server.port}",
+            ready_extra=serving.ready_fields(metrics_server),
         )
     finally:
         if metrics_server is not None:

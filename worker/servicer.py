@@ -11,7 +11,9 @@ from typing import Any
 
 import grpc
 
+from psflow import compression as compression_lib
 from psflow import errors
+from psflow.distribute.ps import session as session_lib
 from psflow.observability.logs import log_context
 from psflow.observability.services import WorkerMetrics
 from psflow.proto import worker_pb2, worker_pb2_grpc
@@ -139,6 +141,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 limit,
                 "--max-closure-bytes",
             )
+        training = _training_mode(request)
         start = time.perf_counter()
         request_id = f"{request.session_id}/c{request.closure_id}"
         with log_context(step=request.step or None, request_id=request_id):
@@ -150,6 +153,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request.resource_key,
                 request.step,
                 request.closure_id,
+                training,
             )  # an OpError here means the worker itself failed (e.g. its PS session)
         reply = worker_pb2.RunClosureResponse(
             result=outcome.result,
@@ -193,3 +197,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             pid=os.getpid(),
             started_at=ex.started_at,
         )
+
+
+def _training_mode(request: worker_pb2.RunClosureRequest) -> session_lib.TrainingMode | None:
+    """The closure's training mode, validated before anything runs (None: not sent).
+
+    Raises:
+        InvalidArgumentError: an unknown mode, a timeout that is not a finite
+            number > 0, no workers, or an unknown compression codec.
+    """
+    if not request.HasField("training"):
+        return None
+    t = request.training
+    if t.num_workers < 1:
+        raise errors.InvalidArgumentError(f"training.num_workers must be >= 1, got {t.num_workers}")
+    compression: str | dict[str, str] | None = (
+        dict(t.compression_by_variable) or t.compression or None
+    )
+    compression_lib.feedback_from_option(compression)  # validates the codec names
+    return session_lib.TrainingMode(
+        session_lib.SyncConfig(t.mode, t.num_workers, t.sync_timeout), compression
+    )

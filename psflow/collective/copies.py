@@ -8,33 +8,25 @@ finished, because the others read the arrays the caller passed in.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from psflow import errors
+from psflow import backend, errors
 from psflow.collective import arrays as arr
 from psflow.collective.job import Job
 from psflow.collective.session import Session
 
-_DEVICE_RE = re.compile(r"(?:.*/)?(?:device:)?(?P<type>CPU|GPU)(?::(?P<index>\d+))?$", re.I)
 
-
-def parse_device(spec: Any) -> tuple[str, int]:
-    """``("CPU"|"GPU", index)`` for ``"/gpu:1"``, ``"CPU:0"``, a full TF device name,
-    or an object with ``device_type`` and ``index`` attributes.
+def device_kind(spec: Any) -> tuple[str, int]:
+    """``("CPU"|"GPU", index)`` for a device spec, parsed by :func:`psflow.backend.parse_device`.
 
     Raises:
         InvalidArgumentError: ``spec`` names no CPU or GPU device.
     """
-    if hasattr(spec, "device_type"):
-        return str(spec.device_type).upper(), int(getattr(spec, "index", 0) or 0)
-    m = _DEVICE_RE.match(str(spec).strip())
-    if m is None:
-        raise errors.InvalidArgumentError(f"Cannot parse device specification {spec!r}")
-    return m.group("type").upper(), int(m.group("index") or 0)
+    device = backend.parse_device(spec)
+    return device.device_type, device.index
 
 
 class AllGatherJob(Job):
@@ -155,7 +147,7 @@ class BroadcastJob(Job):
             arr.check_sequence(destinations, "destinations")
             if not destinations:
                 raise errors.InvalidArgumentError("destinations is empty")
-            kinds = [parse_device(d) for d in destinations]
+            kinds = [device_kind(d) for d in destinations]
         return cls.for_devices(vals, kinds, source)
 
     @classmethod

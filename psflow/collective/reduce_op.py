@@ -50,3 +50,12 @@ class ReduceOp(enum.Enum):
         raise errors.InvalidArgumentError(
             f"Unknown reduce op {value!r}: expected one of {[m.name for m in cls]}"
         )
+
+    @classmethod
+    def from_value(cls, value: Any) -> ReduceOp:
+        """The same parser as :meth:`parse`, under the name the strategies call.
+
+        Raises:
+            InvalidArgumentError: ``value`` names no reduction.
+        """
+        return cls.parse(value)

@@ -134,11 +134,11 @@ def default_cross_device_ops(
         InvalidArgumentError: a device spec cannot be parsed, or no devices.
         FailedPreconditionError: NCCL was asked for and is not available.
     """
-    from psflow.collective.copies import parse_device
+    from psflow.collective.copies import device_kind
 
     if isinstance(devices, str) or not devices:
         raise errors.InvalidArgumentError(f"devices must be a non-empty sequence, got {devices!r}")
-    parsed = [parse_device(d) for d in devices]
+    parsed = [device_kind(d) for d in devices]
     impl = (options or CommunicationOptions()).implementation
     if options is not None:
         kwargs.setdefault("options", options)

@@ -30,11 +30,10 @@ import http.server
 import importlib.resources
 import json
 import logging
-import socket
-import threading
 import urllib.parse
 
-from psflow.errors import FailedPreconditionError, UnavailableError
+from psflow.errors import FailedPreconditionError
+from psflow.http_server import BackgroundHTTPServer
 from psflow.security.config import SecurityConfig, check_bind, is_loopback
 
 from .collector import ClusterMonitor
@@ -120,11 +119,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         log.debug("dashboard %s: " + format, self.address_string(), *args)
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
 class DashboardServer:
     """Serves ``monitor``'s page and API on ``bind:port`` (0: a free port), started at once.
 
@@ -168,20 +162,9 @@ class DashboardServer:
                 bind,
             )
         handler = type("DashboardHandler", (_Handler,), {"monitor": monitor, "token": token})
-        host = bind[1:-1] if bind.startswith("[") and bind.endswith("]") else bind
-        server_cls = _Server
-        if ":" in host:
-            server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
-        try:
-            self._server = server_cls((host, port), handler)
-        except OSError as e:
-            raise UnavailableError(f"cannot serve the dashboard on {bind}:{port}: {e}") from None
+        self._http = BackgroundHTTPServer(handler, bind, port, "the dashboard")
         self.bind = bind
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="dashboard-http", daemon=True
-        )
-        self._thread.start()
+        self.port: int = self._http.port
 
     @property
     def url(self) -> str:
@@ -191,6 +174,4 @@ class DashboardServer:
 
     def close(self) -> None:
         """Stops serving (in-flight requests finish on their daemon threads)."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5.0)
+        self._http.close()

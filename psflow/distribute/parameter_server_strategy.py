@@ -36,8 +36,6 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
 from psflow import backend, errors
 from psflow import compression as compression_lib
 from psflow.distribute import distribute_lib, input_lib
@@ -101,7 +99,7 @@ class PSExtended(distribute_lib.StrategyExtended):
         if initial is None:
             raise errors.InvalidArgumentError("Variable needs an initial_value")
         value = variable_lib.initial_array(initial, kwargs.get("dtype"), kwargs.get("shape"))
-        host = _contiguous(backend.to_numpy(value))
+        host = backend.to_contiguous_numpy(value)
         name = (kwargs.get("name") or "Variable").split(":")[0]
         sync = kwargs.get("synchronization") or variable_lib.VariableSynchronization.AUTO
         trainable = kwargs.get("trainable")
@@ -149,7 +147,7 @@ class PSExtended(distribute_lib.StrategyExtended):
                     **common,
                 )
             )
-        self._session.create(shards, [_contiguous(v) for v in values])
+        self._session.create(shards, [backend.to_contiguous_numpy(v) for v in values])
         return ShardedVariable([self._session.handle(s.key) for s in shards], name)
 
     # -- workers and datasets ------------------------------------------------------------
@@ -163,7 +161,13 @@ class PSExtended(distribute_lib.StrategyExtended):
                 return session.step(step, closure_key)
 
             return [InProcessWorker(0, "worker:0", enter=enter)]
-        return [GrpcWorker(i, addr) for i, addr in enumerate(self._worker_addresses)]
+        # each closure carries the chief's training mode to the worker that runs it
+        training = self._session.sync
+        compression = self._container_strategy()._compression
+        return [
+            GrpcWorker(i, addr, training=training, compression=compression)
+            for i, addr in enumerate(self._worker_addresses)
+        ]
 
     def _dataset_factory(self, dataset_fn: Any, num_workers: int) -> Callable[[int], Any]:
         """A picklable ``make(worker_index) -> dataset`` for ``create_per_worker_dataset``."""
@@ -512,11 +516,28 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         return self._session.stats(include_log)
 
     def __reduce__(self) -> tuple:
-        sync = self._session.sync
-        return (
-            _current_strategy,
-            (self._mode, sync.num_workers, sync.timeout, self._compression),
-        )
+        # a reference: the receiving process's own strategy, changed in nothing (the
+        # training mode and compression travel with each closure: RunClosureRequest.training)
+        return (_current_strategy, ())
+
+    def _adopt_training_mode(
+        self, sync: session_lib.SyncConfig, compression: str | Mapping[str, str] | None = None
+    ) -> None:
+        """Applies the chief's training mode (sent with a closure) to this worker's pushes."""
+        current = self._session.sync
+        if (current.mode, current.num_workers, current.timeout) != (
+            sync.mode,
+            sync.num_workers,
+            sync.timeout,
+        ):
+            self._session.sync = sync
+            self._mode = sync.mode
+        if self._compression != compression:
+            # a new option: fresh residuals; the same one: keep them across closures
+            self._compression = compression
+            feedback = compression_lib.feedback_from_option(compression)
+            for connection in self._session.connections:
+                connection.compression = feedback
 
     def __repr__(self) -> str:
         ext = self._extended
@@ -524,31 +545,13 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         return f"ParameterServerStrategy({where}, mode={self._mode!r})"
 
 
-def _current_strategy(
-    mode: str = "async",
-    num_workers: int = 1,
-    sync_timeout: float = 300.0,
-    compression: str | Mapping[str, str] | None = None,
-) -> ParameterServerStrategy:
-    """Unpickles a strategy reference as this process's strategy, in the chief's training mode."""
-    session = session_lib.current()
-    strategy = getattr(session, "strategy", None)
+def _current_strategy() -> ParameterServerStrategy:
+    """Unpickles a strategy reference as this process's strategy (no state is changed).
+
+    Raises:
+        FailedPreconditionError: this process has no ParameterServerStrategy.
+    """
+    strategy = getattr(session_lib.current(), "strategy", None)
     if strategy is None:
         raise errors.FailedPreconditionError("No ParameterServerStrategy in this process")
-    sync = session.sync
-    if (sync.mode, sync.num_workers, sync.timeout) != (mode, num_workers, sync_timeout):
-        session.sync = session_lib.SyncConfig(mode, num_workers, sync_timeout)
-        strategy._mode = mode
-    if strategy._compression != compression:
-        # a new option: fresh residuals; the same one: keep them across closures
-        strategy._compression = compression
-        feedback = compression_lib.feedback_from_option(compression)
-        for connection in session.connections:
-            connection.compression = feedback
     return strategy
-
-
-def _contiguous(array: Any) -> np.ndarray:
-    """A C-contiguous host array of the same shape (0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
-    array = np.asarray(array)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from psflow import errors
 
+# One enum for the collective layer and the strategies; re-exported here because
+# ``tf.distribute.ReduceOp`` lives next to the strategies in TensorFlow.
+from psflow.collective.reduce_op import ReduceOp
 
-class ReduceOp(enum.Enum):
-    """SUM or MEAN across replicas (TensorFlow's ``tf.distribute.ReduceOp``)."""
-
-    SUM = "SUM"
-    MEAN = "MEAN"
-
-    @classmethod
-    def from_value(cls, value: Any) -> ReduceOp:
-        """Accepts a ReduceOp or its name in any case.
-
-        Raises:
-            InvalidArgumentError: an unknown name, quoted.
-        """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, enum.Enum):
-            value = value.name
-        try:
-            return cls(str(value).upper())
-        except ValueError:
-            raise errors.InvalidArgumentError(
-                f"Unknown reduce op {value!r}; expected one of {[m.value for m in cls]}"
-            ) from None
+__all__ = ["ReduceOp", "check_same_shapes", "mean", "reduce_over_axis"]
 
 
 def mean(total: Any, count: int) -> Any:

@@ -2,8 +2,8 @@
 
 Modules (imported explicitly; nothing is started on import):
 
-* :mod:`psflow.observability.metrics` — a small metrics registry (counters,
-  gauges, histograms) and the Prometheus text exposition format;
+* :mod:`psflow.observability.metrics` — metrics on prometheus-client (counters,
+  gauges, histograms, process metrics) with bounded label sets;
 * :mod:`psflow.observability.http` — ``MetricsServer``: ``GET /metrics`` on its
   own port, from a daemon thread;
 * :mod:`psflow.observability.services` — the metric families of the parameter

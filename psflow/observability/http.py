@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import http.server
 import logging
-import socket
-import threading
 
-from psflow.errors import UnavailableError
+from psflow.http_server import BackgroundHTTPServer
 
 from .metrics import CONTENT_TYPE, Registry
 
@@ -58,11 +56,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         log.debug("metrics %s: " + format, self.address_string(), *args)
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
 class MetricsServer:
     """An HTTP server exposing ``registry`` on ``bind:port`` (0: any free port), started at once.
 
@@ -72,26 +65,10 @@ class MetricsServer:
 
     def __init__(self, registry: Registry, bind: str = "127.0.0.1", port: int = 0) -> None:
         handler = type("MetricsHandler", (_Handler,), {"registry": registry})
-        host = bind[1:-1] if bind.startswith("[") and bind.endswith("]") else bind
-        server_cls = _Server
-        if ":" in host:
-            server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
-        try:
-            self._server = server_cls((host, port), handler)
-        except OSError as e:
-            raise UnavailableError(f"cannot bind the metrics port {bind}:{port}: {e}") from None
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.5},
-            name=f"metrics-http-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
+        self._http = BackgroundHTTPServer(handler, bind, port, "metrics")
+        self.port = self._http.port
         log.info("metrics on http://%s:%d/metrics", bind, self.port)
 
     def close(self) -> None:
         """Stops serving and releases the port (bounded: waits at most 5 s)."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5.0)
+        self._http.close()

@@ -1,36 +1,43 @@
-"""A small Prometheus metrics registry: counters, gauges, histograms, text exposition.
+"""psflow's metrics on ``prometheus-client``: bounded label sets, scrape-time collectors.
 
-Only what psflow's servers need, with no dependency: metrics with labels,
-thread-safe updates, collectors evaluated at scrape time (for values another
-object already counts), and the text exposition format 0.0.4
-(https://prometheus.io/docs/instrumenting/exposition_formats/).  The number of
-label combinations per metric is capped (``max_series``): past the cap, new
-combinations are counted under one series whose labels all read ``"other"``,
-so callers cannot grow a server's memory through label values.
+The ecosystem's library does the counting, the histograms, the exposition
+format and the process metrics (``process_cpu_seconds_total``,
+``process_resident_memory_bytes``...); this module adds only what psflow's
+servers need on top of it:
+
+* **bounded cardinality**: label values come from callers (client ids,
+  variable names), so a value longer than :data:`MAX_LABEL_CHARS` is cut, and
+  past ``max_series`` label combinations per metric new ones are counted under
+  one series whose labels all read ``"other"`` — no caller can grow a server's
+  memory through label values;
+* **typed errors**: misuse raises :class:`~psflow.errors.InvalidArgumentError`;
+* **collectors** that report :class:`Family` values another object already
+  counts, evaluated at scrape time.
 
 Example:
-    >>> reg = Registry()
+    >>> reg = Registry(process_metrics=False)
     >>> pushes = reg.counter("demo_pushes_total", "Pushes.", ["variable"])
     >>> pushes.labels(variable="w").inc()
-    >>> print(reg.exposition(), end="")
-    # HELP demo_pushes_total Pushes.
-    # TYPE demo_pushes_total counter
-    demo_pushes_total{variable="w"} 1
+    >>> parse_exposition(reg.exposition())[("demo_pushes_total", (("variable", "w"),))]
+    1.0
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import math
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import prometheus_client
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from psflow.errors import InvalidArgumentError
 
 __all__ = [
-    "LATENCY_BUCKETS",
     "CONTENT_TYPE",
+    "LATENCY_BUCKETS",
     "Counter",
     "Family",
     "Gauge",
@@ -39,6 +46,7 @@ __all__ = [
     "parse_exposition",
 ]
 
+# generate_latest writes the text format 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.0001,
@@ -62,34 +70,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 """Seconds: 100 µs (a loopback round trip) to 30 s (a long closure)."""
 
 OVERFLOW = "other"
-# Label values come from callers (client ids, variable names): a longer one is cut,
-# so no caller can make one series arbitrarily large.
+# A longer label value is cut, so no caller can make one series arbitrarily large.
 MAX_LABEL_CHARS = 128
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _format_value(value: float) -> str:
-    if isinstance(value, int) or (
-        isinstance(value, float) and value.is_integer() and abs(value) < 2**53
-    ):
-        return str(int(value))
-    if value == math.inf:
-        return "+Inf"
-    if value == -math.inf:
-        return "-Inf"
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    return repr(float(value))
-
-
-def _labels_text(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
-    return "{" + inner + "}"
 
 
 def _bounded(value: str) -> str:
@@ -104,43 +86,75 @@ def _check_name(name: str) -> None:
         raise InvalidArgumentError(f"invalid metric or label name {name!r}")
 
 
+def _one_line(help: str) -> str:
+    # a HELP line is one line; prometheus-client would keep a newline as "\n"
+    return " ".join(help.split("\n"))
+
+
 @dataclasses.dataclass
 class Family:
-    """One metric family as exposed: its samples are ``(name, labels, value)``."""
+    """One metric family reported by a collector: its samples are ``(name, labels, value)``."""
 
     name: str
     type: str
     help: str
     samples: list[tuple[str, dict[str, str], float]] = dataclasses.field(default_factory=list)
 
-    def render(self) -> str:
-        """The family in the text exposition format."""
-        lines = [
-            f"# HELP {self.name} {self.help.replace(chr(92), chr(92) * 2).replace(chr(10), ' ')}",
-            f"# TYPE {self.name} {self.type}",
-        ]
-        lines += [f"{n}{_labels_text(lbl)} {_format_value(v)}" for n, lbl, v in self.samples]
-        return "\n".join(lines) + "\n"
+    def to_metric(self) -> Metric:
+        """The family as a ``prometheus_client`` metric."""
+        name = self.name
+        if self.type == "counter" and name.endswith("_total"):
+            # prometheus-client names a counter family without the suffix its samples carry
+            name = name[: -len("_total")]
+        metric = Metric(name, _one_line(self.help), self.type)
+        for name, labels, value in self.samples:
+            metric.add_sample(name, {k: _bounded(str(v)) for k, v in labels.items()}, value)
+        return metric
+
+
+class _GaugeChild:
+    """A gauge series with ``set_max`` (prometheus-client has no compare-and-set)."""
+
+    __slots__ = ("_child", "_high", "_lock")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._lock = threading.Lock()
+        self._high: float | None = None
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Adds ``amount`` (may be negative)."""
+        self._child.inc(amount)
+
+    def set(self, value: float) -> None:
+        """Sets the value."""
+        with self._lock:
+            self._high = None
+            self._child.set(value)
+
+    def set_max(self, value: float) -> None:
+        """Raises the value to ``value`` if that is larger than the last ``set_max``."""
+        with self._lock:
+            if self._high is None or value > self._high:
+                self._high = value
+                self._child.set(value)
 
 
 class _Metric:
-    type = "untyped"
+    """A prometheus-client metric behind a bounded, cached ``labels()``."""
 
-    def __init__(self, name: str, help: str, labelnames: Sequence[str], max_series: int) -> None:
-        _check_name(name)
-        for label in labelnames:
-            _check_name(label)
+    def __init__(self, metric: Any, name: str, labelnames: Sequence[str], max_series: int) -> None:
         self.name = name
-        self.help = help
         self.labelnames = tuple(labelnames)
         self.max_series = max_series
+        self._metric = metric
         self._lock = threading.Lock()
-        self._children: dict[tuple[str, ...], object] = {}
+        self._children: dict[tuple[str, ...], Any] = {}
 
-    def _new_child(self) -> object:
-        raise NotImplementedError
+    def _wrap(self, child: Any) -> Any:
+        return child
 
-    def labels(self, *values: str, **named: str):
+    def labels(self, *values: str, **named: str) -> Any:
         """The series for these label values (created on first use)."""
         if named:
             if values:
@@ -151,14 +165,15 @@ class _Metric:
                 raise InvalidArgumentError(
                     f"{self.name} needs labels {list(self.labelnames)}, got {sorted(named)}"
                 ) from None
+        # the hot path: one dict lookup for a series already seen
+        child = self._children.get(values)
+        if child is not None:
+            return child
         if len(values) != len(self.labelnames):
             raise InvalidArgumentError(
                 f"{self.name} needs {len(self.labelnames)} label values, got {len(values)}"
             )
         key = tuple(_bounded(str(v)) for v in values)
-        child = self._children.get(key)
-        if child is not None:
-            return child
         with self._lock:
             child = self._children.get(key)
             if child is None:
@@ -166,7 +181,8 @@ class _Metric:
                     key = (OVERFLOW,) * len(self.labelnames)
                     child = self._children.get(key)
                 if child is None:
-                    child = self._new_child()
+                    inner = self._metric.labels(*key) if self.labelnames else self._metric
+                    child = self._wrap(inner)
                     self._children[key] = child
             return child
 
@@ -174,67 +190,31 @@ class _Metric:
         """Drops the series of these label values; returns whether it existed."""
         key = tuple(_bounded(str(v)) for v in values)
         with self._lock:
-            return self._children.pop(key, None) is not None
-
-    def _series(self) -> list[tuple[dict[str, str], object]]:
-        with self._lock:
-            items = list(self._children.items())
-        return [(dict(zip(self.labelnames, key)), child) for key, child in items]
-
-    def collect(self) -> Family:
-        """The current samples."""
-        raise NotImplementedError
-
-
-class _Value:
-    __slots__ = ("_lock", "value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        """Adds ``amount``."""
-        with self._lock:
-            self.value += amount
-
-    def set(self, value: float) -> None:
-        """Sets the value (gauges)."""
-        with self._lock:
-            self.value = value
-
-    def set_max(self, value: float) -> None:
-        """Raises the value to ``value`` if that is larger (gauges)."""
-        with self._lock:
-            if value > self.value:
-                self.value = value
+            existed = self._children.pop(key, None) is not None
+            if existed:
+                self._metric.remove(*key)
+            return existed
 
 
 class Counter(_Metric):
     """A monotonically increasing count; ``labels(...).inc(n)``."""
 
-    type = "counter"
-
-    def _new_child(self) -> _Value:
-        return _Value()
-
     def inc(self, amount: float = 1.0) -> None:
-        """Adds to the unlabelled series."""
+        """Adds to the unlabelled series.
+
+        Raises:
+            InvalidArgumentError: ``amount`` is negative.
+        """
         if amount < 0:
             raise InvalidArgumentError(f"a counter cannot decrease (inc({amount}))")
         self.labels().inc(amount)
 
-    def collect(self) -> Family:
-        """The current samples."""
-        family = Family(self.name, self.type, self.help)
-        family.samples = [(self.name, lbl, c.value) for lbl, c in self._series()]
-        return family
 
-
-class Gauge(Counter):
+class Gauge(_Metric):
     """A value that goes up and down; ``labels(...).set(v)``."""
 
-    type = "gauge"
+    def _wrap(self, child: Any) -> _GaugeChild:
+        return _GaugeChild(child)
 
     def inc(self, amount: float = 1.0) -> None:
         """Adds ``amount`` (may be negative) to the unlabelled series."""
@@ -245,69 +225,31 @@ class Gauge(Counter):
         self.labels().set(value)
 
 
-class _Buckets:
-    __slots__ = ("_lock", "bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self._lock = threading.Lock()
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        """Counts one observation."""
-        i = bisect.bisect_left(self.bounds, value)
-        with self._lock:
-            self.counts[i] += 1
-            self.sum += value
-            self.count += 1
-
-    def snapshot(self) -> tuple[list[int], float, int]:
-        with self._lock:
-            return list(self.counts), self.sum, self.count
-
-
 class Histogram(_Metric):
     """Observations counted into cumulative buckets; ``labels(...).observe(v)``."""
-
-    type = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help: str,
-        labelnames: Sequence[str],
-        max_series: int,
-        buckets: Sequence[float] = LATENCY_BUCKETS,
-    ) -> None:
-        super().__init__(name, help, labelnames, max_series)
-        bounds = tuple(float(b) for b in buckets if b != math.inf)
-        if list(bounds) != sorted(set(bounds)):
-            raise InvalidArgumentError(f"buckets of {name} must increase: {list(buckets)}")
-        self.bounds = bounds
-
-    def _new_child(self) -> _Buckets:
-        return _Buckets(self.bounds)
 
     def observe(self, value: float) -> None:
         """Observes into the unlabelled series."""
         self.labels().observe(value)
 
-    def collect(self) -> Family:
-        """The current samples (``_bucket``, ``_sum``, ``_count``)."""
-        family = Family(self.name, self.type, self.help)
-        for labels, child in self._series():
-            counts, total, count = child.snapshot()
-            running = 0
-            for bound, n in zip((*self.bounds, math.inf), counts):
-                running += n
-                family.samples.append(
-                    (f"{self.name}_bucket", {**labels, "le": _format_value(bound)}, running)
-                )
-            family.samples.append((f"{self.name}_sum", labels, total))
-            family.samples.append((f"{self.name}_count", labels, count))
-        return family
+
+class _Collectors:
+    """The scrape-time :class:`Family` reporters, as one prometheus-client collector."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._functions: list[Callable[[], Iterable[Family]]] = []
+
+    def add(self, collect: Callable[[], Iterable[Family]]) -> None:
+        with self._lock:
+            self._functions.append(collect)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            functions = list(self._functions)
+        for collect in functions:
+            for family in collect():
+                yield family.to_metric()
 
 
 class Registry:
@@ -315,28 +257,45 @@ class Registry:
 
     Args:
         max_series: label combinations kept per metric (see the module doc).
+        process_metrics: also report this process's CPU, memory and file
+            descriptors (prometheus-client's ``process_*`` metrics).
     """
 
-    def __init__(self, max_series: int = 10_000) -> None:
+    def __init__(self, max_series: int = 10_000, *, process_metrics: bool = True) -> None:
         self.max_series = max_series
-        self._metrics: dict[str, _Metric] = {}
-        self._collectors: list[Callable[[], Iterable[Family]]] = []
-        self._lock = threading.Lock()
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        self._collectors = _Collectors()
+        self.registry.register(self._collectors)
+        if process_metrics:
+            prometheus_client.ProcessCollector(registry=self.registry)
 
-    def _add(self, metric: _Metric) -> _Metric:
-        with self._lock:
-            if metric.name in self._metrics:
-                raise InvalidArgumentError(f"metric {metric.name!r} is registered twice")
-            self._metrics[metric.name] = metric
-        return metric
+    def _add(
+        self, cls: type[_Metric], kind: Any, name: str, help: str, labels: Sequence[str], **kw: Any
+    ) -> Any:
+        _check_name(name)
+        for label in labels:
+            _check_name(label)
+        try:
+            metric = kind(name, _one_line(help), list(labels), registry=self.registry, **kw)
+        except ValueError as e:  # a duplicate name; prometheus-client's check, kept typed
+            raise InvalidArgumentError(f"metric {name!r} is registered twice ({e})") from None
+        return cls(metric, name, labels, self.max_series)
 
     def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
-        """Registers a counter (name it ``..._total``)."""
-        return self._add(Counter(name, help, labels, self.max_series))
+        """Registers a counter (name it ``..._total``).
+
+        Raises:
+            InvalidArgumentError: a bad name, or one already registered.
+        """
+        return self._add(Counter, prometheus_client.Counter, name, help, labels)
 
     def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
-        """Registers a gauge."""
-        return self._add(Gauge(name, help, labels, self.max_series))
+        """Registers a gauge.
+
+        Raises:
+            InvalidArgumentError: a bad name, or one already registered.
+        """
+        return self._add(Gauge, prometheus_client.Gauge, name, help, labels)
 
     def histogram(
         self,
@@ -345,56 +304,24 @@ class Registry:
         labels: Sequence[str] = (),
         buckets: Sequence[float] = LATENCY_BUCKETS,
     ) -> Histogram:
-        """Registers a histogram."""
-        return self._add(Histogram(name, help, labels, self.max_series, buckets))
+        """Registers a histogram.
+
+        Raises:
+            InvalidArgumentError: a bad name, one already registered, or buckets
+                that do not increase.
+        """
+        bounds = [float(b) for b in buckets if b != float("inf")]
+        if bounds != sorted(set(bounds)):
+            raise InvalidArgumentError(f"buckets of {name} must increase: {list(buckets)}")
+        return self._add(Histogram, prometheus_client.Histogram, name, help, labels, buckets=bounds)
 
     def add_collector(self, collect: Callable[[], Iterable[Family]]) -> None:
         """Adds a function called at every scrape for extra families."""
-        with self._lock:
-            self._collectors.append(collect)
-
-    def collect(self) -> list[Family]:
-        """Every family, registered metrics first."""
-        with self._lock:
-            metrics = list(self._metrics.values())
-            collectors = list(self._collectors)
-        families = [m.collect() for m in metrics]
-        for collect in collectors:
-            families.extend(collect())
-        return families
+        self._collectors.add(collect)
 
     def exposition(self) -> str:
         """Everything in the Prometheus text format."""
-        return "".join(f.render() for f in self.collect())
-
-
-def _unescape(value: str) -> str:
-    out, i = [], 0
-    while i < len(value):
-        c = value[i]
-        if c == "\\" and i + 1 < len(value):
-            nxt = value[i + 1]
-            out.append({"n": "\n", "\\": "\\", '"': '"'}.get(nxt, nxt))
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
-
-
-def _parse_labels(text: str) -> dict[str, str]:
-    labels, i = {}, 0
-    while i < len(text):
-        eq = text.index("=", i)
-        key = text[i:eq].strip().lstrip(",").strip()
-        if text[eq + 1] != '"':
-            raise InvalidArgumentError(f"label {key!r} value is not quoted in {text!r}")
-        j = eq + 2
-        while text[j] != '"':
-            j += 2 if text[j] == "\\" else 1
-        labels[key] = _unescape(text[eq + 2 : j])
-        i = j + 1
-    return labels
+        return prometheus_client.generate_latest(self.registry).decode("utf-8")
 
 
 def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -405,23 +332,13 @@ def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
         {('a_total', (('x', '1'),)): 3.0, ('b', ()): 2.5}
 
     Raises:
-        InvalidArgumentError: a line is not a sample, comment or blank.
+        InvalidArgumentError: the text is not in the exposition format.
     """
     samples = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            if "{" in line:
-                name, rest = line.split("{", 1)
-                label_text, value = rest.rsplit("}", 1)
-                labels = _parse_labels(label_text)
-            else:
-                name, value = line.split(None, 1)
-                labels = {}
-            number = float(value.split()[0].replace("+Inf", "inf").replace("-Inf", "-inf"))
-        except (ValueError, IndexError) as e:
-            raise InvalidArgumentError(f"not a metrics sample: {line!r} ({e})") from None
-        samples[(name.strip(), tuple(sorted(labels.items())))] = number
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    except (ValueError, IndexError, KeyError) as e:
+        raise InvalidArgumentError(f"not a metrics exposition ({e})") from None
     return samples

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("session_id", "closure_id", "function_key", "function", "arguments", "resource_key", "step")
+    __slots__ = ("session_id", "closure_id", "function_key", "function", "arguments", "resource_key", "step", "training")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class RunClosureRequest(_message.Message):
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     RESOURCE_KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     closure_id: int
     function_key: str
@@ -22,7 +23,29 @@ class RunClosureRequest(_message.Message):
     arguments: bytes
     resource_key: str
     step: int
-    def __init__(self, session_id: _Optional[str] = ..., closure_id: _Optional[int] = ..., function_key: _Optional[str] = ..., function: _Optional[bytes] = ..., arguments: _Optional[bytes] = ..., resource_key: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    training: TrainingMode
+    def __init__(self, session_id: _Optional[str] = ..., closure_id: _Optional[int] = ..., function_key: _Optional[str] = ..., function: _Optional[bytes] = ..., arguments: _Optional[bytes] = ..., resource_key: _Optional[str] = ..., step: _Optional[int] = ..., training: _Optional[_Union[TrainingMode, _Mapping]] = ...) -> None: ...
+
+class TrainingMode(_message.Message):
+    __slots__ = ("mode", "num_workers", "sync_timeout", "compression", "compression_by_variable")
+    class CompressionByVariableEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_BY_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    num_workers: int
+    sync_timeout: float
+    compression: str
+    compression_by_variable: _containers.ScalarMap[str, str]
+    def __init__(self, mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., compression: _Optional[str] = ..., compression_by_variable: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ClosureError(_message.Message):
     __slots__ = ("type", "message", "traceback", "pickled", "code")

@@ -56,6 +56,7 @@ from psflow.security.limits import limit_exceeded
 from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
 from psflow.update_rules import dedupe_rows, rule_from_config
 
+from . import write_ops
 from .dedup import DedupWindow, State
 from .names import check_name, quote
 from .stats import PushLogEntry, Stats
@@ -73,7 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-WRITE_OPS = ("assign", "assign_add", "assign_sub")
 MAX_PENDING_STEPS = 16
 # The longest a call waits inside the store (a retry racing its original, a sync
 # step's completion): a caller without a deadline must not hold a thread forever.
@@ -433,8 +433,7 @@ class VariableStore:
                 mismatch, unknown op (nothing is changed).
         """
         with self._rejecting():
-            if op not in WRITE_OPS:
-                raise InvalidArgumentError(f"unknown write op {op!r}; expected one of {WRITE_OPS}")
+            write_ops.check(op)
             if len(names) != len(values):
                 raise InvalidArgumentError(f"{len(names)} names but {len(values)} values")
             variables = self._lookup(names)

@@ -17,6 +17,7 @@ import numpy as np
 
 from psflow.update_rules import UpdateRule, rule_from_config
 
+from . import write_ops
 from .tensors import Segments, as_segments
 
 __all__ = ["PendingStep", "Variable", "VariableMeta"]
@@ -119,13 +120,7 @@ class Variable:
         """``op`` in ``assign``, ``assign_add``, ``assign_sub``; shapes already checked."""
         flat = self.writable().reshape(-1)
         for offset, part in as_segments(values):
-            dst = flat[offset : offset + part.size]
-            if op == "assign":
-                dst[...] = part
-            elif op == "assign_add":
-                dst += part
-            else:
-                dst -= part
+            write_ops.apply(op, flat[offset : offset + part.size], part)
         self._changed()
 
     def apply_dense(self, grad: Segments | np.ndarray) -> None:

@@ -37,6 +37,7 @@ import secrets
 from collections.abc import Mapping
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
+from psflow.settings import PerEnvironment
 
 __all__ = [
     "ENV_TLS_CA",
@@ -244,7 +245,10 @@ class SecurityConfig:
         return cls(token=token, tls=tls, token_source=source)
 
 
-_CACHE: dict[tuple, SecurityConfig] = {}
+_default_security = PerEnvironment(
+    (ENV_TOKEN, ENV_TOKEN_FILE, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TLS_CA, ENV_TLS_SERVER_NAME),
+    SecurityConfig.from_environment,
+)
 
 
 def default_security(environ: Mapping[str, str] | None = None) -> SecurityConfig:
@@ -256,16 +260,7 @@ def default_security(environ: Mapping[str, str] | None = None) -> SecurityConfig
     Raises:
         InvalidArgumentError: see :meth:`SecurityConfig.from_environment`.
     """
-    env = os.environ if environ is None else environ
-    names = (ENV_TOKEN, ENV_TOKEN_FILE, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TLS_CA, ENV_TLS_SERVER_NAME)
-    key = tuple(env.get(n) for n in names)
-    config = _CACHE.get(key)
-    if config is None:
-        config = SecurityConfig.from_environment(env)
-        if len(_CACHE) > 64:  # a long test session may go through many environments
-            _CACHE.clear()
-        _CACHE[key] = config
-    return config
+    return _default_security(environ)
 
 
 def generate_token() -> str:

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from psflow import errors
+from psflow import errors, settings
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64  # magic, sequence, version, data bytes, writer's pid, then reserved
@@ -59,7 +59,7 @@ _READ_RETRIES = 10_000
 
 def enabled() -> bool:
     """Whether the shared-memory path may be used in this process."""
-    if os.environ.get("PSFLOW_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.current().shm:
         return False
     # The seqlock relies on x86's store and load ordering (no reordering of stores
     # with stores, nor loads with loads); elsewhere the data goes over gRPC.
@@ -211,6 +211,16 @@ class Mirror:
         self.segment.close(unlink=True)
 
 
+class SegmentUnreachableError(errors.UnimplementedError):
+    """The PS cannot see a push's shared-memory segment (it runs on another host or
+    in another container): the push must travel over gRPC instead.
+
+    Its status code is the contract: a push is answered ``UNIMPLEMENTED`` for
+    nothing else, so a client that gets :class:`~psflow.errors.UnimplementedError`
+    from a shared-memory push resends it over gRPC; nothing was applied.
+    """
+
+
 class MirrorRetiredError(errors.FailedPreconditionError):
     """A mirror was retired (its variable restored or removed, or its PS process gone)."""
 
@@ -358,7 +368,7 @@ class SegmentCache:
                 file, whose header does not hold its name's token, or smaller
                 than ``nbytes``.
             PermissionDeniedError: a segment of another user, or open to others.
-            NotFoundError: no such segment.
+            SegmentUnreachableError: no such segment on this host.
         """
         check_name(name)
         token = _PAYLOAD_TOKEN.search(name)
@@ -372,8 +382,8 @@ class SegmentCache:
             try:
                 seg = Segment(name, 0, create=False, writable=False)
             except FileNotFoundError:
-                raise errors.NotFoundError(
-                    f"shared-memory segment {name!r} does not exist"
+                raise SegmentUnreachableError(
+                    f"shared-memory segment {name!r} does not exist on this host"
                 ) from None
             _check_payload_header(seg, bytes.fromhex(token.group("token")))
             with self._lock:

@@ -61,7 +61,7 @@ def check_rpc_layer(rpc_layer: Any) -> str | None:
 class ClusterResolver(abc.ABC):
     """Abstract base of all cluster resolvers.
 
-    Subclasses implement :meth:`cluster_spec` and :meth:`master`.  The
+    Subclasses implement :meth:`cluster_spec`; :meth:`master` has a default.  The
     ``task_type``, ``task_id`` and ``rpc_layer`` properties read (and their
     setters write, after validation) ``self._task_type``, ``self._task_id``
     and ``self._rpc_layer``.
@@ -83,7 +83,6 @@ class ClusterResolver(abc.ABC):
     def cluster_spec(self) -> ClusterSpec:
         """Returns the cluster as a :class:`ClusterSpec`."""
 
-    @abc.abstractmethod
     def master(
         self,
         task_type: str | None = None,
@@ -92,12 +91,25 @@ class ClusterResolver(abc.ABC):
     ) -> str:
         """Returns the address (with ``rpc_layer://`` if any) of a task, TF 1.x's "master".
 
+        The default rule, shared by the resolvers that know their own task
+        (Slurm, Kubernetes): ``""`` when no task is known, else the task's
+        address in :meth:`cluster_spec`.
+
         Args:
             task_type: the task's job; this resolver's task by default.
             task_id: the task's index; this resolver's task by default.
             rpc_layer: the protocol prefix; this resolver's ``rpc_layer`` by
                 default.
+
+        Raises:
+            TaskNotFoundError: the task is not in the cluster.
         """
+        task_type = task_type if task_type is not None else self.task_type
+        task_id = task_id if task_id is not None else self.task_id
+        if task_type is None or task_id is None:
+            return ""
+        address = self.cluster_spec().task_address(task_type, task_id)
+        return format_master_url(address, rpc_layer or self.rpc_layer)
 
     def num_accelerators(
         self,

@@ -44,7 +44,6 @@ from psflow.distribute.cluster_resolver.base import (
     check_rpc_layer,
     check_task_id,
     check_task_type,
-    format_master_url,
 )
 from psflow.distribute.cluster_resolver.cluster_spec import ClusterSpec, TaskNotFoundError
 from psflow.distribute.cluster_resolver.validation import validate_task
@@ -238,21 +237,3 @@ class KubernetesClusterResolver(ClusterResolver):
     def cluster_spec(self) -> ClusterSpec:
         """Returns the cluster (the same object on every call)."""
         return self._cluster_spec
-
-    def master(
-        self,
-        task_type: str | None = None,
-        task_id: int | None = None,
-        rpc_layer: str | None = None,
-    ) -> str:
-        """Returns the task's address with ``rpc_layer://``; this pod's by default.
-
-        Raises:
-            TaskNotFoundError: the task is not in the cluster.
-        """
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is None or task_id is None:
-            return ""
-        address = self._cluster_spec.task_address(task_type, task_id)
-        return format_master_url(address, rpc_layer or self.rpc_layer)

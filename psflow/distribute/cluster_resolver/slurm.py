@@ -39,7 +39,6 @@ from psflow.distribute.cluster_resolver.accelerators import (
 from psflow.distribute.cluster_resolver.base import (
     ClusterResolver,
     check_rpc_layer,
-    format_master_url,
 )
 from psflow.distribute.cluster_resolver.cluster_spec import (
     ClusterSpec,
@@ -392,27 +391,6 @@ class SlurmClusterResolver(ClusterResolver):
     def gpu_allocation(self) -> tuple[str, ...]:
         """Each rank's GPUs, as ``CUDA_VISIBLE_DEVICES`` values (``""``: none)."""
         return self._allocations
-
-    def master(
-        self,
-        task_type: str | None = None,
-        task_id: int | None = None,
-        rpc_layer: str | None = None,
-    ) -> str:
-        """Returns the task's address with ``rpc_layer://``; ``""`` when no task is known.
-
-        ``task_type`` and ``task_id`` default to this process's; ``rpc_layer``
-        to the resolver's.
-
-        Raises:
-            TaskNotFoundError: the task is not in the cluster.
-        """
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is None or task_id is None:
-            return ""
-        address = self._cluster_spec.task_address(task_type, task_id)
-        return format_master_url(address, rpc_layer or self.rpc_layer)
 
     def num_accelerators(
         self,

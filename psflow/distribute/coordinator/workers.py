@@ -11,15 +11,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
 import grpc
 
-from psflow import errors
+from psflow import errors, settings
 from psflow.distribute.coordinator import closure as closure_lib
 from psflow.distribute.coordinator.remote_value import PerWorkerArgument, RemoteValue
 from psflow.util import nest
@@ -39,16 +39,7 @@ CHANNEL_OPTIONS = [
 
 def closure_timeout() -> float:
     """Seconds one closure may run on a worker (``PSFLOW_CLOSURE_TIMEOUT``, default 3600)."""
-    raw = os.environ.get("PSFLOW_CLOSURE_TIMEOUT", "3600")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise errors.InvalidArgumentError(
-            f"PSFLOW_CLOSURE_TIMEOUT must be a number, got {raw!r}"
-        ) from None
-    if value <= 0:
-        raise errors.InvalidArgumentError(f"PSFLOW_CLOSURE_TIMEOUT must be > 0, got {raw!r}")
-    return value
+    return settings.current().closure_timeout
 
 
 @dataclasses.dataclass
@@ -163,6 +154,10 @@ class GrpcWorker(Worker):
             ``psflow.security.config.SecurityConfig``; default: the environment's).
         credentials: channel credentials overriding ``security``'s TLS.
         metadata: extra metadata sent with every call (after ``security``'s token).
+        training: the strategy's training mode (a ``SyncConfig``), sent with
+            every closure; None: the worker keeps its own.
+        compression: the strategy's push compression (a codec name, or variable
+            name -> codec), sent with the training mode.
     """
 
     def __init__(
@@ -173,6 +168,8 @@ class GrpcWorker(Worker):
         security: Any = None,
         credentials: Any = None,
         metadata: tuple = (),
+        training: Any = None,
+        compression: Any = None,
     ) -> None:
         super().__init__(index, f"worker:{index}")
         self.max_in_flight = 2
@@ -182,6 +179,17 @@ class GrpcWorker(Worker):
         from psflow.security.grpc_auth import open_channel
 
         self._pb = worker_pb2
+        self._training = (
+            None
+            if training is None
+            else worker_pb2.TrainingMode(
+                mode=training.mode,
+                num_workers=training.num_workers,
+                sync_timeout=training.timeout,
+                compression=compression if isinstance(compression, str) else "",
+                compression_by_variable=(compression if isinstance(compression, Mapping) else None),
+            )
+        )
         self.address = address
         self._security = default_security() if security is None else security
         if credentials is not None:
@@ -234,6 +242,7 @@ class GrpcWorker(Worker):
                 arguments=arg_bytes,
                 resource_key=closure.resource_key or "",
                 step=closure.step,
+                training=self._training,
             )
             reply = self._call(self._stub.RunClosure, request, self._timeout)
             if reply.function_missing:

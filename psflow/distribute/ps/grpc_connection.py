@@ -20,6 +20,7 @@ import numpy as np
 from psflow import errors
 from psflow.compression import ErrorFeedback
 from psflow.distribute.ps.connection import Grad, PSConnection, PushReply, VarSpec
+from psflow.ps import write_ops
 from psflow.transport import codec, shm
 from psflow.transport.client import PSClient
 
@@ -165,10 +166,9 @@ class GrpcPSConnection(PSConnection):
                     self._payload = shm.PayloadBuffer()
                 try:
                     reply = self.client.push(payload, shm_buffer=self._payload, **kwargs)
-                except (errors.NotFoundError, errors.InvalidArgumentError) as e:
-                    if "shared-memory" not in str(e) and "segment" not in str(e):
-                        raise
-                    # the PS cannot see our segment (another host after all): plain gRPC
+                except errors.UnimplementedError as e:
+                    # shm.SegmentUnreachableError at the PS: it cannot see our segment
+                    # (another host or container after all), and applied nothing
                     log.info("%s: pushes go over gRPC (%s)", self.task, e)
                     self._shm = False
                     reply = self.client.push(payload, **kwargs)
@@ -185,11 +185,8 @@ class GrpcPSConnection(PSConnection):
         values: Sequence[np.ndarray],
         request_id: tuple[str, int] | None = None,
     ) -> list[int]:
-        method = {
-            "assign": self.client.assign,
-            "assign_add": self.client.assign_add,
-            "assign_sub": self.client.assign_sub,
-        }[op]
+        # PSClient names its public write methods after the ops (one table: write_ops)
+        method = getattr(self.client, write_ops.check(op))
         # the caller's id travels to the PS: a re-run closure's write is applied once
         versions = method(dict(zip(names, values)), request_id=request_id)
         return [versions[n] for n in names]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -22,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,18 @@ def using(session: PSSession) -> Iterator[PSSession]:
 def set_default(session: PSSession | None) -> None:
     """Makes ``session`` the process default (the chief's)."""
     _default[0] = session
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingMode:
+    """What a chief's closure tells the worker that runs it: how its pushes are applied.
+
+    ``compression``: the push codec of dense gradients (a name, or variable name ->
+    name; see :mod:`psflow.compression`), or None.
+    """
+
+    sync: SyncConfig
+    compression: str | Mapping[str, str] | None = None
 
 
 class SyncConfig:
@@ -329,7 +342,7 @@ class PSSession:
     # -- writes ------------------------------------------------------------------------
     def write(self, handle: Any, op: str, value: Any) -> None:
         """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
-        arr = _contiguous(backend.to_numpy(to_array(value)).astype(handle.np_dtype, copy=False))
+        arr = backend.to_contiguous_numpy(to_array(value).astype(handle.np_dtype, copy=False))
         ps = handle.ps_index
         (version,) = self.connections[ps].write(
             op, [handle.key], [arr], request_id=self._next_id(ps)
@@ -360,13 +373,15 @@ class PSSession:
                 indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
                 g = Grad(
                     h.key,
-                    _contiguous(values.reshape((indices.size, *h.shape_tuple[1:]))),
+                    backend.to_contiguous_numpy(values.reshape((indices.size, *h.shape_tuple[1:]))),
                     indices,
                     self._versions.get(h.key, -1),
                 )
             else:
                 values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
-                g = Grad(h.key, _contiguous(values), None, self._versions.get(h.key, -1))
+                g = Grad(
+                    h.key, backend.to_contiguous_numpy(values), None, self._versions.get(h.key, -1)
+                )
             grads.setdefault(h.ps_index, []).append(g)
         if to_configure:
             self._on_each(
@@ -502,9 +517,3 @@ class PSSession:
             {ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)}
         )
         return [results[ps] for ps in sorted(results)]
-
-
-def _contiguous(array: Any) -> np.ndarray:
-    """A C-contiguous host array of the same shape (0-d stays 0-d, unlike ``np.ascontiguousarray``)."""
-    array = np.asarray(array)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

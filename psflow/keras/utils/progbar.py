@@ -6,14 +6,15 @@ prints one line when the target is reached, so logs stay readable.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any, TextIO
 
+from psflow import settings
+
 
 def _is_interactive(stream: TextIO) -> bool:
-    if os.environ.get("PSFLOW_PROGBAR") == "plain":
+    if settings.current().plain_progbar:
         return False
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty()) or "ipykernel" in sys.modules

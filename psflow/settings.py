@@ -1,0 +1,140 @@
+"""Process-wide settings that come from the environment, parsed in one place.
+
+Library code never reads ``os.environ`` itself: it asks :func:`current` for a
+frozen :class:`ProcessSettings`, parsed once per distinct environment (so a
+test that changes a variable sees the change), and tests may pass their own
+``environ`` mapping.  Security settings live in :mod:`psflow.security.config`,
+the coordinator's in :mod:`psflow.distribute.coordinator.config`.
+
+Variables:
+
+* ``PSFLOW_NUM_CPU_DEVICES`` — logical CPU devices (default 1);
+* ``PSFLOW_MALLOC_TUNING`` — ``0`` keeps glibc's malloc defaults;
+* ``PSFLOW_SHM`` — ``0`` turns the shared-memory data path off;
+* ``PSFLOW_PROGBAR`` — ``plain``: progress bars print lines, never redraw;
+* ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600).
+
+Example:
+    >>> s = ProcessSettings.from_environment({"PSFLOW_NUM_CPU_DEVICES": "4", "PSFLOW_SHM": "off"})
+    >>> (s.num_cpu_devices, s.shm, s.closure_timeout)
+    (4, False, 3600.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+from psflow.errors import InvalidArgumentError
+
+__all__ = [
+    "ENV_CLOSURE_TIMEOUT",
+    "ENV_MALLOC_TUNING",
+    "ENV_NUM_CPU_DEVICES",
+    "ENV_PROGBAR",
+    "ENV_SHM",
+    "PerEnvironment",
+    "ProcessSettings",
+    "current",
+]
+
+ENV_NUM_CPU_DEVICES = "PSFLOW_NUM_CPU_DEVICES"
+ENV_MALLOC_TUNING = "PSFLOW_MALLOC_TUNING"
+ENV_SHM = "PSFLOW_SHM"
+ENV_PROGBAR = "PSFLOW_PROGBAR"
+ENV_CLOSURE_TIMEOUT = "PSFLOW_CLOSURE_TIMEOUT"
+_NAMES = (ENV_NUM_CPU_DEVICES, ENV_MALLOC_TUNING, ENV_SHM, ENV_PROGBAR, ENV_CLOSURE_TIMEOUT)
+_OFF = ("0", "false", "no", "off")
+T = TypeVar("T")
+
+
+def _number(
+    env: Mapping[str, str], name: str, default: str, kind: type, what: str, rule: str
+) -> Any:
+    """``kind(env[name])``, which must satisfy ``rule`` (``">= 1"`` or ``"> 0"``).
+
+    Raises:
+        InvalidArgumentError: not a number of ``kind``, or breaking ``rule`` (quoted).
+    """
+    raw = env.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be {what}, got {raw!r}") from None
+    bound = float(rule.split()[1])
+    if not (value >= bound if rule.startswith(">=") else value > bound):
+        raise InvalidArgumentError(f"{name} must be {rule}, got {value!r}")
+    return value
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    """On unless the variable says off (``0``, ``false``, ``no``, ``off``)."""
+    return env.get(name, "1").strip().lower() not in _OFF
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+    """What the ``PSFLOW_*`` process variables say (see the module doc)."""
+
+    num_cpu_devices: int = 1
+    malloc_tuning: bool = True
+    shm: bool = True
+    plain_progbar: bool = False
+    closure_timeout: float = 3600.0
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
+        """Parses ``environ`` (``os.environ`` by default).
+
+        Raises:
+            InvalidArgumentError: a variable holds a value it cannot (quoted, with its name).
+        """
+        env = os.environ if environ is None else environ
+        cpus = _number(env, ENV_NUM_CPU_DEVICES, "1", int, "an integer", ">= 1")
+        timeout = _number(env, ENV_CLOSURE_TIMEOUT, "3600", float, "a number", "> 0")
+        return cls(
+            num_cpu_devices=cpus,
+            malloc_tuning=_switch(env, ENV_MALLOC_TUNING),
+            shm=_switch(env, ENV_SHM),
+            plain_progbar=env.get(ENV_PROGBAR) == "plain",
+            closure_timeout=timeout,
+        )
+
+
+class PerEnvironment(Generic[T]):
+    """``parse(environ)``, computed once per distinct value of the variables ``names``.
+
+    Library code asks for its configuration often; the environment changes
+    rarely (tests change it), so the parsed object is kept per set of values.
+    """
+
+    def __init__(self, names: Sequence[str], parse: Callable[[Mapping[str, str]], T]) -> None:
+        self._names = tuple(names)
+        self._parse = parse
+        self._cache: dict[tuple[str | None, ...], T] = {}
+
+    def __call__(self, environ: Mapping[str, str] | None = None) -> T:
+        """The parsed configuration of ``environ`` (``os.environ`` by default)."""
+        env = os.environ if environ is None else environ
+        key = tuple(env.get(n) for n in self._names)
+        value = self._cache.get(key)
+        if value is None:
+            value = self._parse(env)
+            if len(self._cache) > 64:  # a long test session may go through many environments
+                self._cache.clear()
+            self._cache[key] = value
+        return value
+
+
+_current = PerEnvironment(_NAMES, ProcessSettings.from_environment)
+
+
+def current(environ: Mapping[str, str] | None = None) -> ProcessSettings:
+    """The settings ``environ`` (``os.environ``) describes, parsed once per distinct value.
+
+    Raises:
+        InvalidArgumentError: see :meth:`ProcessSettings.from_environment`.
+    """
+    return _current(environ)
