@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from psflow.ps.push_types import Gradient, PushContext, PushReply
+
 
 @dataclasses.dataclass(frozen=True)
 class VarSpec:
@@ -24,24 +26,8 @@ class VarSpec:
     trainable: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Grad:
-    """One gradient of a push: dense ``values``, or rows ``values`` at ``indices``."""
-
-    name: str
-    values: np.ndarray
-    indices: np.ndarray | None = None
-    base_version: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class PushReply:
-    """A PS's answer to a push."""
-
-    versions: tuple[int, ...]
-    applied: bool
-    duplicate: bool = False
-    staleness: tuple[int, ...] = ()
+# The session builds its gradients in the store's own type: one shape end to end.
+Grad = Gradient
 
 
 class PSConnection(abc.ABC):
@@ -64,17 +50,12 @@ class PSConnection(abc.ABC):
         """Values (or rows, for the items in ``rows``) and their versions."""
 
     @abc.abstractmethod
-    def push(
-        self,
-        grads: Sequence[Grad],
-        *,
-        push_id: tuple[str, int],
-        step: int | None = None,
-        num_required: int = 0,
-        wait_applied: bool = False,
-        timeout: float | None = None,
-    ) -> PushReply:
-        """Applies gradients through the variables' rules, once per ``push_id``."""
+    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+        """Applies gradients through the variables' rules, once per ``context.push_id``.
+
+        Every backend hands ``context`` (the caller's exactly-once id among it)
+        to the PS as given, never an id of its own.
+        """
 
     @abc.abstractmethod
     def write(

@@ -29,9 +29,10 @@ import numpy as np
 
 from psflow import backend, errors
 from psflow.distribute.ps import recovery
-from psflow.distribute.ps.connection import Grad, PSConnection, VarSpec
+from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
+from psflow.ps.push_types import Gradient, PushContext
 
 PREFETCH_LIMIT_BYTES = 16 << 20
 
@@ -348,7 +349,7 @@ class PSSession:
         config = optimizer.rule.get_config()
         config_json = json.dumps(config, sort_keys=True)
         to_configure: dict[int, list[str]] = {}
-        grads: dict[int, list[Grad]] = {}
+        grads: dict[int, list[Gradient]] = {}
         for grad, var in pairs:
             if hasattr(grad, "_is_per_replica"):
                 grad = grad.values[0]  # already all-reduced: every replica holds the same
@@ -358,7 +359,7 @@ class PSSession:
             if isinstance(grad, IndexedSlices):
                 values = backend.to_numpy(grad._values).astype(h.np_dtype, copy=False)
                 indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
-                g = Grad(
+                g = Gradient(
                     h.key,
                     _contiguous(values.reshape((indices.size, *h.shape_tuple[1:]))),
                     indices,
@@ -366,7 +367,7 @@ class PSSession:
                 )
             else:
                 values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
-                g = Grad(h.key, _contiguous(values), None, self._versions.get(h.key, -1))
+                g = Gradient(h.key, _contiguous(values), None, self._versions.get(h.key, -1))
             grads.setdefault(h.ps_index, []).append(g)
         if to_configure:
             self._on_each(
@@ -390,16 +391,15 @@ class PSSession:
                 "(coordinator.schedule or model.fit)"
             )
 
-        def push(ps: int, items: list[Grad]) -> Any:
-            call = functools.partial(
-                self.connections[ps].push,
-                items,
+        def push(ps: int, items: list[Gradient]) -> Any:
+            context = PushContext(
                 push_id=self._next_id(ps),
                 step=step_id,
                 num_required=self.sync.num_workers if sync else 0,
                 wait_applied=sync,
                 timeout=self.sync.timeout if sync else None,
             )
+            call = functools.partial(self.connections[ps].push, items, context)
             if not sync:
                 return call()
             # held at the PS until every worker's gradient of this step arrived: say so
