@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, errors
+from psflow.distribute.protocols import DistributedValues, UpdateGroup
 from psflow.distribute.ps import recovery
 from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.framework.indexed_slices import IndexedSlices
@@ -102,7 +103,7 @@ class SyncConfig:
         self.progress_every = progress_every
 
 
-class PSSession:
+class PSSession(UpdateGroup):
     """Connections to every PS task and the state of this process's reads and pushes.
 
     Args:
@@ -144,6 +145,8 @@ class PSSession:
         )
         self.bytes_pulled = 0
         self.bytes_pushed = 0
+        # the ParameterServerStrategy this session serves, set by that strategy
+        self.strategy: Any = None
         self._watch = recovery.WaitWatch(self.sync.progress_every, log)
 
     # -- plumbing ----------------------------------------------------------------------
@@ -351,7 +354,7 @@ class PSSession:
         to_configure: dict[int, list[str]] = {}
         grads: dict[int, list[Gradient]] = {}
         for grad, var in pairs:
-            if hasattr(grad, "_is_per_replica"):
+            if isinstance(grad, DistributedValues):
                 grad = grad.values[0]  # already all-reduced: every replica holds the same
             h = var
             if self._configured.get(h.key) != config_json:
