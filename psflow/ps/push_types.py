@@ -9,6 +9,7 @@ and the servicer decodes it back into the same type).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,9 @@ class PushContext:
         num_required: contributions the PS waits for before applying ``step``.
         wait_applied: answer only once the step is applied.
         timeout: how long the PS may hold the push at a barrier (seconds).
+        rule: the update rule's config (:mod:`psflow.update_rules`) the
+            gradients are to be applied with, learning rate included (``None``:
+            whatever rule the variables have).
     """
 
     push_id: tuple[str, int]
@@ -55,6 +59,7 @@ class PushContext:
     num_required: int = 0
     wait_applied: bool = False
     timeout: float | None = None
+    rule: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

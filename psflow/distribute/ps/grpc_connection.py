@@ -50,6 +50,7 @@ class GrpcPSConnection(PSConnection):
         security: Any = None,
         compression: ErrorFeedback | None = None,
     ) -> None:
+        super().__init__()
         self.task = task
         self.compression = compression
         self.address = address
@@ -134,7 +135,7 @@ class GrpcPSConnection(PSConnection):
         arrays, versions = self.client.pull(list(names), return_versions=True)
         return list(zip(arrays, versions))
 
-    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         ef = self.compression
         if ef is not None:  # dense values travel encoded; what rounding lost waits for the next
             grads = [

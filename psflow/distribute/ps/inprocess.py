@@ -23,6 +23,7 @@ class InProcessPSConnection(PSConnection):
     """
 
     def __init__(self, store: VariableStore | None = None, task: str = "ps:0") -> None:
+        super().__init__()
         self.store = store or VariableStore(task=task)
         self.task = task
 
@@ -40,7 +41,7 @@ class InProcessPSConnection(PSConnection):
     ) -> list[tuple[np.ndarray, int]]:
         return [(t.value, t.version) for t in self.store.pull(list(names), rows)]
 
-    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         return self.store.push(
             grads,
             push_id=context.push_id,

@@ -17,7 +17,6 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
-import json
 import logging
 import threading
 import time
@@ -132,7 +131,6 @@ class PSSession(UpdateGroup):
         self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
         self._versions: dict[str, int] = {}
         self._cache_lock = threading.RLock()
-        self._configured: dict[str, str] = {}
         self._step: int | None = None
         self._closure: tuple[str, dict[int, int]] | None = None
         self._dirty_metrics: dict[int, Any] = {}
@@ -349,16 +347,12 @@ class PSSession(UpdateGroup):
     # -- optimizer updates ---------------------------------------------------------------
     def apply_optimizer(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int) -> None:
         """Pushes ``(gradient, variable)`` pairs; each PS applies ``optimizer``'s rule."""
-        config = optimizer.rule.get_config()
-        config_json = json.dumps(config, sort_keys=True)
-        to_configure: dict[int, list[str]] = {}
+        rule = optimizer.rule.get_config()  # the rate at this step: the push carries it
         grads: dict[int, list[Gradient]] = {}
         for grad, var in pairs:
             if isinstance(grad, DistributedValues):
                 grad = grad.values[0]  # already all-reduced: every replica holds the same
             h = var
-            if self._configured.get(h.key) != config_json:
-                to_configure.setdefault(h.ps_index, []).append(h.key)
             if isinstance(grad, IndexedSlices):
                 values = backend.to_numpy(grad._values).astype(h.np_dtype, copy=False)
                 indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
@@ -372,20 +366,6 @@ class PSSession(UpdateGroup):
                 values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
                 g = Gradient(h.key, _contiguous(values), None, self._versions.get(h.key, -1))
             grads.setdefault(h.ps_index, []).append(g)
-        if to_configure:
-            self._on_each(
-                {
-                    ps: (
-                        lambda names=names, ps=ps: self.connections[ps].configure_optimizer(
-                            names, config
-                        )
-                    )
-                    for ps, names in to_configure.items()
-                }
-            )
-            for names in to_configure.values():
-                for n in names:
-                    self._configured[n] = config_json
         sync = self.sync.mode == "sync"
         step_id = self._step if sync else None
         if sync and step_id is None:
@@ -401,6 +381,7 @@ class PSSession(UpdateGroup):
                 num_required=self.sync.num_workers if sync else 0,
                 wait_applied=sync,
                 timeout=self.sync.timeout if sync else None,
+                rule=rule,
             )
             call = functools.partial(self.connections[ps].push, items, context)
             if not sync:
@@ -457,7 +438,8 @@ class PSSession(UpdateGroup):
             if names_per_ps is None or (names_per_ps.get(ps))
         }
         steps = self._on_each(work)
-        self._configured.clear()
+        for connection in self.connections:
+            connection.forget_rules()
         self._invalidate()
         return max(steps.values()) if steps else 0
 
