@@ -20,6 +20,7 @@ import psflow as pf
 from psflow import errors
 from psflow.distribute.ps.connection import Grad, VarSpec
 from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+from psflow.ps.push_types import PushContext
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +65,8 @@ def test_push_with_a_repeated_push_id_is_applied_once_by_the_ps_process(connecti
     connection.create([VarSpec("w", np.dtype("float32"), (4,), True)], [np.ones(4, np.float32)])
     connection.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 0.5})
     grad = [Grad("w", np.ones(4, np.float32))]
-    first = connection.push(grad, push_id=("closure-3/ps0", 1))
-    again = connection.push(grad, push_id=("closure-3/ps0", 1))
+    first = connection.push(grad, PushContext(("closure-3/ps0", 1)))
+    again = connection.push(grad, PushContext(("closure-3/ps0", 1)))
     assert first.applied and not first.duplicate
     assert again.duplicate and again.versions == first.versions
     np.testing.assert_allclose(_value(connection, "w"), np.full(4, 0.5, np.float32))
@@ -200,3 +201,17 @@ def test_rerun_closure_whose_writes_reached_the_ps_counts_its_metric_assign_add_
     assert got == pytest.approx((8.0, 8.0 / 3.0, 3.0))
     # the re-run's gradient push carried its first run's id too: applied once
     np.testing.assert_allclose(weight.numpy(), [-8.0, -3.0])
+
+
+def test_push_context_id_is_honoured_by_the_in_process_backend_too():
+    from psflow.distribute.ps.inprocess import InProcessPSConnection
+
+    conn = InProcessPSConnection()
+    conn.create([VarSpec("w", np.dtype("float32"), (4,), True)], [np.ones(4, np.float32)])
+    conn.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 0.5})
+    grad = [Grad("w", np.ones(4, np.float32))]
+    first = conn.push(grad, PushContext(("closure-3/ps0", 1)))
+    again = conn.push(grad, PushContext(("closure-3/ps0", 1)))
+    other = conn.push(grad, PushContext(("closure-3/ps0", 2)))
+    assert first.applied and again.duplicate and not other.duplicate
+    np.testing.assert_allclose(conn.pull(["w"])[0][0], np.zeros(4, np.float32))

@@ -16,6 +16,7 @@ from psflow import errors
 from psflow.distribute.ps.connection import Grad, VarSpec
 from psflow.distribute.ps.grpc_connection import GrpcPSConnection
 from psflow.proto import ps_pb2
+from psflow.ps.push_types import PushContext
 from psflow.transport import codec, framing, shm
 from psflow.transport.service import method_path
 
@@ -92,7 +93,7 @@ def test_pulls_and_pushes_go_through_shared_memory_and_match_grpc(start_ps):
         assert fast._mirrors["w"] is not None  # the value came from the PS's mirror
         np.testing.assert_array_equal(pulled, value)
         grad = np.ones((3, 4), np.float32)
-        fast.push([Grad("w", grad)], push_id=("t", 1))
+        fast.push([Grad("w", grad)], PushContext(("t", 1)))
         assert fast._payload is not None  # the gradient went through our segment
         ((after, version),) = fast.pull(["w"])
         np.testing.assert_array_equal(after, value - 0.5)
@@ -135,7 +136,7 @@ def test_a_large_mixed_push_in_chunks_equals_the_same_push_over_grpc(start_ps):
             conn.create(specs, list(values.values()))
             conn.configure_optimizer(list(values), {"name": "adam", "learning_rate": 0.01})
             for i, g in enumerate(grads):
-                conn.push([Grad(k, v) for k, v in g.items()], push_id=("t", i))
+                conn.push([Grad(k, v) for k, v in g.items()], PushContext(("t", i)))
             assert (conn._payload is not None) == use_shm
             results.append([a for a, _ in conn.pull(list(values))])
         finally:
@@ -284,7 +285,7 @@ def test_a_push_segment_the_client_did_not_create_is_refused(planted_ps, tmp_pat
             assert info.value.code() == code, info.value.details()
             assert time.monotonic() - start < 10  # a FIFO does not block the open
         # nothing applied, and our own shared-memory pushes still go through
-        conn.push([Grad(var, np.ones(2, np.float32))], push_id=(var, 1))
+        conn.push([Grad(var, np.ones(2, np.float32))], PushContext((var, 1)))
         assert conn._payload is not None
         ((v, _),) = conn.pull([var])
         assert v.tolist() == [-1.0, -1.0]

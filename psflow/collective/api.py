@@ -71,6 +71,9 @@ class CrossDeviceOps(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    #: Whether a strategy may fuse this all-reduce with the optimizer's update on host
+    #: arrays (:meth:`Communicator.reduce_and_update`, each rank updating its range).
+    fuses_updates: ClassVar[bool] = False
 
     def __init__(
         self,

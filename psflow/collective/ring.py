@@ -70,6 +70,7 @@ class RingAllReduce(CrossDeviceOps):
     """
 
     name = "ring"
+    fuses_updates = True  # the reduce-scatter half is what reduce_and_update runs
 
     def _all_reduce_job(
         self,

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from psflow import errors
 from psflow.distribute import reduce_util
+from psflow.distribute.protocols import GroupUpdated, UpdateGroup
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.framework import variable as variable_lib
 from psflow.util import nest
@@ -178,6 +180,8 @@ class StrategyExtended:
 
     def __init__(self, container_strategy: Strategy) -> None:
         self._container_strategy_ref = container_strategy
+        # the variables created in scope, by id (weakly: a registry must not keep them)
+        self._created: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     def _container_strategy(self) -> Strategy:
         return self._container_strategy_ref
@@ -197,7 +201,7 @@ class StrategyExtended:
 
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether ``v`` was created under this strategy."""
-        return getattr(v, "_distribute_strategy", None) is self._container_strategy_ref
+        return self._created.get(id(v)) is v
 
     def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager:
         """Accepted for compatibility; placement follows the strategy's own rules."""
@@ -225,6 +229,52 @@ class StrategyExtended:
     def read_var(self, v: Any) -> Any:
         """``v``'s value as a tensor, aggregated across replicas for a sync-on-read variable."""
         return v.read_value()
+
+    def metric_backing(self, metric: Any) -> Any:
+        """Where a metric created in this strategy's scope keeps its state (None: in itself)."""
+        return None
+
+    def keras_runner(self, model: Any) -> Any:
+        """A runner for ``model.fit`` and friends (None: the engine picks by strategy)."""
+        return None
+
+    def apply_update(
+        self,
+        optimizer: Any,
+        step: int,
+        grads_and_vars: Sequence[tuple[Any, Any]],
+        *,
+        aggregate: bool = True,
+    ) -> bool:
+        """Applies an optimizer's clipped ``(gradient, variable)`` pairs as update ``step``.
+
+        The one place a strategy decides how updates happen; the optimizer
+        clips, then calls this. Here (one replica, or cross-replica context):
+        a plain variable is updated in place with the optimizer's rule; a
+        :class:`~psflow.distribute.protocols.GroupUpdated` one goes, with the
+        others of its group, to its :class:`~psflow.distribute.protocols.UpdateGroup`
+        (a PS session pushes them; a mirrored strategy updates every copy).
+        A ``None`` gradient skips its variable. ``aggregate`` matters only to
+        strategies with several replicas.
+
+        Returns:
+            Whether any variable was updated (the optimizer then counts the step).
+        """
+        local: list[tuple[Any, Any]] = []
+        groups: dict[int, tuple[UpdateGroup, list[tuple[Any, Any]]]] = {}
+        for g, v in grads_and_vars:
+            if g is None:  # no replica had a gradient for it (merged without aggregation)
+                continue
+            if isinstance(v, GroupUpdated):
+                group = v.update_group
+                groups.setdefault(id(group), (group, []))[1].append((g, v))
+            else:
+                local.append((g, v))
+        for g, v in local:
+            optimizer._apply_local(v, g, step)
+        for group, pairs in groups.values():
+            group.apply_optimizer(optimizer, pairs, step)
+        return bool(local or groups)
 
 
 class Strategy:
@@ -256,8 +306,8 @@ class Strategy:
 
     def _variable_creator(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         v = self._extended._create_variable(next_creator, **kwargs)
-        with contextlib.suppress(AttributeError):
-            v._distribute_strategy = self
+        with contextlib.suppress(TypeError):  # a kind that cannot be weakly referenced
+            self._extended._created[id(v)] = v
         return v
 
     @contextlib.contextmanager
@@ -397,30 +447,6 @@ class ReplicaContext:
         """Runs ``merge_fn(strategy, *args)`` once in cross-replica context; every replica gets its result."""
         with _enter(_Context(self._strategy, None)):
             return merge_fn(self._strategy, *args, **(kwargs or {}))
-
-    def _all_reduce_gradients(self, grads: list[Any], variables: list[Any]) -> list[Any]:
-        """Sums gradients across replicas, ``None`` where no replica has one (one replica: as is)."""
-        return list(grads)
-
-    def _apply_in_replica(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> bool:
-        """Applies already-reduced gradients to this replica's own copies, without a merge.
-
-        Returns False (nothing applied) where the strategy needs ``merge_call``;
-        the answer must depend on the variables only, so every replica agrees.
-        """
-        return False
-
-    def _reduce_and_apply(
-        self, optimizer: Any, grads: list[Any], variables: list[Any], step: int
-    ) -> int | None:
-        """Sums this replica's gradients with the others' and applies them, in one collective.
-
-        ``grads`` may hold ``None`` (no gradient on this replica). Returns how many
-        variables were updated, or None (nothing done) where the strategy has no
-        such fused path; the answer must depend on the variables only, so every
-        replica agrees.
-        """
-        return None
 
     def __enter__(self) -> ReplicaContext:
         _stack().append(_Context(self._strategy, self))

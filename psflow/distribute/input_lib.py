@@ -109,8 +109,6 @@ def _unwrap_single(value: PerReplica) -> Any:
 class DistributedDataset:
     """A dataset of global batches, split across replicas at each step."""
 
-    _is_distributed_dataset = True
-
     def __init__(self, dataset: Any, devices: list[backend.Device]) -> None:
         self._dataset = dataset
         self._devices = devices
@@ -136,8 +134,6 @@ class DistributedDataset:
 
 class DistributedDatasetsFromFunction:
     """A per-replica-batched dataset from ``dataset_fn``; replicas take consecutive elements."""
-
-    _is_distributed_dataset = True
 
     def __init__(
         self, dataset_fn: Callable[[Any], Any], input_context: Any, devices: list[backend.Device]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,8 +32,8 @@ from psflow.collective import (
     create_cross_device_ops,
     default_cross_device_ops,
 )
-from psflow.collective.ring import RingAllReduce
 from psflow.distribute import distribute_lib, input_lib, reduce_util
+from psflow.distribute.protocols import GroupUpdated, UpdateGroup
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.replica_pool import ReplicaPool, available_cores
 from psflow.distribute.sync_on_read import SyncOnReadVariable, check_aggregation
@@ -269,7 +269,7 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         another kind (a parameter server's) take the merge path.
         """
         extended = self._strategy.extended
-        if any(getattr(v, "_update_group", None) is not extended for _, v in pairs):
+        if not all(_is_mirrored_here(v, extended) for _, v in pairs):
             return False
         i = self._replica_id
         with backend.device(extended._devices[i]):
@@ -300,7 +300,7 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         if not strategy._fused_update or strategy.num_replicas_in_sync < 2:
             return None
         for v in variables:
-            if getattr(v, "_update_group", None) is not extended or v.constraint is not None:
+            if not _is_mirrored_here(v, extended) or v.constraint is not None:
                 return None
             if any(
                 type(c._value) is not np.ndarray or not c._value.flags.c_contiguous
@@ -340,7 +340,7 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         return sum(done)
 
 
-class MirroredExtended(distribute_lib.StrategyExtended):
+class MirroredExtended(distribute_lib.StrategyExtended, UpdateGroup):
     """MirroredStrategy's internals: mirrored variables and their updates."""
 
     def __init__(self, strategy: MirroredStrategy, devices: list[backend.Device]) -> None:
@@ -405,6 +405,60 @@ class MirroredExtended(distribute_lib.StrategyExtended):
         if on_read:
             return SyncOnReadVariable(self._container_strategy(), copies, aggregation=aggregation)
         return MirroredVariable(self._container_strategy(), copies, aggregation=aggregation)
+
+    def apply_update(
+        self,
+        optimizer: Any,
+        step: int,
+        grads_and_vars: Sequence[tuple[Any, Any]],
+        *,
+        aggregate: bool = True,
+    ) -> bool:
+        """Chooses how a replica's update happens; every replica calls it with its gradients.
+
+        In a replica of this strategy with several replicas, in order:
+
+        1. fused: the cross-device ops fuse updates (``fuses_updates``, the ring
+           on CPU devices) and every variable is mirrored here: one collective
+           sums and applies (:meth:`MirroredReplicaContext._reduce_and_apply`);
+        2. all-reduce (ring or NCCL, as configured), then each replica updates
+           its own copies, when every variable is mirrored here;
+        3. otherwise (a parameter server's variables on a multi-device worker,
+           or ``aggregate=False``) one ``merge_call`` hands the gradients to
+           the cross-replica update (:meth:`StrategyExtended.apply_update`).
+
+        Each choice depends on the variables and the options only, so every
+        replica takes the same. Elsewhere (cross-replica context, one replica)
+        it is the base class's update.
+        """
+        ctx = distribute_lib.get_replica_context()
+        strategy = self._container_strategy()
+        if not (
+            isinstance(ctx, MirroredReplicaContext)
+            and ctx.strategy is strategy
+            and strategy.num_replicas_in_sync > 1
+        ):
+            return super().apply_update(optimizer, step, grads_and_vars, aggregate=aggregate)
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        if aggregate:
+            applied = ctx._reduce_and_apply(optimizer, grads, variables, step)
+            if applied is not None:
+                return applied > 0
+            reduced = ctx._all_reduce_gradients(grads, variables)
+            pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
+            if not pairs:
+                return False
+            if ctx._apply_in_replica(optimizer, pairs, step):
+                return True
+            grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+
+        def merged(strategy: Any, gs: Any, vs: list[Any]) -> bool:
+            # regrouped: a list of PerReplica (or shared) gradients, one per variable
+            per_var = gs if isinstance(gs, list) else [gs] * len(vs)
+            return strategy.extended.apply_update(optimizer, step, list(zip(per_var, vs)))
+
+        return bool(ctx.merge_call(merged, args=(grads, variables)))
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
         """Applies reduced gradients to every replica's copy (called in cross-replica context).
@@ -511,7 +565,7 @@ class MirroredStrategy(distribute_lib.Strategy):
         self._options = options
         # The ring's work on CPU devices, fused with the optimizer's update (see
         # MirroredReplicaContext._reduce_and_apply); other ops keep their own algorithm.
-        self._fused_update = type(ops) is RingAllReduce and not any(d.is_gpu for d in parsed)
+        self._fused_update = ops.fuses_updates and not any(d.is_gpu for d in parsed)
         self._reset_collectives()
         self._pool: ReplicaPool | None = None
         self._pool_lock = threading.Lock()
@@ -732,3 +786,8 @@ def _zeros_for(variable: Any) -> Any:
     """Zeros shaped like ``variable``, on this replica's device: a missing gradient."""
     xp = backend.xp_for(backend.current_device())
     return xp.zeros(tuple(variable.shape), dtype=variable.dtype.np)
+
+
+def _is_mirrored_here(variable: Any, extended: MirroredExtended) -> bool:
+    """Whether ``variable``'s copies belong to this strategy (not a PS's, not another's)."""
+    return isinstance(variable, GroupUpdated) and variable.update_group is extended

@@ -71,7 +71,8 @@ class PSExtended(distribute_lib.StrategyExtended):
         self._next_ps = itertools.count()
         self._names: dict[str, int] = {}
         self._names_lock = threading.Lock()
-        self._coordinator: Any = None
+        # the strategy's ClusterCoordinator, once one was created (there is one at most)
+        self.coordinator: Any = None
 
     @property
     def num_ps(self) -> int:
@@ -183,15 +184,11 @@ class PSExtended(distribute_lib.StrategyExtended):
             return functools.partial(_call_dataset_fn, dataset_fn, num_workers, self._num_replicas)
         return functools.partial(_replicate_dataset, dataset_fn)
 
-    def _metric_backing(self, metric: Any) -> Any:
+    def metric_backing(self, metric: Any) -> Any:
         """Puts a metric's state on the parameter servers (metrics created in scope)."""
         from psflow.distribute.ps.metric_state import PSMetricState
 
         return PSMetricState(metric, self._container_strategy())
-
-    def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
-        """Pushes gradients (the session groups them per PS task)."""
-        self._session.apply_optimizer(optimizer, pairs, step)
 
 
 def _for_local_replicas(dataset: Any, per_replica_elements: bool = False) -> Any:
@@ -201,8 +198,7 @@ def _for_local_replicas(dataset: Any, per_replica_elements: bool = False) -> Any
     with ``per_replica_elements`` consecutive elements go to the replicas in turn
     (``distribute_datasets_from_function``). One device: the dataset as it is.
     """
-    session = session_lib.current()
-    strategy = getattr(session, "strategy", None)
+    strategy = session_lib.current().strategy
     if strategy is None or strategy.num_replicas_in_sync <= 1:
         return dataset
     mirrored = strategy._mirrored()
@@ -239,8 +235,6 @@ def _call_dataset_fn(
 
 class _PSDistributedDataset:
     """What ``experimental_distribute_dataset`` returns: sharded per worker when scheduled."""
-
-    _is_distributed_dataset = False
 
     def __init__(self, dataset: Any) -> None:
         self._dataset = dataset

@@ -39,6 +39,7 @@ import numpy as np
 
 from psflow import backend, errors
 from psflow.distribute import distribute_lib
+from psflow.distribute.protocols import ReplicatedVariable
 from psflow.framework import variable as variable_lib
 from psflow.framework.tensor import TensorShape
 
@@ -58,7 +59,7 @@ def check_aggregation(aggregation: Aggregation, dtype: Any, name: str) -> None:
         )
 
 
-class SyncOnReadVariable(variable_lib.Variable):
+class SyncOnReadVariable(variable_lib.Variable, ReplicatedVariable):
     """A variable with one copy per replica, combined by its aggregation when read.
 
     Args:
@@ -78,7 +79,6 @@ class SyncOnReadVariable(variable_lib.Variable):
         self._constraint = first.constraint
         self._synchronization = variable_lib.VariableSynchronization.ON_READ
         self._aggregation = Aggregation(aggregation)
-        self._distribute_strategy = strategy
 
     # -- which copy ------------------------------------------------------------------
     @property
@@ -105,8 +105,8 @@ class SyncOnReadVariable(variable_lib.Variable):
         return self._array()
 
     @property
-    def _update_group(self) -> Any:
-        # a trainable one is updated copy by copy, as a mirrored variable
+    def update_group(self) -> Any:
+        """The strategy's extended object: a trainable one is updated copy by copy."""
         return self._strategy_ref.extended
 
     def _aggregate(self) -> Any:

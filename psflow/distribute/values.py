@@ -13,13 +13,14 @@ from typing import Any
 
 from psflow import errors
 from psflow.distribute import distribute_lib
+from psflow.distribute.protocols import DistributedValues, ReplicatedVariable
 from psflow.distribute.sync_on_read import SyncOnReadVariable
 from psflow.framework import variable as variable_lib
 from psflow.framework.tensor import TensorShape
 from psflow.util import nest
 
 
-class PerReplica:
+class PerReplica(DistributedValues):
     """One value per replica (TensorFlow's ``PerReplica``).
 
     Example:
@@ -27,8 +28,6 @@ class PerReplica:
         >>> PerReplica((1, 2)).values
         (1, 2)
     """
-
-    _is_per_replica = True
 
     def __init__(self, values: Any) -> None:
         self._values = tuple(values)
@@ -107,7 +106,7 @@ def local_results(value: Any, num_replicas: int) -> tuple[Any, ...]:
     return tuple(pick(i) for i in range(num_replicas))
 
 
-class MirroredVariable(variable_lib.Variable):
+class MirroredVariable(variable_lib.Variable, ReplicatedVariable):
     """A variable with one synchronized copy per replica device.
 
     Args:
@@ -130,7 +129,6 @@ class MirroredVariable(variable_lib.Variable):
         self._constraint = first.constraint
         self._synchronization = first.synchronization
         self._aggregation = aggregation
-        self._distribute_strategy = strategy
 
     # -- which copy ------------------------------------------------------------------
     @property
@@ -155,7 +153,8 @@ class MirroredVariable(variable_lib.Variable):
         return self._array()
 
     @property
-    def _update_group(self) -> Any:
+    def update_group(self) -> Any:
+        """The strategy's extended object: it updates every copy."""
         return self._strategy_ref.extended
 
     # -- writes ----------------------------------------------------------------------

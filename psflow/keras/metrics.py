@@ -77,9 +77,12 @@ class Metric:
         if self._initial_state() is not None and not getattr(_local, "force_local", False):
             from psflow.distribute import distribute_lib
 
-            backing = getattr(distribute_lib.get_strategy().extended, "_metric_backing", None)
-            if backing is not None:
-                self._ps = backing(self)
+            self._ps = distribute_lib.get_strategy().extended.metric_backing(self)
+
+    @property
+    def ps_backing(self) -> Any:
+        """The parameter-server state of a metric created in such a scope, else None."""
+        return self._ps
 
     # -- state ---------------------------------------------------------------------------
     def _initial_state(self) -> list[np.ndarray] | None:

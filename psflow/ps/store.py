@@ -59,6 +59,7 @@ from psflow.update_rules import dedupe_rows, rule_from_config
 from . import write_ops
 from .dedup import DedupWindow, State
 from .names import check_name, quote
+from .push_types import Gradient, PushReply
 from .stats import PushLogEntry, Stats
 from .tensors import Segments, as_segments, check_extent
 from .variables import PendingStep, Variable, VariableMeta
@@ -66,7 +67,7 @@ from .variables import PendingStep, Variable, VariableMeta
 __all__ = [
     "Gradient",
     "PulledTensor",
-    "PushResult",
+    "PushReply",
     "VariableInfo",
     "VariableMeta",
     "VariableStore",
@@ -85,35 +86,6 @@ def _bounded_wait(timeout: float | None) -> float:
     if timeout is None or not timeout < MAX_WAIT_SECONDS:  # also catches NaN
         return MAX_WAIT_SECONDS
     return max(0.0, float(timeout))
-
-
-@dataclasses.dataclass(frozen=True)
-class Gradient:
-    """One gradient of a push.
-
-    ``values`` is dense (the variable's shape; an array or :class:`Segments`)
-    unless ``indices`` is given, then it holds those rows.
-    """
-
-    name: str
-    values: Any
-    indices: np.ndarray | None = None
-    base_version: int = -1
-
-    @property
-    def sparse(self) -> bool:
-        """Whether the gradient is given as rows."""
-        return self.indices is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class PushResult:
-    """Reply to a push."""
-
-    versions: tuple[int, ...]
-    applied: bool
-    duplicate: bool = False
-    staleness: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,7 +523,7 @@ class VariableStore:
         wait_applied: bool = False,
         max_staleness: int | None = None,
         timeout: float | None = None,
-    ) -> PushResult:
+    ) -> PushReply:
         """Applies (or, for a sync step, contributes) gradients, exactly once per id.
 
         Args:
@@ -573,7 +545,7 @@ class VariableStore:
             checked = self._validate_push(grads, step, num_required)
         client_id = push_id[0]
 
-        def run() -> PushResult:
+        def run() -> PushReply:
             with self._rejecting(), self._locked([c[0] for c in checked]):
                 if step is None:
                     return self._apply_async(checked, client_id, max_staleness)
@@ -587,7 +559,7 @@ class VariableStore:
             )
         return result
 
-    def _apply_async(self, checked, client_id, max_staleness) -> PushResult:
+    def _apply_async(self, checked, client_id, max_staleness) -> PushReply:
         staleness = []
         for var, g, _, _ in checked:
             s = var.version - g.base_version if g.base_version >= 0 else -1
@@ -608,9 +580,9 @@ class VariableStore:
             entries.append(PushLogEntry(var.meta.name, client_id, g.base_version, var.version))
         self.stats.add(bytes_in=sum(_grad_bytes(c) for c in checked))
         self.stats.record_push(entries, staleness)
-        return PushResult(tuple(c[0].version for c in checked), True, False, tuple(staleness))
+        return PushReply(tuple(c[0].version for c in checked), True, False, tuple(staleness))
 
-    def _contribute(self, checked, push_id, step, num_required) -> PushResult:
+    def _contribute(self, checked, push_id, step, num_required) -> PushReply:
         for var, _, _, _ in checked:
             if step <= var.sync_step:
                 err = AbortedError(
@@ -639,7 +611,7 @@ class VariableStore:
                 applied_all = False
         self.stats.add(bytes_in=sum(_grad_bytes(c) for c in checked))
         self.stats.record_push([], [])
-        return PushResult(tuple(c[0].version for c in checked), applied_all)
+        return PushReply(tuple(c[0].version for c in checked), applied_all)
 
     def _apply_step(self, var: Variable, step: int, pending: PendingStep) -> None:
         """Applies the mean of a complete step (lock held) and drops older steps."""

@@ -62,6 +62,7 @@ from psflow.errors import (
     error_class,
 )
 from psflow.proto import ps_pb2
+from psflow.ps.push_types import Gradient, PushReply
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
 from psflow.security.probe import diagnose_unavailable
@@ -92,16 +93,6 @@ class RetryPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
-class PushReply:
-    """What the PS answered to a push."""
-
-    versions: tuple[int, ...]
-    applied: bool
-    duplicate: bool
-    staleness: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class VariableDescription:
     """A variable as the PS describes it."""
 
@@ -116,6 +107,42 @@ class VariableDescription:
     sync_step: int
     # the PS's shared-memory mirror of the value (same host), or "": where, not what
     shm_name: str = dataclasses.field(default="", compare=False)
+
+
+def _as_gradients(
+    grads: Mapping[str, Any] | Sequence[Gradient],
+    base_versions: Mapping[str, int] | Sequence[int] | None,
+) -> list[Gradient]:
+    """A push's gradients in their one shape; the mapping short form converted here.
+
+    Raises:
+        InvalidArgumentError: base versions given twice (items carry their own)
+            or a list of them whose length differs from the gradients'.
+    """
+    if not isinstance(grads, Mapping):
+        items = list(grads)
+        if base_versions is not None:
+            raise InvalidArgumentError(
+                "base_versions given with Gradient items, which carry their own base version"
+            )
+        return items
+    names = list(grads)
+    if isinstance(base_versions, Mapping):
+        bases = [int(base_versions.get(n, -1)) for n in names]
+    elif base_versions is not None:
+        bases = [int(b) for b in base_versions]
+        if len(bases) != len(names):
+            raise InvalidArgumentError(f"{len(bases)} base versions for {len(names)} grads")
+    else:
+        bases = [-1] * len(names)
+    out = []
+    for name, base in zip(names, bases):
+        g = grads[name]
+        if isinstance(g, tuple):
+            out.append(Gradient(name, g[1], g[0], base))
+        else:
+            out.append(Gradient(name, g, None, base))
+    return out
 
 
 def _identity(b: bytes) -> bytes:
@@ -616,7 +643,7 @@ class PSClient:
     # -- pushes ------------------------------------------------------------------------
     def push(
         self,
-        grads: Mapping[str, Any],
+        grads: Mapping[str, Any] | Sequence[Gradient],
         *,
         push_id: tuple[str, int] | int | None = None,
         base_versions: Mapping[str, int] | Sequence[int] | None = None,
@@ -631,7 +658,9 @@ class PSClient:
         """Pushes gradients of several variables in one RPC, applied exactly once.
 
         Args:
-            grads: ``{name: dense_array}`` or ``{name: (indices, rows)}`` for sparse.
+            grads: :class:`~psflow.ps.push_types.Gradient` items (each with its
+                base version), or the short form ``{name: dense_array}`` /
+                ``{name: (indices, rows)}`` for sparse.
             push_id: ``(client_id, sequence)`` or a sequence number of this client;
                 default a fresh one.  A retry with the same id is applied once.
             base_versions: the versions the gradients were computed from.
@@ -658,16 +687,9 @@ class PSClient:
             push_id = self.next_request_id()
         elif isinstance(push_id, int):
             push_id = (self.client_id, push_id)
-        names = list(grads)
+        items = _as_gradients(grads, base_versions)
+        names = [g.name for g in items]
         codecs = self._push_codecs(names, compression)
-        if isinstance(base_versions, Mapping):
-            bases = [int(base_versions.get(n, -1)) for n in names]
-        elif base_versions is not None:
-            bases = [int(b) for b in base_versions]
-            if len(bases) != len(names):
-                raise InvalidArgumentError(f"{len(bases)} base versions for {len(names)} grads")
-        else:
-            bases = [-1] * len(names)
         header = ps_pb2.PushHeader(wait_applied=wait_applied)
         header.id.client_id, header.id.sequence = push_id
         if step is not None:
@@ -676,7 +698,9 @@ class PSClient:
         if max_staleness is not None:
             header.max_staleness = int(max_staleness)
         arrays: list[np.ndarray] = []
-        for name, base, g in zip(names, bases, (grads[n] for n in names), strict=True):
+        for item in items:
+            name, base = item.name, item.base_version
+            g = item.values if item.indices is None else (item.indices, item.values)
             if codecs[name] is not None and not isinstance(g, _compression.Encoded):
                 if isinstance(g, tuple):
                     raise InvalidArgumentError(f"compression of sparse gradient {name!r}")

@@ -78,14 +78,20 @@ class ClusterCoordinator(Recovery):
         TypeError: ``strategy`` is not a ParameterServerStrategy.
     """
 
+    _initialized = False  # set once __init__ ran: a second construction returns the first
+
     def __new__(cls, strategy: Any) -> ClusterCoordinator:
-        existing = getattr(getattr(strategy, "extended", None), "_coordinator", None)
-        if existing is not None:
-            return existing
+        from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
+
+        if (
+            isinstance(strategy, ParameterServerStrategy)
+            and strategy.extended.coordinator is not None
+        ):
+            return strategy.extended.coordinator
         return super().__new__(cls)
 
     def __init__(self, strategy: Any) -> None:
-        if getattr(self, "_initialized", False):
+        if self._initialized:
             return
         from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 
@@ -141,7 +147,7 @@ class ClusterCoordinator(Recovery):
         self._threads.append(
             threading.Thread(target=self._watch_stragglers, name="stragglers", daemon=True)
         )
-        strategy.extended._coordinator = self
+        strategy.extended.coordinator = self
         self._initialized = True
         _alive.add(self)
         for t in self._threads:

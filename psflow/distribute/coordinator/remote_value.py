@@ -128,8 +128,6 @@ class PerWorkerValues:
     component of the worker it runs on.
     """
 
-    _is_per_worker = True
-
     def __init__(
         self, values: tuple[Any, ...], coordinator: Any = None, kind: str = "value"
     ) -> None:

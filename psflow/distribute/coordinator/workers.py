@@ -21,7 +21,11 @@ import grpc
 
 from psflow import errors, settings
 from psflow.distribute.coordinator import closure as closure_lib
-from psflow.distribute.coordinator.remote_value import PerWorkerArgument, RemoteValue
+from psflow.distribute.coordinator.remote_value import (
+    PerWorkerArgument,
+    PerWorkerValues,
+    RemoteValue,
+)
 from psflow.util import nest
 
 #: gRPC options for every psflow channel: no 4 MB cap (psflow streams big tensors itself).
@@ -69,7 +73,7 @@ class Closure:
         def pick(x: Any) -> Any:
             if isinstance(x, PerWorkerArgument):
                 return x.for_worker(worker_index)
-            if getattr(x, "_is_per_worker", False):
+            if isinstance(x, PerWorkerValues):
                 x = x.values[worker_index]
             return x.get() if isinstance(x, RemoteValue) else x
 

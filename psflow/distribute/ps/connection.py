@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from psflow.ps.push_types import Gradient, PushContext, PushReply
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,30 +27,18 @@ class VarSpec:
     trainable: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Grad:
-    """One gradient of a push: dense ``values``, or rows ``values`` at ``indices``."""
-
-    name: str
-    values: np.ndarray
-    indices: np.ndarray | None = None
-    base_version: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class PushReply:
-    """A PS's answer to a push."""
-
-    versions: tuple[int, ...]
-    applied: bool
-    duplicate: bool = False
-    staleness: tuple[int, ...] = ()
+# The session builds its gradients in the store's own type: one shape end to end.
+Grad = Gradient
 
 
 class PSConnection(abc.ABC):
     """The operations a session needs from one PS task."""
 
     task: str
+
+    def __init__(self) -> None:
+        # the rule (as JSON) each variable was last given through this connection
+        self._rules: dict[str, str] = {}
 
     @abc.abstractmethod
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
@@ -63,18 +54,31 @@ class PSConnection(abc.ABC):
     ) -> list[tuple[np.ndarray, int]]:
         """Values (or rows, for the items in ``rows``) and their versions."""
 
+    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+        """Applies gradients with ``context.rule``, once per ``context.push_id``.
+
+        The PS keeps one rule per variable, so a rule that differs from the one
+        last given (a schedule's new learning rate) is configured first, for
+        the variables of this push only. ``context`` (the caller's
+        exactly-once id among it) reaches the PS as given, never with an id of
+        the backend's own.
+        """
+        if context.rule is not None:
+            rule_json = json.dumps(dict(context.rule), sort_keys=True)
+            stale = [g.name for g in grads if self._rules.get(g.name) != rule_json]
+            if stale:
+                self.configure_optimizer(stale, dict(context.rule))
+                for name in stale:
+                    self._rules[name] = rule_json
+        return self._push(grads, context)
+
+    def forget_rules(self) -> None:
+        """Forgets which rules were given: the PS replaced its state (a restore)."""
+        self._rules.clear()
+
     @abc.abstractmethod
-    def push(
-        self,
-        grads: Sequence[Grad],
-        *,
-        push_id: tuple[str, int],
-        step: int | None = None,
-        num_required: int = 0,
-        wait_applied: bool = False,
-        timeout: float | None = None,
-    ) -> PushReply:
-        """Applies gradients through the variables' rules, once per ``push_id``."""
+    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+        """Sends the push to the PS (the rule, if any, is in place)."""
 
     @abc.abstractmethod
     def write(

@@ -9,6 +9,7 @@ that path, goes over gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,8 +20,9 @@ import numpy as np
 
 from psflow import errors
 from psflow.compression import ErrorFeedback
-from psflow.distribute.ps.connection import Grad, PSConnection, PushReply, VarSpec
+from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.ps import write_ops
+from psflow.ps.push_types import Gradient, PushContext, PushReply
 from psflow.transport import codec, shm
 from psflow.transport.client import PSClient
 
@@ -49,6 +51,7 @@ class GrpcPSConnection(PSConnection):
         security: Any = None,
         compression: ErrorFeedback | None = None,
     ) -> None:
+        super().__init__()
         self.task = task
         self.compression = compression
         self.address = address
@@ -133,32 +136,22 @@ class GrpcPSConnection(PSConnection):
         arrays, versions = self.client.pull(list(names), return_versions=True)
         return list(zip(arrays, versions))
 
-    def push(
-        self,
-        grads: Sequence[Grad],
-        *,
-        push_id: tuple[str, int],
-        step: int | None = None,
-        num_required: int = 0,
-        wait_applied: bool = False,
-        timeout: float | None = None,
-    ) -> PushReply:
+    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         ef = self.compression
-        payload = {
-            g.name: (
-                (g.values if ef is None else ef.encode(g.name, codec.to_host(g.values)))
-                if g.indices is None
-                else (g.indices, g.values)
-            )
-            for g in grads
-        }
+        if ef is not None:  # dense values travel encoded; what rounding lost waits for the next
+            grads = [
+                g
+                if g.indices is not None
+                else dataclasses.replace(g, values=ef.encode(g.name, codec.to_host(g.values)))
+                for g in grads
+            ]
+        payload = list(grads)
         kwargs = {
-            "push_id": push_id,
-            "base_versions": [g.base_version for g in grads],
-            "step": step,
-            "num_required": num_required or None,
-            "wait_applied": wait_applied,
-            "timeout": timeout,
+            "push_id": context.push_id,
+            "step": context.step,
+            "num_required": context.num_required or None,
+            "wait_applied": context.wait_applied,
+            "timeout": context.timeout,
         }
         if self._shm:
             with self._shm_lock:  # one payload segment: one push at a time through it
@@ -174,9 +167,7 @@ class GrpcPSConnection(PSConnection):
                     reply = self.client.push(payload, **kwargs)
         else:
             reply = self.client.push(payload, **kwargs)
-        return PushReply(
-            tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness)
-        )
+        return reply
 
     def write(
         self,

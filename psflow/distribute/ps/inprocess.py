@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from psflow.distribute.ps.connection import Grad, PSConnection, PushReply, VarSpec
+from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.ps.checkpoint import restore_shard, save_shard
-from psflow.ps.store import Gradient, VariableMeta, VariableStore
+from psflow.ps.push_types import Gradient, PushContext, PushReply
+from psflow.ps.store import VariableMeta, VariableStore
 
 
 class InProcessPSConnection(PSConnection):
@@ -22,6 +23,7 @@ class InProcessPSConnection(PSConnection):
     """
 
     def __init__(self, store: VariableStore | None = None, task: str = "ps:0") -> None:
+        super().__init__()
         self.store = store or VariableStore(task=task)
         self.task = task
 
@@ -39,27 +41,14 @@ class InProcessPSConnection(PSConnection):
     ) -> list[tuple[np.ndarray, int]]:
         return [(t.value, t.version) for t in self.store.pull(list(names), rows)]
 
-    def push(
-        self,
-        grads: Sequence[Grad],
-        *,
-        push_id: tuple[str, int],
-        step: int | None = None,
-        num_required: int = 0,
-        wait_applied: bool = False,
-        timeout: float | None = None,
-    ) -> PushReply:
-        converted = [Gradient(g.name, g.values, g.indices, g.base_version) for g in grads]
-        result = self.store.push(
-            converted,
-            push_id=push_id,
-            step=step,
-            num_required=num_required,
-            wait_applied=wait_applied,
-            timeout=timeout,
-        )
-        return PushReply(
-            tuple(result.versions), result.applied, result.duplicate, tuple(result.staleness)
+    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+        return self.store.push(
+            grads,
+            push_id=context.push_id,
+            step=context.step,
+            num_required=context.num_required,
+            wait_applied=context.wait_applied,
+            timeout=context.timeout,
         )
 
     def write(

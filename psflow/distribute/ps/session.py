@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import json
 import logging
 import threading
 import time
@@ -29,10 +28,12 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, errors
+from psflow.distribute.protocols import DistributedValues, UpdateGroup
 from psflow.distribute.ps import recovery
-from psflow.distribute.ps.connection import Grad, PSConnection, VarSpec
+from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
+from psflow.ps.push_types import Gradient, PushContext
 
 PREFETCH_LIMIT_BYTES = 16 << 20
 
@@ -114,7 +115,7 @@ class SyncConfig:
         self.progress_every = progress_every
 
 
-class PSSession:
+class PSSession(UpdateGroup):
     """Connections to every PS task and the state of this process's reads and pushes.
 
     Args:
@@ -143,7 +144,6 @@ class PSSession:
         self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
         self._versions: dict[str, int] = {}
         self._cache_lock = threading.RLock()
-        self._configured: dict[str, str] = {}
         self._step: int | None = None
         self._closure: tuple[str, dict[int, int]] | None = None
         self._dirty_metrics: dict[int, Any] = {}
@@ -156,6 +156,8 @@ class PSSession:
         )
         self.bytes_pulled = 0
         self.bytes_pushed = 0
+        # the ParameterServerStrategy this session serves, set by that strategy
+        self.strategy: Any = None
         self._watch = recovery.WaitWatch(self.sync.progress_every, log)
 
     # -- plumbing ----------------------------------------------------------------------
@@ -358,20 +360,16 @@ class PSSession:
     # -- optimizer updates ---------------------------------------------------------------
     def apply_optimizer(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int) -> None:
         """Pushes ``(gradient, variable)`` pairs; each PS applies ``optimizer``'s rule."""
-        config = optimizer.rule.get_config()
-        config_json = json.dumps(config, sort_keys=True)
-        to_configure: dict[int, list[str]] = {}
-        grads: dict[int, list[Grad]] = {}
+        rule = optimizer.rule.get_config()  # the rate at this step: the push carries it
+        grads: dict[int, list[Gradient]] = {}
         for grad, var in pairs:
-            if hasattr(grad, "_is_per_replica"):
+            if isinstance(grad, DistributedValues):
                 grad = grad.values[0]  # already all-reduced: every replica holds the same
             h = var
-            if self._configured.get(h.key) != config_json:
-                to_configure.setdefault(h.ps_index, []).append(h.key)
             if isinstance(grad, IndexedSlices):
                 values = backend.to_numpy(grad._values).astype(h.np_dtype, copy=False)
                 indices = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
-                g = Grad(
+                g = Gradient(
                     h.key,
                     backend.to_contiguous_numpy(values.reshape((indices.size, *h.shape_tuple[1:]))),
                     indices,
@@ -379,24 +377,10 @@ class PSSession:
                 )
             else:
                 values = backend.to_numpy(to_array(grad)).astype(h.np_dtype, copy=False)
-                g = Grad(
+                g = Gradient(
                     h.key, backend.to_contiguous_numpy(values), None, self._versions.get(h.key, -1)
                 )
             grads.setdefault(h.ps_index, []).append(g)
-        if to_configure:
-            self._on_each(
-                {
-                    ps: (
-                        lambda names=names, ps=ps: self.connections[ps].configure_optimizer(
-                            names, config
-                        )
-                    )
-                    for ps, names in to_configure.items()
-                }
-            )
-            for names in to_configure.values():
-                for n in names:
-                    self._configured[n] = config_json
         sync = self.sync.mode == "sync"
         step_id = self._step if sync else None
         if sync and step_id is None:
@@ -405,16 +389,16 @@ class PSSession:
                 "(coordinator.schedule or model.fit)"
             )
 
-        def push(ps: int, items: list[Grad]) -> Any:
-            call = functools.partial(
-                self.connections[ps].push,
-                items,
+        def push(ps: int, items: list[Gradient]) -> Any:
+            context = PushContext(
                 push_id=self._next_id(ps),
                 step=step_id,
                 num_required=self.sync.num_workers if sync else 0,
                 wait_applied=sync,
                 timeout=self.sync.timeout if sync else None,
+                rule=rule,
             )
+            call = functools.partial(self.connections[ps].push, items, context)
             if not sync:
                 return call()
             # held at the PS until every worker's gradient of this step arrived: say so
@@ -469,7 +453,8 @@ class PSSession:
             if names_per_ps is None or (names_per_ps.get(ps))
         }
         steps = self._on_each(work)
-        self._configured.clear()
+        for connection in self.connections:
+            connection.forget_rules()
         self._invalidate()
         return max(steps.values()) if steps else 0
 

@@ -14,13 +14,14 @@ import numpy as np
 
 from psflow import backend, dtypes, errors
 from psflow.distribute.partitioners import shard_sizes
+from psflow.distribute.protocols import GroupUpdated
 from psflow.distribute.ps import session as session_lib
 from psflow.framework import variable as variable_lib
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, TensorShape, to_array
 
 
-class PSVariable(variable_lib.Variable):
+class PSVariable(variable_lib.Variable, GroupUpdated):
     """A variable whose value lives on parameter-server task ``ps_index``.
 
     Args:
@@ -77,7 +78,8 @@ class PSVariable(variable_lib.Variable):
         return f"/job:ps/replica:0/task:{self.ps_index}/device:CPU:0"
 
     @property
-    def _update_group(self) -> Any:
+    def update_group(self) -> Any:
+        """The PS session: it pushes this variable's gradients to its task."""
         return self._session
 
     def _mark_sparse_access(self) -> None:
@@ -129,9 +131,9 @@ class PSVariable(variable_lib.Variable):
             raise errors.InvalidArgumentError(
                 f"{op} on {self.name} of shape {list(self.shape_tuple)} got shape {list(arr.shape)}"
             )
-        if (
-            getattr(value, "_is_variable", False) or type(value) is Tensor
-        ) and arr.dtype != self.np_dtype:
+        # a typed value must match; a Python number or NumPy array is cast, as TF does
+        typed = isinstance(value, (Tensor, variable_lib.Variable, GroupUpdated))
+        if typed and arr.dtype != self.np_dtype:
             raise errors.InvalidArgumentError(
                 f"{op} on {self.name} of dtype {self._dtype.name} got dtype {arr.dtype.name}"
             )

@@ -49,7 +49,7 @@ def _is_dataset(x: Any) -> bool:
 
 def is_distributed(x: Any) -> bool:
     """Whether ``x`` came from ``strategy.experimental_distribute_dataset`` or the like."""
-    return getattr(x, "_is_distributed_dataset", False)
+    return isinstance(x, (input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction))
 
 
 def _to_numpy(value: Any, what: str) -> Any:

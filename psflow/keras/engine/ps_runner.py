@@ -1,7 +1,7 @@
 """Keras ``fit``/``evaluate``/``predict`` under ParameterServerStrategy: steps as closures.
 
 The chief hands out the data (see :mod:`psflow.keras.engine.ps_batches`): each
-step closure carries the batch it trains, the learning rate and the step it
+step closure carries the batch it trains, the optimizer's schedule and the step it
 trains at, so a closure re-run elsewhere (its worker died, froze or is late)
 trains the same batch once, and a schedule gives the same per-step learning
 rates as in one process. Results are consumed as they complete, from any
@@ -25,6 +25,7 @@ from typing import Any
 
 from psflow import errors
 from psflow.keras.engine import data_adapter, ps_batches
+from psflow.keras.engine.runner import Runner
 
 
 class _StepProgram:
@@ -39,17 +40,18 @@ class _StepProgram:
         self,
         reader: Any,
         batch: ps_batches.Batch | None,
-        learning_rate: float | None = None,
         step: int | None = None,
+        schedule: Any = None,
     ) -> Any:
         model = self.model
         data = None if batch is None else reader.read(batch)
         if data is None:
             return (batch, None, False)
-        if learning_rate is not None and model.optimizer is not None:
-            # The chief's schedule evaluated at this closure's own step: a re-run or an
-            # out-of-order step trains with the rate it would have had in one process.
-            model.optimizer.learning_rate = learning_rate
+        if step is not None and model.optimizer is not None:
+            # This closure's own step, and the chief's schedule as it is now (a callback may
+            # have set a new rate): the worker's optimizer evaluates the rate at that step,
+            # so a re-run or an out-of-order step trains as it would have in one process.
+            model.optimizer.learning_rate = schedule
             model.optimizer.iterations = step
         if not self.in_process:
             model.reset_metrics()
@@ -67,16 +69,6 @@ def _for_local_replicas(data: Any) -> Any:
     return next(iter(split([data])))
 
 
-def _learning_rate_at(optimizer: Any, step: int) -> float:
-    """``optimizer.learning_rate`` as it is at ``step`` (a schedule is evaluated there)."""
-    current = int(optimizer.iterations)
-    optimizer.iterations = step
-    try:
-        return float(optimizer.learning_rate)
-    finally:
-        optimizer.iterations = current
-
-
 def _predict_batch(model: Any, x: Any) -> Any:
     y = model.distribute_strategy.run(model.predict_step, args=((x,),))
     from psflow.util import nest
@@ -84,8 +76,10 @@ def _predict_batch(model: Any, x: Any) -> Any:
     return nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, y)
 
 
-class PSRunner:
+class PSRunner(Runner):
     """Runs Keras steps as closures on the strategy's workers."""
+
+    recovers_from_ps_loss = True
 
     def __init__(self, model: Any, strategy: Any) -> None:
         from psflow.distribute.coordinator import ClusterCoordinator
@@ -201,10 +195,10 @@ class PSRunner:
         model = self.model
         optimizer = model.optimizer if kind == "train" else None
         base_step = int(optimizer.iterations) if optimizer is not None else 0
-        # Remote workers train a copy of the optimizer: they get the rate and step with
-        # each closure. The chief as its own worker trains this very optimizer, which
-        # counts its steps and evaluates its schedule itself.
-        carry_rate = optimizer is not None and not self.in_process
+        # Remote workers train a copy of the optimizer: each closure carries its step and
+        # the schedule, which the copy evaluates there. The chief as its own worker trains
+        # this very optimizer, which counts its steps and evaluates its schedule itself.
+        carry_step = optimizer is not None and not self.in_process
         # Enough closures in flight that a frozen or slow worker holding a few of them
         # does not starve the others; the coordinator bounds its own queue too.
         window = 4 * self.num_workers
@@ -219,11 +213,12 @@ class PSRunner:
                 and not model.stop_training
             ):
                 on_begin(scheduled)
-                lr = step = None
-                if carry_rate:
-                    step = base_step + scheduled
-                    lr = _learning_rate_at(optimizer, step)
-                rv = self.coordinator.schedule(program, args=(on_workers, plan.ticket(), lr, step))
+                step = schedule = None
+                if carry_step:
+                    step, schedule = base_step + scheduled, optimizer.learning_rate_schedule
+                rv = self.coordinator.schedule(
+                    program, args=(on_workers, plan.ticket(), step, schedule)
+                )
                 rv.add_done_callback(completed.put)
                 pending += 1
                 scheduled += 1
@@ -244,7 +239,7 @@ class PSRunner:
                 for metric, state in zip(model.metrics, states):
                     metric.merge_state(state)
             done += 1
-            if carry_rate:
+            if carry_step:
                 optimizer.iterations = base_step + done
             on_end(done - 1, model._current_logs())
         self.coordinator.join()

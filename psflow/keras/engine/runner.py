@@ -1,6 +1,6 @@
 """How one training (or evaluation) step runs: the seam between Keras and the strategies.
 
-``fit`` asks the active strategy for a runner (``strategy.extended._keras_runner``);
+``fit`` asks the active strategy for a runner (``strategy.extended.keras_runner``);
 the default runs steps in this process, in the strategy's replica context.
 MirroredStrategy splits each batch across its replicas, and
 ParameterServerStrategy schedules steps on workers through the coordinator.
@@ -8,13 +8,51 @@ ParameterServerStrategy schedules steps on workers through the coordinator.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from psflow import backend, errors
 
 
-class LocalRunner:
+class Runner(abc.ABC):
+    """What ``fit``, ``evaluate`` and ``predict`` need from a strategy's way of running steps."""
+
+    #: whether :meth:`wait_for_parameter_servers` can wait out a lost PS task
+    recovers_from_ps_loss: ClassVar[bool] = False
+
+    def prepare(self, source: Any) -> Any:
+        """The batches as this runner consumes them (as they are by default)."""
+        return source
+
+    def steps_estimate(self, source: Any) -> int | None:
+        """Steps of an epoch, when known (for the progress bar)."""
+        return getattr(source, "steps", None)  # a public attribute some sources have
+
+    @abc.abstractmethod
+    def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
+        """Trains one epoch; returns the steps trained."""
+
+    @abc.abstractmethod
+    def test_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
+        """Evaluates one epoch; returns the steps run."""
+
+    @abc.abstractmethod
+    def predict(self, source: Any, steps: int | None, callbacks: Any) -> list[Any]:
+        """Predictions, one entry per step."""
+
+    def wait_for_parameter_servers(self, config: Any = None) -> None:
+        """After a PS loss: returns once the PS tasks serve again.
+
+        Raises:
+            FailedPreconditionError: this runner has no parameter servers to wait for.
+        """
+        raise errors.FailedPreconditionError(
+            f"{type(self).__name__} trains without parameter servers"
+        )
+
+
+class LocalRunner(Runner):
     """Runs each step here, through ``strategy.run`` (one replica by default)."""
 
     def __init__(self, model: Any, strategy: Any) -> None:
@@ -202,10 +240,10 @@ class MirroredRunner(LocalRunner):
 
 
 def runner_for(model: Any, strategy: Any) -> LocalRunner:
-    """The runner for ``strategy``: a strategy may provide ``extended._keras_runner(model)``."""
-    make = getattr(strategy.extended, "_keras_runner", None)
-    if make is not None:
-        return make(model)
+    """The runner for ``strategy``: a strategy may provide ``extended.keras_runner(model)``."""
+    provided = strategy.extended.keras_runner(model)
+    if provided is not None:
+        return provided
     from psflow.distribute.mirrored_strategy import MirroredStrategy
     from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 

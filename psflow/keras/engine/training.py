@@ -113,9 +113,7 @@ class Model(Layer):
                 ]
             routes = [None] * len(compiled)
         # a metric the user built in a parameter-server scope: fit keeps a local twin of it
-        self._compiled_metrics = [
-            m if getattr(m, "_ps", None) is None else _local_twin(m) for m in compiled
-        ]
+        self._compiled_metrics = [m if m.ps_backing is None else _local_twin(m) for m in compiled]
         self._metric_outputs = routes
         self._unwrap_single = len(names) == 1
         self._compile_config = {
@@ -327,11 +325,8 @@ class Model(Layer):
             )
         self._ensure_built(train)
         runner = self._runner()
-        source = runner.prepare(train) if hasattr(runner, "prepare") else train
-        estimate = getattr(runner, "steps_estimate", None)
-        steps = steps_per_epoch or (
-            estimate(source) if estimate else getattr(source, "steps", None)
-        )
+        source = runner.prepare(train)
+        steps = steps_per_epoch or runner.steps_estimate(source)
         history = callbacks_lib.History()
         cb_list = list(callbacks or [])
         if verbose:
@@ -384,8 +379,7 @@ class Model(Layer):
                 off), or the PS did not come back in time; names the task.
         """
         task = error.task or ""
-        recover = getattr(runner, "wait_for_parameter_servers", None)
-        if not task.startswith("ps") or recover is None:
+        if not task.startswith("ps") or not runner.recovers_from_ps_loss:
             raise error
         if not backups:
             raise errors.PSUnavailableError(
@@ -406,7 +400,7 @@ class Model(Layer):
             config.ps_timeout,
             ENV_PS_TIMEOUT,
         )
-        recover(config)
+        runner.wait_for_parameter_servers(config)
         resumed = backups[0].restore()
         events.publish(events.EventKind.PS_RESTORED, task, f"{task} restored from the backup")
         return resumed if resumed is not None else 0
@@ -414,7 +408,7 @@ class Model(Layer):
     def _evaluate_source(self, source: Any, steps: int | None, cbs: Any) -> dict[str, float]:
         self._ensure_built(source)
         runner = self._runner()
-        source = runner.prepare(source) if hasattr(runner, "prepare") else source
+        source = runner.prepare(source)
         self.reset_metrics()
         cbs.on_test_begin()
         runner.test_epoch(source, steps, cbs)
@@ -471,7 +465,7 @@ class Model(Layer):
         source = data_adapter.make_batches(x, None, None, batch_size, False, steps, "predict")
         self._ensure_built(source)
         runner = self._runner()
-        source = runner.prepare(source) if hasattr(runner, "prepare") else source
+        source = runner.prepare(source)
         cbs = callbacks_lib.CallbackList(list(callbacks or []), self, {"steps": steps})
         cbs.on_predict_begin()
         outputs = runner.predict(source, steps, cbs)

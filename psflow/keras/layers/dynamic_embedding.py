@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, dtypes, errors
+from psflow.distribute.protocols import GroupUpdated, UpdateGroup
 from psflow.distribute.ps import session as session_lib
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, TensorShape, to_array
@@ -43,10 +44,10 @@ from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddin
 __all__ = ["DynamicEmbedding", "DynamicTableHandle"]
 
 
-class _Backend:
+class _Backend(UpdateGroup):
     """A table client and the optimizer hook that pushes its gradients.
 
-    It is the ``_update_group`` of every table it serves: the optimizer hands
+    It is the ``update_group`` of every table it serves: the optimizer hands
     it all of a step's ``(IndexedSlices, handle)`` pairs at once.
     """
 
@@ -111,7 +112,7 @@ def _session_ids(ref: Any) -> Any:
     return request_id
 
 
-class DynamicTableHandle:
+class DynamicTableHandle(GroupUpdated):
     """The trainable "variable" of a :class:`DynamicEmbedding`: a reference to a
     dynamic table, never its rows.
 
@@ -157,7 +158,8 @@ class DynamicTableHandle:
         return self._trainable
 
     @property
-    def _update_group(self) -> _Backend:
+    def update_group(self) -> _Backend:
+        """The backend that pushes this table's gradient rows."""
         return self.backend
 
     @property

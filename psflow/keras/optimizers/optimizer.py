@@ -16,6 +16,7 @@ import numpy as np
 
 from psflow import backend, errors, update_rules
 from psflow.distribute import distribute_lib
+from psflow.distribute.protocols import GroupUpdated, ReplicatedVariable
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
@@ -92,6 +93,15 @@ class Optimizer:
         self._learning_rate = self._check_lr(value)
 
     lr = learning_rate
+
+    @property
+    def learning_rate_schedule(self) -> Any:
+        """The learning rate as set: a float (a constant schedule) or a schedule of the step.
+
+        Unlike :attr:`learning_rate` it is not evaluated: a copy of this
+        optimizer given it and a step evaluates the rate at that step itself.
+        """
+        return self._learning_rate
 
     def _current_lr(self) -> float:
         lr = self._learning_rate
@@ -173,7 +183,7 @@ class Optimizer:
     def build(self, var_list: Iterable[Any]) -> None:
         """Creates the slots of in-process variables now rather than at the first update."""
         for v in var_list:
-            if getattr(v, "_update_group", None) is None:
+            if not isinstance(v, GroupUpdated):  # a group keeps its variables' slots
                 self.slot_arrays(v)
 
     @property
@@ -248,7 +258,10 @@ class Optimizer:
             pairs = [(g, v) for g, v in all_pairs if g is not None]
             if pairs:
                 grads = self._clip([g for g, _ in pairs])
-                self._distributed_apply(distribute_lib.get_strategy(), grads, [v for _, v in pairs])
+                step = self._iterations + 1
+                extended = distribute_lib.get_strategy().extended
+                if extended.apply_update(self, step, list(zip(grads, [v for _, v in pairs]))):
+                    self._iterations = step
             return self.iterations
         # Several replicas: each keeps its None gradients in place, so that all of them
         # reduce (or merge) the same list; a variable is skipped only when no replica has
@@ -257,29 +270,16 @@ class Optimizer:
         variables = [v for _, v in all_pairs]
         if not variables:
             return self.iterations
-        if not (
+        aggregate = not (
             skip_gradients_aggregation or kwargs.get("experimental_aggregate_gradients") is False
-        ):
-            # Read before the all-reduce: no replica can update the count until every
-            # replica has arrived there, so all of them apply the same step.
-            step = self._iterations + 1
-            applied = ctx._reduce_and_apply(self, grads, variables, step)
-            if applied is not None:
-                if applied:
-                    self._iterations = step
-                return self.iterations
-            reduced = ctx._all_reduce_gradients(grads, variables)
-            pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
-            if not pairs:
-                return self.iterations
-            if ctx._apply_in_replica(self, pairs, step):
-                self._iterations = step
-                return self.iterations
-            grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
-        ctx.merge_call(
-            lambda strategy, gs, vs: self._distributed_apply(strategy, gs, vs),
-            args=(grads, variables),
         )
+        # Read before the strategy's collectives: no replica can update the count until
+        # every replica has arrived there, so all of them apply the same step.
+        step = self._iterations + 1
+        if ctx.strategy.extended.apply_update(
+            self, step, list(zip(grads, variables)), aggregate=aggregate
+        ):
+            self._iterations = step
         return self.iterations
 
     def _clip_present(self, grads: list[Any]) -> list[Any]:
@@ -289,27 +289,6 @@ class Optimizer:
             return list(grads)
         clipped = iter(self._clip(present))
         return [None if g is None else next(clipped) for g in grads]
-
-    def _distributed_apply(self, strategy: Any, grads: Any, variables: list[Any]) -> None:
-        """Applies gradients in cross-replica context, grouped by where variables live."""
-        step = self._iterations + 1
-        groups: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
-        local: list[tuple[Any, Any]] = []
-        grads = list(grads) if not hasattr(grads, "_is_per_replica") else grads
-        for i, v in enumerate(variables):
-            g = grads[i] if isinstance(grads, list) else grads
-            if g is None:  # no replica had a gradient for it (merged without aggregation)
-                continue
-            group = getattr(v, "_update_group", None)
-            if group is None:
-                local.append((g, v))
-            else:
-                groups.setdefault(id(group), (group, []))[1].append((g, v))
-        for g, v in local:
-            self._apply_local(v, g, step)
-        for group, group_pairs in groups.values():
-            group.apply_optimizer(self, group_pairs, step)
-        self._iterations = step
 
     def _apply_local(
         self, var: Any, grad: Any, step: int, replica: int = 0, array: Any = None
@@ -370,9 +349,8 @@ def _shape_of(variable: Any) -> tuple[int, ...]:
     """A variable's shape as a plain tuple (no TensorShape for the common kinds)."""
     if type(variable) is Variable:
         return variable._value.shape
-    copies = getattr(variable, "_copies", None)  # mirrored: every copy has the shape
-    if copies is not None:
-        return copies[0]._value.shape
+    if isinstance(variable, ReplicatedVariable):  # every copy has the shape
+        return variable.values[0]._value.shape
     return tuple(variable.shape)
 
 
