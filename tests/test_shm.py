@@ -183,9 +183,9 @@ def test_a_push_the_ps_cannot_see_falls_back_to_grpc_and_applies_once(
     try:
         conn.create([VarSpec("far", np.dtype(np.float32), (3,), True)], [np.zeros(3, np.float32)])
         conn.configure_optimizer(["far"], {"name": "sgd", "learning_rate": 1.0})
-        conn.push([Grad("far", np.ones(3, np.float32))], push_id=("far", 1))
+        conn.push([Grad("far", np.ones(3, np.float32))], PushContext(("far", 1)))
         assert conn._shm is False  # later pushes go straight over gRPC
-        conn.push([Grad("far", np.ones(3, np.float32))], push_id=("far", 2))
+        conn.push([Grad("far", np.ones(3, np.float32))], PushContext(("far", 2)))
         ((v, _),) = conn.pull(["far"])
         assert v.tolist() == [-2.0, -2.0, -2.0]  # each push applied exactly once
     finally:
