@@ -360,8 +360,17 @@ def test_a_client_giving_up_is_not_a_server_error(start_ps):
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         release.set()
+    # Both calls count as the client's doing. Which of the two codes the expired one
+    # gets depends on a race the server cannot see: the client's cancellation at its
+    # deadline can arrive before the server's own copy of the deadline passes.
     _wait_for(
-        lambda: _rpcs(server, "PushStream", "DEADLINE_EXCEEDED") == 1,
+        lambda: (
+            (
+                _rpcs(server, "PushStream", "DEADLINE_EXCEEDED")
+                + _rpcs(server, "PushStream", "CANCELLED")
+            )
+            == 2
+        ),
         str(
             {
                 k: v
@@ -370,10 +379,8 @@ def test_a_client_giving_up_is_not_a_server_error(start_ps):
             }
         ),
     )
-    _wait_for(
-        lambda: _rpcs(server, "PushStream", "CANCELLED") == 1,
-        str({k: v for k, v in _scrape(server).items() if k[0] == "psflow_ps_rpcs_total"}),
-    )
+    assert _rpcs(server, "PushStream", "CANCELLED") >= 1
     assert _rpcs(server, "PushStream", "INTERNAL") == 0
+    assert _rpcs(server, "PushStream", "INVALID_ARGUMENT") == 0
     assert "Traceback" not in server.log_tail(400)
     assert _timed_push(server.address, 3) < 1.0
