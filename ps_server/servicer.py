@@ -15,7 +15,6 @@ import inspect
 import itertools
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -245,7 +244,6 @@ class ParameterServerServicer:
         @functools.wraps(fn)
         def unary(request, context):
             start, code, watched = time.perf_counter(), "OK", None
-            ended = _termination_event(context) if kind is Kind.STREAM_UNARY else None
             with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
                 try:
                     with contextlib.ExitStack() as stack:
@@ -254,10 +252,6 @@ class ParameterServerServicer:
                             request = touching(request, watched)
                         return fn(request, context)
                 except Exception as e:
-                    if ended is not None and context.is_active():
-                        # a cancelled client's request stream can break off before gRPC
-                        # marks the call inactive: give the cancellation a moment to land
-                        ended.wait(CANCEL_SETTLE_SECONDS)
                     code = _status_name(e, context, watched)
                     abort(context, e, watched)
                 finally:
@@ -571,19 +565,6 @@ class ParameterServerServicer:
 
 def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
-
-
-#: How long a failed streaming call waits for a client's cancellation to register
-#: before its error is taken as the client's fault (only failed calls wait).
-CANCEL_SETTLE_SECONDS = 0.05
-
-
-def _termination_event(context: grpc.ServicerContext) -> threading.Event:
-    """An event set when the call terminates (set at once if it already has)."""
-    ended = threading.Event()
-    if not context.add_callback(ended.set):
-        ended.set()
-    return ended
 
 
 def _gone(context: grpc.ServicerContext, watched: Any) -> bool:
