@@ -182,6 +182,10 @@ class Recovery:
                     closure.queued = True
                     self._queue.appendleft(closure)
                     self._cond.notify_all()
+                # announced like a failed call's re-queue (the dashboard counts these)
+                events.publish(
+                    events.EventKind.CLOSURE_REQUEUED, state.worker.task, "closure re-queued"
+                )
             with self._cond:
                 self._cond.wait_for(lambda: self._closed, timeout=cfg.health_interval)
 
