@@ -1,0 +1,233 @@
+"""Network faults without netem or root: a chaos relay on every path of a real cluster.
+
+A PS and two workers run as processes on 127.0.0.1 with shared memory off
+(``PSFLOW_SHM=0``: every byte crosses TCP); the chief is this process.  Each
+path goes through its own :class:`_netfault.ChaosRelay`: chief -> PS, chief ->
+each worker, each worker -> PS.  A fault on one worker's two relays is a fault
+on that worker's network, and nothing else's.
+
+The scenarios (tests/netfault_scenario.py) count exactly: closure ``i`` pushes
+``-i`` under SGD(1.0), so the variable must end at ``n (n + 1) / 2`` and the PS
+must have applied ``n`` pushes, whatever the network did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import statistics
+import sys
+import threading
+import time
+
+import pytest
+
+import psflow as pf
+from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+from tests import netfault_scenario as scenario
+from tests.conftest import ROOT, start_server
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _netfault
+
+HEALTH = {"PSFLOW_HEALTH_GRACE": "2", "PSFLOW_HEALTH_INTERVAL": "0.25"}
+
+
+# --- the relay itself ------------------------------------------------------------------
+@pytest.fixture
+def echo_server():
+    """A TCP echo server on 127.0.0.1 (threads; each connection echoes until EOF)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+    conns: list[socket.socket] = []
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while not stop.is_set():
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                conn.sendall(data)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conns.append(conn)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in conns:
+            conn.close()
+        listener.close()
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _round_trip(sock: socket.socket, payload: bytes = b"ping") -> float:
+    start = time.monotonic()
+    sock.sendall(payload)
+    got = b""
+    while len(got) < len(payload):
+        chunk = sock.recv(65536)
+        assert chunk, "the relay closed the connection"
+        got += chunk
+    assert got == payload
+    return time.monotonic() - start
+
+
+def test_relay_delays_each_way_holds_bytes_in_a_stall_resets_on_cut_and_heals(echo_server):
+    with _netfault.ChaosRelay(echo_server) as relay:
+        with _connect(relay.address) as sock:
+            fast = min(_round_trip(sock) for _ in range(5))
+            relay.set_delay(10)
+            slow = [_round_trip(sock) for _ in range(5)]
+            assert min(slow) >= 0.020 > fast  # 10 ms each way: a 20 ms round trip
+            # a megabyte through a 20 ms round trip: the delay costs latency, not throughput
+            big = bytes(range(256)) * 4096
+            assert _round_trip(sock, big) < 2.0
+
+            relay.set_delay(0)
+            relay.stall()
+            sock.sendall(b"held")
+            sock.settimeout(0.5)
+            with pytest.raises(TimeoutError):  # nothing crosses while stalled...
+                sock.recv(16)
+            relay.heal()
+            sock.settimeout(5)
+            assert sock.recv(16) == b"held"  # ...and nothing was lost
+
+            relay.cut()
+            sock.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                sock.sendall(b"x")
+                sock.recv(16)
+        # still cut: a new connection is reset too (on connect, send or receive)
+        with pytest.raises(ConnectionResetError), _connect(relay.address) as sock:
+            sock.sendall(b"x")
+            sock.recv(16)
+        relay.heal()
+        with _connect(relay.address) as sock:
+            assert _round_trip(sock) < 1.0
+        stats = relay.stats()
+        assert stats["connections"] == 3 and stats["resets"] >= 2
+        assert stats["bytes_up"] == stats["bytes_down"] == 10 * 4 + len(big) + 4 + 4
+    with pytest.raises(ValueError, match="-1"):
+        _netfault.ChaosRelay(echo_server, delay_ms=-1)
+    with pytest.raises(ValueError, match="nowhere"):
+        _netfault.ChaosRelay("nowhere")
+
+
+# --- a cluster behind relays --------------------------------------------------------------
+@dataclasses.dataclass
+class RelayedCluster:
+    """The resolver the chief uses and the relays of each worker's path."""
+
+    resolver: SimpleClusterResolver
+    paths: list[list[_netfault.ChaosRelay]]  # per worker: [chief -> worker, worker -> PS]
+    relays: list[_netfault.ChaosRelay]
+
+    def fault(self, worker: int, action: str) -> None:
+        """``stall``, ``cut`` or ``heal`` every relay on ``worker``'s path."""
+        for relay in self.paths[worker]:
+            getattr(relay, action)()
+
+
+@pytest.fixture
+def relayed_cluster(tmp_path, monkeypatch):
+    """Factory: ``relayed_cluster(delay_ms)`` -> a PS and two workers behind chaos relays."""
+    monkeypatch.setenv("PSFLOW_SHM", "0")  # the chief's own pulls must take the relay too
+    for name, value in HEALTH.items():
+        monkeypatch.setenv(name, value)
+    servers, relays = [], []
+
+    def relay(target: str, delay_ms: float) -> _netfault.ChaosRelay:
+        r = _netfault.ChaosRelay(target, delay_ms=delay_ms).start()
+        relays.append(r)
+        return r
+
+    def start(delay_ms: float = 0.0, workers: int = 2) -> RelayedCluster:
+        env = {"PSFLOW_SHM": "0"}
+        ps = start_server(
+            "ps_server", ["--port", "0", "--task", "ps:0"], "PSFLOW_READY ps",
+            log_dir=tmp_path, env=env,
+        )  # fmt: skip
+        servers.append(ps)
+        paths = []
+        for i in range(workers):
+            to_ps = relay(ps.address, delay_ms)
+            worker = start_server(
+                "worker",
+                ["--port", "0", "--task", f"worker:{i}", "--ps", to_ps.address,
+                 "--workers", str(workers)],
+                "PSFLOW_READY worker", log_dir=tmp_path, env=env,
+            )  # fmt: skip
+            servers.append(worker)
+            paths.append([relay(worker.address, delay_ms), to_ps])
+        spec = {
+            "ps": [relay(ps.address, delay_ms).address],
+            "worker": [p[0].address for p in paths],
+            "chief": ["127.0.0.1:1"],
+        }
+        resolver = SimpleClusterResolver(ClusterSpec(spec), task_type="chief", task_id=0)
+        return RelayedCluster(resolver, paths, relays)
+
+    try:
+        yield start
+    finally:
+        from psflow.distribute.coordinator.cluster_coordinator import shutdown_all
+
+        shutdown_all()
+        for r in relays:
+            r.close()
+        for server in servers:
+            server.reap()
+
+
+@pytest.mark.slow
+def test_training_through_a_20ms_round_trip_applies_every_update_once(relayed_cluster):
+    cluster = relayed_cluster(delay_ms=10)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
+    result = scenario.run_steady(strategy, per_worker=10)
+    scenario.check(result, moved=False)
+    # slower, not broken: a closure pushes (a round trip) besides its 50 ms of work
+    durations = [r["end"] - r["start"] for r in result["results"]]
+    assert statistics.median(durations) >= 0.05 + 0.018, statistics.median(durations)
+    for r in cluster.relays:  # every path carried the traffic (no shared-memory bypass)
+        stats = r.stats()
+        assert stats["bytes_up"] > 0 and stats["bytes_down"] > 0, (r.target, stats)
+        assert stats["resets"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, seconds", [("stall", 10.0), ("cut", 5.0)])
+def test_a_worker_cut_off_moves_its_closures_then_rejoins_with_every_update_applied_once(
+    relayed_cluster, fault, seconds
+):
+    """``stall``: a partition that keeps TCP up; ``cut``: connections reset, new ones too."""
+    cluster = relayed_cluster()
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
+    result = scenario.run_fault(
+        strategy,
+        lambda: cluster.fault(1, fault),
+        lambda: cluster.fault(1, "heal"),
+        seconds,
+    )
+    scenario.check(result)
