@@ -16,7 +16,10 @@ it the other end.  Names carry the creator's pid, so concurrent runs do not
 collide; :func:`remove_stale` deletes pairs whose creator is gone.
 
 :meth:`VethPair.netem` adds delay and loss on both ends with ``tc netem``
-(a round trip then takes twice the one-way delay).
+(a round trip then takes twice the one-way delay); where the kernel has no
+netem, :meth:`VethPair.drop` makes random loss with nftables.
+:meth:`VethPair.set_link` takes one end down and up again: a partition that
+heals.
 
 Needs root and ``ip`` (``tc`` for netem); :func:`unavailable` says why not,
 so callers can print a "skipped" line instead of failing.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -194,6 +198,59 @@ class VethPair:
             )  # fmt: skip
             if done.returncode != 0:
                 raise RuntimeError(f"tc netem on {self.names[side]}: {done.stderr.strip()[:200]}")
+
+    def set_link(self, side: str, up: bool) -> None:
+        """Sets ``side``'s end of the link down (a partition: nothing crosses) or up again.
+
+        Sockets stay open on both sides; the kernel re-adds the route when the
+        link comes back up, so TCP resumes by retransmission.
+        """
+        _ip("-n", self.names[side], "link", "set", self._links[side], "up" if up else "down")
+
+    def drop(self, percent: int) -> None:
+        """Drops ``percent``% of the packets arriving on each side, at random (nftables).
+
+        For kernels without netem.  The rule sits on the input hook: a dropped
+        packet is lost on the wire as far as the sender knows (an output-hook
+        drop would fail the sender's call with EPERM instead).
+
+        Raises:
+            RuntimeError: ``nft`` is missing or the kernel refused the rule, with its message.
+        """
+        if not 0 <= percent <= 100:
+            raise ValueError(f"percent must be 0..100, got {percent!r}")
+        if shutil.which("nft") is None:
+            raise RuntimeError("no `nft` command")
+        for side in ("a", "b"):
+            for rule in (
+                ["add", "table", "inet", "psflow_fault"],
+                ["add", "chain", "inet", "psflow_fault", "input",
+                 "{ type filter hook input priority 0; }"],
+                ["add", "rule", "inet", "psflow_fault", "input",
+                 "numgen", "random", "mod", "100", "<", str(percent), "counter", "drop"],
+            ):  # fmt: skip
+                done = subprocess.run(
+                    ["ip", "netns", "exec", self.names[side], "nft", *rule],
+                    capture_output=True, text=True, timeout=_IP_TIMEOUT, check=False,
+                )  # fmt: skip
+                if done.returncode != 0:
+                    raise RuntimeError(f"nft on {self.names[side]}: {done.stderr.strip()[:200]}")
+
+    def dropped(self) -> int:
+        """Packets :meth:`drop`'s rules have dropped so far, both sides (0 without rules)."""
+        total = 0
+        for side in ("a", "b"):
+            done = subprocess.run(
+                ["ip", "netns", "exec", self.names[side], "nft", "-j", "list", "table", "inet",
+                 "psflow_fault"],
+                capture_output=True, text=True, timeout=_IP_TIMEOUT, check=False,
+            )  # fmt: skip
+            if done.returncode != 0:
+                continue
+            for item in json.loads(done.stdout).get("nftables", []):
+                for expr in item.get("rule", {}).get("expr", []):
+                    total += expr.get("counter", {}).get("packets", 0)
+        return total
 
     def exists(self) -> bool:
         """Whether both namespaces currently exist."""
