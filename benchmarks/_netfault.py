@@ -274,3 +274,26 @@ class ChaosRelay:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one relay until stdin closes (a process of its own, e.g. inside a namespace).
+
+    Prints ``RELAY host:port`` once it listens.
+    """
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="host:port to forward to")
+    p.add_argument("--bind", default="127.0.0.1", help="address to listen on (port: any)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
+    args = p.parse_args(argv)
+    with ChaosRelay(args.target, delay_ms=args.delay_ms, bind=args.bind) as relay:
+        print(f"RELAY {relay.address}", flush=True)
+        sys.stdin.read()  # until the parent closes our stdin (or kills us)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

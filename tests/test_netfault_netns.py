@@ -7,8 +7,10 @@ that link:
 
 * a partition: worker:1's end of the link goes down for 10 s, then up again
   (sockets stay open; TCP resumes by retransmission);
-* loss: 1% of packets dropped at random, with ``tc netem`` where the kernel has
-  it, else with an nftables rule (``numgen random mod 100 < 1 drop``).
+* 20 ms round trip and 1% loss: ``tc netem`` where the kernel has it; else the
+  loss from an nftables rule (``numgen random mod 100 < 1 drop``) and the delay
+  from chaos relays (benchmarks/_netfault.py) in namespace ``a`` on worker:1's
+  two paths (to the PS, from the chief).
 
 Same counting as tests/test_netfault.py (tests/netfault_scenario.py): the
 variable must end at ``n (n + 1) / 2`` and the PS must have applied ``n``
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -94,24 +97,52 @@ class _Servers:
                 break
         raise RuntimeError(f"{module} in namespace {side} did not start")
 
+    def relay(self, side: str, target: str, bind: str, delay_ms: float) -> str:
+        """Starts a chaos relay (benchmarks/_netfault.py) in namespace ``side``; its address."""
+        proc = subprocess.Popen(
+            self.net.exec_in(
+                side,
+                [sys.executable, str(ROOT / "benchmarks" / "_netfault.py"), "--target", target,
+                 "--bind", bind, "--delay-ms", str(delay_ms)],
+            ),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), cwd=ROOT, text=True,
+        )  # fmt: skip
+        self.procs.append(proc)
+        line = proc.stdout.readline()  # the relay prints its line before anything can block it
+        if not line.startswith("RELAY "):
+            raise RuntimeError(f"the relay in namespace {side} did not start: {line!r}")
+        return line.split()[1]
+
     def reap(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
-            proc.stdout.close()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
-def _train_across(net: _netns.VethPair, tmp_path: pathlib.Path, fault_seconds: float) -> dict:
+def _train_across(
+    net: _netns.VethPair, tmp_path: pathlib.Path, fault_seconds: float, delay_ms: float = 0.0
+) -> dict:
+    """Trains with worker:1 across the link; ``delay_ms``: one-way delay on its two paths."""
     servers = _Servers(net, tmp_path)
     try:
         ps = servers.start("a", "ps_server", "ps", _netns.SERVER_ADDR, ["--insecure"])
-        worker = ["--ps", ps, "--workers", "2"]
-        w0 = servers.start("a", "worker", "worker", "127.0.0.1", ["--task", "worker:0", *worker])
+        w0 = servers.start(
+            "a", "worker", "worker", "127.0.0.1",
+            ["--task", "worker:0", "--ps", ps, "--workers", "2"],
+        )  # fmt: skip
+        # without netem, the delay comes from relays in namespace "a" on worker:1's paths
+        ps_for_w1 = servers.relay("a", ps, _netns.SERVER_ADDR, delay_ms) if delay_ms else ps
         w1 = servers.start(
             "b", "worker", "worker", _netns.CLIENT_ADDR,
-            ["--task", "worker:1", "--insecure", *worker],  # an address only the namespaces see
+            ["--task", "worker:1", "--insecure",  # an address only the namespaces see
+             "--ps", ps_for_w1, "--workers", "2"],
         )  # fmt: skip
+        if delay_ms:
+            w1 = servers.relay("a", w1, "127.0.0.1", delay_ms)
         out = subprocess.run(
             net.exec_in(
                 "a", [sys.executable, "-c", CHIEF, ps, w0, w1, net.base, str(fault_seconds)]
@@ -138,19 +169,30 @@ def test_a_worker_partitioned_for_10s_moves_its_closures_then_rejoins_with_updat
     scenario.check(result)
 
 
-def test_training_over_a_link_losing_1pct_of_packets_applies_every_update_once(tmp_path):
+def test_training_over_a_link_with_20ms_rtt_losing_1pct_of_packets_applies_every_update_once(
+    tmp_path,
+):
+    """The link loses 1% (netem, else nftables); worker:1's paths add 10 ms each way."""
     with _netns.VethPair() as net:
         try:
-            net.netem(0, 1.0)
-            how = "netem"
+            net.netem(10, 1.0)
+            how, relay_delay = "netem", 0.0
         except (RuntimeError, OSError) as netem_error:  # no netem in the kernel, or no tc
             try:
                 net.drop(1)
-                how = "nft"
+                how, relay_delay = "nft", 10.0
             except (RuntimeError, OSError) as nft_error:
                 pytest.skip(f"no packet loss here: netem: {netem_error}; nftables: {nft_error}")
-        result = _train_across(net, tmp_path, fault_seconds=0.0)
+        result = _train_across(net, tmp_path, fault_seconds=0.0, delay_ms=relay_delay)
         dropped = net.dropped()
     scenario.check(result, moved=False)
     if how == "nft":  # the loss was real: the rule dropped packets of this training
         assert dropped > 0, dropped
+    # slower across the link: worker:1's closures wait for round trips worker:0's do not
+    durations = {
+        task: statistics.median(
+            r["end"] - r["start"] for r in result["results"] if r["task"] == task
+        )
+        for task in ("worker:0", "worker:1")
+    }
+    assert durations["worker:1"] >= durations["worker:0"] + 0.015, durations
