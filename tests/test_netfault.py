@@ -13,6 +13,8 @@ must have applied ``n`` pushes, whatever the network did.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import socket
 import statistics
@@ -25,7 +27,7 @@ import pytest
 import psflow as pf
 from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
 from tests import netfault_scenario as scenario
-from tests.conftest import ROOT, start_server
+from tests.conftest import ROOT, ServerProcess, start_server
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _netfault
@@ -170,17 +172,23 @@ def relayed_cluster(tmp_path, monkeypatch):
             log_dir=tmp_path, env=env,
         )  # fmt: skip
         servers.append(ps)
-        paths = []
-        for i in range(workers):
-            to_ps = relay(ps.address, delay_ms)
-            worker = start_server(
+        to_ps = [relay(ps.address, delay_ms) for _ in range(workers)]
+
+        def start_worker(i: int) -> ServerProcess:
+            return start_server(
                 "worker",
-                ["--port", "0", "--task", f"worker:{i}", "--ps", to_ps.address,
+                ["--port", "0", "--task", f"worker:{i}", "--ps", to_ps[i].address,
                  "--workers", str(workers)],
                 "PSFLOW_READY worker", log_dir=tmp_path, env=env,
             )  # fmt: skip
-            servers.append(worker)
-            paths.append([relay(worker.address, delay_ms), to_ps])
+
+        # started side by side: on a loaded machine each start takes seconds
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            started = [pool.submit(start_worker, i) for i in range(workers)]
+            for future in started:
+                with contextlib.suppress(Exception):  # reaped below; raised by result()
+                    servers.append(future.result())
+        paths = [[relay(f.result().address, delay_ms), to_ps[i]] for i, f in enumerate(started)]
         spec = {
             "ps": [relay(ps.address, delay_ms).address],
             "worker": [p[0].address for p in paths],

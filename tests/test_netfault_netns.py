@@ -20,6 +20,7 @@ nft.  The namespaces are deleted whatever happens (benchmarks/_netns.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import pathlib
 import statistics
@@ -130,17 +131,19 @@ def _train_across(
     servers = _Servers(net, tmp_path)
     try:
         ps = servers.start("a", "ps_server", "ps", _netns.SERVER_ADDR, ["--insecure"])
-        w0 = servers.start(
-            "a", "worker", "worker", "127.0.0.1",
-            ["--task", "worker:0", "--ps", ps, "--workers", "2"],
-        )  # fmt: skip
         # without netem, the delay comes from relays in namespace "a" on worker:1's paths
         ps_for_w1 = servers.relay("a", ps, _netns.SERVER_ADDR, delay_ms) if delay_ms else ps
-        w1 = servers.start(
-            "b", "worker", "worker", _netns.CLIENT_ADDR,
-            ["--task", "worker:1", "--insecure",  # an address only the namespaces see
-             "--ps", ps_for_w1, "--workers", "2"],
-        )  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # side by side: seconds each
+            w0 = pool.submit(
+                servers.start, "a", "worker", "worker", "127.0.0.1",
+                ["--task", "worker:0", "--ps", ps, "--workers", "2"],
+            )  # fmt: skip
+            w1 = pool.submit(
+                servers.start, "b", "worker", "worker", _netns.CLIENT_ADDR,
+                ["--task", "worker:1", "--insecure",  # an address only the namespaces see
+                 "--ps", ps_for_w1, "--workers", "2"],
+            )  # fmt: skip
+        w0, w1 = w0.result(), w1.result()
         if delay_ms:
             w1 = servers.relay("a", w1, "127.0.0.1", delay_ms)
         out = subprocess.run(
