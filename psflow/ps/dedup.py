@@ -5,7 +5,12 @@ sequence numbers.  A request id is *new* (apply it), *in progress* (a retry that
 raced the original: wait for it), *done* (answer with the stored reply) or *too
 old* (older than the window: it cannot be told apart, so it is refused).
 Memory is bounded by ``window`` ids per client and ``max_clients`` clients
-(least recently seen evicted first).
+(least recently seen evicted first).  An evicted client leaves its highest
+sequence behind (``max_evicted`` of them, a few dozen bytes each), so a request
+it sends late is refused as too old rather than applied a second time: a
+closure's push held up by a network partition while thousands of newer closures
+(each a client of its own) went through arrives after its re-run's id was
+evicted.
 """
 
 from __future__ import annotations
@@ -45,10 +50,15 @@ class _Client:
 class DedupWindow:
     """Remembers the last ``window`` request ids of up to ``max_clients`` clients."""
 
-    def __init__(self, window: int = 4096, max_clients: int = 4096) -> None:
+    def __init__(
+        self, window: int = 4096, max_clients: int = 4096, max_evicted: int | None = None
+    ) -> None:
         self._window = window
         self._max_clients = max_clients
+        self._max_evicted = 16 * max_clients if max_evicted is None else max_evicted
         self._clients: collections.OrderedDict[str, _Client] = collections.OrderedDict()
+        # evicted client id -> the highest sequence it had: what it sends again is too old
+        self._evicted: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def begin(self, client_id: str, sequence: int) -> tuple[State, Entry | None]:
@@ -56,9 +66,10 @@ class DedupWindow:
         with self._lock:
             client = self._clients.get(client_id)
             if client is None:
-                client = self._clients[client_id] = _Client()
+                floor = self._evicted.pop(client_id, -1)
+                client = self._clients[client_id] = _Client(floor=floor)
                 while len(self._clients) > self._max_clients:
-                    self._clients.popitem(last=False)
+                    self._evict(*self._clients.popitem(last=False))
             else:
                 self._clients.move_to_end(client_id)
             entry = client.entries.get(sequence)
@@ -71,6 +82,15 @@ class DedupWindow:
                 old_seq, _ = client.entries.popitem(last=False)
                 client.floor = max(client.floor, old_seq)
             return State.NEW, entry
+
+    def _evict(self, client_id: str, client: _Client) -> None:
+        """Keeps only the highest sequence of an evicted client (under the lock)."""
+        floor = max([client.floor, *client.entries])
+        if floor < 0:
+            return  # it never had an id reserved: nothing it sends can be a repeat
+        self._evicted[client_id] = floor
+        while len(self._evicted) > self._max_evicted:
+            self._evicted.popitem(last=False)
 
     def complete(self, client_id: str, sequence: int, entry: Entry, reply: Any) -> None:
         """Records the reply of a request id reserved by :meth:`begin`."""
@@ -90,3 +110,4 @@ class DedupWindow:
         """Forgets everything (after a restore rewinds the state)."""
         with self._lock:
             self._clients.clear()
+            self._evicted.clear()
