@@ -135,11 +135,16 @@ def run_fault(
     warm: int = 5,
     rejoin: int = 3,
     rejoin_timeout: float = 25.0,
+    pause: float = 0.05,
+    window: int = 5,
 ) -> dict[str, Any]:
-    """Trains, puts a fault on ``victim``'s path for ``seconds``, heals it, waits for it back."""
+    """Trains, puts a fault on ``victim``'s path for ``seconds``, heals it, waits for it back.
+
+    ``pause`` and ``window``: as :class:`Training`'s.
+    """
     log = events.EventLog()
     previous = events.install(log)
-    training = Training(strategy)
+    training = Training(strategy, pause=pause, window=window)
     try:
         training.start()
         for task in (survivor, victim):
