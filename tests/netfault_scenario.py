@@ -2,9 +2,10 @@
 
 The chief (this process, or a script in a network namespace) schedules closure
 after closure through the ClusterCoordinator; closure ``i`` pushes the gradient
-``-i`` of a PS variable under SGD(1.0), so after ``n`` closures applied exactly
-once the variable is ``n (n + 1) / 2`` everywhere and the PS has applied ``n``
-pushes: a lost update or a doubled one shows in both.  Each closure returns the
+``-increment(i)`` of a PS variable under SGD(1.0), so after ``n`` closures
+applied exactly once the variable is :func:`expected_total` everywhere (exact in
+float32) and the PS has applied ``n`` pushes: a lost update or a doubled one
+shows in both.  Each closure returns the
 task and pid that ran it and when it started and ended, so a test can say which
 worker's runs won while a fault lasted.
 
@@ -51,7 +52,7 @@ class Training:
 
             started = time.time()
             with pf.GradientTape() as tape:
-                loss = -pf.reduce_sum(total * np.float32(i))
+                loss = -pf.reduce_sum(total * np.float32(increment(i)))
             grads = tape.gradient(loss, [total])
             optimizer.apply_gradients(zip(grads, [total]))
             time.sleep(pause)  # a steady, modest closure rate
@@ -173,9 +174,15 @@ def run_fault(
     return result
 
 
+def increment(i: int) -> int:
+    """What closure ``i`` adds: distinct for neighbours, small enough that float32 sums of
+    thousands of them stay exact (below 2**24)."""
+    return i % 97 + 1
+
+
 def expected_total(n: int) -> float:
     """The variable after closures ``1..n``, each applied once."""
-    return n * (n + 1) / 2
+    return float(sum(increment(i) for i in range(1, n + 1)))
 
 
 def check(result: dict[str, Any], *, moved: bool = True) -> None:

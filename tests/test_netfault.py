@@ -7,8 +7,8 @@ each worker, each worker -> PS.  A fault on one worker's two relays is a fault
 on that worker's network, and nothing else's.
 
 The scenarios (tests/netfault_scenario.py) count exactly: closure ``i`` pushes
-``-i`` under SGD(1.0), so the variable must end at ``n (n + 1) / 2`` and the PS
-must have applied ``n`` pushes, whatever the network did.
+a known increment under SGD(1.0), so the variable must end at their sum and the
+PS must have applied ``n`` pushes, whatever the network did.
 """
 
 from __future__ import annotations

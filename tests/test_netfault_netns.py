@@ -13,8 +13,8 @@ that link:
   two paths (to the PS, from the chief).
 
 Same counting as tests/test_netfault.py (tests/netfault_scenario.py): the
-variable must end at ``n (n + 1) / 2`` and the PS must have applied ``n``
-pushes.  Skipped without root or ``ip``; the loss case also without netem and
+variable must end at the sum of the closures' increments and the PS must have
+applied ``n`` pushes.  Skipped without root or ``ip``; the loss case also without netem and
 nft.  The namespaces are deleted whatever happens (benchmarks/_netns.py).
 """
 
