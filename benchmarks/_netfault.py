@@ -274,6 +274,11 @@ class ChaosRelay:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        # let every pump see its cancellation before the loop stops (no pending tasks left)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
 
 def main(argv: list[str] | None = None) -> int:
