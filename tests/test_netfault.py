@@ -146,9 +146,9 @@ class RelayedCluster:
     paths: list[list[_netfault.ChaosRelay]]  # per worker: [chief -> worker, worker -> PS]
     relays: list[_netfault.ChaosRelay]
 
-    def fault(self, worker: int, action: str) -> None:
-        """``stall``, ``cut`` or ``heal`` every relay on ``worker``'s path."""
-        for relay in self.paths[worker]:
+    def fault(self, worker: int, action: str, only_to_ps: bool = False) -> None:
+        """``stall``, ``cut`` or ``heal`` every relay on ``worker``'s path (or its path to the PS)."""
+        for relay in self.paths[worker][1:] if only_to_ps else self.paths[worker]:
             getattr(relay, action)()
 
 
@@ -239,6 +239,26 @@ def test_a_worker_cut_off_moves_its_closures_then_rejoins_with_every_update_appl
         seconds,
     )
     scenario.check(result)
+
+
+@pytest.mark.slow
+def test_a_worker_cut_off_from_the_ps_only_resumes_its_held_pushes_each_applied_once(
+    relayed_cluster,
+):
+    """The chief still reaches worker:1, which waits on its held push; nothing has to move."""
+    cluster = relayed_cluster()
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
+    result = scenario.run_fault(
+        strategy,
+        lambda: cluster.fault(1, "stall", only_to_ps=True),
+        lambda: cluster.fault(1, "heal", only_to_ps=True),
+        5.0,
+    )
+    scenario.check(result, moved=False)
+    assert result["rejoined"]
+    during = [r for r in result["results"] if result["down"] + 0.5 < r["end"] < result["up"]]
+    assert during and {r["task"] for r in during} == {"worker:0"}  # training went on
+    assert result["counters"]["workers_up"] == 2
 
 
 def test_a_push_held_until_the_ps_forgot_its_client_is_refused_not_applied_twice():
