@@ -6,7 +6,7 @@ raced the original: wait for it), *done* (answer with the stored reply) or *too
 old* (older than the window: it cannot be told apart, so it is refused).
 Memory is bounded by ``window`` ids per client and ``max_clients`` clients
 (least recently seen evicted first).  An evicted client leaves its highest
-sequence behind (``max_evicted`` of them, a few dozen bytes each), so a request
+sequence behind (``max_evicted`` of them, about a hundred bytes each), so a request
 it sends late is refused as too old rather than applied a second time: a
 closure's push held up by a network partition while thousands of newer closures
 (each a client of its own) went through arrives after its re-run's id was
@@ -48,7 +48,11 @@ class _Client:
 
 
 class DedupWindow:
-    """Remembers the last ``window`` request ids of up to ``max_clients`` clients."""
+    """Remembers the last ``window`` request ids of up to ``max_clients`` clients.
+
+    Of up to ``max_evicted`` clients evicted since (default: 16 per client
+    kept), it remembers the highest sequence: their older ids are too old.
+    """
 
     def __init__(
         self, window: int = 4096, max_clients: int = 4096, max_evicted: int | None = None
