@@ -187,3 +187,24 @@ def test_embedded_resize_rejects_a_bad_count_and_changes_nothing():
         with pytest.raises(errors.InvalidArgumentError, match="num_ps"):
             strategy.resize_parameter_servers(bad)
     assert strategy.placement() == before
+
+
+def test_writes_during_a_handover_wait_and_land_only_at_the_new_owner():
+    old, new = _store("ps:0"), VariableStore(task="ps:1")
+    state = old.export_shard(["a"])
+    version = old.pull(["a"])[0].version
+    with pytest.raises(errors.UnavailableError, match="handed over"):
+        old.push([_grad("b"), _grad("a")], push_id=("c", 1))
+    with pytest.raises(errors.UnavailableError):
+        old.assign("assign", ["a"], [np.zeros(3, "float32")])
+    assert old.pull(["a"])[0].version == version  # nothing applied; reads still served
+    assert old.pull(["b"])[0].version == version
+    old.unfence(["a"])  # the move was abandoned: writes are served again
+    old.push([_grad("a")], push_id=("c", 1))
+    state = old.export_shard(["a"])
+    new.import_shard(state, 1)
+    old.release(["a"], 1, "h:1", 1)
+    with pytest.raises(errors.MovedError):
+        old.push([_grad("a")], push_id=("c", 2))
+    assert new.push([_grad("a")], push_id=("c", 2)).applied
+    assert new.list_variables()[0].optimizer_step == 2

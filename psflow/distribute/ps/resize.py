@@ -20,6 +20,7 @@ step boundary: no closure is in flight, so no push can race a move).  Phases:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -131,7 +132,13 @@ def resize(
             )
         fence = time.monotonic()
         state = connections[source].export_shard(keys, _left(deadline))
-        connections[target].import_shard(state, version, _left(deadline))
+        try:
+            connections[target].import_shard(state, version, _left(deadline))
+        except BaseException:
+            # the old owner still holds the variables: it serves writes again
+            with contextlib.suppress(errors.OpError):
+                connections[source].cancel_export(keys, min(_left(deadline), 5.0))
+            raise
         try:
             connections[source].release_shard(
                 keys, target, addresses[target], version, _left(deadline)
@@ -139,6 +146,11 @@ def resize(
         except errors.MovedError as e:  # a retried release that had gone through
             if e.owner != target:
                 raise
+        except errors.OpError:
+            # not released: the old owner still holds them (the map says so); unfence
+            with contextlib.suppress(errors.OpError):
+                connections[source].cancel_export(keys, min(_left(deadline), 5.0))
+            raise
         longest = max(longest, time.monotonic() - fence)
         bytes_moved += len(state)
         session.moved({k: target for k in keys}, version)
