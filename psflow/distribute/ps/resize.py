@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from psflow import errors
@@ -69,6 +69,7 @@ def resize(
     *,
     timeout: float = 300.0,
     probe_timeout: float = recovery.DEFAULT_PROBE_TIMEOUT,
+    before_drain: Callable[[float], None] | None = None,
 ) -> ResizeReport:
     """Moves ``session``'s variables onto the tasks at ``addresses`` (tasks ``0..n-1``).
 
@@ -78,6 +79,10 @@ def resize(
             keep their addresses.
         timeout: seconds for the whole resize (finite).
         probe_timeout: deadline of one readiness probe of an added task.
+        before_drain: called with the deadline (``time.monotonic()`` clock)
+            once every variable moved, before removed tasks are told to exit:
+            the coordinator makes every worker take the new map there, so no
+            worker still routes to a task that is gone.
 
     Raises:
         InvalidArgumentError: no address, or a kept task at another address.
@@ -155,6 +160,8 @@ def resize(
         bytes_moved += len(state)
         session.moved({k: target for k in keys}, version)
     # 4. drain the tasks removed
+    if before_drain is not None:
+        before_drain(deadline)
     for c in connections[new_n:]:
         c.drain(_left(deadline))
     session.adopt_tasks(addresses, version=version)
