@@ -302,3 +302,31 @@ def test_a_push_arriving_during_a_handover_is_applied_once_at_the_new_owner(star
     np.testing.assert_array_equal(target.pull([v.key])[0][0], np.full(4, -0.5, "float32"))
     assert {d["name"]: d["optimizer_step"] for d in target.list_variables()}[v.key] == 1
     worker._session.close()
+
+
+def test_bad_move_requests_get_typed_statuses_and_change_nothing(start_ps):
+    from psflow.transport.client import PSClient
+
+    server = start_ps()
+    client = PSClient(server.address, task="ps:0", timeout=10)
+    try:
+        client.create_variables({"w": np.ones(3, "float32")})
+        with pytest.raises(errors.NotFoundError, match="nope"):
+            client.export_shard(["w", "nope"])
+        with pytest.raises(errors.DataLossError):
+            client.import_shard(b"\x02\x00\x00\x00\x00\x00\x00\x00{}", 1)
+        with pytest.raises(errors.NotFoundError, match="nope"):
+            client.release_shard(["w", "nope"], 1, "127.0.0.1:9", 1)
+        with pytest.raises(errors.FailedPreconditionError, match="still holds 1"):
+            client.drain()
+        np.testing.assert_array_equal(client.pull(["w"])[0], np.ones(3, "float32"))
+        client.assign({"w": np.zeros(3, "float32")})  # not fenced, still served
+        assert server.proc.poll() is None
+        # a real drain: give w away, then the task exits 0 and says so
+        client.release_shard(["w"], 1, "127.0.0.1:9", 1)
+        with pytest.raises(errors.MovedError):
+            client.pull(["w"])
+        client.drain()
+    finally:
+        client.close()
+    assert "PSFLOW_DRAINED" in _drained(server)
