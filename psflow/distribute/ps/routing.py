@@ -38,7 +38,6 @@ class Routing:
 
     task: str
     connections: list[PSConnection]
-    placement: PlacementMap
     resize_blockers: set[str]
     resize_origin: int | None
     _connect: Callable[[str, int], PSConnection] | None
@@ -53,14 +52,39 @@ class Routing:
     def _invalidate(self) -> None:
         raise NotImplementedError  # the session's
 
+    # The map is kept as plain fields (creating a variable adds one owner, not a copy
+    # of the map) and frozen into a PlacementMap when asked for, once per change: the
+    # same object for every handle pickled into one closure (pickled once).
+    _owners: dict[str, int]
+    _version: int
+    _addresses: tuple[str, ...]
+    _frozen: PlacementMap | None
+
+    @property
+    def placement(self) -> PlacementMap:
+        """The current map (a frozen snapshot)."""
+        frozen = self._frozen
+        if frozen is None:
+            with self._placement_lock:
+                frozen = self._frozen = PlacementMap(self._version, self._owners, self._addresses)
+        return frozen
+
+    @placement.setter
+    def placement(self, value: PlacementMap) -> None:
+        self._owners = dict(value.owners)
+        self._version = value.version
+        self._addresses = tuple(value.addresses)
+        self._frozen = value
+
     def owner(self, key: str, default: int) -> int:
         """The task holding ``key`` by this session's map (``default`` if not in it)."""
-        return self.placement.owners.get(key, default)
+        return self._owners.get(key, default)
 
     def place(self, owners: Mapping[str, int]) -> None:
         """Records where new variables were created (the map's version stays)."""
         with self._placement_lock:
-            self.placement = self.placement.with_owners(owners)
+            self._owners.update(owners)
+            self._frozen = None
 
     def adopt(self, placement: PlacementMap | None) -> None:
         """Takes a newer map (a closure from the chief carries it); older ones are ignored.

@@ -146,8 +146,8 @@ class PSSession(UpdateGroup, Routing):
         self._seq: dict[int, Iterator[int]] = {}
         self._connect = connect
         # who holds what; version 0 until the first resize (see placement.py)
-        self.placement = PlacementMap(0, {}, tuple(c.address for c in self.connections))
         self._placement_lock = threading.RLock()
+        self.placement = PlacementMap(0, {}, tuple(c.address for c in self.connections))
         # why this session's variables cannot be moved (see refuse_resize)
         self.resize_blockers: set[str] = set()
         # the task count an unfinished resize started from (None: none unfinished)
