@@ -23,7 +23,13 @@ import grpc
 import numpy as np
 
 from psflow import compression
-from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError, to_grpc_code
+from psflow.errors import (
+    InvalidArgumentError,
+    MovedError,
+    OpError,
+    ResourceExhaustedError,
+    to_grpc_code,
+)
 from psflow.observability.logs import log_context, set_log_context
 from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
@@ -196,6 +202,8 @@ class ParameterServerServicer:
                 log.debug("%s rejected: %s", name, e)
                 if metrics is not None:
                     metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
+                if isinstance(e, MovedError):  # the redirect travels as trailing metadata
+                    context.set_trailing_metadata(e.metadata())
                 context.abort(to_grpc_code(e), _details(e.message))
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
@@ -543,6 +551,50 @@ class ParameterServerServicer:
             self.store, request.directory, self._prefix(request.prefix), list(request.names)
         )
         return ps_pb2.RestoreResponse(step=result.step, names=result.names)
+
+    # -- resizing -----------------------------------------------------------------
+    def ExportShard(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[ps_pb2.ExportShardResponse]:
+        """A copy of variables for their new owner, in chunks."""
+        request = _check(request)
+        state = memoryview(self.store.export_shard(list(request.names)))
+        for start in range(0, max(len(state), 1), self.chunk_bytes):
+            yield ps_pb2.ExportShardResponse(state=bytes(state[start : start + self.chunk_bytes]))
+
+    def ImportShard(
+        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+    ) -> ps_pb2.ImportShardResponse:
+        """Installs variables exported by their old owner (the state in chunks)."""
+        chunks, version = [], None
+        for message in request_iterator:
+            message = _check(message)
+            if version is None:
+                version = message.placement_version
+            chunks.append(message.state)
+        if version is None:
+            raise InvalidArgumentError("ImportShard without a message")
+        names = self.store.import_shard(b"".join(chunks), version)
+        return ps_pb2.ImportShardResponse(names=names)
+
+    def ReleaseShard(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ReleaseShardResponse:
+        """Gives variables up to their new owner."""
+        request = _check(request)
+        if request.cancel:
+            self.store.unfence(list(request.names))
+            return ps_pb2.ReleaseShardResponse()
+        self.store.release(
+            list(request.names), request.owner, request.owner_address, request.placement_version
+        )
+        return ps_pb2.ReleaseShardResponse()
+
+    def Drain(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.DrainResponse:
+        """Marks the task drained; its process exits once this reply is sent."""
+        _check(request)
+        self.store.drain()
+        return ps_pb2.DrainResponse()
 
     def GetStats(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.GetStatsResponse:
         """Returns the counters."""

@@ -46,7 +46,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -57,6 +57,7 @@ from psflow.errors import (
     Code,
     DeadlineExceededError,
     InvalidArgumentError,
+    MovedError,
     OpError,
     UnauthenticatedError,
     error_class,
@@ -292,6 +293,13 @@ class PSClient:
         code = e.code()
         cls = error_class(code.value[0]) if code is not None else error_class(Code.UNKNOWN)
         details = e.details() or (code.name if code is not None else "no status")
+        moved = MovedError.from_metadata(
+            f"{method} to {self.task} at {self.address}: {details}",
+            e.trailing_metadata() if isinstance(e, grpc.Call) else (),
+            self.task,
+        )
+        if moved is not None:  # a redirect: the variable lives on another task now
+            return moved
         return cls(f"{method} to {self.task} at {self.address} failed: {details}", task=self.task)
 
     def _invoke(
@@ -779,6 +787,59 @@ class PSClient:
             retry=True,
             timeout=timeout,
         )
+
+    # -- resizing ------------------------------------------------------------------------
+    def export_shard(self, names: Sequence[str], *, timeout: float | None = None) -> bytes:
+        """A copy of variables with slots, versions and push records (changes nothing)."""
+        request = ps_pb2.ExportShardRequest(names=list(names))
+
+        def attempt(left: float) -> bytes:
+            return b"".join(m.state for m in self._stubs["ExportShard"](request, timeout=left))
+
+        return self._invoke("ExportShard", attempt, retry=True, timeout=timeout)
+
+    def import_shard(
+        self, state: bytes, placement_version: int, *, timeout: float | None = None
+    ) -> list[str]:
+        """Installs variables exported by another task; returns their names."""
+        view = memoryview(state)
+
+        def messages() -> Iterator[ps_pb2.ImportShardRequest]:
+            for start in range(0, max(len(view), 1), self.chunk_bytes):
+                chunk = bytes(view[start : start + self.chunk_bytes])
+                yield ps_pb2.ImportShardRequest(state=chunk, placement_version=placement_version)
+
+        def attempt(left: float) -> Any:
+            return self._stubs["ImportShard"](messages(), timeout=left)
+
+        return list(self._invoke("ImportShard", attempt, retry=True, timeout=timeout).names)
+
+    def release_shard(
+        self,
+        names: Sequence[str],
+        owner: int,
+        owner_address: str,
+        placement_version: int,
+        *,
+        cancel: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Gives variables up to task ``owner``: requests naming them get ``MovedError``.
+
+        ``cancel``: the move was abandoned instead; writes to them are served again.
+        """
+        request = ps_pb2.ReleaseShardRequest(
+            names=list(names),
+            owner=owner,
+            owner_address=owner_address,
+            placement_version=placement_version,
+            cancel=cancel,
+        )
+        self._unary("ReleaseShard", request, timeout)
+
+    def drain(self, *, timeout: float | None = None) -> None:
+        """Tells a task that holds nothing to exit (it prints ``PSFLOW_DRAINED``, code 0)."""
+        self._unary("Drain", ps_pb2.DrainRequest(), timeout)
 
     def list_variables(self, *, timeout: float | None = None) -> list[VariableDescription]:
         """Every variable of the task, sorted by name."""

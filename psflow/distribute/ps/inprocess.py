@@ -26,6 +26,7 @@ class InProcessPSConnection(PSConnection):
         super().__init__()
         self.store = store or VariableStore(task=task)
         self.task = task
+        self.address = f"in-process:{task}"  # a name in the placement map, not reachable
 
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
         metas = [
@@ -82,6 +83,30 @@ class InProcessPSConnection(PSConnection):
     def restore(self, directory: str, prefix: str = "", names: Sequence[str] | None = None) -> int:
         prefix = prefix or self.task.replace(":", "-")
         return restore_shard(self.store, directory, prefix, list(names) if names else None).step
+
+    def export_shard(self, names: Sequence[str], timeout: float | None = None) -> bytes:
+        return self.store.export_shard(list(names))
+
+    def import_shard(
+        self, state: bytes, placement_version: int, timeout: float | None = None
+    ) -> list[str]:
+        return list(self.store.import_shard(state, placement_version))
+
+    def release_shard(
+        self,
+        names: Sequence[str],
+        owner: int,
+        owner_address: str,
+        placement_version: int,
+        timeout: float | None = None,
+    ) -> None:
+        self.store.release(list(names), owner, owner_address, placement_version)
+
+    def cancel_export(self, names: Sequence[str], timeout: float | None = None) -> None:
+        self.store.unfence(list(names))
+
+    def drain(self, timeout: float | None = None) -> None:
+        self.store.drain()
 
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         out = self.store.stats_snapshot(include_log)

@@ -31,6 +31,8 @@ from psflow import backend, errors
 from psflow.distribute.protocols import DistributedValues, UpdateGroup
 from psflow.distribute.ps import recovery
 from psflow.distribute.ps.connection import PSConnection, VarSpec
+from psflow.distribute.ps.placement import PlacementMap
+from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
@@ -115,13 +117,15 @@ class SyncConfig:
         self.progress_every = progress_every
 
 
-class PSSession(UpdateGroup):
+class PSSession(UpdateGroup, Routing):
     """Connections to every PS task and the state of this process's reads and pushes.
 
     Args:
         connections: one per PS task, in task order.
         sync: the training mode.
         task: this process's task (``"worker:1"``, ``"chief:0"``), for messages.
+        connect: ``connect(address, task_index) -> PSConnection``, how a task
+            added by a resize is reached (None: this session cannot follow resizes).
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class PSSession(UpdateGroup):
         connections: Sequence[PSConnection],
         sync: SyncConfig | None = None,
         task: str = "chief:0",
+        connect: Callable[[str, int], PSConnection] | None = None,
     ) -> None:
         if not connections:
             raise errors.InvalidArgumentError(
@@ -138,7 +143,15 @@ class PSSession(UpdateGroup):
         self.sync = sync or SyncConfig()
         self.task = task
         self.client_id = f"{task}-{uuid.uuid4().hex[:12]}"
-        self._seq = [itertools.count(1) for _ in self.connections]
+        self._seq: dict[int, Iterator[int]] = {}
+        self._connect = connect
+        # who holds what; version 0 until the first resize (see placement.py)
+        self._placement_lock = threading.RLock()
+        self.placement = PlacementMap(0, {}, tuple(c.address for c in self.connections))
+        # why this session's variables cannot be moved (see refuse_resize)
+        self.resize_blockers: set[str] = set()
+        # the task count an unfinished resize started from (None: none unfinished)
+        self.resize_origin: int | None = None
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
         self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
@@ -176,7 +189,24 @@ class PSSession(UpdateGroup):
             key, counters = closure
             counters[ps] = counters.get(ps, 0) + 1
             return (f"{key}/ps{ps}", counters[ps])
+        if ps not in self._seq:
+            self._seq[ps] = itertools.count(1)
         return (self.client_id, next(self._seq[ps]))
+
+    def _push_id(self) -> tuple[str, int]:
+        """The id of one ``apply_gradients``: the same on every PS task it reaches.
+
+        It does not name a task, so when a variable moves with its push records
+        a re-run of the same closure is recognised at the variable's new owner.
+        """
+        closure = self._closure
+        if closure is not None:
+            key, counters = closure
+            counters["push"] = counters.get("push", 0) + 1
+            return (f"{key}/push", counters["push"])
+        if "push" not in self._seq:
+            self._seq["push"] = itertools.count(1)
+        return (f"{self.client_id}/push", next(self._seq["push"]))
 
     def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
         """Runs one call per PS task, concurrently when there are several."""
@@ -237,6 +267,7 @@ class PSSession(UpdateGroup):
         for ps, versions in results.items():
             for (h, _), version in zip(by_ps[ps], versions):
                 self._versions[h.key] = version
+        self.place({h.key: h.ps_index for h in handles})
         for h in handles:
             self.register(h)
 
@@ -289,16 +320,12 @@ class PSSession(UpdateGroup):
         return not h.sparse_access and h.nbytes <= PREFETCH_LIMIT_BYTES
 
     def _pull_into_cache(self, handles: Sequence[Any]) -> dict[str, tuple[np.ndarray, int]]:
-        by_ps: dict[int, list[Any]] = {}
-        for h in handles:
-            by_ps.setdefault(h.ps_index, []).append(h)
-        work = {
-            ps: (lambda hs=hs, ps=ps: self.connections[ps].pull([h.key for h in hs]))
-            for ps, hs in by_ps.items()
-        }
+        def pull(ps: int, hs: list[Any], attempt: int) -> Any:
+            return self.connections[ps].pull([h.key for h in hs])
+
         out: dict[str, tuple[np.ndarray, int]] = {}
-        for ps, pulled in self._on_each(work).items():
-            for h, (value, version) in zip(by_ps[ps], pulled):
+        for hs, pulled in self._routed(handles, pull).values():
+            for h, (value, version) in zip(hs, pulled):
                 out[h.key] = (value, version)
                 self.bytes_pulled += value.nbytes
         return out
@@ -336,7 +363,11 @@ class PSSession(UpdateGroup):
 
     def read_rows(self, handle: Any, indices: np.ndarray) -> np.ndarray:
         """Rows of a PS variable (no caching: each lookup pulls only what it needs)."""
-        ((rows, version),) = self.connections[handle.ps_index].pull([handle.key], rows={0: indices})
+
+        def pull(ps: int, hs: list[Any], attempt: int) -> Any:
+            return self.connections[ps].pull([handle.key], rows={0: indices})
+
+        ((_, ((rows, version),)),) = self._routed([handle], pull).values()
         self.bytes_pulled += rows.nbytes + indices.nbytes
         self._versions.setdefault(handle.key, version)
         return rows
@@ -345,10 +376,12 @@ class PSSession(UpdateGroup):
     def write(self, handle: Any, op: str, value: Any) -> None:
         """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
         arr = backend.to_contiguous_numpy(to_array(value).astype(handle.np_dtype, copy=False))
-        ps = handle.ps_index
-        (version,) = self.connections[ps].write(
-            op, [handle.key], [arr], request_id=self._next_id(ps)
-        )
+
+        def write(ps: int, hs: list[Any], attempt: int) -> Any:
+            # a redirected write was applied nowhere: a fresh id at its new owner
+            return self.connections[ps].write(op, [handle.key], [arr], request_id=self._next_id(ps))
+
+        ((_, (version,)),) = self._routed([handle], write).values()
         self._versions[handle.key] = version
         self._invalidate()
 
@@ -361,7 +394,8 @@ class PSSession(UpdateGroup):
     def apply_optimizer(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int) -> None:
         """Pushes ``(gradient, variable)`` pairs; each PS applies ``optimizer``'s rule."""
         rule = optimizer.rule.get_config()  # the rate at this step: the push carries it
-        grads: dict[int, list[Gradient]] = {}
+        grads: dict[str, Gradient] = {}
+        handles: list[Any] = []
         for grad, var in pairs:
             if isinstance(grad, DistributedValues):
                 grad = grad.values[0]  # already all-reduced: every replica holds the same
@@ -380,7 +414,8 @@ class PSSession(UpdateGroup):
                 g = Gradient(
                     h.key, backend.to_contiguous_numpy(values), None, self._versions.get(h.key, -1)
                 )
-            grads.setdefault(h.ps_index, []).append(g)
+            grads[h.key] = g
+            handles.append(h)
         sync = self.sync.mode == "sync"
         step_id = self._step if sync else None
         if sync and step_id is None:
@@ -389,9 +424,14 @@ class PSSession(UpdateGroup):
                 "(coordinator.schedule or model.fit)"
             )
 
-        def push(ps: int, items: list[Gradient]) -> Any:
+        push_id = self._push_id()
+
+        def push(ps: int, hs: list[Any], attempt: int) -> Any:
+            items = [grads[h.key] for h in hs]
+            # the first try carries the step's id; a redirected resend, applied nowhere
+            # yet, one of its own (the new owner may have had this id for other variables)
             context = PushContext(
-                push_id=self._next_id(ps),
+                push_id=push_id if attempt == 0 else (f"{push_id[0]}/moved{attempt}", push_id[1]),
                 step=step_id,
                 num_required=self.sync.num_workers if sync else 0,
                 wait_applied=sync,
@@ -409,15 +449,13 @@ class PSSession(UpdateGroup):
             with self._watch.waiting(what, self.sync.timeout):
                 return call()
 
-        replies = self._on_each(
-            {ps: (lambda ps=ps, items=items: push(ps, items)) for ps, items in grads.items()}
-        )
-        for ps, reply in replies.items():
-            for g, version in zip(grads[ps], reply.versions):
-                self._versions[g.name] = version
+        for hs, reply in self._routed(handles, push).values():
+            for h, version in zip(hs, reply.versions):
+                self._versions[h.key] = version
             self.bytes_pushed += sum(
-                g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0)
-                for g in grads[ps]
+                grads[h.key].values.nbytes
+                + (grads[h.key].indices.nbytes if grads[h.key].indices is not None else 0)
+                for h in hs
             )
         self._invalidate()
 
@@ -502,3 +540,8 @@ class PSSession(UpdateGroup):
             {ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)}
         )
         return [results[ps] for ps in sorted(results)]
+
+
+def adopt_placement(placement: PlacementMap) -> None:
+    """Makes this process's session take ``placement`` (a closure the chief sends after a resize)."""
+    current().adopt(placement)
