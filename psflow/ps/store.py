@@ -54,12 +54,13 @@ from psflow.errors import (
 )
 from psflow.security.limits import limit_exceeded
 from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
-from psflow.update_rules import dedupe_rows, rule_from_config
+from psflow.update_rules import UpdateRule, dedupe_rows, rule_from_config
 
 from . import write_ops
 from .dedup import DedupWindow, State
 from .names import check_name, quote
 from .push_types import Gradient, PushReply
+from .rule_cache import RuleCache
 from .stats import PushLogEntry, Stats
 from .tensors import Segments, as_segments, check_extent
 from .variables import PendingStep, Variable, VariableMeta
@@ -146,6 +147,7 @@ class VariableStore:
         self._lock = threading.Lock()  # guards the dict, not the variables
         self._dedup = DedupWindow(window=dedup_window)
         self.stats = Stats(log_size=log_size)
+        self._pushed_rules = RuleCache()  # a push's rule JSON, parsed once per distinct text
 
     # -- helpers -----------------------------------------------------------
     @contextlib.contextmanager
@@ -463,6 +465,7 @@ class VariableStore:
         grads: Sequence[Gradient],
         step: int | None,
         num_required: int,
+        rule: UpdateRule | None = None,
     ) -> list[tuple[Variable, Gradient, Any, Any]]:
         """Checks everything that does not depend on the variables' current state."""
         if not grads:
@@ -489,9 +492,12 @@ class VariableStore:
             meta = var.meta
             if not meta.trainable:
                 raise FailedPreconditionError(f"variable {meta.name!r} is not trainable")
-            if var.rule is None:
+            if rule is not None:
+                _check_pushed_rule(var, rule)
+            elif var.rule is None:
                 raise FailedPreconditionError(
-                    f"variable {meta.name!r} has no optimizer; call configure_optimizer first"
+                    f"variable {meta.name!r} has no optimizer; push with a rule or call "
+                    "configure_optimizer first"
                 )
             if g.sparse:
                 values = np.asarray(
@@ -523,6 +529,7 @@ class VariableStore:
         wait_applied: bool = False,
         max_staleness: int | None = None,
         timeout: float | None = None,
+        rule_json: str = "",
     ) -> PushReply:
         """Applies (or, for a sync step, contributes) gradients, exactly once per id.
 
@@ -533,6 +540,11 @@ class VariableStore:
             wait_applied: return only once the sync step is applied.
             max_staleness: reject gradients staler than this.
             timeout: seconds to wait with ``wait_applied``.
+            rule_json: the update rule's config as JSON (the pusher's rate at
+                its step): installed for these variables before they are
+                updated, slots created on first use; ``""``: each variable's
+                current rule.  A rule with another slot layout than a
+                variable's is rejected.
 
         Raises:
             NotFoundError, InvalidArgumentError, FailedPreconditionError: bad input.
@@ -542,11 +554,20 @@ class VariableStore:
                 still counts).
         """
         with self._rejecting():
-            checked = self._validate_push(grads, step, num_required)
+            rule = self._pushed_rules.get(rule_json) if rule_json else None
+            checked = self._validate_push(grads, step, num_required, rule)
         client_id = push_id[0]
 
         def run() -> PushReply:
             with self._rejecting(), self._locked([c[0] for c in checked]):
+                if rule is not None:
+                    # again under the locks (a concurrent first push may have
+                    # installed another rule), all checked before any is installed
+                    for var, _, _, _ in checked:
+                        _check_pushed_rule(var, rule)
+                    for var, _, _, _ in checked:
+                        if var.rule is not rule:
+                            var.set_rule(rule)
                 if step is None:
                     return self._apply_async(checked, client_id, max_staleness)
                 return self._contribute(checked, push_id, int(step), int(num_required))
@@ -722,6 +743,27 @@ class VariableStore:
             for var in variables:
                 with var.lock:
                     self.mirrors.detach(var)
+
+
+def _check_pushed_rule(var: Variable, rule: UpdateRule) -> None:
+    """Rejects a pushed rule ``var`` cannot take: not trainable float, other slots."""
+    meta = var.meta
+    if meta.dtype.kind != "f":
+        raise InvalidArgumentError(
+            f"variable {meta.name!r} ({meta.dtype.name}) cannot have an optimizer"
+        )
+    held = var.rule
+    # the layout test of Variable.set_rule: same rule kind, same slots (a new rate only)
+    if (
+        held is not None
+        and held is not rule
+        and (held.name != rule.name or held.slot_names != rule.slot_names)
+    ):
+        raise InvalidArgumentError(
+            f"variable {meta.name!r} has the slots of rule {held.name!r} "
+            f"{list(held.slot_names)}; the push's rule {rule.name!r} needs "
+            f"{list(rule.slot_names)}"
+        )
 
 
 def _grad_bytes(c) -> int:
