@@ -68,9 +68,9 @@ def _cluster_workers() -> int | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ps_server", description=__doc__.splitlines()[0])
-    serving.add_server_flags(
-        p,
+    p = serving.server_parser(
+        "ps_server",
+        __doc__,
         "ps",
         task_help="task name, e.g. ps:0 (default from TF_CONFIG, else ps:0)",
         grace_help="seconds to drain calls on SIGTERM",

@@ -34,9 +34,9 @@ log = logging.getLogger("psflow.worker")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
-    serving.add_server_flags(
-        p,
+    p = serving.server_parser(
+        "worker",
+        __doc__,
         "worker",
         task_help="task name, e.g. worker:0 (default from TF_CONFIG)",
         grace_help="seconds to finish a closure on SIGTERM",
