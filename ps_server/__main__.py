@@ -68,13 +68,7 @@ def _cluster_workers() -> int | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = serving.server_parser(
-        "ps_server",
-        __doc__,
-        "ps",
-        task_help="task name, e.g. ps:0 (default from TF_CONFIG, else ps:0)",
-        grace_help="seconds to drain calls on SIGTERM",
-    )
+    p = serving.server_parser("ps_server", __doc__, "ps", "seconds to drain calls on SIGTERM")
     p.add_argument("--checkpoint-dir", help="write a final checkpoint here on SIGTERM")
     p.add_argument("--restore", metavar="DIR", help="restore this task's shard from DIR at start")
     p.add_argument("--threads", type=int, default=32, help="RPC worker threads")

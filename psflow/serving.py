@@ -114,19 +114,18 @@ def ready_fields(metrics_server: Any) -> str:
     return "" if metrics_server is None else f"metrics_port={metrics_server.port}"
 
 
-def server_parser(
-    module: str, doc: str, role: str, *, task_help: str, grace_help: str
-) -> argparse.ArgumentParser:
+def server_parser(module: str, doc: str, role: str, grace_help: str) -> argparse.ArgumentParser:
     """``python -m module``'s parser (described by ``doc``'s first line) with the flags
-    every server process takes: address, task, grace, memory, security, limits and
-    observability (``role``: ``"ps"`` or ``"worker"``)."""
+    every server process takes: address, task, grace (``grace_help`` says what the
+    role does meanwhile), memory, security, limits and observability (``role``:
+    ``"ps"`` or ``"worker"``)."""
     from psflow.observability.flags import add_observability_flags
     from psflow.security.flags import add_limit_flags, add_security_flags
 
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
     p.add_argument("--port", type=int, help="port to listen on (0: any); default from TF_CONFIG")
     p.add_argument("--bind", help="address to bind (default 127.0.0.1; 0.0.0.0 with TF_CONFIG)")
-    p.add_argument("--task", help=task_help)
+    p.add_argument("--task", help=f"task name (default from TF_CONFIG, else {role}:0)")
     p.add_argument("--grace", type=float, default=10.0, help=grace_help)
     p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
     add_security_flags(p)

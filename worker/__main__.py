@@ -34,13 +34,8 @@ log = logging.getLogger("psflow.worker")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = serving.server_parser(
-        "worker",
-        __doc__,
-        "worker",
-        task_help="task name, e.g. worker:0 (default from TF_CONFIG)",
-        grace_help="seconds to finish a closure on SIGTERM",
-    )
+    grace = "seconds to finish a closure on SIGTERM"
+    p = serving.server_parser("worker", __doc__, "worker", grace)
     p.add_argument("--ps", help="comma-separated PS addresses (default from TF_CONFIG)")
     p.add_argument("--workers", type=int, help="number of worker tasks (default from TF_CONFIG)")
     return p
