@@ -144,3 +144,20 @@ def test_rule_cache_parses_each_text_once_and_stays_bounded():
         cache.get(_rule(lr))
     assert cache.get(_rule(0.1)) is not first  # forgotten (bounded), parsed again
     assert cache.get(_rule(0.1)) == first
+
+
+def test_a_push_rejected_as_too_stale_leaves_the_rule_as_it_was():
+    store = VariableStore()
+    store.create([VariableMeta("w", np.dtype("float32"), (2,))], [np.zeros(2, np.float32)])
+    one = np.ones(2, np.float32)
+    store.push([Grad("w", one, base_version=0)], push_id=("c", 1), rule_json=_rule(0.1, 0.0))
+    with pytest.raises(errors.AbortedError):
+        store.push(
+            [Grad("w", one, base_version=0)],
+            push_id=("c", 2),
+            max_staleness=0,
+            rule_json=_rule(0.5, 0.0),
+        )
+    (info,) = store.list_variables()
+    assert json.loads(info.optimizer_json)["learning_rate"] == 0.1
+    np.testing.assert_allclose(store.pull(["w"])[0].value, np.full(2, -0.1, np.float32))

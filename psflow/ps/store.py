@@ -560,17 +560,9 @@ class VariableStore:
 
         def run() -> PushReply:
             with self._rejecting(), self._locked([c[0] for c in checked]):
-                if rule is not None:
-                    # again under the locks (a concurrent first push may have
-                    # installed another rule), all checked before any is installed
-                    for var, _, _, _ in checked:
-                        _check_pushed_rule(var, rule)
-                    for var, _, _, _ in checked:
-                        if var.rule is not rule:
-                            var.set_rule(rule)
                 if step is None:
-                    return self._apply_async(checked, client_id, max_staleness)
-                return self._contribute(checked, push_id, int(step), int(num_required))
+                    return self._apply_async(checked, client_id, max_staleness, rule)
+                return self._contribute(checked, push_id, int(step), int(num_required), rule)
 
         result = self._once(push_id, run, lambda r: dataclasses.replace(r, duplicate=True), timeout)
         if wait_applied and step is not None and not result.applied:
@@ -580,7 +572,7 @@ class VariableStore:
             )
         return result
 
-    def _apply_async(self, checked, client_id, max_staleness) -> PushReply:
+    def _apply_async(self, checked, client_id, max_staleness, rule=None) -> PushReply:
         staleness = []
         for var, g, _, _ in checked:
             s = var.version - g.base_version if g.base_version >= 0 else -1
@@ -592,6 +584,7 @@ class VariableStore:
                 err.reason = "staleness_bound"
                 raise err
             staleness.append(s)
+        _install_rule(checked, rule)
         entries = []
         for var, g, a, b in checked:
             if g.sparse:
@@ -603,7 +596,7 @@ class VariableStore:
         self.stats.record_push(entries, staleness)
         return PushReply(tuple(c[0].version for c in checked), True, False, tuple(staleness))
 
-    def _contribute(self, checked, push_id, step, num_required) -> PushReply:
+    def _contribute(self, checked, push_id, step, num_required, rule=None) -> PushReply:
         for var, _, _, _ in checked:
             if step <= var.sync_step:
                 err = AbortedError(
@@ -622,6 +615,7 @@ class VariableStore:
                 raise ResourceExhaustedError(
                     f"{var.meta.name!r} already has {len(var.pending)} incomplete sync steps"
                 )
+        _install_rule(checked, rule)
         applied_all = True
         for var, g, a, b in checked:
             pending = var.pending.setdefault(step, PendingStep(num_required))
@@ -743,6 +737,21 @@ class VariableStore:
             for var in variables:
                 with var.lock:
                     self.mirrors.detach(var)
+
+
+def _install_rule(checked, rule: UpdateRule | None) -> None:
+    """Installs a pushed rule (locks held, every other check passed).
+
+    Checked again first, for all before any is installed: a concurrent first
+    push may have installed another rule since the push was validated.
+    """
+    if rule is None:
+        return
+    for var, _, _, _ in checked:
+        _check_pushed_rule(var, rule)
+    for var, _, _, _ in checked:
+        if var.rule is not rule:
+            var.set_rule(rule)
 
 
 def _check_pushed_rule(var: Variable, rule: UpdateRule) -> None:
