@@ -91,17 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tf_bind, port, tf_task = _from_tf_config()
         except (ImportError, OpError, ValueError, KeyError) as e:
-            sys.stderr.write(f"ps_server: no --port and no usable TF_CONFIG: {e}\n")
-            return 2
-        bind = bind or tf_bind
-        task = task or tf_task
-    bind = bind or "127.0.0.1"
-    task = task or "ps:0"
+            return serving.usage_error("ps_server", f"no --port and no usable TF_CONFIG: {e}")
+        bind, task = bind or tf_bind, task or tf_task
     try:
-        security = serving.setup_process(args, "ps", task, bind)
+        bind, task, security = serving.setup_process(args, "ps", task, bind)
     except OpError as e:
-        sys.stderr.write(f"ps_server: {e}\n")
-        return 2
+        return serving.usage_error("ps_server", e)
     limits = PSLimits(
         args.max_tensor_bytes,
         args.max_variables,

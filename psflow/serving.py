@@ -134,9 +134,14 @@ def server_parser(module: str, doc: str, role: str, grace_help: str) -> argparse
     return p
 
 
-def setup_process(args: argparse.Namespace, role: str, task: str, bind: str) -> Any:
-    """Configures logging and malloc tuning from ``add_server_flags``' flags; returns the
-    ``SecurityConfig`` the server binds ``bind`` with.
+def setup_process(
+    args: argparse.Namespace, role: str, task: str | None, bind: str | None
+) -> tuple[str, str, Any]:
+    """Configures logging and malloc tuning from :func:`server_parser`'s flags.
+
+    Returns:
+        ``(bind, task, security)``: ``bind`` (default ``127.0.0.1``), ``task``
+        (default ``<role>:0``) and the ``SecurityConfig`` the server binds with.
 
     Raises:
         OpError: a bad log level or format, or unusable security settings.
@@ -145,11 +150,19 @@ def setup_process(args: argparse.Namespace, role: str, task: str, bind: str) -> 
     from psflow.observability.logs import configure_logging
     from psflow.security.flags import security_from_flags
 
+    bind = bind or "127.0.0.1"
+    task = task or f"{role}:0"
     configure_logging(role, task, args.log_level, args.log_format)
     security = security_from_flags(args, bind)
     # gradients and pulled values are megabyte buffers every step
     memory.ensure_tuned(False if args.no_malloc_tuning else None)
-    return security
+    return bind, task, security
+
+
+def usage_error(prog: str, error: object) -> int:
+    """Writes ``prog: error`` on stderr; returns the exit status of a usage error (2)."""
+    sys.stderr.write(f"{prog}: {error}\n")
+    return 2
 
 
 def build_server(
