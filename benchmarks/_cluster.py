@@ -14,13 +14,13 @@ import contextlib
 import json
 import os
 import pathlib
-import selectors
 import socket
 import subprocess
 import sys
-import time
 
 import _netns
+
+from psflow import launch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -69,24 +69,49 @@ class Processes:
         timeout: float = 120.0,
     ) -> tuple[subprocess.Popen, str]:
         """Starts ``args``; with ``ready``, waits for a stdout line starting with it (returned)."""
-        proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env(env), cwd=ROOT
+        if ready is None:
+            proc = subprocess.Popen(
+                args,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=child_env(env),
+                cwd=ROOT,
+            )
+            self.procs.append(proc)
+            return proc, ""
+        proc, line = launch.start_process(
+            args,
+            lambda line: line if line.startswith(ready) else None,
+            env=child_env(env),
+            cwd=ROOT,
+            stderr=subprocess.DEVNULL,
+            timeout=timeout,
+            what=f"{ready} line",
         )
         self.procs.append(proc)
-        if ready is None:
-            return proc, ""
-        deadline = time.monotonic() + timeout
-        buffer = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline and proc.poll() is None:
-                if not sel.select(0.5):
-                    continue
-                buffer += os.read(proc.stdout.fileno(), 4096)
-                for line in buffer.decode(errors="replace").splitlines():
-                    if line.startswith(ready):
-                        return proc, line
-        raise RuntimeError(f"{args[:4]} not ready within {timeout}s (exit {proc.poll()})")
+        return proc, line
+
+    def start_role(
+        self,
+        module: str,
+        args: list[str],
+        role: str,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> launch.Ready:
+        """Starts a psflow role (``psflow.launch.start_role``); returns its ready line."""
+        proc, ready = launch.start_role(
+            module,
+            args,
+            role=role,
+            env=child_env(env),
+            cwd=ROOT,
+            stderr=subprocess.DEVNULL,
+            timeout=120.0,
+            prefix=prefix or (),
+        )
+        self.procs.append(proc)
+        return ready
 
     def close(self) -> None:
         """Kills and reaps every child."""
@@ -119,52 +144,26 @@ def psflow_cluster(
     net_flags = ["--insecure"] if net else []
     ps = []
     for i in range(num_ps):
-        _, line = procs.start(
-            (net.exec_in("a", []) if net else [])
-            + [
-                sys.executable,
-                "-m",
-                "ps_server",
-                "--port",
-                "0",
-                "--task",
-                f"ps:{i}",
-                "--log-level",
-                "WARNING",
-                "--bind",
-                ps_host,
-                "--shm",
-                "off" if net else shm,
-                *net_flags,
+        ready = procs.start_role(
+            "ps_server",
+            [
+                "--port", "0", "--task", f"ps:{i}", "--log-level", "WARNING",
+                "--bind", ps_host, "--shm", "off" if net else shm, *net_flags,
             ],
-            "PSFLOW_READY ps",
+            "ps",
             env,
-        )
-        ps.append(f"{ps_host}:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"])
+            prefix=net.exec_in("a", []) if net else None,
+        )  # fmt: skip
+        ps.append(f"{ps_host}:{ready.port}")
     workers = []
     for i in range(num_workers):
         args = [
-            sys.executable,
-            "-m",
-            "worker",
-            "--port",
-            "0",
-            "--task",
-            f"worker:{i}",
-            "--ps",
-            ",".join(ps),
-            "--workers",
-            str(num_workers),
-            "--log-level",
-            "WARNING",
-            "--bind",
-            worker_host,
+            "--port", "0", "--task", f"worker:{i}", "--ps", ",".join(ps),
+            "--workers", str(num_workers), "--log-level", "WARNING", "--bind", worker_host,
             *net_flags,
-        ]
-        _, line = procs.start(args, "PSFLOW_READY worker", env)
-        workers.append(
-            f"{worker_host}:" + dict(f.split("=", 1) for f in line.split() if "=" in f)["port"]
-        )
+        ]  # fmt: skip
+        ready = procs.start_role("worker", args, "worker", env)
+        workers.append(f"{worker_host}:{ready.port}")
     return {"ps": ps, "worker": workers}
 
 

@@ -38,7 +38,6 @@ import json
 import os
 import pathlib
 import select
-import selectors
 import shutil
 import signal
 import socket
@@ -184,25 +183,20 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _start(argv: list[str], ready: str, env: dict[str, str], timeout: float = 120.0):
-    """Starts ``python argv`` and waits (bounded) for its ready line; returns (proc, fields)."""
-    proc = subprocess.Popen(
-        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+def _start_tf_server(cluster: dict, env: dict[str, str]) -> subprocess.Popen:
+    """Starts this file's ``--serve-tf`` and waits (bounded) for its ``READY`` line."""
+    from psflow import launch
+
+    argv = [sys.executable, __file__, "--serve-tf", json.dumps(cluster)]
+    proc, _ = launch.start_process(
+        argv,
+        lambda line: line if line.startswith("READY") else None,
+        env=env,
+        stderr=subprocess.DEVNULL,
+        timeout=120.0,
+        what="READY line",
     )
-    deadline = time.monotonic() + timeout
-    buffer = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or proc.poll() is not None:
-                _stop(proc)
-                raise RuntimeError(f"{argv[:3]} did not start (exit {proc.returncode})")
-            if sel.select(min(left, 0.5)):
-                buffer += os.read(proc.stdout.fileno(), 4096)
-                for line in buffer.decode(errors="replace").splitlines():
-                    if line.startswith(ready):
-                        return proc, dict(f.split("=", 1) for f in line.split() if "=" in f)
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -323,12 +317,16 @@ def _psflow_case(case: str, args, certs: dict[str, str] | None) -> dict:
     if case == "mtls":
         env_extra.update(certs or {})
     env = _env(env_extra)
-    ps, fields = _start(["-m", "ps_server", *flags], "PSFLOW_READY ps", env)
+    from psflow import launch
+
+    ps, ready = launch.start_role(
+        "ps_server", flags, role="ps", env=env, stderr=subprocess.DEVNULL, timeout=120.0
+    )
     try:
         from psflow.security.config import SecurityConfig
         from psflow.transport.client import PSClient
 
-        address = f"127.0.0.1:{fields['port']}"
+        address = f"127.0.0.1:{ready.port}"
         security = SecurityConfig.from_environment(env)
         initial = np.arange(args.elements, dtype=np.float64) * 1000
         with PSClient(address, security=security, timeout=30) as client:
@@ -353,7 +351,7 @@ def _tf_case(args) -> dict:
     ports = _free_ports(2)
     cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
     env = _env({"TF_CPP_MIN_LOG_LEVEL": "2"})
-    ps, _ = _start([__file__, "--serve-tf", json.dumps(cluster)], "READY", env)
+    ps = _start_tf_server(cluster, env)
     try:
         result = _run_client("tf", json.dumps(cluster), args, env)
     finally:

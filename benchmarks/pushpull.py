@@ -350,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
     from psflow.distribute.ps.connection import Grad
     from psflow.distribute.ps.grpc_connection import GrpcPSConnection
     from psflow.memory import tune_malloc
+    from psflow.ps.push_types import PushContext
     from psflow.transport import shm
     from psflow.transport.client import PSClient
     from psflow.transport.options import channel_options
@@ -386,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
         push_ids = iter(range(1 << 30))
 
         def shm_push(name: str, grad: np.ndarray) -> None:
-            conn.push([Grad(name, grad)], push_id=("bench", next(push_ids)))
+            conn.push([Grad(name, grad)], PushContext(("bench", next(push_ids))))
 
         def shm_pull(name: str) -> None:
             ((value, _version),) = conn.pull([name])

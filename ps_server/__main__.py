@@ -71,13 +71,7 @@ def _cluster_workers() -> int | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ps_server", description=__doc__.splitlines()[0])
-    serving.add_server_flags(
-        p,
-        "ps",
-        task_help="task name, e.g. ps:0 (default from TF_CONFIG, else ps:0)",
-        grace_help="seconds to drain calls on SIGTERM",
-    )
+    p = serving.server_parser("ps_server", __doc__, "ps", "seconds to drain calls on SIGTERM")
     p.add_argument("--checkpoint-dir", help="write a final checkpoint here on SIGTERM")
     p.add_argument("--restore", metavar="DIR", help="restore this task's shard from DIR at start")
     p.add_argument("--threads", type=int, default=32, help="RPC worker threads")
@@ -100,17 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tf_bind, port, tf_task = _from_tf_config()
         except (ImportError, OpError, ValueError, KeyError) as e:
-            sys.stderr.write(f"ps_server: no --port and no usable TF_CONFIG: {e}\n")
-            return 2
-        bind = bind or tf_bind
-        task = task or tf_task
-    bind = bind or "127.0.0.1"
-    task = task or "ps:0"
+            return serving.usage_error("ps_server", f"no --port and no usable TF_CONFIG: {e}")
+        bind, task = bind or tf_bind, task or tf_task
     try:
-        security = serving.setup_process(args, "ps", task, bind)
+        bind, task, security = serving.setup_process(args, "ps", task, bind)
     except OpError as e:
-        sys.stderr.write(f"ps_server: {e}\n")
-        return 2
+        return serving.usage_error("ps_server", e)
     limits = PSLimits(
         args.max_tensor_bytes,
         args.max_variables,

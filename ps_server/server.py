@@ -78,16 +78,6 @@ def create_server(
             authenticates nobody and ``insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
-    security = security or SecurityConfig()
-    server = serving.new_server(
-        bind,
-        security,
-        insecure,
-        threads=max(max_workers, max_streams + 2) if max_streams else max_workers,
-        thread_name_prefix="ps-rpc",
-        options=server_options(max_message_bytes),
-        metrics=metrics,
-    )
     servicer = ParameterServerServicer(
         store,
         chunk_bytes=chunk_bytes,
@@ -101,18 +91,20 @@ def create_server(
         gate = servicer.gate
         metrics.watch_streams(lambda: gate.active)
     embedding = EmbeddingServicer(tables or TableRegistry(store.task), store.max_tensor_bytes)
-    server.add_generic_rpc_handlers((embedding.generic_handler(),))
-    bound = serving.register_and_bind(
-        server,
-        servicer.generic_handler(),
+    return serving.build_server(
+        (servicer.generic_handler(), embedding.generic_handler()),
         SERVICE,
-        health_servicer,
-        bind,
-        port,
-        security,
-        store.task,
+        bind=bind,
+        port=port,
+        security=security or SecurityConfig(),
+        insecure=insecure,
+        task=store.task,
+        threads=max(max_workers, max_streams + 2) if max_streams else max_workers,
+        thread_name_prefix="ps-rpc",
+        options=server_options(max_message_bytes),
+        metrics=metrics,
+        health_servicer=health_servicer,
     )
-    return server, bound
 
 
 def serve(
@@ -164,7 +156,6 @@ def serve(
         metrics=metrics,
         tables=tables,
     )
-    metrics_server = serving.start_metrics(metrics, metrics_bind or bind, metrics_port)
     log.info("listening on %s", serving.host_port(bind, bound))
     prefix = store.task.replace(":", "-")
 
@@ -185,8 +176,6 @@ def serve(
             )
 
     def finish() -> None:
-        if metrics_server is not None:
-            metrics_server.close()
         if checkpoint_dir:
             result = save_shard(store, checkpoint_dir, prefix)
             log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)
@@ -202,18 +191,19 @@ def serve(
                 stop.set()
 
     threading.Thread(target=watch_drain, name="ps-drain-watch", daemon=True).start()
-    code = serving.run_until_stopped(
+    code = serving.serve_until_stopped(
         server,
         bound,
         health_servicer,
-        (SERVICE,),
+        SERVICE,
         role="ps",
         task=store.task,
         grace=grace,
         stop_event=stop,
+        metrics=metrics,
+        metrics_address=(metrics_bind or bind, metrics_port),
         before_serving=restore,
         after_drain=finish,
-        ready_extra=serving.ready_fields(metrics_server),
     )
     if store.drained.is_set():  # a supervisor must not restart a drained task
         sys.stdout.write(f"{DRAINED_LINE} task={store.task} pid={os.getpid()}\n")

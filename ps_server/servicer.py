@@ -474,6 +474,7 @@ class ParameterServerServicer:
             wait_applied=header.wait_applied,
             max_staleness=header.max_staleness if header.HasField("max_staleness") else None,
             timeout=context.time_remaining(),
+            rule_json=header.rule_json,
         )
         if self.metrics is not None:  # only now: a rejected push leaves no series behind
             self.metrics.record_push_seen(header.id.client_id, step)

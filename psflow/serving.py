@@ -1,6 +1,8 @@
 """Running a psflow gRPC server process: readiness line, health, signals, graceful drain.
 
-Shared by ``python -m ps_server`` and ``python -m worker``: both print one
+Shared by ``python -m ps_server`` and ``python -m worker``: both build their
+server with :func:`build_server`, run it with :func:`serve_until_stopped` and
+parse their flags with :func:`server_parser`.  Both print one
 machine-readable line once bound (``PSFLOW_READY <role> port=<port> task=<task>
 pid=<pid>``), answer the standard gRPC health check (NOT_SERVING until ready,
 SERVING while up, NOT_SERVING again on SIGTERM), and on SIGTERM or SIGINT let
@@ -62,7 +64,7 @@ class HasRegistry(Protocol):
     registry: Any
 
 
-def new_server(
+def _new_server(
     bind: str,
     security: Any,
     insecure: bool,
@@ -112,28 +114,34 @@ def ready_fields(metrics_server: Any) -> str:
     return "" if metrics_server is None else f"metrics_port={metrics_server.port}"
 
 
-def add_server_flags(
-    parser: argparse.ArgumentParser, role: str, *, task_help: str, grace_help: str
-) -> None:
-    """The flags every server process takes: address, task, grace, memory, security,
-    limits and observability (``role``: ``"ps"`` or ``"worker"``)."""
+def server_parser(module: str, doc: str, role: str, grace_help: str) -> argparse.ArgumentParser:
+    """``python -m module``'s parser (described by ``doc``'s first line) with the flags
+    every server process takes: address, task, grace (``grace_help`` says what the
+    role does meanwhile), memory, security, limits and observability (``role``:
+    ``"ps"`` or ``"worker"``)."""
     from psflow.observability.flags import add_observability_flags
     from psflow.security.flags import add_limit_flags, add_security_flags
 
-    p = parser
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
     p.add_argument("--port", type=int, help="port to listen on (0: any); default from TF_CONFIG")
     p.add_argument("--bind", help="address to bind (default 127.0.0.1; 0.0.0.0 with TF_CONFIG)")
-    p.add_argument("--task", help=task_help)
+    p.add_argument("--task", help=f"task name (default from TF_CONFIG, else {role}:0)")
     p.add_argument("--grace", type=float, default=10.0, help=grace_help)
     p.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's malloc defaults")
     add_security_flags(p)
     add_limit_flags(p, role)
     add_observability_flags(p)
+    return p
 
 
-def setup_process(args: argparse.Namespace, role: str, task: str, bind: str) -> Any:
-    """Configures logging and malloc tuning from ``add_server_flags``' flags; returns the
-    ``SecurityConfig`` the server binds ``bind`` with.
+def setup_process(
+    args: argparse.Namespace, role: str, task: str | None, bind: str | None
+) -> tuple[str, str, Any]:
+    """Configures logging and malloc tuning from :func:`server_parser`'s flags.
+
+    Returns:
+        ``(bind, task, security)``: ``bind`` (default ``127.0.0.1``), ``task``
+        (default ``<role>:0``) and the ``SecurityConfig`` the server binds with.
 
     Raises:
         OpError: a bad log level or format, or unusable security settings.
@@ -142,14 +150,62 @@ def setup_process(args: argparse.Namespace, role: str, task: str, bind: str) -> 
     from psflow.observability.logs import configure_logging
     from psflow.security.flags import security_from_flags
 
+    bind = bind or "127.0.0.1"
+    task = task or f"{role}:0"
     configure_logging(role, task, args.log_level, args.log_format)
     security = security_from_flags(args, bind)
     # gradients and pulled values are megabyte buffers every step
     memory.ensure_tuned(False if args.no_malloc_tuning else None)
-    return security
+    return bind, task, security
 
 
-def register_and_bind(
+def usage_error(prog: str, error: object) -> int:
+    """Writes ``prog: error`` on stderr; returns the exit status of a usage error (2)."""
+    sys.stderr.write(f"{prog}: {error}\n")
+    return 2
+
+
+def build_server(
+    handlers: Sequence[grpc.GenericRpcHandler],
+    service: str,
+    *,
+    bind: str,
+    port: int,
+    security: Any,
+    insecure: bool,
+    task: str,
+    threads: int,
+    thread_name_prefix: str,
+    options: Sequence[tuple[str, Any]],
+    metrics: RecordsRejections | None = None,
+    health_servicer: health.HealthServicer | None = None,
+) -> tuple[grpc.Server, int]:
+    """A server (not started) serving ``handlers`` (the first one ``service``), health
+    and reflection, with ``security``'s interceptors, bound to ``bind:port``; returns
+    ``(server, port)``.
+
+    Raises:
+        FailedPreconditionError: ``bind`` is not loopback, ``security``
+            authenticates nobody and ``insecure`` is False.
+        UnavailableError: the address cannot be bound (named).
+    """
+    server = _new_server(
+        bind,
+        security,
+        insecure,
+        threads=threads,
+        thread_name_prefix=thread_name_prefix,
+        options=options,
+        metrics=metrics,
+    )
+    main, *others = handlers
+    if others:
+        server.add_generic_rpc_handlers(tuple(others))
+    bound = _register_and_bind(server, main, service, health_servicer, bind, port, security, task)
+    return server, bound
+
+
+def _register_and_bind(
     server: grpc.Server,
     handler: grpc.GenericRpcHandler,
     service: str,
@@ -188,6 +244,48 @@ def install_stop_signals(stop: threading.Event) -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
+
+
+def serve_until_stopped(
+    server: grpc.Server,
+    port: int,
+    health_servicer: health.HealthServicer,
+    service: str,
+    *,
+    role: str,
+    task: str,
+    grace: float = 10.0,
+    stop_event: threading.Event | None = None,
+    metrics: HasRegistry | None = None,
+    metrics_address: tuple[str, int | None] = ("127.0.0.1", None),
+    before_serving: Callable[[], None] | None = None,
+    after_drain: Callable[[], None] | None = None,
+) -> int:
+    """Serves ``metrics`` on ``metrics_address`` (``(bind, port)``; port None: no
+    metrics, 0: any free one, named in the ready line), then
+    :func:`run_until_stopped`; closes the metrics server after the drain.
+
+    Raises:
+        UnavailableError: the metrics port cannot be bound.
+    """
+    metrics_server = start_metrics(metrics, *metrics_address)
+    try:
+        return run_until_stopped(
+            server,
+            port,
+            health_servicer,
+            (service,),
+            role=role,
+            task=task,
+            grace=grace,
+            stop_event=stop_event,
+            before_serving=before_serving,
+            after_drain=after_drain,
+            ready_extra=ready_fields(metrics_server),
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 def run_until_stopped(

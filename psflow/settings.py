@@ -3,7 +3,9 @@
 Library code never reads ``os.environ`` itself: it asks :func:`current` for a
 frozen :class:`ProcessSettings`, parsed once per distinct environment (so a
 test that changes a variable sees the change), and tests may pass their own
-``environ`` mapping.  Security settings live in :mod:`psflow.security.config`,
+``environ`` mapping.  Library functions that take an ``environ`` mapping
+default to :func:`environ`, the one place below the entrypoints where the
+process environment is read.  Security settings live in :mod:`psflow.security.config`,
 the coordinator's in :mod:`psflow.distribute.coordinator.config`.
 
 Variables:
@@ -38,6 +40,7 @@ __all__ = [
     "PerEnvironment",
     "ProcessSettings",
     "current",
+    "environ",
 ]
 
 ENV_NUM_CPU_DEVICES = "PSFLOW_NUM_CPU_DEVICES"
@@ -48,6 +51,18 @@ ENV_CLOSURE_TIMEOUT = "PSFLOW_CLOSURE_TIMEOUT"
 _NAMES = (ENV_NUM_CPU_DEVICES, ENV_MALLOC_TUNING, ENV_SHM, ENV_PROGBAR, ENV_CLOSURE_TIMEOUT)
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
+
+
+def environ() -> Mapping[str, str]:
+    """The process environment (``os.environ``, live: later changes are seen).
+
+    The default of every library function that takes an ``environ`` mapping,
+    so that the environment is read in one place (and the entrypoints).
+    """
+    return os.environ
+
+
+_process_environ = environ  # the name ``environ`` is the parameter's in the functions below
 
 
 def _number(
@@ -91,7 +106,7 @@ class ProcessSettings:
         Raises:
             InvalidArgumentError: a variable holds a value it cannot (quoted, with its name).
         """
-        env = os.environ if environ is None else environ
+        env = _process_environ() if environ is None else environ
         cpus = _number(env, ENV_NUM_CPU_DEVICES, "1", int, "an integer", ">= 1")
         timeout = _number(env, ENV_CLOSURE_TIMEOUT, "3600", float, "a number", "> 0")
         return cls(
@@ -117,7 +132,7 @@ class PerEnvironment(Generic[T]):
 
     def __call__(self, environ: Mapping[str, str] | None = None) -> T:
         """The parsed configuration of ``environ`` (``os.environ`` by default)."""
-        env = os.environ if environ is None else environ
+        env = _process_environ() if environ is None else environ
         key = tuple(env.get(n) for n in self._names)
         value = self._cache.get(key)
         if value is None:

@@ -34,13 +34,8 @@ log = logging.getLogger("psflow.worker")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
-    serving.add_server_flags(
-        p,
-        "worker",
-        task_help="task name, e.g. worker:0 (default from TF_CONFIG)",
-        grace_help="seconds to finish a closure on SIGTERM",
-    )
+    grace = "seconds to finish a closure on SIGTERM"
+    p = serving.server_parser("worker", __doc__, "worker", grace)
     p.add_argument("--ps", help="comma-separated PS addresses (default from TF_CONFIG)")
     p.add_argument("--workers", type=int, help="number of worker tasks (default from TF_CONFIG)")
     return p
@@ -78,22 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tf_bind, tf_port, tf_task, tf_ps, tf_workers = _from_tf_config()
         except (OpError, ValueError, KeyError) as e:
-            sys.stderr.write(
-                f"worker: give --port and --ps, or a TF_CONFIG naming this worker: {e}\n"
-            )
-            return 2
-        bind = bind or tf_bind
-        port = tf_port if port is None else port
-        task = task or tf_task
-        ps = ps or tf_ps
-        num_workers = num_workers or tf_workers
-    bind = bind or "127.0.0.1"
-    task = task or "worker:0"
+            why = f"give --port and --ps, or a TF_CONFIG naming this worker: {e}"
+            return serving.usage_error("worker", why)
+        bind, port, task = bind or tf_bind, tf_port if port is None else port, task or tf_task
+        ps, num_workers = ps or tf_ps, num_workers or tf_workers
     try:
-        security = serving.setup_process(args, "worker", task, bind)
+        bind, task, security = serving.setup_process(args, "worker", task, bind)
     except OpError as e:
-        sys.stderr.write(f"worker: {e}\n")
-        return 2
+        return serving.usage_error("worker", e)
 
     def strategy_factory():
         from psflow.distribute.parameter_server_strategy import ParameterServerStrategy

@@ -45,16 +45,21 @@ def create_server(
             authenticates nobody and ``insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
-    security = security or SecurityConfig()
     limits = limits or WorkerLimits()
     receive_limit = min(MAX_MESSAGE_BYTES, 2 * limits.max_closure_bytes + _SLACK)
-    server = serving.new_server(
-        bind,
-        security,
-        insecure,
+    servicer = WorkerServicer(executor, limits=limits, metrics=metrics)
+    return serving.build_server(
+        (servicer.generic_handler(),),
+        SERVICE,
+        bind=bind,
+        port=port,
+        security=security or SecurityConfig(),
+        insecure=insecure,
+        task=executor.task,
         threads=max_workers,
         thread_name_prefix="worker-rpc",
         metrics=metrics,
+        health_servicer=health_servicer,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", receive_limit),
@@ -63,18 +68,6 @@ def create_server(
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
-    servicer = WorkerServicer(executor, limits=limits, metrics=metrics)
-    bound = serving.register_and_bind(
-        server,
-        servicer.generic_handler(),
-        SERVICE,
-        health_servicer,
-        bind,
-        port,
-        security,
-        executor.task,
-    )
-    return server, bound
 
 
 def serve(
@@ -112,19 +105,15 @@ def serve(
         limits=limits,
         metrics=metrics,
     )
-    metrics_server = serving.start_metrics(metrics, metrics_bind or bind, metrics_port)
-    try:
-        return serving.run_until_stopped(
-            server,
-            bound,
-            health_servicer,
-            (SERVICE,),
-            role="worker",
-            task=executor.task,
-            grace=grace,
-            stop_event=stop_event,
-            ready_extra=serving.ready_fields(metrics_server),
-        )
-    finally:
-        if metrics_server is not None:
-            metrics_server.close()
+    return serving.serve_until_stopped(
+        server,
+        bound,
+        health_servicer,
+        SERVICE,
+        role="worker",
+        task=executor.task,
+        grace=grace,
+        stop_event=stop_event,
+        metrics=metrics,
+        metrics_address=(metrics_bind or bind, metrics_port),
+    )

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 import weakref
@@ -185,6 +186,14 @@ class _MergeRendezvous:
             raise failure
 
 
+class _UpdatePath(enum.Enum):
+    """The three ways a replica's update happens (see :meth:`MirroredExtended.apply_update`)."""
+
+    FUSED = "fused"  # one collective sums and applies, range by range
+    IN_REPLICA = "in_replica"  # all-reduce, then each replica updates its own copies
+    MERGE = "merge"  # handed to the cross-replica update in one merge_call
+
+
 class MirroredReplicaContext(distribute_lib.ReplicaContext):
     """The replica context inside ``MirroredStrategy.run``: collectives across devices."""
 
@@ -260,26 +269,30 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         result = strategy._merge.call(self._replica_id, (args, kwargs), run)
         return select_replica(self._replica_id, result)
 
-    def _apply_in_replica(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> bool:
-        """Updates this replica's copies of mirrored variables with its reduced gradients.
+    def _all_reduce_and_apply(
+        self, optimizer: Any, grads: list[Any], variables: list[Any], step: int
+    ) -> bool:
+        """Sums the gradients across replicas, then updates this replica's own copies.
 
         After the all-reduce every replica holds the same sums, and each copy is
         only ever written by its own replica, so no merge (two more rendezvous
-        and a hand-off between threads per step) is needed.  Variables of
-        another kind (a parameter server's) take the merge path.
+        and a hand-off between threads per step) is needed.  Only for variables
+        mirrored by this strategy (:meth:`MirroredExtended.apply_update` chose).
+        Returns whether any variable had a gradient.
         """
-        extended = self._strategy.extended
-        if not all(_is_mirrored_here(v, extended) for _, v in pairs):
-            return False
+        reduced = self._all_reduce_gradients(grads, variables)
         i = self._replica_id
-        with backend.device(extended._devices[i]):
-            for grad, var in pairs:
-                optimizer._apply_local(var, grad, step, replica=i, array=var.values[i]._value)
-        return True
+        applied = False
+        with backend.device(self._strategy.extended._devices[i]):
+            for grad, var in zip(reduced, variables):
+                if grad is not None:
+                    optimizer._apply_local(var, grad, step, replica=i, array=var.values[i]._value)
+                    applied = True
+        return applied
 
     def _reduce_and_apply(
         self, optimizer: Any, grads: list[Any], variables: list[Any], step: int
-    ) -> int | None:
+    ) -> int:
         """Sums the replicas' gradients and updates every copy, split by elements.
 
         One :meth:`Communicator.reduce_and_update` call replaces the all-reduce and
@@ -287,26 +300,13 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
         flattened gradients and applies it to that range of every replica's
         copies (weights and optimizer slots), so the reduced gradients are never
         written out and each copy is updated by one pass over its memory.  The
-        copies stay bitwise identical.  Taken for mirrored variables of this
-        strategy on CPU devices with no constraint, whatever the gradients (the
-        choice depends on the variables only, so every replica makes the same):
+        copies stay bitwise identical.  Only for variables :func:`_fusable` here
+        (:meth:`MirroredExtended.apply_update` chose), whatever the gradients:
         sparse ones are densified as the all-reduce would, a missing one adds
         zeros (see :meth:`_all_reduce_gradients`).  Returns how many variables
-        were updated, or None (nothing done) where the caller must all-reduce and
-        apply.
+        were updated.
         """
         strategy: MirroredStrategy = self._strategy  # type: ignore[assignment]
-        extended = strategy.extended
-        if not strategy._fused_update or strategy.num_replicas_in_sync < 2:
-            return None
-        for v in variables:
-            if not _is_mirrored_here(v, extended) or v.constraint is not None:
-                return None
-            if any(
-                type(c._value) is not np.ndarray or not c._value.flags.c_contiguous
-                for c in v.values
-            ):
-                return None
         arrays = []
         for g, v in zip(grads, variables):
             dtype = v.values[0]._value.dtype
@@ -419,17 +419,21 @@ class MirroredExtended(distribute_lib.StrategyExtended, UpdateGroup):
         In a replica of this strategy with several replicas, in order:
 
         1. fused: the cross-device ops fuse updates (``fuses_updates``, the ring
-           on CPU devices) and every variable is mirrored here: one collective
-           sums and applies (:meth:`MirroredReplicaContext._reduce_and_apply`);
+           on CPU devices) and every variable is mirrored here, unconstrained,
+           in contiguous host memory: one collective sums and applies
+           (:meth:`MirroredReplicaContext._reduce_and_apply`);
         2. all-reduce (ring or NCCL, as configured), then each replica updates
-           its own copies, when every variable is mirrored here;
+           its own copies, when every variable is mirrored here
+           (:meth:`MirroredReplicaContext._all_reduce_and_apply`);
         3. otherwise (a parameter server's variables on a multi-device worker,
-           or ``aggregate=False``) one ``merge_call`` hands the gradients to
-           the cross-replica update (:meth:`StrategyExtended.apply_update`).
+           or ``aggregate=False``) one ``merge_call`` hands the (all-reduced,
+           with ``aggregate``) gradients to the cross-replica update
+           (:meth:`StrategyExtended.apply_update`).
 
-        Each choice depends on the variables and the options only, so every
-        replica takes the same. Elsewhere (cross-replica context, one replica)
-        it is the base class's update.
+        The choice (:meth:`_update_path`) depends on the variables and the
+        options only, so every replica takes the same, and each path's
+        function just does its work. Elsewhere (cross-replica context, one
+        replica) it is the base class's update.
         """
         ctx = distribute_lib.get_replica_context()
         strategy = self._container_strategy()
@@ -441,16 +445,16 @@ class MirroredExtended(distribute_lib.StrategyExtended, UpdateGroup):
             return super().apply_update(optimizer, step, grads_and_vars, aggregate=aggregate)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
+        path = self._update_path(variables, aggregate)
+        if path is _UpdatePath.FUSED:
+            return ctx._reduce_and_apply(optimizer, grads, variables, step) > 0
+        if path is _UpdatePath.IN_REPLICA:
+            return ctx._all_reduce_and_apply(optimizer, grads, variables, step)
         if aggregate:
-            applied = ctx._reduce_and_apply(optimizer, grads, variables, step)
-            if applied is not None:
-                return applied > 0
             reduced = ctx._all_reduce_gradients(grads, variables)
             pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
             if not pairs:
                 return False
-            if ctx._apply_in_replica(optimizer, pairs, step):
-                return True
             grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
 
         def merged(strategy: Any, gs: Any, vs: list[Any]) -> bool:
@@ -459,6 +463,14 @@ class MirroredExtended(distribute_lib.StrategyExtended, UpdateGroup):
             return strategy.extended.apply_update(optimizer, step, list(zip(per_var, vs)))
 
         return bool(ctx.merge_call(merged, args=(grads, variables)))
+
+    def _update_path(self, variables: list[Any], aggregate: bool) -> _UpdatePath:
+        """How a replica's update of ``variables`` happens: see :meth:`apply_update`."""
+        if not aggregate or not all(_is_mirrored_here(v, self) for v in variables):
+            return _UpdatePath.MERGE
+        if self._container_strategy()._fused_update and all(_fusable(v) for v in variables):
+            return _UpdatePath.FUSED
+        return _UpdatePath.IN_REPLICA
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
         """Applies reduced gradients to every replica's copy (called in cross-replica context).
@@ -786,6 +798,14 @@ def _zeros_for(variable: Any) -> Any:
     """Zeros shaped like ``variable``, on this replica's device: a missing gradient."""
     xp = backend.xp_for(backend.current_device())
     return xp.zeros(tuple(variable.shape), dtype=variable.dtype.np)
+
+
+def _fusable(variable: Any) -> bool:
+    """Whether a fused update can write ``variable``'s copies: unconstrained, each copy
+    one contiguous NumPy array (a constraint needs the whole updated value)."""
+    return variable.constraint is None and all(
+        isinstance(c._value, np.ndarray) and c._value.flags.c_contiguous for c in variable.values
+    )
 
 
 def _is_mirrored_here(variable: Any, extended: MirroredExtended) -> bool:

@@ -639,7 +639,7 @@ def _current_strategy() -> ParameterServerStrategy:
     Raises:
         FailedPreconditionError: this process has no ParameterServerStrategy.
     """
-    strategy = getattr(session_lib.current(), "strategy", None)
+    strategy = session_lib.current().strategy
     if strategy is None:
         raise errors.FailedPreconditionError("No ParameterServerStrategy in this process")
     return strategy

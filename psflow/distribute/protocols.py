@@ -15,6 +15,8 @@ raise :class:`NotImplementedError` naming the class that forgot.
   by the optimizer (a PS variable, a dynamic table, every replicated one).
 * :class:`ReplicatedVariable` — one copy per replica (mirrored, sync-on-read).
 * :class:`DistributedValues` — one value per replica (``PerReplica``).
+* :class:`Readable` — held in one backend array: a tensor or any kind of
+  variable (defined with the tensor, :mod:`psflow.framework.readable`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["DistributedValues", "GroupUpdated", "ReplicatedVariable", "UpdateGroup"]
+from psflow.framework.readable import Readable
+
+__all__ = ["DistributedValues", "GroupUpdated", "Readable", "ReplicatedVariable", "UpdateGroup"]
 
 
 class UpdateGroup:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, dtypes, errors
+from psflow.framework.readable import Readable
 
 
 class TensorShape(tuple):
@@ -290,7 +291,7 @@ def numpy_text(value: Any, is_repr: bool = False) -> str:
     return "\n" + text if "\n" in text else text
 
 
-class Tensor:
+class Tensor(Readable):
     """An immutable multidimensional array (TensorFlow's eager ``tf.Tensor``).
 
     Supports Python operators (elementwise, with broadcasting), basic indexing

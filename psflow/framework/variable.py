@@ -23,6 +23,7 @@ import numpy as np
 
 from psflow import backend, dtypes, errors
 from psflow.framework import tensor as tensor_lib
+from psflow.framework.readable import Readable
 
 
 class VariableSynchronization(enum.Enum):
@@ -141,7 +142,7 @@ def initial_array(initial_value: Any, dtype: Any = None, shape: Any = None) -> A
     return arr
 
 
-class Variable(metaclass=_VariableMeta):
+class Variable(Readable, metaclass=_VariableMeta):
     """A mutable tensor (TensorFlow's ``tf.Variable``).
 
     Args:

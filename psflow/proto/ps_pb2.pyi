@@ -145,7 +145,7 @@ class PushItem(_message.Message):
     def __init__(self, name: _Optional[str] = ..., values: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., sparse: _Optional[bool] = ..., base_version: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("id", "items", "step", "num_required", "wait_applied", "max_staleness", "shm_payload")
+    __slots__ = ("id", "items", "step", "num_required", "wait_applied", "max_staleness", "shm_payload", "rule_json")
     ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class PushHeader(_message.Message):
     WAIT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     SHM_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RULE_JSON_FIELD_NUMBER: _ClassVar[int]
     id: RequestId
     items: _containers.RepeatedCompositeFieldContainer[PushItem]
     step: int
@@ -160,7 +161,8 @@ class PushHeader(_message.Message):
     wait_applied: bool
     max_staleness: int
     shm_payload: str
-    def __init__(self, id: _Optional[_Union[RequestId, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ..., num_required: _Optional[int] = ..., wait_applied: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., shm_payload: _Optional[str] = ...) -> None: ...
+    rule_json: str
+    def __init__(self, id: _Optional[_Union[RequestId, _Mapping]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ..., num_required: _Optional[int] = ..., wait_applied: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., shm_payload: _Optional[str] = ..., rule_json: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")

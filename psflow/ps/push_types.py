@@ -9,7 +9,6 @@ and the servicer decodes it back into the same type).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,9 +48,10 @@ class PushContext:
         num_required: contributions the PS waits for before applying ``step``.
         wait_applied: answer only once the step is applied.
         timeout: how long the PS may hold the push at a barrier (seconds).
-        rule: the update rule's config (:mod:`psflow.update_rules`) the
-            gradients are to be applied with, learning rate included (``None``:
-            whatever rule the variables have).
+        rule_json: the update rule's config (:mod:`psflow.update_rules`) as
+            canonical JSON, learning rate at this step included: the PS
+            installs it for these variables and applies the gradients with it
+            (``""``: whatever rule the variables have).
     """
 
     push_id: tuple[str, int]
@@ -59,7 +59,7 @@ class PushContext:
     num_required: int = 0
     wait_applied: bool = False
     timeout: float | None = None
-    rule: Mapping[str, Any] | None = None
+    rule_json: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,13 +60,14 @@ from psflow.errors import (
 )
 from psflow.security.limits import limit_exceeded
 from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
-from psflow.update_rules import dedupe_rows, rule_from_config
+from psflow.update_rules import UpdateRule, dedupe_rows, rule_from_config
 
 from . import write_ops
 from .dedup import DedupWindow, State, TouchLog
 from .migration import PushRecord, decode_shard, encode_shard
 from .names import check_name, quote
 from .push_types import Gradient, PushReply
+from .rule_cache import RuleCache
 from .stats import PushLogEntry, Stats
 from .tensors import Segments, as_segments, check_extent
 from .variables import PendingStep, Variable, VariableMeta
@@ -168,6 +169,7 @@ class VariableStore:
         self.placement_version = 0  # of the newest placement map this task took part in
         self.drained = threading.Event()  # set once told to exit after giving everything away
         self.stats = Stats(log_size=log_size)
+        self._pushed_rules = RuleCache()  # a push's rule JSON, parsed once per distinct text
 
     # -- helpers -----------------------------------------------------------
     @contextlib.contextmanager
@@ -519,6 +521,7 @@ class VariableStore:
         grads: Sequence[Gradient],
         step: int | None,
         num_required: int,
+        rule: UpdateRule | None = None,
     ) -> list[tuple[Variable, Gradient, Any, Any]]:
         """Checks everything that does not depend on the variables' current state."""
         if not grads:
@@ -545,9 +548,12 @@ class VariableStore:
             meta = var.meta
             if not meta.trainable:
                 raise FailedPreconditionError(f"variable {meta.name!r} is not trainable")
-            if var.rule is None:
+            if rule is not None:
+                _check_pushed_rule(var, rule)
+            elif var.rule is None:
                 raise FailedPreconditionError(
-                    f"variable {meta.name!r} has no optimizer; call configure_optimizer first"
+                    f"variable {meta.name!r} has no optimizer; push with a rule or call "
+                    "configure_optimizer first"
                 )
             if g.sparse:
                 values = np.asarray(
@@ -579,6 +585,7 @@ class VariableStore:
         wait_applied: bool = False,
         max_staleness: int | None = None,
         timeout: float | None = None,
+        rule_json: str = "",
     ) -> PushReply:
         """Applies (or, for a sync step, contributes) gradients, exactly once per id.
 
@@ -589,6 +596,11 @@ class VariableStore:
             wait_applied: return only once the sync step is applied.
             max_staleness: reject gradients staler than this.
             timeout: seconds to wait with ``wait_applied``.
+            rule_json: the update rule's config as JSON (the pusher's rate at
+                its step): installed for these variables before they are
+                updated, slots created on first use; ``""``: each variable's
+                current rule.  A rule with another slot layout than a
+                variable's is rejected.
 
         Raises:
             NotFoundError, InvalidArgumentError, FailedPreconditionError: bad input.
@@ -598,7 +610,8 @@ class VariableStore:
                 still counts).
         """
         with self._rejecting():
-            checked = self._validate_push(grads, step, num_required)
+            rule = self._pushed_rules.get(rule_json) if rule_json else None
+            checked = self._validate_push(grads, step, num_required, rule)
         client_id = push_id[0]
         asked = checked
         done = self._touched.adopted(push_id)
@@ -614,9 +627,9 @@ class VariableStore:
             with self._rejecting(), self._locked([c[0] for c in checked]):
                 self._check_held([c[0] for c in checked])
                 if step is None:
-                    reply = self._apply_async(checked, client_id, max_staleness)
+                    reply = self._apply_async(checked, client_id, max_staleness, rule)
                 else:
-                    reply = self._contribute(checked, push_id, int(step), int(num_required))
+                    reply = self._contribute(checked, push_id, int(step), int(num_required), rule)
                 self._touched.record(push_id, [c[0].meta.name for c in checked])
                 return reply
 
@@ -630,7 +643,7 @@ class VariableStore:
             result = dataclasses.replace(result, versions=tuple(c[0].version for c in asked))
         return result
 
-    def _apply_async(self, checked, client_id, max_staleness) -> PushReply:
+    def _apply_async(self, checked, client_id, max_staleness, rule=None) -> PushReply:
         staleness = []
         for var, g, _, _ in checked:
             s = var.version - g.base_version if g.base_version >= 0 else -1
@@ -642,6 +655,7 @@ class VariableStore:
                 err.reason = "staleness_bound"
                 raise err
             staleness.append(s)
+        _install_rule(checked, rule)
         entries = []
         for var, g, a, b in checked:
             if g.sparse:
@@ -653,7 +667,7 @@ class VariableStore:
         self.stats.record_push(entries, staleness)
         return PushReply(tuple(c[0].version for c in checked), True, False, tuple(staleness))
 
-    def _contribute(self, checked, push_id, step, num_required) -> PushReply:
+    def _contribute(self, checked, push_id, step, num_required, rule=None) -> PushReply:
         for var, _, _, _ in checked:
             if step <= var.sync_step:
                 err = AbortedError(
@@ -672,6 +686,7 @@ class VariableStore:
                 raise ResourceExhaustedError(
                     f"{var.meta.name!r} already has {len(var.pending)} incomplete sync steps"
                 )
+        _install_rule(checked, rule)
         applied_all = True
         for var, g, a, b in checked:
             pending = var.pending.setdefault(step, PendingStep(num_required))
@@ -889,6 +904,42 @@ class VariableStore:
             for var in variables:
                 with var.lock:
                     self.mirrors.detach(var)
+
+
+def _install_rule(checked, rule: UpdateRule | None) -> None:
+    """Installs a pushed rule (locks held, every other check passed).
+
+    Checked again first, for all before any is installed: a concurrent first
+    push may have installed another rule since the push was validated.
+    """
+    if rule is None:
+        return
+    for var, _, _, _ in checked:
+        _check_pushed_rule(var, rule)
+    for var, _, _, _ in checked:
+        if var.rule is not rule:
+            var.set_rule(rule)
+
+
+def _check_pushed_rule(var: Variable, rule: UpdateRule) -> None:
+    """Rejects a pushed rule ``var`` cannot take: not trainable float, other slots."""
+    meta = var.meta
+    if meta.dtype.kind != "f":
+        raise InvalidArgumentError(
+            f"variable {meta.name!r} ({meta.dtype.name}) cannot have an optimizer"
+        )
+    held = var.rule
+    # the layout test of Variable.set_rule: same rule kind, same slots (a new rate only)
+    if (
+        held is not None
+        and held is not rule
+        and (held.name != rule.name or held.slot_names != rule.slot_names)
+    ):
+        raise InvalidArgumentError(
+            f"variable {meta.name!r} has the slots of rule {held.name!r} "
+            f"{list(held.slot_names)}; the push's rule {rule.name!r} needs "
+            f"{list(rule.slot_names)}"
+        )
 
 
 def _grad_bytes(c) -> int:

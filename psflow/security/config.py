@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import os
 import secrets
 from collections.abc import Mapping
 
+from psflow import settings
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.settings import PerEnvironment
 
@@ -198,14 +198,14 @@ class SecurityConfig:
         tls_ca: str | None = None,
         tls_server_name: str | None = None,
     ) -> SecurityConfig:
-        """Parses explicit arguments, falling back on ``environ`` (``os.environ``).
+        """Parses explicit arguments, falling back on ``environ`` (the process environment).
 
         Raises:
             InvalidArgumentError: a token or PEM file is unreadable or invalid,
                 both token variables are set, or only part of the TLS trio is
                 given (the message names the variables or flags involved).
         """
-        env = os.environ if environ is None else environ
+        env = settings.environ() if environ is None else environ
         source = ""
         if token is not None:
             source = "the token argument"
@@ -252,7 +252,7 @@ _default_security = PerEnvironment(
 
 
 def default_security(environ: Mapping[str, str] | None = None) -> SecurityConfig:
-    """The configuration ``environ`` (``os.environ``) describes, parsed once per distinct value.
+    """The configuration ``environ`` (the process environment) describes, parsed once per distinct value.
 
     Clients (``PSClient``, ``GrpcWorker``, ``psflow health``) use it when they
     are given none.

@@ -662,6 +662,7 @@ class PSClient:
         timeout: float | None = None,
         shm_buffer: Any = None,
         compression: str | Mapping[str, str] | None = None,
+        rule_json: str = "",
     ) -> PushReply:
         """Pushes gradients of several variables in one RPC, applied exactly once.
 
@@ -683,6 +684,8 @@ class PSClient:
                 dense gradient, or ``{name: codec}``; the PS decodes before applying.
                 Values given as :class:`psflow.compression.Encoded` (from an
                 :class:`~psflow.compression.ErrorFeedback`) travel as encoded.
+            rule_json: the update rule (``psflow.update_rules`` config as JSON)
+                the PS applies these gradients with; ``""``: the variables' own.
 
         Raises:
             InvalidArgumentError: an unknown codec name, or a codec for a
@@ -698,7 +701,7 @@ class PSClient:
         items = _as_gradients(grads, base_versions)
         names = [g.name for g in items]
         codecs = self._push_codecs(names, compression)
-        header = ps_pb2.PushHeader(wait_applied=wait_applied)
+        header = ps_pb2.PushHeader(wait_applied=wait_applied, rule_json=rule_json)
         header.id.client_id, header.id.sequence = push_id
         if step is not None:
             header.step = int(step)

@@ -23,6 +23,8 @@ import shutil
 import subprocess
 from collections.abc import Callable, Mapping
 
+from psflow import settings
+
 logger = logging.getLogger(__name__)
 
 GpuProbe = Callable[[], int]
@@ -59,9 +61,9 @@ def visible_gpu_count(environ: Mapping[str, str] | None = None) -> int:
     (bounded by a timeout), else 0.  Never raises.
 
     Args:
-        environ: the environment to read; ``os.environ`` by default.
+        environ: the environment to read; the process environment (:func:`psflow.settings.environ`) by default.
     """
-    env = os.environ if environ is None else environ
+    env = settings.environ() if environ is None else environ
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return _count_visible_devices(visible)

@@ -91,9 +91,12 @@ class ClusterResolver(abc.ABC):
     ) -> str:
         """Returns the address (with ``rpc_layer://`` if any) of a task, TF 1.x's "master".
 
-        The default rule, shared by the resolvers that know their own task
-        (Slurm, Kubernetes): ``""`` when no task is known, else the task's
-        address in :meth:`cluster_spec`.
+        One rule for every resolver, in order: the resolver's own answer
+        (:meth:`_master_override`: ``TF_CONFIG``'s ``session_master``, a
+        ``SimpleClusterResolver``'s ``master`` when no task is named...); else
+        the task :meth:`_master_task` picks (the one named, completed by this
+        resolver's own task): ``""`` when there is none, else its address in
+        :meth:`cluster_spec`.
 
         Args:
             task_type: the task's job; this resolver's task by default.
@@ -104,12 +107,32 @@ class ClusterResolver(abc.ABC):
         Raises:
             TaskNotFoundError: the task is not in the cluster.
         """
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
+        named = task_type is not None and task_id is not None
+        override = self._master_override(named, rpc_layer)
+        if override is not None:
+            return override
+        task_type, task_id = self._master_task(task_type, task_id)
         if task_type is None or task_id is None:
             return ""
         address = self.cluster_spec().task_address(task_type, task_id)
         return format_master_url(address, rpc_layer or self.rpc_layer)
+
+    def _master_override(self, named: bool, rpc_layer: str | None) -> str | None:
+        """:meth:`master`'s answer before any task is looked up (None: look one up).
+
+        ``named``: the caller gave both ``task_type`` and ``task_id``.
+        """
+        del named, rpc_layer
+        return None
+
+    def _master_task(
+        self, task_type: str | None, task_id: int | None
+    ) -> tuple[str | None, int | None]:
+        """The task :meth:`master` looks up: the one given, completed by this resolver's."""
+        return (
+            task_type if task_type is not None else self.task_type,
+            task_id if task_id is not None else self.task_id,
+        )
 
     def num_accelerators(
         self,

@@ -33,11 +33,11 @@ Example:
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from collections.abc import Mapping
 
+from psflow import settings
 from psflow.distribute.cluster_resolver.accelerators import GpuProbe
 from psflow.distribute.cluster_resolver.base import (
     ClusterResolver,
@@ -100,7 +100,7 @@ class KubernetesClusterResolver(ClusterResolver):
         task_type: this process's job, instead of parsing the hostname.
         task_id: this process's index, instead of parsing the hostname.
         rpc_layer: the protocol prefix ``master()`` adds.
-        environ: where to read ``HOSTNAME``; ``os.environ`` by default.
+        environ: where to read ``HOSTNAME``; the process environment (:func:`psflow.settings.environ`) by default.
         gpu_probe: counts this machine's GPUs for ``num_accelerators``.
 
     Raises:
@@ -197,7 +197,7 @@ class KubernetesClusterResolver(ClusterResolver):
             validate_task(self._cluster_spec, task_type, task_id)
             self._hostname = None
         else:
-            env = os.environ if environ is None else environ
+            env = settings.environ() if environ is None else environ
             if hostname is None:
                 hostname = env.get("HOSTNAME") or socket.gethostname()
             if not isinstance(hostname, str):

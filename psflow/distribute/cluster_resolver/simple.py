@@ -96,26 +96,10 @@ class SimpleClusterResolver(ClusterResolver):
         """Returns the cluster given to the constructor."""
         return self._cluster_spec
 
-    def master(
-        self,
-        task_type: str | None = None,
-        task_id: int | None = None,
-        rpc_layer: str | None = None,
-    ) -> str:
-        """Returns the named task's address, else the ``master`` given at construction.
-
-        The task's address is used only when both ``task_type`` and
-        ``task_id`` are given (TF's rule); ``rpc_layer`` overrides the
-        resolver's.
-
-        Raises:
-            TaskNotFoundError: the named task is not in the cluster.
-        """
-        if task_type is not None and task_id is not None:
-            address = self._cluster_spec.task_address(task_type, task_id)
-        else:
-            address = self._master
-        return format_master_url(address, rpc_layer or self._rpc_layer)
+    def _master_override(self, named: bool, rpc_layer: str | None) -> str | None:
+        # TF's rule: a task's address only when both task_type and task_id are
+        # given, else the master given at construction
+        return None if named else format_master_url(self._master, rpc_layer or self._rpc_layer)
 
     @property
     def environment(self) -> str:

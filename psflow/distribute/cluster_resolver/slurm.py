@@ -26,11 +26,11 @@ Example (TF's documented case, 2 nodes with 2 tasks and 4 GPUs each):
 
 from __future__ import annotations
 
-import os
 import re
 from collections import Counter
 from collections.abc import Mapping, MutableMapping
 
+from psflow import settings
 from psflow.distribute.cluster_resolver.accelerators import (
     GpuProbe,
     probe_gpus,
@@ -217,7 +217,7 @@ class SlurmClusterResolver(ClusterResolver):
             task's GPUs.  Nothing is set when tasks get no GPUs.
         rpc_layer: the protocol prefix ``master()`` adds.
         environ: the environment to read (and write ``CUDA_VISIBLE_DEVICES``
-            to); ``os.environ`` by default.
+            to); the process environment (:func:`psflow.settings.environ`) by default.
         gpu_probe: counts the node's GPUs when ``gpus_per_node`` is not given.
 
     Raises:
@@ -249,7 +249,7 @@ class SlurmClusterResolver(ClusterResolver):
         environ: Mapping[str, str] | None = None,
         gpu_probe: GpuProbe | None = None,
     ) -> None:
-        env = os.environ if environ is None else environ
+        env = settings.environ() if environ is None else environ
         self.gpu_probe = gpu_probe
         self._rpc_layer = check_rpc_layer(rpc_layer)
         rank = _int_var(env, "SLURM_PROCID")

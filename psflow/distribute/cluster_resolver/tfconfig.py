@@ -39,17 +39,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from psflow import settings
 from psflow.distribute.cluster_resolver.accelerators import GpuProbe
 from psflow.distribute.cluster_resolver.base import (
     ClusterResolver,
     check_rpc_layer,
     check_task_id,
     check_task_type,
-    format_master_url,
 )
 from psflow.distribute.cluster_resolver.cluster_spec import (
     ClusterSpec,
@@ -259,7 +258,7 @@ class TFConfigClusterResolver(ClusterResolver):
         task_id: overrides ``TF_CONFIG['task']['index']``.
         rpc_layer: overrides ``TF_CONFIG['rpc_layer']``.
         environment: overrides ``TF_CONFIG['environment']``.
-        environ: where to read ``TF_CONFIG``; ``os.environ`` by default.
+        environ: where to read ``TF_CONFIG``; the process environment (:func:`psflow.settings.environ`) by default.
         gpu_probe: counts this machine's GPUs for ``num_accelerators``.
 
     Raises:
@@ -291,7 +290,7 @@ class TFConfigClusterResolver(ClusterResolver):
         environ: Mapping[str, str] | None = None,
         gpu_probe: GpuProbe | None = None,
     ) -> None:
-        env = os.environ if environ is None else environ
+        env = settings.environ() if environ is None else environ
         config = parse_tf_config(env.get(TF_CONFIG))
         task_type = check_task_type(task_type)
         task_id = check_task_id(task_id)
@@ -332,39 +331,34 @@ class TFConfigClusterResolver(ClusterResolver):
         """Returns every job of ``TF_CONFIG``, ``evaluator`` included."""
         return self._config.cluster
 
-    def master(
-        self,
-        task_type: str | None = None,
-        task_id: int | None = None,
-        rpc_layer: str | None = None,
-    ) -> str:
-        """Returns the address of a task, with ``rpc_layer://`` when there is one.
-
-        TF's rule, in order: ``TF_CONFIG['session_master']`` if set; ``""``
-        when ``cluster_spec()`` has no job, or one job of one task (a local
-        session); else the address of ``task_type:task_id``, each defaulting to
-        this resolver's own.
-
-        Raises:
-            FailedPreconditionError: the task to look up is unknown (no task in
-                ``TF_CONFIG`` and none given).
-            TaskNotFoundError: the task is not in the cluster.
-        """
+    def _master_override(self, named: bool, rpc_layer: str | None) -> str | None:
+        # TF's rule: TF_CONFIG['session_master'] if set; "" when the cluster has
+        # no job, or one job of one task (a local session)
+        del named, rpc_layer
         if self._config.session_master is not None:
             return self._config.session_master
         spec = self.cluster_spec()
         if not spec.jobs or (len(spec.jobs) == 1 and len(spec.job_tasks(spec.jobs[0])) == 1):
             return ""
-        task_type = CHIEF if task_type == MASTER else task_type
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
+        return None
+
+    def _master_task(
+        self, task_type: str | None, task_id: int | None
+    ) -> tuple[str | None, int | None]:
+        """The task to look up (``master`` means ``chief``); raises when there is none.
+
+        Raises:
+            FailedPreconditionError: no task in ``TF_CONFIG`` and none given.
+        """
+        task_type, task_id = super()._master_task(
+            CHIEF if task_type == MASTER else task_type, task_id
+        )
         if task_type is None or task_id is None:
             raise FailedPreconditionError(
                 f"no task to look up (task_type={task_type!r}, task_id={task_id!r}): set "
                 "TF_CONFIG['task'] or pass task_type and task_id"
             )
-        rpc_layer = rpc_layer if rpc_layer is not None else self.rpc_layer
-        return format_master_url(spec.task_address(task_type, task_id), rpc_layer)
+        return task_type, task_id
 
     @property
     def environment(self) -> str:

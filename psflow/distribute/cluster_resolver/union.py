@@ -7,7 +7,6 @@ from psflow.distribute.cluster_resolver.base import (
     check_rpc_layer,
     check_task_id,
     check_task_type,
-    format_master_url,
 )
 from psflow.distribute.cluster_resolver.cluster_spec import ClusterSpec, ClusterTypeError
 from psflow.errors import InvalidArgumentError
@@ -120,21 +119,9 @@ class UnionClusterResolver(ClusterResolver):
         """
         return merge_cluster_specs(*(resolver.cluster_spec() for resolver in self._resolvers))
 
-    def master(
-        self,
-        task_type: str | None = None,
-        task_id: int | None = None,
-        rpc_layer: str | None = None,
-    ) -> str:
-        """Returns the named task's address in the union, else the first resolver's master.
-
-        Raises:
-            TaskNotFoundError: the named task is not in the merged cluster.
-        """
-        if task_type is not None and task_id is not None:
-            address = self.cluster_spec().task_address(task_type, task_id)
-            return format_master_url(address, rpc_layer or self._rpc_layer)
-        return self._resolvers[0].master(rpc_layer=rpc_layer)
+    def _master_override(self, named: bool, rpc_layer: str | None) -> str | None:
+        # a task named in full: its address in the union; else the first resolver's master
+        return None if named else self._resolvers[0].master(rpc_layer=rpc_layer)
 
     @property
     def task_type(self) -> str | None:

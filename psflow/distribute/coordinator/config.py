@@ -13,10 +13,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 
-from psflow import errors
+from psflow import errors, settings
 
 
 def _number(environ: Mapping[str, str], name: str, default: float, minimum: float) -> float:
@@ -90,7 +89,7 @@ class CoordinatorConfig:
         Raises:
             InvalidArgumentError: a variable is set to a value out of its range.
         """
-        env = os.environ if environ is None else environ
+        env = settings.environ() if environ is None else environ
         d = cls()
         factor = _number(env, "PSFLOW_STRAGGLER_FACTOR", d.straggler_factor, 0.0)
         if 0 < factor < 1:

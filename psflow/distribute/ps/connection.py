@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,17 +36,17 @@ class PSConnection(abc.ABC):
 
     task: str
 
-    def __init__(self) -> None:
-        # the rule (as JSON) each variable was last given through this connection
-        self._rules: dict[str, str] = {}
-
     @abc.abstractmethod
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
         """Creates variables (idempotent for identical specs); returns their versions."""
 
     @abc.abstractmethod
     def configure_optimizer(self, names: Sequence[str], config: dict[str, Any]) -> None:
-        """Attaches an update rule (``psflow.update_rules`` config) to variables."""
+        """Attaches an update rule (``psflow.update_rules`` config) to variables.
+
+        Training does not need it (every push carries its rule); it is for
+        callers that set a rule without pushing.
+        """
 
     @abc.abstractmethod
     def pull(
@@ -55,31 +54,15 @@ class PSConnection(abc.ABC):
     ) -> list[tuple[np.ndarray, int]]:
         """Values (or rows, for the items in ``rows``) and their versions."""
 
-    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
-        """Applies gradients with ``context.rule``, once per ``context.push_id``.
-
-        The PS keeps one rule per variable, so a rule that differs from the one
-        last given (a schedule's new learning rate) is configured first, for
-        the variables of this push only. ``context`` (the caller's
-        exactly-once id among it) reaches the PS as given, never with an id of
-        the backend's own.
-        """
-        if context.rule is not None:
-            rule_json = json.dumps(dict(context.rule), sort_keys=True)
-            stale = [g.name for g in grads if self._rules.get(g.name) != rule_json]
-            if stale:
-                self.configure_optimizer(stale, dict(context.rule))
-                for name in stale:
-                    self._rules[name] = rule_json
-        return self._push(grads, context)
-
-    def forget_rules(self) -> None:
-        """Forgets which rules were given: the PS replaced its state (a restore)."""
-        self._rules.clear()
-
     @abc.abstractmethod
-    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
-        """Sends the push to the PS (the rule, if any, is in place)."""
+    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+        """Applies gradients with ``context.rule_json``, once per ``context.push_id``.
+
+        ``context`` reaches the PS as given: the rule with the gradients (in
+        the same request, so two workers at different steps each apply their
+        own rate) and the caller's exactly-once id, never an id of the
+        backend's own.
+        """
 
     @abc.abstractmethod
     def write(

@@ -51,7 +51,6 @@ class GrpcPSConnection(PSConnection):
         security: Any = None,
         compression: ErrorFeedback | None = None,
     ) -> None:
-        super().__init__()
         self.task = task
         self.compression = compression
         self.address = address
@@ -136,7 +135,7 @@ class GrpcPSConnection(PSConnection):
         arrays, versions = self.client.pull(list(names), return_versions=True)
         return list(zip(arrays, versions))
 
-    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         ef = self.compression
         if ef is not None:  # dense values travel encoded; what rounding lost waits for the next
             grads = [
@@ -152,6 +151,7 @@ class GrpcPSConnection(PSConnection):
             "num_required": context.num_required or None,
             "wait_applied": context.wait_applied,
             "timeout": context.timeout,
+            "rule_json": context.rule_json,
         }
         if self._shm:
             with self._shm_lock:  # one payload segment: one push at a time through it

@@ -23,7 +23,6 @@ class InProcessPSConnection(PSConnection):
     """
 
     def __init__(self, store: VariableStore | None = None, task: str = "ps:0") -> None:
-        super().__init__()
         self.store = store or VariableStore(task=task)
         self.task = task
         self.address = f"in-process:{task}"  # a name in the placement map, not reachable
@@ -42,7 +41,7 @@ class InProcessPSConnection(PSConnection):
     ) -> list[tuple[np.ndarray, int]]:
         return [(t.value, t.version) for t in self.store.pull(list(names), rows)]
 
-    def _push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
+    def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         return self.store.push(
             grads,
             push_id=context.push_id,
@@ -50,6 +49,7 @@ class InProcessPSConnection(PSConnection):
             num_required=context.num_required,
             wait_applied=context.wait_applied,
             timeout=context.timeout,
+            rule_json=context.rule_json,
         )
 
     def write(

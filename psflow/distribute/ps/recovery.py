@@ -31,12 +31,11 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 
-from psflow import errors
+from psflow import errors, settings
 
 ENV_PS_TIMEOUT = "PSFLOW_PS_RECOVERY_TIMEOUT"
 ENV_PROBE_TIMEOUT = "PSFLOW_PS_PROBE_TIMEOUT"
@@ -85,7 +84,7 @@ class RecoveryConfig:
         Raises:
             InvalidArgumentError: a variable is not a positive finite number (names it).
         """
-        env = os.environ if environ is None else environ
+        env = settings.environ() if environ is None else environ
         values = {}
         for name, field in (
             (ENV_PS_TIMEOUT, "ps_timeout"),

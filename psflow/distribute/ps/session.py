@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import threading
 import time
@@ -169,6 +170,8 @@ class PSSession(UpdateGroup, Routing):
         )
         self.bytes_pulled = 0
         self.bytes_pushed = 0
+        # (rule, its JSON): a constant rate is serialized once, not per push
+        self._rule_json: tuple[Any, str] = (None, "")
         # the ParameterServerStrategy this session serves, set by that strategy
         self.strategy: Any = None
         self._watch = recovery.WaitWatch(self.sync.progress_every, log)
@@ -391,9 +394,17 @@ class PSSession(UpdateGroup, Routing):
                 self._cache = {}
 
     # -- optimizer updates ---------------------------------------------------------------
+    def _rule_text(self, rule: Any) -> str:
+        """``rule``'s config as canonical JSON, kept while the optimizer returns the same rule."""
+        held, text = self._rule_json
+        if held is not rule:
+            text = json.dumps(rule.get_config(), sort_keys=True)
+            self._rule_json = (rule, text)
+        return text
+
     def apply_optimizer(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int) -> None:
         """Pushes ``(gradient, variable)`` pairs; each PS applies ``optimizer``'s rule."""
-        rule = optimizer.rule.get_config()  # the rate at this step: the push carries it
+        rule_json = self._rule_text(optimizer.rule)  # the rate at this step: pushes carry it
         grads: dict[str, Gradient] = {}
         handles: list[Any] = []
         for grad, var in pairs:
@@ -436,7 +447,7 @@ class PSSession(UpdateGroup, Routing):
                 num_required=self.sync.num_workers if sync else 0,
                 wait_applied=sync,
                 timeout=self.sync.timeout if sync else None,
-                rule=rule,
+                rule_json=rule_json,
             )
             call = functools.partial(self.connections[ps].push, items, context)
             if not sync:
@@ -491,8 +502,6 @@ class PSSession(UpdateGroup, Routing):
             if names_per_ps is None or (names_per_ps.get(ps))
         }
         steps = self._on_each(work)
-        for connection in self.connections:
-            connection.forget_rules()
         self._invalidate()
         return max(steps.values()) if steps else 0
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from psflow import backend, dtypes, errors
 from psflow.distribute.partitioners import shard_sizes
-from psflow.distribute.protocols import GroupUpdated
+from psflow.distribute.protocols import GroupUpdated, Readable
 from psflow.distribute.ps import session as session_lib
 from psflow.framework import variable as variable_lib
 from psflow.framework.indexed_slices import IndexedSlices
@@ -212,7 +212,7 @@ def _resolve(state: dict[str, Any]) -> PSVariable:
     return session.register(h)
 
 
-class ShardedVariable:
+class ShardedVariable(Readable):
     """A variable split by rows into shards on several PS tasks (TensorFlow's ``ShardedVariable``).
 
     Reading it concatenates the shards; ``embedding_lookup`` gathers from each

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from psflow import backend, errors
+from psflow.distribute.protocols import Readable
 
 
 class Runner(abc.ABC):
@@ -138,7 +139,7 @@ def _host(value: Any) -> Any:
     from psflow.util import nest
 
     return nest.map_structure(
-        lambda v: backend.to_numpy(v._array()) if hasattr(v, "_array") else v, value
+        lambda v: backend.to_numpy(v._array()) if isinstance(v, Readable) else v, value
     )
 
 

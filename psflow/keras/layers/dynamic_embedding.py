@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from psflow import backend, dtypes, errors
-from psflow.distribute.protocols import GroupUpdated, UpdateGroup
+from psflow.distribute.protocols import GroupUpdated, Readable, UpdateGroup
 from psflow.distribute.ps import session as session_lib
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, TensorShape, to_array
@@ -114,7 +114,7 @@ def _session_ids(ref: Any) -> Any:
     return request_id
 
 
-class DynamicTableHandle(GroupUpdated):
+class DynamicTableHandle(GroupUpdated, Readable):
     """The trainable "variable" of a :class:`DynamicEmbedding`: a reference to a
     dynamic table, never its rows.
 
