@@ -1,0 +1,158 @@
+"""``psflow local --ps-max`` and ``psflow scale``: the launcher's side of elastic parameter servers.
+
+Real launcher, ps, worker and chief processes on 127.0.0.1 (the launcher helper
+of ``tests/test_local_cluster.py`` reaps them all); ``psflow scale`` runs as a
+real process too.  Training through a resize is in ``test_elastic_local_fit.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from chief.local import LocalClusterConfig
+from chief.script import Target
+from psflow.distribute.cluster_resolver import (
+    ClusterFileResolver,
+    TaskNotFoundError,
+    read_cluster_file,
+    write_cluster_file,
+)
+from psflow.errors import InvalidArgumentError, NotFoundError
+from tests.conftest import ROOT, child_env
+from tests.test_local_cluster import WAITING_CHIEF, _env, launch  # noqa: F401  (a fixture)
+
+CLUSTER = {"ps": ["127.0.0.1:5000"], "worker": ["127.0.0.1:5001"], "chief": ["127.0.0.1:5002"]}
+
+
+def _scale(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "psflow", "scale", *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+# -- the cluster file ---------------------------------------------------------------------
+def test_cluster_file_resolver_sees_a_rewrite_only_when_refreshed(tmp_path):
+    path = str(tmp_path / "cluster.json")
+    write_cluster_file(path, CLUSTER)
+    resolver = ClusterFileResolver(path, task_type="chief", task_id=0)
+    grown = {**CLUSTER, "ps": [*CLUSTER["ps"], "127.0.0.1:5003"]}
+    write_cluster_file(path, grown)
+    assert resolver.cluster_spec().num_tasks("ps") == 1  # a snapshot until refreshed
+    assert resolver.refresh().num_tasks("ps") == 2
+    assert resolver.cluster_spec().task_address("ps", 1) == "127.0.0.1:5003"
+    assert resolver.version == 1
+    assert resolver.refresh().num_tasks("ps") == 2 and resolver.version == 1  # same view
+    assert os.listdir(tmp_path) == ["cluster.json"]  # no temporary file left behind
+
+
+def test_a_broken_cluster_file_keeps_the_previous_view(tmp_path):
+    path = tmp_path / "cluster.json"
+    write_cluster_file(str(path), CLUSTER)
+    resolver = ClusterFileResolver(str(path))
+    path.write_text('{"cluster": {"ps": "not-a-list"')
+    with pytest.raises(InvalidArgumentError, match=r"cluster\.json"):
+        resolver.refresh()
+    path.unlink()
+    with pytest.raises(NotFoundError, match=r"cluster\.json"):
+        resolver.refresh()
+    assert resolver.cluster_spec().as_dict() == CLUSTER and resolver.version == 0
+
+
+def test_cluster_file_errors_are_typed_and_write_nothing_bad(tmp_path):
+    path = str(tmp_path / "cluster.json")
+    with pytest.raises(InvalidArgumentError, match="duplicate address 'a:1'"):
+        write_cluster_file(path, {"ps": ["a:1", "a:1"]})  # two tasks, one address
+    assert not os.path.exists(path)
+    with pytest.raises(NotFoundError, match="cannot be read"):
+        ClusterFileResolver(path)
+    (tmp_path / "task.json").write_text(json.dumps({"cluster": CLUSTER, "task": {"type": "ps"}}))
+    with pytest.raises(InvalidArgumentError, match="task"):
+        read_cluster_file(str(tmp_path / "task.json"))
+    write_cluster_file(path, CLUSTER)
+    with pytest.raises(TaskNotFoundError):
+        ClusterFileResolver(path, task_type="ps", task_id=3)
+    with pytest.raises(NotFoundError, match="PSFLOW_CLUSTER_FILE"):
+        ClusterFileResolver.from_environment({})
+    chief = json.dumps({"task": {"type": "chief", "index": 0}})
+    resolver = ClusterFileResolver.from_environment(
+        {"PSFLOW_CLUSTER_FILE": path, "TF_CONFIG": chief}
+    )
+    assert (resolver.task_type, resolver.task_id) == ("chief", 0)
+
+
+def test_ps_max_is_validated_against_the_ps_count(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    target = Target(path=str(script), module=None)
+    with pytest.raises(InvalidArgumentError, match="ps_max 1 is below num_ps 2"):
+        LocalClusterConfig(num_ps=2, num_workers=1, target=target, ps_max=1)
+    with pytest.raises(InvalidArgumentError, match=r"cluster_dir .* needs ps_max"):
+        LocalClusterConfig(num_ps=2, num_workers=1, target=target, cluster_dir=str(tmp_path))
+    config = LocalClusterConfig(num_ps=1, num_workers=2, target=target, ps_max=3)
+    assert (config.ps_slots, config.num_tasks) == (3, 6)
+
+
+# -- psflow scale against a running launcher ----------------------------------------------
+def test_scale_without_a_running_cluster_exits_2_naming_the_directory(tmp_path):
+    result = _scale("--ps", "2", "--cluster-dir", str(tmp_path / "none"))
+    assert result.returncode == 2
+    assert "no running local cluster" in result.stderr and str(tmp_path) in result.stderr
+    (tmp_path / "state.json").write_text(
+        json.dumps({"pid": 2**22 + 7, "ps_max": 3, "num_ps": 1, "cluster_file": "x"})
+    )
+    stale = _scale("--ps", "2", "--cluster-dir", str(tmp_path))
+    assert stale.returncode == 2 and "has exited" in stale.stderr
+
+
+@pytest.mark.slow
+def test_scale_up_starts_a_ps_bad_input_changes_nothing_and_an_undrained_ps_is_reported(
+    launch,  # noqa: F811
+    tmp_path,
+):
+    chief = tmp_path / "chief.py"
+    chief.write_text(WAITING_CHIEF)
+    release = tmp_path / "release"
+    cdir = tmp_path / "control"
+    launcher = launch(
+        "--ps-max", "3", "--num-ps", "2", "--workers", "1", "--cluster-dir", str(cdir),
+        "--drain-timeout", "3", str(chief), str(release),
+    )  # fmt: skip
+    launcher.wait_for(r"^\[chief\] CHIEF_UP", timeout=90)
+    view = cdir / "cluster.json"
+    assert len(json.loads(view.read_text())["cluster"]["ps"]) == 2
+    before = (view.read_bytes(), (cdir / "state.json").read_bytes())
+
+    for bad, needle in (("0", "at least 1"), ("4", "above the cluster's --ps-max 3")):
+        result = _scale("--ps", bad, "--cluster-dir", str(cdir))
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+    assert (view.read_bytes(), (cdir / "state.json").read_bytes()) == before
+    assert "scale:" not in launcher.output  # nothing was asked of the launcher
+
+    up = _scale("--ps", "3", "--cluster-dir", str(cdir))
+    assert up.returncode == 0, up.stderr
+    assert "started ps:2" in up.stdout
+    ps = json.loads(view.read_text())["cluster"]["ps"]
+    assert len(ps) == 3
+    launcher.wait_for(rf"^\[ps:2\] PSFLOW_READY ps port={ps[2].rpartition(':')[2]} ")
+    assert json.loads((cdir / "state.json").read_text())["num_ps"] == 3
+    assert _scale("--ps", "3", "--cluster-dir", str(cdir)).stdout.strip().endswith("already 3 PS")
+
+    # This chief watches nothing: the view drops ps:2 but nobody drains it.
+    down = _scale("--ps", "2", "--cluster-dir", str(cdir))
+    assert down.returncode == 1 and "ps:2 still running" in down.stderr, down.stderr
+    assert len(json.loads(view.read_text())["cluster"]["ps"]) == 2
+
+    release.write_text("")
+    assert launcher.finish(timeout=60) == 0
+    assert not cdir.exists()  # the launcher cleaned its control directory up
+    assert "ps:2=0" in launcher.output or "ps:2=143" in launcher.output
