@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 import grpc
@@ -39,6 +40,8 @@ __all__ = ["READY_PREFIX", "create_server", "serve"]
 log = logging.getLogger(__name__)
 
 READY_PREFIX = launch.READY_PREFIX + "ps"
+# printed on stdout by a task that exits because a resize drained it (exit code 0)
+DRAINED_LINE = "PSFLOW_DRAINED"
 
 
 def create_server(
@@ -188,7 +191,16 @@ def serve(
             if tables.stats():
                 tables.save(checkpoint_dir, prefix)
 
-    return serving.run_until_stopped(
+    stop = stop_event or threading.Event()
+
+    def watch_drain() -> None:
+        # a resize moved every variable away and told this task to go: stop like SIGTERM
+        while not stop.is_set():
+            if store.drained.wait(0.5):
+                stop.set()
+
+    threading.Thread(target=watch_drain, name="ps-drain-watch", daemon=True).start()
+    code = serving.run_until_stopped(
         server,
         bound,
         health_servicer,
@@ -196,11 +208,15 @@ def serve(
         role="ps",
         task=store.task,
         grace=grace,
-        stop_event=stop_event,
+        stop_event=stop,
         before_serving=restore,
         after_drain=finish,
         ready_extra=serving.ready_fields(metrics_server),
     )
+    if store.drained.is_set():  # a supervisor must not restart a drained task
+        sys.stdout.write(f"{DRAINED_LINE} task={store.task} pid={os.getpid()}\n")
+        sys.stdout.flush()
+    return code
 
 
 def _store_stats(store: VariableStore) -> dict:

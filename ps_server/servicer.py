@@ -23,7 +23,13 @@ import grpc
 import numpy as np
 
 from psflow import compression
-from psflow.errors import InvalidArgumentError, OpError, ResourceExhaustedError, to_grpc_code
+from psflow.errors import (
+    InvalidArgumentError,
+    MovedError,
+    OpError,
+    ResourceExhaustedError,
+    to_grpc_code,
+)
 from psflow.observability.logs import log_context, set_log_context
 from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
@@ -196,6 +202,8 @@ class ParameterServerServicer:
                 log.debug("%s rejected: %s", name, e)
                 if metrics is not None:
                     metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
+                if isinstance(e, MovedError):  # the redirect travels as trailing metadata
+                    context.set_trailing_metadata(e.metadata())
                 context.abort(to_grpc_code(e), _details(e.message))
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
@@ -543,6 +551,44 @@ class ParameterServerServicer:
             self.store, request.directory, self._prefix(request.prefix), list(request.names)
         )
         return ps_pb2.RestoreResponse(step=result.step, names=result.names)
+
+    # -- resizing -----------------------------------------------------------------
+    def ExportShard(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ExportShardResponse:
+        """A copy of variables for their new owner."""
+        request = _check(request)
+        state = self.store.export_shard(list(request.names))
+        if len(state) > self.max_unary_payload:
+            raise ResourceExhaustedError(
+                f"exporting {len(request.names)} variables takes {len(state)} bytes, above "
+                f"the message limit of {self.max_unary_payload}; move fewer at a time"
+            )
+        return ps_pb2.ExportShardResponse(state=state)
+
+    def ImportShard(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ImportShardResponse:
+        """Installs variables exported by their old owner."""
+        request = _check(request)
+        names = self.store.import_shard(request.state, request.placement_version)
+        return ps_pb2.ImportShardResponse(names=names)
+
+    def ReleaseShard(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.ReleaseShardResponse:
+        """Gives variables up to their new owner."""
+        request = _check(request)
+        self.store.release(
+            list(request.names), request.owner, request.owner_address, request.placement_version
+        )
+        return ps_pb2.ReleaseShardResponse()
+
+    def Drain(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.DrainResponse:
+        """Marks the task drained; its process exits once this reply is sent."""
+        _check(request)
+        self.store.drain()
+        return ps_pb2.DrainResponse()
 
     def GetStats(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.GetStatsResponse:
         """Returns the counters."""

@@ -141,6 +141,83 @@ class AbortedError(OpError):
     code = Code.ABORTED
 
 
+class MovedError(FailedPreconditionError):
+    """A parameter server no longer holds a variable: it moved to another task.
+
+    Like a cluster database's redirect, it names where the variable went, so
+    the caller can refresh its placement map and resend.  At the wire it is a
+    FAILED_PRECONDITION status whose trailing metadata (:meth:`metadata`)
+    carries the fields below.
+
+    Args:
+        key: the variable that moved.
+        owner: the task index (in job ``ps``) that holds it now.
+        address: that task's ``host:port``.
+        version: the placement-map version the move belongs to.
+    """
+
+    reason = "moved"
+
+    def __init__(
+        self,
+        message: str,
+        task: str | None = None,
+        *,
+        key: str = "",
+        owner: int = -1,
+        address: str = "",
+        version: int = -1,
+    ) -> None:
+        super().__init__(message, task)
+        self.key = key
+        self.owner = owner
+        self.address = address
+        self.version = version
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The trailing metadata a server answers with (keys prefixed ``psflow-moved-``)."""
+        return (
+            (MOVED_KEY, self.key),
+            (MOVED_OWNER, str(self.owner)),
+            (MOVED_ADDRESS, self.address),
+            (MOVED_VERSION, str(self.version)),
+        )
+
+    @classmethod
+    def from_metadata(
+        cls, message: str, metadata: object, task: str | None = None
+    ) -> MovedError | None:
+        """The error a status's trailing ``metadata`` describes (None: not a redirect)."""
+        fields = {k: v for k, v in (metadata or ()) if str(k).startswith("psflow-moved-")}
+        if MOVED_OWNER not in fields:
+            return None
+        try:
+            owner, version = int(fields[MOVED_OWNER]), int(fields.get(MOVED_VERSION, -1))
+        except ValueError:
+            return None
+        return cls(
+            message,
+            task,
+            key=str(fields.get(MOVED_KEY, "")),
+            owner=owner,
+            address=str(fields.get(MOVED_ADDRESS, "")),
+            version=version,
+        )
+
+    def __reduce__(self):
+        return (_moved, (self.message, self.task, self.key, self.owner, self.address, self.version))
+
+
+MOVED_KEY = "psflow-moved-key"
+MOVED_OWNER = "psflow-moved-owner"
+MOVED_ADDRESS = "psflow-moved-address"
+MOVED_VERSION = "psflow-moved-version"
+
+
+def _moved(message, task, key, owner, address, version) -> MovedError:
+    return MovedError(message, task, key=key, owner=owner, address=address, version=version)
+
+
 class OutOfRangeError(OpError, IndexError):
     """An iterator was exhausted or an index was out of range."""
 
@@ -219,5 +296,16 @@ def from_grpc(rpc_error, task: str | None = None) -> OpError:
     """Converts a ``grpc.RpcError`` into the psflow error of the same code."""
     status = rpc_error.code()
     details = rpc_error.details() or status.name
+    moved = MovedError.from_metadata(details, _trailing(rpc_error), task)
+    if moved is not None:
+        return moved
     cls = error_class(status.value[0])
     return cls(details, task=task)
+
+
+def _trailing(rpc_error) -> object:
+    """A status's trailing metadata (empty when the error carries none)."""
+    try:
+        return rpc_error.trailing_metadata() or ()
+    except (AttributeError, TypeError):  # a bare RpcError raised before any call
+        return ()

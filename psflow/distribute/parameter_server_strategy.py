@@ -40,6 +40,7 @@ from psflow import backend, errors
 from psflow import compression as compression_lib
 from psflow.distribute import distribute_lib, input_lib
 from psflow.distribute.ps import session as session_lib
+from psflow.distribute.ps.placement import PlacementMap, ResizeReport
 from psflow.distribute.ps.values import PSVariable, ShardedVariable, split_rows
 from psflow.framework import variable as variable_lib
 
@@ -335,6 +336,7 @@ class ParameterServerStrategy(distribute_lib.Strategy):
             )
         )
         session.strategy = self
+        session.connect_with(self._connect_added if not embedded else _connect_in_process)
         session_lib.set_default(session)
         self._local_mirrored: Any = None
 
@@ -429,6 +431,14 @@ class ParameterServerStrategy(distribute_lib.Strategy):
             ),
         )
         session.strategy = self
+
+        def connect(address: str, index: int) -> Any:
+            # a task a resize added: same credentials, the chief's codec (sent per closure)
+            connection = GrpcPSConnection(address, task=f"ps:{index}", security=security)
+            connection.compression = session.connections[0].compression
+            return connection
+
+        session.connect_with(connect)
         self._local_mirrored = None
         return self
 
@@ -504,6 +514,74 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         """Wraps ``dataset_fn`` for ``create_per_worker_dataset`` (each worker calls it)."""
         return _DatasetFromFunction(dataset_fn, self)
 
+    # -- elastic parameter servers --------------------------------------------------------------
+    def placement(self) -> PlacementMap:
+        """Which PS task holds each variable, and the tasks' addresses, with the map's version."""
+        return self._session.placement
+
+    def resize_parameter_servers(self, num_ps: int, *, timeout: float = 300.0) -> ResizeReport:
+        """Moves the variables onto PS tasks ``0..num_ps-1`` of the cluster as it is now.
+
+        The tasks are read afresh from ``cluster_resolver.cluster_spec()``
+        (job ``ps``). Added tasks take a balanced share of the variables;
+        tasks ``>= num_ps`` give all of theirs away, then exit (code 0,
+        ``PSFLOW_DRAINED`` on stdout). Values, optimizer slots, versions and
+        push records move with each variable. With a
+        :class:`~psflow.distribute.coordinator.ClusterCoordinator` the resize
+        waits for a step boundary (see its ``resize_parameter_servers``).
+        Embedded mode resizes in-process stores.
+
+        Example:
+            >>> import psflow as pf
+            >>> strategy = pf.distribute.ParameterServerStrategy()
+            >>> with strategy.scope():
+            ...     v = pf.Variable([1.0, 2.0], name="v")
+            >>> strategy.resize_parameter_servers(2).new_num_ps
+            2
+
+        Raises:
+            InvalidArgumentError: ``num_ps`` < 1, or the cluster lists fewer
+                ``ps`` tasks than ``num_ps`` (both counts named).
+            UnimplementedError: dynamic embedding tables are in use.
+            UnavailableError, DeadlineExceededError: a task involved was lost
+                or slow; the placement map holds every move completed.
+        """
+        coordinator = self._extended.coordinator  # type: ignore[attr-defined]
+        if coordinator is not None:
+            return coordinator.resize_parameter_servers(num_ps, timeout=timeout)
+        return self._resize(num_ps, timeout)
+
+    def _resize(self, num_ps: int, timeout: float) -> ResizeReport:
+        """The resize itself, at a step boundary the caller guarantees."""
+        from psflow.distribute.ps import resize as resize_lib
+
+        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
+            raise errors.InvalidArgumentError(f"num_ps must be an integer >= 1, got {num_ps!r}")
+        if self._extended.embedded:  # type: ignore[attr-defined]
+            addresses = [_in_process_address(i) for i in range(num_ps)]
+        else:
+            if self._cluster_resolver is None:
+                raise errors.FailedPreconditionError(
+                    "only the chief's strategy (with a cluster resolver) can resize"
+                )
+            spec = self._cluster_resolver.cluster_spec()
+            listed = sorted(spec.task_indices("ps")) if "ps" in spec.jobs else []
+            if len(listed) < num_ps or listed[:num_ps] != list(range(num_ps)):
+                raise errors.InvalidArgumentError(
+                    f"resizing to num_ps={num_ps} parameter servers, but the cluster spec "
+                    f"lists {len(listed)} ps tasks ({listed}); it must list tasks 0..{num_ps - 1}"
+                )
+            addresses = [spec.task_address("ps", i) for i in range(num_ps)]
+        return resize_lib.resize(self._session, addresses, timeout=timeout)
+
+    def _connect_added(self, address: str, index: int) -> Any:
+        """A connection to a PS task a resize added (the chief's codec)."""
+        from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+
+        connection = GrpcPSConnection(address, task=f"ps:{index}")
+        connection.compression = compression_lib.feedback_from_option(self._compression)
+        return connection
+
     # -- checkpoints and stats -----------------------------------------------------------------
     def ps_stats(self, include_log: bool = False) -> list[dict[str, Any]]:
         """Every PS task's counters (bytes, pushes, staleness; the push log on request)."""
@@ -537,6 +615,18 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         ext = self._extended
         where = "embedded" if ext.embedded else f"{ext.num_ps} ps, {ext.num_workers} workers"  # type: ignore[attr-defined]
         return f"ParameterServerStrategy({where}, mode={self._mode!r})"
+
+
+def _in_process_address(index: int) -> str:
+    """The placement-map address of embedded PS task ``index``."""
+    return f"in-process:ps:{index}"
+
+
+def _connect_in_process(address: str, index: int) -> Any:
+    """A new in-process store, for an embedded resize that adds task ``index``."""
+    from psflow.distribute.ps.inprocess import InProcessPSConnection
+
+    return InProcessPSConnection(task=f"ps:{index}")
 
 
 def _current_strategy() -> ParameterServerStrategy:

@@ -305,3 +305,53 @@ class GetStatsResponse(_message.Message):
     variable_bytes: int
     sync_steps_applied: int
     def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., max_staleness: _Optional[int] = ..., log: _Optional[_Iterable[_Union[PushLogEntry, _Mapping]]] = ..., pulls: _Optional[int] = ..., num_variables: _Optional[int] = ..., variable_bytes: _Optional[int] = ..., sync_steps_applied: _Optional[int] = ...) -> None: ...
+
+class ExportShardRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExportShardResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: bytes
+    def __init__(self, state: _Optional[bytes] = ...) -> None: ...
+
+class ImportShardRequest(_message.Message):
+    __slots__ = ("state", "placement_version")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    state: bytes
+    placement_version: int
+    def __init__(self, state: _Optional[bytes] = ..., placement_version: _Optional[int] = ...) -> None: ...
+
+class ImportShardResponse(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseShardRequest(_message.Message):
+    __slots__ = ("names", "owner", "owner_address", "placement_version")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    owner: int
+    owner_address: str
+    placement_version: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., owner: _Optional[int] = ..., owner_address: _Optional[str] = ..., placement_version: _Optional[int] = ...) -> None: ...
+
+class ReleaseShardResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -90,6 +90,26 @@ class ParameterServerStub:
                 request_serializer=psflow_dot_v1_dot_ps__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=psflow_dot_v1_dot_ps__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.ExportShard = channel.unary_unary(
+                '/psflow.v1.ParameterServer/ExportShard',
+                request_serializer=psflow_dot_v1_dot_ps__pb2.ExportShardRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_ps__pb2.ExportShardResponse.FromString,
+                _registered_method=True)
+        self.ImportShard = channel.unary_unary(
+                '/psflow.v1.ParameterServer/ImportShard',
+                request_serializer=psflow_dot_v1_dot_ps__pb2.ImportShardRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_ps__pb2.ImportShardResponse.FromString,
+                _registered_method=True)
+        self.ReleaseShard = channel.unary_unary(
+                '/psflow.v1.ParameterServer/ReleaseShard',
+                request_serializer=psflow_dot_v1_dot_ps__pb2.ReleaseShardRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_ps__pb2.ReleaseShardResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/psflow.v1.ParameterServer/Drain',
+                request_serializer=psflow_dot_v1_dot_ps__pb2.DrainRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_ps__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -173,6 +193,36 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportShard(self, request, context):
+        """Resizing (elastic parameter servers): a copy of variables with their slots,
+        versions and push records, to install on their new owner. Changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportShard(self, request, context):
+        """Installs variables exported by another task (replacing any copy held).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseShard(self, request, context):
+        """Gives variables up: later requests naming them get FAILED_PRECONDITION with
+        trailing metadata psflow-moved-{key,owner,address,version} (a redirect).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Tells a task that holds nothing to exit (code 0, "PSFLOW_DRAINED" on stdout).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +280,26 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=psflow_dot_v1_dot_ps__pb2.GetStatsRequest.FromString,
                     response_serializer=psflow_dot_v1_dot_ps__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'ExportShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportShard,
+                    request_deserializer=psflow_dot_v1_dot_ps__pb2.ExportShardRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_ps__pb2.ExportShardResponse.SerializeToString,
+            ),
+            'ImportShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportShard,
+                    request_deserializer=psflow_dot_v1_dot_ps__pb2.ImportShardRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_ps__pb2.ImportShardResponse.SerializeToString,
+            ),
+            'ReleaseShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseShard,
+                    request_deserializer=psflow_dot_v1_dot_ps__pb2.ReleaseShardRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_ps__pb2.ReleaseShardResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=psflow_dot_v1_dot_ps__pb2.DrainRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_ps__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +600,114 @@ class ParameterServer:
             '/psflow.v1.ParameterServer/GetStats',
             psflow_dot_v1_dot_ps__pb2.GetStatsRequest.SerializeToString,
             psflow_dot_v1_dot_ps__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.ParameterServer/ExportShard',
+            psflow_dot_v1_dot_ps__pb2.ExportShardRequest.SerializeToString,
+            psflow_dot_v1_dot_ps__pb2.ExportShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.ParameterServer/ImportShard',
+            psflow_dot_v1_dot_ps__pb2.ImportShardRequest.SerializeToString,
+            psflow_dot_v1_dot_ps__pb2.ImportShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.ParameterServer/ReleaseShard',
+            psflow_dot_v1_dot_ps__pb2.ReleaseShardRequest.SerializeToString,
+            psflow_dot_v1_dot_ps__pb2.ReleaseShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.ParameterServer/Drain',
+            psflow_dot_v1_dot_ps__pb2.DrainRequest.SerializeToString,
+            psflow_dot_v1_dot_ps__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ import enum
 import threading
 from typing import Any
 
-__all__ = ["DedupWindow", "Entry", "State"]
+__all__ = ["DedupWindow", "Entry", "State", "TouchLog"]
 
 
 class State(enum.Enum):
@@ -90,3 +90,75 @@ class DedupWindow:
         """Forgets everything (after a restore rewinds the state)."""
         with self._lock:
             self._clients.clear()
+
+
+class TouchLog:
+    """Which variables each applied push touched, for the pushes that move with a shard.
+
+    When a variable moves to another parameter server, the ids of the pushes
+    that touched it travel along (:meth:`export`) and are adopted there
+    (:meth:`adopt`): a push retried after the move, with the same id, is then
+    recognised at the new owner (:meth:`covered`) and not applied twice.
+    Bounded: the oldest of more than ``capacity`` ids is forgotten first.
+    """
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._capacity = capacity
+        self._names: collections.OrderedDict[tuple[str, int], frozenset[str]] = (
+            collections.OrderedDict()
+        )
+        self._adopted: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def record(self, request_id: tuple[str, int], names: Any) -> None:
+        """Remembers that the push ``request_id`` applied to ``names``."""
+        key = (str(request_id[0]), int(request_id[1]))
+        with self._lock:
+            self._names[key] = self._names.get(key, frozenset()) | frozenset(names)
+            self._names.move_to_end(key)
+            while len(self._names) > self._capacity:
+                old, _ = self._names.popitem(last=False)
+                self._adopted.discard(old)
+
+    def export(self, names: Any) -> list[tuple[str, int, tuple[str, ...]]]:
+        """``(client_id, sequence, names)`` of every remembered push that touched ``names``."""
+        wanted = frozenset(names)
+        with self._lock:
+            return [
+                (c, s, tuple(sorted(touched & wanted)))
+                for (c, s), touched in self._names.items()
+                if touched & wanted
+            ]
+
+    def adopt(self, records: Any) -> None:
+        """Takes over records exported by another parameter server."""
+        for c, s, names in records:
+            self.record((c, s), names)
+            with self._lock:
+                self._adopted.add((str(c), int(s)))
+
+    def adopted(self, request_id: tuple[str, int]) -> frozenset[str]:
+        """The variables an adopted record says ``request_id`` already touched (else empty)."""
+        key = (str(request_id[0]), int(request_id[1]))
+        with self._lock:
+            if key not in self._adopted:
+                return frozenset()
+            return self._names.get(key, frozenset())
+
+    def forget(self, names: Any) -> None:
+        """Drops ``names`` from every record (they left this server)."""
+        gone = frozenset(names)
+        with self._lock:
+            for key in [k for k, v in self._names.items() if v & gone]:
+                rest = self._names[key] - gone
+                if rest:
+                    self._names[key] = rest
+                else:
+                    del self._names[key]
+                    self._adopted.discard(key)
+
+    def clear(self) -> None:
+        """Forgets everything (after a restore rewinds the state)."""
+        with self._lock:
+            self._names.clear()
+            self._adopted.clear()

@@ -13,6 +13,10 @@ counts.  Guarantees:
   rejection counters.
 * **Exactly once.** A push (and an assign_add/sub) carries ``(client_id,
   sequence)``; a retry of an id already processed gets the original reply.
+* **Moves.** A variable exported to another task (a resize of the parameter
+  servers) is gone from here: any later request naming it gets ``MovedError``
+  with the new owner, and nothing of that request is applied.  The ids of the
+  pushes that touched it move with it (see :class:`~psflow.ps.dedup.TouchLog`).
 * **Synchronous steps.** A push naming ``step`` and ``num_required`` is held
   until that many contributions for the step arrived; their mean (summed in
   ``(client_id, sequence)`` order, so the result does not depend on arrival
@@ -48,6 +52,7 @@ from psflow.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
+    MovedError,
     NotFoundError,
     OpError,
     ResourceExhaustedError,
@@ -57,7 +62,8 @@ from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
 from psflow.update_rules import dedupe_rows, rule_from_config
 
 from . import write_ops
-from .dedup import DedupWindow, State
+from .dedup import DedupWindow, State, TouchLog
+from .migration import PushRecord, decode_shard, encode_shard
 from .names import check_name, quote
 from .push_types import Gradient, PushReply
 from .stats import PushLogEntry, Stats
@@ -86,6 +92,15 @@ def _bounded_wait(timeout: float | None) -> float:
     if timeout is None or not timeout < MAX_WAIT_SECONDS:  # also catches NaN
         return MAX_WAIT_SECONDS
     return max(0.0, float(timeout))
+
+
+@dataclasses.dataclass(frozen=True)
+class MovedTo:
+    """Where a variable this task gave away lives now."""
+
+    owner: int
+    address: str
+    version: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +160,10 @@ class VariableStore:
         self._vars: dict[str, Variable] = {}
         self._lock = threading.Lock()  # guards the dict, not the variables
         self._dedup = DedupWindow(window=dedup_window)
+        self._touched = TouchLog()
+        self._moved: dict[str, MovedTo] = {}  # variables handed over to another task
+        self.placement_version = 0  # of the newest placement map this task took part in
+        self.drained = threading.Event()  # set once told to exit after giving everything away
         self.stats = Stats(log_size=log_size)
 
     # -- helpers -----------------------------------------------------------
@@ -160,6 +179,16 @@ class VariableStore:
     def _get(self, name: str) -> Variable:
         var = self._vars.get(name)
         if var is None:
+            moved = self._moved.get(name)
+            if moved is not None:
+                raise MovedError(
+                    f"variable {quote(name)} moved from {self.task} to ps:{moved.owner} at "
+                    f"{moved.address} (placement version {moved.version})",
+                    key=name,
+                    owner=moved.owner,
+                    address=moved.address,
+                    version=moved.version,
+                )
             raise NotFoundError(f"variable {quote(name)} not found on {self.task}")
         return var
 
@@ -416,6 +445,8 @@ class VariableStore:
 
         def run() -> list[int]:
             with self._locked(variables):
+                with self._rejecting():
+                    self._check_held(variables)
                 for var, seg in zip(variables, segs, strict=True):
                     var.assign(op, seg)
                 self.stats.add(bytes_in=sum(s.nbytes for s in segs))
@@ -456,6 +487,13 @@ class VariableStore:
                 return on_duplicate(entry.reply)
             # The original failed without changing anything: process this one afresh.
         raise AbortedError(f"request id {request_id} kept failing concurrently")  # pragma: no cover
+
+    def _check_held(self, variables: Sequence[Variable]) -> None:
+        """Raises MovedError if a variable left while the request waited (locks held)."""
+        with self._lock:
+            for var in variables:
+                if self._vars.get(var.meta.name) is not var:
+                    self._get(var.meta.name)  # raises MovedError (or NotFoundError)
 
     # -- push ----------------------------------------------------------------------
     def _validate_push(
@@ -544,12 +582,25 @@ class VariableStore:
         with self._rejecting():
             checked = self._validate_push(grads, step, num_required)
         client_id = push_id[0]
+        asked = checked
+        done = self._touched.adopted(push_id)
+        if done:
+            # the push reached the variables' former owner before they moved here
+            if all(c[0].meta.name in done for c in checked):
+                self.stats.add(pushes_duplicate=1)
+                versions = tuple(c[0].version for c in checked)
+                return PushReply(versions, True, True)
+            asked, checked = checked, [c for c in checked if c[0].meta.name not in done]
 
         def run() -> PushReply:
             with self._rejecting(), self._locked([c[0] for c in checked]):
+                self._check_held([c[0] for c in checked])
                 if step is None:
-                    return self._apply_async(checked, client_id, max_staleness)
-                return self._contribute(checked, push_id, int(step), int(num_required))
+                    reply = self._apply_async(checked, client_id, max_staleness)
+                else:
+                    reply = self._contribute(checked, push_id, int(step), int(num_required))
+                self._touched.record(push_id, [c[0].meta.name for c in checked])
+                return reply
 
         result = self._once(push_id, run, lambda r: dataclasses.replace(r, duplicate=True), timeout)
         if wait_applied and step is not None and not result.applied:
@@ -557,6 +608,8 @@ class VariableStore:
             result = dataclasses.replace(
                 result, applied=True, versions=tuple(c[0].version for c in checked)
             )
+        if asked is not checked:  # one version per gradient asked for, moved ones included
+            result = dataclasses.replace(result, versions=tuple(c[0].version for c in asked))
         return result
 
     def _apply_async(self, checked, client_id, max_staleness) -> PushReply:
@@ -698,6 +751,84 @@ class VariableStore:
         with self._locked(variables):
             yield variables
 
+    # -- moves between tasks (resizing) ----------------------------------------------
+    def export_shard(self, names: Sequence[str]) -> bytes:
+        """A copy of variables with slots, versions and push records (nothing changes here).
+
+        Raises:
+            NotFoundError, MovedError, InvalidArgumentError: a name not held here.
+        """
+        with self._rejecting():
+            variables = self._lookup(names)
+        with self._locked(variables):
+            records = [PushRecord(c, s, n) for c, s, n in self._touched.export(names)]
+            return encode_shard(variables, records)
+
+    def import_shard(self, blob: bytes, version: int) -> tuple[str, ...]:
+        """Installs variables exported by another task (replacing any copy held); returns names.
+
+        Raises:
+            DataLossError: a malformed blob (nothing is installed).
+        """
+        with self._rejecting():
+            state = decode_shard(blob, self.max_tensor_bytes)
+        for var in state.variables:
+            if self.mirrors is not None:
+                self.mirrors.attach(var)
+        with self._lock:
+            old = [self._vars.get(v.meta.name) for v in state.variables]
+            for var in state.variables:
+                self._vars[var.meta.name] = var
+                self._moved.pop(var.meta.name, None)
+            self.placement_version = max(self.placement_version, int(version))
+        self._touched.adopt((r.client_id, r.sequence, r.names) for r in state.records)
+        self._retire([v for v in old if v is not None])
+        self.stats.add(bytes_in=sum(v.meta.nbytes for v in state.variables))
+        return tuple(v.meta.name for v in state.variables)
+
+    def release(self, names: Sequence[str], owner: int, address: str, version: int) -> None:
+        """Gives variables up: from now on requests naming them get ``MovedError``.
+
+        Raises:
+            NotFoundError, MovedError: a name not held here (nothing changes).
+        """
+        with self._rejecting():
+            variables = self._lookup(names)
+        moved = MovedTo(int(owner), str(address), int(version))
+        # the variables' locks first: no push is half-way through a variable that leaves
+        with self._locked(variables), self._lock:
+            for var in variables:
+                del self._vars[var.meta.name]
+                self._moved[var.meta.name] = moved
+            self.placement_version = max(self.placement_version, int(version))
+        self._touched.forget(names)
+        self._retire(variables)
+
+    def _retire(self, variables: Sequence[Variable]) -> None:
+        """Wakes waiters on variables no longer served here and retires their mirrors."""
+        for var in variables:
+            with var.lock:
+                var.pending.clear()
+                var.changed.notify_all()
+                if self.mirrors is not None:
+                    self.mirrors.detach(var)
+
+    def drain(self) -> None:
+        """Marks this task drained (it holds nothing; its process may exit).
+
+        Raises:
+            FailedPreconditionError: it still holds variables (named).
+        """
+        with self._lock:
+            held = sorted(self._vars)
+        if held:
+            with self._rejecting():
+                raise FailedPreconditionError(
+                    f"{self.task} still holds {len(held)} variables ({[quote(n) for n in held[:5]]}"
+                    "...); move them before draining it"
+                )
+        self.drained.set()
+
     def replace_all(self, variables: Sequence[Variable]) -> None:
         """Replaces the whole shard (after a restore); forgets request ids."""
         if self.mirrors is not None:
@@ -706,7 +837,10 @@ class VariableStore:
         with self._lock:
             old = list(self._vars.values())
             self._vars = {v.meta.name: v for v in variables}
+            for var in variables:  # restored here: this task holds it again
+                self._moved.pop(var.meta.name, None)
         self._dedup.clear()
+        self._touched.clear()
         for var in old:  # wake anyone waiting on a step that will never come
             with var.lock:
                 var.pending.clear()

@@ -57,6 +57,7 @@ from psflow.errors import (
     Code,
     DeadlineExceededError,
     InvalidArgumentError,
+    MovedError,
     OpError,
     UnauthenticatedError,
     error_class,
@@ -292,6 +293,13 @@ class PSClient:
         code = e.code()
         cls = error_class(code.value[0]) if code is not None else error_class(Code.UNKNOWN)
         details = e.details() or (code.name if code is not None else "no status")
+        moved = MovedError.from_metadata(
+            f"{method} to {self.task} at {self.address}: {details}",
+            e.trailing_metadata() if isinstance(e, grpc.Call) else (),
+            self.task,
+        )
+        if moved is not None:  # a redirect: the variable lives on another task now
+            return moved
         return cls(f"{method} to {self.task} at {self.address} failed: {details}", task=self.task)
 
     def _invoke(
@@ -779,6 +787,41 @@ class PSClient:
             retry=True,
             timeout=timeout,
         )
+
+    # -- resizing ------------------------------------------------------------------------
+    def export_shard(self, names: Sequence[str], *, timeout: float | None = None) -> bytes:
+        """A copy of variables with slots, versions and push records (changes nothing)."""
+        request = ps_pb2.ExportShardRequest(names=list(names))
+        return self._unary("ExportShard", request, timeout).state
+
+    def import_shard(
+        self, state: bytes, placement_version: int, *, timeout: float | None = None
+    ) -> list[str]:
+        """Installs variables exported by another task; returns their names."""
+        request = ps_pb2.ImportShardRequest(state=state, placement_version=placement_version)
+        return list(self._unary("ImportShard", request, timeout).names)
+
+    def release_shard(
+        self,
+        names: Sequence[str],
+        owner: int,
+        owner_address: str,
+        placement_version: int,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Gives variables up to task ``owner``: requests naming them get ``MovedError``."""
+        request = ps_pb2.ReleaseShardRequest(
+            names=list(names),
+            owner=owner,
+            owner_address=owner_address,
+            placement_version=placement_version,
+        )
+        self._unary("ReleaseShard", request, timeout)
+
+    def drain(self, *, timeout: float | None = None) -> None:
+        """Tells a task that holds nothing to exit (it prints ``PSFLOW_DRAINED``, code 0)."""
+        self._unary("Drain", ps_pb2.DrainRequest(), timeout)
 
     def list_variables(self, *, timeout: float | None = None) -> list[VariableDescription]:
         """Every variable of the task, sorted by name."""

@@ -49,6 +49,29 @@ METHODS: dict[str, tuple[Kind, type, type, bool, bool]] = {
     "Save": (Kind.UNARY_UNARY, ps_pb2.SaveRequest, ps_pb2.SaveResponse, False, False),
     "Restore": (Kind.UNARY_UNARY, ps_pb2.RestoreRequest, ps_pb2.RestoreResponse, False, False),
     "GetStats": (Kind.UNARY_UNARY, ps_pb2.GetStatsRequest, ps_pb2.GetStatsResponse, False, False),
+    # resizing: moving variables between tasks, draining a task
+    "ExportShard": (
+        Kind.UNARY_UNARY,
+        ps_pb2.ExportShardRequest,
+        ps_pb2.ExportShardResponse,
+        False,
+        False,
+    ),
+    "ImportShard": (
+        Kind.UNARY_UNARY,
+        ps_pb2.ImportShardRequest,
+        ps_pb2.ImportShardResponse,
+        False,
+        False,
+    ),
+    "ReleaseShard": (
+        Kind.UNARY_UNARY,
+        ps_pb2.ReleaseShardRequest,
+        ps_pb2.ReleaseShardResponse,
+        False,
+        False,
+    ),
+    "Drain": (Kind.UNARY_UNARY, ps_pb2.DrainRequest, ps_pb2.DrainResponse, False, False),
 }
 
 

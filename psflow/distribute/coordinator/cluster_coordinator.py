@@ -241,6 +241,21 @@ class ClusterCoordinator(Recovery):
                 self._cond.wait(min(left, 1.0) if left is not None else 1.0)
         self._raise_pending_error()
 
+    def resize_parameter_servers(self, num_ps: int, *, timeout: float = 300.0) -> Any:
+        """Resizes the strategy's parameter servers at a step boundary; returns a ``ResizeReport``.
+
+        Waits for every scheduled closure (as :meth:`join`), moves the
+        variables (see ``ParameterServerStrategy.resize_parameter_servers``),
+        then scheduling goes on: closures scheduled afterwards carry the new
+        placement map to the workers. Call it from the thread that schedules.
+
+        Raises:
+            The first error a closure raised (nothing is moved then), and the
+            errors of ``ParameterServerStrategy.resize_parameter_servers``.
+        """
+        self.join(timeout=timeout)
+        return self._strategy._resize(num_ps, timeout)
+
     def done(self) -> bool:
         """Whether every scheduled closure has finished (raises a pending error)."""
         self._raise_pending_error()

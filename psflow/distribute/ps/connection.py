@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from psflow import errors
 from psflow.ps.push_types import Gradient, PushContext, PushReply
 
 
@@ -114,6 +115,27 @@ class PSConnection(abc.ABC):
     @abc.abstractmethod
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         """Counters of the task (bytes, pushes, staleness; the push log on request)."""
+
+    # -- resizing (see psflow.distribute.ps.resize) --------------------------------------
+    address: str = ""
+
+    def export_shard(self, names: Sequence[str]) -> bytes:
+        """A copy of variables with slots, versions and push records (changes nothing)."""
+        raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
+
+    def import_shard(self, state: bytes, placement_version: int) -> list[str]:
+        """Installs variables exported by another task; returns their names."""
+        raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
+
+    def release_shard(
+        self, names: Sequence[str], owner: int, owner_address: str, placement_version: int
+    ) -> None:
+        """Gives variables up to task ``owner``: later requests get ``MovedError``."""
+        raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
+
+    def drain(self) -> None:
+        """Tells a task that holds nothing to exit."""
+        raise errors.UnimplementedError(f"{type(self).__name__} cannot be drained")
 
     def probe(self, timeout: float) -> None:
         """Returns once the task answers and serves, within ``timeout`` seconds.

@@ -205,6 +205,20 @@ class GrpcPSConnection(PSConnection):
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         return self.client.stats(include_log=include_log)
 
+    def export_shard(self, names: Sequence[str]) -> bytes:
+        return self.client.export_shard(names)
+
+    def import_shard(self, state: bytes, placement_version: int) -> list[str]:
+        return self.client.import_shard(state, placement_version)
+
+    def release_shard(
+        self, names: Sequence[str], owner: int, owner_address: str, placement_version: int
+    ) -> None:
+        self.client.release_shard(names, owner, owner_address, placement_version)
+
+    def drain(self) -> None:
+        self.client.drain()
+
     def probe(self, timeout: float) -> None:
         # the health service answers first; ListVariables proves the PS service does too
         deadline = time.monotonic() + timeout

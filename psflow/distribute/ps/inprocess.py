@@ -26,6 +26,7 @@ class InProcessPSConnection(PSConnection):
         super().__init__()
         self.store = store or VariableStore(task=task)
         self.task = task
+        self.address = f"in-process:{task}"  # a name in the placement map, not reachable
 
     def create(self, specs: Sequence[VarSpec], values: Sequence[np.ndarray]) -> list[int]:
         metas = [
@@ -82,6 +83,20 @@ class InProcessPSConnection(PSConnection):
     def restore(self, directory: str, prefix: str = "", names: Sequence[str] | None = None) -> int:
         prefix = prefix or self.task.replace(":", "-")
         return restore_shard(self.store, directory, prefix, list(names) if names else None).step
+
+    def export_shard(self, names: Sequence[str]) -> bytes:
+        return self.store.export_shard(list(names))
+
+    def import_shard(self, state: bytes, placement_version: int) -> list[str]:
+        return list(self.store.import_shard(state, placement_version))
+
+    def release_shard(
+        self, names: Sequence[str], owner: int, owner_address: str, placement_version: int
+    ) -> None:
+        self.store.release(list(names), owner, owner_address, placement_version)
+
+    def drain(self) -> None:
+        self.store.drain()
 
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         out = self.store.stats_snapshot(include_log)

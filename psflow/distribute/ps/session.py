@@ -31,11 +31,14 @@ from psflow import backend, errors
 from psflow.distribute.protocols import DistributedValues, UpdateGroup
 from psflow.distribute.ps import recovery
 from psflow.distribute.ps.connection import PSConnection, VarSpec
+from psflow.distribute.ps.placement import PlacementMap
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
 
 PREFETCH_LIMIT_BYTES = 16 << 20
+# a request is redirected (MovedError) at most this many times more than it names variables
+MAX_EXTRA_REDIRECTS = 2
 
 log = logging.getLogger("psflow.distribute")
 
@@ -122,6 +125,8 @@ class PSSession(UpdateGroup):
         connections: one per PS task, in task order.
         sync: the training mode.
         task: this process's task (``"worker:1"``, ``"chief:0"``), for messages.
+        connect: ``connect(address, task_index) -> PSConnection``, how a task
+            added by a resize is reached (None: this session cannot follow resizes).
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class PSSession(UpdateGroup):
         connections: Sequence[PSConnection],
         sync: SyncConfig | None = None,
         task: str = "chief:0",
+        connect: Callable[[str, int], PSConnection] | None = None,
     ) -> None:
         if not connections:
             raise errors.InvalidArgumentError(
@@ -138,7 +144,13 @@ class PSSession(UpdateGroup):
         self.sync = sync or SyncConfig()
         self.task = task
         self.client_id = f"{task}-{uuid.uuid4().hex[:12]}"
-        self._seq = [itertools.count(1) for _ in self.connections]
+        self._seq: dict[int, Iterator[int]] = {}
+        self._connect = connect
+        # who holds what; version 0 until the first resize (see placement.py)
+        self.placement = PlacementMap(0, {}, tuple(c.address for c in self.connections))
+        self._placement_lock = threading.RLock()
+        # why this session's variables cannot be moved (see refuse_resize)
+        self.resize_blockers: set[str] = set()
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
         self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
@@ -176,7 +188,165 @@ class PSSession(UpdateGroup):
             key, counters = closure
             counters[ps] = counters.get(ps, 0) + 1
             return (f"{key}/ps{ps}", counters[ps])
+        if ps not in self._seq:
+            self._seq[ps] = itertools.count(1)
         return (self.client_id, next(self._seq[ps]))
+
+    def _push_id(self) -> tuple[str, int]:
+        """The id of one ``apply_gradients``: the same on every PS task it reaches.
+
+        It does not name a task, so when a variable moves with its push records
+        a re-run of the same closure is recognised at the variable's new owner.
+        """
+        closure = self._closure
+        if closure is not None:
+            key, counters = closure
+            counters["push"] = counters.get("push", 0) + 1
+            return (f"{key}/push", counters["push"])
+        if "push" not in self._seq:
+            self._seq["push"] = itertools.count(1)
+        return (f"{self.client_id}/push", next(self._seq["push"]))
+
+    # -- placement ---------------------------------------------------------------------
+    def owner(self, key: str, default: int) -> int:
+        """The task holding ``key`` by this session's map (``default`` if not in it)."""
+        return self.placement.owners.get(key, default)
+
+    def place(self, owners: Mapping[str, int]) -> None:
+        """Records where new variables were created (the map's version stays)."""
+        with self._placement_lock:
+            self.placement = self.placement.with_owners(owners)
+
+    def adopt(self, placement: PlacementMap | None) -> None:
+        """Takes a newer map (a closure from the chief carries it); older ones are ignored.
+
+        Connections follow the map's addresses: tasks added are connected,
+        tasks removed are closed.
+        """
+        if placement is None or placement.version < self.placement.version:
+            return
+        with self._placement_lock:
+            if placement.version < self.placement.version or placement is self.placement:
+                return
+            self._set_tasks(placement.addresses)
+            self.placement = PlacementMap(
+                placement.version, {**self.placement.owners, **placement.owners},
+                placement.addresses,
+            )  # fmt: skip
+
+    def refuse_resize(self, reason: str) -> None:
+        """Makes a later resize fail with ``UnimplementedError`` giving ``reason``."""
+        self.resize_blockers.add(reason)
+
+    def connect_with(self, connect: Callable[[str, int], PSConnection]) -> None:
+        """Sets how tasks added by a resize are reached: ``connect(address, task_index)``."""
+        self._connect = connect
+
+    def adopt_tasks(self, addresses: Sequence[str], version: int | None = None) -> None:
+        """Connects to exactly the tasks at ``addresses`` (a resize's first or last phase)."""
+        with self._placement_lock:
+            self._set_tasks(addresses)
+            self.placement = self.placement.with_owners(
+                {}, addresses=tuple(addresses), version=version
+            )
+        self._invalidate()
+
+    def moved(self, owners: Mapping[str, int], version: int) -> None:
+        """Records variables a resize moved (``key -> task``) under map ``version``."""
+        with self._placement_lock:
+            self.placement = self.placement.with_owners(owners, version=version)
+        self._invalidate()
+
+    def variable_sizes(self) -> dict[str, int]:
+        """Bytes of every variable this session knows (a resize balances by them)."""
+        with self._handles_lock:
+            return {k: int(h.nbytes) for k, h in self._handles.items()}
+
+    def _set_tasks(self, addresses: Sequence[str]) -> None:
+        """Makes ``self.connections`` reach exactly ``addresses`` (tasks 0..n-1)."""
+        for i, address in enumerate(addresses):
+            if i < len(self.connections) and self.connections[i].address == address:
+                continue
+            if self._connect is None:
+                raise errors.FailedPreconditionError(
+                    f"{self.task} cannot reach ps:{i} at {address}: this session has no "
+                    "way to connect to new parameter servers"
+                )
+            connection = self._connect(address, i)
+            if i < len(self.connections):
+                self.connections[i].close()
+                self.connections[i] = connection
+            else:
+                self.connections.append(connection)
+        for gone in self.connections[len(addresses) :]:
+            gone.close()
+        del self.connections[len(addresses) :]
+        if self._pool is None and len(self.connections) > 1:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=len(self.connections), thread_name_prefix="ps-call"
+            )
+
+    def _learn(self, moved: errors.MovedError) -> None:
+        """Follows one redirect: ``moved.key`` is on ``moved.owner`` now.
+
+        Raises:
+            FailedPreconditionError: the redirect names a task this session
+                cannot reach (no address for the tasks before it).
+        """
+        with self._placement_lock:
+            addresses = list(self.placement.addresses)
+            if moved.owner < 0 or moved.owner > len(addresses):
+                raise errors.FailedPreconditionError(
+                    f"{moved.key!r} moved to ps:{moved.owner}, but {self.task} knows only "
+                    f"{len(addresses)} parameter servers; it needs the chief's placement map"
+                ) from moved
+            if moved.owner == len(addresses):
+                addresses.append(moved.address)
+            elif moved.address and addresses[moved.owner] != moved.address:
+                addresses[moved.owner] = moved.address
+            self._set_tasks(addresses)
+            self.placement = self.placement.with_owners(
+                {moved.key: moved.owner}, addresses=tuple(addresses)
+            )
+        log.info("%s: %s moved to ps:%d (%s)", self.task, moved.key, moved.owner, moved.address)
+
+    def _routed(
+        self,
+        handles: Sequence[Any],
+        call: Callable[[int, list[Any], int], Any],
+    ) -> dict[int, tuple[list[Any], Any]]:
+        """Runs ``call(ps, handles_there, attempt)`` once per owning task, following redirects.
+
+        A task that answers ``MovedError`` applied nothing of that call: its
+        handles are regrouped by the updated map and sent again (``attempt``
+        counts the resends, so exactly-once ids can tell them apart).
+
+        Returns:
+            ``{(ps, attempt): (handles, result)}`` of every call that succeeded.
+        """
+        results: dict[Any, tuple[list[Any], Any]] = {}
+        pending = list(handles)
+        for attempt in range(len(handles) + MAX_EXTRA_REDIRECTS):
+            by_ps: dict[int, list[Any]] = {}
+            for h in pending:
+                by_ps.setdefault(h.ps_index, []).append(h)
+            work = {
+                ps: functools.partial(_moved_as_value, call, ps, hs, attempt)
+                for ps, hs in by_ps.items()
+            }
+            pending = []
+            for ps, result in self._on_each(work).items():
+                if isinstance(result, errors.MovedError):
+                    self._learn(result)
+                    pending += by_ps[ps]
+                else:
+                    results[(ps, attempt)] = (by_ps[ps], result)
+            if not pending:
+                return results
+        raise errors.AbortedError(
+            f"{self.task}: {[h.key for h in pending][:5]} kept being redirected "
+            f"({len(handles) + MAX_EXTRA_REDIRECTS} attempts)"
+        )
 
     def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
         """Runs one call per PS task, concurrently when there are several."""
@@ -237,6 +407,7 @@ class PSSession(UpdateGroup):
         for ps, versions in results.items():
             for (h, _), version in zip(by_ps[ps], versions):
                 self._versions[h.key] = version
+        self.place({h.key: h.ps_index for h in handles})
         for h in handles:
             self.register(h)
 
@@ -289,16 +460,12 @@ class PSSession(UpdateGroup):
         return not h.sparse_access and h.nbytes <= PREFETCH_LIMIT_BYTES
 
     def _pull_into_cache(self, handles: Sequence[Any]) -> dict[str, tuple[np.ndarray, int]]:
-        by_ps: dict[int, list[Any]] = {}
-        for h in handles:
-            by_ps.setdefault(h.ps_index, []).append(h)
-        work = {
-            ps: (lambda hs=hs, ps=ps: self.connections[ps].pull([h.key for h in hs]))
-            for ps, hs in by_ps.items()
-        }
+        def pull(ps: int, hs: list[Any], attempt: int) -> Any:
+            return self.connections[ps].pull([h.key for h in hs])
+
         out: dict[str, tuple[np.ndarray, int]] = {}
-        for ps, pulled in self._on_each(work).items():
-            for h, (value, version) in zip(by_ps[ps], pulled):
+        for hs, pulled in self._routed(handles, pull).values():
+            for h, (value, version) in zip(hs, pulled):
                 out[h.key] = (value, version)
                 self.bytes_pulled += value.nbytes
         return out
@@ -336,7 +503,11 @@ class PSSession(UpdateGroup):
 
     def read_rows(self, handle: Any, indices: np.ndarray) -> np.ndarray:
         """Rows of a PS variable (no caching: each lookup pulls only what it needs)."""
-        ((rows, version),) = self.connections[handle.ps_index].pull([handle.key], rows={0: indices})
+
+        def pull(ps: int, hs: list[Any], attempt: int) -> Any:
+            return self.connections[ps].pull([handle.key], rows={0: indices})
+
+        ((_, ((rows, version),)),) = self._routed([handle], pull).values()
         self.bytes_pulled += rows.nbytes + indices.nbytes
         self._versions.setdefault(handle.key, version)
         return rows
@@ -345,10 +516,12 @@ class PSSession(UpdateGroup):
     def write(self, handle: Any, op: str, value: Any) -> None:
         """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
         arr = backend.to_contiguous_numpy(to_array(value).astype(handle.np_dtype, copy=False))
-        ps = handle.ps_index
-        (version,) = self.connections[ps].write(
-            op, [handle.key], [arr], request_id=self._next_id(ps)
-        )
+
+        def write(ps: int, hs: list[Any], attempt: int) -> Any:
+            # a redirected write was applied nowhere: a fresh id at its new owner
+            return self.connections[ps].write(op, [handle.key], [arr], request_id=self._next_id(ps))
+
+        ((_, (version,)),) = self._routed([handle], write).values()
         self._versions[handle.key] = version
         self._invalidate()
 
@@ -361,7 +534,8 @@ class PSSession(UpdateGroup):
     def apply_optimizer(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int) -> None:
         """Pushes ``(gradient, variable)`` pairs; each PS applies ``optimizer``'s rule."""
         rule = optimizer.rule.get_config()  # the rate at this step: the push carries it
-        grads: dict[int, list[Gradient]] = {}
+        grads: dict[str, Gradient] = {}
+        handles: list[Any] = []
         for grad, var in pairs:
             if isinstance(grad, DistributedValues):
                 grad = grad.values[0]  # already all-reduced: every replica holds the same
@@ -380,7 +554,8 @@ class PSSession(UpdateGroup):
                 g = Gradient(
                     h.key, backend.to_contiguous_numpy(values), None, self._versions.get(h.key, -1)
                 )
-            grads.setdefault(h.ps_index, []).append(g)
+            grads[h.key] = g
+            handles.append(h)
         sync = self.sync.mode == "sync"
         step_id = self._step if sync else None
         if sync and step_id is None:
@@ -389,9 +564,14 @@ class PSSession(UpdateGroup):
                 "(coordinator.schedule or model.fit)"
             )
 
-        def push(ps: int, items: list[Gradient]) -> Any:
+        push_id = self._push_id()
+
+        def push(ps: int, hs: list[Any], attempt: int) -> Any:
+            items = [grads[h.key] for h in hs]
+            # the first try carries the step's id; a redirected resend, applied nowhere
+            # yet, one of its own (the new owner may have had this id for other variables)
             context = PushContext(
-                push_id=self._next_id(ps),
+                push_id=push_id if attempt == 0 else (f"{push_id[0]}/moved{attempt}", push_id[1]),
                 step=step_id,
                 num_required=self.sync.num_workers if sync else 0,
                 wait_applied=sync,
@@ -409,15 +589,13 @@ class PSSession(UpdateGroup):
             with self._watch.waiting(what, self.sync.timeout):
                 return call()
 
-        replies = self._on_each(
-            {ps: (lambda ps=ps, items=items: push(ps, items)) for ps, items in grads.items()}
-        )
-        for ps, reply in replies.items():
-            for g, version in zip(grads[ps], reply.versions):
-                self._versions[g.name] = version
+        for hs, reply in self._routed(handles, push).values():
+            for h, version in zip(hs, reply.versions):
+                self._versions[h.key] = version
             self.bytes_pushed += sum(
-                g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0)
-                for g in grads[ps]
+                grads[h.key].values.nbytes
+                + (grads[h.key].indices.nbytes if grads[h.key].indices is not None else 0)
+                for h in hs
             )
         self._invalidate()
 
@@ -502,3 +680,11 @@ class PSSession(UpdateGroup):
             {ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)}
         )
         return [results[ps] for ps in sorted(results)]
+
+
+def _moved_as_value(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, with a redirect returned instead of raised (so others finish)."""
+    try:
+        return call(*args)
+    except errors.MovedError as e:
+        return e

@@ -48,7 +48,7 @@ class PSVariable(variable_lib.Variable, GroupUpdated):
     ) -> None:
         self._session = session
         self.key = key
-        self.ps_index = ps_index
+        self._home = int(ps_index)  # where it was created; the session's map says where it is
         self.shape_tuple = tuple(int(d) for d in shape)
         self._dtype = dtypes.as_dtype(dtype)
         self.np_dtype = self._dtype.np
@@ -72,6 +72,11 @@ class PSVariable(variable_lib.Variable, GroupUpdated):
     def nbytes(self) -> int:
         """Size of the value in bytes."""
         return int(np.prod(self.shape_tuple, dtype=np.int64)) * self._dtype.size
+
+    @property
+    def ps_index(self) -> int:
+        """The PS task holding the variable now (it changes when the PS tasks are resized)."""
+        return self._session.owner(self.key, self._home)
 
     @property
     def device(self) -> str:
@@ -166,6 +171,9 @@ class PSVariable(variable_lib.Variable, GroupUpdated):
             "key": self.key,
             "name": self._name,
             "ps_index": self.ps_index,
+            # the whole map after a resize (pickled once per closure: one object for all
+            # handles), so a worker routes by the chief's layout; None before any resize
+            "placement": self._session.placement if self._session.placement.version else None,
             "shape": self.shape_tuple,
             "dtype": self._dtype.name,
             "trainable": self._trainable,
@@ -184,6 +192,7 @@ class PSVariable(variable_lib.Variable, GroupUpdated):
 def _resolve(state: dict[str, Any]) -> PSVariable:
     """Unpickles a handle as this process's handle of the same PS variable."""
     session = session_lib.current()
+    session.adopt(state.get("placement"))
     try:
         return session.handle(state["key"])
     except KeyError:

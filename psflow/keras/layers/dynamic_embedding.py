@@ -97,6 +97,8 @@ def _backend_for(session: Any) -> _Backend:
         raise errors.UnimplementedError(
             "dynamic embedding tables need gRPC or embedded parameter servers"
         )
+    # its rows are hashed over today's PS tasks: moving them on a resize is not built yet
+    session.refuse_resize("dynamic embedding tables are in use (their rows cannot move yet)")
     return _by_session.setdefault(session, _Backend(client, _session_ids(weakref.ref(session))))
 
 
