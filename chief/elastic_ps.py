@@ -116,7 +116,7 @@ class PSScaler:
     # -- hooks from the launcher's loop ---------------------------------------------------
     def on_line(self, role: RoleProcess, line: str, from_stdout: bool) -> None:
         """Notes a parameter server's ``PSFLOW_DRAINED`` line."""
-        if from_stdout and role.name.startswith("ps:") and line.strip() == DRAINED_LINE:
+        if from_stdout and role.name.startswith("ps:") and line.split(" ", 1)[0] == DRAINED_LINE:
             self._drained.add(role.pid)
 
     def claims_exit(self, role: RoleProcess) -> bool:

@@ -25,7 +25,12 @@ import time
 import uuid
 
 from chief.control import ControlDir, default_cluster_dir
-from psflow.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
+from psflow.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
 from psflow.exit_codes import ExitCode
 
 DEFAULT_TIMEOUT = 300.0
@@ -52,6 +57,7 @@ def scale(control: ControlDir, num_ps: int, timeout: float) -> dict:
 
     Raises:
         NotFoundError: no launcher runs there.
+        UnavailableError: the launcher exited before it answered.
         InvalidArgumentError: ``num_ps`` is out of range (nothing was asked).
         DeadlineExceededError: no answer within ``timeout`` seconds (the
             request stays queued: the launcher may still act on it).
@@ -67,7 +73,7 @@ def scale(control: ControlDir, num_ps: int, timeout: float) -> dict:
         if result is not None:
             return result
         if control.state(missing_ok=True) is None:
-            raise NotFoundError(f"the launcher at {control.path} exited before it answered")
+            raise UnavailableError(f"the launcher at {control.path} exited before it answered")
         time.sleep(0.05)
     raise DeadlineExceededError(
         f"the launcher at {control.path} did not answer within {timeout:g}s (it may still act)"
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except (InvalidArgumentError, NotFoundError) as e:
         sys.stderr.write(f"psflow scale: {e}\n")
         return int(ExitCode.USAGE_ERROR)
-    except (DeadlineExceededError, OSError) as e:  # the launcher may still act: not bad input
+    except (DeadlineExceededError, UnavailableError, OSError) as e:  # the launcher may still act: not bad input
         sys.stderr.write(f"psflow scale: {e}\n")
         return int(ExitCode.USER_ERROR)
     stream = sys.stdout if result.get("ok") else sys.stderr

@@ -22,13 +22,30 @@ Rules:
   calls ``refresh()`` before reading ``cluster_spec()``, so the resize reads
   the same view.  A fixed resolver (``TF_CONFIG``) never triggers a resize.
 
-Example (the chief of ``psflow local --ps-max 3 --ps 2``)::
+Two ways to run it:
+
+* **at step boundaries** (safe with any coordinator): the training loop calls
+  :meth:`ClusterWatch.at_step_boundary` after ``coordinator.join()``; it
+  polls at most once per ``interval`` and resizes in the calling thread, so
+  no closure is scheduled while variables move;
+* **in a thread** (:meth:`ClusterWatch.start`, or ``with ClusterWatch(...)``):
+  the watch polls and resizes by itself.  The coordinator's resize joins the
+  closures in flight first, but a closure the training thread schedules
+  *during* the move may push to a task being drained: use the thread only
+  when nothing else schedules meanwhile (a driver that only waits), or when
+  the coordinator holds scheduling during a resize.
+
+Example (the chief of ``psflow local --ps-max 3 --ps 2``; ``examples/elastic_train.py``)::
 
     resolver = pf.distribute.cluster_resolver.ClusterFileResolver.from_environment()
     strategy = pf.distribute.ParameterServerStrategy(resolver)
     coordinator = pf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    with ClusterWatch(coordinator):
-        model.fit(dataset, epochs=5, steps_per_epoch=100)
+    watch = ClusterWatch(coordinator, interval=0.5)
+    for epoch in range(epochs):
+        for _ in range(steps_per_epoch):
+            coordinator.schedule(step_fn, args=(iterator,))
+        coordinator.join()
+        watch.at_step_boundary()
 """
 
 from __future__ import annotations
@@ -139,6 +156,7 @@ class ClusterWatch:
         self._failures = 0
         self._failures_in_row = 0
         self._retry_at = 0.0
+        self._last_poll = float("-inf")
         self._last_problem: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -177,7 +195,19 @@ class ClusterWatch:
         with self._lock:
             return self._poll()
 
+    def at_step_boundary(self) -> Any:
+        """Polls if ``interval`` seconds passed since the last poll; returns a report or None.
+
+        Call it from the thread that schedules, between steps (after
+        ``coordinator.join()``): the resize then runs with nothing in flight.
+        """
+        now = time.monotonic()
+        if now - self._last_poll < self._interval:
+            return None
+        return self.poll()
+
     def _poll(self) -> Any:
+        self._last_poll = time.monotonic()
         resolver = self._resolver
         try:
             spec = (
