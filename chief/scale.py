@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     except (InvalidArgumentError, NotFoundError) as e:
         sys.stderr.write(f"psflow scale: {e}\n")
         return int(ExitCode.USAGE_ERROR)
-    except (DeadlineExceededError, UnavailableError, OSError) as e:  # the launcher may still act: not bad input
+    except (
+        DeadlineExceededError,
+        UnavailableError,
+        OSError,
+    ) as e:  # the launcher may still act: not bad input
         sys.stderr.write(f"psflow scale: {e}\n")
         return int(ExitCode.USER_ERROR)
     stream = sys.stdout if result.get("ok") else sys.stderr
