@@ -56,6 +56,7 @@ from psflow.distribute.coordinator.recovery import Recovery, WorkerState
 from psflow.distribute.coordinator.remote_value import PerWorkerValues, RemoteValue
 from psflow.distribute.coordinator.stragglers import StepTimes
 from psflow.distribute.coordinator.workers import Closure
+from psflow.distribute.ps import session as session_lib
 from psflow.util import nest
 
 log = logging.getLogger("psflow.coordinator")
@@ -254,7 +255,16 @@ class ClusterCoordinator(Recovery):
             errors of ``ParameterServerStrategy.resize_parameter_servers``.
         """
         self.join(timeout=timeout)
-        return self._strategy._resize(num_ps, timeout)
+        try:
+            return self._strategy._resize(num_ps, timeout)
+        finally:
+            # every worker takes the new map before its next closure (targeted closures
+            # go first), and again after a restart (resources are rebuilt in order); its
+            # cached functions hold handles, which route by the worker session's map
+            placement = self._strategy.placement()
+            self._per_worker_resource(
+                "placement", lambda w: (session_lib.adopt_placement, (placement,)), kind="value"
+            )
 
     def done(self) -> bool:
         """Whether every scheduled closure has finished (raises a pending error)."""

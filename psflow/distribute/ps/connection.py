@@ -119,22 +119,29 @@ class PSConnection(abc.ABC):
     # -- resizing (see psflow.distribute.ps.resize) --------------------------------------
     address: str = ""
 
-    def export_shard(self, names: Sequence[str]) -> bytes:
+    def export_shard(self, names: Sequence[str], timeout: float | None = None) -> bytes:
         """A copy of variables with slots, versions and push records (changes nothing)."""
         raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
 
-    def import_shard(self, state: bytes, placement_version: int) -> list[str]:
+    def import_shard(
+        self, state: bytes, placement_version: int, timeout: float | None = None
+    ) -> list[str]:
         """Installs variables exported by another task; returns their names."""
         raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
 
     def release_shard(
-        self, names: Sequence[str], owner: int, owner_address: str, placement_version: int
+        self,
+        names: Sequence[str],
+        owner: int,
+        owner_address: str,
+        placement_version: int,
+        timeout: float | None = None,
     ) -> None:
         """Gives variables up to task ``owner``: later requests get ``MovedError``."""
         raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
 
-    def drain(self) -> None:
-        """Tells a task that holds nothing to exit."""
+    def drain(self, timeout: float | None = None) -> None:
+        """Tells a task that holds nothing to exit (``timeout``: seconds for the call)."""
         raise errors.UnimplementedError(f"{type(self).__name__} cannot be drained")
 
     def probe(self, timeout: float) -> None:

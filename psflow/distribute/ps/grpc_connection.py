@@ -205,19 +205,26 @@ class GrpcPSConnection(PSConnection):
     def stats(self, include_log: bool = False) -> dict[str, Any]:
         return self.client.stats(include_log=include_log)
 
-    def export_shard(self, names: Sequence[str]) -> bytes:
-        return self.client.export_shard(names)
+    def export_shard(self, names: Sequence[str], timeout: float | None = None) -> bytes:
+        return self.client.export_shard(names, timeout=timeout)
 
-    def import_shard(self, state: bytes, placement_version: int) -> list[str]:
-        return self.client.import_shard(state, placement_version)
+    def import_shard(
+        self, state: bytes, placement_version: int, timeout: float | None = None
+    ) -> list[str]:
+        return self.client.import_shard(state, placement_version, timeout=timeout)
 
     def release_shard(
-        self, names: Sequence[str], owner: int, owner_address: str, placement_version: int
+        self,
+        names: Sequence[str],
+        owner: int,
+        owner_address: str,
+        placement_version: int,
+        timeout: float | None = None,
     ) -> None:
-        self.client.release_shard(names, owner, owner_address, placement_version)
+        self.client.release_shard(names, owner, owner_address, placement_version, timeout=timeout)
 
-    def drain(self) -> None:
-        self.client.drain()
+    def drain(self, timeout: float | None = None) -> None:
+        self.client.drain(timeout=timeout)
 
     def probe(self, timeout: float) -> None:
         # the health service answers first; ListVariables proves the PS service does too

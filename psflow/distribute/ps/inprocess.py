@@ -84,18 +84,25 @@ class InProcessPSConnection(PSConnection):
         prefix = prefix or self.task.replace(":", "-")
         return restore_shard(self.store, directory, prefix, list(names) if names else None).step
 
-    def export_shard(self, names: Sequence[str]) -> bytes:
+    def export_shard(self, names: Sequence[str], timeout: float | None = None) -> bytes:
         return self.store.export_shard(list(names))
 
-    def import_shard(self, state: bytes, placement_version: int) -> list[str]:
+    def import_shard(
+        self, state: bytes, placement_version: int, timeout: float | None = None
+    ) -> list[str]:
         return list(self.store.import_shard(state, placement_version))
 
     def release_shard(
-        self, names: Sequence[str], owner: int, owner_address: str, placement_version: int
+        self,
+        names: Sequence[str],
+        owner: int,
+        owner_address: str,
+        placement_version: int,
+        timeout: float | None = None,
     ) -> None:
         self.store.release(list(names), owner, owner_address, placement_version)
 
-    def drain(self) -> None:
+    def drain(self, timeout: float | None = None) -> None:
         self.store.drain()
 
     def stats(self, include_log: bool = False) -> dict[str, Any]:

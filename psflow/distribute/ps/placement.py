@@ -94,7 +94,13 @@ class Move:
     target: int
 
 
-def plan_resize(placement: PlacementMap, num_tasks: int, sizes: Mapping[str, int]) -> list[Move]:
+def plan_resize(
+    placement: PlacementMap,
+    num_tasks: int,
+    sizes: Mapping[str, int],
+    *,
+    first_added: int | None = None,
+) -> list[Move]:
     """The moves that take ``placement`` to ``num_tasks`` tasks, balanced by bytes.
 
     Every key of a task ``>= num_tasks`` moves (largest first, to the least
@@ -107,6 +113,9 @@ def plan_resize(placement: PlacementMap, num_tasks: int, sizes: Mapping[str, int
         placement: the current map.
         num_tasks: tasks after the resize (>= 1).
         sizes: bytes of each key (keys missing count as 1 byte).
+        first_added: the first task that counts as added (default: the map's
+            task count; a resize resumed after a failure passes the count it
+            started from, since the map already lists the tasks it added).
 
     Raises:
         InvalidArgumentError: ``num_tasks < 1``.
@@ -128,7 +137,7 @@ def plan_resize(placement: PlacementMap, num_tasks: int, sizes: Mapping[str, int
         owners[k] = target
         load[target] += size[k]
     # phase 2: new tasks take their share from the most loaded ones
-    new_tasks = range(placement.num_tasks, num_tasks)
+    new_tasks = range(placement.num_tasks if first_added is None else first_added, num_tasks)
     if not new_tasks:
         return moves
     for _ in range(len(owners)):

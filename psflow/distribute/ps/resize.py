@@ -57,6 +57,11 @@ def _batches(moves: Sequence[Move], sizes: Mapping[str, int]) -> list[tuple[int,
     return out
 
 
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline`` (a little at least: the call then fails with its deadline)."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
 def resize(
     session: Any,
     addresses: Sequence[str],
@@ -97,6 +102,9 @@ def resize(
                 f"ps:{i} is at {session.connections[i].address}, the new layout puts it at "
                 f"{addresses[i]}; a resize keeps the tasks it does not add or remove"
             )
+    # a resize that failed part way is resumed: the tasks it added still count as added
+    origin = session.resize_origin if session.resize_origin is not None else old_n
+    session.resize_origin = origin
     # 1. connect the tasks added
     if new_n > old_n:
         session.adopt_tasks(addresses)
@@ -110,7 +118,7 @@ def resize(
             recovery.wait_until(c.task, c.probe, deadline, progress, probe_timeout)
     # 2. plan
     sizes = session.variable_sizes()
-    moves = plan_resize(old, new_n, sizes)
+    moves = plan_resize(old, new_n, sizes, first_added=origin)
     version = old.version + 1
     connections = list(session.connections)
     # 3. move, batch by batch; the map follows every completed batch
@@ -122,10 +130,12 @@ def resize(
                 f"({bytes_moved} bytes moved)"
             )
         fence = time.monotonic()
-        state = connections[source].export_shard(keys)
-        connections[target].import_shard(state, version)
+        state = connections[source].export_shard(keys, _left(deadline))
+        connections[target].import_shard(state, version, _left(deadline))
         try:
-            connections[source].release_shard(keys, target, addresses[target], version)
+            connections[source].release_shard(
+                keys, target, addresses[target], version, _left(deadline)
+            )
         except errors.MovedError as e:  # a retried release that had gone through
             if e.owner != target:
                 raise
@@ -134,8 +144,9 @@ def resize(
         session.moved({k: target for k in keys}, version)
     # 4. drain the tasks removed
     for c in connections[new_n:]:
-        c.drain()
+        c.drain(_left(deadline))
     session.adopt_tasks(addresses, version=version)
+    session.resize_origin = None
     report = ResizeReport(
         old_num_ps=old_n,
         new_num_ps=new_n,

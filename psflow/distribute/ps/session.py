@@ -151,6 +151,8 @@ class PSSession(UpdateGroup):
         self._placement_lock = threading.RLock()
         # why this session's variables cannot be moved (see refuse_resize)
         self.resize_blockers: set[str] = set()
+        # the task count an unfinished resize started from (None: none unfinished)
+        self.resize_origin: int | None = None
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
         self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
@@ -688,3 +690,8 @@ def _moved_as_value(call: Callable[..., Any], *args: Any) -> Any:
         return call(*args)
     except errors.MovedError as e:
         return e
+
+
+def adopt_placement(placement: PlacementMap) -> None:
+    """Makes this process's session take ``placement`` (a closure the chief sends after a resize)."""
+    current().adopt(placement)
