@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -156,3 +157,42 @@ def test_scale_up_starts_a_ps_bad_input_changes_nothing_and_an_undrained_ps_is_r
     assert launcher.finish(timeout=60) == 0
     assert not cdir.exists()  # the launcher cleaned its control directory up
     assert "ps:2=0" in launcher.output or "ps:2=143" in launcher.output
+
+
+TRAIN = str(ROOT / "examples" / "elastic_train.py")
+
+
+@pytest.mark.slow
+def test_training_goes_2_3_1_ps_and_the_drained_ones_exit_0_unrestarted(launch, tmp_path):  # noqa: F811
+    stop = tmp_path / "stop"
+    cdir = tmp_path / "control"
+    launcher = launch(
+        "--ps-max", "3", "--ps", "2", "--workers", "2", "--cluster-dir", str(cdir),
+        "--restart", "on-failure", "--drain-timeout", "60",
+        TRAIN, "--seconds", "120", "--stop-file", str(stop), "--watch-interval", "0.2",
+    )  # fmt: skip
+    launcher.wait_for(r"^\[chief\] elastic_train step", timeout=90)
+
+    up = _scale("--ps", "3", "--cluster-dir", str(cdir))
+    assert up.returncode == 0, up.stderr
+    launcher.wait_for(r"resized PS 2 -> 3: moved \d+ shards, [\d.]+ MB, pause [\d.]+ s")
+    launcher.wait_for(r"^\[chief\] elastic_train step \d+ loss [\d.]+ ps 3$")  # trains on 3
+
+    down = _scale("--ps", "1", "--cluster-dir", str(cdir))  # answers once both exited
+    assert down.returncode == 0, down.stderr
+    assert "drained 2 PS; the view lists 1 PS" in down.stdout
+    launcher.wait_for(r"resized PS 3 -> 1: moved \d+ shards")
+    launcher.wait_for(r"^\[chief\] elastic_train step \d+ loss [\d.]+ ps 1$")  # trains on 1
+    stop.write_text("")
+    assert launcher.finish(timeout=90) == 0, launcher.output
+    out = launcher.output
+
+    assert re.search(r"^\[chief\] elastic_train done: \d+ steps, .* 2 resizes$", out, re.M)
+    for name in ("ps:1", "ps:2"):
+        assert re.search(rf"^\[{name}\] PSFLOW_DRAINED task={name} ", out, re.M), name
+        assert f"{name} drained: exited 0 (PSFLOW_DRAINED); not restarting it" in out
+        assert len(re.findall(rf"PSFLOW_READY ps port=\d+ task={name} ", out)) == 1  # once
+    assert "restarting it" not in out.replace("not restarting it", "")
+    assert not re.search(r"ps:\d exited with status", out)  # nothing counted as a failure
+    stopped = re.search(r"stopped: (.*)$", out, re.M).group(1)
+    assert {"ps:0=0", "ps:1=0", "ps:2=0", "chief=0"} <= set(stopped.split(", "))
