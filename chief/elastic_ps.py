@@ -181,7 +181,10 @@ class PSScaler:
             self._control.put_result(request_id, True, f"already {old} PS", old)
             return
         if num_ps > old:
-            roles = [self._start_ps(i) for i in range(old, num_ps)]
+            # A slot whose PS was dropped but never drained (no chief watching) still runs
+            # it: list it again rather than start a second process on its port.
+            running = {r.name: r for r in self._ps_roles() if r.running}
+            roles = [running.get(f"ps:{i}") or self._start_ps(i) for i in range(old, num_ps)]
             log.info("scale: starting %s", ", ".join(r.name for r in roles))
             self._op = _Operation(request_id, old, num_ps, now + self._ready_timeout, roles)
             return

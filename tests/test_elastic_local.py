@@ -142,6 +142,7 @@ def test_scale_up_starts_a_ps_bad_input_changes_nothing_and_an_undrained_ps_is_r
     up = _scale("--ps", "3", "--cluster-dir", str(cdir))
     assert up.returncode == 0, up.stderr
     assert "started ps:2" in up.stdout
+    first_pid = re.search(r"ps:2 \(pid (\d+)\)", up.stdout).group(0)
     ps = json.loads(view.read_text())["cluster"]["ps"]
     assert len(ps) == 3
     launcher.wait_for(rf"^\[ps:2\] PSFLOW_READY ps port={ps[2].rpartition(':')[2]} ")
@@ -152,11 +153,14 @@ def test_scale_up_starts_a_ps_bad_input_changes_nothing_and_an_undrained_ps_is_r
     down = _scale("--ps", "2", "--cluster-dir", str(cdir))
     assert down.returncode == 1 and "ps:2 still running" in down.stderr, down.stderr
     assert len(json.loads(view.read_text())["cluster"]["ps"]) == 2
+    again = _scale("--ps", "3", "--cluster-dir", str(cdir))  # the undrained ps:2 is listed again
+    assert again.returncode == 0 and first_pid in again.stdout, again.stdout + again.stderr
+    assert len(re.findall(r"PSFLOW_READY ps port=\d+ task=ps:2 ", launcher.output)) == 1
 
     release.write_text("")
     assert launcher.finish(timeout=60) == 0
     assert not cdir.exists()  # the launcher cleaned its control directory up
-    assert "ps:2=0" in launcher.output or "ps:2=143" in launcher.output
+    assert re.search(r"stopped: .*ps:2=0", launcher.output)
 
 
 TRAIN = str(ROOT / "examples" / "elastic_train.py")
