@@ -172,3 +172,25 @@ def test_bad_api_settings_are_named():
     with pytest.raises(NotFoundError, match="not in a pod"):
         KubernetesApi.in_cluster(environ={})
     assert TOKEN not in repr(KubernetesApi("https://k:443", namespace="ml", token=TOKEN))
+
+
+def test_the_watch_follows_kubectl_scale_through_the_api(api_server):
+    import numpy as np
+
+    import psflow as pf
+    from psflow.distribute.coordinator.elastic_watch import ClusterWatch
+
+    cluster, url = api_server
+    strategy = pf.distribute.ParameterServerStrategy()  # in-process PS tasks resize alike
+    with strategy.scope():
+        v = pf.Variable(np.arange(12.0, dtype="float32"), name="v")
+    watch = ClusterWatch(strategy, _resolver(url), interval=0.05)
+    assert watch.poll().new_num_ps == 2  # the set lists 2, the embedded job ran on 1
+    cluster.replicas, cluster.running, cluster.ready = 3, {0, 1, 2}, {0, 1}
+    assert watch.poll() is None  # psflow-ps-2 not ready yet
+    cluster.ready.add(2)
+    assert watch.poll().new_num_ps == 3
+    cluster.replicas = 1
+    assert (watch.poll().old_num_ps, watch.num_ps) == (3, 1)
+    assert watch.poll() is None and len(watch.reports) == 3
+    np.testing.assert_array_equal(v.numpy(), np.arange(12.0, dtype="float32"))

@@ -116,8 +116,9 @@ class ClusterWatch:
         on_resize: called with each :class:`ResizeReport` after it is logged.
 
     Raises:
-        InvalidArgumentError: ``target`` cannot resize, there is no resolver,
-            or a number of seconds is out of range.
+        InvalidArgumentError: ``target`` is neither a coordinator nor a
+            parameter-server strategy, there is no resolver, or a number of
+            seconds is out of range.
     """
 
     def __init__(
@@ -130,28 +131,27 @@ class ClusterWatch:
         max_backoff: float = 30.0,
         on_resize: Callable[[Any], None] | None = None,
     ) -> None:
-        if not isinstance(target, Resizable):
-            raise InvalidArgumentError(
-                f"{target!r} cannot resize its parameter servers (no resize_parameter_servers)"
-            )
-        if resolver is None:
-            from psflow.distribute.coordinator.cluster_coordinator import ClusterCoordinator
+        from psflow.distribute.coordinator.cluster_coordinator import ClusterCoordinator
+        from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 
-            strategy = target.strategy if isinstance(target, ClusterCoordinator) else target
-            resolver = strategy.cluster_resolver
-        if resolver is None:
+        strategy = target.strategy if isinstance(target, ClusterCoordinator) else target
+        if not isinstance(strategy, ParameterServerStrategy):
             raise InvalidArgumentError(
-                f"{target!r} has no cluster resolver to watch (an embedded strategy)"
+                f"{target!r} cannot resize parameter servers: give a ClusterCoordinator or a "
+                "ParameterServerStrategy"
             )
+        resolver = strategy.cluster_resolver if resolver is None else resolver
+        if resolver is None:
+            raise InvalidArgumentError(f"{target!r} has no cluster resolver to watch")
         self._target = target
         self._resolver = resolver
         self._interval = _check_seconds(interval, "interval", MIN_INTERVAL, MAX_INTERVAL)
         self._resize_timeout = _check_seconds(resize_timeout, "resize_timeout", 0.001, 86400.0)
         self._max_backoff = _check_seconds(max_backoff, "max_backoff", self._interval, 3600.0)
         self._on_resize = on_resize
-        self._num_ps = self._listed(resolver.cluster_spec())
-        if self._num_ps < 1:
-            raise InvalidArgumentError(f"the resolver {resolver!r} lists no ps task")
+        # what the job runs on now; the view may already list another count (then the
+        # first poll resizes)
+        self._num_ps = len(strategy.placement().addresses)
         self._reports: list[Any] = []
         self._failures = 0
         self._failures_in_row = 0
