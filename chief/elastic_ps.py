@@ -132,8 +132,9 @@ class PSScaler:
         if role.pid in self._drained and status == 0:
             self._drained.discard(role.pid)
             log.info("%s drained: exited 0 (%s); not restarting it", role.name, DRAINED_LINE)
-            if op is None and index == self._num_ps - 1:
-                self._num_ps = index  # a program resized by itself: follow it
+            if op is None and index < self._num_ps:
+                # A program resized by itself (tasks >= its count drain, in any order).
+                self._num_ps = index
                 self.publish()
             return True
         if op is not None and any(r is role for r in op.roles):
