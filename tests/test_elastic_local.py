@@ -200,3 +200,44 @@ def test_training_goes_2_3_1_ps_and_the_drained_ones_exit_0_unrestarted(launch, 
     assert not re.search(r"ps:\d exited with status", out)  # nothing counted as a failure
     stopped = re.search(r"stopped: (.*)$", out, re.M).group(1)
     assert {"ps:0=0", "ps:1=0", "ps:2=0", "chief=0"} <= set(stopped.split(", "))
+
+
+# A chief that resizes by itself (no psflow scale): 3 -> 1, then reads its values back.
+SELF_RESIZING_CHIEF = """
+import json, time
+import numpy as np
+import psflow as pf
+from psflow.distribute.cluster_resolver import ClusterFileResolver
+
+resolver = ClusterFileResolver.from_environment()
+strategy = pf.distribute.ParameterServerStrategy(resolver)
+with strategy.scope():
+    vs = [pf.Variable(np.full(4, i, "float32"), name=f"v{i}") for i in range(6)]
+report = strategy.resize_parameter_servers(1, timeout=60)
+deadline = time.monotonic() + 30
+while resolver.refresh().num_tasks("ps") != 1 and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("CHIEF_RESIZED", json.dumps({
+    "old": report.old_num_ps, "new": report.new_num_ps,
+    "view": resolver.cluster_spec().num_tasks("ps"),
+    "values": [v.numpy().tolist() for v in vs]}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_chief_resizing_by_itself_shrinks_the_view_and_nothing_restarts(launch, tmp_path):  # noqa: F811
+    chief = tmp_path / "chief.py"
+    chief.write_text(SELF_RESIZING_CHIEF)
+    cdir = tmp_path / "control"
+    launcher = launch(
+        "--ps-max", "3", "--ps", "3", "--workers", "1", "--cluster-dir", str(cdir),
+        "--restart", "on-failure", str(chief),
+    )  # fmt: skip
+    assert launcher.finish(timeout=120) == 0, launcher.output
+    out = launcher.output
+    result = json.loads(re.search(r"^\[chief\] CHIEF_RESIZED (\{.*\})$", out, re.M).group(1))
+    assert (result["old"], result["new"], result["view"]) == (3, 1, 1)
+    assert result["values"] == [[float(i)] * 4 for i in range(6)]  # moved, unchanged
+    for name in ("ps:1", "ps:2"):
+        assert f"{name} drained: exited 0 (PSFLOW_DRAINED); not restarting it" in out
+    assert "restarting it at" not in out and not re.search(r"ps:\d exited with status", out)
