@@ -579,6 +579,9 @@ class ParameterServerServicer:
     ) -> ps_pb2.ReleaseShardResponse:
         """Gives variables up to their new owner."""
         request = _check(request)
+        if request.cancel:
+            self.store.unfence(list(request.names))
+            return ps_pb2.ReleaseShardResponse()
         self.store.release(
             list(request.names), request.owner, request.owner_address, request.placement_version
         )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import cloudpickle
 import numpy as np
@@ -225,7 +227,7 @@ def test_a_ps_killed_mid_resize_leaves_a_consistent_map_that_checkpoint_recovery
     cluster.ps[1].stop(signal.SIGKILL)  # lost while the resize moves its variables
     resolver.num_ps = 3
     with pytest.raises((errors.UnavailableError, errors.DeadlineExceededError)):
-        strategy.resize_parameter_servers(3, timeout=4)
+        strategy.resize_parameter_servers(3, timeout=3)
     # consistent: what moved before the failure is where the map says, the rest stayed
     placement = strategy.placement()
     assert placement.version == 1
@@ -261,3 +263,42 @@ def test_resize_beyond_the_listed_tasks_is_refused_naming_both_counts(start_clus
     with pytest.raises(errors.InvalidArgumentError, match=r"num_ps=3.*lists 2 ps tasks"):
         strategy.resize_parameter_servers(3)
     assert strategy.placement() == before
+
+
+def test_a_push_arriving_during_a_handover_is_applied_once_at_the_new_owner(start_cluster):
+    cluster = start_cluster(num_ps=2, num_workers=0)
+    strategy = pf.distribute.ParameterServerStrategy(_Listing(cluster, 2, workers=[NOWHERE]))
+    with strategy.scope():
+        variables = [pf.Variable(np.full(4, i, "float32"), name=f"v{i}") for i in range(2)]
+    v = variables[0]
+    source, target = strategy._session.connections
+    assert v.ps_index == 0
+    worker = pf.distribute.ParameterServerStrategy._for_worker(
+        [p.address for p in cluster.ps], 1, "worker:3"
+    )
+    with session_lib.using(worker._session):
+        (w,) = cloudpickle.loads(cloudpickle.dumps([v]))
+    optimizer = pf.keras.optimizers.SGD(0.5)
+    ones = pf.constant(np.ones(4, "float32"))
+
+    state = source.export_shard([v.key])  # the fence begins: writes to v wait
+    pushed = []
+
+    def push():
+        with session_lib.using(worker._session):
+            worker._session.apply_optimizer(optimizer, [(ones, w)], step=0)
+        pushed.append(True)
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not source.stats()["rejected"].get("handover") and time.monotonic() < deadline:
+        time.sleep(0.02)  # the push reached the old owner and is being retried
+    assert source.stats()["rejected"].get("handover"), "the push never met the fence"
+    target.import_shard(state, 1)
+    source.release_shard([v.key], 1, cluster.ps[1].address, 1)
+    thread.join(30)
+    assert pushed and w.ps_index == 1  # redirected, and the worker learned where v is
+    np.testing.assert_array_equal(target.pull([v.key])[0][0], np.full(4, -0.5, "float32"))
+    assert {d["name"]: d["optimizer_step"] for d in target.list_variables()}[v.key] == 1
+    worker._session.close()

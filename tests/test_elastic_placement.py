@@ -187,3 +187,82 @@ def test_embedded_resize_rejects_a_bad_count_and_changes_nothing():
         with pytest.raises(errors.InvalidArgumentError, match="num_ps"):
             strategy.resize_parameter_servers(bad)
     assert strategy.placement() == before
+
+
+def test_writes_during_a_handover_wait_and_land_only_at_the_new_owner():
+    old, new = _store("ps:0"), VariableStore(task="ps:1")
+    state = old.export_shard(["a"])
+    version = old.pull(["a"])[0].version
+    with pytest.raises(errors.UnavailableError, match="handed over"):
+        old.push([_grad("b"), _grad("a")], push_id=("c", 1))
+    with pytest.raises(errors.UnavailableError):
+        old.assign("assign", ["a"], [np.zeros(3, "float32")])
+    assert old.pull(["a"])[0].version == version  # nothing applied; reads still served
+    assert old.pull(["b"])[0].version == version
+    old.unfence(["a"])  # the move was abandoned: writes are served again
+    old.push([_grad("a")], push_id=("c", 1))
+    state = old.export_shard(["a"])
+    new.import_shard(state, 1)
+    old.release(["a"], 1, "h:1", 1)
+    with pytest.raises(errors.MovedError):
+        old.push([_grad("a")], push_id=("c", 2))
+    assert new.push([_grad("a")], push_id=("c", 2)).applied
+    assert new.list_variables()[0].optimizer_step == 2
+
+
+def test_a_closure_re_run_after_its_variables_moved_is_applied_once():
+    strategy = pf.distribute.ParameterServerStrategy()
+    with strategy.scope():
+        variables = [pf.Variable(np.full(3, i, "float32"), name=f"w{i}") for i in range(4)]
+    session = strategy._session
+    optimizer = pf.keras.optimizers.SGD(0.5)
+    pairs = [(pf.constant(np.ones(3, "float32")), v) for v in variables]
+    with session.step(1, "session-1/closure-9"):
+        session.apply_optimizer(optimizer, pairs, 1)
+    after = [v.numpy() for v in variables]
+    report = strategy.resize_parameter_servers(3)
+    assert report.shards_moved == 2
+    with session.step(1, "session-1/closure-9"):  # the same closure, run again elsewhere
+        session.apply_optimizer(optimizer, pairs, 1)
+    for v, want in zip(variables, after):
+        np.testing.assert_array_equal(v.numpy(), want)
+    assert sum(s["pushes_duplicate"] for s in strategy.ps_stats()) == 3  # one per task
+    with session.step(2, "session-1/closure-10"):  # a new closure is applied
+        session.apply_optimizer(optimizer, pairs, 2)
+    for v, want in zip(variables, after):
+        np.testing.assert_array_equal(v.numpy(), want - 0.5)
+
+
+def test_partitioned_variables_move_shard_by_shard_and_read_back_whole():
+    strategy = pf.distribute.ParameterServerStrategy(
+        variable_partitioner=pf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
+    )
+    with strategy.scope():
+        table = pf.Variable(np.arange(24, dtype="float32").reshape(8, 3), name="table")
+    report = strategy.resize_parameter_servers(4)
+    assert report.shards_moved == 3
+    assert sorted(s.ps_index for s in table.variables) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(table.numpy(), np.arange(24, dtype="float32").reshape(8, 3))
+    rows = pf.nn.embedding_lookup(table, pf.constant([7, 0, 3]))
+    np.testing.assert_array_equal(
+        rows.numpy(), np.arange(24, dtype="float32").reshape(8, 3)[[7, 0, 3]]
+    )
+
+
+def test_resize_with_dynamic_embedding_tables_is_refused_naming_them(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = pf.distribute.ParameterServerStrategy()
+    with strategy.scope():
+        model = pf.keras.Sequential(
+            [
+                pf.keras.layers.DynamicEmbedding(2, input_shape=(3,)),
+                pf.keras.layers.Flatten(),
+                pf.keras.layers.Dense(1),
+            ]
+        )
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.arange(12).reshape(4, 3), np.ones((4, 1), "float32"), batch_size=2, verbose=0)
+    before = strategy.placement()
+    with pytest.raises(errors.UnimplementedError, match="dynamic embedding tables"):
+        strategy.resize_parameter_servers(2)
+    assert strategy.placement() == before

@@ -551,8 +551,10 @@ class ParameterServerStrategy(distribute_lib.Strategy):
             return coordinator.resize_parameter_servers(num_ps, timeout=timeout)
         return self._resize(num_ps, timeout)
 
-    def _resize(self, num_ps: int, timeout: float) -> ResizeReport:
-        """The resize itself, at a step boundary the caller guarantees."""
+    def _resize(
+        self, num_ps: int, timeout: float, before_drain: Callable[[float], None] | None = None
+    ) -> ResizeReport:
+        """The resize itself (``before_drain``: see :func:`psflow.distribute.ps.resize.resize`)."""
         from psflow.distribute.ps import resize as resize_lib
 
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
@@ -572,7 +574,9 @@ class ParameterServerStrategy(distribute_lib.Strategy):
                     f"lists {len(listed)} ps tasks ({listed}); it must list tasks 0..{num_ps - 1}"
                 )
             addresses = [spec.task_address("ps", i) for i in range(num_ps)]
-        return resize_lib.resize(self._session, addresses, timeout=timeout)
+        return resize_lib.resize(
+            self._session, addresses, timeout=timeout, before_drain=before_drain
+        )
 
     def _connect_added(self, address: str, index: int) -> Any:
         """A connection to a PS task a resize added (the chief's codec)."""

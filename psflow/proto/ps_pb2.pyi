@@ -333,16 +333,18 @@ class ImportShardResponse(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseShardRequest(_message.Message):
-    __slots__ = ("names", "owner", "owner_address", "placement_version")
+    __slots__ = ("names", "owner", "owner_address", "placement_version", "cancel")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     OWNER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     owner: int
     owner_address: str
     placement_version: int
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., owner: _Optional[int] = ..., owner_address: _Optional[str] = ..., placement_version: _Optional[int] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., owner: _Optional[int] = ..., owner_address: _Optional[str] = ..., placement_version: _Optional[int] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class ReleaseShardResponse(_message.Message):
     __slots__ = ()

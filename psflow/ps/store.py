@@ -56,6 +56,7 @@ from psflow.errors import (
     NotFoundError,
     OpError,
     ResourceExhaustedError,
+    UnavailableError,
 )
 from psflow.security.limits import limit_exceeded
 from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
@@ -162,6 +163,8 @@ class VariableStore:
         self._dedup = DedupWindow(window=dedup_window)
         self._touched = TouchLog()
         self._moved: dict[str, MovedTo] = {}  # variables handed over to another task
+        # variables exported and not yet released: writes wait (UNAVAILABLE, retried)
+        self._fenced: set[str] = set()
         self.placement_version = 0  # of the newest placement map this task took part in
         self.drained = threading.Event()  # set once told to exit after giving everything away
         self.stats = Stats(log_size=log_size)
@@ -489,11 +492,26 @@ class VariableStore:
         raise AbortedError(f"request id {request_id} kept failing concurrently")  # pragma: no cover
 
     def _check_held(self, variables: Sequence[Variable]) -> None:
-        """Raises MovedError if a variable left while the request waited (locks held)."""
+        """Raises if a variable left, or is being handed over, while the request waited.
+
+        Called with the variables' locks held, right before a change.
+
+        Raises:
+            MovedError: it moved to another task.
+            UnavailableError: it is being handed over (exported, not yet
+                released): retry shortly, the answer will be MovedError.
+        """
         with self._lock:
             for var in variables:
                 if self._vars.get(var.meta.name) is not var:
                     self._get(var.meta.name)  # raises MovedError (or NotFoundError)
+                if var.meta.name in self._fenced:
+                    err = UnavailableError(
+                        f"variable {quote(var.meta.name)} is being handed over to another "
+                        f"parameter server by {self.task}; retry"
+                    )
+                    err.reason = "handover"
+                    raise err
 
     # -- push ----------------------------------------------------------------------
     def _validate_push(
@@ -753,7 +771,12 @@ class VariableStore:
 
     # -- moves between tasks (resizing) ----------------------------------------------
     def export_shard(self, names: Sequence[str]) -> bytes:
-        """A copy of variables with slots, versions and push records (nothing changes here).
+        """A copy of variables with slots, versions and push records, and a fence on them.
+
+        From now until :meth:`release` (or :meth:`unfence`) writes to them are
+        refused with ``UnavailableError`` (clients retry; after the release the
+        retry is redirected), so no update lands here after the copy. Reads
+        are still served.
 
         Raises:
             NotFoundError, MovedError, InvalidArgumentError: a name not held here.
@@ -761,8 +784,15 @@ class VariableStore:
         with self._rejecting():
             variables = self._lookup(names)
         with self._locked(variables):
+            with self._lock:
+                self._fenced.update(names)
             records = [PushRecord(c, s, n) for c, s, n in self._touched.export(names)]
             return encode_shard(variables, records)
+
+    def unfence(self, names: Sequence[str]) -> None:
+        """Serves writes to exported variables again (their move was abandoned)."""
+        with self._lock:
+            self._fenced.difference_update(names)
 
     def import_shard(self, blob: bytes, version: int) -> tuple[str, ...]:
         """Installs variables exported by another task (replacing any copy held); returns names.
@@ -780,6 +810,7 @@ class VariableStore:
             for var in state.variables:
                 self._vars[var.meta.name] = var
                 self._moved.pop(var.meta.name, None)
+                self._fenced.discard(var.meta.name)
             self.placement_version = max(self.placement_version, int(version))
         self._touched.adopt((r.client_id, r.sequence, r.names) for r in state.records)
         self._retire([v for v in old if v is not None])
@@ -800,6 +831,7 @@ class VariableStore:
             for var in variables:
                 del self._vars[var.meta.name]
                 self._moved[var.meta.name] = moved
+                self._fenced.discard(var.meta.name)
             self.placement_version = max(self.placement_version, int(version))
         self._touched.forget(names)
         self._retire(variables)
@@ -839,6 +871,7 @@ class VariableStore:
             self._vars = {v.meta.name: v for v in variables}
             for var in variables:  # restored here: this task holds it again
                 self._moved.pop(var.meta.name, None)
+            self._fenced.clear()
         self._dedup.clear()
         self._touched.clear()
         for var in old:  # wake anyone waiting on a step that will never come

@@ -808,14 +808,19 @@ class PSClient:
         owner_address: str,
         placement_version: int,
         *,
+        cancel: bool = False,
         timeout: float | None = None,
     ) -> None:
-        """Gives variables up to task ``owner``: requests naming them get ``MovedError``."""
+        """Gives variables up to task ``owner``: requests naming them get ``MovedError``.
+
+        ``cancel``: the move was abandoned instead; writes to them are served again.
+        """
         request = ps_pb2.ReleaseShardRequest(
             names=list(names),
             owner=owner,
             owner_address=owner_address,
             placement_version=placement_version,
+            cancel=cancel,
         )
         self._unary("ReleaseShard", request, timeout)
 

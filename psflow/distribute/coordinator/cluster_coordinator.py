@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import threading
@@ -243,28 +244,71 @@ class ClusterCoordinator(Recovery):
         self._raise_pending_error()
 
     def resize_parameter_servers(self, num_ps: int, *, timeout: float = 300.0) -> Any:
-        """Resizes the strategy's parameter servers at a step boundary; returns a ``ResizeReport``.
+        """Resizes the strategy's parameter servers; returns a ``ResizeReport``.
 
-        Waits for every scheduled closure (as :meth:`join`), moves the
-        variables (see ``ParameterServerStrategy.resize_parameter_servers``),
-        then scheduling goes on: closures scheduled afterwards carry the new
-        placement map to the workers. Call it from the thread that schedules.
+        In sync mode it fences at a step boundary: it waits for every
+        scheduled closure (as :meth:`join`), then moves the variables (see
+        ``ParameterServerStrategy.resize_parameter_servers``), then scheduling
+        goes on. In async and bounded mode training goes on while variables
+        move: each batch of variables is fenced only from its copy to its
+        release, and a push that meets a fence is retried and redirected to
+        the new owner. Either way every worker takes the new placement map
+        before a removed task is told to exit. Call it from the thread that
+        schedules.
 
         Raises:
-            The first error a closure raised (nothing is moved then), and the
-            errors of ``ParameterServerStrategy.resize_parameter_servers``.
+            The first error a closure raised (sync mode: nothing is moved then),
+            and the errors of ``ParameterServerStrategy.resize_parameter_servers``.
         """
-        self.join(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        # embedded, closures run on this process's session, whose in-process stores do not
+        # retry a fenced push: there too the step boundary is the fence
+        if self._strategy.mode == "sync" or self._strategy.extended.embedded:
+            self.join(timeout=timeout)
+        told: list[PerWorkerValues] = []
+
+        def tell_workers(deadline: float) -> None:
+            told.append(self._send_placement())
+            self._wait_placed(told[-1], deadline)
+
         try:
-            return self._strategy._resize(num_ps, timeout)
-        finally:
-            # every worker takes the new map before its next closure (targeted closures
-            # go first), and again after a restart (resources are rebuilt in order); its
-            # cached functions hold handles, which route by the worker session's map
-            placement = self._strategy.placement()
-            self._per_worker_resource(
-                "placement", lambda w: (session_lib.adopt_placement, (placement,)), kind="value"
+            return self._strategy._resize(
+                num_ps, max(deadline - time.monotonic(), 0.001), before_drain=tell_workers
             )
+        finally:
+            if not told:  # it failed part way: the map still says where each variable is
+                self._send_placement()
+
+    def _send_placement(self) -> PerWorkerValues:
+        """Has every worker take the strategy's placement map before its next closure.
+
+        Targeted closures go before general ones, and a restarted worker
+        rebuilds its resources in order, so it takes the newest map too; its
+        cached functions hold handles, which route by the worker session's map.
+        """
+        placement = self._strategy.placement()
+        return self._per_worker_resource(
+            "placement", lambda w: (session_lib.adopt_placement, (placement,)), kind="value"
+        )
+
+    def _wait_placed(self, told: PerWorkerValues, deadline: float) -> None:
+        """Waits until every worker that is up took the map (a down one takes it on return).
+
+        Raises:
+            DeadlineExceededError: a worker did not take it by ``deadline``.
+            The error of a worker that failed to take it.
+        """
+        for rv, state in zip(told.values, self._states):
+            while not rv.done() and state.up:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.DeadlineExceededError(
+                        f"{state.worker.task} did not take the new placement map in time"
+                    )
+                with contextlib.suppress(errors.DeadlineExceededError):
+                    rv.get(timeout=min(left, 0.5))
+            if rv.done():
+                rv.get(timeout=0)
 
     def done(self) -> bool:
         """Whether every scheduled closure has finished (raises a pending error)."""

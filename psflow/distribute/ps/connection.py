@@ -140,6 +140,10 @@ class PSConnection(abc.ABC):
         """Gives variables up to task ``owner``: later requests get ``MovedError``."""
         raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
 
+    def cancel_export(self, names: Sequence[str], timeout: float | None = None) -> None:
+        """Serves writes to exported variables again (their move was abandoned)."""
+        raise errors.UnimplementedError(f"{type(self).__name__} cannot move variables")
+
     def drain(self, timeout: float | None = None) -> None:
         """Tells a task that holds nothing to exit (``timeout``: seconds for the call)."""
         raise errors.UnimplementedError(f"{type(self).__name__} cannot be drained")

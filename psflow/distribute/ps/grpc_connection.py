@@ -223,6 +223,9 @@ class GrpcPSConnection(PSConnection):
     ) -> None:
         self.client.release_shard(names, owner, owner_address, placement_version, timeout=timeout)
 
+    def cancel_export(self, names: Sequence[str], timeout: float | None = None) -> None:
+        self.client.release_shard(names, -1, "", -1, cancel=True, timeout=timeout)
+
     def drain(self, timeout: float | None = None) -> None:
         self.client.drain(timeout=timeout)
 

@@ -102,6 +102,9 @@ class InProcessPSConnection(PSConnection):
     ) -> None:
         self.store.release(list(names), owner, owner_address, placement_version)
 
+    def cancel_export(self, names: Sequence[str], timeout: float | None = None) -> None:
+        self.store.unfence(list(names))
+
     def drain(self, timeout: float | None = None) -> None:
         self.store.drain()
 

@@ -20,9 +20,10 @@ step boundary: no closure is in flight, so no push can race a move).  Phases:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from psflow import errors
@@ -68,6 +69,7 @@ def resize(
     *,
     timeout: float = 300.0,
     probe_timeout: float = recovery.DEFAULT_PROBE_TIMEOUT,
+    before_drain: Callable[[float], None] | None = None,
 ) -> ResizeReport:
     """Moves ``session``'s variables onto the tasks at ``addresses`` (tasks ``0..n-1``).
 
@@ -77,6 +79,10 @@ def resize(
             keep their addresses.
         timeout: seconds for the whole resize (finite).
         probe_timeout: deadline of one readiness probe of an added task.
+        before_drain: called with the deadline (``time.monotonic()`` clock)
+            once every variable moved, before removed tasks are told to exit:
+            the coordinator makes every worker take the new map there, so no
+            worker still routes to a task that is gone.
 
     Raises:
         InvalidArgumentError: no address, or a kept task at another address.
@@ -131,7 +137,13 @@ def resize(
             )
         fence = time.monotonic()
         state = connections[source].export_shard(keys, _left(deadline))
-        connections[target].import_shard(state, version, _left(deadline))
+        try:
+            connections[target].import_shard(state, version, _left(deadline))
+        except BaseException:
+            # the old owner still holds the variables: it serves writes again
+            with contextlib.suppress(errors.OpError):
+                connections[source].cancel_export(keys, min(_left(deadline), 5.0))
+            raise
         try:
             connections[source].release_shard(
                 keys, target, addresses[target], version, _left(deadline)
@@ -139,10 +151,17 @@ def resize(
         except errors.MovedError as e:  # a retried release that had gone through
             if e.owner != target:
                 raise
+        except errors.OpError:
+            # not released: the old owner still holds them (the map says so); unfence
+            with contextlib.suppress(errors.OpError):
+                connections[source].cancel_export(keys, min(_left(deadline), 5.0))
+            raise
         longest = max(longest, time.monotonic() - fence)
         bytes_moved += len(state)
         session.moved({k: target for k in keys}, version)
     # 4. drain the tasks removed
+    if before_drain is not None:
+        before_drain(deadline)
     for c in connections[new_n:]:
         c.drain(_left(deadline))
     session.adopt_tasks(addresses, version=version)
