@@ -41,6 +41,13 @@ def main() -> int:
     parser.add_argument("--stop-file", help="stop once this file exists")
     parser.add_argument("--units", type=int, default=64, help="hidden units (variable sizes)")
     parser.add_argument("--watch-interval", type=float, default=0.5, help="seconds between polls")
+    parser.add_argument(
+        "--watch",
+        choices=("step", "thread"),
+        default="step",
+        help="resize between steps in this thread (step), or from the watch's own thread while "
+        "training goes on (thread: async mode moves variables under per-batch fences)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
 
@@ -69,8 +76,9 @@ def main() -> int:
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    # Resized between steps, in this thread: nothing is scheduled while variables move.
     watch = ClusterWatch(coordinator, interval=args.watch_interval) if elastic else None
+    if watch is not None and args.watch == "thread":
+        watch.start()
     start, losses, steps = time.monotonic(), [], 0
     while steps < args.steps and time.monotonic() - start < args.seconds:
         if args.stop_file and os.path.exists(args.stop_file):
@@ -80,11 +88,13 @@ def main() -> int:
         coordinator.join()
         losses.append(float(np.mean([r.fetch() for r in results])))
         steps += len(batch)
-        if watch is not None:
-            watch.at_step_boundary()
+        if watch is not None and args.watch == "step":
+            watch.at_step_boundary()  # between steps, in this thread
         if len(losses) % 10 == 1:
             num_ps = len(strategy.placement().addresses)
             print(f"elastic_train step {steps} loss {losses[-1]:.4f} ps {num_ps}", flush=True)
+    if watch is not None and args.watch == "thread":
+        watch.stop()
     resizes = len(watch.reports) if watch is not None else 0
     print(
         f"elastic_train done: {steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "

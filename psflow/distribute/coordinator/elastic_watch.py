@@ -24,16 +24,16 @@ Rules:
 
 Two ways to run it:
 
-* **at step boundaries** (safe with any coordinator): the training loop calls
-  :meth:`ClusterWatch.at_step_boundary` after ``coordinator.join()``; it
-  polls at most once per ``interval`` and resizes in the calling thread, so
-  no closure is scheduled while variables move;
 * **in a thread** (:meth:`ClusterWatch.start`, or ``with ClusterWatch(...)``):
-  the watch polls and resizes by itself.  The coordinator's resize joins the
-  closures in flight first, but a closure the training thread schedules
-  *during* the move may push to a task being drained: use the thread only
-  when nothing else schedules meanwhile (a driver that only waits), or when
-  the coordinator holds scheduling during a resize.
+  the watch polls and resizes by itself while the program trains.  In async
+  and bounded-staleness mode the coordinator moves variables in fenced batches
+  while closures keep running, so training pauses only where it touches a
+  variable being handed over;
+* **at step boundaries** (any mode; the one for sync training, whose
+  coordinator must be resized from the thread that schedules): the training
+  loop calls :meth:`ClusterWatch.at_step_boundary` after
+  ``coordinator.join()``; it polls at most once per ``interval`` and resizes
+  in the calling thread.
 
 Example (the chief of ``psflow local --ps-max 3 --ps 2``; ``examples/elastic_train.py``)::
 
