@@ -44,9 +44,9 @@ def main() -> int:
     parser.add_argument(
         "--watch",
         choices=("step", "thread"),
-        default="step",
-        help="resize between steps in this thread (step), or from the watch's own thread while "
-        "training goes on (thread: async mode moves variables under per-batch fences)",
+        default="thread",
+        help="resize from the watch's own thread while training goes on (thread: async mode "
+        "moves variables under per-batch fences), or between steps in this thread (step)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
