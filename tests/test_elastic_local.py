@@ -23,7 +23,7 @@ from psflow.distribute.cluster_resolver import (
     read_cluster_file,
     write_cluster_file,
 )
-from psflow.errors import InvalidArgumentError, NotFoundError
+from psflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from tests.conftest import ROOT, child_env
 from tests.test_local_cluster import WAITING_CHIEF, _env, launch  # noqa: F401  (a fixture)
 
@@ -241,3 +241,25 @@ def test_a_chief_resizing_by_itself_shrinks_the_view_and_nothing_restarts(launch
     for name in ("ps:1", "ps:2"):
         assert f"{name} drained: exited 0 (PSFLOW_DRAINED); not restarting it" in out
     assert "restarting it at" not in out and not re.search(r"ps:\d exited with status", out)
+
+
+def test_a_control_directory_in_use_is_refused_and_requests_come_in_order(tmp_path):
+    from chief.control import ControlDir, LauncherState
+
+    control = ControlDir(str(tmp_path / "c"))
+    control.create()
+    other = LauncherState(pid=os.getppid(), ps_max=3, num_ps=1, cluster_file="x")  # alive
+    control.write_state(other)
+    with pytest.raises(FailedPreconditionError, match=f"running launcher \\(pid {os.getppid()}\\)"):
+        control.create()
+    control.put_request("b-second", 2)
+    os.utime(control.file("requests/b-second.json"), (1, 2))  # older: taken first
+    control.put_request("a-first", 3)
+    (tmp_path / "c" / "requests" / "c-bad.json").write_text("{oops")
+    os.utime(control.file("requests/c-bad.json"), (5, 5))
+    assert control.next_request() == ("b-second", 2)
+    assert control.next_request() == ("c-bad", None)  # malformed: no count (answered as bad)
+    assert control.next_request() == ("a-first", 3)
+    assert control.next_request() is None
+    control.remove()
+    assert not (tmp_path / "c").exists()
