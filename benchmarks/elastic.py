@@ -281,13 +281,15 @@ def main() -> int:
                 restore_s=statistics.median(r["restore_s"] for r in reference),
                 baseline="stop, checkpoint, restart on 3 PS, restore (psflow checkpoints)",
             )  # fmt: skip
-            up = statistics.median(e[0].get("pause_s", float("nan")) for e in elastic)
-            emit(
-                BENCH, f"{label}/2->3", "ratio", ref_pause / up, "",
-                compares="checkpoint-restart pause / elastic resize pause",
-            )  # fmt: skip
+            ups = [e[0]["pause_s"] for e in elastic if e and "pause_s" in e[0]]
+            if ups:
+                up = statistics.median(ups)
+                emit(
+                    BENCH, f"{label}/2->3", "ratio", ref_pause / up, "",
+                    compares="checkpoint-restart pause / elastic resize pause",
+                )  # fmt: skip
             rows.append([label, "checkpoint-restart 2->3", round(ref_pause, 3), f"{size / MB:g}",
-                         "-", f"x{ref_pause / up:.1f}"])  # fmt: skip
+                         "-", f"x{ref_pause / up:.1f}" if ups else "-"])  # fmt: skip
     table(["model", "how", "pause (s)", "MB moved", "longest fence (s)", "ref/elastic"], rows)
     return 0
 
