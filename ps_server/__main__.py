@@ -17,7 +17,10 @@ Security (see :mod:`psflow.security`): a shared token (``PSFLOW_AUTH_TOKEN``,
 (``--tls-cert/--tls-key/--tls-ca`` or ``PSFLOW_TLS_*``).  Binding an address
 other machines can reach without either needs ``--insecure``.  SIGTERM: health NOT_SERVING, in-flight calls
 finish (``--grace`` seconds), the final checkpoint is written if
-``--checkpoint-dir`` is given, exit 0.
+``--checkpoint-dir`` is given, exit 0.  A task a resize of the parameter
+servers drained (every variable moved away, then the Drain RPC) stops the same
+way and prints ``PSFLOW_DRAINED task=<task> pid=<pid>`` before exiting 0, so a
+supervisor knows not to restart it.
 """
 
 from __future__ import annotations

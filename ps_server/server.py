@@ -140,7 +140,9 @@ def serve(
     Prints ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>`` on stdout once
     bound (followed by `` metrics_port=<port>`` when ``metrics_port`` is not
     None: 0 picks a free one; ``metrics_bind`` defaults to ``bind``).  Signal
-    handlers are installed only when called from the main thread.
+    handlers are installed only when called from the main thread.  A task
+    drained by a resize (the Drain RPC, once it holds no variables) stops the
+    same way, then prints ``PSFLOW_DRAINED task=<task> pid=<pid>`` and returns 0.
     """
     health_servicer = health.HealthServicer()
     tables = tables or TableRegistry(store.task)

@@ -555,23 +555,26 @@ class ParameterServerServicer:
     # -- resizing -----------------------------------------------------------------
     def ExportShard(
         self, request: Any, context: grpc.ServicerContext
-    ) -> ps_pb2.ExportShardResponse:
-        """A copy of variables for their new owner."""
+    ) -> Iterator[ps_pb2.ExportShardResponse]:
+        """A copy of variables for their new owner, in chunks."""
         request = _check(request)
-        state = self.store.export_shard(list(request.names))
-        if len(state) > self.max_unary_payload:
-            raise ResourceExhaustedError(
-                f"exporting {len(request.names)} variables takes {len(state)} bytes, above "
-                f"the message limit of {self.max_unary_payload}; move fewer at a time"
-            )
-        return ps_pb2.ExportShardResponse(state=state)
+        state = memoryview(self.store.export_shard(list(request.names)))
+        for start in range(0, max(len(state), 1), self.chunk_bytes):
+            yield ps_pb2.ExportShardResponse(state=bytes(state[start : start + self.chunk_bytes]))
 
     def ImportShard(
-        self, request: Any, context: grpc.ServicerContext
+        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
     ) -> ps_pb2.ImportShardResponse:
-        """Installs variables exported by their old owner."""
-        request = _check(request)
-        names = self.store.import_shard(request.state, request.placement_version)
+        """Installs variables exported by their old owner (the state in chunks)."""
+        chunks, version = [], None
+        for message in request_iterator:
+            message = _check(message)
+            if version is None:
+                version = message.placement_version
+            chunks.append(message.state)
+        if version is None:
+            raise InvalidArgumentError("ImportShard without a message")
+        names = self.store.import_shard(b"".join(chunks), version)
         return ps_pb2.ImportShardResponse(names=names)
 
     def ReleaseShard(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -302,3 +303,63 @@ def test_a_push_arriving_during_a_handover_is_applied_once_at_the_new_owner(star
     np.testing.assert_array_equal(target.pull([v.key])[0][0], np.full(4, -0.5, "float32"))
     assert {d["name"]: d["optimizer_step"] for d in target.list_variables()}[v.key] == 1
     worker._session.close()
+
+
+def test_bad_move_requests_get_typed_statuses_and_change_nothing(start_ps):
+    from psflow.transport.client import PSClient
+
+    server = start_ps()
+    client = PSClient(server.address, task="ps:0", timeout=10)
+    try:
+        client.create_variables({"w": np.ones(3, "float32")})
+        with pytest.raises(errors.NotFoundError, match="nope"):
+            client.export_shard(["w", "nope"])
+        with pytest.raises(errors.DataLossError):
+            client.import_shard(b"\x02\x00\x00\x00\x00\x00\x00\x00{}", 1)
+        with pytest.raises(errors.NotFoundError, match="nope"):
+            client.release_shard(["w", "nope"], 1, "127.0.0.1:9", 1)
+        with pytest.raises(errors.FailedPreconditionError, match="still holds 1"):
+            client.drain()
+        np.testing.assert_array_equal(client.pull(["w"])[0], np.ones(3, "float32"))
+        client.assign({"w": np.zeros(3, "float32")})  # not fenced, still served
+        assert server.proc.poll() is None
+        # a real drain: give w away, then the task exits 0 and says so
+        client.release_shard(["w"], 1, "127.0.0.1:9", 1)
+        with pytest.raises(errors.MovedError):
+            client.pull(["w"])
+        client.drain()
+    finally:
+        client.close()
+    assert "PSFLOW_DRAINED" in _drained(server)
+
+
+def test_a_variable_larger_than_a_message_moves_in_chunks_with_its_slots(start_ps):
+    from psflow.transport.client import PSClient
+
+    source, target = start_ps(), start_ps("--task", "ps:1")
+    a = PSClient(source.address, task="ps:0", chunk_bytes=256 << 10)
+    b = PSClient(target.address, task="ps:1", chunk_bytes=256 << 10)
+    try:
+        value = np.random.default_rng(0).normal(size=(1 << 20,)).astype("float32")  # 4 MB
+        a.create_variables({"big": value})
+        a.configure_optimizer(["big"], {"name": "adam", "learning_rate": 0.01})
+        a.push({"big": np.ones_like(value)})
+        state = a.export_shard(["big"])
+        assert len(state) > 3 * value.nbytes  # value and two slots, many chunks each way
+        assert b.import_shard(state, 1) == ["big"]
+        a.release_shard(["big"], 1, target.address, 1)
+        for client in (a, b):  # one more step at each: only the new owner takes it
+            with contextlib.suppress(errors.MovedError):
+                client.push({"big": np.ones_like(value)})
+        reference = PSClient(start_ps().address, task="ref")
+        try:
+            reference.create_variables({"big": value})
+            reference.configure_optimizer(["big"], {"name": "adam", "learning_rate": 0.01})
+            reference.push({"big": np.ones_like(value)})
+            reference.push({"big": np.ones_like(value)})
+            np.testing.assert_array_equal(b.pull(["big"])[0], reference.pull(["big"])[0])
+        finally:
+            reference.close()
+    finally:
+        a.close()
+        b.close()

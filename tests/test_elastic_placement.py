@@ -266,3 +266,12 @@ def test_resize_with_dynamic_embedding_tables_is_refused_naming_them(monkeypatch
     with pytest.raises(errors.UnimplementedError, match="dynamic embedding tables"):
         strategy.resize_parameter_servers(2)
     assert strategy.placement() == before
+
+
+def test_placement_module_examples_run():
+    import doctest
+
+    from psflow.distribute.ps import placement
+
+    result = doctest.testmod(placement)
+    assert result.attempted > 0 and result.failed == 0

@@ -90,12 +90,12 @@ class ParameterServerStub:
                 request_serializer=psflow_dot_v1_dot_ps__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=psflow_dot_v1_dot_ps__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
-        self.ExportShard = channel.unary_unary(
+        self.ExportShard = channel.unary_stream(
                 '/psflow.v1.ParameterServer/ExportShard',
                 request_serializer=psflow_dot_v1_dot_ps__pb2.ExportShardRequest.SerializeToString,
                 response_deserializer=psflow_dot_v1_dot_ps__pb2.ExportShardResponse.FromString,
                 _registered_method=True)
-        self.ImportShard = channel.unary_unary(
+        self.ImportShard = channel.stream_unary(
                 '/psflow.v1.ParameterServer/ImportShard',
                 request_serializer=psflow_dot_v1_dot_ps__pb2.ImportShardRequest.SerializeToString,
                 response_deserializer=psflow_dot_v1_dot_ps__pb2.ImportShardResponse.FromString,
@@ -196,13 +196,15 @@ class ParameterServerServicer:
     def ExportShard(self, request, context):
         """Resizing (elastic parameter servers): a copy of variables with their slots,
         versions and push records, to install on their new owner. Changes nothing.
+        Streamed in chunks: a variable with its slots may exceed one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ImportShard(self, request, context):
+    def ImportShard(self, request_iterator, context):
         """Installs variables exported by another task (replacing any copy held).
+        The state streamed in chunks, as ExportShard sent it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -281,12 +283,12 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=psflow_dot_v1_dot_ps__pb2.GetStatsRequest.FromString,
                     response_serializer=psflow_dot_v1_dot_ps__pb2.GetStatsResponse.SerializeToString,
             ),
-            'ExportShard': grpc.unary_unary_rpc_method_handler(
+            'ExportShard': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportShard,
                     request_deserializer=psflow_dot_v1_dot_ps__pb2.ExportShardRequest.FromString,
                     response_serializer=psflow_dot_v1_dot_ps__pb2.ExportShardResponse.SerializeToString,
             ),
-            'ImportShard': grpc.unary_unary_rpc_method_handler(
+            'ImportShard': grpc.stream_unary_rpc_method_handler(
                     servicer.ImportShard,
                     request_deserializer=psflow_dot_v1_dot_ps__pb2.ImportShardRequest.FromString,
                     response_serializer=psflow_dot_v1_dot_ps__pb2.ImportShardResponse.SerializeToString,
@@ -621,7 +623,7 @@ class ParameterServer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/psflow.v1.ParameterServer/ExportShard',
@@ -638,7 +640,7 @@ class ParameterServer:
             _registered_method=True)
 
     @staticmethod
-    def ImportShard(request,
+    def ImportShard(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -648,8 +650,8 @@ class ParameterServer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/psflow.v1.ParameterServer/ImportShard',
             psflow_dot_v1_dot_ps__pb2.ImportShardRequest.SerializeToString,

@@ -24,7 +24,7 @@ import numpy as np
 from psflow.errors import DataLossError, InvalidArgumentError
 from psflow.update_rules import rule_from_config
 
-from .names import quote
+from .names import check_name, quote
 from .variables import Variable, VariableMeta
 
 __all__ = ["PushRecord", "ShardState", "decode_shard", "encode_shard"]
@@ -134,6 +134,7 @@ def _build(entry: dict, tensors: list, data: memoryview, max_tensor_bytes: int) 
         str(entry["name"]), np.dtype(entry["dtype"]), tuple(int(d) for d in entry["shape"]),
         bool(entry["trainable"]),
     )  # fmt: skip
+    check_name(meta.name)
     if meta.nbytes > max_tensor_bytes:
         raise DataLossError(f"variable {quote(meta.name)} of a shard blob is above the limit")
     var = Variable(meta, _array(tensors, entry["value"], data, meta.dtype, meta.shape))

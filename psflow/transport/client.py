@@ -46,7 +46,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -792,14 +792,27 @@ class PSClient:
     def export_shard(self, names: Sequence[str], *, timeout: float | None = None) -> bytes:
         """A copy of variables with slots, versions and push records (changes nothing)."""
         request = ps_pb2.ExportShardRequest(names=list(names))
-        return self._unary("ExportShard", request, timeout).state
+
+        def attempt(left: float) -> bytes:
+            return b"".join(m.state for m in self._stubs["ExportShard"](request, timeout=left))
+
+        return self._invoke("ExportShard", attempt, retry=True, timeout=timeout)
 
     def import_shard(
         self, state: bytes, placement_version: int, *, timeout: float | None = None
     ) -> list[str]:
         """Installs variables exported by another task; returns their names."""
-        request = ps_pb2.ImportShardRequest(state=state, placement_version=placement_version)
-        return list(self._unary("ImportShard", request, timeout).names)
+        view = memoryview(state)
+
+        def messages() -> Iterator[ps_pb2.ImportShardRequest]:
+            for start in range(0, max(len(view), 1), self.chunk_bytes):
+                chunk = bytes(view[start : start + self.chunk_bytes])
+                yield ps_pb2.ImportShardRequest(state=chunk, placement_version=placement_version)
+
+        def attempt(left: float) -> Any:
+            return self._stubs["ImportShard"](messages(), timeout=left)
+
+        return list(self._invoke("ImportShard", attempt, retry=True, timeout=timeout).names)
 
     def release_shard(
         self,

@@ -51,14 +51,14 @@ METHODS: dict[str, tuple[Kind, type, type, bool, bool]] = {
     "GetStats": (Kind.UNARY_UNARY, ps_pb2.GetStatsRequest, ps_pb2.GetStatsResponse, False, False),
     # resizing: moving variables between tasks, draining a task
     "ExportShard": (
-        Kind.UNARY_UNARY,
+        Kind.UNARY_STREAM,
         ps_pb2.ExportShardRequest,
         ps_pb2.ExportShardResponse,
         False,
         False,
     ),
     "ImportShard": (
-        Kind.UNARY_UNARY,
+        Kind.STREAM_UNARY,
         ps_pb2.ImportShardRequest,
         ps_pb2.ImportShardResponse,
         False,

@@ -34,7 +34,7 @@ __all__ = ["BATCH_BYTES", "resize"]
 
 log = logging.getLogger("psflow.distribute")
 
-BATCH_BYTES = 8 << 20
+BATCH_BYTES = 4 << 20
 """Value bytes moved per export/import call (slots ride along: a batch can be a few times more)."""
 
 

@@ -32,13 +32,12 @@ from psflow.distribute.protocols import DistributedValues, UpdateGroup
 from psflow.distribute.ps import recovery
 from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.distribute.ps.placement import PlacementMap
+from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
 
 PREFETCH_LIMIT_BYTES = 16 << 20
-# a request is redirected (MovedError) at most this many times more than it names variables
-MAX_EXTRA_REDIRECTS = 2
 
 log = logging.getLogger("psflow.distribute")
 
@@ -118,7 +117,7 @@ class SyncConfig:
         self.progress_every = progress_every
 
 
-class PSSession(UpdateGroup):
+class PSSession(UpdateGroup, Routing):
     """Connections to every PS task and the state of this process's reads and pushes.
 
     Args:
@@ -147,8 +146,8 @@ class PSSession(UpdateGroup):
         self._seq: dict[int, Iterator[int]] = {}
         self._connect = connect
         # who holds what; version 0 until the first resize (see placement.py)
-        self.placement = PlacementMap(0, {}, tuple(c.address for c in self.connections))
         self._placement_lock = threading.RLock()
+        self.placement = PlacementMap(0, {}, tuple(c.address for c in self.connections))
         # why this session's variables cannot be moved (see refuse_resize)
         self.resize_blockers: set[str] = set()
         # the task count an unfinished resize started from (None: none unfinished)
@@ -208,147 +207,6 @@ class PSSession(UpdateGroup):
         if "push" not in self._seq:
             self._seq["push"] = itertools.count(1)
         return (f"{self.client_id}/push", next(self._seq["push"]))
-
-    # -- placement ---------------------------------------------------------------------
-    def owner(self, key: str, default: int) -> int:
-        """The task holding ``key`` by this session's map (``default`` if not in it)."""
-        return self.placement.owners.get(key, default)
-
-    def place(self, owners: Mapping[str, int]) -> None:
-        """Records where new variables were created (the map's version stays)."""
-        with self._placement_lock:
-            self.placement = self.placement.with_owners(owners)
-
-    def adopt(self, placement: PlacementMap | None) -> None:
-        """Takes a newer map (a closure from the chief carries it); older ones are ignored.
-
-        Connections follow the map's addresses: tasks added are connected,
-        tasks removed are closed.
-        """
-        if placement is None or placement.version < self.placement.version:
-            return
-        with self._placement_lock:
-            if placement.version < self.placement.version or placement is self.placement:
-                return
-            self._set_tasks(placement.addresses)
-            self.placement = PlacementMap(
-                placement.version, {**self.placement.owners, **placement.owners},
-                placement.addresses,
-            )  # fmt: skip
-
-    def refuse_resize(self, reason: str) -> None:
-        """Makes a later resize fail with ``UnimplementedError`` giving ``reason``."""
-        self.resize_blockers.add(reason)
-
-    def connect_with(self, connect: Callable[[str, int], PSConnection]) -> None:
-        """Sets how tasks added by a resize are reached: ``connect(address, task_index)``."""
-        self._connect = connect
-
-    def adopt_tasks(self, addresses: Sequence[str], version: int | None = None) -> None:
-        """Connects to exactly the tasks at ``addresses`` (a resize's first or last phase)."""
-        with self._placement_lock:
-            self._set_tasks(addresses)
-            self.placement = self.placement.with_owners(
-                {}, addresses=tuple(addresses), version=version
-            )
-        self._invalidate()
-
-    def moved(self, owners: Mapping[str, int], version: int) -> None:
-        """Records variables a resize moved (``key -> task``) under map ``version``."""
-        with self._placement_lock:
-            self.placement = self.placement.with_owners(owners, version=version)
-        self._invalidate()
-
-    def variable_sizes(self) -> dict[str, int]:
-        """Bytes of every variable this session knows (a resize balances by them)."""
-        with self._handles_lock:
-            return {k: int(h.nbytes) for k, h in self._handles.items()}
-
-    def _set_tasks(self, addresses: Sequence[str]) -> None:
-        """Makes ``self.connections`` reach exactly ``addresses`` (tasks 0..n-1)."""
-        for i, address in enumerate(addresses):
-            if i < len(self.connections) and self.connections[i].address == address:
-                continue
-            if self._connect is None:
-                raise errors.FailedPreconditionError(
-                    f"{self.task} cannot reach ps:{i} at {address}: this session has no "
-                    "way to connect to new parameter servers"
-                )
-            connection = self._connect(address, i)
-            if i < len(self.connections):
-                self.connections[i].close()
-                self.connections[i] = connection
-            else:
-                self.connections.append(connection)
-        for gone in self.connections[len(addresses) :]:
-            gone.close()
-        del self.connections[len(addresses) :]
-        if self._pool is None and len(self.connections) > 1:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=len(self.connections), thread_name_prefix="ps-call"
-            )
-
-    def _learn(self, moved: errors.MovedError) -> None:
-        """Follows one redirect: ``moved.key`` is on ``moved.owner`` now.
-
-        Raises:
-            FailedPreconditionError: the redirect names a task this session
-                cannot reach (no address for the tasks before it).
-        """
-        with self._placement_lock:
-            addresses = list(self.placement.addresses)
-            if moved.owner < 0 or moved.owner > len(addresses):
-                raise errors.FailedPreconditionError(
-                    f"{moved.key!r} moved to ps:{moved.owner}, but {self.task} knows only "
-                    f"{len(addresses)} parameter servers; it needs the chief's placement map"
-                ) from moved
-            if moved.owner == len(addresses):
-                addresses.append(moved.address)
-            elif moved.address and addresses[moved.owner] != moved.address:
-                addresses[moved.owner] = moved.address
-            self._set_tasks(addresses)
-            self.placement = self.placement.with_owners(
-                {moved.key: moved.owner}, addresses=tuple(addresses)
-            )
-        log.info("%s: %s moved to ps:%d (%s)", self.task, moved.key, moved.owner, moved.address)
-
-    def _routed(
-        self,
-        handles: Sequence[Any],
-        call: Callable[[int, list[Any], int], Any],
-    ) -> dict[int, tuple[list[Any], Any]]:
-        """Runs ``call(ps, handles_there, attempt)`` once per owning task, following redirects.
-
-        A task that answers ``MovedError`` applied nothing of that call: its
-        handles are regrouped by the updated map and sent again (``attempt``
-        counts the resends, so exactly-once ids can tell them apart).
-
-        Returns:
-            ``{(ps, attempt): (handles, result)}`` of every call that succeeded.
-        """
-        results: dict[Any, tuple[list[Any], Any]] = {}
-        pending = list(handles)
-        for attempt in range(len(handles) + MAX_EXTRA_REDIRECTS):
-            by_ps: dict[int, list[Any]] = {}
-            for h in pending:
-                by_ps.setdefault(h.ps_index, []).append(h)
-            work = {
-                ps: functools.partial(_moved_as_value, call, ps, hs, attempt)
-                for ps, hs in by_ps.items()
-            }
-            pending = []
-            for ps, result in self._on_each(work).items():
-                if isinstance(result, errors.MovedError):
-                    self._learn(result)
-                    pending += by_ps[ps]
-                else:
-                    results[(ps, attempt)] = (by_ps[ps], result)
-            if not pending:
-                return results
-        raise errors.AbortedError(
-            f"{self.task}: {[h.key for h in pending][:5]} kept being redirected "
-            f"({len(handles) + MAX_EXTRA_REDIRECTS} attempts)"
-        )
 
     def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
         """Runs one call per PS task, concurrently when there are several."""
@@ -682,14 +540,6 @@ class PSSession(UpdateGroup):
             {ps: (lambda c=c: c.stats(include_log)) for ps, c in enumerate(self.connections)}
         )
         return [results[ps] for ps in sorted(results)]
-
-
-def _moved_as_value(call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``, with a redirect returned instead of raised (so others finish)."""
-    try:
-        return call(*args)
-    except errors.MovedError as e:
-        return e
 
 
 def adopt_placement(placement: PlacementMap) -> None:

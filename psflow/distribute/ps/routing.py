@@ -1,0 +1,226 @@
+"""How a session follows the placement map: which task holds a variable, redirects, resizes.
+
+:class:`Routing` is a mixin of :class:`~psflow.distribute.ps.session.PSSession`
+(it works on the session's connections and map).  Every pull and push is
+grouped by the owner the session's map names; a task that answers
+``MovedError`` (it gave the variable away) applied nothing, so the session
+records the new owner, connects to it if needed, and sends that part again.
+A resize (:mod:`psflow.distribute.ps.resize`) updates the map batch by
+batch; workers take the chief's map before their next closure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from psflow import errors
+from psflow.distribute.ps.connection import PSConnection
+from psflow.distribute.ps.placement import PlacementMap
+
+__all__ = ["MAX_EXTRA_REDIRECTS", "Routing"]
+
+log = logging.getLogger("psflow.distribute")
+
+# a request is redirected (MovedError) at most this many times more than it names variables
+MAX_EXTRA_REDIRECTS = 2
+
+
+class Routing:
+    """Placement-map routing of a PS session (see the module docstring).
+
+    The session sets these in its constructor:
+    """
+
+    task: str
+    connections: list[PSConnection]
+    resize_blockers: set[str]
+    resize_origin: int | None
+    _connect: Callable[[str, int], PSConnection] | None
+    _placement_lock: threading.RLock
+    _handles: dict[str, Any]
+    _handles_lock: threading.Lock
+    _pool: Any
+
+    def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+        raise NotImplementedError  # the session's
+
+    def _invalidate(self) -> None:
+        raise NotImplementedError  # the session's
+
+    # The map is kept as plain fields (creating a variable adds one owner, not a copy
+    # of the map) and frozen into a PlacementMap when asked for, once per change: the
+    # same object for every handle pickled into one closure (pickled once).
+    _owners: dict[str, int]
+    _version: int
+    _addresses: tuple[str, ...]
+    _frozen: PlacementMap | None
+
+    @property
+    def placement(self) -> PlacementMap:
+        """The current map (a frozen snapshot)."""
+        frozen = self._frozen
+        if frozen is None:
+            with self._placement_lock:
+                frozen = self._frozen = PlacementMap(self._version, self._owners, self._addresses)
+        return frozen
+
+    @placement.setter
+    def placement(self, value: PlacementMap) -> None:
+        self._owners = dict(value.owners)
+        self._version = value.version
+        self._addresses = tuple(value.addresses)
+        self._frozen = value
+
+    def owner(self, key: str, default: int) -> int:
+        """The task holding ``key`` by this session's map (``default`` if not in it)."""
+        return self._owners.get(key, default)
+
+    def place(self, owners: Mapping[str, int]) -> None:
+        """Records where new variables were created (the map's version stays)."""
+        with self._placement_lock:
+            self._owners.update(owners)
+            self._frozen = None
+
+    def adopt(self, placement: PlacementMap | None) -> None:
+        """Takes a newer map (a closure from the chief carries it); older ones are ignored.
+
+        Connections follow the map's addresses: tasks added are connected,
+        tasks removed are closed.
+        """
+        if placement is None or placement.version < self.placement.version:
+            return
+        with self._placement_lock:
+            if placement.version < self.placement.version or placement is self.placement:
+                return
+            self._set_tasks(placement.addresses)
+            self.placement = PlacementMap(
+                placement.version, {**self.placement.owners, **placement.owners},
+                placement.addresses,
+            )  # fmt: skip
+
+    def refuse_resize(self, reason: str) -> None:
+        """Makes a later resize fail with ``UnimplementedError`` giving ``reason``."""
+        self.resize_blockers.add(reason)
+
+    def connect_with(self, connect: Callable[[str, int], PSConnection]) -> None:
+        """Sets how tasks added by a resize are reached: ``connect(address, task_index)``."""
+        self._connect = connect
+
+    def adopt_tasks(self, addresses: Sequence[str], version: int | None = None) -> None:
+        """Connects to exactly the tasks at ``addresses`` (a resize's first or last phase)."""
+        with self._placement_lock:
+            self._set_tasks(addresses)
+            self.placement = self.placement.with_owners(
+                {}, addresses=tuple(addresses), version=version
+            )
+        self._invalidate()
+
+    def moved(self, owners: Mapping[str, int], version: int) -> None:
+        """Records variables a resize moved (``key -> task``) under map ``version``."""
+        with self._placement_lock:
+            self.placement = self.placement.with_owners(owners, version=version)
+        self._invalidate()
+
+    def variable_sizes(self) -> dict[str, int]:
+        """Bytes of every variable this session knows (a resize balances by them)."""
+        with self._handles_lock:
+            return {k: int(h.nbytes) for k, h in self._handles.items()}
+
+    def _set_tasks(self, addresses: Sequence[str]) -> None:
+        """Makes ``self.connections`` reach exactly ``addresses`` (tasks 0..n-1)."""
+        for i, address in enumerate(addresses):
+            if i < len(self.connections) and self.connections[i].address == address:
+                continue
+            if self._connect is None:
+                raise errors.FailedPreconditionError(
+                    f"{self.task} cannot reach ps:{i} at {address}: this session has no "
+                    "way to connect to new parameter servers"
+                )
+            connection = self._connect(address, i)
+            if i < len(self.connections):
+                self.connections[i].close()
+                self.connections[i] = connection
+            else:
+                self.connections.append(connection)
+        for gone in self.connections[len(addresses) :]:
+            gone.close()
+        del self.connections[len(addresses) :]
+        if self._pool is None and len(self.connections) > 1:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=len(self.connections), thread_name_prefix="ps-call"
+            )
+
+    def _learn(self, moved: errors.MovedError) -> None:
+        """Follows one redirect: ``moved.key`` is on ``moved.owner`` now.
+
+        Raises:
+            FailedPreconditionError: the redirect names a task this session
+                cannot reach (no address for the tasks before it).
+        """
+        with self._placement_lock:
+            addresses = list(self.placement.addresses)
+            if moved.owner < 0 or moved.owner > len(addresses):
+                raise errors.FailedPreconditionError(
+                    f"{moved.key!r} moved to ps:{moved.owner}, but {self.task} knows only "
+                    f"{len(addresses)} parameter servers; it needs the chief's placement map"
+                ) from moved
+            if moved.owner == len(addresses):
+                addresses.append(moved.address)
+            elif moved.address and addresses[moved.owner] != moved.address:
+                addresses[moved.owner] = moved.address
+            self._set_tasks(addresses)
+            self.placement = self.placement.with_owners(
+                {moved.key: moved.owner}, addresses=tuple(addresses)
+            )
+        log.info("%s: %s moved to ps:%d (%s)", self.task, moved.key, moved.owner, moved.address)
+
+    def _routed(
+        self,
+        handles: Sequence[Any],
+        call: Callable[[int, list[Any], int], Any],
+    ) -> dict[int, tuple[list[Any], Any]]:
+        """Runs ``call(ps, handles_there, attempt)`` once per owning task, following redirects.
+
+        A task that answers ``MovedError`` applied nothing of that call: its
+        handles are regrouped by the updated map and sent again (``attempt``
+        counts the resends, so exactly-once ids can tell them apart).
+
+        Returns:
+            ``{(ps, attempt): (handles, result)}`` of every call that succeeded.
+        """
+        results: dict[Any, tuple[list[Any], Any]] = {}
+        pending = list(handles)
+        for attempt in range(len(handles) + MAX_EXTRA_REDIRECTS):
+            by_ps: dict[int, list[Any]] = {}
+            for h in pending:
+                by_ps.setdefault(h.ps_index, []).append(h)
+            work = {
+                ps: functools.partial(_moved_as_value, call, ps, hs, attempt)
+                for ps, hs in by_ps.items()
+            }
+            pending = []
+            for ps, result in self._on_each(work).items():
+                if isinstance(result, errors.MovedError):
+                    self._learn(result)
+                    pending += by_ps[ps]
+                else:
+                    results[(ps, attempt)] = (by_ps[ps], result)
+            if not pending:
+                return results
+        raise errors.AbortedError(
+            f"{self.task}: {[h.key for h in pending][:5]} kept being redirected "
+            f"({len(handles) + MAX_EXTRA_REDIRECTS} attempts)"
+        )
+
+
+def _moved_as_value(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, with a redirect returned instead of raised (so others finish)."""
+    try:
+        return call(*args)
+    except errors.MovedError as e:
+        return e
