@@ -263,3 +263,17 @@ def test_a_control_directory_in_use_is_refused_and_requests_come_in_order(tmp_pa
     assert control.next_request() is None
     control.remove()
     assert not (tmp_path / "c").exists()
+
+
+def test_scale_without_an_answer_exits_1_and_leaves_the_request_queued(tmp_path):
+    from chief.control import ControlDir, LauncherState
+
+    control = ControlDir(str(tmp_path))
+    control.create()  # a "launcher" that is alive (this test's parent) but never answers
+    control.write_state(LauncherState(os.getppid(), ps_max=3, num_ps=1, cluster_file="x"))
+    result = _scale("--ps", "2", "--cluster-dir", str(tmp_path), "--timeout", "0.5")
+    assert result.returncode == 1 and "did not answer within 0.5s" in result.stderr
+    queued = control.next_request()
+    assert queued is not None and queued[1] == 2  # the launcher may still act on it
+    bad = _scale("--ps", "2", "--cluster-dir", str(tmp_path), "--timeout", "0")
+    assert bad.returncode == 2 and "--timeout" in bad.stderr
