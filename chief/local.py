@@ -43,6 +43,14 @@ Every role gets the same random ``PSFLOW_AUTH_TOKEN`` in its environment
 (unless the launcher's environment already sets a token or TLS), so the
 cluster's servers accept calls only from its own processes.
 
+``--ps-max N`` makes the parameter servers elastic (:mod:`chief.elastic_ps`):
+ports for ``N`` PS tasks are reserved at start, ``--ps`` of them run, and the
+chief gets ``PSFLOW_CLUSTER_FILE``, a cluster view in the control directory
+(``--cluster-dir``, :mod:`chief.control`) that ``psflow scale --ps K`` changes:
+the launcher starts new parameter servers or lets the chief drain the last
+ones, and a chief running a ``ClusterWatch`` resizes to the view.  A drained
+PS exits 0 after ``PSFLOW_DRAINED`` and is neither restarted nor a failure.
+
 ``--devices-per-worker K`` gives each worker K devices: ``K`` disjoint GPUs
 (``CUDA_VISIBLE_DEVICES``) when CuPy and GPUs are present, otherwise ``K``
 logical CPU devices (``PSFLOW_NUM_CPU_DEVICES=K``).
@@ -66,11 +74,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from chief.control import ControlDir, default_cluster_dir
+from chief.elastic_ps import DEFAULT_DRAIN_TIMEOUT, PSScaler
 from chief.liveness import LivenessProber
 from chief.restart import DEFAULT_MAX_RESTARTS, RestartBook, RestartMode, RestartPolicy
 from chief.script import Target, split_command
 from chief.status import LauncherStatus
 from chief.supervisor import RoleProcess, Supervisor, shell_status
+from psflow.distribute.cluster_resolver import CLUSTER_FILE_ENV
 from psflow.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -116,6 +127,11 @@ class LocalClusterConfig:
         health_grace: with restarts on, seconds a ready parameter server may
             fail its health checks (frozen, cut off) before it is killed and
             restarted (:mod:`chief.liveness`); None: not probed.
+        ps_max: the most PS tasks ``psflow scale`` may ask for (ports reserved
+            at start), or None for a fixed number of parameter servers.
+        cluster_dir: with ``ps_max``, the control directory ``psflow scale``
+            finds the launcher in (None: :func:`chief.control.default_cluster_dir`).
+        drain_timeout: with ``ps_max``, seconds a drained PS has to exit.
 
     Raises:
         InvalidArgumentError: a value is out of range (the message names it).
@@ -133,6 +149,9 @@ class LocalClusterConfig:
     status_interval: float | None = None
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
     health_grace: float | None = None
+    ps_max: int | None = None
+    cluster_dir: str | None = None
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
 
     def __post_init__(self) -> None:
         for name in ("num_ps", "num_workers"):
@@ -143,6 +162,20 @@ class LocalClusterConfig:
                 raise InvalidArgumentError(
                     f"{name} {value} must be between 1 and {MAX_TASKS_PER_JOB}"
                 )
+        m = self.ps_max
+        if m is not None:
+            if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= MAX_TASKS_PER_JOB:
+                raise InvalidArgumentError(
+                    f"ps_max {m!r} must be an integer between 1 and {MAX_TASKS_PER_JOB}"
+                )
+            if m < self.num_ps:
+                raise InvalidArgumentError(f"ps_max {m} is below num_ps {self.num_ps}")
+        elif self.cluster_dir is not None:
+            raise InvalidArgumentError(
+                f"cluster_dir {self.cluster_dir!r} needs ps_max (elastic parameter servers)"
+            )
+        if not self.drain_timeout > 0:
+            raise InvalidArgumentError(f"drain_timeout {self.drain_timeout!r} must be > 0")
         k = self.devices_per_worker
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise InvalidArgumentError(f"devices_per_worker {k!r} must be an integer >= 1")
@@ -174,9 +207,14 @@ class LocalClusterConfig:
             raise InvalidArgumentError("no script or module to run as the chief")
 
     @property
+    def ps_slots(self) -> int:
+        """PS tasks with a reserved port: ``ps_max``, else ``num_ps``."""
+        return self.num_ps if self.ps_max is None else self.ps_max
+
+    @property
     def num_tasks(self) -> int:
-        """Tasks in the cluster, the chief included."""
-        return self.num_ps + self.num_workers + 1
+        """Tasks (with a port) in the cluster, every PS slot and the chief included."""
+        return self.ps_slots + self.num_workers + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,13 +397,15 @@ def plan_roles(
     Raises:
         InvalidArgumentError: see :func:`worker_device_env` and :func:`cluster_dict`.
     """
-    cluster = cluster_dict(config.num_ps, config.num_workers, config.host, ports)
+    full = cluster_dict(config.ps_slots, config.num_workers, config.host, ports)
+    # Workers and the chief start with the running PS tasks; each PS slot knows its own.
+    cluster = {**full, PS: full[PS][: config.num_ps]}
     devices = worker_device_env(config.devices_per_worker, config.num_workers, gpus)
     python = sys.executable
     roles = []
-    for i, address in enumerate(cluster[PS]):
+    for i, address in enumerate(full[PS]):
         argv = (python, "-m", "ps_server", "--bind", config.host)
-        roles.append(RoleSpec(PS, i, address, argv, {"TF_CONFIG": tf_config(cluster, PS, i)}))
+        roles.append(RoleSpec(PS, i, address, argv, {"TF_CONFIG": tf_config(full, PS, i)}))
     for i, address in enumerate(cluster[WORKER]):
         argv = (python, "-m", "worker", "--bind", config.host)
         env = {"TF_CONFIG": tf_config(cluster, WORKER, i), **devices[i]}
@@ -421,6 +461,8 @@ class LocalCluster:
         self._started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
         self._restarts = RestartBook(config.restart)
         self._due: dict[str, float] = {}  # role name -> when to start it again
+        self._scaler: PSScaler | None = None
+        self._control: ControlDir | None = None
         self._prober = (
             LivenessProber(config.health_grace)
             if config.health_grace is not None and config.restart.enabled
@@ -449,6 +491,8 @@ class LocalCluster:
 
     # -- readiness ----------------------------------------------------------------------
     def _on_line(self, role: RoleProcess, line: str, from_stdout: bool) -> None:
+        if self._scaler is not None:
+            self._scaler.on_line(role, line, from_stdout)
         ready = parse_ready(line) if from_stdout else None
         if ready is None or role.name in self._ready:
             return
@@ -506,8 +550,13 @@ class LocalCluster:
             for role in supervisor.poll():
                 if self._prober is not None:
                     self._prober.forget(role.name)
+                if self._scaler is not None and self._scaler.claims_exit(role):
+                    continue
                 if role.name != CHIEF:
                     self._on_role_exit(role)
+            if self._scaler is not None:
+                self._scaler.step()
+                self._forget_dropped_slots(self._scaler.num_ps)
             self._kill_silent()
             self._start_due()
             chief = self._started[CHIEF][-1] if self._started[CHIEF] else chief  # restarted?
@@ -535,6 +584,13 @@ class LocalCluster:
         log.error(
             "%s exited with status %d while the chief runs; %s", role.name, status, consequence
         )
+
+    def _forget_dropped_slots(self, num_ps: int) -> None:
+        """Cancels restarts of PS slots the view no longer lists (scaled down meanwhile)."""
+        for name in [n for n in self._due if n.startswith(f"{PS}:")]:
+            if int(name.partition(":")[2]) >= num_ps:
+                log.info("%s is no longer in the cluster view: not restarting it", name)
+                del self._due[name]
 
     def _kill_silent(self) -> None:
         """SIGKILLs a parameter server that failed its health checks past the grace period.
@@ -631,8 +687,15 @@ class LocalCluster:
         except OpError as e:
             log.error("cannot start the local cluster: %s", e)
             return int(ExitCode.USER_ERROR)
-        cluster = cluster_dict(config.num_ps, config.num_workers, config.host, ports)
+        full = cluster_dict(config.ps_slots, config.num_workers, config.host, ports)
+        cluster = {**full, PS: full[PS][: config.num_ps]}
         log.info("cluster %s; chief runs %s", json.dumps(cluster), config.target)
+        if config.ps_max is not None:
+            try:
+                specs = self._start_control(full, specs)
+            except (OpError, OSError) as e:
+                log.error("cannot start the local cluster: %s", e)
+                return int(ExitCode.USER_ERROR)
         if config.dashboard_port is not None:
             log.info("dashboard at http://%s/", host_port(config.host, config.dashboard_port))
         stdout, stderr = self._stdout, self._stderr
@@ -645,6 +708,9 @@ class LocalCluster:
         with self._signal_handlers(), self._status_around_logging():
             try:
                 for spec in specs[:-1]:
+                    if spec.task_type == PS and spec.index >= config.num_ps:
+                        self._specs[spec.name] = spec  # a reserved slot: psflow scale starts it
+                        continue
                     started[spec.task_type].append(self._start(spec))
                 self._wait_ready(started[PS] + started[WORKER])
                 log.info(
@@ -671,7 +737,49 @@ class LocalCluster:
                 )
                 if self._status is not None:
                     self._status.close()
+                if self._control is not None:
+                    self._control.remove()
                 self._log_statuses()
+
+    def _start_control(self, full: Mapping[str, Sequence[str]], specs: list[RoleSpec]):
+        """Creates the control directory and the scaler; returns ``specs``, the chief's amended."""
+        config = self.config
+        control = ControlDir(config.cluster_dir or default_cluster_dir())
+        control.create()
+        self._control = control
+
+        def start_ps(index: int) -> RoleProcess:
+            spec = self._specs[f"{PS}:{index}"]
+            self._ready.discard(spec.name)
+            role = self._start(spec)
+            self._started[PS].append(role)
+            return role
+
+        def is_ready(role: RoleProcess) -> bool:
+            return role.name in self._ready and role.running
+
+        self._scaler = PSScaler(
+            control,
+            full,
+            config.num_ps,
+            start_ps,
+            lambda: list(self._started[PS]),
+            is_ready,
+            ready_timeout=config.ready_timeout,
+            drain_timeout=config.drain_timeout,
+        )
+        self._scaler.publish()
+        log.info(
+            "elastic parameter servers: %d of up to %d running; control directory %s "
+            "(psflow scale --ps K --cluster-dir %s)",
+            config.num_ps,
+            config.ps_max,
+            control.path,
+            control.path,
+        )
+        chief = specs[-1]
+        env = {**chief.env, CLUSTER_FILE_ENV: control.cluster_file}
+        return [*specs[:-1], dataclasses.replace(chief, env=env)]
 
     def _start_status(self, cluster: Mapping[str, Sequence[str]], interval: float):
         def processes() -> dict[str, str]:  # the chief: no probe covers it
@@ -703,7 +811,29 @@ def _parser() -> argparse.ArgumentParser:
         usage="psflow local --ps N --workers M [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]",
         description="Run SCRIPT as the chief of a cluster of separate processes on loopback.",
     )
-    p.add_argument("--ps", type=int, required=True, metavar="N", help="parameter-server tasks")
+    p.add_argument(
+        "--ps", "--num-ps", type=int, required=True, metavar="N", help="parameter-server tasks"
+    )
+    p.add_argument(
+        "--ps-max",
+        type=int,
+        metavar="N",
+        help="elastic parameter servers: reserve N PS slots; `psflow scale --ps K` starts or "
+        "drains them while the chief runs (its ClusterWatch resizes)",
+    )
+    p.add_argument(
+        "--cluster-dir",
+        metavar="DIR",
+        help="with --ps-max: the control directory psflow scale finds the cluster in "
+        "(default: a per-user one under the temporary directory)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT,
+        metavar="S",
+        help=f"with --ps-max: seconds a drained PS has to exit (default {DEFAULT_DRAIN_TIMEOUT:g})",
+    )
     p.add_argument("--workers", type=int, required=True, metavar="M", help="worker tasks")
     p.add_argument(
         "--devices-per-worker",
@@ -847,6 +977,9 @@ def main(argv: list[str] | None = None) -> int:
             status_interval=args.status_interval if args.status else None,
             restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
             health_grace=args.health_grace or None,
+            ps_max=args.ps_max,
+            cluster_dir=args.cluster_dir,
+            drain_timeout=args.drain_timeout,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

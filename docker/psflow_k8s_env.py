@@ -24,6 +24,12 @@ ConfigMap and the downward API):
     the pods' namespace (cluster-wide names ``....<namespace>.svc``); optional.
 ``PSFLOW_K8S_PORT``
     every task's port (default 2222).
+``PSFLOW_K8S_PS_MAX``
+    elastic parameter servers (optional): a ``ps`` pod whose ordinal is at or
+    beyond the ``ps`` replicas of ``PSFLOW_K8S_JOBS`` but below this (it was
+    added by ``kubectl scale``) still gets its TF_CONFIG, listing ``ps`` tasks
+    up to its own; the chief's ``ClusterWatch`` then moves a share of the
+    variables to it (``docker/README.md``, "Resizing the parameter servers").
 ``HOSTNAME``
     this pod's name, ``<set>-<ordinal>`` (Kubernetes sets it).
 
@@ -67,6 +73,7 @@ class ClusterLayout:
     services: dict[str, str] | str | None = None
     namespace: str | None = None
     port: int = DEFAULT_PORT
+    ps_max: int | None = None
 
 
 def _pairs(variable: str, text: str) -> dict[str, str]:
@@ -112,7 +119,14 @@ def layout_from_env(environ: Mapping[str, str]) -> ClusterLayout:
     port_text = environ.get("PSFLOW_K8S_PORT", "").strip() or str(DEFAULT_PORT)
     if not port_text.isdigit():
         raise InvalidArgumentError(f"PSFLOW_K8S_PORT={port_text!r} must be a port number")
+    ps_max_text = environ.get("PSFLOW_K8S_PS_MAX", "").strip()
+    if ps_max_text and (not ps_max_text.isdigit() or int(ps_max_text) < jobs.get("ps", 0)):
+        raise InvalidArgumentError(
+            f"PSFLOW_K8S_PS_MAX={ps_max_text!r} must be a number >= the ps replicas "
+            f"({jobs.get('ps', 0)})"
+        )
     return ClusterLayout(
+        ps_max=int(ps_max_text) if ps_max_text else None,
         jobs=jobs,
         statefulsets=statefulsets,
         services=services,
@@ -129,7 +143,7 @@ def tf_config_for(layout: ClusterLayout, hostname: str) -> dict:
         TaskNotFoundError: ``hostname`` is not ``<set>-<ordinal>`` of a set in it.
     """
     resolver = KubernetesClusterResolver(
-        layout.jobs,
+        _jobs_for(layout, hostname),
         service=layout.services,
         namespace=layout.namespace,
         port=layout.port,
@@ -142,6 +156,19 @@ def tf_config_for(layout: ClusterLayout, hostname: str) -> dict:
         "cluster": spec.as_dict(),
         "task": {"type": resolver.task_type, "index": resolver.task_id},
     }
+
+
+def _jobs_for(layout: ClusterLayout, hostname: str) -> dict[str, int]:
+    """``layout.jobs``, with ``ps`` grown to include a ps pod added by ``kubectl scale``."""
+    jobs = dict(layout.jobs)
+    if layout.ps_max is None or "ps" not in jobs:
+        return jobs
+    ps_set = (layout.statefulsets or {}).get("ps", "ps")
+    pod = hostname.split(".", 1)[0]
+    prefix, _, ordinal = pod.rpartition("-")
+    if prefix == ps_set and ordinal.isdigit() and jobs["ps"] <= int(ordinal) < layout.ps_max:
+        jobs["ps"] = int(ordinal) + 1
+    return jobs
 
 
 def wait_until_serving(addresses: Sequence[str], timeout: float, *, poll: float = 1.0) -> None:

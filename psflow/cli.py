@@ -6,11 +6,12 @@
     psflow worker [ARGS]    = python -m worker [ARGS]      (a worker task)
     psflow chief [ARGS]     = python -m chief [ARGS]       (run a script as the chief)
     psflow local [ARGS]     = python -m chief.local [ARGS] (a whole cluster on loopback)
+    psflow scale --ps K     = python -m chief.scale ...    (resize a `psflow local --ps-max` run)
     psflow cluster [--tf-config JSON|@FILE]   print the cluster and this task's role
     psflow health HOST:PORT [--service NAME] [--timeout S] [--wait]
                             standard gRPC health check: exit 0 when SERVING, else 1
 
-The first four replace this process (``exec``) with the entrypoint, arguments
+The first five replace this process (``exec``) with the entrypoint, arguments
 passed through unchanged, so signals and exit codes are the entrypoint's own
 (see ``psflow.exit_codes``).  This package never imports those entrypoints.
 
@@ -39,6 +40,7 @@ ENTRYPOINTS: Mapping[str, str] = {
     "worker": "worker",
     "chief": "chief",
     "local": "chief.local",
+    "scale": "chief.scale",
 }
 """``psflow <command>`` -> the module ``python -m`` runs for it."""
 
@@ -235,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="psflow",
         description="psflow: parameter-server and mirrored training processes.",
-        epilog="ps, worker, chief and local pass every argument on to the entrypoint; "
+        epilog="ps, worker, chief, local and scale pass every argument on to the entrypoint; "
         "`psflow ps --help` shows its options.",
     )
     from psflow import __version__
@@ -266,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Entry point of the ``psflow`` console script; returns the exit status.
 
-    ``ps``, ``worker``, ``chief`` and ``local`` do not return: this process
+    ``ps``, ``worker``, ``chief``, ``local`` and ``scale`` do not return: this process
     becomes the entrypoint.
     """
     argv = sys.argv[1:] if argv is None else argv

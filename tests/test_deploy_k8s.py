@@ -147,8 +147,11 @@ def test_manifests_match_kubernetes_schemas(kubernetes_validate, version):
             "Job",
             "PersistentVolumeClaim",
             "PodDisruptionBudget",
+            "Role",
+            "RoleBinding",
             "Secret",
             "Service",
+            "ServiceAccount",
             "StatefulSet",
         ]
     )
@@ -237,8 +240,10 @@ def test_every_pod_derives_a_valid_cluster_of_the_manifests_pods():
 
 def test_a_hostname_outside_the_sets_is_refused_naming_it():
     layout = k8s_env.layout_from_env(cluster_env())
-    with pytest.raises(TaskNotFoundError, match="psflow-ps-2"):
-        k8s_env.tf_config_for(layout, "psflow-ps-2")  # only 2 replicas
+    with pytest.raises(TaskNotFoundError, match="psflow-ps-4"):
+        k8s_env.tf_config_for(layout, "psflow-ps-4")  # 2 replicas, PSFLOW_K8S_PS_MAX 4
+    with pytest.raises(TaskNotFoundError, match="psflow-worker-2"):
+        k8s_env.tf_config_for(layout, "psflow-worker-2")  # only ps is elastic
     with pytest.raises(TaskNotFoundError, match="psflow-web-0"):
         k8s_env.tf_config_for(layout, "psflow-web-0")
 
@@ -257,6 +262,18 @@ def test_bad_layout_variables_are_named(variable, value, named):
     env = {**cluster_env(), variable: value}
     with pytest.raises(InvalidArgumentError, match=re.escape(named)):
         k8s_env.layout_from_env(env)
+
+
+def test_a_ps_pod_added_by_kubectl_scale_gets_a_cluster_up_to_itself():
+    layout = k8s_env.layout_from_env(cluster_env())
+    config = k8s_env.tf_config_for(layout, "psflow-ps-3")  # replicas 2 -> 4
+    assert config["task"] == {"type": "ps", "index": 3}
+    assert len(config["cluster"]["ps"]) == 4 and config["cluster"]["ps"][3].startswith(
+        "psflow-ps-3."
+    )
+    assert len(k8s_env.tf_config_for(layout, "psflow-worker-0")["cluster"]["ps"]) == 2
+    with pytest.raises(InvalidArgumentError, match="PSFLOW_K8S_PS_MAX='1'"):
+        k8s_env.layout_from_env({**cluster_env(), "PSFLOW_K8S_PS_MAX": "1"})  # below replicas
 
 
 def test_a_layout_without_workers_is_not_a_ps_cluster():

@@ -9,6 +9,8 @@ and errors that name the offending value:
 * :class:`TFConfigClusterResolver` - the ``TF_CONFIG`` variable (TF, Kubeflow);
 * :class:`SlurmClusterResolver` - a Slurm job step;
 * :class:`KubernetesClusterResolver` - StatefulSets behind headless Services;
+* :class:`ClusterFileResolver` - a cluster file a supervisor rewrites (elastic
+  parameter servers); :class:`RefreshableResolver` - resolvers whose view can change;
 * :class:`SimpleClusterResolver`, :class:`UnionClusterResolver` - explicit
   clusters and merges;
 * :func:`validate_ps_cluster`, :func:`task_string` - checks and names used by
@@ -31,12 +33,19 @@ from psflow.distribute.cluster_resolver.accelerators import (
     visible_gpu_count,
 )
 from psflow.distribute.cluster_resolver.base import ClusterResolver, format_master_url
+from psflow.distribute.cluster_resolver.cluster_file import (
+    CLUSTER_FILE_ENV,
+    ClusterFileResolver,
+    read_cluster_file,
+    write_cluster_file,
+)
 from psflow.distribute.cluster_resolver.cluster_spec import (
     ClusterSpec,
     ClusterTypeError,
     TaskNotFoundError,
 )
 from psflow.distribute.cluster_resolver.kubernetes import KubernetesClusterResolver
+from psflow.distribute.cluster_resolver.refreshable import RefreshableResolver
 from psflow.distribute.cluster_resolver.registry import RESOLVERS, make_resolver
 from psflow.distribute.cluster_resolver.simple import SimpleClusterResolver
 from psflow.distribute.cluster_resolver.slurm import (
@@ -67,9 +76,12 @@ from psflow.distribute.cluster_resolver.validation import (
 UnionResolver = UnionClusterResolver  # TF exports it under this name too
 
 __all__ = [
+    "CLUSTER_FILE_ENV",
     "PS_CLUSTER_JOBS",
     "RESOLVERS",
+    "RefreshableResolver",
     "TF_CONFIG",
+    "ClusterFileResolver",
     "ClusterMergeError",
     "ClusterResolver",
     "ClusterSpec",
@@ -91,9 +103,11 @@ __all__ = [
     "merge_cluster_specs",
     "parse_task_string",
     "parse_tf_config",
+    "read_cluster_file",
     "task_string",
     "validate_ps_cluster",
     "validate_task",
     "validate_unique_addresses",
     "visible_gpu_count",
+    "write_cluster_file",
 ]

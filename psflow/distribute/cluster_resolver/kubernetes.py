@@ -20,6 +20,14 @@ The naming contract:
   task type and index: ``hostname`` if given, else ``$HOSTNAME``, else
   ``socket.gethostname()`` (only the first DNS label counts).
 
+Elastic jobs: given ``api`` (a
+:class:`~psflow.distribute.cluster_resolver.kubernetes_api.KubernetesApi`),
+:meth:`KubernetesClusterResolver.refresh` asks Kubernetes how many pods of each
+set in ``elastic_jobs`` (``("ps",)`` by default) are up, and the cluster view
+follows ``kubectl scale`` (see ``KubernetesApi.ready_replicas``); the chief's
+``ClusterWatch`` then resizes.  ``cluster_spec()`` returns the view of the last
+refresh; without ``api`` the view never changes.
+
 Example:
     >>> resolver = KubernetesClusterResolver(
     ...     {"chief": 1, "ps": 2, "worker": 2}, service="mnist", namespace="ml",
@@ -35,7 +43,9 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
 from collections.abc import Mapping
+from typing import Protocol
 
 from psflow import settings
 from psflow.distribute.cluster_resolver.accelerators import GpuProbe
@@ -48,6 +58,15 @@ from psflow.distribute.cluster_resolver.base import (
 from psflow.distribute.cluster_resolver.cluster_spec import ClusterSpec, TaskNotFoundError
 from psflow.distribute.cluster_resolver.validation import validate_task
 from psflow.errors import InvalidArgumentError
+
+
+class ReplicaCounter(Protocol):
+    """Counts the pods of a StatefulSet a job should use (``KubernetesApi``)."""
+
+    def ready_replicas(self, statefulset: str) -> int:
+        """The tasks of ``statefulset`` to use now."""
+        ...
+
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _MAX_LABEL = 63
@@ -102,6 +121,10 @@ class KubernetesClusterResolver(ClusterResolver):
         rpc_layer: the protocol prefix ``master()`` adds.
         environ: where to read ``HOSTNAME``; the process environment (:func:`psflow.settings.environ`) by default.
         gpu_probe: counts this machine's GPUs for ``num_accelerators``.
+        api: asked by :meth:`refresh` for the pods that are up (anything with
+            ``ready_replicas(statefulset) -> int``), or None for a fixed view.
+        elastic_jobs: the task types whose count :meth:`refresh` re-reads
+            (default: ``("ps",)`` when there is a ``ps`` job).
 
     Raises:
         InvalidArgumentError: a name is not a DNS label, a count or port is
@@ -127,6 +150,8 @@ class KubernetesClusterResolver(ClusterResolver):
         rpc_layer: str | None = "grpc",
         environ: Mapping[str, str] | None = None,
         gpu_probe: GpuProbe | None = None,
+        api: ReplicaCounter | None = None,
+        elastic_jobs: tuple[str, ...] | None = None,
     ) -> None:
         if not isinstance(jobs, Mapping) or not jobs:
             raise InvalidArgumentError(
@@ -174,16 +199,21 @@ class KubernetesClusterResolver(ClusterResolver):
             for job in sets
         }
 
-        suffix = f".{namespace}.svc" if namespace else ""
-        cluster = {
-            job: [
-                f"{sets[job]}-{i}.{services[job]}{suffix}:{ports[job]}"
-                for i in range(replicas[job])
-            ]
-            for job in sets
-        }
-        self._cluster_spec = ClusterSpec(cluster)
+        if elastic_jobs is None:
+            elastic_jobs = ("ps",) if "ps" in replicas else ()
+        unknown = [job for job in elastic_jobs if job not in replicas]
+        if unknown:
+            raise InvalidArgumentError(
+                f"elastic_jobs {list(elastic_jobs)!r}: {unknown} are not jobs {list(replicas)}"
+            )
+        self._suffix = f".{namespace}.svc" if namespace else ""
+        self._services, self._ports = services, ports
         self._statefulsets = sets
+        self._replicas = dict(replicas)
+        self._api = api
+        self._elastic_jobs = tuple(elastic_jobs)
+        self._lock = threading.Lock()
+        self._cluster_spec = self._spec_for(replicas)
         self._rpc_layer = check_rpc_layer(rpc_layer)
         self.gpu_probe = gpu_probe
 
@@ -205,6 +235,39 @@ class KubernetesClusterResolver(ClusterResolver):
             self._hostname = hostname
             task_type, task_id = self._task_from_hostname(hostname, replicas)
         self._task_type, self._task_id = task_type, task_id
+
+    def _spec_for(self, replicas: Mapping[str, int]) -> ClusterSpec:
+        sets, services, ports = self._statefulsets, self._services, self._ports
+        return ClusterSpec(
+            {
+                job: [
+                    f"{sets[job]}-{i}.{services[job]}{self._suffix}:{ports[job]}"
+                    for i in range(replicas[job])
+                ]
+                for job in sets
+            }
+        )
+
+    def refresh(self) -> ClusterSpec:
+        """Re-reads the count of each elastic job's pods from ``api``; returns the new view.
+
+        A set with no pod up keeps its previous count (a job is never left
+        without its tasks by an API hiccup or a set scaled to zero).
+
+        Raises:
+            OpError: the API did not answer (the previous view is kept).
+        """
+        if self._api is None:
+            return self.cluster_spec()
+        counts = {
+            job: self._api.ready_replicas(self._statefulsets[job]) for job in self._elastic_jobs
+        }
+        with self._lock:
+            for job, count in counts.items():
+                if count > 0:
+                    self._replicas[job] = count
+            self._cluster_spec = self._spec_for(self._replicas)
+            return self._cluster_spec
 
     def _task_from_hostname(self, hostname: str, replicas: Mapping[str, int]) -> tuple[str, int]:
         pod = hostname.split(".", 1)[0]
@@ -235,5 +298,6 @@ class KubernetesClusterResolver(ClusterResolver):
         return dict(self._statefulsets)
 
     def cluster_spec(self) -> ClusterSpec:
-        """Returns the cluster (the same object on every call)."""
-        return self._cluster_spec
+        """Returns the cluster as of construction or the last :meth:`refresh`."""
+        with self._lock:
+            return self._cluster_spec
