@@ -184,10 +184,15 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _start(argv: list[str], ready: str, env: dict[str, str], timeout: float = 120.0):
+def _start(
+    argv: list[str], ready: str, env: dict[str, str], timeout: float = 120.0, python: str = ""
+):
     """Starts ``python argv`` and waits (bounded) for its ready line; returns (proc, fields)."""
     proc = subprocess.Popen(
-        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        [python or sys.executable, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
     )
     deadline = time.monotonic() + timeout
     buffer = b""
@@ -229,8 +234,9 @@ def _run_client(mode: str, address: str, args, env: dict[str, str]) -> dict:
                 "--seconds", str(args.run_seconds), "--elements", str(args.elements),
                 "--seed", str(args.seed), "--index-base", str(sum(share[:k])),
             ]  # fmt: skip
+            python = args.tf_python if mode == "tf" else sys.executable
             proc = subprocess.Popen(
-                [sys.executable, *argv],
+                [python, *argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -353,7 +359,9 @@ def _tf_case(args) -> dict:
     ports = _free_ports(2)
     cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
     env = _env({"TF_CPP_MIN_LOG_LEVEL": "2"})
-    ps, _ = _start([__file__, "--serve-tf", json.dumps(cluster)], "READY", env)
+    ps, _ = _start(
+        [__file__, "--serve-tf", json.dumps(cluster)], "READY", env, python=args.tf_python
+    )
     try:
         result = _run_client("tf", json.dumps(cluster), args, env)
     finally:
@@ -370,14 +378,18 @@ def run(args) -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     total_seconds = args.seconds or (3.0 if args.quick else 30.0)
     args.run_seconds = total_seconds / rounds
-    cases = ["plain", "token", "token+metrics", "mtls"]
+    cases = [c for c in ["plain", "token", "token+metrics", "mtls"] if c in args.cases]
     with tempfile.TemporaryDirectory(prefix="psflow-load-") as tmp:
         certs = _make_certs(pathlib.Path(tmp))
-        if certs is None:
+        if certs is None and "mtls" in cases:
             cases.remove("mtls")
             emit(BENCH, "mtls", "skipped", 0, "", reason="no openssl to make certificates")
-        tf_ok = not args.no_tf and importlib.util.find_spec("tensorflow") is not None
-        if not tf_ok:
+        tf_ok = not args.no_tf and (
+            args.tf_python != sys.executable or importlib.util.find_spec("tensorflow") is not None
+        )
+        if "tensorflow" not in args.cases:
+            pass
+        elif not tf_ok:
             reason = "--no-tf" if args.no_tf else "tensorflow not installed"
             emit(BENCH, "tensorflow", "skipped", 0, "", reason=reason)
         else:
@@ -448,6 +460,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--elements", type=int, default=64, help="float64 values per gradient")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow side")
+    p.add_argument(
+        "--cases",
+        type=lambda text: text.split(","),
+        default=["plain", "token", "token+metrics", "mtls", "tensorflow"],
+        help="comma-separated cases to run (default: all)",
+    )
+    p.add_argument(
+        "--tf-python",
+        default=sys.executable,
+        help="the interpreter with TensorFlow for its side (default: this one)",
+    )
     p.add_argument("--client", choices=["psflow", "tf"], help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--processes", type=int, default=16, help="client processes (psflow)")

@@ -48,10 +48,13 @@ class Stats:
         with self._lock:
             self.rejected[reason] += 1
 
-    def record_push(self, entries: list[PushLogEntry], staleness: list[int]) -> None:
-        """Counts one applied push and logs its gradients."""
+    def record_push(
+        self, entries: list[PushLogEntry], staleness: list[int], bytes_in: int = 0
+    ) -> None:
+        """Counts one applied push of ``bytes_in`` payload bytes and logs its gradients."""
         with self._lock:
             self.pushes_applied += 1
+            self.bytes_in += bytes_in
             self.log.extend(entries)
             self.applied_by_variable.update(e.variable for e in entries)
             for s in staleness:

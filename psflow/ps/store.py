@@ -79,6 +79,8 @@ MAX_PENDING_STEPS = 16
 # The longest a call waits inside the store (a retry racing its original, a sync
 # step's completion): a caller without a deadline must not hold a thread forever.
 MAX_WAIT_SECONDS = 600.0
+# Client ids remembered as well-formed (checking one per push costs as much as a lookup).
+MAX_CHECKED_CLIENTS = 4096
 
 
 def _bounded_wait(timeout: float | None) -> float:
@@ -146,16 +148,13 @@ class VariableStore:
         self._lock = threading.Lock()  # guards the dict, not the variables
         self._dedup = DedupWindow(window=dedup_window)
         self.stats = Stats(log_size=log_size)
+        self._rejections = _Rejecting(self.stats)
+        self._checked_clients: set[str] = set()  # client ids that passed check_name
 
     # -- helpers -----------------------------------------------------------
-    @contextlib.contextmanager
-    def _rejecting(self) -> Iterator[None]:
+    def _rejecting(self) -> _Rejecting:
         """Counts typed errors raised inside as rejections, by code or reason."""
-        try:
-            yield
-        except OpError as e:
-            self.stats.reject(getattr(e, "reason", None) or e.code.name.lower())
-            raise
+        return self._rejections
 
     def _get(self, name: str) -> Variable:
         var = self._vars.get(name)
@@ -164,6 +163,8 @@ class VariableStore:
         return var
 
     def _lookup(self, names: Sequence[str]) -> list[Variable]:
+        if len(names) == 1:  # the common push: no set, no lock (a dict read is atomic)
+            return [self._get(names[0])]
         with self._lock:
             seen = set()
             for n in names:
@@ -173,13 +174,11 @@ class VariableStore:
             return [self._get(n) for n in names]
 
     @staticmethod
-    @contextlib.contextmanager
-    def _locked(variables: Sequence[Variable]) -> Iterator[None]:
-        ordered = sorted(set(variables), key=lambda v: v.meta.name)
-        with contextlib.ExitStack() as stack:
-            for v in ordered:
-                stack.enter_context(v.lock)
-            yield
+    def _locked(variables: Sequence[Variable]) -> Any:
+        """A context manager holding the variables' locks, taken in name order."""
+        if len(variables) == 1:
+            return variables[0].lock
+        return _locked_in_order(variables)
 
     def _check_values(self, var: Variable, values: Any, what: str) -> Segments:
         seg = as_segments(values)
@@ -429,7 +428,11 @@ class VariableStore:
         """Runs ``run`` once per request id; duplicates get ``on_duplicate(reply)``."""
         client_id, sequence = request_id
         with self._rejecting():
-            check_name(client_id, "client id")
+            if client_id not in self._checked_clients:
+                check_name(client_id, "client id")
+                if len(self._checked_clients) >= MAX_CHECKED_CLIENTS:
+                    self._checked_clients.clear()  # bounded: many clients, check again
+                self._checked_clients.add(client_id)
             if int(sequence) < 0:
                 raise InvalidArgumentError(f"bad request id sequence {sequence!r}")
         for _ in range(100):
@@ -578,8 +581,7 @@ class VariableStore:
             else:
                 var.apply_dense(a)
             entries.append(PushLogEntry(var.meta.name, client_id, g.base_version, var.version))
-        self.stats.add(bytes_in=sum(_grad_bytes(c) for c in checked))
-        self.stats.record_push(entries, staleness)
+        self.stats.record_push(entries, staleness, sum(_grad_bytes(c) for c in checked))
         return PushReply(tuple(c[0].version for c in checked), True, False, tuple(staleness))
 
     def _contribute(self, checked, push_id, step, num_required) -> PushReply:
@@ -722,6 +724,32 @@ class VariableStore:
             for var in variables:
                 with var.lock:
                     self.mirrors.detach(var)
+
+
+class _Rejecting:
+    """Counts typed errors raised inside as rejections (reusable, stateless)."""
+
+    __slots__ = ("_stats",)
+
+    def __init__(self, stats: Stats) -> None:
+        self._stats = stats
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, OpError):
+            self._stats.reject(getattr(exc, "reason", None) or exc.code.name.lower())
+        return False
+
+
+@contextlib.contextmanager
+def _locked_in_order(variables: Sequence[Variable]) -> Iterator[None]:
+    ordered = sorted(set(variables), key=lambda v: v.meta.name)
+    with contextlib.ExitStack() as stack:
+        for v in ordered:
+            stack.enter_context(v.lock)
+        yield
 
 
 def _grad_bytes(c) -> int:
