@@ -414,7 +414,7 @@ class ParameterServerServicer:
 
     def Pull(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """Reads variables; header and payload in one message."""
-        start = time.perf_counter()
+        start = time.perf_counter() if self.metrics is not None else 0.0
         names, rows = self._pull_parts(request)
         with self.store.reading(names, rows) as tensors:
             total = sum(t.value.nbytes for t in tensors)

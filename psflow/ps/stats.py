@@ -43,6 +43,12 @@ class Stats:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
 
+    def record_pull(self, bytes_out: int) -> None:
+        """Counts one pull of ``bytes_out`` bytes."""
+        with self._lock:
+            self.pulls += 1
+            self.bytes_out += bytes_out
+
     def reject(self, reason: str) -> None:
         """Counts a rejected request."""
         with self._lock:

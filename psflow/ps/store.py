@@ -327,10 +327,7 @@ class VariableStore:
         return rule.slot_names
 
     # -- reads -----------------------------------------------------------------
-    @contextlib.contextmanager
-    def reading(
-        self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
-    ) -> Iterator[list[PulledTensor]]:
+    def reading(self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None) -> _Reading:
         """Consistent snapshots of variables, valid inside the ``with`` block.
 
         ``rows`` maps an item's position to the row indices to read instead of
@@ -338,46 +335,30 @@ class VariableStore:
         modify them); writers copy on write while the block runs.
 
         Raises:
-            NotFoundError, InvalidArgumentError: unknown variable, bad indices.
+            NotFoundError, InvalidArgumentError: unknown variable, bad indices
+                (on entering the block).
         """
-        rows = rows or {}
-        with self._rejecting():
-            with self._lock:
-                variables = [self._get(n) for n in names]
-            checked = {}
-            for i, idx in rows.items():
-                meta = variables[i].meta
-                idx = np.asarray(idx)
-                if idx.ndim != 1 or idx.dtype.kind not in "iu":
-                    raise InvalidArgumentError(
-                        f"row indices for {meta.name!r} must be a 1-D integer array, got "
-                        f"{idx.dtype.name}{list(idx.shape)}"
-                    )
-                if not meta.shape:
-                    raise InvalidArgumentError(f"cannot read rows of scalar {meta.name!r}")
-                if idx.size and (idx.min() < 0 or idx.max() >= meta.shape[0]):
-                    bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
-                    raise InvalidArgumentError(
-                        f"row index {bad} out of range for {meta.name!r} of shape {meta.shape}"
-                    )
-                checked[i] = idx
-        held: list[tuple[Variable, np.ndarray]] = []
-        out: list[PulledTensor] = []
-        try:
-            for i, var in enumerate(variables):
-                with var.lock:
-                    if i in checked:
-                        out.append(PulledTensor(var.meta.name, var.value[checked[i]], var.version))
-                    else:
-                        value, version = var.acquire_read()
-                        held.append((var, value))
-                        out.append(PulledTensor(var.meta.name, value, version))
-            self.stats.add(pulls=1, bytes_out=sum(t.value.nbytes for t in out))
-            yield out
-        finally:
-            for var, value in held:
-                with var.lock:
-                    var.release_read(value)
+        return _Reading(self, names, rows or {})
+
+    def _check_rows(self, variables: list[Variable], rows: dict[int, Any]) -> dict[int, Any]:
+        checked = {}
+        for i, idx in rows.items():
+            meta = variables[i].meta
+            idx = np.asarray(idx)
+            if idx.ndim != 1 or idx.dtype.kind not in "iu":
+                raise InvalidArgumentError(
+                    f"row indices for {meta.name!r} must be a 1-D integer array, got "
+                    f"{idx.dtype.name}{list(idx.shape)}"
+                )
+            if not meta.shape:
+                raise InvalidArgumentError(f"cannot read rows of scalar {meta.name!r}")
+            if idx.size and (idx.min() < 0 or idx.max() >= meta.shape[0]):
+                bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+                raise InvalidArgumentError(
+                    f"row index {bad} out of range for {meta.name!r} of shape {meta.shape}"
+                )
+            checked[i] = idx
+        return checked
 
     def pull(
         self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
@@ -724,6 +705,50 @@ class VariableStore:
             for var in variables:
                 with var.lock:
                     self.mirrors.detach(var)
+
+
+class _Reading:
+    """The context manager :meth:`VariableStore.reading` returns (a class, not a
+    generator: every pull enters one)."""
+
+    __slots__ = ("_held", "_names", "_rows", "_store")
+
+    def __init__(self, store: VariableStore, names: Sequence[str], rows: dict[int, Any]) -> None:
+        self._store = store
+        self._names = names
+        self._rows = rows
+        self._held: list[tuple[Variable, np.ndarray]] = []
+
+    def __enter__(self) -> list[PulledTensor]:
+        store = self._store
+        with store._rejecting():
+            with store._lock:
+                variables = [store._get(n) for n in self._names]
+            checked = store._check_rows(variables, self._rows) if self._rows else {}
+        out: list[PulledTensor] = []
+        try:
+            for i, var in enumerate(variables):
+                with var.lock:
+                    if i in checked:
+                        out.append(PulledTensor(var.meta.name, var.value[checked[i]], var.version))
+                    else:
+                        value, version = var.acquire_read()
+                        self._held.append((var, value))
+                        out.append(PulledTensor(var.meta.name, value, version))
+            store.stats.record_pull(sum(t.value.nbytes for t in out))
+        except BaseException:
+            self._release()
+            raise
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        for var, value in self._held:
+            with var.lock:
+                var.release_read(value)
+        self._held.clear()
 
 
 class _Rejecting:
