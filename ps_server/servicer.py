@@ -214,18 +214,26 @@ class ParameterServerServicer:
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
 
+        gate = self.gate
+
+        def take_slot(peer: str) -> None:
+            """A slot of the gate for ``peer``; release it with ``gate.release(peer)``."""
+            try:
+                gate.acquire(peer)
+            except ResourceExhaustedError as e:
+                # every slot taken: a streaming call that stopped moving yields its own
+                if getattr(e, "reason", None) != "too_many_streams" or not (
+                    self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
+                ):
+                    raise
+                gate.acquire(peer, wait=EVICT_WAIT)
+
         def admit(stack: contextlib.ExitStack, context: grpc.ServicerContext) -> Any:
             """Takes a slot and, for a streaming call, starts its idle watch."""
-            if self.gate is not None:
-                try:
-                    stack.enter_context(self.gate.admit(context.peer()))
-                except ResourceExhaustedError as e:
-                    # every slot taken: a streaming call that stopped moving yields its own
-                    if getattr(e, "reason", None) != "too_many_streams" or not (
-                        self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
-                    ):
-                        raise
-                    stack.enter_context(self.gate.admit(context.peer(), wait=EVICT_WAIT))
+            if gate is not None:
+                peer = context.peer()
+                take_slot(peer)
+                stack.callback(gate.release, peer)
             if self.idle is None or kind is Kind.UNARY_UNARY:
                 return None
             label = f"{name} from {context.peer()}"
@@ -255,24 +263,28 @@ class ParameterServerServicer:
 
             return stream
 
-        if self.gate is None and (self.idle is None or kind is Kind.UNARY_UNARY):
-            # nothing to admit or watch: the lean path every small push and pull takes
+        if self.idle is None or kind is Kind.UNARY_UNARY:
+            # no idle watch (a unary call, or none configured): the lean path every small
+            # push and pull takes, a slot taken and released without a context stack
             @functools.wraps(fn)
             def lean(request, context):
+                start, code, held = time.perf_counter() if metrics is not None else 0.0, "OK", None
                 with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
-                    if metrics is None:
-                        try:
-                            return fn(request, context)
-                        except Exception as e:
-                            abort(context, e, None)
-                    start, code = time.perf_counter(), "OK"
                     try:
+                        if gate is not None:
+                            peer = context.peer()
+                            take_slot(peer)
+                            held = peer
                         return fn(request, context)
                     except Exception as e:
-                        code = _status_name(e, context, None)
+                        if metrics is not None:
+                            code = _status_name(e, context, None)
                         abort(context, e, None)
                     finally:
-                        done(start, code)
+                        if held is not None:
+                            gate.release(held)
+                        if metrics is not None:
+                            done(start, code)
 
             return lean
 
