@@ -11,13 +11,23 @@ round by round (A B C D A B C D) so drift hits all of them:
 * ``token``: bearer-token authentication (the server interceptor);
 * ``token+metrics``: the same plus ``--metrics-port`` (per-call metrics);
 * ``mtls``: mutual TLS with certificates made by ``openssl`` (skipped without it);
-* ``tensorflow`` (when installed): a ``tf.distribute.Server`` PS task, and a
-  worker process whose 16 threads run ``var.assign_sub(grad)`` on the PS.
+* ``grpc-raw``: the ceiling of any Python gRPC PS here: a bare grpcio server
+  whose one unary method views the request bytes as float64 and adds them to
+  one array under a lock (no header, no checks, no exactly-once), pushed to by
+  the same client processes with one bare unary call each;
+* ``tensorflow`` (when installed, or with ``--tf-python`` naming an interpreter
+  that has it): a ``tf.distribute.Server`` PS task, and a worker process whose
+  16 threads run ``var.assign_sub(grad)`` on the PS.
 
-The PS's CPU use during a psflow case (user+system seconds of the process
-over the case's seconds, from /proc) is reported as ``ps_cpu``: near 1.0 means
-one core's worth of Python under the GIL limits it, far below 1.0 with the
-cores idle that something else (the clients, the thread pool) does.  The
+``--cases plain,grpc-raw,tensorflow`` runs a subset.
+
+The PS's CPU use during a case (user+system seconds of the process over the
+case's seconds, from /proc) is reported as ``ps_cpu``: near 1.0 means one
+core's worth of Python under the GIL limits it, far below 1.0 with the cores
+idle that something else (the clients, the thread pool) does.  CPU per
+acknowledged push is reported for both sides (``ps_cpu_ms_per_push``,
+``client_cpu_ms_per_push``: every client process together), since the clients
+run on the same cores as the PS.  The
 TensorFlow worker stays one process with ``--clients`` threads (its eager
 runtime holds one connection per process).  ``PSClient`` never uses shared
 memory, so every case is the gRPC path (as ``--shm off`` elsewhere).
