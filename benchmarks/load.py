@@ -11,13 +11,23 @@ round by round (A B C D A B C D) so drift hits all of them:
 * ``token``: bearer-token authentication (the server interceptor);
 * ``token+metrics``: the same plus ``--metrics-port`` (per-call metrics);
 * ``mtls``: mutual TLS with certificates made by ``openssl`` (skipped without it);
-* ``tensorflow`` (when installed): a ``tf.distribute.Server`` PS task, and a
-  worker process whose 16 threads run ``var.assign_sub(grad)`` on the PS.
+* ``grpc-raw``: the ceiling of any Python gRPC PS here: a bare grpcio server
+  whose one unary method views the request bytes as float64 and adds them to
+  one array under a lock (no header, no checks, no exactly-once), pushed to by
+  the same client processes with one bare unary call each;
+* ``tensorflow`` (when installed, or with ``--tf-python`` naming an interpreter
+  that has it): a ``tf.distribute.Server`` PS task, and a worker process whose
+  16 threads run ``var.assign_sub(grad)`` on the PS.
 
-The PS's CPU use during a psflow case (user+system seconds of the process
-over the case's seconds, from /proc) is reported as ``ps_cpu``: near 1.0 means
-one core's worth of Python under the GIL limits it, far below 1.0 with the
-cores idle that something else (the clients, the thread pool) does.  The
+``--cases plain,grpc-raw,tensorflow`` runs a subset.
+
+The PS's CPU use during a case (user+system seconds of the process over the
+case's seconds, from /proc) is reported as ``ps_cpu``: near 1.0 means one
+core's worth of Python under the GIL limits it, far below 1.0 with the cores
+idle that something else (the clients, the thread pool) does.  CPU per
+acknowledged push is reported for both sides (``ps_cpu_ms_per_push``,
+``client_cpu_ms_per_push``: every client process together), since the clients
+run on the same cores as the PS.  The
 TensorFlow worker stays one process with ``--clients`` threads (its eager
 runtime holds one connection per process).  ``PSClient`` never uses shared
 memory, so every case is the gRPC path (as ``--shm off`` elsewhere).
@@ -98,10 +108,12 @@ def _run_threads(make_push, args) -> dict:
     threads = []
     for i, push in enumerate(pushes):
         threads.append(threading.Thread(target=_client_loop, args=(push, i, args, start_at, out)))
+    cpu0 = time.process_time()  # this process's CPU (every thread) while it pushes
     for t in threads:
         t.start()
     for t in threads:
         t.join(args.seconds + 120)
+    cpu = time.process_time() - cpu0
     total = sum((r[0] for r in out.values()), np.zeros(args.elements))
     latencies = [x for r in out.values() for x in r[1]]
     errors = [e for r in out.values() for e in r[2]]
@@ -110,6 +122,7 @@ def _run_threads(make_push, args) -> dict:
         "latencies": [round(x, 7) for x in latencies],
         "errors": errors[:20],
         "clients_done": len(out),
+        "cpu": cpu,
     }
 
 
@@ -128,6 +141,61 @@ def _client_psflow(args) -> None:
     finally:
         for c in clients:
             c.close()
+    print(json.dumps(result), flush=True)
+
+
+_RAW_SERVICE = "bench.BareLoad"
+
+
+def _serve_raw() -> None:
+    """The bare-grpcio reference: a unary method adding float64 bytes into one array.
+
+    What any Python gRPC parameter server has to do per push (one unary call, the
+    bytes viewed as an array, one locked add), with none of psflow's checks: the
+    ceiling a Python gRPC PS can reach under the same clients on the same cores.
+    """
+    import concurrent.futures
+
+    import grpc
+
+    total: dict[str, np.ndarray] = {}
+    lock = threading.Lock()
+
+    def push(request: bytes, context) -> bytes:
+        grad = np.frombuffer(request, np.float64)
+        with lock:
+            if "v" not in total:
+                total["v"] = np.zeros(grad.size)
+            total["v"] += grad
+        return b""
+
+    def read(request: bytes, context) -> bytes:
+        with lock:
+            return total["v"].tobytes() if "v" in total else b""
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(32))
+    handlers = {
+        "Push": grpc.unary_unary_rpc_method_handler(push),
+        "Read": grpc.unary_unary_rpc_method_handler(read),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_RAW_SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"READY port={port}", flush=True)
+    server.wait_for_termination()
+
+
+def _client_raw(args) -> None:
+    """A client process of the bare reference: one channel per thread, one unary call a push."""
+    import grpc
+
+    channels = [grpc.insecure_channel(args.address) for _ in range(args.clients)]
+    stubs = [ch.unary_unary(f"/{_RAW_SERVICE}/Push") for ch in channels]
+    try:
+        result = _run_threads(lambda i: lambda g: stubs[i](g.tobytes(), timeout=30), args)
+    finally:
+        for ch in channels:
+            ch.close()
     print(json.dumps(result), flush=True)
 
 
@@ -183,20 +251,24 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _start_tf_server(cluster: dict, env: dict[str, str]) -> subprocess.Popen:
-    """Starts this file's ``--serve-tf`` and waits (bounded) for its ``READY`` line."""
+def _start(
+    argv: list[str], ready: str, env: dict[str, str], timeout: float = 120.0, python: str = ""
+) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Starts ``python argv`` and waits (bounded) for its ready line; returns (proc, fields)."""
     from psflow import launch
 
-    argv = [sys.executable, __file__, "--serve-tf", json.dumps(cluster)]
-    proc, _ = launch.start_process(
-        argv,
-        lambda line: line if line.startswith("READY") else None,
+    return launch.start_process(
+        [python or sys.executable, *argv],
+        lambda line: (
+            dict(f.split("=", 1) for f in line.split() if "=" in f)
+            if line.startswith(ready)
+            else None
+        ),
         env=env,
         stderr=subprocess.DEVNULL,
-        timeout=120.0,
-        what="READY line",
+        timeout=timeout,
+        what=f"{ready} line",
     )
-    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -213,7 +285,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _run_client(mode: str, address: str, args, env: dict[str, str]) -> dict:
     """Runs the clients (``--processes`` processes for psflow, one for TF); merges results."""
-    processes = max(1, min(args.processes, args.clients)) if mode == "psflow" else 1
+    processes = max(1, min(args.processes, args.clients)) if mode != "tf" else 1
     share = [args.clients // processes + (k < args.clients % processes) for k in range(processes)]
     procs = []
     with contextlib.ExitStack() as stack:
@@ -223,8 +295,9 @@ def _run_client(mode: str, address: str, args, env: dict[str, str]) -> dict:
                 "--seconds", str(args.run_seconds), "--elements", str(args.elements),
                 "--seed", str(args.seed), "--index-base", str(sum(share[:k])),
             ]  # fmt: skip
+            python = args.tf_python if mode == "tf" else sys.executable
             proc = subprocess.Popen(
-                [sys.executable, *argv],
+                [python, *argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -261,6 +334,7 @@ def _run_client(mode: str, address: str, args, env: dict[str, str]) -> dict:
     for key in ("latencies", "errors"):
         merged[key] = [x for r in results for x in r[key]]
     merged["clients_done"] = sum(r["clients_done"] for r in results)
+    merged["client_cpu"] = sum(r["cpu"] for r in results) / args.run_seconds
     return merged
 
 
@@ -347,13 +421,39 @@ def _psflow_case(case: str, args, certs: dict[str, str] | None) -> dict:
         _stop(ps)
 
 
+def _raw_case(args) -> dict:
+    import grpc
+
+    env = _env()
+    server, fields = _start([__file__, "--serve-raw"], "READY", env)
+    try:
+        address = f"127.0.0.1:{fields['port']}"
+        cpu0, t0 = _cpu_seconds(server.pid), time.monotonic()
+        result = _run_client("raw", address, args, env)
+        result["ps_cpu"] = (_cpu_seconds(server.pid) - cpu0) / min(
+            args.run_seconds, time.monotonic() - t0
+        )
+        with grpc.insecure_channel(address) as channel:
+            final = np.frombuffer(channel.unary_unary(f"/{_RAW_SERVICE}/Read")(b"", timeout=30))
+    finally:
+        _stop(server)
+    result["exact"] = bool(np.array_equal(final, np.array(result["sum"])))
+    return result
+
+
 def _tf_case(args) -> dict:
     ports = _free_ports(2)
     cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
     env = _env({"TF_CPP_MIN_LOG_LEVEL": "2"})
-    ps = _start_tf_server(cluster, env)
+    ps, _ = _start(
+        [__file__, "--serve-tf", json.dumps(cluster)], "READY", env, python=args.tf_python
+    )
     try:
+        cpu0, t0 = _cpu_seconds(ps.pid), time.monotonic()
         result = _run_client("tf", json.dumps(cluster), args, env)
+        result["ps_cpu"] = (_cpu_seconds(ps.pid) - cpu0) / min(
+            args.run_seconds, time.monotonic() - t0
+        )
     finally:
         _stop(ps)
     initial = np.arange(args.elements, dtype=np.float64) * 1000
@@ -368,14 +468,18 @@ def run(args) -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     total_seconds = args.seconds or (3.0 if args.quick else 30.0)
     args.run_seconds = total_seconds / rounds
-    cases = ["plain", "token", "token+metrics", "mtls"]
+    cases = [c for c in ["plain", "token", "token+metrics", "mtls", "grpc-raw"] if c in args.cases]
     with tempfile.TemporaryDirectory(prefix="psflow-load-") as tmp:
         certs = _make_certs(pathlib.Path(tmp))
-        if certs is None:
+        if certs is None and "mtls" in cases:
             cases.remove("mtls")
             emit(BENCH, "mtls", "skipped", 0, "", reason="no openssl to make certificates")
-        tf_ok = not args.no_tf and importlib.util.find_spec("tensorflow") is not None
-        if not tf_ok:
+        tf_ok = not args.no_tf and (
+            args.tf_python != sys.executable or importlib.util.find_spec("tensorflow") is not None
+        )
+        if "tensorflow" not in args.cases:
+            pass
+        elif not tf_ok:
             reason = "--no-tf" if args.no_tf else "tensorflow not installed"
             emit(BENCH, "tensorflow", "skipped", 0, "", reason=reason)
         else:
@@ -389,9 +493,12 @@ def run(args) -> int:
             for case in cases if r % 2 == 0 else list(reversed(cases)):
                 progress(f"  round {r + 1}: {case}")
                 try:
-                    res = (
-                        _tf_case(args) if case == "tensorflow" else _psflow_case(case, args, certs)
-                    )
+                    if case == "tensorflow":
+                        res = _tf_case(args)
+                    elif case == "grpc-raw":
+                        res = _raw_case(args)
+                    else:
+                        res = _psflow_case(case, args, certs)
                 except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
                     emit(BENCH, case, "skipped", 0, "", reason=f"{type(e).__name__}: {e}"[:300])
                     results.pop(case, None)
@@ -416,23 +523,31 @@ def run(args) -> int:
             extra["tf_version"] = tf_version
         else:
             extra["processes"] = min(args.processes, args.clients)
-            extra["ps_cpu"] = round(float(np.median([res["ps_cpu"] for res in runs])), 3)
-            # the PS's CPU time per acknowledged push: what one push costs it
-            extra["ps_cpu_ms_per_push"] = round(extra["ps_cpu"] / throughput[case] * 1e3, 3)
+        extra["ps_cpu"] = round(float(np.median([res["ps_cpu"] for res in runs])), 3)
+        # CPU time per acknowledged push on each side (the PS; every client process
+        # together): both run on the same cores, so both limit the rate
+        extra["ps_cpu_ms_per_push"] = round(extra["ps_cpu"] / throughput[case] * 1e3, 3)
+        client_cpu = float(np.median([res["client_cpu"] for res in runs]))
+        extra["client_cpu_ms_per_push"] = round(client_cpu / throughput[case] * 1e3, 3)
         emit(BENCH, case, "throughput", round(throughput[case], 1), "pushes/s", n=pushes,
              errors=errors, exact=exact, **extra)  # fmt: skip
         emit(BENCH, case, "latency", round(p50, 3), "ms", p50=round(p50, 3), p99=round(p99, 3),
              n=pushes, **extra)  # fmt: skip
         rows.append([case, round(throughput[case], 1), round(p50, 3), round(p99, 3), pushes,
-                     errors, exact])  # fmt: skip
+                     errors, exact, extra["ps_cpu_ms_per_push"],
+                     extra["client_cpu_ms_per_push"]])  # fmt: skip
     for case in throughput:
-        if case not in ("plain", "tensorflow") and "plain" in throughput:
+        if case not in ("plain", "tensorflow", "grpc-raw") and "plain" in throughput:
             emit(BENCH, case, "ratio", round(throughput[case] / throughput["plain"], 3), "x",
                  baseline="plain", of="throughput")  # fmt: skip
     if "tensorflow" in throughput and "plain" in throughput:
         emit(BENCH, "plain", "ratio", round(throughput["plain"] / throughput["tensorflow"], 3),
              "x", baseline="tensorflow", of="throughput", tf_version=tf_version)  # fmt: skip
-    table(["case", "pushes/s", "p50 ms", "p99 ms", "pushes", "errors", "exact"], rows)
+    if "grpc-raw" in throughput and "plain" in throughput:
+        emit(BENCH, "plain", "ratio", round(throughput["plain"] / throughput["grpc-raw"], 3), "x",
+             baseline="grpc-raw", of="throughput")  # fmt: skip
+    table(["case", "pushes/s", "p50 ms", "p99 ms", "pushes", "errors", "exact", "ps ms/push",
+           "client ms/push"], rows)  # fmt: skip
     return 0
 
 
@@ -446,7 +561,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--elements", type=int, default=64, help="float64 values per gradient")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow side")
-    p.add_argument("--client", choices=["psflow", "tf"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--cases",
+        type=lambda text: text.split(","),
+        default=["plain", "token", "token+metrics", "mtls", "grpc-raw", "tensorflow"],
+        help="comma-separated cases to run (default: all)",
+    )
+    p.add_argument(
+        "--tf-python",
+        default=sys.executable,
+        help="the interpreter with TensorFlow for its side (default: this one)",
+    )
+    p.add_argument("--client", choices=["psflow", "tf", "raw"], help=argparse.SUPPRESS)
+    p.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--processes", type=int, default=16, help="client processes (psflow)")
     p.add_argument("--serve-tf", metavar="CLUSTER", help=argparse.SUPPRESS)
@@ -455,9 +582,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_tf:
         _serve_tf_ps(args.serve_tf)
         return 0
+    if args.serve_raw:
+        _serve_raw()
+        return 0
     if args.client:
         args.seconds = args.seconds or 3.0
-        (_client_psflow if args.client == "psflow" else _client_tf)(args)
+        clients = {"psflow": _client_psflow, "tf": _client_tf, "raw": _client_raw}
+        clients[args.client](args)
         return 0
     try:
         return run(args)

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 _HEADER_SLACK = 1 << 20
 _MIN_CHUNK = 4096
+_SPEC_CACHE_SIZE = 1024
 _NO_LIMIT = 1 << 62
 # gRPC refuses status details beyond its metadata limit (8 KB by default), and an
 # error quoting a caller's text must still reach the caller: details are cut to this.
@@ -91,6 +92,21 @@ def _check(message: Any) -> Any:
     return message
 
 
+def _parse_header(header_bytes: bytes | None, header_cls: type) -> Any:
+    if header_bytes is None:
+        raise InvalidArgumentError("the first message of a request carries no header")
+    try:
+        return header_cls.FromString(header_bytes)
+    except Exception as e:
+        raise InvalidArgumentError(f"malformed {header_cls.__name__}: {e}") from e
+
+
+def _framed_unary(message: Any, header_cls: type) -> tuple[Any, tuple[memoryview, ...]]:
+    """The header and payload of a one-message request (no stream iterator to drive)."""
+    header_bytes, payload = _check(message)
+    return _parse_header(header_bytes, header_cls), (() if payload is None else (payload,))
+
+
 def _framed(messages: Iterable[Any], header_cls: type) -> tuple[Any, Iterator[memoryview]]:
     """Parses the header of the first framed message; yields every payload chunk."""
     it = iter(messages)
@@ -98,12 +114,7 @@ def _framed(messages: Iterable[Any], header_cls: type) -> tuple[Any, Iterator[me
         header_bytes, first_payload = _check(next(it))
     except StopIteration:
         raise InvalidArgumentError("empty request stream: no header") from None
-    if header_bytes is None:
-        raise InvalidArgumentError("the first message of a request carries no header")
-    try:
-        header = header_cls.FromString(header_bytes)
-    except Exception as e:
-        raise InvalidArgumentError(f"malformed {header_cls.__name__}: {e}") from e
+    header = _parse_header(header_bytes, header_cls)
 
     def payloads() -> Iterator[memoryview]:
         if first_payload is not None:
@@ -118,7 +129,7 @@ def _framed(messages: Iterable[Any], header_cls: type) -> tuple[Any, Iterator[me
     return header, payloads()
 
 
-def _receive(assembler: framing.PayloadAssembler, payloads: Iterator[memoryview]) -> None:
+def _receive(assembler: framing.PayloadAssembler, payloads: Iterable[memoryview]) -> None:
     for payload in payloads:
         assembler.feed(payload)
     assembler.finish()
@@ -166,6 +177,9 @@ class ParameterServerServicer:
             self.idle = IdleWatch(stream_idle_timeout, on_expire)
         self._ids = itertools.count(1)
         self._shm_payloads = shm.SegmentCache()
+        # (dtype code, shape) -> checked (dtype, shape, nbytes): a worker pushes the same
+        # few specs every step, and checking one costs more than the rest of a small push
+        self._checked_specs: dict[tuple[int, tuple[int, ...]], tuple[np.dtype, tuple, int]] = {}
 
     # -- registration ---------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -208,18 +222,26 @@ class ParameterServerServicer:
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
 
+        gate = self.gate
+
+        def take_slot(peer: str) -> None:
+            """A slot of the gate for ``peer``; release it with ``gate.release(peer)``."""
+            try:
+                gate.acquire(peer)
+            except ResourceExhaustedError as e:
+                # every slot taken: a streaming call that stopped moving yields its own
+                if getattr(e, "reason", None) != "too_many_streams" or not (
+                    self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
+                ):
+                    raise
+                gate.acquire(peer, wait=EVICT_WAIT)
+
         def admit(stack: contextlib.ExitStack, context: grpc.ServicerContext) -> Any:
             """Takes a slot and, for a streaming call, starts its idle watch."""
-            if self.gate is not None:
-                try:
-                    stack.enter_context(self.gate.admit(context.peer()))
-                except ResourceExhaustedError as e:
-                    # every slot taken: a streaming call that stopped moving yields its own
-                    if getattr(e, "reason", None) != "too_many_streams" or not (
-                        self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
-                    ):
-                        raise
-                    stack.enter_context(self.gate.admit(context.peer(), wait=EVICT_WAIT))
+            if gate is not None:
+                peer = context.peer()
+                take_slot(peer)
+                stack.callback(gate.release, peer)
             if self.idle is None or kind is Kind.UNARY_UNARY:
                 return None
             label = f"{name} from {context.peer()}"
@@ -248,6 +270,31 @@ class ParameterServerServicer:
                         done(start, code)
 
             return stream
+
+        if self.idle is None or kind is Kind.UNARY_UNARY:
+            # no idle watch (a unary call, or none configured): the lean path every small
+            # push and pull takes, a slot taken and released without a context stack
+            @functools.wraps(fn)
+            def lean(request, context):
+                start, code, held = time.perf_counter() if metrics is not None else 0.0, "OK", None
+                with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
+                    try:
+                        if gate is not None:
+                            peer = context.peer()
+                            take_slot(peer)
+                            held = peer
+                        return fn(request, context)
+                    except Exception as e:
+                        if metrics is not None:
+                            code = _status_name(e, context, None)
+                        abort(context, e, None)
+                    finally:
+                        if held is not None:
+                            gate.release(held)
+                        if metrics is not None:
+                            done(start, code)
+
+            return lean
 
         @functools.wraps(fn)
         def unary(request, context):
@@ -281,6 +328,17 @@ class ParameterServerServicer:
                 "--max-tensor-bytes",
             )
         return dtype, shape, nbytes
+
+    def _gradient_spec(self, spec: Any, name: str) -> tuple[np.dtype, tuple, int]:
+        """:meth:`_spec` of a push item, remembered once it passed (the limit is fixed)."""
+        key = (spec.dtype, tuple(spec.shape))
+        checked = self._checked_specs.get(key)
+        if checked is None:
+            checked = self._spec(spec.dtype, spec.shape, f"gradient for {quote(name)}")
+            if len(self._checked_specs) >= _SPEC_CACHE_SIZE:
+                self._checked_specs.clear()  # many distinct specs: start over, stay bounded
+            self._checked_specs[key] = checked
+        return checked
 
     # -- writes -------------------------------------------------------------------
     def Write(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.WriteResponse:
@@ -376,7 +434,7 @@ class ParameterServerServicer:
 
     def Pull(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """Reads variables; header and payload in one message."""
-        start = time.perf_counter()
+        start = time.perf_counter() if self.metrics is not None else 0.0
         names, rows = self._pull_parts(request)
         with self.store.reading(names, rows) as tensors:
             total = sum(t.value.nbytes for t in tensors)
@@ -408,36 +466,37 @@ class ParameterServerServicer:
     # -- pushes ------------------------------------------------------------------------
     def Push(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         """Applies gradients (unary)."""
-        return self._push([request], context)
+        return self._push(*_framed_unary(request, ps_pb2.PushHeader), context)
 
     def PushStream(
         self, request_iterator: Iterator[Any], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
         """Applies gradients (streamed payload)."""
-        return self._push(request_iterator, context)
+        return self._push(*_framed(request_iterator, ps_pb2.PushHeader), context)
 
-    def _push(self, messages: Iterable[Any], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+    def _push(
+        self, header: Any, payloads: Iterable[memoryview], context: grpc.ServicerContext
+    ) -> ps_pb2.PushResponse:
         start = time.perf_counter()
-        header, payloads = _framed(messages, ps_pb2.PushHeader)
         if not header.HasField("id") or not header.id.client_id:
             raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
         step = header.step if header.HasField("step") else None
         set_log_context(step=step, request_id=f"{header.id.client_id[:64]}:{header.id.sequence}")
         layout, sizes = [], []
         for item in header.items:
-            dtype, shape, nbytes = self._spec(
-                item.values.dtype, item.values.shape, f"gradient for {quote(item.name)}"
-            )
+            dtype, shape, nbytes = self._gradient_spec(item.values, item.name)
             if item.sparse:
                 if not shape:
                     raise InvalidArgumentError(
                         f"sparse gradient for {quote(item.name)} has no rows"
                     )
                 sizes.append(shape[0] * 8)
-            wire = compression.wire_dtype(
-                item.compression, dtype, f"gradient for {quote(item.name)}"
-            )
-            layout.append((item, dtype, shape, len(sizes)))
+            wire = dtype
+            if item.compression:
+                wire = compression.wire_dtype(
+                    item.compression, dtype, f"gradient for {quote(item.name)}"
+                )
+            layout.append((item, dtype, shape, wire, len(sizes)))
             sizes.append(nbytes // dtype.itemsize * wire.itemsize)
         assembler = framing.PayloadAssembler(sizes)
         if header.shm_payload:
@@ -451,11 +510,13 @@ class ParameterServerServicer:
             payloads = (view[i : i + chunk] for i in range(0, len(view), chunk))
         _receive(assembler, payloads)
         grads = []
-        for item, dtype, shape, k in layout:
-            what = f"gradient for {quote(item.name)}"
-            wire = compression.wire_dtype(item.compression, dtype, what)
+        for item, dtype, shape, wire, k in layout:
+            # the sizes were checked against the header above: only a bool payload can
+            # still be refused here, so its message is built only then
+            what = _GradientWhat(item.name)
             values = segments_from_pieces(wire, shape, assembler.pieces(k), what=what)
-            values = compression.decode_segments(item.compression, values, dtype)
+            if item.compression:
+                values = compression.decode_segments(item.compression, values, dtype)
             indices = None
             if item.sparse:
                 indices = codec.tensor_from_buffer(
@@ -482,7 +543,7 @@ class ParameterServerServicer:
             self.metrics.record_push(
                 [
                     (item.name, sizes[k] + (sizes[k - 1] if item.sparse else 0))
-                    for item, _, _, k in layout
+                    for item, _, _, _, k in layout
                 ],
                 time.perf_counter() - start,
                 result.staleness,
@@ -618,6 +679,18 @@ class ParameterServerServicer:
 
 def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
+
+
+class _GradientWhat:
+    """``gradient for 'name'``, formatted only when an error message needs it."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"gradient for {quote(self.name)}"
 
 
 def _gone(context: grpc.ServicerContext, watched: Any) -> bool:

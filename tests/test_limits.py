@@ -53,6 +53,23 @@ def test_stream_gate_counts_and_releases():
     assert gate.active == 0
 
 
+def test_gate_acquire_and_release_count_per_client():
+    gate = StreamGate(3, per_client=2)
+    gate.acquire("a")
+    gate.acquire("a")
+    with pytest.raises(ResourceExhaustedError, match="3 concurrent calls from one client") as info:
+        gate.acquire("a")  # refused without taking a slot
+    assert info.value.reason == "too_many_streams_per_client" and gate.active == 2
+    gate.acquire("b")
+    with pytest.raises(ResourceExhaustedError, match="4 concurrent calls exceeds"):
+        gate.acquire("c")
+    gate.release("a")
+    gate.acquire("c")  # the slot "a" gave back
+    for client in ("a", "b", "c"):
+        gate.release(client)
+    assert gate.active == 0
+
+
 @pytest.fixture(scope="module")
 def limited_ps(start_ps_module):
     return start_ps_module(

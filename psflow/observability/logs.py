@@ -19,14 +19,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import datetime
 import enum
 import json
 import logging
 import sys
-from collections.abc import Iterator
 from typing import Any, TextIO
 
 from psflow.errors import InvalidArgumentError
@@ -72,19 +70,30 @@ class LogFormat(enum.Enum):
             ) from None
 
 
-@contextlib.contextmanager
-def log_context(*, step: int | None = None, request_id: str | None = None) -> Iterator[None]:
-    """Records logged inside carry ``step`` and ``request_id`` (unchanged when None)."""
-    tokens = []
-    if step is not None:
-        tokens.append((_STEP, _STEP.set(int(step))))
-    if request_id is not None:
-        tokens.append((_REQUEST, _REQUEST.set(str(request_id))))
-    try:
-        yield
-    finally:
-        for var, token in reversed(tokens):
+class log_context:  # noqa: N801 - used as a function-style context manager
+    """Records logged inside carry ``step`` and ``request_id`` (unchanged when None).
+
+    A small class rather than a generator-based context manager: every RPC a
+    server handles enters one, and this costs a fraction of the generator's.
+    """
+
+    __slots__ = ("_request", "_step", "_tokens")
+
+    def __init__(self, *, step: int | None = None, request_id: str | None = None) -> None:
+        self._step = step
+        self._request = request_id
+        self._tokens: list[tuple[contextvars.ContextVar, contextvars.Token]] = []
+
+    def __enter__(self) -> None:
+        if self._step is not None:
+            self._tokens.append((_STEP, _STEP.set(int(self._step))))
+        if self._request is not None:
+            self._tokens.append((_REQUEST, _REQUEST.set(str(self._request))))
+
+    def __exit__(self, *exc: object) -> None:
+        for var, token in reversed(self._tokens):
             var.reset(token)
+        self._tokens.clear()
 
 
 def set_log_context(*, step: int | None = None, request_id: str | None = None) -> None:

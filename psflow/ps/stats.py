@@ -43,15 +43,24 @@ class Stats:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
 
+    def record_pull(self, bytes_out: int) -> None:
+        """Counts one pull of ``bytes_out`` bytes."""
+        with self._lock:
+            self.pulls += 1
+            self.bytes_out += bytes_out
+
     def reject(self, reason: str) -> None:
         """Counts a rejected request."""
         with self._lock:
             self.rejected[reason] += 1
 
-    def record_push(self, entries: list[PushLogEntry], staleness: list[int]) -> None:
-        """Counts one applied push and logs its gradients."""
+    def record_push(
+        self, entries: list[PushLogEntry], staleness: list[int], bytes_in: int = 0
+    ) -> None:
+        """Counts one applied push of ``bytes_in`` payload bytes and logs its gradients."""
         with self._lock:
             self.pushes_applied += 1
+            self.bytes_in += bytes_in
             self.log.extend(entries)
             self.applied_by_variable.update(e.variable for e in entries)
             for s in staleness:

@@ -87,6 +87,8 @@ MAX_PENDING_STEPS = 16
 # The longest a call waits inside the store (a retry racing its original, a sync
 # step's completion): a caller without a deadline must not hold a thread forever.
 MAX_WAIT_SECONDS = 600.0
+# Client ids remembered as well-formed (checking one per push costs as much as a lookup).
+MAX_CHECKED_CLIENTS = 4096
 
 
 def _bounded_wait(timeout: float | None) -> float:
@@ -170,16 +172,13 @@ class VariableStore:
         self.drained = threading.Event()  # set once told to exit after giving everything away
         self.stats = Stats(log_size=log_size)
         self._pushed_rules = RuleCache()  # a push's rule JSON, parsed once per distinct text
+        self._rejections = _Rejecting(self.stats)
+        self._checked_clients: set[str] = set()  # client ids that passed check_name
 
     # -- helpers -----------------------------------------------------------
-    @contextlib.contextmanager
-    def _rejecting(self) -> Iterator[None]:
+    def _rejecting(self) -> _Rejecting:
         """Counts typed errors raised inside as rejections, by code or reason."""
-        try:
-            yield
-        except OpError as e:
-            self.stats.reject(getattr(e, "reason", None) or e.code.name.lower())
-            raise
+        return self._rejections
 
     def _get(self, name: str) -> Variable:
         var = self._vars.get(name)
@@ -198,6 +197,8 @@ class VariableStore:
         return var
 
     def _lookup(self, names: Sequence[str]) -> list[Variable]:
+        if len(names) == 1:  # the common push: no set, no lock (a dict read is atomic)
+            return [self._get(names[0])]
         with self._lock:
             seen = set()
             for n in names:
@@ -207,13 +208,11 @@ class VariableStore:
             return [self._get(n) for n in names]
 
     @staticmethod
-    @contextlib.contextmanager
-    def _locked(variables: Sequence[Variable]) -> Iterator[None]:
-        ordered = sorted(set(variables), key=lambda v: v.meta.name)
-        with contextlib.ExitStack() as stack:
-            for v in ordered:
-                stack.enter_context(v.lock)
-            yield
+    def _locked(variables: Sequence[Variable]) -> Any:
+        """A context manager holding the variables' locks, taken in name order."""
+        if len(variables) == 1:
+            return variables[0].lock
+        return _locked_in_order(variables)
 
     def _check_values(self, var: Variable, values: Any, what: str) -> Segments:
         seg = as_segments(values)
@@ -362,10 +361,7 @@ class VariableStore:
         return rule.slot_names
 
     # -- reads -----------------------------------------------------------------
-    @contextlib.contextmanager
-    def reading(
-        self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
-    ) -> Iterator[list[PulledTensor]]:
+    def reading(self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None) -> _Reading:
         """Consistent snapshots of variables, valid inside the ``with`` block.
 
         ``rows`` maps an item's position to the row indices to read instead of
@@ -373,46 +369,30 @@ class VariableStore:
         modify them); writers copy on write while the block runs.
 
         Raises:
-            NotFoundError, InvalidArgumentError: unknown variable, bad indices.
+            NotFoundError, InvalidArgumentError: unknown variable, bad indices
+                (on entering the block).
         """
-        rows = rows or {}
-        with self._rejecting():
-            with self._lock:
-                variables = [self._get(n) for n in names]
-            checked = {}
-            for i, idx in rows.items():
-                meta = variables[i].meta
-                idx = np.asarray(idx)
-                if idx.ndim != 1 or idx.dtype.kind not in "iu":
-                    raise InvalidArgumentError(
-                        f"row indices for {meta.name!r} must be a 1-D integer array, got "
-                        f"{idx.dtype.name}{list(idx.shape)}"
-                    )
-                if not meta.shape:
-                    raise InvalidArgumentError(f"cannot read rows of scalar {meta.name!r}")
-                if idx.size and (idx.min() < 0 or idx.max() >= meta.shape[0]):
-                    bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
-                    raise InvalidArgumentError(
-                        f"row index {bad} out of range for {meta.name!r} of shape {meta.shape}"
-                    )
-                checked[i] = idx
-        held: list[tuple[Variable, np.ndarray]] = []
-        out: list[PulledTensor] = []
-        try:
-            for i, var in enumerate(variables):
-                with var.lock:
-                    if i in checked:
-                        out.append(PulledTensor(var.meta.name, var.value[checked[i]], var.version))
-                    else:
-                        value, version = var.acquire_read()
-                        held.append((var, value))
-                        out.append(PulledTensor(var.meta.name, value, version))
-            self.stats.add(pulls=1, bytes_out=sum(t.value.nbytes for t in out))
-            yield out
-        finally:
-            for var, value in held:
-                with var.lock:
-                    var.release_read(value)
+        return _Reading(self, names, rows or {})
+
+    def _check_rows(self, variables: list[Variable], rows: dict[int, Any]) -> dict[int, Any]:
+        checked = {}
+        for i, idx in rows.items():
+            meta = variables[i].meta
+            idx = np.asarray(idx)
+            if idx.ndim != 1 or idx.dtype.kind not in "iu":
+                raise InvalidArgumentError(
+                    f"row indices for {meta.name!r} must be a 1-D integer array, got "
+                    f"{idx.dtype.name}{list(idx.shape)}"
+                )
+            if not meta.shape:
+                raise InvalidArgumentError(f"cannot read rows of scalar {meta.name!r}")
+            if idx.size and (idx.min() < 0 or idx.max() >= meta.shape[0]):
+                bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+                raise InvalidArgumentError(
+                    f"row index {bad} out of range for {meta.name!r} of shape {meta.shape}"
+                )
+            checked[i] = idx
+        return checked
 
     def pull(
         self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
@@ -465,7 +445,11 @@ class VariableStore:
         """Runs ``run`` once per request id; duplicates get ``on_duplicate(reply)``."""
         client_id, sequence = request_id
         with self._rejecting():
-            check_name(client_id, "client id")
+            if client_id not in self._checked_clients:
+                check_name(client_id, "client id")
+                if len(self._checked_clients) >= MAX_CHECKED_CLIENTS:
+                    self._checked_clients.clear()  # bounded: many clients, check again
+                self._checked_clients.add(client_id)
             if int(sequence) < 0:
                 raise InvalidArgumentError(f"bad request id sequence {sequence!r}")
         for _ in range(100):
@@ -663,8 +647,7 @@ class VariableStore:
             else:
                 var.apply_dense(a)
             entries.append(PushLogEntry(var.meta.name, client_id, g.base_version, var.version))
-        self.stats.add(bytes_in=sum(_grad_bytes(c) for c in checked))
-        self.stats.record_push(entries, staleness)
+        self.stats.record_push(entries, staleness, sum(_grad_bytes(c) for c in checked))
         return PushReply(tuple(c[0].version for c in checked), True, False, tuple(staleness))
 
     def _contribute(self, checked, push_id, step, num_required, rule=None) -> PushReply:
@@ -940,6 +923,76 @@ def _check_pushed_rule(var: Variable, rule: UpdateRule) -> None:
             f"{list(held.slot_names)}; the push's rule {rule.name!r} needs "
             f"{list(rule.slot_names)}"
         )
+
+
+class _Reading:
+    """The context manager :meth:`VariableStore.reading` returns (a class, not a
+    generator: every pull enters one)."""
+
+    __slots__ = ("_held", "_names", "_rows", "_store")
+
+    def __init__(self, store: VariableStore, names: Sequence[str], rows: dict[int, Any]) -> None:
+        self._store = store
+        self._names = names
+        self._rows = rows
+        self._held: list[tuple[Variable, np.ndarray]] = []
+
+    def __enter__(self) -> list[PulledTensor]:
+        store = self._store
+        with store._rejecting():
+            with store._lock:
+                variables = [store._get(n) for n in self._names]
+            checked = store._check_rows(variables, self._rows) if self._rows else {}
+        out: list[PulledTensor] = []
+        try:
+            for i, var in enumerate(variables):
+                with var.lock:
+                    if i in checked:
+                        out.append(PulledTensor(var.meta.name, var.value[checked[i]], var.version))
+                    else:
+                        value, version = var.acquire_read()
+                        self._held.append((var, value))
+                        out.append(PulledTensor(var.meta.name, value, version))
+            store.stats.record_pull(sum(t.value.nbytes for t in out))
+        except BaseException:
+            self._release()
+            raise
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        for var, value in self._held:
+            with var.lock:
+                var.release_read(value)
+        self._held.clear()
+
+
+class _Rejecting:
+    """Counts typed errors raised inside as rejections (reusable, stateless)."""
+
+    __slots__ = ("_stats",)
+
+    def __init__(self, stats: Stats) -> None:
+        self._stats = stats
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, OpError):
+            self._stats.reject(getattr(exc, "reason", None) or exc.code.name.lower())
+        return False
+
+
+@contextlib.contextmanager
+def _locked_in_order(variables: Sequence[Variable]) -> Iterator[None]:
+    ordered = sorted(set(variables), key=lambda v: v.meta.name)
+    with contextlib.ExitStack() as stack:
+        for v in ordered:
+            stack.enter_context(v.lock)
+        yield
 
 
 def _grad_bytes(c) -> int:

@@ -163,6 +163,19 @@ class StreamGate:
             ResourceExhaustedError: ``limit`` calls are already in progress, or
                 ``per_client`` of ``client``'s.
         """
+        self.acquire(client, wait)
+        try:
+            yield
+        finally:
+            self.release(client)
+
+    def acquire(self, client: str = "", wait: float = 0.0) -> None:
+        """Takes one slot (as :meth:`admit`, for callers that pair it with :meth:`release`
+        themselves: a server's per-call path, where a generator costs more than the gate).
+
+        Raises:
+            ResourceExhaustedError: as :meth:`admit`.
+        """
         with self._lock:
             if wait > 0:
                 self._released.wait_for(lambda: self.active < self.limit, timeout=wait)
@@ -185,14 +198,14 @@ class StreamGate:
                 )
             self.active += 1
             self._by_client[client] = mine + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.active -= 1
-                self._released.notify()
-                left = self._by_client[client] - 1
-                if left:
-                    self._by_client[client] = left
-                else:
-                    del self._by_client[client]
+
+    def release(self, client: str = "") -> None:
+        """Gives back a slot taken by :meth:`acquire` for ``client``."""
+        with self._lock:
+            self.active -= 1
+            self._released.notify()
+            left = self._by_client[client] - 1
+            if left:
+                self._by_client[client] = left
+            else:
+                del self._by_client[client]
