@@ -45,7 +45,7 @@ import numpy as np
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.update_rules import UpdateRule, rule_from_config
 
-from .key_index import KeyIndex, mix64
+from .key_index import KeyIndex, mix64, unique_ids
 
 __all__ = ["INITIALIZERS", "DynamicTable", "TableConfig", "TableStats", "initial_rows"]
 
@@ -246,7 +246,7 @@ class DynamicTable:
             InvalidArgumentError: ``ids`` not a 1-D int64 array; nothing changes.
         """
         ids = check_ids(ids)
-        unique, inverse = _unique(ids)
+        unique, inverse = unique_ids(ids)
         with self._lock:
             self._counters["lookups"] += 1
             slots = self._index.find(unique)
@@ -257,11 +257,16 @@ class DynamicTable:
                 if new_ids.size:
                     slots[np.flatnonzero(missing)[admit]] = self._create(new_ids)
             have = slots >= 0
-            self._touched[slots[have]] = self.step
-            self._traffic[slots[have]] += 1
-            out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-            out[have] = self._rows[slots[have]]
-        return out[inverse.reshape(-1)]
+            if have.all():
+                self._touched[slots] = self.step
+                self._traffic[slots] += 1
+                out = self._rows[slots]
+            else:  # candidates read the default row (zeros)
+                self._touched[slots[have]] = self.step
+                self._traffic[slots[have]] += 1
+                out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
+                out[have] = self._rows[slots[have]]
+        return out if unique is ids else out[inverse]
 
     def peek(self, ids: Any) -> np.ndarray:
         """The current rows of ``ids`` without creating, counting or touching any
@@ -334,13 +339,13 @@ class DynamicTable:
                 f"({ids.shape[0]}, {self.config.dim}), got {grads.dtype} {grads.shape}"
             )
         grads = grads.astype(self.dtype, copy=False)
-        unique, inverse = _unique(ids)
+        unique, inverse = unique_ids(ids)
         if unique.shape[0] == ids.shape[0]:
             summed = np.empty_like(grads)
-            summed[inverse.reshape(-1)] = grads
+            summed[inverse] = grads
         else:  # unsorted_segment_sum, in order of appearance
             summed = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-            np.add.at(summed, inverse.reshape(-1), grads)
+            np.add.at(summed, inverse, grads)
         with self._lock:
             self._bind(rule)
             slots = self._index.find(unique)
@@ -491,14 +496,6 @@ class DynamicTable:
                     fresh._counters[n] += v
             fresh.step = max((int(p["step"]) for p in parts), default=0)
         return fresh
-
-
-def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(ids, return_inverse=True)``, without the sort when ``ids`` is
-    already strictly increasing (clients send sorted unique ids)."""
-    if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
-        return ids, np.arange(ids.shape[0])
-    return np.unique(ids, return_inverse=True)
 
 
 def _grown(array: np.ndarray, rows: int) -> np.ndarray:

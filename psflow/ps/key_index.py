@@ -25,7 +25,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["EMPTY", "MAX_LOAD", "TOMBSTONE", "WINDOW", "KeyIndex", "mix64", "shard_of"]
+__all__ = [
+    "EMPTY",
+    "MAX_LOAD",
+    "TOMBSTONE",
+    "WINDOW",
+    "KeyIndex",
+    "mix64",
+    "shard_of",
+    "unique_ids",
+]
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -57,6 +66,15 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     uses (which mixes once): a shard's keys still spread over its whole index.
     """
     return (mix64(mix64(keys)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_inverse=True)`` of 1-D ``ids``, without the sort
+    when ``ids`` is already strictly increasing (clients send sorted unique ids)."""
+    if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, np.arange(ids.shape[0])
+    unique, inverse = np.unique(ids, return_inverse=True)
+    return unique, inverse.reshape(-1)
 
 
 def _index_size(keys: int) -> int:
@@ -191,7 +209,17 @@ class KeyIndex:
     def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:
         size = self._table.shape[0]
         pos = (mix64(keys) & np.uint64(size - 1)).astype(np.int64)
-        pending = np.arange(keys.shape[0])
+        # Round one: a key whose home entry is free and wanted by no earlier key
+        # of the batch takes it (most do at a load below MAX_LOAD).
+        home_free = self._table[pos] < 0
+        claimed, first = np.unique(pos[home_free], return_index=True)
+        winners = np.flatnonzero(home_free)[first]
+        self._tombstones -= int(np.count_nonzero(self._table[claimed] == TOMBSTONE))
+        self._table[claimed] = slots[winners]
+        won = np.zeros(keys.shape[0], bool)
+        won[winners] = True
+        pending = np.flatnonzero(~won)
+        pos = pos[pending]
         for _ in range(2 * keys.shape[0] + size // WINDOW + 1):
             if pending.size == 0:
                 break

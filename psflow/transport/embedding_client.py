@@ -35,7 +35,7 @@ from psflow.errors import DeadlineExceededError, InvalidArgumentError, Unavailab
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
-from psflow.ps.key_index import shard_of
+from psflow.ps.key_index import shard_of, unique_ids
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
@@ -201,7 +201,7 @@ class EmbeddingClient:
         """
         ids = np.asarray(ids)
         flat = _as_ids(ids)
-        unique, inverse = np.unique(flat, return_inverse=True)
+        unique, inverse = unique_ids(flat)
         cached: tuple[np.ndarray, np.ndarray] | None = None
         if unique.size and (self.hot_rows is not None or table in self._hot_policies):
             cached = self._hot_cache(table).split(unique)
@@ -236,7 +236,7 @@ class EmbeddingClient:
                 out[at[parts[s]]] = rows
         if cached is not None and cached[0].any():
             out[cached[0]] = cached[1]
-        return out[inverse.reshape(-1)].reshape(*ids.shape, dim)
+        return (out if unique is flat else out[inverse]).reshape(*ids.shape, dim)
 
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
@@ -285,13 +285,15 @@ class EmbeddingClient:
                 f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
             )
         grads = grads.reshape(flat.shape[0], grads.shape[-1])
-        unique, inverse = np.unique(flat, return_inverse=True)
-        if unique.shape[0] != flat.shape[0]:
+        unique, inverse = unique_ids(flat)
+        if unique is flat:  # sorted unique already (a DynamicEmbedding's gradient)
+            summed = grads
+        elif unique.shape[0] != flat.shape[0]:
             summed = np.zeros((unique.shape[0], grads.shape[1]), grads.dtype)
-            np.add.at(summed, inverse.reshape(-1), grads)
+            np.add.at(summed, inverse, grads)
         else:
             summed = np.empty_like(grads)
-            summed[inverse.reshape(-1)] = grads
+            summed[inverse] = grads
         parts = self._split(unique)
         optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
         # ids are taken here, in shard order, so a re-run draws the same ones

@@ -39,6 +39,7 @@ from psflow.keras.layers.base import Layer
 from psflow.ops._core import node, out
 from psflow.ps.dynamic_table import TableConfig
 from psflow.ps.hot_rows import HotRowPolicy
+from psflow.ps.key_index import unique_ids
 from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
 
 __all__ = ["DynamicEmbedding", "DynamicTableHandle"]
@@ -192,18 +193,26 @@ class DynamicTableHandle(GroupUpdated):
             )
         flat = idx.reshape(-1).astype(np.int64)
         dim = self.config.dim
-        if flat.size:
+        # Each id is pulled once and its gradient rows summed here, in order of
+        # appearance (unsorted_segment_sum), so the push carries unique sorted ids.
+        unique, inverse = unique_ids(flat)
+        if unique.size:
             client = self.backend.client
             if self.hot_rows is not None:
                 client.cache_hot_rows(self.config.name, self.hot_rows)
-            rows = client.lookup(self.config.name, flat)
+            rows = client.lookup(self.config.name, unique)
         else:
             rows = np.zeros((0, dim), self._dtype.np)
-        gathered = rows.reshape((*idx.shape, dim))
+        gathered = (rows if unique is flat else rows[inverse]).reshape((*idx.shape, dim))
         shape = (0, dim)
 
         def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
-            return (IndexedSlices._raw(g.reshape((flat.size, dim)), flat, shape),)
+            g = backend.to_numpy(g).reshape((flat.size, dim))
+            if unique is not flat:
+                summed = np.zeros((unique.size, dim), g.dtype)
+                np.add.at(summed, inverse, g)
+                g = summed
+            return (IndexedSlices._raw(g, unique, shape),)
 
         return out(gathered, (self,), backward)
 
