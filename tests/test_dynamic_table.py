@@ -248,3 +248,27 @@ def test_the_first_push_binds_the_optimizer_and_another_is_refused():
     assert table.config.optimizer["name"] == "adagrad"
     assert TableConfig("t", 2, initializer="zeros").optimizer is None
     assert table.config.accepts(TableConfig("t", 2, initializer="zeros"))
+
+
+@pytest.mark.parametrize("min_count", [1, 2])
+def test_read_only_lookup_creates_nothing_and_reads_the_first_training_row(min_count):
+    config = TableConfig(
+        "t", DIM, seed=5, min_count=min_count, optimizer={"name": "sgd", "learning_rate": 1.0}
+    )
+    table = DynamicTable(config)
+    known = np.array([3, 10**15], np.int64)
+    for _ in range(min_count):
+        table.lookup(known)
+    table.apply_gradients(known, np.ones((2, DIM), np.float32))
+    before = table.stats()
+    unseen = np.array([-9, 3, 2**62, -9], np.int64)  # unknown, known, unknown, repeated
+    got = table.lookup(unseen, read_only=True)
+    assert table.stats() == before  # no row, candidate, counter or step changed
+    np.testing.assert_array_equal(got[1], table.peek(known[:1])[0])
+    np.testing.assert_array_equal(got[0], got[3])
+    fresh = DynamicTable(config).lookup(unseen[[0, 2]])  # what training reads first
+    np.testing.assert_array_equal(got[[0, 2]], fresh)
+    if min_count > 1:
+        np.testing.assert_array_equal(fresh, 0.0)  # candidates read the default row
+    else:
+        assert np.abs(fresh).max() > 0

@@ -237,16 +237,22 @@ class DynamicTable:
         )
 
     # -- reads ----------------------------------------------------------------------
-    def lookup(self, ids: Any) -> np.ndarray:
+    def lookup(self, ids: Any, read_only: bool = False) -> np.ndarray:
         """The rows of ``ids`` (int64, 1-D), creating and admitting rows as needed.
 
-        Repeated ids in one request count once towards admission.
+        Repeated ids in one request count once towards admission.  With
+        ``read_only`` (inference: evaluate, predict) nothing is created, counted
+        or touched; an id without a row reads what its first training lookup
+        would return (its initial row, or zeros while ``min_count > 1``).
 
         Raises:
             InvalidArgumentError: ``ids`` not a 1-D int64 array; nothing changes.
         """
         ids = check_ids(ids)
         unique, inverse = unique_ids(ids)
+        if read_only:
+            out = self._read(unique)
+            return out if unique is ids else out[inverse]
         with self._lock:
             self._counters["lookups"] += 1
             slots = self._index.find(unique)
@@ -267,6 +273,22 @@ class DynamicTable:
                 out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
                 out[have] = self._rows[slots[have]]
         return out if unique is ids else out[inverse]
+
+    def _read(self, unique: np.ndarray) -> np.ndarray:
+        with self._lock:
+            slots = self._index.find(unique)
+            have = slots >= 0
+            out = np.empty((unique.shape[0], self.config.dim), self.dtype)
+            out[have] = self._rows[slots[have]]
+        if not have.all():
+            c = self.config
+            if c.min_count > 1:  # a first sighting leaves it a candidate: the default row
+                out[~have] = 0
+            else:
+                out[~have] = initial_rows(
+                    c.initializer, c.seed, unique[~have], c.dim, c.init_scale, self.dtype
+                )
+        return out
 
     def peek(self, ids: Any) -> np.ndarray:
         """The current rows of ``ids`` without creating, counting or touching any

@@ -113,7 +113,7 @@ class TableRegistry:
                 )
         return table, ids
 
-    def lookup(self, name: str, ids: Any) -> np.ndarray:
+    def lookup(self, name: str, ids: Any, read_only: bool = False) -> np.ndarray:
         """Rows of ``ids`` (see :meth:`DynamicTable.lookup`).
 
         Raises:
@@ -121,7 +121,7 @@ class TableRegistry:
             InvalidArgumentError: bad ids, or ids another shard owns.
         """
         table, ids = self._owned(name, ids)
-        return table.lookup(ids)
+        return table.lookup(ids, read_only)
 
     def push(
         self,

@@ -192,8 +192,11 @@ class EmbeddingClient:
         owner = shard_of(ids, self.num_shards)
         return [np.flatnonzero(owner == s) for s in range(self.num_shards)]
 
-    def lookup(self, table: str, ids: Any) -> np.ndarray:
+    def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
         """Rows of ``ids`` (any shape of integers): shape ``ids.shape + (dim,)``.
+
+        ``training=False`` reads without creating rows (see
+        :meth:`~psflow.ps.dynamic_table.DynamicTable.lookup`'s ``read_only``).
 
         Raises:
             NotFoundError: unknown table.
@@ -212,7 +215,7 @@ class EmbeddingClient:
             if parts[s].size == 0:
                 return None
             request = embedding_pb2.LookupRequest(
-                table=table, ids=codec.encode_tensor(missing[parts[s]])
+                table=table, ids=codec.encode_tensor(missing[parts[s]]), read_only=not training
             )
             rows = codec.decode_tensor(self._call(s, "Lookup", request, retries=1).rows)
             with self._lock:
@@ -397,10 +400,10 @@ class InProcessEmbeddingClient:
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Nothing to do: in process, every lookup reads the table itself."""
 
-    def lookup(self, table: str, ids: Any) -> np.ndarray:
-        """Rows of ``ids``: shape ``ids.shape + (dim,)``."""
+    def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
+        """Rows of ``ids``: shape ``ids.shape + (dim,)`` (``training=False``: no rows made)."""
         ids = np.asarray(ids)
-        rows = self.registry.lookup(table, _as_ids(ids))
+        rows = self.registry.lookup(table, _as_ids(ids), not training)
         return rows.reshape(*ids.shape, rows.shape[-1])
 
     def push(

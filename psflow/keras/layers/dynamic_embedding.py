@@ -184,8 +184,12 @@ class DynamicTableHandle(GroupUpdated):
                 f"{self.name}: a dynamic table cannot be assigned rows; restore a table checkpoint"
             )
 
-    def lookup(self, ids: Any) -> Tensor:
-        """Rows of ``ids`` (any integer shape); the gradient is sparse rows by id."""
+    def lookup(self, ids: Any, training: bool = True) -> Tensor:
+        """Rows of ``ids`` (any integer shape); the gradient is sparse rows by id.
+
+        ``training=False`` (evaluate, predict) creates no rows: an unknown id
+        reads the row its first training lookup would get.
+        """
         idx = backend.to_numpy(to_array(node(ids)))
         if idx.dtype.kind not in "iu":
             raise errors.InvalidArgumentError(
@@ -200,7 +204,7 @@ class DynamicTableHandle(GroupUpdated):
             client = self.backend.client
             if self.hot_rows is not None:
                 client.cache_hot_rows(self.config.name, self.hot_rows)
-            rows = client.lookup(self.config.name, unique)
+            rows = client.lookup(self.config.name, unique, training)
         else:
             rows = np.zeros((0, dim), self._dtype.np)
         gathered = (rows if unique is flat else rows[inverse]).reshape((*idx.shape, dim))
@@ -300,9 +304,10 @@ class DynamicEmbedding(Layer):
         self._own_weights.append(self.table)
         self.built = True
 
-    def call(self, inputs: Any) -> Any:
-        """The rows of ``inputs`` (integer ids of any shape)."""
-        return self.table.lookup(inputs)
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        """The rows of ``inputs`` (integer ids of any shape); ``training=False``
+        (evaluate, predict) reads without creating rows, None or True may create them."""
+        return self.table.lookup(inputs, training is not False)
 
     def compute_output_shape(self, input_shape: Any) -> TensorShape:
         """``input_shape + (output_dim,)``."""
