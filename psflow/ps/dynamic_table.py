@@ -17,8 +17,13 @@ no vocabulary.  Guarantees:
 * **Admission.** With ``min_count > 1`` an id is a *candidate* until it was
   looked up in ``min_count`` requests; until then it reads the shared default
   row (zeros) and its gradients are dropped (counted).
-* **Eviction.** With ``ttl_steps``, after each push the rows (and candidates)
-  not touched during the last ``ttl_steps`` pushes are removed (counted).
+* **Eviction.** With ``ttl_steps``, a row (or candidate) not touched during
+  the last ``ttl_steps`` pushes is gone: every read and push treats it as
+  removed, and counts it evicted when it meets it.  The scan that reclaims
+  all such rows runs every ``max(1, ttl_steps // 8)`` pushes (not per push:
+  it reads every row) and before :meth:`~DynamicTable.stats`,
+  :meth:`~DynamicTable.hot_ids` and :meth:`~DynamicTable.export_state`, so
+  what a caller can observe is exactly what a per-push scan would give.
 * **No partial state change on bad input.** Requests are validated before any
   change; one lock per table serialises changes.
 
@@ -224,6 +229,9 @@ class DynamicTable:
         self._cand_count = np.zeros(self._cand.capacity, np.uint32)
         self._cand_touched = np.zeros(self._cand.capacity, np.uint32)
         self.step = 0
+        self._next_scan = 0  # the push after which the eviction scan runs next
+        # eviction scans run so far (they are amortised over max(1, ttl // 8) pushes)
+        self.eviction_scans = 0
         self._counters = dict.fromkeys(
             (
                 "created",
@@ -255,7 +263,7 @@ class DynamicTable:
             return out if unique is ids else out[inverse]
         with self._lock:
             self._counters["lookups"] += 1
-            slots = self._index.find(unique)
+            slots = self._evict_met(self._index.find(unique))
             missing = slots < 0
             if missing.any():
                 admit = self._count_candidates(unique[missing])
@@ -276,7 +284,7 @@ class DynamicTable:
 
     def _read(self, unique: np.ndarray) -> np.ndarray:
         with self._lock:
-            slots = self._index.find(unique)
+            slots = self._live(self._index.find(unique))
             have = slots >= 0
             out = np.empty((unique.shape[0], self.config.dim), self.dtype)
             out[have] = self._rows[slots[have]]
@@ -295,7 +303,7 @@ class DynamicTable:
         (zeros where an id has no row)."""
         ids = check_ids(ids)
         with self._lock:
-            slots = self._index.find(ids)
+            slots = self._live(self._index.find(ids))
             out = np.zeros((ids.shape[0], self.config.dim), self.dtype)
             out[slots >= 0] = self._rows[slots[slots >= 0]]
         return out
@@ -304,7 +312,7 @@ class DynamicTable:
         """Counts one sighting of each (absent) id; True where it is now admitted."""
         if self.config.min_count <= 1:
             return np.ones(ids.shape[0], bool)
-        cand = self._cand.find(ids)
+        cand = self._evict_met(self._cand.find(ids), candidates=True)
         new = cand < 0
         if new.any():
             if self._cand.reserve(int(new.sum())):
@@ -370,7 +378,7 @@ class DynamicTable:
             np.add.at(summed, inverse, grads)
         with self._lock:
             self._bind(rule)
-            slots = self._index.find(unique)
+            slots = self._evict_met(self._index.find(unique))
             have = slots >= 0
             self._counters["dropped_gradients"] += int((~have).sum())
             self.step += 1
@@ -380,7 +388,8 @@ class DynamicTable:
                 )
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
-            self._evict()
+            if self.step >= self._next_scan:
+                self._evict()
             return self.step
 
     def _bind(self, rule: UpdateRule | None) -> None:
@@ -401,11 +410,47 @@ class DynamicTable:
                 f"not {rule.get_config()}"
             )
 
-    def _evict(self) -> None:
+    def _horizon(self) -> int:
+        """Rows last touched before this step are gone (0: nothing is)."""
         ttl = self.config.ttl_steps
-        if not ttl or self.step <= ttl:
+        return self.step - ttl if ttl and self.step > ttl else 0
+
+    def _stale(self, slots: np.ndarray, candidates: bool = False) -> np.ndarray:
+        """Where ``slots`` (``-1``: absent) hold rows due for eviction."""
+        horizon = self._horizon()
+        stale = np.zeros(slots.shape[0], bool)
+        if horizon:
+            touched = self._cand_touched if candidates else self._touched
+            found = np.flatnonzero(slots >= 0)
+            stale[found] = touched[slots[found]] < horizon
+        return stale
+
+    def _live(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` with rows due for eviction read as absent (nothing changes)."""
+        stale = self._stale(slots)
+        return np.where(stale, -1, slots) if stale.any() else slots
+
+    def _evict_met(self, slots: np.ndarray, candidates: bool = False) -> np.ndarray:
+        """Evicts (and counts) the rows due for eviction among unique ``slots``;
+        returns ``slots`` with them absent."""
+        stale = self._stale(slots, candidates)
+        if not stale.any():
+            return slots
+        index = self._cand if candidates else self._index
+        index.remove(slots[stale])
+        self._counters["evicted_candidates" if candidates else "evicted_rows"] += int(stale.sum())
+        return np.where(stale, -1, slots)
+
+    def _evict(self) -> None:
+        """The scan: removes every row and candidate due for eviction (lock held)."""
+        ttl = self.config.ttl_steps
+        if not ttl:
             return
-        horizon = self.step - ttl
+        self._next_scan = self.step + max(1, ttl // 8)
+        horizon = self._horizon()
+        if not horizon:
+            return
+        self.eviction_scans += 1
         live = self._index.live_slots()
         stale = live[self._touched[live] < horizon]
         self._index.remove(stale)
@@ -419,6 +464,7 @@ class DynamicTable:
     def stats(self) -> TableStats:
         """The counters, row counts and bytes held, consistently."""
         with self._lock:
+            self._evict()
             return TableStats(
                 rows=self._index.size,
                 candidates=self._cand.size,
@@ -445,6 +491,7 @@ class DynamicTable:
         """The ``k`` ids with the most traffic (lookups + pushes), and their counts,
         busiest first."""
         with self._lock:
+            self._evict()
             live = self._index.live_slots()
             traffic = self._traffic[live]
             k = min(int(k), live.size)
@@ -457,6 +504,7 @@ class DynamicTable:
     def export_state(self) -> dict[str, np.ndarray]:
         """Every id, row, slot and counter as arrays (a consistent copy)."""
         with self._lock:
+            self._evict()
             live = self._index.live_slots()
             cand = self._cand.live_slots()
             state = {
