@@ -181,6 +181,7 @@ def test_two_shards_restore_onto_three_with_every_row_and_slot():
     ]
     kept = [t.stats().rows for t in new]
     assert sum(kept) == ids.size
+    assert all(t.config == old[0].config for t in new)  # shards agree: restorable again
     merged = {}
     for t in new:
         st = t.export_state()

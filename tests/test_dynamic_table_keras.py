@@ -137,6 +137,29 @@ def test_evaluate_and_predict_on_unseen_ids_leave_the_table_unchanged(monkeypatc
     )
 
 
+def _table_state(model: pf.keras.Model) -> dict[str, np.ndarray]:
+    client = model.layers[0].table.backend.client
+    return client.registry.table(model.layers[0].table.config.name).export_state()
+
+
+def test_checkpoint_restores_every_row_slot_and_counter_of_a_table(tmp_path):
+    ids, y = _data()
+    model = _dynamic_model()
+    optimizer = pf.keras.optimizers.Adagrad(0.1)
+    _custom_loop(model, optimizer, ids, y, 8, 3)
+    ckpt = pf.train.Checkpoint(model=model, optimizer=optimizer)
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    saved = _table_state(model)
+    _custom_loop(model, optimizer, ids[24:], y[24:], 8, 3)  # moves rows, slots, counters
+    model.layers[0].table.backend.client.lookup(model.layers[0].table.config.name, [10**9])
+    assert _table_state(model)["ids"].size == saved["ids"].size + 1
+    ckpt.restore(path).assert_consumed()
+    restored = _table_state(model)
+    assert sorted(restored) == sorted(saved) and "slot/accumulator" in saved
+    for key, value in saved.items():
+        np.testing.assert_array_equal(restored[key], value, err_msg=key)
+
+
 def test_dynamic_embedding_rejects_bad_arguments():
     with pytest.raises(pf.errors.InvalidArgumentError, match="-2"):
         pf.keras.layers.DynamicEmbedding(-2)

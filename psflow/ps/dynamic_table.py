@@ -210,16 +210,21 @@ def check_ids(ids: Any, what: str = "ids") -> np.ndarray:
 
 
 class DynamicTable:
-    """One shard of a dynamic embedding table (see the module doc)."""
+    """One shard of a dynamic embedding table (see the module doc).
 
-    def __init__(self, config: TableConfig) -> None:
+    Args:
+        config: what the table is.
+        capacity: rows to allocate up front (default: ``config.capacity``).
+    """
+
+    def __init__(self, config: TableConfig, capacity: int | None = None) -> None:
         self.config = config
         self.rule: UpdateRule | None = (
             None if config.optimizer is None else rule_from_config(config.optimizer)
         )
         self.dtype = np.dtype(config.dtype)
         self._lock = threading.Lock()
-        self._index = KeyIndex(config.capacity)
+        self._index = KeyIndex(config.capacity if capacity is None else capacity)
         self._rows = np.zeros((self._index.capacity, config.dim), self.dtype)
         self._slots = {} if self.rule is None else self.rule.init_slots(self._rows)
         self._touched = np.zeros(self._index.capacity, np.uint32)
@@ -524,13 +529,19 @@ class DynamicTable:
 
     @classmethod
     def from_parts(
-        cls, config: TableConfig, parts: list[dict[str, np.ndarray]], keep: Any = None
+        cls,
+        config: TableConfig,
+        parts: list[dict[str, np.ndarray]],
+        keep: Any = None,
+        counted: list[bool] | None = None,
     ) -> DynamicTable:
         """A table holding the union of exported ``parts`` (:meth:`export_state` of
         any number of shards), keeping the ids for which ``keep(ids)`` is True.
 
         The step becomes the largest part's step (shards step independently; Adam
-        bias correction continues from there) and counters are summed.
+        bias correction continues from there) and the counters are the sum of
+        the parts ``counted`` marks (default: all; a counter cannot be split by
+        id, so of several new shards only one should count a part).
         """
         ids = np.concatenate([p["ids"] for p in parts]) if parts else np.zeros(0, np.int64)
         mask = np.ones(ids.shape[0], bool) if keep is None else np.asarray(keep(ids), bool)
@@ -538,7 +549,8 @@ class DynamicTable:
         def cat(key: str, like: np.ndarray) -> np.ndarray:
             return np.concatenate([p[key] for p in parts])[mask] if parts else like
 
-        fresh = cls(dataclasses.replace(config, capacity=max(int(mask.sum()), 1)))
+        # sized for its rows, its config unchanged (shards and a later create must agree)
+        fresh = cls(config, capacity=max(int(mask.sum()), 1))
         with fresh._lock:
             new_slots = fresh._create(ids[mask])
             fresh._rows[new_slots] = cat("rows", fresh._rows[:0])
@@ -561,9 +573,9 @@ class DynamicTable:
                 ]
             names = sorted(fresh._counters)
             fresh._counters = {n: 0 for n in names}
-            for p in parts:
+            for p, count in zip(parts, counted or [True] * len(parts)):
                 for n, v in zip(names, p["counters"].tolist()):
-                    fresh._counters[n] += v
+                    fresh._counters[n] += v if count else 0
             fresh.step = max((int(p["step"]) for p in parts), default=0)
         return fresh
 

@@ -40,6 +40,7 @@ from psflow.ops._core import node, out
 from psflow.ps.dynamic_table import TableConfig
 from psflow.ps.hot_rows import HotRowPolicy
 from psflow.ps.key_index import unique_ids
+from psflow.train.checkpoint import ExternalState
 from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
 
 __all__ = ["DynamicEmbedding", "DynamicTableHandle"]
@@ -113,13 +114,14 @@ def _session_ids(ref: Any) -> Any:
     return request_id
 
 
-class DynamicTableHandle(GroupUpdated):
+class DynamicTableHandle(GroupUpdated, ExternalState):
     """The trainable "variable" of a :class:`DynamicEmbedding`: a reference to a
     dynamic table, never its rows.
 
     Its nominal shape is ``(0, dim)``: a dynamic table has no fixed row count,
-    so ``get_weights`` holds no rows (tables are checkpointed with
-    ``EmbeddingClient.save``).  Pickled into a closure, it travels as its config
+    so ``get_weights`` holds no rows.  A :class:`psflow.train.Checkpoint` (and
+    so ``BackupAndRestore``) has the parameter servers write and restore the
+    tables themselves: every row, slot and counter.  Pickled into a closure, it travels as its config
     and finds the table through the receiving process's PS session.
     """
 
@@ -219,6 +221,14 @@ class DynamicTableHandle(GroupUpdated):
             return (IndexedSlices._raw(g, unique, shape),)
 
         return out(gathered, (self,), backward)
+
+    def save_external(self, directory: str) -> None:
+        """Every PS task writes its tables (this one among them) into ``directory``."""
+        self.backend.client.save(directory)
+
+    def restore_external(self, directory: str) -> None:
+        """Every PS task replaces the tables saved in ``directory`` with the ids it owns."""
+        self.backend.client.restore(directory)
 
     def __reduce__(self) -> tuple:
         hot = None if self.hot_rows is None else dataclasses.astuple(self.hot_rows)
