@@ -7,6 +7,8 @@ A checkpoint is a directory (``<prefix>-<n>``):
   optimizer slots, sha256-checksummed);
 * variables held in this process (default or mirrored strategy) and local
   optimizer slots go to ``local.safetensors``;
+* state no variable holds (dynamic embedding tables, :class:`ExternalState`)
+  is written by its owner into ``external-<i>/``;
 * ``checkpoint.json``, written last and atomically, names everything with its
   checksums — a checkpoint exists only once it is there, so a crash while
   saving leaves the previous one as the latest.
