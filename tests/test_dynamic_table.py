@@ -12,7 +12,7 @@ import pytest
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
-from psflow.ps.key_index import KeyIndex, shard_of
+from psflow.ps.key_index import KeyIndex, shard_of, sum_rows
 from psflow.update_rules import rule_from_config
 
 DIM = 4
@@ -368,3 +368,16 @@ def test_amortised_eviction_scan_observes_exactly_what_a_per_push_scan_gives():
     np.testing.assert_array_equal(table.peek(every), expected)
     # the scan ran about once per ttl // 8 pushes (plus once per stats call), not per push
     assert table.eviction_scans <= pushes // (ttl // 8) + 10
+
+
+def test_sum_rows_equals_add_at_bit_for_bit():
+    rng = np.random.default_rng(3)
+    ids = rng.zipf(1.3, size=5000)
+    _, inverse = np.unique(ids, return_inverse=True)
+    # magnitudes far apart: any other summation order would round differently
+    values = rng.standard_normal((5000, DIM)).astype(np.float32)
+    values *= (10.0 ** rng.integers(-4, 5, size=(5000, 1))).astype(np.float32)
+    expected = np.zeros((inverse.max() + 1, DIM), np.float32)
+    np.add.at(expected, inverse, values)
+    got = sum_rows(values, inverse, inverse.max() + 1)
+    assert got.tobytes() == expected.tobytes()

@@ -50,7 +50,7 @@ import numpy as np
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.update_rules import UpdateRule, rule_from_config
 
-from .key_index import KeyIndex, mix64, unique_ids
+from .key_index import KeyIndex, mix64, sum_rows, unique_ids
 
 __all__ = ["INITIALIZERS", "DynamicTable", "TableConfig", "TableStats", "initial_rows"]
 
@@ -379,8 +379,7 @@ class DynamicTable:
             summed = np.empty_like(grads)
             summed[inverse] = grads
         else:  # unsorted_segment_sum, in order of appearance
-            summed = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-            np.add.at(summed, inverse, grads)
+            summed = sum_rows(grads, inverse, unique.shape[0])
         with self._lock:
             self._bind(rule)
             slots = self._evict_met(self._index.find(unique))

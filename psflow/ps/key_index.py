@@ -33,6 +33,7 @@ __all__ = [
     "KeyIndex",
     "mix64",
     "shard_of",
+    "sum_rows",
     "unique_ids",
 ]
 
@@ -75,6 +76,20 @@ def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return ids, np.arange(ids.shape[0])
     unique, inverse = np.unique(ids, return_inverse=True)
     return unique, inverse.reshape(-1)
+
+
+def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
+    """``unsorted_segment_sum``: row ``i`` of the result sums the rows of 2-D
+    ``values`` whose ``inverse`` is ``i``, in order of appearance (bit for bit
+    ``np.add.at(out, inverse, values)``).
+
+    One 1-D ``np.add.at`` per column: NumPy's fast path takes only 1-D
+    operands, and the 2-D form is about six times slower.
+    """
+    out = np.zeros((n, values.shape[1]), values.dtype)
+    for column in range(values.shape[1]):
+        np.add.at(out[:, column], inverse, values[:, column])
+    return out
 
 
 def _index_size(keys: int) -> int:

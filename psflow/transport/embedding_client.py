@@ -35,7 +35,7 @@ from psflow.errors import DeadlineExceededError, InvalidArgumentError, Unavailab
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
-from psflow.ps.key_index import shard_of, unique_ids
+from psflow.ps.key_index import shard_of, sum_rows, unique_ids
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
@@ -292,8 +292,7 @@ class EmbeddingClient:
         if unique is flat:  # sorted unique already (a DynamicEmbedding's gradient)
             summed = grads
         elif unique.shape[0] != flat.shape[0]:
-            summed = np.zeros((unique.shape[0], grads.shape[1]), grads.dtype)
-            np.add.at(summed, inverse, grads)
+            summed = sum_rows(grads, inverse, unique.shape[0])
         else:
             summed = np.empty_like(grads)
             summed[inverse] = grads

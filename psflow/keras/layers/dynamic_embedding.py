@@ -39,7 +39,7 @@ from psflow.keras.layers.base import Layer
 from psflow.ops._core import node, out
 from psflow.ps.dynamic_table import TableConfig
 from psflow.ps.hot_rows import HotRowPolicy
-from psflow.ps.key_index import unique_ids
+from psflow.ps.key_index import sum_rows, unique_ids
 from psflow.train.checkpoint import ExternalState
 from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
 
@@ -215,9 +215,7 @@ class DynamicTableHandle(GroupUpdated, ExternalState):
         def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
             g = backend.to_numpy(g).reshape((flat.size, dim))
             if unique is not flat:
-                summed = np.zeros((unique.size, dim), g.dtype)
-                np.add.at(summed, inverse, g)
-                g = summed
+                g = sum_rows(g, inverse, unique.size)
             return (IndexedSlices._raw(g, unique, shape),)
 
         return out(gathered, (self,), backward)
