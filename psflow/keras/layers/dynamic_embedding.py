@@ -121,8 +121,9 @@ class DynamicTableHandle(GroupUpdated, ExternalState):
     Its nominal shape is ``(0, dim)``: a dynamic table has no fixed row count,
     so ``get_weights`` holds no rows.  A :class:`psflow.train.Checkpoint` (and
     so ``BackupAndRestore``) has the parameter servers write and restore the
-    tables themselves: every row, slot and counter.  Pickled into a closure, it travels as its config
-    and finds the table through the receiving process's PS session.
+    tables themselves: every row, slot and counter.  Pickled into a closure, it
+    travels as its config and finds the table through the receiving process's
+    PS session.
     """
 
     _is_variable = True
