@@ -24,6 +24,15 @@ TensorFlow bytes per step (formula): gathered rows ``B*26*8*4`` out of the PS
 (TensorFlow gathers per occurrence), gradient rows ``B*26*(8*4+8)`` in, and
 the dense weights pulled and pushed once (``2 * 4 * dense_params``).
 
+Both throughput lines carry the same ``config`` (batch, model sizes, steps,
+processes, threads): identical for both sides.  Threads: psflow's processes
+run NumPy with one BLAS/OpenMP thread (its math is single-threaded anyway) and
+gRPC's own pollers; TensorFlow's run its default intra/inter-op pools (one
+thread per core), its idiomatic setting, nothing pinned.  TensorFlow runs each
+step as a ``tf.function`` closure through its ClusterCoordinator, TensorFlow's
+own sparse Adagrad kernels next to the variables; one step per closure on
+both sides.
+
 Prints JSON lines (stdout) and a table (stderr); ``--quick`` is the same cases
 with fewer steps.  Format: shared/BENCHMARKS.md.
 """
@@ -97,7 +106,7 @@ def psflow_model(pf, name: str):
 
         def call(self, inputs, training=None):
             cat, dense = inputs
-            e = pf.reshape(self.emb(cat), (-1, NUM_CAT * DIM))
+            e = pf.reshape(self.emb(cat, training=training), (-1, NUM_CAT * DIM))
             return self.out(self.hidden(pf.concat([e, dense], axis=1)))
 
     return Model()
@@ -126,7 +135,8 @@ def single_process_auc(data: dict, batch: int, steps: int) -> float:
             loss = _loss(pf, model(xb), pf.constant(data["y"][lo : lo + batch]))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    scores = model((pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))).numpy()
+    test_x = (pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))
+    scores = model(test_x, training=False).numpy()
     return ctr.roc_auc(data["y_test"], scores)
 
 
@@ -187,7 +197,9 @@ def run_psflow(data: dict, cluster: dict, ps_pids: list[int], batch: int, steps:
     per_step = (wire() - before) / steps
     rss = sum(rss_bytes(p) for p in ps_pids)
     rows = sum(s["ctr"].rows for s in client.stats())
-    scores = model((pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))).numpy()
+    # inference: unseen test ids read their initial rows without being inserted
+    test_x = (pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))
+    scores = model(test_x, training=False).numpy()
     auc = ctr.roc_auc(data["y_test"], scores)
     coordinator.shutdown()
 
@@ -376,12 +388,33 @@ def main() -> int:
         default=sys.executable,
         help="the interpreter with TensorFlow (default: this one)",
     )
+    p.add_argument("--batch", type=int, default=512, help="examples per step (both sides)")
     args = p.parse_args()
-    batch = 512
+    batch = args.batch
     steps = 30 if args.quick else 200
     rounds = 1 if args.quick else 3
     big_rows = 1_000_000 if args.quick else 10_000_000
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    config = {
+        "batch": batch,
+        "steps": steps,
+        "warmup_steps": 5,
+        "rounds": rounds,
+        "ps": 2,
+        "workers": 2,
+        "embedding_dim": DIM,
+        "categorical": NUM_CAT,
+        "dense_features": NUM_DENSE,
+        "hidden": HIDDEN,
+        "dense_params": DENSE_PARAMS,
+        "optimizer": "adagrad(0.05)",
+        "steps_per_closure": 1,
+        "cores": os.cpu_count(),
+        "threads": {
+            "psflow": "BLAS/OpenMP 1 per process (+ gRPC pollers)",
+            "tensorflow": "default intra/inter-op pools (one per core)",
+        },
+    }
     import numpy as np
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -429,6 +462,7 @@ def main() -> int:
         steps=steps,
         n=len(runs),
         runs=[r["examples_per_s"] for r in runs],
+        config=config,
     )
     emit(BENCH, "psflow", "bytes_per_step", ours["bytes_per_step"], "B", measured=True)
     emit(BENCH, "psflow", "ps_memory", ours["ps_rss"] / 2**20, "MiB", rows=ours["rows"])
@@ -474,6 +508,7 @@ def main() -> int:
             batch=batch,
             n=len(tf_runs),
             runs=[r["examples_per_s"] for r in tf_runs],
+            config=config,
         )
         emit(BENCH, "throughput", "ratio", ratio, "x", a="psflow", b="tensorflow-pss")
         emit(BENCH, "tensorflow", "bytes_per_step", tf_formula, "B", measured=False, formula=True)

@@ -115,7 +115,7 @@ class EmbeddingServicer:
     def Lookup(self, request: Any) -> embedding_pb2.LookupResponse:
         """Reads rows."""
         ids = self._tensor(request.ids, "ids")
-        rows = self.tables.lookup(request.table, ids)
+        rows = self.tables.lookup(request.table, ids, request.read_only)
         return self._count(request, embedding_pb2.LookupResponse(rows=codec.encode_tensor(rows)))
 
     def PushGradients(self, request: Any) -> embedding_pb2.PushGradientsResponse:

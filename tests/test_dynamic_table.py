@@ -12,7 +12,7 @@ import pytest
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
-from psflow.ps.key_index import KeyIndex, shard_of
+from psflow.ps.key_index import KeyIndex, shard_of, sum_rows
 from psflow.update_rules import rule_from_config
 
 DIM = 4
@@ -181,6 +181,7 @@ def test_two_shards_restore_onto_three_with_every_row_and_slot():
     ]
     kept = [t.stats().rows for t in new]
     assert sum(kept) == ids.size
+    assert all(t.config == old[0].config for t in new)  # shards agree: restorable again
     merged = {}
     for t in new:
         st = t.export_state()
@@ -248,3 +249,135 @@ def test_the_first_push_binds_the_optimizer_and_another_is_refused():
     assert table.config.optimizer["name"] == "adagrad"
     assert TableConfig("t", 2, initializer="zeros").optimizer is None
     assert table.config.accepts(TableConfig("t", 2, initializer="zeros"))
+
+
+@pytest.mark.parametrize("min_count", [1, 2])
+def test_read_only_lookup_creates_nothing_and_reads_the_first_training_row(min_count):
+    config = TableConfig(
+        "t", DIM, seed=5, min_count=min_count, optimizer={"name": "sgd", "learning_rate": 1.0}
+    )
+    table = DynamicTable(config)
+    known = np.array([3, 10**15], np.int64)
+    for _ in range(min_count):
+        table.lookup(known)
+    table.apply_gradients(known, np.ones((2, DIM), np.float32))
+    before = table.stats()
+    unseen = np.array([-9, 3, 2**62, -9], np.int64)  # unknown, known, unknown, repeated
+    got = table.lookup(unseen, read_only=True)
+    assert table.stats() == before  # no row, candidate, counter or step changed
+    np.testing.assert_array_equal(got[1], table.peek(known[:1])[0])
+    np.testing.assert_array_equal(got[0], got[3])
+    fresh = DynamicTable(config).lookup(unseen[[0, 2]])  # what training reads first
+    np.testing.assert_array_equal(got[[0, 2]], fresh)
+    if min_count > 1:
+        np.testing.assert_array_equal(fresh, 0.0)  # candidates read the default row
+    else:
+        assert np.abs(fresh).max() > 0
+
+
+class _PerPushEvictionReference:
+    """Admission and ttl eviction as plain dicts, the eviction scan run after every push."""
+
+    def __init__(self, dim: int, min_count: int, ttl: int) -> None:
+        self.dim, self.min_count, self.ttl, self.step = dim, min_count, ttl, 0
+        self.rows: dict[int, list] = {}  # id -> [row, last touch]
+        self.cands: dict[int, list] = {}  # id -> [sightings, last touch]
+        self.counters = dict.fromkeys(
+            ("created", "admitted", "evicted_rows", "evicted_candidates", "dropped", "lookups"), 0
+        )
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        self.counters["lookups"] += 1
+        out = {}
+        for i in sorted(set(ids.tolist())):
+            if i not in self.rows:
+                cand = self.cands.setdefault(i, [0, self.step])
+                cand[0] += 1
+                cand[1] = self.step
+                if cand[0] < self.min_count:
+                    out[i] = np.zeros(self.dim, np.float32)
+                    continue
+                del self.cands[i]
+                self.counters["admitted"] += 1
+                self.counters["created"] += 1
+                self.rows[i] = [np.zeros(self.dim, np.float32), self.step]
+            self.rows[i][1] = self.step
+            out[i] = self.rows[i][0].copy()
+        return np.stack([out[i] for i in ids.tolist()])
+
+    def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        self.step += 1
+        summed: dict[int, np.ndarray] = {}
+        for i, g in zip(ids.tolist(), grads):
+            summed[i] = summed.get(i, np.zeros(self.dim, np.float32)) + g
+        for i, g in sorted(summed.items()):
+            if i in self.rows:
+                self.rows[i] = [self.rows[i][0] - g, self.step]
+            else:
+                self.counters["dropped"] += 1
+        horizon = self.step - self.ttl
+        for store, counter in ((self.rows, "evicted_rows"), (self.cands, "evicted_candidates")):
+            for i in [i for i, (_, touched) in store.items() if touched < horizon]:
+                del store[i]
+                self.counters[counter] += 1
+
+
+def test_amortised_eviction_scan_observes_exactly_what_a_per_push_scan_gives():
+    ttl, pushes = 24, 0
+    table = DynamicTable(
+        TableConfig(
+            "t",
+            2,
+            initializer="zeros",
+            min_count=2,
+            ttl_steps=ttl,
+            optimizer={"name": "sgd", "learning_rate": 1.0},
+        )
+    )
+    ref = _PerPushEvictionReference(2, min_count=2, ttl=ttl)
+    rng = np.random.default_rng(7)
+    for op in range(400):
+        # ids drift through a small space, so rows go stale, are evicted and come back
+        low = (op // 40) * 6
+        ids = rng.integers(low, low + 20, size=rng.integers(1, 8)).astype(np.int64)
+        ids[0] = ids[0] if rng.random() < 0.7 else rng.integers(1000, 10**6)  # a one-off id
+        if rng.random() < 0.5:
+            np.testing.assert_array_equal(table.lookup(ids), ref.lookup(ids))
+        else:
+            grads = rng.integers(-3, 4, size=(ids.size, 2)).astype(np.float32)
+            table.apply_gradients(ids, grads)
+            ref.push(ids, grads)
+            pushes += 1
+        if op % 50 == 49:  # scripted observation points
+            st = table.stats()
+            c = ref.counters
+            assert (st.rows, st.candidates, st.step) == (len(ref.rows), len(ref.cands), ref.step)
+            assert (st.created, st.admitted, st.lookups) == (
+                c["created"],
+                c["admitted"],
+                c["lookups"],
+            )
+            assert (st.evicted_rows, st.evicted_candidates, st.dropped_gradients) == (
+                c["evicted_rows"],
+                c["evicted_candidates"],
+                c["dropped"],
+            )
+    assert ref.counters["evicted_rows"] > 10 and ref.counters["evicted_candidates"] > 10
+    every = np.arange(0, 80, dtype=np.int64)
+    expected = np.stack([ref.rows[i][0] if i in ref.rows else np.zeros(2) for i in every.tolist()])
+    np.testing.assert_array_equal(table.peek(every), expected)
+    # the scan ran about once per ttl // 8 pushes (plus once per stats call), not per push
+    assert table.eviction_scans <= pushes // (ttl // 8) + 10
+
+
+def test_sum_rows_equals_add_at_bit_for_bit():
+    rng = np.random.default_rng(3)
+    ids = rng.zipf(1.3, size=5000)
+    _, inverse = np.unique(ids, return_inverse=True)
+    # magnitudes far apart: any other summation order would round differently
+    values = rng.standard_normal((5000, DIM)).astype(np.float32)
+    values *= (10.0 ** rng.integers(-4, 5, size=(5000, 1))).astype(np.float32)
+    expected = np.zeros((inverse.max() + 1, DIM), np.float32)
+    np.add.at(expected, inverse, values)
+    got = sum_rows(values, inverse, inverse.max() + 1)
+    assert got.tobytes() == expected.tobytes()

@@ -111,6 +111,55 @@ def test_fit_under_the_embedded_parameter_server_equals_the_reference(monkeypatc
     assert model.count_params() == DIM * 3 + 1  # the dense head; a dynamic table has no fixed size
 
 
+def test_evaluate_and_predict_on_unseen_ids_leave_the_table_unchanged(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    ids, y = _data()
+    strategy = pf.distribute.ParameterServerStrategy()
+    with strategy.scope():
+        model = _dynamic_model()
+        model.compile(optimizer=pf.keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(ids, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    client = model.layers[0].table.backend.client
+    before = client.stats()
+    unseen = (ids * 7 + 1) % (2**62)  # no id of VOCAB
+    assert not np.isin(unseen, VOCAB).any()
+    model.evaluate(unseen, y, batch_size=8, verbose=0)
+    scores = model.predict(unseen, batch_size=8, verbose=0)
+    assert client.stats() == before  # no row made, no counter moved
+    # An unseen id reads its initial row, the one training would create.
+    rows = initial_rows("uniform", SEED, unseen.reshape(-1), DIM, 0.05, np.dtype("float32"))
+    head = model.layers[2]
+    expected = rows.reshape(len(unseen), -1) @ head.kernel.numpy() + head.bias.numpy()
+    np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
+    model(unseen[:1], training=True)  # a training call still makes rows
+    assert sum(s[model.layers[0].table.config.name].rows for s in client.stats()) > sum(
+        s[model.layers[0].table.config.name].rows for s in before
+    )
+
+
+def _table_state(model: pf.keras.Model) -> dict[str, np.ndarray]:
+    client = model.layers[0].table.backend.client
+    return client.registry.table(model.layers[0].table.config.name).export_state()
+
+
+def test_checkpoint_restores_every_row_slot_and_counter_of_a_table(tmp_path):
+    ids, y = _data()
+    model = _dynamic_model()
+    optimizer = pf.keras.optimizers.Adagrad(0.1)
+    _custom_loop(model, optimizer, ids, y, 8, 3)
+    ckpt = pf.train.Checkpoint(model=model, optimizer=optimizer)
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    saved = _table_state(model)
+    _custom_loop(model, optimizer, ids[24:], y[24:], 8, 3)  # moves rows, slots, counters
+    model.layers[0].table.backend.client.lookup(model.layers[0].table.config.name, [10**9])
+    assert _table_state(model)["ids"].size == saved["ids"].size + 1
+    ckpt.restore(path).assert_consumed()
+    restored = _table_state(model)
+    assert sorted(restored) == sorted(saved) and "slot/accumulator" in saved
+    for key, value in saved.items():
+        np.testing.assert_array_equal(restored[key], value, err_msg=key)
+
+
 def test_dynamic_embedding_rejects_bad_arguments():
     with pytest.raises(pf.errors.InvalidArgumentError, match="-2"):
         pf.keras.layers.DynamicEmbedding(-2)

@@ -58,6 +58,11 @@ def test_sharded_table_equals_one_local_table(start_ps):
         stats = client.stats()
         assert sum(s["emb"].rows for s in stats) == every.size
         assert all(s["emb"].rows > 0 for s in stats)
+        # An inference read (evaluate, predict) of unseen ids makes no row on any shard.
+        unseen = np.arange(-40, 0, dtype=np.int64) * 977
+        read = client.lookup("emb", unseen, training=False)
+        assert read.tobytes() == reference.lookup(unseen, read_only=True).tobytes()
+        assert client.stats() == stats
         # Only unique ids travelled: ids + rows of each distinct id per lookup.
         assert client.bytes.pulled < 15 * 64 * (8 + 4 * DIM) + every.size * (8 + 4 * DIM)
         # The servers count the serialized messages: the tensors plus a little framing.

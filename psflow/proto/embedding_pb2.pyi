@@ -25,12 +25,14 @@ class CreateTableResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("table", "ids")
+    __slots__ = ("table", "ids", "read_only")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: _tensor_pb2.Tensor
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    read_only: bool
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("rows",)

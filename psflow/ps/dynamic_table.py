@@ -17,8 +17,13 @@ no vocabulary.  Guarantees:
 * **Admission.** With ``min_count > 1`` an id is a *candidate* until it was
   looked up in ``min_count`` requests; until then it reads the shared default
   row (zeros) and its gradients are dropped (counted).
-* **Eviction.** With ``ttl_steps``, after each push the rows (and candidates)
-  not touched during the last ``ttl_steps`` pushes are removed (counted).
+* **Eviction.** With ``ttl_steps``, a row (or candidate) not touched during
+  the last ``ttl_steps`` pushes is gone: every read and push treats it as
+  removed, and counts it evicted when it meets it.  The scan that reclaims
+  all such rows runs every ``max(1, ttl_steps // 8)`` pushes (not per push:
+  it reads every row) and before :meth:`~DynamicTable.stats`,
+  :meth:`~DynamicTable.hot_ids` and :meth:`~DynamicTable.export_state`, so
+  what a caller can observe is exactly what a per-push scan would give.
 * **No partial state change on bad input.** Requests are validated before any
   change; one lock per table serialises changes.
 
@@ -45,7 +50,7 @@ import numpy as np
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.update_rules import UpdateRule, rule_from_config
 
-from .key_index import KeyIndex, mix64
+from .key_index import KeyIndex, mix64, sum_rows, unique_ids
 
 __all__ = ["INITIALIZERS", "DynamicTable", "TableConfig", "TableStats", "initial_rows"]
 
@@ -205,16 +210,21 @@ def check_ids(ids: Any, what: str = "ids") -> np.ndarray:
 
 
 class DynamicTable:
-    """One shard of a dynamic embedding table (see the module doc)."""
+    """One shard of a dynamic embedding table (see the module doc).
 
-    def __init__(self, config: TableConfig) -> None:
+    Args:
+        config: what the table is.
+        capacity: rows to allocate up front (default: ``config.capacity``).
+    """
+
+    def __init__(self, config: TableConfig, capacity: int | None = None) -> None:
         self.config = config
         self.rule: UpdateRule | None = (
             None if config.optimizer is None else rule_from_config(config.optimizer)
         )
         self.dtype = np.dtype(config.dtype)
         self._lock = threading.Lock()
-        self._index = KeyIndex(config.capacity)
+        self._index = KeyIndex(config.capacity if capacity is None else capacity)
         self._rows = np.zeros((self._index.capacity, config.dim), self.dtype)
         self._slots = {} if self.rule is None else self.rule.init_slots(self._rows)
         self._touched = np.zeros(self._index.capacity, np.uint32)
@@ -224,6 +234,9 @@ class DynamicTable:
         self._cand_count = np.zeros(self._cand.capacity, np.uint32)
         self._cand_touched = np.zeros(self._cand.capacity, np.uint32)
         self.step = 0
+        self._next_scan = 0  # the push after which the eviction scan runs next
+        # eviction scans run so far (they are amortised over max(1, ttl // 8) pushes)
+        self.eviction_scans = 0
         self._counters = dict.fromkeys(
             (
                 "created",
@@ -237,19 +250,25 @@ class DynamicTable:
         )
 
     # -- reads ----------------------------------------------------------------------
-    def lookup(self, ids: Any) -> np.ndarray:
+    def lookup(self, ids: Any, read_only: bool = False) -> np.ndarray:
         """The rows of ``ids`` (int64, 1-D), creating and admitting rows as needed.
 
-        Repeated ids in one request count once towards admission.
+        Repeated ids in one request count once towards admission.  With
+        ``read_only`` (inference: evaluate, predict) nothing is created, counted
+        or touched; an id without a row reads what its first training lookup
+        would return (its initial row, or zeros while ``min_count > 1``).
 
         Raises:
             InvalidArgumentError: ``ids`` not a 1-D int64 array; nothing changes.
         """
         ids = check_ids(ids)
-        unique, inverse = _unique(ids)
+        unique, inverse = unique_ids(ids)
+        if read_only:
+            out = self._read(unique)
+            return out if unique is ids else out[inverse]
         with self._lock:
             self._counters["lookups"] += 1
-            slots = self._index.find(unique)
+            slots = self._evict_met(self._index.find(unique))
             missing = slots < 0
             if missing.any():
                 admit = self._count_candidates(unique[missing])
@@ -257,18 +276,39 @@ class DynamicTable:
                 if new_ids.size:
                     slots[np.flatnonzero(missing)[admit]] = self._create(new_ids)
             have = slots >= 0
-            self._touched[slots[have]] = self.step
-            self._traffic[slots[have]] += 1
-            out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
+            if have.all():
+                self._touched[slots] = self.step
+                self._traffic[slots] += 1
+                out = self._rows[slots]
+            else:  # candidates read the default row (zeros)
+                self._touched[slots[have]] = self.step
+                self._traffic[slots[have]] += 1
+                out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
+                out[have] = self._rows[slots[have]]
+        return out if unique is ids else out[inverse]
+
+    def _read(self, unique: np.ndarray) -> np.ndarray:
+        with self._lock:
+            slots = self._live(self._index.find(unique))
+            have = slots >= 0
+            out = np.empty((unique.shape[0], self.config.dim), self.dtype)
             out[have] = self._rows[slots[have]]
-        return out[inverse.reshape(-1)]
+        if not have.all():
+            c = self.config
+            if c.min_count > 1:  # a first sighting leaves it a candidate: the default row
+                out[~have] = 0
+            else:
+                out[~have] = initial_rows(
+                    c.initializer, c.seed, unique[~have], c.dim, c.init_scale, self.dtype
+                )
+        return out
 
     def peek(self, ids: Any) -> np.ndarray:
         """The current rows of ``ids`` without creating, counting or touching any
         (zeros where an id has no row)."""
         ids = check_ids(ids)
         with self._lock:
-            slots = self._index.find(ids)
+            slots = self._live(self._index.find(ids))
             out = np.zeros((ids.shape[0], self.config.dim), self.dtype)
             out[slots >= 0] = self._rows[slots[slots >= 0]]
         return out
@@ -277,7 +317,7 @@ class DynamicTable:
         """Counts one sighting of each (absent) id; True where it is now admitted."""
         if self.config.min_count <= 1:
             return np.ones(ids.shape[0], bool)
-        cand = self._cand.find(ids)
+        cand = self._evict_met(self._cand.find(ids), candidates=True)
         new = cand < 0
         if new.any():
             if self._cand.reserve(int(new.sum())):
@@ -334,16 +374,15 @@ class DynamicTable:
                 f"({ids.shape[0]}, {self.config.dim}), got {grads.dtype} {grads.shape}"
             )
         grads = grads.astype(self.dtype, copy=False)
-        unique, inverse = _unique(ids)
+        unique, inverse = unique_ids(ids)
         if unique.shape[0] == ids.shape[0]:
             summed = np.empty_like(grads)
-            summed[inverse.reshape(-1)] = grads
+            summed[inverse] = grads
         else:  # unsorted_segment_sum, in order of appearance
-            summed = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-            np.add.at(summed, inverse.reshape(-1), grads)
+            summed = sum_rows(grads, inverse, unique.shape[0])
         with self._lock:
             self._bind(rule)
-            slots = self._index.find(unique)
+            slots = self._evict_met(self._index.find(unique))
             have = slots >= 0
             self._counters["dropped_gradients"] += int((~have).sum())
             self.step += 1
@@ -353,7 +392,8 @@ class DynamicTable:
                 )
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
-            self._evict()
+            if self.step >= self._next_scan:
+                self._evict()
             return self.step
 
     def _bind(self, rule: UpdateRule | None) -> None:
@@ -374,11 +414,47 @@ class DynamicTable:
                 f"not {rule.get_config()}"
             )
 
-    def _evict(self) -> None:
+    def _horizon(self) -> int:
+        """Rows last touched before this step are gone (0: nothing is)."""
         ttl = self.config.ttl_steps
-        if not ttl or self.step <= ttl:
+        return self.step - ttl if ttl and self.step > ttl else 0
+
+    def _stale(self, slots: np.ndarray, candidates: bool = False) -> np.ndarray:
+        """Where ``slots`` (``-1``: absent) hold rows due for eviction."""
+        horizon = self._horizon()
+        stale = np.zeros(slots.shape[0], bool)
+        if horizon:
+            touched = self._cand_touched if candidates else self._touched
+            found = np.flatnonzero(slots >= 0)
+            stale[found] = touched[slots[found]] < horizon
+        return stale
+
+    def _live(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` with rows due for eviction read as absent (nothing changes)."""
+        stale = self._stale(slots)
+        return np.where(stale, -1, slots) if stale.any() else slots
+
+    def _evict_met(self, slots: np.ndarray, candidates: bool = False) -> np.ndarray:
+        """Evicts (and counts) the rows due for eviction among unique ``slots``;
+        returns ``slots`` with them absent."""
+        stale = self._stale(slots, candidates)
+        if not stale.any():
+            return slots
+        index = self._cand if candidates else self._index
+        index.remove(slots[stale])
+        self._counters["evicted_candidates" if candidates else "evicted_rows"] += int(stale.sum())
+        return np.where(stale, -1, slots)
+
+    def _evict(self) -> None:
+        """The scan: removes every row and candidate due for eviction (lock held)."""
+        ttl = self.config.ttl_steps
+        if not ttl:
             return
-        horizon = self.step - ttl
+        self._next_scan = self.step + max(1, ttl // 8)
+        horizon = self._horizon()
+        if not horizon:
+            return
+        self.eviction_scans += 1
         live = self._index.live_slots()
         stale = live[self._touched[live] < horizon]
         self._index.remove(stale)
@@ -392,6 +468,7 @@ class DynamicTable:
     def stats(self) -> TableStats:
         """The counters, row counts and bytes held, consistently."""
         with self._lock:
+            self._evict()
             return TableStats(
                 rows=self._index.size,
                 candidates=self._cand.size,
@@ -418,6 +495,7 @@ class DynamicTable:
         """The ``k`` ids with the most traffic (lookups + pushes), and their counts,
         busiest first."""
         with self._lock:
+            self._evict()
             live = self._index.live_slots()
             traffic = self._traffic[live]
             k = min(int(k), live.size)
@@ -430,6 +508,7 @@ class DynamicTable:
     def export_state(self) -> dict[str, np.ndarray]:
         """Every id, row, slot and counter as arrays (a consistent copy)."""
         with self._lock:
+            self._evict()
             live = self._index.live_slots()
             cand = self._cand.live_slots()
             state = {
@@ -449,13 +528,19 @@ class DynamicTable:
 
     @classmethod
     def from_parts(
-        cls, config: TableConfig, parts: list[dict[str, np.ndarray]], keep: Any = None
+        cls,
+        config: TableConfig,
+        parts: list[dict[str, np.ndarray]],
+        keep: Any = None,
+        counted: list[bool] | None = None,
     ) -> DynamicTable:
         """A table holding the union of exported ``parts`` (:meth:`export_state` of
         any number of shards), keeping the ids for which ``keep(ids)`` is True.
 
         The step becomes the largest part's step (shards step independently; Adam
-        bias correction continues from there) and counters are summed.
+        bias correction continues from there) and the counters are the sum of
+        the parts ``counted`` marks (default: all; a counter cannot be split by
+        id, so of several new shards only one should count a part).
         """
         ids = np.concatenate([p["ids"] for p in parts]) if parts else np.zeros(0, np.int64)
         mask = np.ones(ids.shape[0], bool) if keep is None else np.asarray(keep(ids), bool)
@@ -463,7 +548,8 @@ class DynamicTable:
         def cat(key: str, like: np.ndarray) -> np.ndarray:
             return np.concatenate([p[key] for p in parts])[mask] if parts else like
 
-        fresh = cls(dataclasses.replace(config, capacity=max(int(mask.sum()), 1)))
+        # sized for its rows, its config unchanged (shards and a later create must agree)
+        fresh = cls(config, capacity=max(int(mask.sum()), 1))
         with fresh._lock:
             new_slots = fresh._create(ids[mask])
             fresh._rows[new_slots] = cat("rows", fresh._rows[:0])
@@ -486,19 +572,11 @@ class DynamicTable:
                 ]
             names = sorted(fresh._counters)
             fresh._counters = {n: 0 for n in names}
-            for p in parts:
+            for p, count in zip(parts, counted or [True] * len(parts)):
                 for n, v in zip(names, p["counters"].tolist()):
-                    fresh._counters[n] += v
+                    fresh._counters[n] += v if count else 0
             fresh.step = max((int(p["step"]) for p in parts), default=0)
         return fresh
-
-
-def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(ids, return_inverse=True)``, without the sort when ``ids`` is
-    already strictly increasing (clients send sorted unique ids)."""
-    if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
-        return ids, np.arange(ids.shape[0])
-    return np.unique(ids, return_inverse=True)
 
 
 def _grown(array: np.ndarray, rows: int) -> np.ndarray:

@@ -25,11 +25,24 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["EMPTY", "MAX_LOAD", "TOMBSTONE", "KeyIndex", "mix64", "shard_of"]
+__all__ = [
+    "EMPTY",
+    "MAX_LOAD",
+    "TOMBSTONE",
+    "WINDOW",
+    "KeyIndex",
+    "mix64",
+    "shard_of",
+    "sum_rows",
+    "unique_ids",
+]
 
 EMPTY = -1
 TOMBSTONE = -2
 MAX_LOAD = 0.7
+# Index entries one probe round reads per key (32 bytes: one or two cache lines).
+WINDOW = 8
+_OFFSETS = np.arange(WINDOW, dtype=np.int64)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -54,6 +67,29 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     uses (which mixes once): a shard's keys still spread over its whole index.
     """
     return (mix64(mix64(keys)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_inverse=True)`` of 1-D ``ids``, without the sort
+    when ``ids`` is already strictly increasing (clients send sorted unique ids)."""
+    if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, np.arange(ids.shape[0])
+    unique, inverse = np.unique(ids, return_inverse=True)
+    return unique, inverse.reshape(-1)
+
+
+def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
+    """``unsorted_segment_sum``: row ``i`` of the result sums the rows of 2-D
+    ``values`` whose ``inverse`` is ``i``, in order of appearance (bit for bit
+    ``np.add.at(out, inverse, values)``).
+
+    One 1-D ``np.add.at`` per column: NumPy's fast path takes only 1-D
+    operands, and the 2-D form is about six times slower.
+    """
+    out = np.zeros((n, values.shape[1]), values.dtype)
+    for column in range(values.shape[1]):
+        np.add.at(out[:, column], inverse, values[:, column])
+    return out
 
 
 def _index_size(keys: int) -> int:
@@ -96,28 +132,43 @@ class KeyIndex:
         return np.flatnonzero(self.live[: self._next])
 
     # -- lookups ---------------------------------------------------------------------
+    def _window(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(index positions, entries)`` of the ``WINDOW`` entries from each of ``pos``."""
+        at = (pos[:, None] + _OFFSETS) & (self._table.shape[0] - 1)
+        return at, self._table[at]
+
     def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(slot, index position)`` of each key; ``-1`` for both when absent."""
         n = keys.shape[0]
         slots = np.full(n, -1, np.int64)
         where = np.full(n, -1, np.int64)
-        mask = np.uint64(self._table.shape[0] - 1)
-        pos = (mix64(keys) & mask).astype(np.int64)
-        pending = np.arange(n)
-        # An empty entry always exists (load < 1), so every probe ends within
-        # one pass over the table.
-        for _ in range(self._table.shape[0]):
+        size = self._table.shape[0]
+        pos = (mix64(keys) & np.uint64(size - 1)).astype(np.int64)
+        # Round one reads each key's home entry (most keys end there); the few
+        # left read a window of WINDOW entries per round, so the Python loop runs
+        # about (longest probe / WINDOW) times. An empty entry always exists
+        # (load < 1), so every probe ends within one pass over the table.
+        entry = self._table[pos]
+        hit = (entry >= 0) & (self.keys[np.maximum(entry, 0)] == keys)
+        slots[hit] = entry[hit]
+        where[hit] = pos[hit]
+        pending = np.flatnonzero(~hit & (entry != EMPTY))
+        pos = (pos[pending] + 1) & (size - 1)
+        for _ in range(size // WINDOW + 1):
             if pending.size == 0:
                 break
-            entry = self._table[pos]
-            occupied = entry >= 0
-            hit = np.zeros(pending.shape[0], bool)
-            hit[occupied] = self.keys[entry[occupied]] == keys[pending[occupied]]
-            slots[pending[hit]] = entry[hit]
-            where[pending[hit]] = pos[hit]
-            go_on = ~hit & (entry != EMPTY)
+            at, entry = self._window(pos)
+            hit = self.keys[np.maximum(entry, 0)] == keys[pending][:, None]
+            hit &= entry >= 0
+            stop = hit | (entry == EMPTY)
+            first = stop.argmax(axis=1)
+            rows = np.arange(pending.shape[0])
+            found = hit[rows, first]
+            slots[pending[found]] = entry[rows[found], first[found]]
+            where[pending[found]] = at[rows[found], first[found]]
+            go_on = ~stop[rows, first]
             pending = pending[go_on]
-            pos = (pos[go_on] + 1) & int(mask)
+            pos = (pos[go_on] + WINDOW) & (size - 1)
         return slots, where
 
     def find(self, keys: np.ndarray) -> np.ndarray:
@@ -171,24 +222,41 @@ class KeyIndex:
         return slots
 
     def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:
-        mask = self._table.shape[0] - 1
-        pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
-        pending = np.arange(keys.shape[0])
-        for _ in range(self._table.shape[0]):
+        size = self._table.shape[0]
+        pos = (mix64(keys) & np.uint64(size - 1)).astype(np.int64)
+        # Round one: a key whose home entry is free and wanted by no earlier key
+        # of the batch takes it (most do at a load below MAX_LOAD).
+        home_free = self._table[pos] < 0
+        claimed, first = np.unique(pos[home_free], return_index=True)
+        winners = np.flatnonzero(home_free)[first]
+        self._tombstones -= int(np.count_nonzero(self._table[claimed] == TOMBSTONE))
+        self._table[claimed] = slots[winners]
+        won = np.zeros(keys.shape[0], bool)
+        won[winners] = True
+        pending = np.flatnonzero(~won)
+        pos = pos[pending]
+        for _ in range(2 * keys.shape[0] + size // WINDOW + 1):
             if pending.size == 0:
                 break
-            entry = self._table[pos]
-            free = np.flatnonzero(entry < 0)
+            at, entry = self._window(pos)
+            free = entry < 0
+            has = free.any(axis=1)
+            first = free.argmax(axis=1)
+            rows = np.flatnonzero(has)
+            target = at[rows, first[rows]]
             # Of several keys reaching the same free entry in this round, the
-            # first takes it; the others probe on.
-            claimed, first = np.unique(pos[free], return_index=True)
-            winners = free[first]
-            self._tombstones -= int(np.count_nonzero(entry[winners] == TOMBSTONE))
+            # first takes it; the others probe on from there (now occupied).
+            claimed, winner = np.unique(target, return_index=True)
+            winners = rows[winner]
+            self._tombstones -= int(np.count_nonzero(self._table[claimed] == TOMBSTONE))
             self._table[claimed] = slots[pending[winners]]
+            # every entry before a key's first free one is occupied: losers restart there
+            pos[rows] = target
+            pos[~has] = (pos[~has] + WINDOW) & (size - 1)
             won = np.zeros(pending.shape[0], bool)
             won[winners] = True
             pending = pending[~won]
-            pos = (pos[~won] + 1) & mask
+            pos = pos[~won]
 
     def remove(self, slots: np.ndarray) -> None:
         """Removes the keys held in ``slots`` (live, unique); their slots become free."""

@@ -113,7 +113,7 @@ class TableRegistry:
                 )
         return table, ids
 
-    def lookup(self, name: str, ids: Any) -> np.ndarray:
+    def lookup(self, name: str, ids: Any, read_only: bool = False) -> np.ndarray:
         """Rows of ``ids`` (see :meth:`DynamicTable.lookup`).
 
         Raises:
@@ -121,7 +121,7 @@ class TableRegistry:
             InvalidArgumentError: bad ids, or ids another shard owns.
         """
         table, ids = self._owned(name, ids)
-        return table.lookup(ids)
+        return table.lookup(ids, read_only)
 
     def push(
         self,
@@ -220,6 +220,7 @@ class TableRegistry:
         if not manifests:
             raise NotFoundError(f"no table checkpoint in {directory!r}", task=self.task)
         parts: dict[str, list[dict[str, np.ndarray]]] = {}
+        counted: dict[str, list[bool]] = {}
         configs: dict[str, TableConfig] = {}
         for path in manifests:
             manifest = _read_manifest(path)
@@ -238,11 +239,19 @@ class TableRegistry:
                     if table_name == name:
                         part[field] = value
                 parts.setdefault(name, []).append(part)
+                # a saved shard's counters go to the same shard of the same layout,
+                # else all to shard 0: the cluster's totals stay what they were
+                same = (int(entry["shard"]), int(entry["shards"])) == (shard_index, num_shards)
+                layout = int(entry["shards"]) == num_shards
+                counted.setdefault(name, []).append(same if layout else shard_index == 0)
         restored = {}
         rows = 0
         for name, config in configs.items():
             table = DynamicTable.from_parts(
-                config, parts[name], keep=lambda ids: shard_of(ids, num_shards) == shard_index
+                config,
+                parts[name],
+                keep=lambda ids: shard_of(ids, num_shards) == shard_index,
+                counted=counted[name],
             )
             rows += table.stats().rows
             restored[name] = (table, shard_index, num_shards)

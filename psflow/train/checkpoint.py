@@ -7,6 +7,8 @@ A checkpoint is a directory (``<prefix>-<n>``):
   optimizer slots, sha256-checksummed);
 * variables held in this process (default or mirrored strategy) and local
   optimizer slots go to ``local.safetensors``;
+* state no variable holds (dynamic embedding tables, :class:`ExternalState`)
+  is written by its owner into ``external-<i>/``;
 * ``checkpoint.json``, written last and atomically, names everything with its
   checksums — a checkpoint exists only once it is there, so a crash while
   saving leaves the previous one as the latest.
@@ -51,6 +53,20 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class ExternalState:
+    """A tracked object whose state is no array this process holds (a dynamic
+    embedding table on the parameter servers): it writes and reads its own
+    files in the directory a checkpoint gives it, before the checkpoint commits."""
+
+    def save_external(self, directory: str) -> None:
+        """Writes the state under ``directory`` (which may not exist yet)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define save_external")
+
+    def restore_external(self, directory: str) -> None:
+        """Replaces the state with the one :meth:`save_external` wrote there."""
+        raise NotImplementedError(f"{type(self).__name__} does not define restore_external")
 
 
 def _is_ps(v: Any) -> bool:
@@ -187,6 +203,11 @@ class Checkpoint:
         if local:
             checksums = save_file(os.path.join(path, "local.safetensors"), local)
             manifest["local"] = {"file": "local.safetensors", "checksums": checksums}
+        # 2b. state kept outside variables writes itself (before the commit point)
+        external = sorted(k for k, v in variables.items() if isinstance(v, ExternalState))
+        manifest["external"] = {k: f"external-{i}" for i, k in enumerate(external)}
+        for k in external:
+            variables[k].save_external(os.path.join(path, manifest["external"][k]))
         # 3. the commit point
         with atomic_write(os.path.join(path, MANIFEST)) as f:
             f.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -235,6 +256,13 @@ class Checkpoint:
         ps_vars = {k: v for k, v in variables.items() if _is_ps(v)}
         if ps_vars:
             restored += _restore_ps(save_path, manifest, ps_vars)
+        for k, v in variables.items():
+            if isinstance(v, ExternalState):
+                where = manifest.get("external", {}).get(k)
+                if where is None:
+                    missing.append(k)
+                    continue
+                v.restore_external(os.path.join(save_path, where))
         for k, opt in optimizers.items():
             state = manifest.get("optimizers", {}).get(k)
             if state is None:

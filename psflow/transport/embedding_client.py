@@ -35,7 +35,7 @@ from psflow.errors import DeadlineExceededError, InvalidArgumentError, Unavailab
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
-from psflow.ps.key_index import shard_of
+from psflow.ps.key_index import shard_of, sum_rows, unique_ids
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
@@ -192,8 +192,11 @@ class EmbeddingClient:
         owner = shard_of(ids, self.num_shards)
         return [np.flatnonzero(owner == s) for s in range(self.num_shards)]
 
-    def lookup(self, table: str, ids: Any) -> np.ndarray:
+    def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
         """Rows of ``ids`` (any shape of integers): shape ``ids.shape + (dim,)``.
+
+        ``training=False`` reads without creating rows (see
+        :meth:`~psflow.ps.dynamic_table.DynamicTable.lookup`'s ``read_only``).
 
         Raises:
             NotFoundError: unknown table.
@@ -201,7 +204,7 @@ class EmbeddingClient:
         """
         ids = np.asarray(ids)
         flat = _as_ids(ids)
-        unique, inverse = np.unique(flat, return_inverse=True)
+        unique, inverse = unique_ids(flat)
         cached: tuple[np.ndarray, np.ndarray] | None = None
         if unique.size and (self.hot_rows is not None or table in self._hot_policies):
             cached = self._hot_cache(table).split(unique)
@@ -212,7 +215,7 @@ class EmbeddingClient:
             if parts[s].size == 0:
                 return None
             request = embedding_pb2.LookupRequest(
-                table=table, ids=codec.encode_tensor(missing[parts[s]])
+                table=table, ids=codec.encode_tensor(missing[parts[s]]), read_only=not training
             )
             rows = codec.decode_tensor(self._call(s, "Lookup", request, retries=1).rows)
             with self._lock:
@@ -236,7 +239,7 @@ class EmbeddingClient:
                 out[at[parts[s]]] = rows
         if cached is not None and cached[0].any():
             out[cached[0]] = cached[1]
-        return out[inverse.reshape(-1)].reshape(*ids.shape, dim)
+        return (out if unique is flat else out[inverse]).reshape(*ids.shape, dim)
 
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
@@ -285,13 +288,14 @@ class EmbeddingClient:
                 f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
             )
         grads = grads.reshape(flat.shape[0], grads.shape[-1])
-        unique, inverse = np.unique(flat, return_inverse=True)
-        if unique.shape[0] != flat.shape[0]:
-            summed = np.zeros((unique.shape[0], grads.shape[1]), grads.dtype)
-            np.add.at(summed, inverse.reshape(-1), grads)
+        unique, inverse = unique_ids(flat)
+        if unique is flat:  # sorted unique already (a DynamicEmbedding's gradient)
+            summed = grads
+        elif unique.shape[0] != flat.shape[0]:
+            summed = sum_rows(grads, inverse, unique.shape[0])
         else:
             summed = np.empty_like(grads)
-            summed[inverse.reshape(-1)] = grads
+            summed[inverse] = grads
         parts = self._split(unique)
         optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
         # ids are taken here, in shard order, so a re-run draws the same ones
@@ -395,10 +399,10 @@ class InProcessEmbeddingClient:
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Nothing to do: in process, every lookup reads the table itself."""
 
-    def lookup(self, table: str, ids: Any) -> np.ndarray:
-        """Rows of ``ids``: shape ``ids.shape + (dim,)``."""
+    def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
+        """Rows of ``ids``: shape ``ids.shape + (dim,)`` (``training=False``: no rows made)."""
         ids = np.asarray(ids)
-        rows = self.registry.lookup(table, _as_ids(ids))
+        rows = self.registry.lookup(table, _as_ids(ids), not training)
         return rows.reshape(*ids.shape, rows.shape[-1])
 
     def push(

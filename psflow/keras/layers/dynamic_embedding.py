@@ -39,6 +39,8 @@ from psflow.keras.layers.base import Layer
 from psflow.ops._core import node, out
 from psflow.ps.dynamic_table import TableConfig
 from psflow.ps.hot_rows import HotRowPolicy
+from psflow.ps.key_index import sum_rows, unique_ids
+from psflow.train.checkpoint import ExternalState
 from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
 
 __all__ = ["DynamicEmbedding", "DynamicTableHandle"]
@@ -114,14 +116,16 @@ def _session_ids(ref: Any) -> Any:
     return request_id
 
 
-class DynamicTableHandle(GroupUpdated, Readable):
+class DynamicTableHandle(GroupUpdated, Readable, ExternalState):
     """The trainable "variable" of a :class:`DynamicEmbedding`: a reference to a
     dynamic table, never its rows.
 
     Its nominal shape is ``(0, dim)``: a dynamic table has no fixed row count,
-    so ``get_weights`` holds no rows (tables are checkpointed with
-    ``EmbeddingClient.save``).  Pickled into a closure, it travels as its config
-    and finds the table through the receiving process's PS session.
+    so ``get_weights`` holds no rows.  A :class:`psflow.train.Checkpoint` (and
+    so ``BackupAndRestore``) has the parameter servers write and restore the
+    tables themselves: every row, slot and counter.  Pickled into a closure, it
+    travels as its config and finds the table through the receiving process's
+    PS session.
     """
 
     _is_variable = True
@@ -185,8 +189,12 @@ class DynamicTableHandle(GroupUpdated, Readable):
                 f"{self.name}: a dynamic table cannot be assigned rows; restore a table checkpoint"
             )
 
-    def lookup(self, ids: Any) -> Tensor:
-        """Rows of ``ids`` (any integer shape); the gradient is sparse rows by id."""
+    def lookup(self, ids: Any, training: bool = True) -> Tensor:
+        """Rows of ``ids`` (any integer shape); the gradient is sparse rows by id.
+
+        ``training=False`` (evaluate, predict) creates no rows: an unknown id
+        reads the row its first training lookup would get.
+        """
         idx = backend.to_numpy(to_array(node(ids)))
         if idx.dtype.kind not in "iu":
             raise errors.InvalidArgumentError(
@@ -194,20 +202,34 @@ class DynamicTableHandle(GroupUpdated, Readable):
             )
         flat = idx.reshape(-1).astype(np.int64)
         dim = self.config.dim
-        if flat.size:
+        # Each id is pulled once and its gradient rows summed here, in order of
+        # appearance (unsorted_segment_sum), so the push carries unique sorted ids.
+        unique, inverse = unique_ids(flat)
+        if unique.size:
             client = self.backend.client
             if self.hot_rows is not None:
                 client.cache_hot_rows(self.config.name, self.hot_rows)
-            rows = client.lookup(self.config.name, flat)
+            rows = client.lookup(self.config.name, unique, training)
         else:
             rows = np.zeros((0, dim), self._dtype.np)
-        gathered = rows.reshape((*idx.shape, dim))
+        gathered = (rows if unique is flat else rows[inverse]).reshape((*idx.shape, dim))
         shape = (0, dim)
 
         def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
-            return (IndexedSlices._raw(g.reshape((flat.size, dim)), flat, shape),)
+            g = backend.to_numpy(g).reshape((flat.size, dim))
+            if unique is not flat:
+                g = sum_rows(g, inverse, unique.size)
+            return (IndexedSlices._raw(g, unique, shape),)
 
         return out(gathered, (self,), backward)
+
+    def save_external(self, directory: str) -> None:
+        """Every PS task writes its tables (this one among them) into ``directory``."""
+        self.backend.client.save(directory)
+
+    def restore_external(self, directory: str) -> None:
+        """Every PS task replaces the tables saved in ``directory`` with the ids it owns."""
+        self.backend.client.restore(directory)
 
     def __reduce__(self) -> tuple:
         hot = None if self.hot_rows is None else dataclasses.astuple(self.hot_rows)
@@ -293,9 +315,10 @@ class DynamicEmbedding(Layer):
         self._own_weights.append(self.table)
         self.built = True
 
-    def call(self, inputs: Any) -> Any:
-        """The rows of ``inputs`` (integer ids of any shape)."""
-        return self.table.lookup(inputs)
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        """The rows of ``inputs`` (integer ids of any shape); ``training=False``
+        (evaluate, predict) reads without creating rows, None or True may create them."""
+        return self.table.lookup(inputs, training is not False)
 
     def compute_output_shape(self, input_shape: Any) -> TensorShape:
         """``input_shape + (output_dim,)``."""
