@@ -102,9 +102,14 @@ class EmbeddingClient:
         self.hot_rows = hot_rows
         self._hot: dict[str, HotRowCache] = {}
         self._hot_policies: dict[str, HotRowPolicy] = {}
+        self._max_message_bytes = max_message_bytes
+        self._connect()
+
+    def _connect(self) -> None:
+        """Channels, stubs and a thread pool for ``self.addresses``."""
         metadata = self.security.call_metadata() or None
         self._channels = [
-            open_channel(a, self.security, channel_options(max_message_bytes))
+            open_channel(a, self.security, channel_options(self._max_message_bytes))
             for a in self.addresses
         ]
         self._stubs: list[dict[str, Callable]] = []
@@ -129,6 +134,45 @@ class EmbeddingClient:
     def num_shards(self) -> int:
         """The number of PS tasks the tables are spread over."""
         return len(self.addresses)
+
+    def retarget(self, addresses: Sequence[str]) -> None:
+        """Routes by ``addresses`` from now on (the PS tasks after a resize); moves no row.
+
+        Call it between steps: a call in flight may still reach an old task.
+
+        Raises:
+            InvalidArgumentError: no address.
+        """
+        if not addresses:
+            raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
+        if list(addresses) == self.addresses:
+            return
+        old_pool, old_channels = self._pool, self._channels
+        with self._lock:
+            self.addresses = list(addresses)
+            self._connect()
+            self._hot.clear()  # its rows were fetched shard by shard from the old tasks
+        old_pool.shutdown(wait=False)
+        for channel in old_channels:
+            channel.close()
+
+    def move_to(self, addresses: Sequence[str], directory: str) -> int:
+        """Re-shards every table over ``addresses``; returns the rows the new tasks hold.
+
+        Each current task writes its tables (rows, optimizer slots, admission
+        counts, TTL clocks) into ``directory``, which every task must be able
+        to read and write (one host, or a shared volume); each new task then
+        keeps the ids it owns by the new count (:meth:`restore`). The tasks
+        removed keep stale copies until they are drained. Nothing may look up
+        or push meanwhile (the coordinator fences the resize at a step boundary).
+
+        Raises:
+            OpError: a task could not save or restore (the client then still
+                routes by the old tasks if the save failed).
+        """
+        self.save(directory)
+        self.retarget(addresses)
+        return self.restore(directory)
 
     def close(self) -> None:
         """Closes the channels and the thread pool."""

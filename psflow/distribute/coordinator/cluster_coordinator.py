@@ -312,7 +312,8 @@ class ClusterCoordinator(Recovery):
     def resize_parameter_servers(self, num_ps: int, *, timeout: float = 300.0) -> Any:
         """Resizes the strategy's parameter servers; returns a ``ResizeReport``.
 
-        In sync mode it fences at a step boundary: it waits for every
+        In sync mode (and with dynamic embedding tables, which move all at
+        once) it fences at a step boundary: it waits for every
         scheduled closure (as :meth:`join`), then moves the variables (see
         ``ParameterServerStrategy.resize_parameter_servers``), then scheduling
         goes on. In async and bounded mode training goes on while variables
@@ -333,8 +334,13 @@ class ClusterCoordinator(Recovery):
         """
         deadline = time.monotonic() + timeout
         # embedded, closures run on this process's session, whose in-process stores do not
-        # retry a fenced push: there too the step boundary is the fence
-        fenced = self._strategy.mode == "sync" or self._strategy.extended.embedded
+        # retry a fenced push: there too the step boundary is the fence; so it is for
+        # dynamic tables, which move all at once
+        fenced = (
+            self._strategy.mode == "sync"
+            or self._strategy.extended.embedded
+            or bool(self._strategy._session.resize_steps)
+        )
         if not self._resize_lock.acquire(timeout=timeout):
             raise errors.DeadlineExceededError(
                 f"another resize of the parameter servers ran for more than {timeout}s"

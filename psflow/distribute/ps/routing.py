@@ -39,6 +39,7 @@ class Routing:
     task: str
     connections: list[PSConnection]
     resize_blockers: set[str]
+    resize_steps: list[Callable[[Sequence[str], float], None]]
     resize_origin: int | None
     _connect: Callable[[str, int], PSConnection] | None
     _placement_lock: threading.RLock
@@ -106,6 +107,15 @@ class Routing:
     def refuse_resize(self, reason: str) -> None:
         """Makes a later resize fail with ``UnimplementedError`` giving ``reason``."""
         self.resize_blockers.add(reason)
+
+    def on_resize(self, step: Callable[[Sequence[str], float], None]) -> None:
+        """Has a resize call ``step(addresses, deadline)`` once the variables moved.
+
+        For state the session's map does not cover (dynamic embedding tables):
+        ``step`` moves it onto the tasks at ``addresses`` before removed tasks
+        drain, at a step boundary (the coordinator fences such a resize).
+        """
+        self.resize_steps.append(step)
 
     def connect_with(self, connect: Callable[[str, int], PSConnection]) -> None:
         """Sets how tasks added by a resize are reached: ``connect(address, task_index)``."""
