@@ -127,3 +127,51 @@ def test_every_row_reads_the_same_after_2_3_1_and_each_task_holds_its_own(start_
     np.testing.assert_array_equal(client.lookup("t", VOCAB), reference.lookup("t", VOCAB))
     with pytest.raises(errors.InvalidArgumentError):
         client.retarget([])
+
+
+def _train_on_a_worker(cluster, name: str, resizes: dict[int, int]):
+    """Nine SGD steps as closures on one worker; the chief resizes before the steps named."""
+    resolver = _Listing(cluster, 2)
+    strategy = pf.distribute.ParameterServerStrategy(resolver)
+    pf.random.set_seed(0)
+    with strategy.scope():
+        model = _model(name)
+        optimizer = pf.keras.optimizers.SGD(0.1)
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    def step(ids, y):
+        def replica(ids, y):
+            with pf.GradientTape() as tape:
+                loss = pf.reduce_mean(pf.square(model(ids, training=True) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.run(replica, args=(ids, y))
+
+    for s, (ids, y) in enumerate(_batches()):
+        if s in resizes:  # a closure may be in flight: the resize waits for it
+            resolver.num_ps = max(resolver.num_ps, resizes[s])
+            coordinator.resize_parameter_servers(resizes[s], timeout=60)
+        coordinator.schedule(step, args=(pf.constant(ids), pf.constant(y)))
+    coordinator.join()
+    client = model.layers[0].table.backend.client
+    rows = client.lookup(name, VOCAB)
+    kernel = model.layers[2].kernel.numpy()
+    coordinator.shutdown()
+    return rows, kernel
+
+
+def test_a_worker_follows_the_resized_table_and_training_equals_the_fixed_layout(
+    start_cluster, start_ps, monkeypatch
+):
+    monkeypatch.setenv("PSFLOW_CLOSURES_IN_FLIGHT", "1")  # one worker, steps in order
+    fixed = _train_on_a_worker(start_cluster(num_ps=2, num_workers=1), "fixed", {})
+    # the worker is started with the 2 PS tasks of the view; ps:2 is added later
+    cluster = start_cluster(num_ps=2, num_workers=1)
+    cluster.ps.append(start_ps("--task", "ps:2"))
+    elastic = _train_on_a_worker(cluster, "elastic", {3: 3, 6: 1})
+    for a, b in zip(fixed, elastic):
+        np.testing.assert_array_equal(a, b)
+    for server in cluster.ps[1:]:
+        assert "PSFLOW_DRAINED" in _drained(server)

@@ -164,6 +164,7 @@ def resize(
     # 4. what the map does not cover (dynamic tables) moves, then the tasks removed drain
     for step in list(session.resize_steps):
         step(addresses, deadline)
+    session.announce_tasks(addresses, version)  # the map the workers take lists the rest
     if before_drain is not None:
         before_drain(deadline)
     for c in connections[new_n:]:

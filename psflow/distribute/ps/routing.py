@@ -136,6 +136,18 @@ class Routing:
             self.placement = self.placement.with_owners(owners, version=version)
         self._invalidate()
 
+    def announce_tasks(self, addresses: Sequence[str], version: int) -> None:
+        """Puts ``addresses`` in the map the workers take, keeping this session's connections.
+
+        A shrinking resize tells the workers the remaining tasks (their table
+        clients hash ids by that count) while it still needs the removed
+        tasks' connections to drain them.
+        """
+        with self._placement_lock:
+            self.placement = self.placement.with_owners(
+                {}, addresses=tuple(addresses), version=version
+            )
+
     def variable_sizes(self) -> dict[str, int]:
         """Bytes of every variable this session knows (a resize balances by them)."""
         with self._handles_lock:
