@@ -286,7 +286,7 @@ class ClusterCoordinator(Recovery):
         return bool(self._unfinished or any(s.targeted and s.up for s in self._states))
 
     def join(self, timeout: float | None = None) -> None:
-        """Waits until every scheduled closure has finished.
+        """Waits until every scheduled closure has finished (and a step-boundary resize ended).
 
         Raises:
             The first error a closure raised (once), after cancelling the rest.
