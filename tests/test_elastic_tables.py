@@ -129,6 +129,29 @@ def test_every_row_reads_the_same_after_2_3_1_and_each_task_holds_its_own(start_
         client.retarget([])
 
 
+def test_moving_tables_into_a_used_directory_is_refused_and_changes_nothing(start_ps, tmp_path):
+    from psflow.ps.dynamic_table import TableConfig
+    from psflow.transport.embedding_client import EmbeddingClient
+
+    servers = [start_ps("--task", f"ps:{i}") for i in range(2)]
+    client = EmbeddingClient([servers[0].address])
+    try:
+        client.create_table(TableConfig("t", DIM, seed=SEED))
+        before = client.lookup("t", VOCAB)
+        (tmp_path / "stray.tables.json").write_text("{}")
+        with pytest.raises(errors.InvalidArgumentError, match=r"stray\.tables\.json"):
+            client.move_to([s.address for s in servers], str(tmp_path))
+        assert client.num_shards == 1
+        np.testing.assert_array_equal(client.lookup("t", VOCAB), before)
+        assert client.move_to([s.address for s in servers], str(tmp_path / "fresh")) == VOCAB.size
+        np.testing.assert_array_equal(client.lookup("t", VOCAB), before)
+        assert [s["t"].rows for s in client.stats()] == [
+            int((shard_of(VOCAB, 2) == i).sum()) for i in range(2)
+        ]
+    finally:
+        client.close()
+
+
 def _train_on_a_worker(cluster, name: str, resizes: dict[int, int]):
     """Nine SGD steps as closures on one worker; the chief resizes before the steps named."""
     resolver = _Listing(cluster, 2)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,7 +32,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, from_grpc
+from psflow.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+    from_grpc,
+)
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
@@ -167,12 +175,35 @@ class EmbeddingClient:
         or push meanwhile (the coordinator fences the resize at a step boundary).
 
         Raises:
+            InvalidArgumentError: ``directory`` is not empty: nothing changed.
+            FailedPreconditionError: this process cannot read what the tasks
+                saved (no shared directory): nothing changed.
+            DataLossError: the new tasks restored another number of rows than
+                the old ones held (a task did not see every saved file).
             OpError: a task could not save or restore (the client then still
                 routes by the old tasks if the save failed).
         """
-        self.save(directory)
+        if os.path.isdir(directory) and os.listdir(directory):
+            raise InvalidArgumentError(
+                f"moving tables needs an empty directory; {directory!r} holds "
+                f"{sorted(os.listdir(directory))[:3]} (the new tasks would restore those too)"
+            )
+        held = sum(t.rows for shard in self.stats() for t in shard.values())
+        unseen = [p for p in self.save(directory) if not os.path.exists(p)]
+        if unseen:
+            raise FailedPreconditionError(
+                f"the PS tasks saved their tables where this process cannot read them "
+                f"({unseen[:3]}): moving dynamic tables needs {directory!r} on a filesystem "
+                "every task shares"
+            )
         self.retarget(addresses)
-        return self.restore(directory)
+        restored = self.restore(directory)
+        if restored != held:
+            raise DataLossError(
+                f"the old tasks held {held} table rows, the new tasks "
+                f"restored {restored} from {directory!r}: a task did not see every saved file"
+            )
+        return restored
 
     def close(self) -> None:
         """Closes the channels and the thread pool."""
