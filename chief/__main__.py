@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -125,6 +126,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _listed_ps(path: str) -> list[str]:
+    """The PS addresses the cluster file at ``path`` lists now."""
+    from psflow.distribute.cluster_resolver import read_cluster_file
+
+    spec = read_cluster_file(path)
+    return (
+        [spec.task_address("ps", i) for i in spec.task_indices("ps")] if "ps" in spec.jobs else []
+    )
+
+
 def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = None) -> Any:
     """The chief's dashboard over TF_CONFIG's cluster (empty when embedded), or None on error.
 
@@ -133,8 +144,10 @@ def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = N
     """
     from psflow.dashboard.app import start_dashboard
     from psflow.distribute.cluster_resolver import TFConfigClusterResolver
+    from psflow.distribute.cluster_resolver.cluster_file import CLUSTER_FILE_ENV
     from psflow.security.config import SecurityConfig
 
+    env = os.environ if environ is None else environ
     try:
         security = SecurityConfig.from_environment(environ)
         spec = TFConfigClusterResolver(environ=environ).cluster_spec()
@@ -143,7 +156,12 @@ def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = N
             for job in spec.jobs
             if job in ("ps", "worker")
         }
-        dashboard = start_dashboard(cluster, port=port, bind=bind, security=security)
+        # elastic parameter servers (psflow local --ps-max): the page follows the view
+        path = env.get(CLUSTER_FILE_ENV)
+        ps_view = None if not path else functools.partial(_listed_ps, path)
+        dashboard = start_dashboard(
+            cluster, port=port, bind=bind, security=security, ps_view=ps_view
+        )
     except (OpError, ValueError) as e:
         log.error("cannot start the dashboard: %s", e)
         return None

@@ -790,8 +790,12 @@ class LocalCluster:
                 if r.name == CHIEF
             }
 
+        scaler = self._scaler
+        ps_view = None if scaler is None else (lambda: scaler.view(scaler.num_ps)[PS])
         stream = self._stderr or sys.stderr
-        return LauncherStatus(cluster, self._environ, stream, processes, interval=interval)
+        return LauncherStatus(
+            cluster, self._environ, stream, processes, interval=interval, ps_view=ps_view
+        )
 
     def _status_around_logging(self):
         return self._status.around_logging() if self._status else contextlib.nullcontext()

@@ -32,6 +32,8 @@ class LauncherStatus:
         processes: role -> process state, for roles no probe covers (the chief).
         interval: seconds between refreshes.
         tty: draw in place (default: whether ``stream`` is a terminal).
+        ps_view: the PS addresses listed now (``psflow scale`` changes them);
+            None: ``cluster``'s, fixed.
 
     Raises:
         OpError: the environment's credentials cannot be read.
@@ -46,10 +48,13 @@ class LauncherStatus:
         *,
         interval: float = 2.0,
         tty: bool | None = None,
+        ps_view: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         security = SecurityConfig.from_environment(environ)
         probe = ClusterProbe(cluster, security=security)
-        self.monitor = ClusterMonitor(probe, EventLog(), interval=min(interval, 1.0)).start()
+        self.monitor = ClusterMonitor(
+            probe, EventLog(), interval=min(interval, 1.0), ps_view=ps_view
+        ).start()
         self.view = StatusView(stream, self.monitor.snapshot, processes, interval=interval, tty=tty)
 
     def wrap(self, stream: TextIO | None) -> TextIO | None:

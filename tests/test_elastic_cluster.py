@@ -129,9 +129,17 @@ def _model() -> pf.keras.Model:
     )
 
 
-def _train(cluster, resolver, mode: str, resizes: dict[int, int], steps_per_phase: int = 2):
+def _train(
+    cluster,
+    resolver,
+    mode: str,
+    resizes: dict[int, int],
+    steps_per_phase: int = 2,
+    on_scheduled=None,
+):
     """Three phases of steps (one closure per worker per step), resizing between them.
 
+    ``on_scheduled(coordinator, n)`` runs in this thread after the n-th closure is scheduled.
     Returns the weights, each variable's optimizer step, the closures run and the reports.
     """
     rng = np.random.default_rng(3)
@@ -167,6 +175,8 @@ def _train(cluster, resolver, mode: str, resizes: dict[int, int], steps_per_phas
         for _ in range(steps_per_phase * coordinator.num_workers):
             coordinator.schedule(step, args=(iterator,))
             closures += 1
+            if on_scheduled is not None:
+                on_scheduled(coordinator, closures)
         if phase in resizes:  # closures still in flight: the resize waits for the boundary
             resolver.num_ps = max(resolver.num_ps, resizes[phase])
             reports.append(coordinator.resize_parameter_servers(resizes[phase], timeout=60))
@@ -198,6 +208,51 @@ def test_sync_training_through_2_3_1_servers_equals_a_fixed_2_server_layout_bit_
     for server in cluster.ps[1:]:
         assert "PSFLOW_DRAINED" in _drained(server)
     assert cluster.ps[0].proc.poll() is None
+
+
+def test_sync_training_resized_2_3_2_from_another_thread_equals_a_fixed_layout(start_cluster):
+    fixed_cluster = start_cluster(num_ps=2, num_workers=2)
+    fixed, fixed_steps, _, _ = _train(fixed_cluster, _Listing(fixed_cluster, 2), "sync", {})
+
+    cluster = start_cluster(num_ps=3, num_workers=2)
+    resolver = _Listing(cluster, 2)
+    coordinators: list = []
+    # asked mid-step (closure 3 and 7, 2 per step): the fence lets that step finish first
+    reached = {3: threading.Event(), 7: threading.Event()}
+    asked = {3: threading.Event(), 7: threading.Event()}
+    reports, failures = [], []
+
+    def on_scheduled(coordinator, n):
+        if n in reached:
+            coordinators.append(coordinator)
+            reached[n].set()
+            assert asked[n].wait(90)  # then it schedules at once, racing the resize
+
+    def resizer():
+        try:
+            for n, num_ps in ((3, 3), (7, 2)):
+                assert reached[n].wait(90)
+                resolver.num_ps = 3
+                asked[n].set()
+                reports.append(coordinators[0].resize_parameter_servers(num_ps, timeout=60))
+        except BaseException as e:  # raised by the test's thread below
+            failures.append(e)
+        finally:
+            for event in asked.values():
+                event.set()
+
+    thread = threading.Thread(target=resizer, daemon=True)
+    thread.start()
+    elastic, steps, closures, _ = _train(cluster, resolver, "sync", {}, on_scheduled=on_scheduled)
+    thread.join(90)
+    assert not failures, failures
+    # the first resize ended before closure 8 was scheduled: it ran mid-training
+    assert [(r.old_num_ps, r.new_num_ps) for r in reports] == [(2, 3), (3, 2)]
+    assert closures == 12 and all(r.shards_moved > 0 for r in reports)
+    for a, b in zip(fixed, elastic):
+        np.testing.assert_array_equal(a, b)
+    assert set(steps.values()) == set(fixed_steps.values()) == {6}
+    assert "PSFLOW_DRAINED" in _drained(cluster.ps[2])
 
 
 def test_async_training_through_a_resize_applies_every_push_exactly_once(start_cluster):

@@ -249,7 +249,9 @@ def test_partitioned_variables_move_shard_by_shard_and_read_back_whole():
     )
 
 
-def test_resize_with_dynamic_embedding_tables_is_refused_naming_them(monkeypatch):
+def test_embedded_dynamic_tables_come_through_a_resize_and_a_refused_one_changes_nothing(
+    monkeypatch,
+):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     strategy = pf.distribute.ParameterServerStrategy()
     with strategy.scope():
@@ -262,9 +264,18 @@ def test_resize_with_dynamic_embedding_tables_is_refused_naming_them(monkeypatch
         )
         model.compile(optimizer="sgd", loss="mse")
     model.fit(np.arange(12).reshape(4, 3), np.ones((4, 1), "float32"), batch_size=2, verbose=0)
+    table = model.layers[0].table
+    rows = table.backend.client.lookup(table.config.name, np.arange(12))
+    assert strategy.resize_parameter_servers(2).new_num_ps == 2  # the table is the layer's own
+    np.testing.assert_array_equal(
+        table.backend.client.lookup(table.config.name, np.arange(12)), rows
+    )
+    model.fit(np.arange(12).reshape(4, 3), np.ones((4, 1), "float32"), batch_size=2, verbose=0)
+
     before = strategy.placement()
-    with pytest.raises(errors.UnimplementedError, match="dynamic embedding tables"):
-        strategy.resize_parameter_servers(2)
+    strategy._session.refuse_resize("a test's reason")
+    with pytest.raises(errors.UnimplementedError, match="a test's reason"):
+        strategy.resize_parameter_servers(1)
     assert strategy.placement() == before
 
 

@@ -83,8 +83,7 @@ def test_a_view_without_ps_is_ignored_and_a_bad_file_keeps_the_count(setup, tmp_
 
 def test_a_failing_resize_is_retried_after_a_back_off_and_counted(setup):
     path, resolver, strategy, values, variables = setup
-    with strategy.scope():  # a dynamic table cannot move yet: resize raises, typed
-        pf.keras.layers.DynamicEmbedding(4, name="ids")(np.array([1, 2], dtype="int64"))
+    strategy._session.refuse_resize("a test's reason")  # every resize raises, typed
     watch = ClusterWatch(strategy, resolver, interval=0.05, max_backoff=0.2)
     write_cluster_file(path, _view(2))
     assert watch.poll() is None and watch.failures == 1

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from psflow.observability import events, progress
 from psflow.security.config import SecurityConfig, default_security
@@ -69,8 +69,12 @@ def start_dashboard(
     bind: str = "127.0.0.1",
     security: SecurityConfig | None = None,
     interval: float = 1.0,
+    ps_view: Callable[[], Sequence[str]] | None = None,
 ) -> Dashboard:
     """Starts probing ``cluster`` and serving the page on ``bind:port`` (0: a free port).
+
+    ``ps_view``, when given, returns the PS addresses the job runs on now; the
+    page then follows a resize of the parameter servers.
 
     Raises:
         FailedPreconditionError: ``bind`` is not loopback and ``security`` has no token.
@@ -82,7 +86,7 @@ def start_dashboard(
     log = events.EventLog()
     recorder = progress.TrainingProgress()
     probe = ClusterProbe(cluster, security=security)
-    monitor = ClusterMonitor(probe, log, recorder, interval=interval)
+    monitor = ClusterMonitor(probe, log, recorder, interval=interval, ps_view=ps_view)
     try:
         server = DashboardServer(monitor, bind, port, security=security)
     except Exception:

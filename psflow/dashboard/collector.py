@@ -25,10 +25,10 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from psflow.errors import InvalidArgumentError
+from psflow.errors import InvalidArgumentError, OpError
 from psflow.observability.events import EventKind, EventLog
 from psflow.observability.progress import TrainingProgress
 
@@ -94,6 +94,8 @@ class ClusterMonitor:
         progress: the training recorder, or None (the document's ``training`` is idle).
         interval: seconds between rounds.
         lost_after: consecutive unanswered rounds before a task that answered is lost.
+        ps_view: the PS addresses the job runs on now, read before every round
+            (the parameter servers can be resized); None: the probe's, fixed.
 
     Raises:
         InvalidArgumentError: ``interval`` <= 0 or ``lost_after`` < 1.
@@ -107,6 +109,7 @@ class ClusterMonitor:
         *,
         interval: float = 1.0,
         lost_after: int = 2,
+        ps_view: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         if not interval > 0:
             raise InvalidArgumentError(f"interval {interval!r} must be > 0")
@@ -117,6 +120,7 @@ class ClusterMonitor:
         self._progress = progress or TrainingProgress()
         self._interval = interval
         self._lost_after = lost_after
+        self._ps_view = ps_view
         self._started = time.time()
         self._lock = threading.Lock()
         self._tasks = [_Task("ps", i, a) for i, a in enumerate(probe.ps_addresses)]
@@ -145,12 +149,31 @@ class ClusterMonitor:
             self._stop.wait(max(0.0, self._interval - (time.monotonic() - began)))
 
     def probe_once(self) -> None:
-        """Runs one round now and folds the answers in."""
+        """Runs one round now (over the PS tasks the view lists) and folds the answers in."""
+        self._follow_view()
         answers = self._probe.round()
         with self._lock:
             for task, answer in zip(self._tasks, answers, strict=True):
                 self._fold(task, answer)
             self._rounds += 1
+
+    def _follow_view(self) -> None:
+        """Probes the PS tasks the view lists now; a task kept at its address keeps its history."""
+        if self._ps_view is None:
+            return
+        try:
+            addresses = list(self._ps_view())
+            if addresses == self._probe.ps_addresses:
+                return
+            self._probe.set_ps_addresses(addresses)
+        except (OpError, OSError, ValueError) as e:  # a view being rewritten: the next round
+            log.warning("cannot read the parameter servers' view, keeping the last: %s", e)
+            return
+        with self._lock:
+            old = {(t.index, t.address): t for t in self._tasks if t.job == "ps"}
+            ps = [old.get((i, a)) or _Task("ps", i, a) for i, a in enumerate(addresses)]
+            self._tasks = ps + [t for t in self._tasks if t.job != "ps"]
+        log.info("probing %d parameter servers: %s", len(addresses), ", ".join(addresses))
 
     def _fold(self, task: _Task, answer: TaskAnswer) -> None:
         if not answer.ok:

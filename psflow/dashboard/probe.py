@@ -32,6 +32,9 @@ __all__ = ["ClusterProbe", "TaskAnswer"]
 
 PS, WORKER = "ps", "worker"
 
+MAX_THREADS = 32
+"""Concurrent calls of one round (a bigger cluster's round takes a few deadlines)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskAnswer:
@@ -113,19 +116,49 @@ class ClusterProbe:
             raise InvalidArgumentError(f"probe timeout {timeout!r} must be > 0")
         self.timeout = timeout
         security = default_security() if security is None else security
+        self._security = security
         self.ps_addresses = _addresses(cluster, PS)
         self.worker_addresses = _addresses(cluster, WORKER)
+        self._ps = [self._ps_client(i, a) for i, a in enumerate(self.ps_addresses)]
+        self._workers = [_WorkerStatus(a, security) for a in self.worker_addresses]
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=MAX_THREADS, thread_name_prefix="dashboard-probe"
+        )
+
+    def _ps_client(self, index: int, address: str) -> PSClient:
         # No retries: a task that does not answer within one deadline is news.
         once = RetryPolicy(max_attempts=1)
-        self._ps = [
-            PSClient(a, f"ps:{i}", timeout=timeout, retry=once, max_workers=1, security=security)
-            for i, a in enumerate(self.ps_addresses)
-        ]
-        self._workers = [_WorkerStatus(a, security) for a in self.worker_addresses]
-        n = max(1, len(self._ps) + len(self._workers))
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(n, 32), thread_name_prefix="dashboard-probe"
+        return PSClient(
+            address,
+            f"ps:{index}",
+            timeout=self.timeout,
+            retry=once,
+            max_workers=1,
+            security=self._security,
         )
+
+    def set_ps_addresses(self, addresses: Sequence[str]) -> None:
+        """Probes the PS tasks at ``addresses`` from the next round on (after a resize).
+
+        A task at the same index and address keeps its channel; the others
+        are closed.  Call it between rounds (the monitor's thread does).
+
+        Raises:
+            InvalidArgumentError: ``addresses`` is not a list of addresses.
+        """
+        addresses = _addresses({PS: addresses}, PS)
+        kept = [
+            client if i < len(addresses) and addresses[i] == old else None
+            for i, (old, client) in enumerate(zip(self.ps_addresses, self._ps))
+        ]
+        clients = [
+            kept[i] if i < len(kept) and kept[i] is not None else self._ps_client(i, a)
+            for i, a in enumerate(addresses)
+        ]
+        for client, keep in zip(self._ps, kept):
+            if keep is None:
+                client.close()
+        self.ps_addresses, self._ps = addresses, clients
 
     def _ask_ps(self, index: int) -> TaskAnswer:
         address = self.ps_addresses[index]

@@ -542,7 +542,9 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         Raises:
             InvalidArgumentError: ``num_ps`` < 1, or the cluster lists fewer
                 ``ps`` tasks than ``num_ps`` (both counts named).
-            UnimplementedError: dynamic embedding tables are in use.
+            UnimplementedError: something in use cannot move (the session's
+                ``refuse_resize``); dynamic embedding tables do move (see
+                ``EmbeddingClient.move_to``), at a step boundary.
             UnavailableError, DeadlineExceededError: a task involved was lost
                 or slow; the placement map holds every move completed.
         """

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,7 +32,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, from_grpc
+from psflow.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+    from_grpc,
+)
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
@@ -102,9 +110,14 @@ class EmbeddingClient:
         self.hot_rows = hot_rows
         self._hot: dict[str, HotRowCache] = {}
         self._hot_policies: dict[str, HotRowPolicy] = {}
+        self._max_message_bytes = max_message_bytes
+        self._connect()
+
+    def _connect(self) -> None:
+        """Channels, stubs and a thread pool for ``self.addresses``."""
         metadata = self.security.call_metadata() or None
         self._channels = [
-            open_channel(a, self.security, channel_options(max_message_bytes))
+            open_channel(a, self.security, channel_options(self._max_message_bytes))
             for a in self.addresses
         ]
         self._stubs: list[dict[str, Callable]] = []
@@ -129,6 +142,68 @@ class EmbeddingClient:
     def num_shards(self) -> int:
         """The number of PS tasks the tables are spread over."""
         return len(self.addresses)
+
+    def retarget(self, addresses: Sequence[str]) -> None:
+        """Routes by ``addresses`` from now on (the PS tasks after a resize); moves no row.
+
+        Call it between steps: a call in flight may still reach an old task.
+
+        Raises:
+            InvalidArgumentError: no address.
+        """
+        if not addresses:
+            raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
+        if list(addresses) == self.addresses:
+            return
+        old_pool, old_channels = self._pool, self._channels
+        with self._lock:
+            self.addresses = list(addresses)
+            self._connect()
+            self._hot.clear()  # its rows were fetched shard by shard from the old tasks
+        old_pool.shutdown(wait=False)
+        for channel in old_channels:
+            channel.close()
+
+    def move_to(self, addresses: Sequence[str], directory: str) -> int:
+        """Re-shards every table over ``addresses``; returns the rows the new tasks hold.
+
+        Each current task writes its tables (rows, optimizer slots, admission
+        counts, TTL clocks) into ``directory``, which every task must be able
+        to read and write (one host, or a shared volume); each new task then
+        keeps the ids it owns by the new count (:meth:`restore`). The tasks
+        removed keep stale copies until they are drained. Nothing may look up
+        or push meanwhile (the coordinator fences the resize at a step boundary).
+
+        Raises:
+            InvalidArgumentError: ``directory`` is not empty: nothing changed.
+            FailedPreconditionError: this process cannot read what the tasks
+                saved (no shared directory): nothing changed.
+            DataLossError: the new tasks restored another number of rows than
+                the old ones held (a task did not see every saved file).
+            OpError: a task could not save or restore (the client then still
+                routes by the old tasks if the save failed).
+        """
+        if os.path.isdir(directory) and os.listdir(directory):
+            raise InvalidArgumentError(
+                f"moving tables needs an empty directory; {directory!r} holds "
+                f"{sorted(os.listdir(directory))[:3]} (the new tasks would restore those too)"
+            )
+        held = sum(t.rows for shard in self.stats() for t in shard.values())
+        unseen = [p for p in self.save(directory) if not os.path.exists(p)]
+        if unseen:
+            raise FailedPreconditionError(
+                f"the PS tasks saved their tables where this process cannot read them "
+                f"({unseen[:3]}): moving dynamic tables needs {directory!r} on a filesystem "
+                "every task shares"
+            )
+        self.retarget(addresses)
+        restored = self.restore(directory)
+        if restored != held:
+            raise DataLossError(
+                f"the old tasks held {held} table rows, the new tasks "
+                f"restored {restored} from {directory!r}: a task did not see every saved file"
+            )
+        return restored
 
     def close(self) -> None:
         """Closes the channels and the thread pool."""

@@ -112,6 +112,10 @@ class ClusterCoordinator(Recovery):
         self._unfinished = 0  # general closures scheduled and not yet finished
         self._error: BaseException | None = None
         self._closed = False
+        # A step-boundary resize (sync mode, embedded) holds ``schedule`` while it drains
+        # and moves variables, so it may come from any thread (a ClusterWatch's).
+        self._resize_lock = threading.Lock()
+        self._fenced = False
         self._resources: list[tuple[str, int, Callable[..., Any], tuple]] = []
         self._staleness = strategy.extended.staleness
         self._async = strategy.mode == "async"
@@ -189,6 +193,7 @@ class ClusterCoordinator(Recovery):
         closure = Closure(closure_id, fn, args, kwargs, rv, queued=True, speculable=speculable)
         deadline = time.monotonic() + self._config.schedule_timeout
         with self._cond:
+            self._wait_unfenced(deadline)
             # A bounded queue: with every worker gone, the caller waits here (and then
             # gets the no-worker error) instead of piling up closures nobody runs.
             while len(self._queue) >= self._queue_bound and not self._closed:
@@ -213,6 +218,66 @@ class ClusterCoordinator(Recovery):
             self._raise_pending_error()
         return rv
 
+    def _step_unit(self) -> int:
+        """Closures per synchronous step (one per worker); 1 when steps are not shared."""
+        return self.num_workers if self._strategy.mode == "sync" else 1
+
+    def _at_boundary(self) -> bool:
+        """Whether the closures scheduled so far fill whole steps (hold ``_cond``).
+
+        In sync mode each worker's n-th closure is its step n, which waits for
+        every worker's step n: holding ``schedule`` in the middle of a step would
+        leave the step's first half waiting for a second half that never comes.
+        """
+        return self.scheduled % self._step_unit() == 0
+
+    def _wait_unfenced(self, deadline: float) -> None:
+        """Holds a ``schedule`` while a step-boundary resize runs (hold ``_cond``).
+
+        A resize asked for mid-step lets the rest of that step through first.
+
+        Raises:
+            ResourceExhaustedError: the resize held it past ``schedule_timeout``.
+        """
+        while self._fenced and self._at_boundary() and not self._closed:
+            if self._error is not None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.ResourceExhaustedError(
+                    f"schedule waited {self._config.schedule_timeout:.0f}s for a resize of the "
+                    "parameter servers to finish"
+                )
+            self._cond.wait(min(left, 1.0))
+
+    def _drain_for_resize(self, deadline: float, timeout: float) -> None:
+        """Waits for a step boundary with nothing in flight (``schedule`` is held then).
+
+        A pending closure error is left for the thread that schedules (it is
+        raised there, by the next ``schedule``/``join``): a watch thread must
+        not take it.
+
+        Raises:
+            FailedPreconditionError: a closure failed (nothing is moved).
+            DeadlineExceededError: no such boundary came within ``timeout``; the
+                message says whether a step was left half scheduled.
+        """
+        with self._cond:
+            while (self._busy() or not self._at_boundary()) and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.DeadlineExceededError(
+                        f"resize waited {timeout}s for a step boundary: {self.scheduled} "
+                        f"closures scheduled ({self._step_unit()} per step), "
+                        f"{self._unfinished} unfinished; {self._stall_report()}"
+                    )
+                self._check_all_down()
+                self._cond.wait(min(left, 1.0))
+            if self._error is not None:
+                raise errors.FailedPreconditionError(
+                    f"not resizing the parameter servers: a closure failed ({self._error!r})"
+                )
+
     def _busy(self) -> bool:
         """Closures still to finish: general ones, and resources of workers that are up.
 
@@ -221,7 +286,7 @@ class ClusterCoordinator(Recovery):
         return bool(self._unfinished or any(s.targeted and s.up for s in self._states))
 
     def join(self, timeout: float | None = None) -> None:
-        """Waits until every scheduled closure has finished.
+        """Waits until every scheduled closure has finished (and a step-boundary resize ended).
 
         Raises:
             The first error a closure raised (once), after cancelling the rest.
@@ -232,7 +297,8 @@ class ClusterCoordinator(Recovery):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._busy() and self._error is None:
+            # a step-boundary resize in progress: after join nothing moves any more
+            while (self._busy() or self._fenced) and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise errors.DeadlineExceededError(
@@ -246,25 +312,56 @@ class ClusterCoordinator(Recovery):
     def resize_parameter_servers(self, num_ps: int, *, timeout: float = 300.0) -> Any:
         """Resizes the strategy's parameter servers; returns a ``ResizeReport``.
 
-        In sync mode it fences at a step boundary: it waits for every
+        In sync mode (and with dynamic embedding tables, which move all at
+        once) it fences at a step boundary: it waits for every
         scheduled closure (as :meth:`join`), then moves the variables (see
         ``ParameterServerStrategy.resize_parameter_servers``), then scheduling
         goes on. In async and bounded mode training goes on while variables
         move: each batch of variables is fenced only from its copy to its
         release, and a push that meets a fence is retried and redirected to
         the new owner. Either way every worker takes the new placement map
-        before a removed task is told to exit. Call it from the thread that
-        schedules.
+        before a removed task is told to exit. It may be called from any
+        thread (a ``ClusterWatch``'s): in sync mode ``schedule`` is held from
+        the next step boundary until the resize ends (a ``schedule`` held
+        longer than ``schedule_timeout`` raises), and ``join`` waits for it.
+        Resizes run one at a time.
 
         Raises:
-            The first error a closure raised (sync mode: nothing is moved then),
-            and the errors of ``ParameterServerStrategy.resize_parameter_servers``.
+            FailedPreconditionError: sync mode, a closure failed (nothing is
+                moved; the error itself is raised to the thread that schedules).
+            DeadlineExceededError: sync mode, no step boundary within ``timeout``.
+            The errors of ``ParameterServerStrategy.resize_parameter_servers``.
         """
         deadline = time.monotonic() + timeout
         # embedded, closures run on this process's session, whose in-process stores do not
-        # retry a fenced push: there too the step boundary is the fence
-        if self._strategy.mode == "sync" or self._strategy.extended.embedded:
-            self.join(timeout=timeout)
+        # retry a fenced push: there too the step boundary is the fence; so it is for
+        # dynamic tables, which move all at once
+        fenced = (
+            self._strategy.mode == "sync"
+            or self._strategy.extended.embedded
+            or bool(self._strategy._session.resize_steps)
+        )
+        if not self._resize_lock.acquire(timeout=timeout):
+            raise errors.DeadlineExceededError(
+                f"another resize of the parameter servers ran for more than {timeout}s"
+            )
+        try:
+            if not fenced:
+                return self._resize(num_ps, deadline)
+            with self._cond:
+                self._fenced = True
+            try:
+                self._drain_for_resize(deadline, timeout)
+                return self._resize(num_ps, deadline)
+            finally:
+                with self._cond:
+                    self._fenced = False
+                    self._cond.notify_all()
+        finally:
+            self._resize_lock.release()
+
+    def _resize(self, num_ps: int, deadline: float) -> Any:
+        """Moves the variables, telling every worker the new map before any task drains."""
         told: list[PerWorkerValues] = []
 
         def tell_workers(deadline: float) -> None:

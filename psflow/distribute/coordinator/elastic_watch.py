@@ -28,12 +28,12 @@ Two ways to run it:
   the watch polls and resizes by itself while the program trains.  In async
   and bounded-staleness mode the coordinator moves variables in fenced batches
   while closures keep running, so training pauses only where it touches a
-  variable being handed over;
-* **at step boundaries** (any mode; the one for sync training, whose
-  coordinator must be resized from the thread that schedules): the training
-  loop calls :meth:`ClusterWatch.at_step_boundary` after
-  ``coordinator.join()``; it polls at most once per ``interval`` and resizes
-  in the calling thread.
+  variable being handed over; in sync mode the coordinator holds ``schedule``
+  at the next step boundary, lets the closures in flight finish, moves the
+  variables and lets ``schedule`` go on (the whole move is the pause);
+* **at step boundaries** (any mode): the training loop calls
+  :meth:`ClusterWatch.at_step_boundary` after ``coordinator.join()``; it polls
+  at most once per ``interval`` and resizes in the calling thread.
 
 Example (the chief of ``psflow local --ps-max 3 --ps 2``; ``examples/elastic_train.py``)::
 

@@ -14,7 +14,9 @@ step boundary: no closure is in flight, so no push can race a move).  Phases:
    After every batch the session's map says where each variable is, so a
    failure part way (a PS killed) leaves a consistent map for the checkpoint
    recovery to restore into;
-4. **drain** the tasks removed: each is told to exit (it prints
+4. **the rest** moves: each step the session registered
+   (``on_resize``: dynamic embedding tables re-shard there);
+5. **drain** the tasks removed: each is told to exit (it prints
    ``PSFLOW_DRAINED`` and exits 0) and its connection is closed.
 """
 
@@ -159,7 +161,10 @@ def resize(
         longest = max(longest, time.monotonic() - fence)
         bytes_moved += len(state)
         session.moved({k: target for k in keys}, version)
-    # 4. drain the tasks removed
+    # 4. what the map does not cover (dynamic tables) moves, then the tasks removed drain
+    for step in list(session.resize_steps):
+        step(addresses, deadline)
+    session.announce_tasks(addresses, version)  # the map the workers take lists the rest
     if before_drain is not None:
         before_drain(deadline)
     for c in connections[new_n:]:

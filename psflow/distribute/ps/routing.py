@@ -39,6 +39,7 @@ class Routing:
     task: str
     connections: list[PSConnection]
     resize_blockers: set[str]
+    resize_steps: list[Callable[[Sequence[str], float], None]]
     resize_origin: int | None
     _connect: Callable[[str, int], PSConnection] | None
     _placement_lock: threading.RLock
@@ -107,6 +108,15 @@ class Routing:
         """Makes a later resize fail with ``UnimplementedError`` giving ``reason``."""
         self.resize_blockers.add(reason)
 
+    def on_resize(self, step: Callable[[Sequence[str], float], None]) -> None:
+        """Has a resize call ``step(addresses, deadline)`` once the variables moved.
+
+        For state the session's map does not cover (dynamic embedding tables):
+        ``step`` moves it onto the tasks at ``addresses`` before removed tasks
+        drain, at a step boundary (the coordinator fences such a resize).
+        """
+        self.resize_steps.append(step)
+
     def connect_with(self, connect: Callable[[str, int], PSConnection]) -> None:
         """Sets how tasks added by a resize are reached: ``connect(address, task_index)``."""
         self._connect = connect
@@ -125,6 +135,18 @@ class Routing:
         with self._placement_lock:
             self.placement = self.placement.with_owners(owners, version=version)
         self._invalidate()
+
+    def announce_tasks(self, addresses: Sequence[str], version: int) -> None:
+        """Puts ``addresses`` in the map the workers take, keeping this session's connections.
+
+        A shrinking resize tells the workers the remaining tasks (their table
+        clients hash ids by that count) while it still needs the removed
+        tasks' connections to drain them.
+        """
+        with self._placement_lock:
+            self.placement = self.placement.with_owners(
+                {}, addresses=tuple(addresses), version=version
+            )
 
     def variable_sizes(self) -> dict[str, int]:
         """Bytes of every variable this session knows (a resize balances by them)."""

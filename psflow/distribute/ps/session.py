@@ -151,6 +151,8 @@ class PSSession(UpdateGroup, Routing):
         self.placement = PlacementMap(0, {}, tuple(c.address for c in self.connections))
         # why this session's variables cannot be moved (see refuse_resize)
         self.resize_blockers: set[str] = set()
+        # what a resize moves besides the variables (see on_resize)
+        self.resize_steps: list[Callable[[Sequence[str], float], None]] = []
         # the task count an unfinished resize started from (None: none unfinished)
         self.resize_origin: int | None = None
         self._handles: dict[str, Any] = {}

@@ -24,8 +24,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import tempfile
+import time
 import weakref
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -84,24 +88,42 @@ def _backend_for(session: Any) -> _Backend:
     from psflow.distribute.ps.inprocess import InProcessPSConnection
 
     found = _by_session.get(session)
-    if found is not None:
-        return found
     connections = session.connections
+    if found is not None:
+        if isinstance(found.client, EmbeddingClient):
+            # a worker's session took a resized map: hash the ids over the new tasks
+            found.client.retarget([c.address for c in connections])
+        return found
     if all(isinstance(c, GrpcPSConnection) for c in connections):
         client: Any = EmbeddingClient(
             [c.address for c in connections],
             security=connections[0].client.security,
             timeout=connections[0].client.timeout,
         )
+        # the rows are hashed over the PS tasks: a resize re-shards them
+        session.on_resize(functools.partial(_move_tables, client))
     elif len(connections) == 1 and isinstance(connections[0], InProcessPSConnection):
-        client = InProcessEmbeddingClient()
+        client = InProcessEmbeddingClient()  # its own registry: a resize leaves it alone
     else:
         raise errors.UnimplementedError(
             "dynamic embedding tables need gRPC or embedded parameter servers"
         )
-    # its rows are hashed over today's PS tasks: moving them on a resize is not built yet
-    session.refuse_resize("dynamic embedding tables are in use (their rows cannot move yet)")
     return _by_session.setdefault(session, _Backend(client, _session_ids(weakref.ref(session))))
+
+
+def _move_tables(client: EmbeddingClient, addresses: Sequence[str], deadline: float) -> None:
+    """A resize's step: every table re-sharded over ``addresses`` through a scratch directory.
+
+    The directory is on this (the chief's) machine: every PS task must reach
+    the same path (one host, or a shared volume).
+
+    Raises:
+        DeadlineExceededError: the resize's deadline passed before the move.
+    """
+    if time.monotonic() > deadline:
+        raise errors.DeadlineExceededError("no time left to move the dynamic tables")
+    with tempfile.TemporaryDirectory(prefix="psflow-tables-") as directory:
+        client.move_to(addresses, directory)
 
 
 def _session_ids(ref: Any) -> Any:

@@ -1,0 +1,200 @@
+"""Dynamic embedding tables through a resize of the parameter servers (real PS processes).
+
+Rows are hashed over the PS tasks; a resize re-shards them with their optimizer
+slots and admission counts, and the clients hash by the new count. The chief
+trains here by itself (no worker): the tables move at the resize's step boundary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from psflow import errors
+from psflow.ps.key_index import shard_of
+from psflow.transport.embedding_client import InProcessEmbeddingClient
+from tests.test_elastic_cluster import NOWHERE, _drained, _Listing
+
+pytestmark = pytest.mark.slow
+
+DIM, SEED = 4, 9
+rng = np.random.default_rng(0)
+VOCAB = np.unique(rng.integers(-(2**62), 2**62, size=60, dtype=np.int64))
+# seen once before the first resize: with min_count=2 they are admitted only after it
+LATE = VOCAB[:10]
+
+
+def _model(name: str) -> pf.keras.Model:
+    return pf.keras.Sequential(
+        [
+            pf.keras.layers.DynamicEmbedding(
+                DIM, seed=SEED, input_shape=(3,), table_name=name, min_count=2
+            ),
+            pf.keras.layers.Flatten(),
+            pf.keras.layers.Dense(1, kernel_initializer=pf.keras.initializers.GlorotUniform(1)),
+        ]
+    )
+
+
+def _batches():
+    data = np.random.default_rng(1)
+    for s in range(9):
+        ids = data.choice(VOCAB[10:], size=(8, 3))
+        if s == 2:
+            ids[0] = LATE[:3]  # counted once, below min_count
+        if s >= 4:
+            ids[1] = LATE[:3]  # counted again: admitted, on whichever task owns them then
+        yield ids, data.normal(size=(8, 1)).astype(np.float32)
+
+
+def _train(cluster, name: str, resizes: dict[int, int]):
+    """Nine SGD steps on the chief, resizing before the steps named in ``resizes``."""
+    resolver = _Listing(cluster, 2, workers=[NOWHERE])
+    strategy = pf.distribute.ParameterServerStrategy(resolver)
+    pf.random.set_seed(0)
+    with strategy.scope():
+        model = _model(name)
+        optimizer = pf.keras.optimizers.SGD(0.1)
+    reports = []
+    for s, (ids, y) in enumerate(_batches()):
+        if s in resizes:
+            resolver.num_ps = max(resolver.num_ps, resizes[s])
+            reports.append(strategy.resize_parameter_servers(resizes[s], timeout=60))
+        with pf.GradientTape() as tape:
+            loss = pf.reduce_mean(pf.square(model(pf.constant(ids)) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    client = model.layers[0].table.backend.client
+    return model, client, reports
+
+
+def test_a_table_trained_through_2_3_1_resizes_equals_the_fixed_layout_bit_for_bit(
+    start_cluster,
+):
+    fixed_cluster = start_cluster(num_ps=2, num_workers=0)
+    fixed, fixed_client, _ = _train(fixed_cluster, "fixed", {})
+    cluster = start_cluster(num_ps=3, num_workers=0)
+    elastic, client, reports = _train(cluster, "elastic", {3: 3, 6: 1})
+    assert [(r.old_num_ps, r.new_num_ps) for r in reports] == [(2, 3), (3, 1)]
+    assert client.num_shards == 1
+    np.testing.assert_array_equal(
+        client.lookup("elastic", VOCAB), fixed_client.lookup("fixed", VOCAB)
+    )
+    np.testing.assert_array_equal(elastic.layers[2].kernel.numpy(), fixed.layers[2].kernel.numpy())
+    # the late ids were admitted after the resize: their counts moved with them
+    rows = {
+        n: sum(s[n].rows for s in c.stats())
+        for n, c in (("elastic", client), ("fixed", fixed_client))
+    }
+    assert rows["elastic"] == rows["fixed"] > len(VOCAB) // 2
+    for server in cluster.ps[1:]:
+        assert "PSFLOW_DRAINED" in _drained(server)
+
+
+def test_every_row_reads_the_same_after_2_3_1_and_each_task_holds_its_own(start_cluster):
+    cluster = start_cluster(num_ps=3, num_workers=0)
+    resolver = _Listing(cluster, 2, workers=[NOWHERE])
+    strategy = pf.distribute.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        layer = pf.keras.layers.DynamicEmbedding(
+            DIM, seed=SEED, table_name="t", optimizer={"name": "adagrad", "learning_rate": 0.1}
+        )
+        layer.build()
+    client = layer.table.backend.client
+    client.lookup("t", VOCAB)  # creates the rows
+    for s in range(3):  # rows with adagrad accumulators
+        client.push("t", VOCAB, np.full((VOCAB.size, DIM), 0.5 + s, np.float32))
+    before = client.lookup("t", VOCAB)
+
+    resolver.num_ps = 3
+    strategy.resize_parameter_servers(3, timeout=60)
+    np.testing.assert_array_equal(client.lookup("t", VOCAB), before)
+    held = [s["t"].rows for s in client.stats()]
+    owners = shard_of(VOCAB, 3)
+    assert held == [int((owners == i).sum()) for i in range(3)]  # none kept twice
+
+    strategy.resize_parameter_servers(1, timeout=60)
+    np.testing.assert_array_equal(client.lookup("t", VOCAB), before)
+    # the accumulators moved too: one more step equals the same step never moved
+    client.push("t", VOCAB, np.ones((VOCAB.size, DIM), np.float32))
+    reference = InProcessEmbeddingClient()
+    reference.create_table(layer.config)
+    reference.lookup("t", VOCAB)
+    for s in range(3):
+        reference.push("t", VOCAB, np.full((VOCAB.size, DIM), 0.5 + s, np.float32))
+    reference.push("t", VOCAB, np.ones((VOCAB.size, DIM), np.float32))
+    np.testing.assert_array_equal(client.lookup("t", VOCAB), reference.lookup("t", VOCAB))
+    with pytest.raises(errors.InvalidArgumentError):
+        client.retarget([])
+
+
+def test_moving_tables_into_a_used_directory_is_refused_and_changes_nothing(start_ps, tmp_path):
+    from psflow.ps.dynamic_table import TableConfig
+    from psflow.transport.embedding_client import EmbeddingClient
+
+    servers = [start_ps("--task", f"ps:{i}") for i in range(2)]
+    client = EmbeddingClient([servers[0].address])
+    try:
+        client.create_table(TableConfig("t", DIM, seed=SEED))
+        before = client.lookup("t", VOCAB)
+        (tmp_path / "stray.tables.json").write_text("{}")
+        with pytest.raises(errors.InvalidArgumentError, match=r"stray\.tables\.json"):
+            client.move_to([s.address for s in servers], str(tmp_path))
+        assert client.num_shards == 1
+        np.testing.assert_array_equal(client.lookup("t", VOCAB), before)
+        assert client.move_to([s.address for s in servers], str(tmp_path / "fresh")) == VOCAB.size
+        np.testing.assert_array_equal(client.lookup("t", VOCAB), before)
+        assert [s["t"].rows for s in client.stats()] == [
+            int((shard_of(VOCAB, 2) == i).sum()) for i in range(2)
+        ]
+    finally:
+        client.close()
+
+
+def _train_on_a_worker(cluster, name: str, resizes: dict[int, int]):
+    """Nine SGD steps as closures on one worker; the chief resizes before the steps named."""
+    resolver = _Listing(cluster, 2)
+    strategy = pf.distribute.ParameterServerStrategy(resolver)
+    pf.random.set_seed(0)
+    with strategy.scope():
+        model = _model(name)
+        optimizer = pf.keras.optimizers.SGD(0.1)
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    def step(ids, y):
+        def replica(ids, y):
+            with pf.GradientTape() as tape:
+                loss = pf.reduce_mean(pf.square(model(ids, training=True) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.run(replica, args=(ids, y))
+
+    for s, (ids, y) in enumerate(_batches()):
+        if s in resizes:  # a closure may be in flight: the resize waits for it
+            resolver.num_ps = max(resolver.num_ps, resizes[s])
+            coordinator.resize_parameter_servers(resizes[s], timeout=60)
+        coordinator.schedule(step, args=(pf.constant(ids), pf.constant(y)))
+    coordinator.join()
+    client = model.layers[0].table.backend.client
+    rows = client.lookup(name, VOCAB)
+    kernel = model.layers[2].kernel.numpy()
+    coordinator.shutdown()
+    return rows, kernel
+
+
+def test_a_worker_follows_the_resized_table_and_training_equals_the_fixed_layout(
+    start_cluster, start_ps, monkeypatch
+):
+    monkeypatch.setenv("PSFLOW_CLOSURES_IN_FLIGHT", "1")  # one worker, steps in order
+    fixed = _train_on_a_worker(start_cluster(num_ps=2, num_workers=1), "fixed", {})
+    # the worker is started with the 2 PS tasks of the view; ps:2 is added later
+    cluster = start_cluster(num_ps=2, num_workers=1)
+    cluster.ps.append(start_ps("--task", "ps:2"))
+    elastic = _train_on_a_worker(cluster, "elastic", {3: 3, 6: 1})
+    for a, b in zip(fixed, elastic):
+        np.testing.assert_array_equal(a, b)
+    for server in cluster.ps[1:]:
+        assert "PSFLOW_DRAINED" in _drained(server)
