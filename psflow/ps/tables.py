@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import json
@@ -36,6 +37,7 @@ import numpy as np
 from psflow.errors import (
     AlreadyExistsError,
     DataLossError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
 )
@@ -45,10 +47,26 @@ from psflow.io.safetensors import load_file, save_file
 from .dedup import DedupWindow, State
 from .dynamic_table import DynamicTable, TableConfig, TableStats, check_ids
 from .key_index import shard_of
+from .row_moves import Outgoing, check_part, merge
 
 __all__ = ["TableRegistry"]
 
 _MANIFEST = ".tables.json"
+# moves whose snapshots and staged chunks are kept (an abandoned one is forgotten
+# after this many newer ones), and committed move ids remembered for retries
+_OPEN_MOVES = 4
+_COMMITTED_MOVES = 32
+
+
+@dataclasses.dataclass
+class _Move:
+    """One resize's rows on this task: what leaves (by table), what was staged."""
+
+    outgoing: dict[str, Outgoing] = dataclasses.field(default_factory=dict)
+    # (table, source shard, chunk index) -> (the source's config, the part)
+    staged: dict[tuple[str, int, int], tuple[TableConfig, dict]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class TableRegistry:
@@ -63,6 +81,9 @@ class TableRegistry:
         self._tables: dict[str, tuple[DynamicTable, int, int]] = {}
         self._lock = threading.Lock()
         self._dedup = DedupWindow()
+        self._move_lock = threading.Lock()
+        self._moves: collections.OrderedDict[str, _Move] = collections.OrderedDict()
+        self._committed: collections.deque[str] = collections.deque(maxlen=_COMMITTED_MOVES)
 
     # -- tables ------------------------------------------------------------------------
     def create(self, config: TableConfig, shard_index: int, num_shards: int) -> bool:
@@ -168,6 +189,134 @@ class TableRegistry:
         with self._lock:
             held = dict(self._tables)
         return {name: held[name][0].stats() for name in sorted(held)}
+
+    # -- moving rows on a resize -------------------------------------------------------
+    def _move(self, move_id: str) -> _Move:
+        """The open move ``move_id`` (opened on first use; the oldest beyond a few is
+        forgotten). Call with ``_move_lock`` held."""
+        if not move_id:
+            raise InvalidArgumentError("a row move needs a move id", task=self.task)
+        if move_id in self._committed:
+            raise FailedPreconditionError(f"move {move_id!r} was committed", task=self.task)
+        move = self._moves.get(move_id)
+        if move is None:
+            move = self._moves[move_id] = _Move()
+            while len(self._moves) > _OPEN_MOVES:
+                self._moves.popitem(last=False)
+        return move
+
+    def export_rows(
+        self,
+        move_id: str,
+        name: str,
+        num_shards: int,
+        target: int,
+        chunk_index: int,
+        max_bytes: int,
+    ) -> tuple[TableConfig, dict, bool]:
+        """Chunk ``chunk_index`` of table ``name``'s rows that ``target`` owns among
+        ``num_shards`` tasks; returns ``(config, part, more)`` (see
+        :mod:`psflow.ps.row_moves`). Nothing is dropped until :meth:`commit_move`.
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: a bad task count, target or chunk index.
+            FailedPreconditionError: the move was committed already.
+        """
+        table = self.table(name)
+        _check_shard(target, num_shards)
+        with self._move_lock:
+            move = self._move(move_id)
+            out = move.outgoing.get(name)
+            if out is None or out.num_shards != num_shards:
+                index = self._tables[name][1]
+                out = move.outgoing[name] = Outgoing(table.export_state(), index, num_shards)
+            part, more = out.chunk(target, chunk_index, max_bytes)
+        return table.config, part, more
+
+    def import_rows(
+        self,
+        move_id: str,
+        source: int,
+        chunk_index: int,
+        shard_index: int,
+        num_shards: int,
+        config: TableConfig,
+        part: dict,
+    ) -> int | None:
+        """Stages a chunk ``source`` exported; returns the rows and candidates staged
+        (None for a chunk staged before: a retry changes nothing).
+
+        Raises:
+            NotFoundError: the chunk's table is not here.
+            InvalidArgumentError: a bad chunk (see :func:`check_part`), or a
+                layout that does not put this task at ``shard_index``.
+            FailedPreconditionError: the move was committed already.
+        """
+        table = self.table(config.name)
+        _check_shard(shard_index, num_shards)
+        if self._tables[config.name][1] != shard_index:
+            raise InvalidArgumentError(
+                f"table {config.name!r} here is shard {self._tables[config.name][1]}, "
+                f"not {shard_index}",
+                task=self.task,
+            )
+        check_part(part, config, table.config, shard_index, num_shards)
+        with self._move_lock:
+            move = self._move(move_id)
+            key = (config.name, int(source), int(chunk_index))
+            if key in move.staged:
+                return None
+            move.staged[key] = (config, part)
+        return int(part["ids"].shape[0] + part["candidate_ids"].shape[0])
+
+    def commit_move(self, move_id: str, shard_index: int, num_shards: int) -> int:
+        """The switch: every table drops exactly the rows it exported in ``move_id``,
+        merges the rows staged for it, and owns ``shard_index`` of ``num_shards``
+        from now on; returns the rows held. All tables change or none; a retry
+        of a committed move changes nothing.
+
+        Raises:
+            InvalidArgumentError: a bad layout, or one that moves this task.
+            FailedPreconditionError: rows leaving this task were never exported.
+        """
+        _check_shard(shard_index, num_shards)
+        with self._move_lock:
+            if move_id in self._committed:
+                return sum(s.rows for s in self.stats().values())
+            move = self._move(move_id)
+            with self._lock:
+                held = dict(self._tables)
+            replaced = {}
+            for name, (table, index, _) in held.items():
+                if index != shard_index:
+                    raise InvalidArgumentError(
+                        f"table {name!r} here is shard {index}; a resize keeps it, "
+                        f"not {shard_index}",
+                        task=self.task,
+                    )
+                out = move.outgoing.get(name)
+                if out is None:  # nothing exported: nothing may leave
+                    out = Outgoing(table.export_state(), index, num_shards)
+                    if out.leaving.any() or out.candidates_leaving.any():
+                        raise FailedPreconditionError(
+                            f"table {name!r} holds rows shard {index} of {num_shards} does "
+                            "not own, and none were exported",
+                            task=self.task,
+                        )
+                staged = [v for k, v in sorted(move.staged.items()) if k[0] == name]
+                parts = [(table.config, out.kept()), *staged]
+                replaced[name] = (merge(table.config, parts), index, num_shards)
+            with self._lock:
+                self._tables.update(replaced)
+            del self._moves[move_id]
+            self._committed.append(move_id)
+        return sum(t.stats().rows for t, _, _ in replaced.values())
+
+    def abort_move(self, move_id: str) -> None:
+        """Forgets ``move_id``'s snapshots and staged chunks; no table changes."""
+        with self._move_lock:
+            self._moves.pop(move_id, None)
 
     # -- checkpoints ------------------------------------------------------------------
     def save(self, directory: str, prefix: str) -> tuple[str, list[str]]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tempfile
 import time
 import weakref
 import zlib
@@ -112,18 +111,16 @@ def _backend_for(session: Any) -> _Backend:
 
 
 def _move_tables(client: EmbeddingClient, addresses: Sequence[str], deadline: float) -> None:
-    """A resize's step: every table re-sharded over ``addresses`` through a scratch directory.
-
-    The directory is on this (the chief's) machine: every PS task must reach
-    the same path (one host, or a shared volume).
+    """A resize's step: every table re-sharded over ``addresses``, rows over the wire.
 
     Raises:
         DeadlineExceededError: the resize's deadline passed before the move.
+        OpError: a task failed (see ``EmbeddingClient.move_to``): before the
+            switch nothing was dropped and retrying the resize completes it.
     """
     if time.monotonic() > deadline:
         raise errors.DeadlineExceededError("no time left to move the dynamic tables")
-    with tempfile.TemporaryDirectory(prefix="psflow-tables-") as directory:
-        client.move_to(addresses, directory)
+    client.move_to(addresses)
 
 
 def _session_ids(ref: Any) -> Any:
