@@ -249,6 +249,42 @@ def test_a_target_killed_during_the_move_leaves_the_old_layout_and_a_retry_compl
         client.close()
 
 
+def test_a_resize_whose_table_move_loses_a_task_drops_nothing_and_a_retry_completes(
+    start_cluster, start_ps
+):
+    cluster = start_cluster(num_ps=3, num_workers=0)
+    resolver = _Listing(cluster, 2, workers=[NOWHERE])
+    strategy = pf.distribute.ParameterServerStrategy(resolver)
+    lost = cluster.ps[2]
+    # the added task dies once the variables moved, as the tables start moving
+    strategy._session.on_resize(lambda addresses, deadline: lost.stop(signal.SIGKILL))
+    with strategy.scope():
+        layer = pf.keras.layers.DynamicEmbedding(
+            DIM, seed=SEED, table_name="t", optimizer={"name": "sgd", "learning_rate": 0.1}
+        )
+        layer.build()
+    client = layer.table.backend.client
+    client.lookup("t", VOCAB)
+    client.push("t", VOCAB, np.ones((VOCAB.size, DIM), np.float32))
+    before = client.lookup("t", VOCAB, training=False)
+    held = [s["t"].rows for s in client.stats()]
+
+    resolver.num_ps = 3
+    with pytest.raises(errors.UnavailableError, match=r"table 't' from ps:\d to ps:2"):
+        strategy.resize_parameter_servers(3, timeout=30)
+    assert client.num_shards == 2
+    assert [s["t"].rows for s in client.stats()] == held  # the survivors hold every row
+    np.testing.assert_array_equal(client.lookup("t", VOCAB, training=False), before)
+
+    strategy._session.resize_steps.pop(0)
+    cluster.ps[2] = start_ps("--port", str(lost.port), "--task", "ps:2")
+    strategy.resize_parameter_servers(3, timeout=30)
+    assert client.num_shards == 3
+    np.testing.assert_array_equal(client.lookup("t", VOCAB, training=False), before)
+    owners = shard_of(VOCAB, 3)
+    assert [s["t"].rows for s in client.stats()] == [int((owners == i).sum()) for i in range(3)]
+
+
 def test_bad_import_chunks_are_refused_and_a_retried_chunk_counts_once(start_ps):
     from psflow.proto import embedding_pb2
     from psflow.ps.dynamic_table import TableConfig
@@ -296,6 +332,12 @@ def test_bad_import_chunks_are_refused_and_a_retried_chunk_counts_once(start_ps)
         with pytest.raises(errors.InvalidArgumentError, match="shard 1"):
             imported(chunk, shard_index=0)  # the table here is shard 1
         assert target.stats()[0]["t"].rows == 0  # nothing changed
+        # a switch of rows never exported (another move) is refused: nothing dropped
+        with pytest.raises(errors.FailedPreconditionError, match="never exported"):
+            source._call(
+                0, "CommitMove", embedding_pb2.CommitMoveRequest(move_id="m2", num_shards=2)
+            )
+        assert source.stats()[0]["t"].rows == VOCAB.size - 10
 
         first, again = imported(chunk), imported(chunk)
         assert first.staged == int((shard_of(VOCAB, 2) == 1).sum()) and again.duplicate

@@ -105,25 +105,32 @@ class Outgoing:
         self.candidates_sent[cand] = True
         return part, more
 
-    def kept(self) -> dict[str, np.ndarray]:
-        """The shard's state without what left it.
+    def kept(self, current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The shard's ``current`` state (:meth:`DynamicTable.export_state`) less
+        exactly the rows and candidates handed out.
 
         Raises:
-            FailedPreconditionError: a leaving row or candidate was never
-                handed out (its new owner would not have it): nothing dropped.
+            FailedPreconditionError: a row or candidate this shard does not own
+                under the new count was never handed out (its new owner would
+                not have it): the move cannot switch.
         """
-        unsent = int((self.leaving & ~self.sent).sum())
-        unsent += int((self.candidates_leaving & ~self.candidates_sent).sum())
-        if unsent:
+        keep = ~np.isin(current["ids"], self.state["ids"][self.sent])
+        ckeep = ~np.isin(
+            current["candidate_ids"], self.state["candidate_ids"][self.candidates_sent]
+        )
+        stray = int((shard_of(current["ids"][keep], self.num_shards) != self.own_index).sum())
+        stray += int(
+            (shard_of(current["candidate_ids"][ckeep], self.num_shards) != self.own_index).sum()
+        )
+        if stray:
             raise FailedPreconditionError(
-                f"{unsent} rows or candidates leaving shard {self.own_index} were never "
-                "exported; the move cannot switch"
+                f"{stray} rows or candidates leaving shard {self.own_index} of "
+                f"{self.num_shards} were never exported; the move cannot switch"
             )
-        keep, ckeep = ~self.sent, ~self.candidates_sent
-        part = {k: v[keep] for k, v in self.state.items() if k in _PER_ROW or k == "rows"}
-        part.update({k: v[keep] for k, v in self.state.items() if k.startswith("slot/")})
-        part.update({k: self.state[k][ckeep] for k in _PER_CANDIDATE})
-        part["step"], part["counters"] = self.state["step"], self.state["counters"]
+        part = {k: v[keep] for k, v in current.items() if k in _PER_ROW or k == "rows"}
+        part.update({k: v[keep] for k, v in current.items() if k.startswith("slot/")})
+        part.update({k: current[k][ckeep] for k in _PER_CANDIDATE})
+        part["step"], part["counters"] = current["step"], current["counters"]
         return part
 
 

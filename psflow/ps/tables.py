@@ -298,14 +298,9 @@ class TableRegistry:
                 out = move.outgoing.get(name)
                 if out is None:  # nothing exported: nothing may leave
                     out = Outgoing(table.export_state(), index, num_shards)
-                    if out.leaving.any() or out.candidates_leaving.any():
-                        raise FailedPreconditionError(
-                            f"table {name!r} holds rows shard {index} of {num_shards} does "
-                            "not own, and none were exported",
-                            task=self.task,
-                        )
+                own = out.kept(table.export_state())
                 staged = [v for k, v in sorted(move.staged.items()) if k[0] == name]
-                parts = [(table.config, out.kept()), *staged]
+                parts = [(table.config, own), *staged]
                 replaced[name] = (merge(table.config, parts), index, num_shards)
             with self._lock:
                 self._tables.update(replaced)
