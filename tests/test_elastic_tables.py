@@ -342,9 +342,11 @@ def test_bad_import_chunks_are_refused_and_a_retried_chunk_counts_once(start_ps)
         first, again = imported(chunk), imported(chunk)
         assert first.staged == int((shard_of(VOCAB, 2) == 1).sum()) and again.duplicate
         commit = embedding_pb2.CommitMoveRequest(move_id="m", shard_index=1, num_shards=2)
-        assert target._call(0, "CommitMove", commit).rows == first.staged - int(
-            (shard_of(LATE, 2) == 1).sum()
-        )
+        switched = target._call(0, "CommitMove", commit).rows
+        assert switched == first.staged - int((shard_of(LATE, 2) == 1).sum())
+        assert target._call(0, "CommitMove", commit).rows == switched  # a retry: no change
+        with pytest.raises(errors.FailedPreconditionError, match="committed"):
+            imported(chunk)
         # the source switches too; the rows are where shard_of says, each once
         source._call(0, "CommitMove", embedding_pb2.CommitMoveRequest(move_id="m", num_shards=2))
         both = EmbeddingClient([s.address for s in servers])

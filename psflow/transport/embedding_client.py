@@ -176,7 +176,7 @@ class EmbeddingClient:
         by ``addresses``. No filesystem is involved. Nothing may look up or
         push meanwhile (the coordinator fences the resize at a step boundary).
         The tasks removed keep their rows until they are drained.
-        ``chunk_bytes`` bounds the row bytes of one chunk (default: half the
+        ``chunk_bytes`` bounds the row bytes of one chunk (default: a quarter of the
         message limit).
 
         Raises:
@@ -245,7 +245,7 @@ class EmbeddingClient:
                             num_shards=new_n,
                             target_shard=t,
                             chunk_index=chunk_index,
-                            max_bytes=chunk_bytes or self._max_message_bytes // 2,
+                            max_bytes=chunk_bytes or self._max_message_bytes // 4,
                         ),
                         retries=1,
                     )
@@ -290,7 +290,7 @@ class EmbeddingClient:
         for client in (self, target):
             for s in range(client.num_shards):
                 with contextlib.suppress(OpError):
-                    client._call(s, "AbortMove", request)
+                    client._call(s, "AbortMove", request, timeout=min(self.timeout, 5.0))
 
     def _commit_move(self, target: EmbeddingClient, move_id: str) -> int:
         """The switch on every task of the new layout; returns the rows they hold."""
@@ -322,10 +322,17 @@ class EmbeddingClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, shard: int, method: str, request: Any, retries: int = 0) -> Any:
+    def _call(
+        self,
+        shard: int,
+        method: str,
+        request: Any,
+        retries: int = 0,
+        timeout: float | None = None,
+    ) -> Any:
         for attempt in range(retries + 1):
             try:
-                return self._stubs[shard][method](request, timeout=self.timeout)
+                return self._stubs[shard][method](request, timeout=timeout or self.timeout)
             except grpc.RpcError as e:
                 error = from_grpc(e, task=f"ps:{shard}")
                 retriable = isinstance(error, (UnavailableError, DeadlineExceededError))
