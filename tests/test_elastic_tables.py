@@ -181,6 +181,9 @@ def test_every_row_slot_and_counter_reads_the_same_after_2_3_1_over_the_wire(sta
         for s in range(3):
             client.push("t", VOCAB[10:], np.full((VOCAB.size - 10, DIM), 0.5 + s, np.float32))
             client.lookup("t", VOCAB[10 + s :: 7])  # rows touched at different steps
+        # ps:0 steps once more than ps:1: the TTL clocks of moved rows keep their age
+        first = VOCAB[10:][shard_of(VOCAB[10:], 2) == 0]
+        client.push("t", first, np.ones((first.size, DIM), np.float32))
         before = _state(client, "t", tmp_path / "a")
         assert len(before[0]) == VOCAB.size - 10 and len(before[1]) == LATE.size
 
@@ -208,6 +211,7 @@ def test_every_row_slot_and_counter_reads_the_same_after_2_3_1_over_the_wire(sta
         reference.lookup("t", LATE)
         for s in range(3):
             reference.push("t", VOCAB[10:], np.full((VOCAB.size - 10, DIM), 0.5 + s, np.float32))
+        reference.push("t", first, np.ones((first.size, DIM), np.float32))
         reference.lookup("t", LATE)
         reference.push("t", VOCAB, np.ones((VOCAB.size, DIM), np.float32))
         np.testing.assert_array_equal(

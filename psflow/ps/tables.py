@@ -11,6 +11,11 @@ crash leaves the previous checkpoint whole).  A restore reads the files of
 *every* task found in the directory and keeps the ids the restoring task owns
 now, so 2 tasks' tables restore onto 3.
 
+Resizes move rows over the wire instead (no filesystem): :meth:`TableRegistry.export_rows`
+snapshots and hands out the rows leaving this task, :meth:`~TableRegistry.import_rows`
+stages what arrives, :meth:`~TableRegistry.commit_move` switches (see
+:mod:`psflow.ps.row_moves`).
+
 Example:
     >>> import numpy as np
     >>> from psflow.ps.dynamic_table import TableConfig
