@@ -159,7 +159,9 @@ class EmbeddingServicer:
     def CreateTable(self, request: Any) -> embedding_pb2.CreateTableResponse:
         """Creates a table shard."""
         config = TableConfig.from_json(request.config_json)
-        created = self.tables.create(config, request.shard_index, request.num_shards)
+        created = self.tables.create(
+            config, request.shard_index, request.num_shards, request.move_id
+        )
         return embedding_pb2.CreateTableResponse(created=created)
 
     def Lookup(self, request: Any) -> embedding_pb2.LookupResponse:

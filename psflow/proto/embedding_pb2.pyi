@@ -9,14 +9,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateTableRequest(_message.Message):
-    __slots__ = ("config_json", "shard_index", "num_shards")
+    __slots__ = ("config_json", "shard_index", "num_shards", "move_id")
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
     config_json: str
     shard_index: int
     num_shards: int
-    def __init__(self, config_json: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    move_id: str
+    def __init__(self, config_json: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., move_id: _Optional[str] = ...) -> None: ...
 
 class CreateTableResponse(_message.Message):
     __slots__ = ("created",)

@@ -68,6 +68,8 @@ class _Move:
     """One resize's rows on this task: what leaves (by table), what was staged."""
 
     outgoing: dict[str, Outgoing] = dataclasses.field(default_factory=dict)
+    # shards created for the move (a task it adds): installed at the switch
+    created: dict[str, tuple[DynamicTable, int, int]] = dataclasses.field(default_factory=dict)
     # (table, source shard, chunk index) -> (the source's config, the part)
     staged: dict[tuple[str, int, int], tuple[TableConfig, dict]] = dataclasses.field(
         default_factory=dict
@@ -91,8 +93,14 @@ class TableRegistry:
         self._committed: collections.deque[str] = collections.deque(maxlen=_COMMITTED_MOVES)
 
     # -- tables ------------------------------------------------------------------------
-    def create(self, config: TableConfig, shard_index: int, num_shards: int) -> bool:
+    def create(
+        self, config: TableConfig, shard_index: int, num_shards: int, move_id: str = ""
+    ) -> bool:
         """Creates a shard; False if an identical one exists.
+
+        With ``move_id`` (a task a resize adds) the shard stays invisible (no
+        lookup or push reaches it) until that move switches (:meth:`commit_move`),
+        so a move that fails leaves nothing a mis-routed client could read.
 
         Raises:
             InvalidArgumentError: a shard outside ``[0, num_shards)``.
@@ -110,8 +118,15 @@ class TableRegistry:
                         task=self.task,
                     )
                 return False
-            self._tables[config.name] = (DynamicTable(config), shard_index, num_shards)
-            return True
+            if not move_id:
+                self._tables[config.name] = (DynamicTable(config), shard_index, num_shards)
+                return True
+        with self._move_lock:
+            created = self._move(move_id).created
+            if config.name not in created:
+                created[config.name] = (DynamicTable(config), shard_index, num_shards)
+                return True
+        return False
 
     def table(self, name: str) -> DynamicTable:
         """The shard of table ``name``.
@@ -258,12 +273,15 @@ class TableRegistry:
                 layout that does not put this task at ``shard_index``.
             FailedPreconditionError: the move was committed already.
         """
-        table = self.table(config.name)
         _check_shard(shard_index, num_shards)
-        if self._tables[config.name][1] != shard_index:
+        with self._move_lock:
+            held = self._tables.get(config.name) or self._move(move_id).created.get(config.name)
+        if held is None:
+            self.table(config.name)  # raises NotFoundError
+        table, index, _ = held
+        if index != shard_index:
             raise InvalidArgumentError(
-                f"table {config.name!r} here is shard {self._tables[config.name][1]}, "
-                f"not {shard_index}",
+                f"table {config.name!r} here is shard {index}, not {shard_index}",
                 task=self.task,
             )
         check_part(part, config, table.config, shard_index, num_shards)
@@ -291,7 +309,7 @@ class TableRegistry:
                 return sum(s.rows for s in self.stats().values())
             move = self._move(move_id)
             with self._lock:
-                held = dict(self._tables)
+                held = {**move.created, **self._tables}
             replaced = {}
             for name, (table, index, _) in held.items():
                 if index != shard_index:

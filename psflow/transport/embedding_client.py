@@ -250,14 +250,18 @@ class EmbeddingClient:
                         retries=1,
                     )
                     if t >= self.num_shards and chunk_index == 0:
-                        # an added task starts empty; its optimizer binds at the switch
+                        # an added task starts empty and serves nothing before the
+                        # switch; its optimizer binds there
                         config = TableConfig.from_json(reply.chunk.config_json)
                         config = dataclasses.replace(config, optimizer=None)
                         target._call(
                             t,
                             "CreateTable",
                             embedding_pb2.CreateTableRequest(
-                                config_json=config.to_json(), shard_index=t, num_shards=new_n
+                                config_json=config.to_json(),
+                                shard_index=t,
+                                num_shards=new_n,
+                                move_id=move_id,
                             ),
                             retries=1,
                         )

@@ -89,8 +89,11 @@ def _backend_for(session: Any) -> _Backend:
     found = _by_session.get(session)
     connections = session.connections
     if found is not None:
-        if isinstance(found.client, EmbeddingClient):
-            # a worker's session took a resized map: hash the ids over the new tasks
+        if isinstance(found.client, EmbeddingClient) and session.resize_origin is None:
+            # a worker's session took a resized map: hash the ids over the new tasks.
+            # Not while this session's own resize is unfinished: its tasks may be
+            # the new ones while the rows are still where they were (the move
+            # failed); the move itself retargets this client at its switch
             found.client.retarget([c.address for c in connections])
         return found
     if all(isinstance(c, GrpcPSConnection) for c in connections):
