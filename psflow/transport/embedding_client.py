@@ -209,9 +209,14 @@ class EmbeddingClient:
         )
         try:
             try:
-                for name in names:
-                    for s in range(old_n):
-                        self._move_rows(target, move_id, name, s, chunk_bytes)
+                for name in names:  # the old tasks export in parallel
+                    futures = [
+                        self._pool.submit(self._move_rows, target, move_id, name, s, chunk_bytes)
+                        for s in range(old_n)
+                    ]
+                    concurrent.futures.wait(futures)
+                    for f in futures:
+                        f.result()
             except OpError:
                 self._abort_move(target, move_id)
                 raise
