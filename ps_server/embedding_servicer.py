@@ -21,10 +21,11 @@ import numpy as np
 from psflow.errors import InvalidArgumentError, OpError, to_grpc_code
 from psflow.proto import embedding_pb2
 from psflow.ps.dynamic_table import TableConfig
+from psflow.ps.row_moves import COUNTER_COUNT
 from psflow.ps.tables import TableRegistry
 from psflow.transport import codec
 
-__all__ = ["EMBEDDING_SERVICE", "EmbeddingServicer"]
+__all__ = ["EMBEDDING_SERVICE", "EmbeddingServicer", "decode_chunk", "encode_chunk"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,55 @@ def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
             return _Malformed(InvalidArgumentError(f"malformed request: {e}"))
 
     return deserialize
+
+
+_CHUNK_TENSORS = (
+    "ids",
+    "rows",
+    "touched",
+    "traffic",
+    "candidate_ids",
+    "candidate_counts",
+    "candidate_touched",
+)
+
+
+def encode_chunk(config: TableConfig, part: dict[str, np.ndarray]) -> embedding_pb2.RowChunk:
+    """A ``RowChunk`` of a part (see :mod:`psflow.ps.row_moves`)."""
+    return embedding_pb2.RowChunk(
+        table=config.name,
+        config_json=config.to_json(),
+        slots={k[5:]: codec.encode_tensor(v) for k, v in part.items() if k.startswith("slot/")},
+        step=int(part["step"]),
+        counters=[int(c) for c in part["counters"]],
+        **{k: codec.encode_tensor(part[k]) for k in _CHUNK_TENSORS},
+    )
+
+
+def decode_chunk(
+    chunk: embedding_pb2.RowChunk, max_bytes: int
+) -> tuple[TableConfig, dict[str, np.ndarray]]:
+    """``(config, part)`` of a ``RowChunk``; the part is checked against the table
+    that stages it (:func:`psflow.ps.row_moves.check_part`).
+
+    Raises:
+        InvalidArgumentError: a bad config, a tensor missing or malformed.
+    """
+    config = TableConfig.from_json(chunk.config_json)
+    part = {}
+    for key in _CHUNK_TENSORS:
+        if not chunk.HasField(key):
+            raise InvalidArgumentError(f"table {chunk.table!r}: chunk {key} is missing")
+        part[key] = codec.decode_tensor(getattr(chunk, key), max_bytes=max_bytes)
+    for name, tensor in chunk.slots.items():
+        part[f"slot/{name}"] = codec.decode_tensor(tensor, max_bytes=max_bytes)
+    part["step"] = np.array(chunk.step, np.int64)
+    if len(chunk.counters) not in (0, COUNTER_COUNT):
+        raise InvalidArgumentError(
+            f"table {chunk.table!r}: chunk carries {len(chunk.counters)} counters"
+        )
+    part["counters"] = np.array(chunk.counters, np.int64)
+    return config, part
 
 
 class EmbeddingServicer:
@@ -109,7 +159,9 @@ class EmbeddingServicer:
     def CreateTable(self, request: Any) -> embedding_pb2.CreateTableResponse:
         """Creates a table shard."""
         config = TableConfig.from_json(request.config_json)
-        created = self.tables.create(config, request.shard_index, request.num_shards)
+        created = self.tables.create(
+            config, request.shard_index, request.num_shards, request.move_id
+        )
         return embedding_pb2.CreateTableResponse(created=created)
 
     def Lookup(self, request: Any) -> embedding_pb2.LookupResponse:
@@ -173,3 +225,44 @@ class EmbeddingServicer:
             request.directory, request.shard_index, request.num_shards
         )
         return embedding_pb2.RestoreTablesResponse(tables=names, rows=rows)
+
+    def ExportRows(self, request: Any) -> embedding_pb2.ExportRowsResponse:
+        """A chunk of the rows that leave this task on a resize."""
+        max_bytes = min(request.max_bytes or self.max_tensor_bytes, self.max_tensor_bytes)
+        config, part, more = self.tables.export_rows(
+            request.move_id,
+            request.table,
+            request.num_shards,
+            request.target_shard,
+            request.chunk_index,
+            max_bytes,
+        )
+        return embedding_pb2.ExportRowsResponse(chunk=encode_chunk(config, part), more=more)
+
+    def ImportRows(self, request: Any) -> embedding_pb2.ImportRowsResponse:
+        """Stages a chunk of rows this task owns after a resize."""
+        if not request.HasField("chunk"):
+            raise InvalidArgumentError("ImportRows needs a chunk")
+        config, part = decode_chunk(request.chunk, self.max_tensor_bytes)
+        staged = self.tables.import_rows(
+            request.move_id,
+            request.source_shard,
+            request.chunk_index,
+            request.shard_index,
+            request.num_shards,
+            config,
+            part,
+        )
+        if staged is None:
+            return embedding_pb2.ImportRowsResponse(staged=0, duplicate=True)
+        return embedding_pb2.ImportRowsResponse(staged=staged)
+
+    def CommitMove(self, request: Any) -> embedding_pb2.CommitMoveResponse:
+        """Switches this task's tables to the new layout."""
+        rows = self.tables.commit_move(request.move_id, request.shard_index, request.num_shards)
+        return embedding_pb2.CommitMoveResponse(rows=rows)
+
+    def AbortMove(self, request: Any) -> embedding_pb2.AbortMoveResponse:
+        """Forgets a move; no table changes."""
+        self.tables.abort_move(request.move_id)
+        return embedding_pb2.AbortMoveResponse()

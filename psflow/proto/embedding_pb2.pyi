@@ -9,14 +9,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateTableRequest(_message.Message):
-    __slots__ = ("config_json", "shard_index", "num_shards")
+    __slots__ = ("config_json", "shard_index", "num_shards", "move_id")
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
     config_json: str
     shard_index: int
     num_shards: int
-    def __init__(self, config_json: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    move_id: str
+    def __init__(self, config_json: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., move_id: _Optional[str] = ...) -> None: ...
 
 class CreateTableResponse(_message.Message):
     __slots__ = ("created",)
@@ -149,3 +151,112 @@ class RestoreTablesResponse(_message.Message):
     tables: _containers.RepeatedScalarFieldContainer[str]
     rows: int
     def __init__(self, tables: _Optional[_Iterable[str]] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class RowChunk(_message.Message):
+    __slots__ = ("table", "config_json", "ids", "rows", "slots", "touched", "traffic", "candidate_ids", "candidate_counts", "candidate_touched", "step", "counters")
+    class SlotsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    config_json: str
+    ids: _tensor_pb2.Tensor
+    rows: _tensor_pb2.Tensor
+    slots: _containers.MessageMap[str, _tensor_pb2.Tensor]
+    touched: _tensor_pb2.Tensor
+    traffic: _tensor_pb2.Tensor
+    candidate_ids: _tensor_pb2.Tensor
+    candidate_counts: _tensor_pb2.Tensor
+    candidate_touched: _tensor_pb2.Tensor
+    step: int
+    counters: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[str] = ..., config_json: _Optional[str] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., touched: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., traffic: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_counts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_touched: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., counters: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("move_id", "table", "num_shards", "target_shard", "chunk_index", "max_bytes")
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SHARD_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    move_id: str
+    table: str
+    num_shards: int
+    target_shard: int
+    chunk_index: int
+    max_bytes: int
+    def __init__(self, move_id: _Optional[str] = ..., table: _Optional[str] = ..., num_shards: _Optional[int] = ..., target_shard: _Optional[int] = ..., chunk_index: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportRowsResponse(_message.Message):
+    __slots__ = ("chunk", "more")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    chunk: RowChunk
+    more: bool
+    def __init__(self, chunk: _Optional[_Union[RowChunk, _Mapping]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class ImportRowsRequest(_message.Message):
+    __slots__ = ("move_id", "source_shard", "chunk_index", "shard_index", "num_shards", "chunk")
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SHARD_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    move_id: str
+    source_shard: int
+    chunk_index: int
+    shard_index: int
+    num_shards: int
+    chunk: RowChunk
+    def __init__(self, move_id: _Optional[str] = ..., source_shard: _Optional[int] = ..., chunk_index: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., chunk: _Optional[_Union[RowChunk, _Mapping]] = ...) -> None: ...
+
+class ImportRowsResponse(_message.Message):
+    __slots__ = ("staged", "duplicate")
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    staged: int
+    duplicate: bool
+    def __init__(self, staged: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class CommitMoveRequest(_message.Message):
+    __slots__ = ("move_id", "shard_index", "num_shards")
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    move_id: str
+    shard_index: int
+    num_shards: int
+    def __init__(self, move_id: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class CommitMoveResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class AbortMoveRequest(_message.Message):
+    __slots__ = ("move_id",)
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    move_id: str
+    def __init__(self, move_id: _Optional[str] = ...) -> None: ...
+
+class AbortMoveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

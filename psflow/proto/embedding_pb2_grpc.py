@@ -70,6 +70,26 @@ class EmbeddingServiceStub:
                 request_serializer=psflow_dot_v1_dot_embedding__pb2.RestoreTablesRequest.SerializeToString,
                 response_deserializer=psflow_dot_v1_dot_embedding__pb2.RestoreTablesResponse.FromString,
                 _registered_method=True)
+        self.ExportRows = channel.unary_unary(
+                '/psflow.v1.EmbeddingService/ExportRows',
+                request_serializer=psflow_dot_v1_dot_embedding__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_embedding__pb2.ExportRowsResponse.FromString,
+                _registered_method=True)
+        self.ImportRows = channel.unary_unary(
+                '/psflow.v1.EmbeddingService/ImportRows',
+                request_serializer=psflow_dot_v1_dot_embedding__pb2.ImportRowsRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_embedding__pb2.ImportRowsResponse.FromString,
+                _registered_method=True)
+        self.CommitMove = channel.unary_unary(
+                '/psflow.v1.EmbeddingService/CommitMove',
+                request_serializer=psflow_dot_v1_dot_embedding__pb2.CommitMoveRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_embedding__pb2.CommitMoveResponse.FromString,
+                _registered_method=True)
+        self.AbortMove = channel.unary_unary(
+                '/psflow.v1.EmbeddingService/AbortMove',
+                request_serializer=psflow_dot_v1_dot_embedding__pb2.AbortMoveRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_embedding__pb2.AbortMoveResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer:
@@ -125,6 +145,37 @@ class EmbeddingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportRows(self, request, context):
+        """A resize moves rows over the wire, no filesystem involved: the old owner
+        hands out, chunk by chunk, the rows another task owns under the new task
+        count (a snapshot; nothing is dropped yet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportRows(self, request, context):
+        """The new owner stages a chunk (idempotent per move, source and chunk).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitMove(self, request, context):
+        """The switch: drop exactly the rows exported, merge the staged ones, and
+        own the ids of shard_index of num_shards from now on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortMove(self, request, context):
+        """Forgets a move's snapshot and staged chunks; changes no table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +213,26 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.RestoreTables,
                     request_deserializer=psflow_dot_v1_dot_embedding__pb2.RestoreTablesRequest.FromString,
                     response_serializer=psflow_dot_v1_dot_embedding__pb2.RestoreTablesResponse.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=psflow_dot_v1_dot_embedding__pb2.ExportRowsRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_embedding__pb2.ExportRowsResponse.SerializeToString,
+            ),
+            'ImportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportRows,
+                    request_deserializer=psflow_dot_v1_dot_embedding__pb2.ImportRowsRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_embedding__pb2.ImportRowsResponse.SerializeToString,
+            ),
+            'CommitMove': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitMove,
+                    request_deserializer=psflow_dot_v1_dot_embedding__pb2.CommitMoveRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_embedding__pb2.CommitMoveResponse.SerializeToString,
+            ),
+            'AbortMove': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortMove,
+                    request_deserializer=psflow_dot_v1_dot_embedding__pb2.AbortMoveRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_embedding__pb2.AbortMoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +425,114 @@ class EmbeddingService:
             '/psflow.v1.EmbeddingService/RestoreTables',
             psflow_dot_v1_dot_embedding__pb2.RestoreTablesRequest.SerializeToString,
             psflow_dot_v1_dot_embedding__pb2.RestoreTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.EmbeddingService/ExportRows',
+            psflow_dot_v1_dot_embedding__pb2.ExportRowsRequest.SerializeToString,
+            psflow_dot_v1_dot_embedding__pb2.ExportRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.EmbeddingService/ImportRows',
+            psflow_dot_v1_dot_embedding__pb2.ImportRowsRequest.SerializeToString,
+            psflow_dot_v1_dot_embedding__pb2.ImportRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitMove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.EmbeddingService/CommitMove',
+            psflow_dot_v1_dot_embedding__pb2.CommitMoveRequest.SerializeToString,
+            psflow_dot_v1_dot_embedding__pb2.CommitMoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortMove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.EmbeddingService/AbortMove',
+            psflow_dot_v1_dot_embedding__pb2.AbortMoveRequest.SerializeToString,
+            psflow_dot_v1_dot_embedding__pb2.AbortMoveResponse.FromString,
             options,
             channel_credentials,
             insecure,

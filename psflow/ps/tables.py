@@ -11,6 +11,11 @@ crash leaves the previous checkpoint whole).  A restore reads the files of
 *every* task found in the directory and keeps the ids the restoring task owns
 now, so 2 tasks' tables restore onto 3.
 
+Resizes move rows over the wire instead (no filesystem): :meth:`TableRegistry.export_rows`
+snapshots and hands out the rows leaving this task, :meth:`~TableRegistry.import_rows`
+stages what arrives, :meth:`~TableRegistry.commit_move` switches (see
+:mod:`psflow.ps.row_moves`).
+
 Example:
     >>> import numpy as np
     >>> from psflow.ps.dynamic_table import TableConfig
@@ -23,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import json
@@ -36,6 +42,7 @@ import numpy as np
 from psflow.errors import (
     AlreadyExistsError,
     DataLossError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
 )
@@ -45,10 +52,28 @@ from psflow.io.safetensors import load_file, save_file
 from .dedup import DedupWindow, State
 from .dynamic_table import DynamicTable, TableConfig, TableStats, check_ids
 from .key_index import shard_of
+from .row_moves import Outgoing, check_part, merge
 
 __all__ = ["TableRegistry"]
 
 _MANIFEST = ".tables.json"
+# moves whose snapshots and staged chunks are kept (an abandoned one is forgotten
+# after this many newer ones), and committed move ids remembered for retries
+_OPEN_MOVES = 4
+_COMMITTED_MOVES = 32
+
+
+@dataclasses.dataclass
+class _Move:
+    """One resize's rows on this task: what leaves (by table), what was staged."""
+
+    outgoing: dict[str, Outgoing] = dataclasses.field(default_factory=dict)
+    # shards created for the move (a task it adds): installed at the switch
+    created: dict[str, tuple[DynamicTable, int, int]] = dataclasses.field(default_factory=dict)
+    # (table, source shard, chunk index) -> (the source's config, the part)
+    staged: dict[tuple[str, int, int], tuple[TableConfig, dict]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class TableRegistry:
@@ -63,10 +88,19 @@ class TableRegistry:
         self._tables: dict[str, tuple[DynamicTable, int, int]] = {}
         self._lock = threading.Lock()
         self._dedup = DedupWindow()
+        self._move_lock = threading.Lock()
+        self._moves: collections.OrderedDict[str, _Move] = collections.OrderedDict()
+        self._committed: collections.deque[str] = collections.deque(maxlen=_COMMITTED_MOVES)
 
     # -- tables ------------------------------------------------------------------------
-    def create(self, config: TableConfig, shard_index: int, num_shards: int) -> bool:
+    def create(
+        self, config: TableConfig, shard_index: int, num_shards: int, move_id: str = ""
+    ) -> bool:
         """Creates a shard; False if an identical one exists.
+
+        With ``move_id`` (a task a resize adds) the shard stays invisible (no
+        lookup or push reaches it) until that move switches (:meth:`commit_move`),
+        so a move that fails leaves nothing a mis-routed client could read.
 
         Raises:
             InvalidArgumentError: a shard outside ``[0, num_shards)``.
@@ -84,8 +118,15 @@ class TableRegistry:
                         task=self.task,
                     )
                 return False
-            self._tables[config.name] = (DynamicTable(config), shard_index, num_shards)
-            return True
+            if not move_id:
+                self._tables[config.name] = (DynamicTable(config), shard_index, num_shards)
+                return True
+        with self._move_lock:
+            created = self._move(move_id).created
+            if config.name not in created:
+                created[config.name] = (DynamicTable(config), shard_index, num_shards)
+                return True
+        return False
 
     def table(self, name: str) -> DynamicTable:
         """The shard of table ``name``.
@@ -168,6 +209,132 @@ class TableRegistry:
         with self._lock:
             held = dict(self._tables)
         return {name: held[name][0].stats() for name in sorted(held)}
+
+    # -- moving rows on a resize -------------------------------------------------------
+    def _move(self, move_id: str) -> _Move:
+        """The open move ``move_id`` (opened on first use; the oldest beyond a few is
+        forgotten). Call with ``_move_lock`` held."""
+        if not move_id:
+            raise InvalidArgumentError("a row move needs a move id", task=self.task)
+        if move_id in self._committed:
+            raise FailedPreconditionError(f"move {move_id!r} was committed", task=self.task)
+        move = self._moves.get(move_id)
+        if move is None:
+            move = self._moves[move_id] = _Move()
+            while len(self._moves) > _OPEN_MOVES:
+                self._moves.popitem(last=False)
+        return move
+
+    def export_rows(
+        self,
+        move_id: str,
+        name: str,
+        num_shards: int,
+        target: int,
+        chunk_index: int,
+        max_bytes: int,
+    ) -> tuple[TableConfig, dict, bool]:
+        """Chunk ``chunk_index`` of table ``name``'s rows that ``target`` owns among
+        ``num_shards`` tasks; returns ``(config, part, more)`` (see
+        :mod:`psflow.ps.row_moves`). Nothing is dropped until :meth:`commit_move`.
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: a bad task count, target or chunk index.
+            FailedPreconditionError: the move was committed already.
+        """
+        table = self.table(name)
+        _check_shard(target, num_shards)
+        with self._move_lock:
+            move = self._move(move_id)
+            out = move.outgoing.get(name)
+            if out is None or out.num_shards != num_shards:
+                index = self._tables[name][1]
+                out = move.outgoing[name] = Outgoing(table.export_state(), index, num_shards)
+            part, more = out.chunk(target, chunk_index, max_bytes)
+        return table.config, part, more
+
+    def import_rows(
+        self,
+        move_id: str,
+        source: int,
+        chunk_index: int,
+        shard_index: int,
+        num_shards: int,
+        config: TableConfig,
+        part: dict,
+    ) -> int | None:
+        """Stages a chunk ``source`` exported; returns the rows and candidates staged
+        (None for a chunk staged before: a retry changes nothing).
+
+        Raises:
+            NotFoundError: the chunk's table is not here.
+            InvalidArgumentError: a bad chunk (see :func:`check_part`), or a
+                layout that does not put this task at ``shard_index``.
+            FailedPreconditionError: the move was committed already.
+        """
+        _check_shard(shard_index, num_shards)
+        with self._move_lock:
+            held = self._tables.get(config.name) or self._move(move_id).created.get(config.name)
+        if held is None:
+            self.table(config.name)  # raises NotFoundError
+        table, index, _ = held
+        if index != shard_index:
+            raise InvalidArgumentError(
+                f"table {config.name!r} here is shard {index}, not {shard_index}",
+                task=self.task,
+            )
+        check_part(part, config, table.config, shard_index, num_shards)
+        with self._move_lock:
+            move = self._move(move_id)
+            key = (config.name, int(source), int(chunk_index))
+            if key in move.staged:
+                return None
+            move.staged[key] = (config, part)
+        return int(part["ids"].shape[0] + part["candidate_ids"].shape[0])
+
+    def commit_move(self, move_id: str, shard_index: int, num_shards: int) -> int:
+        """The switch: every table drops exactly the rows it exported in ``move_id``,
+        merges the rows staged for it, and owns ``shard_index`` of ``num_shards``
+        from now on; returns the rows held. All tables change or none; a retry
+        of a committed move changes nothing.
+
+        Raises:
+            InvalidArgumentError: a bad layout, or one that moves this task.
+            FailedPreconditionError: rows leaving this task were never exported.
+        """
+        _check_shard(shard_index, num_shards)
+        with self._move_lock:
+            if move_id in self._committed:
+                return sum(s.rows for s in self.stats().values())
+            move = self._move(move_id)
+            with self._lock:
+                held = {**move.created, **self._tables}
+            replaced = {}
+            for name, (table, index, _) in held.items():
+                if index != shard_index:
+                    raise InvalidArgumentError(
+                        f"table {name!r} here is shard {index}; a resize keeps it, "
+                        f"not {shard_index}",
+                        task=self.task,
+                    )
+                out = move.outgoing.get(name)
+                if out is None:  # nothing exported: nothing may leave
+                    out = Outgoing(table.export_state(), index, num_shards)
+                own = out.kept(table.export_state())
+                staged = [v for k, v in sorted(move.staged.items()) if k[0] == name]
+                parts = [(table.config, own), *staged]
+                replaced[name] = (merge(table.config, parts), index, num_shards)
+            with self._lock:
+                self._tables.update(replaced)
+            del self._moves[move_id]
+            self._committed.append(move_id)
+        return sum(t.stats().rows for t, _, _ in replaced.values())
+
+    def abort_move(self, move_id: str) -> None:
+        """Forgets ``move_id``'s snapshots and staged chunks; no table changes."""
+        with self._move_lock:
+            self._moves.pop(move_id, None)
 
     # -- checkpoints ------------------------------------------------------------------
     def save(self, directory: str, prefix: str) -> tuple[str, list[str]]:

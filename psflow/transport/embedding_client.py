@@ -19,11 +19,11 @@ Example (a running cluster's PS addresses)::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
-import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,11 +33,11 @@ import grpc
 import numpy as np
 
 from psflow.errors import (
-    DataLossError,
     DeadlineExceededError,
-    FailedPreconditionError,
     InvalidArgumentError,
+    OpError,
     UnavailableError,
+    error_class,
     from_grpc,
 )
 from psflow.proto import embedding_pb2, ps_pb2
@@ -164,46 +164,160 @@ class EmbeddingClient:
         for channel in old_channels:
             channel.close()
 
-    def move_to(self, addresses: Sequence[str], directory: str) -> int:
-        """Re-shards every table over ``addresses``; returns the rows the new tasks hold.
+    def move_to(self, addresses: Sequence[str], chunk_bytes: int | None = None) -> int:
+        """Re-shards every table over ``addresses`` over the wire; returns the rows held after.
 
-        Each current task writes its tables (rows, optimizer slots, admission
-        counts, TTL clocks) into ``directory``, which every task must be able
-        to read and write (one host, or a shared volume); each new task then
-        keeps the ids it owns by the new count (:meth:`restore`). The tasks
-        removed keep stale copies until they are drained. Nothing may look up
-        or push meanwhile (the coordinator fences the resize at a step boundary).
+        For each old task and table, the rows (with every optimizer slot,
+        admission candidate and count, TTL clock) another task owns under the
+        new count are exported in chunks bounded by the message limit and
+        staged by their new owners (tasks added start empty and only
+        receive); then every task of the new layout switches (drops exactly
+        the rows it exported, merges what it staged) and this client routes
+        by ``addresses``. No filesystem is involved. Nothing may look up or
+        push meanwhile (the coordinator fences the resize at a step boundary).
+        The tasks removed keep their rows until they are drained.
+        ``chunk_bytes`` bounds the row bytes of one chunk (default: a quarter of the
+        message limit).
 
         Raises:
-            InvalidArgumentError: ``directory`` is not empty: nothing changed.
-            FailedPreconditionError: this process cannot read what the tasks
-                saved (no shared directory): nothing changed.
-            DataLossError: the new tasks restored another number of rows than
-                the old ones held (a task did not see every saved file).
-            OpError: a task could not save or restore (the client then still
-                routes by the old tasks if the save failed).
+            InvalidArgumentError: no address, or a layout that moves a kept task.
+            OpError: a task failed before the switch (the error names the table
+                and the tasks): nothing was dropped anywhere, this client still
+                routes by the old tasks, and calling again completes the move;
+                or a task failed during the switch (the error says which
+                tasks switched).
         """
-        if os.path.isdir(directory) and os.listdir(directory):
+        new = list(addresses)
+        if not new:
+            raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
+        old_n, new_n = self.num_shards, len(new)
+        kept = min(old_n, new_n)
+        if new[:kept] != self.addresses[:kept]:
             raise InvalidArgumentError(
-                f"moving tables needs an empty directory; {directory!r} holds "
-                f"{sorted(os.listdir(directory))[:3]} (the new tasks would restore those too)"
+                f"a resize keeps the tasks it does not add or remove: {self.addresses[:kept]} "
+                f"became {new[:kept]}"
             )
-        held = sum(t.rows for shard in self.stats() for t in shard.values())
-        unseen = [p for p in self.save(directory) if not os.path.exists(p)]
-        if unseen:
-            raise FailedPreconditionError(
-                f"the PS tasks saved their tables where this process cannot read them "
-                f"({unseen[:3]}): moving dynamic tables needs {directory!r} on a filesystem "
-                "every task shares"
+        if new == self.addresses:
+            return sum(t.rows for shard in self.stats() for t in shard.values())
+        names = sorted(set().union(*(shard.keys() for shard in self.stats())))
+        move_id = uuid.uuid4().hex
+        target = EmbeddingClient(
+            new,
+            timeout=self.timeout,
+            security=self.security,
+            max_message_bytes=self._max_message_bytes,
+        )
+        try:
+            try:
+                for name in names:  # the old tasks export in parallel
+                    futures = [
+                        self._pool.submit(self._move_rows, target, move_id, name, s, chunk_bytes)
+                        for s in range(old_n)
+                    ]
+                    concurrent.futures.wait(futures)
+                    for f in futures:
+                        f.result()
+            except OpError:
+                self._abort_move(target, move_id)
+                raise
+            rows = self._commit_move(target, move_id)
+        finally:
+            target.close()
+        self.retarget(new)
+        return rows
+
+    def _move_rows(
+        self,
+        target: EmbeddingClient,
+        move_id: str,
+        name: str,
+        source: int,
+        chunk_bytes: int | None,
+    ) -> None:
+        """Hands table ``name``'s rows leaving task ``source`` to their new owners."""
+        new_n = target.num_shards
+        for t in range(new_n):
+            if t == source:
+                continue
+            for chunk_index in range(1 << 30):  # bounded by the rows: each chunk holds >= 1
+                try:
+                    reply = self._call(
+                        source,
+                        "ExportRows",
+                        embedding_pb2.ExportRowsRequest(
+                            move_id=move_id,
+                            table=name,
+                            num_shards=new_n,
+                            target_shard=t,
+                            chunk_index=chunk_index,
+                            max_bytes=chunk_bytes or self._max_message_bytes // 4,
+                        ),
+                        retries=1,
+                    )
+                    if t >= self.num_shards and chunk_index == 0:
+                        # an added task starts empty and serves nothing before the
+                        # switch; its optimizer binds there
+                        config = TableConfig.from_json(reply.chunk.config_json)
+                        config = dataclasses.replace(config, optimizer=None)
+                        target._call(
+                            t,
+                            "CreateTable",
+                            embedding_pb2.CreateTableRequest(
+                                config_json=config.to_json(),
+                                shard_index=t,
+                                num_shards=new_n,
+                                move_id=move_id,
+                            ),
+                            retries=1,
+                        )
+                    target._call(
+                        t,
+                        "ImportRows",
+                        embedding_pb2.ImportRowsRequest(
+                            move_id=move_id,
+                            source_shard=source,
+                            chunk_index=chunk_index,
+                            shard_index=t,
+                            num_shards=new_n,
+                            chunk=reply.chunk,
+                        ),
+                        retries=1,
+                    )
+                except OpError as e:
+                    raise error_class(e.code)(
+                        f"moving dynamic table {name!r} from ps:{source} to ps:{t} of "
+                        f"{new_n}: {e.message} (nothing was dropped: the old layout stays; "
+                        "retry the resize)",
+                        task=e.task,
+                    ) from e
+                if not reply.more:
+                    break
+
+    def _abort_move(self, target: EmbeddingClient, move_id: str) -> None:
+        """Best effort: every task reachable forgets the move's snapshots and chunks."""
+        request = embedding_pb2.AbortMoveRequest(move_id=move_id)
+        for client in (self, target):
+            for s in range(client.num_shards):
+                with contextlib.suppress(OpError):
+                    client._call(s, "AbortMove", request, timeout=min(self.timeout, 5.0))
+
+    def _commit_move(self, target: EmbeddingClient, move_id: str) -> int:
+        """The switch on every task of the new layout; returns the rows they hold."""
+        rows, done = 0, []
+        for t in range(target.num_shards):
+            request = embedding_pb2.CommitMoveRequest(
+                move_id=move_id, shard_index=t, num_shards=target.num_shards
             )
-        self.retarget(addresses)
-        restored = self.restore(directory)
-        if restored != held:
-            raise DataLossError(
-                f"the old tasks held {held} table rows, the new tasks "
-                f"restored {restored} from {directory!r}: a task did not see every saved file"
-            )
-        return restored
+            try:
+                rows += target._call(t, "CommitMove", request, retries=1).rows
+            except OpError as e:
+                raise error_class(e.code)(
+                    f"switching the dynamic tables to {target.num_shards} tasks failed at "
+                    f"ps:{t} after {done} switched: {e.message}",
+                    task=e.task,
+                ) from e
+            done.append(f"ps:{t}")
+        return rows
 
     def close(self) -> None:
         """Closes the channels and the thread pool."""
@@ -217,10 +331,17 @@ class EmbeddingClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, shard: int, method: str, request: Any, retries: int = 0) -> Any:
+    def _call(
+        self,
+        shard: int,
+        method: str,
+        request: Any,
+        retries: int = 0,
+        timeout: float | None = None,
+    ) -> Any:
         for attempt in range(retries + 1):
             try:
-                return self._stubs[shard][method](request, timeout=self.timeout)
+                return self._stubs[shard][method](request, timeout=timeout or self.timeout)
             except grpc.RpcError as e:
                 error = from_grpc(e, task=f"ps:{shard}")
                 retriable = isinstance(error, (UnavailableError, DeadlineExceededError))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tempfile
 import time
 import weakref
 import zlib
@@ -90,8 +89,11 @@ def _backend_for(session: Any) -> _Backend:
     found = _by_session.get(session)
     connections = session.connections
     if found is not None:
-        if isinstance(found.client, EmbeddingClient):
-            # a worker's session took a resized map: hash the ids over the new tasks
+        if isinstance(found.client, EmbeddingClient) and session.resize_origin is None:
+            # a worker's session took a resized map: hash the ids over the new tasks.
+            # Not while this session's own resize is unfinished: its tasks may be
+            # the new ones while the rows are still where they were (the move
+            # failed); the move itself retargets this client at its switch
             found.client.retarget([c.address for c in connections])
         return found
     if all(isinstance(c, GrpcPSConnection) for c in connections):
@@ -112,18 +114,16 @@ def _backend_for(session: Any) -> _Backend:
 
 
 def _move_tables(client: EmbeddingClient, addresses: Sequence[str], deadline: float) -> None:
-    """A resize's step: every table re-sharded over ``addresses`` through a scratch directory.
-
-    The directory is on this (the chief's) machine: every PS task must reach
-    the same path (one host, or a shared volume).
+    """A resize's step: every table re-sharded over ``addresses``, rows over the wire.
 
     Raises:
         DeadlineExceededError: the resize's deadline passed before the move.
+        OpError: a task failed (see ``EmbeddingClient.move_to``): before the
+            switch nothing was dropped and retrying the resize completes it.
     """
     if time.monotonic() > deadline:
         raise errors.DeadlineExceededError("no time left to move the dynamic tables")
-    with tempfile.TemporaryDirectory(prefix="psflow-tables-") as directory:
-        client.move_to(addresses, directory)
+    client.move_to(addresses)
 
 
 def _session_ids(ref: Any) -> Any:
