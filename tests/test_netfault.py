@@ -290,17 +290,18 @@ def test_a_push_held_until_the_ps_forgot_its_client_is_refused_not_applied_twice
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fault", ["stall", "cut"])
 def test_a_worker_cut_off_from_the_ps_past_its_push_deadline_is_set_aside_not_the_ps(
-    relayed_cluster,
+    relayed_cluster, fault
 ):
-    """worker:1's pushes time out (1.5 s deadline) while the chief still reaches it and the PS:
+    """worker:1's PS calls fail (1.5 s deadline) while the chief still reaches it and the PS:
     the chief probes the PS, which answers, so the closures move to worker:0 instead of ending
     training; worker:1 is used again once a check run on it reaches the PS."""
     cluster = relayed_cluster(ps_timeout=1.5)
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
     result = scenario.run_fault(
         strategy,
-        lambda: cluster.fault(1, "stall", only_to_ps=True),
+        lambda: cluster.fault(1, fault, only_to_ps=True),
         lambda: cluster.fault(1, "heal", only_to_ps=True),
         6.0,
     )
