@@ -145,6 +145,7 @@ class RelayedCluster:
     resolver: SimpleClusterResolver
     paths: list[list[_netfault.ChaosRelay]]  # per worker: [chief -> worker, worker -> PS]
     relays: list[_netfault.ChaosRelay]
+    ps: ServerProcess
 
     def fault(self, worker: int, action: str, only_to_ps: bool = False) -> None:
         """``stall``, ``cut`` or ``heal`` every relay on ``worker``'s path (or its path to the PS)."""
@@ -165,7 +166,7 @@ def relayed_cluster(tmp_path, monkeypatch):
         relays.append(r)
         return r
 
-    def start(delay_ms: float = 0.0, workers: int = 2) -> RelayedCluster:
+    def start(delay_ms: float = 0.0, workers: int = 2, ps_timeout: float = 60.0) -> RelayedCluster:
         env = {"PSFLOW_SHM": "0"}
         ps = start_server(
             "ps_server", ["--port", "0", "--task", "ps:0"], "PSFLOW_READY ps",
@@ -178,7 +179,7 @@ def relayed_cluster(tmp_path, monkeypatch):
             return start_server(
                 "worker",
                 ["--port", "0", "--task", f"worker:{i}", "--ps", to_ps[i].address,
-                 "--workers", str(workers)],
+                 "--workers", str(workers), "--ps-timeout", str(ps_timeout)],
                 "PSFLOW_READY worker", log_dir=tmp_path, env=env,
             )  # fmt: skip
 
@@ -195,7 +196,7 @@ def relayed_cluster(tmp_path, monkeypatch):
             "chief": ["127.0.0.1:1"],
         }
         resolver = SimpleClusterResolver(ClusterSpec(spec), task_type="chief", task_id=0)
-        return RelayedCluster(resolver, paths, relays)
+        return RelayedCluster(resolver, paths, relays, ps)
 
     try:
         yield start
@@ -286,3 +287,72 @@ def test_a_push_held_until_the_ps_forgot_its_client_is_refused_not_applied_twice
     assert np.array_equal(store.pull(["w"])[0].value, before)
     store.push(minus_one, push_id=("chief", 2))  # an evicted client's next id is new
     assert float(store.pull(["w"])[0].value[0]) == 4096 + 2 + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["stall", "cut"])
+def test_a_worker_cut_off_from_the_ps_past_its_push_deadline_is_set_aside_not_the_ps(
+    relayed_cluster, fault
+):
+    """worker:1's PS calls fail (1.5 s deadline) while the chief still reaches it and the PS:
+    the chief probes the PS, which answers, so the closures move to worker:0 instead of ending
+    training; worker:1 is used again once a check run on it reaches the PS."""
+    cluster = relayed_cluster(ps_timeout=1.5)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
+    result = scenario.run_fault(
+        strategy,
+        lambda: cluster.fault(1, fault, only_to_ps=True),
+        lambda: cluster.fault(1, "heal", only_to_ps=True),
+        6.0,
+    )
+    scenario.check(result)  # exact count and sum, moved to worker:0, worker:1 back after
+
+
+@pytest.mark.slow
+def test_a_ps_killed_for_good_still_fails_training_naming_it_without_requeuing(
+    relayed_cluster,
+):
+    import numpy as np
+
+    from psflow.observability import events
+
+    cluster = relayed_cluster(ps_timeout=1.5)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
+    with strategy.scope():
+        v = pf.Variable(np.zeros(4, np.float32), name="killed_ps_v")
+        optimizer = pf.keras.optimizers.SGD(1.0)
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    def step() -> None:
+        with pf.GradientTape() as tape:
+            loss = pf.reduce_sum(v)
+        optimizer.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+
+    for _ in range(4):
+        coordinator.schedule(step)
+    coordinator.join(timeout=30)
+    log = events.EventLog()
+    previous = events.install(log)
+    try:
+        cluster.ps.reap()  # killed, never restarted
+        start = time.monotonic()
+        with pytest.raises(
+            (pf.errors.UnavailableError, pf.errors.DeadlineExceededError), match="ps:0"
+        ) as raised:
+            while time.monotonic() - start < 30:
+                coordinator.schedule(step)
+                time.sleep(0.05)
+            coordinator.join(timeout=30)
+    finally:
+        events.install(previous)
+    assert not isinstance(raised.value, pf.errors.WorkerUnavailableError)
+    assert time.monotonic() - start < 30  # raised by schedule: not an endless re-queue loop
+    assert log.count(events.EventKind.CLOSURE_REQUEUED) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf"])
+def test_a_worker_refuses_a_ps_timeout_that_is_not_a_positive_number(value, capsys):
+    from worker.__main__ import main
+
+    assert main(["--port", "0", "--ps", "127.0.0.1:1", "--ps-timeout", value]) == 2
+    assert "--ps-timeout" in capsys.readouterr().err

@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     p = serving.server_parser("worker", __doc__, "worker", grace)
     p.add_argument("--ps", help="comma-separated PS addresses (default from TF_CONFIG)")
     p.add_argument("--workers", type=int, help="number of worker tasks (default from TF_CONFIG)")
+    p.add_argument(
+        "--ps-timeout",
+        type=float,
+        default=60.0,
+        help="deadline in seconds of each call to a parameter server (a push, a pull)",
+    )
     return p
 
 
@@ -77,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             return serving.usage_error("worker", why)
         bind, port, task = bind or tf_bind, tf_port if port is None else port, task or tf_task
         ps, num_workers = ps or tf_ps, num_workers or tf_workers
+    if not 0 < args.ps_timeout < float("inf"):
+        return serving.usage_error("worker", f"--ps-timeout must be > 0, got {args.ps_timeout}")
     try:
         bind, task, security = serving.setup_process(args, "worker", task, bind)
     except OpError as e:
@@ -86,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 
         # The worker reaches the parameter servers with its own credentials.
-        return ParameterServerStrategy._for_worker(ps, num_workers or 1, task, security=security)
+        return ParameterServerStrategy._for_worker(
+            ps, num_workers or 1, task, security=security, ps_timeout=args.ps_timeout
+        )
 
     limits = WorkerLimits(
         max_closure_bytes=args.max_closure_bytes,

@@ -395,11 +395,13 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         mode: str = "async",
         sync_timeout: float = 300.0,
         security: Any = None,
+        ps_timeout: float = 60.0,
     ) -> ParameterServerStrategy:
         """The strategy a worker process runs closures with (no cluster resolution).
 
         ``security`` (a ``psflow.security.config.SecurityConfig``; default: the
-        environment's) is what the worker presents to the parameter servers.
+        environment's) is what the worker presents to the parameter servers;
+        ``ps_timeout`` is the deadline of each of its calls to them (a push).
         """
         from psflow.distribute.ps.grpc_connection import GrpcPSConnection
 
@@ -408,7 +410,7 @@ class ParameterServerStrategy(distribute_lib.Strategy):
         self._mode = mode
         self._compression = None  # the chief's option arrives with its closures
         connections = [
-            GrpcPSConnection(addr, task=f"ps:{i}", security=security)
+            GrpcPSConnection(addr, task=f"ps:{i}", security=security, timeout=ps_timeout)
             for i, addr in enumerate(ps_addresses)
         ]
         session = session_lib.PSSession(
@@ -434,7 +436,9 @@ class ParameterServerStrategy(distribute_lib.Strategy):
 
         def connect(address: str, index: int) -> Any:
             # a task a resize added: same credentials, the chief's codec (sent per closure)
-            connection = GrpcPSConnection(address, task=f"ps:{index}", security=security)
+            connection = GrpcPSConnection(
+                address, task=f"ps:{index}", security=security, timeout=ps_timeout
+            )
             connection.compression = session.connections[0].compression
             return connection
 

@@ -27,7 +27,10 @@ Beyond TensorFlow's (knobs in :class:`CoordinatorConfig`):
   which the workers derive their push ids, so the parameter servers apply the
   closure's updates once;
 * with no worker reachable for ``worker_unavailable_timeout`` seconds, the
-  queued closures fail with a ``WorkerUnavailableError`` naming the workers.
+  queued closures fail with a ``WorkerUnavailableError`` naming the workers;
+* in async mode a closure that fails because its worker cannot reach a PS
+  task, which the chief itself reaches, is re-queued and the worker set aside
+  until its path to the PS heals (TensorFlow treats it as a PS failure).
 
 Example:
     >>> import psflow as pf
@@ -606,6 +609,16 @@ class ClusterCoordinator(Recovery):
                 self._end_attempt(state, attempt, closure)
                 self._worker_restarted(state, closure)
             except BaseException as e:  # the closure's own error
+                # async: a PS its worker cannot reach, which answers the chief, is the
+                # worker's fault; sync and bounded steps wait on every worker: not moved
+                ps_task = None
+                if self._async and self._staleness is None:
+                    ps_task = self._ps_path_fault(state, e)
+                if ps_task is not None:
+                    self._end_attempt(state, attempt, closure)
+                    if not self._closed:
+                        self._worker_cut_from_ps(state, closure, ps_task)
+                    continue
                 if isinstance(e, StopIteration):  # its iterator ran out: TF's OutOfRangeError
                     end = errors.OutOfRangeError(
                         f"End of sequence: closure {closure.closure_id} exhausted its iterator",

@@ -14,6 +14,12 @@ sharing its lock and queue):
 * a closure much later than recent ones is re-run on an idle worker (async
   mode); the first result wins;
 * no worker reachable for the timeout: the queued closures fail, naming them.
+* a closure that fails because its worker cannot reach a PS task (async
+  mode) makes the chief probe that task itself: if it answers, the fault is
+  the worker's path, not the PS; the closure is re-queued (its pushes carry
+  its id, so none is applied twice), the worker is set aside until a check
+  run on it reaches every PS task again. If the PS does not answer the chief
+  either, the error stays the closure's (a PS failure, as before).
 """
 
 from __future__ import annotations
@@ -34,6 +40,18 @@ from psflow.observability import events
 
 log = logging.getLogger("psflow.coordinator")
 
+#: Seconds the chief waits for a PS task that a worker could not reach (and a
+#: worker set aside for its PS path waits for each task, per check).
+PS_PATH_PROBE_TIMEOUT = 5.0
+
+
+def _reach_parameter_servers(timeout: float) -> None:
+    """Run on a worker: returns once every PS task of its session answers (each in ``timeout``)."""
+    from psflow.distribute.ps import session as session_lib
+
+    for connection in session_lib.current().connections:
+        connection.probe(timeout)
+
 
 class WorkerState:
     """The coordinator's view of one worker."""
@@ -50,6 +68,7 @@ class WorkerState:
         self.recovering = False
         self.rebuilding = False
         self.unresponsive = False  # marked down by the health probe, not by a failed call
+        self.ps_cut: str | None = None  # a PS task it cannot reach while the chief can
         self.resources_in_flight = 0  # targeted closures sent and not yet answered
         self.running: dict[int, tuple[Closure, float]] = {}  # attempt id -> (closure, start)
 
@@ -68,6 +87,10 @@ class Recovery:
     _ids: Iterator[int]
     _resources: list[tuple[str, int, Callable[..., Any], tuple]]
     _step_times: StepTimes
+    _strategy: Any
+    _session_id: str
+    _functions: Any
+    _async: bool
     speculative_runs: int
 
     def _check_all_down(self) -> None:
@@ -158,7 +181,9 @@ class Recovery:
             with self._cond:
                 if answered:
                     state.last_seen = now
-                    if state.unresponsive and not state.recovering:
+                    # a worker set aside for its PS path comes back when that path
+                    # answers (_await_ps_path), not when it answers the chief
+                    if state.unresponsive and not state.recovering and state.ps_cut is None:
                         log.info("%s answers again; using it again", state.worker.task)
                         state.unresponsive = False
                         state.up = True
@@ -188,6 +213,85 @@ class Recovery:
                 )
             with self._cond:
                 self._cond.wait_for(lambda: self._closed, timeout=cfg.health_interval)
+
+    def _ps_path_fault(self, state: WorkerState, error: BaseException) -> str | None:
+        """The PS task ``error`` says ``state``'s worker could not reach, if the chief reaches it.
+
+        None: not a PS-unreachable error of a remote worker, or the task does not
+        answer the chief either within ``PS_PATH_PROBE_TIMEOUT`` (a PS failure).
+        """
+        if not state.worker.probed or isinstance(error, errors.WorkerUnavailableError):
+            return None
+        if not isinstance(error, (errors.UnavailableError, errors.DeadlineExceededError)):
+            return None
+        task = error.task or ""
+        connections = [c for c in self._strategy._session.connections if c.task == task]
+        if not task.startswith("ps:") or not connections:
+            return None
+        try:
+            connections[0].probe(PS_PATH_PROBE_TIMEOUT)
+        except errors.OpError as e:
+            log.warning("%s does not answer the chief either (%s): a PS failure", task, e)
+            return None
+        return task
+
+    def _worker_cut_from_ps(self, state: WorkerState, closure: Closure, ps_task: str) -> None:
+        """Re-queues ``closure`` and sets the worker aside until it reaches the PS tasks again."""
+        log.warning(
+            "%s cannot reach %s, which answers the chief; closure %d runs elsewhere",
+            state.worker.task,
+            ps_task,
+            closure.closure_id,
+        )
+        with self._cond:
+            start_check = state.ps_cut is None  # both dispatchers may see the fault
+            state.ps_cut = ps_task
+        self._mark_down(state)
+        self._requeue(state, closure)
+        if start_check:
+            threading.Thread(
+                target=self._await_ps_path,
+                args=(state,),
+                name=f"ps-path-{state.worker.task}",
+                daemon=True,
+            ).start()
+
+    def _await_ps_path(self, state: WorkerState) -> None:
+        """Runs a check on the worker until it reaches every PS task; then uses it again.
+
+        Each check is bounded (``PS_PATH_PROBE_TIMEOUT`` per PS task), and the
+        loop ends with the coordinator.
+        """
+        tasks = len(self._strategy._session.connections)
+        while not self._closed:
+            check = Closure(
+                next(self._ids),
+                _reach_parameter_servers,
+                (PS_PATH_PROBE_TIMEOUT,),
+                {},
+                RemoteValue(0, "ps-path"),
+            )
+            try:
+                state.worker.run(
+                    self._session_id,
+                    check,
+                    self._functions,
+                    timeout=PS_PATH_PROBE_TIMEOUT * tasks + 5.0,
+                )
+            except Exception as e:  # the path (or the worker) still fails: check again
+                log.debug("%s still cannot reach the PS tasks: %s", state.worker.task, e)
+            else:
+                with self._cond:
+                    state.ps_cut = None
+                    if not (state.unresponsive or state.recovering):
+                        state.up = True
+                        state.down_since = None
+                        state.last_seen = time.monotonic()
+                    self._cond.notify_all()
+                log.info("%s reaches the PS tasks again; using it again", state.worker.task)
+                return
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=self._config.health_interval)
 
     def _watch_stragglers(self) -> None:
         """Re-runs a late closure on an idle worker (async mode); the first result wins.

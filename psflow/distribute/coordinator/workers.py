@@ -98,8 +98,17 @@ class Worker(abc.ABC):
         self.task = task
 
     @abc.abstractmethod
-    def run(self, session_id: str, closure: Closure, functions: closure_lib.FunctionCache) -> Any:
-        """Runs the closure and returns its value (or raises its error)."""
+    def run(
+        self,
+        session_id: str,
+        closure: Closure,
+        functions: closure_lib.FunctionCache,
+        timeout: float | None = None,
+    ) -> Any:
+        """Runs the closure and returns its value (or raises its error).
+
+        ``timeout``: seconds the call may take (default: ``PSFLOW_CLOSURE_TIMEOUT``).
+        """
 
     def end_session(self, session_id: str) -> None:
         """Forgets the session's state on the worker."""
@@ -123,7 +132,13 @@ class InProcessWorker(Worker):
         self._resources: dict[str, Any] = {}
         self._enter = enter
 
-    def run(self, session_id: str, closure: Closure, functions: closure_lib.FunctionCache) -> Any:
+    def run(
+        self,
+        session_id: str,
+        closure: Closure,
+        functions: closure_lib.FunctionCache,
+        timeout: float | None = None,
+    ) -> Any:
         args, kwargs = closure.args_for(self.index)
         resolve = self._resolve
         args = nest.map_structure(resolve, args) if args else ()
@@ -231,7 +246,13 @@ class GrpcWorker(Worker):
                 ) from None
             raise errors.from_grpc(e, task=self.task) from None
 
-    def run(self, session_id: str, closure: Closure, functions: closure_lib.FunctionCache) -> Any:
+    def run(
+        self,
+        session_id: str,
+        closure: Closure,
+        functions: closure_lib.FunctionCache,
+        timeout: float | None = None,
+    ) -> Any:
         key, fn_bytes = functions.key_and_bytes(closure.fn)
         args, kwargs = closure.args_for(self.index)
         arg_bytes = closure_lib.pickle_arguments(args, kwargs)
@@ -248,7 +269,9 @@ class GrpcWorker(Worker):
                 step=closure.step,
                 training=self._training,
             )
-            reply = self._call(self._stub.RunClosure, request, self._timeout)
+            reply = self._call(
+                self._stub.RunClosure, request, self._timeout if timeout is None else timeout
+            )
             if reply.function_missing:
                 with self._lock:
                     self._sent.discard((session_id, key))
