@@ -69,6 +69,12 @@ def test_killed_worker_is_replaced_and_updates_are_applied_once(start_cluster):
         # The survivor keeps training while the slot restarts (the chief waits here);
         # the rest of the run is long enough for the replacement to take part.
         cluster.restart_worker(1)
+        # ... and until the coordinator uses it again: the rest of the run may take less
+        # than one health probe's round, and then the replacement would get no closure
+        coordinator = strategy.extended.coordinator
+        deadline = time.monotonic() + 30
+        while coordinator.counters()["workers_up"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     counter = _StepCounter(at=20, action=kill_and_restart)
     history = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[counter])
