@@ -43,6 +43,7 @@ from psflow.distribute.ps import session as session_lib
 from psflow.distribute.ps.placement import PlacementMap, ResizeReport
 from psflow.distribute.ps.values import PSVariable, ShardedVariable, split_rows
 from psflow.framework import variable as variable_lib
+from psflow.transport.options import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 
 log = logging.getLogger("psflow.distribute")
 _embedded_logged = threading.Event()
@@ -153,7 +154,13 @@ class PSExtended(distribute_lib.StrategyExtended):
         return ShardedVariable([self._session.handle(s.key) for s in shards], name)
 
     # -- workers and datasets ------------------------------------------------------------
-    def _make_workers(self) -> list[Any]:
+    def _make_workers(
+        self,
+        *,
+        keepalive_time: float = KEEPALIVE_TIME_MS / 1000,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT_MS / 1000,
+    ) -> list[Any]:
+        """The coordinator's workers; ``keepalive_*``: seconds, for the gRPC workers' channels."""
         from psflow.distribute.coordinator.workers import GrpcWorker, InProcessWorker
 
         if self.embedded:
@@ -167,7 +174,14 @@ class PSExtended(distribute_lib.StrategyExtended):
         training = self._session.sync
         compression = self._container_strategy()._compression
         return [
-            GrpcWorker(i, addr, training=training, compression=compression)
+            GrpcWorker(
+                i,
+                addr,
+                training=training,
+                compression=compression,
+                keepalive_time=keepalive_time,
+                keepalive_timeout=keepalive_timeout,
+            )
             for i, addr in enumerate(self._worker_addresses)
         ]
 

@@ -13,7 +13,10 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_STREAM_THRESHOLD",
+    "KEEPALIVE_TIMEOUT_MS",
+    "KEEPALIVE_TIME_MS",
     "channel_options",
+    "keepalive_options",
     "server_options",
 ]
 
@@ -21,13 +24,29 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_STREAM_THRESHOLD = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
-_KEEPALIVE = [
-    # Detect a dead peer on an idle connection within ~40 s.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+#: Detect a dead peer (even one that vanished without a reset) within ~40 s.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+def keepalive_options(
+    time_ms: int = KEEPALIVE_TIME_MS, timeout_ms: int = KEEPALIVE_TIMEOUT_MS
+) -> list[tuple[str, object]]:
+    """Client options that ping the server every ``time_ms`` and drop the connection
+    (failing its calls with UNAVAILABLE) when a ping goes unanswered for ``timeout_ms``.
+
+    psflow servers accept such pings (see :func:`server_options`).
+    """
+    return [
+        ("grpc.keepalive_time_ms", int(time_ms)),
+        ("grpc.keepalive_timeout_ms", int(timeout_ms)),
+        # grpcio 1.85 times a keepalive ping out by the general ping timeout (60 s by
+        # default), not by keepalive_timeout_ms: measured behind a relay that holds every
+        # byte, a 1 s keepalive timeout dropped the connection after 60 s, not 1 s
+        ("grpc.http2.ping_timeout_ms", int(timeout_ms)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 def channel_options(
@@ -39,7 +58,7 @@ def channel_options(
         ("grpc.max_receive_message_length", max_message_bytes),
         # psflow retries itself, only where a retry is safe (see PSClient).
         ("grpc.enable_retries", 0),
-        *_KEEPALIVE,
+        *keepalive_options(),
         *(extra or []),
     ]
 

@@ -132,7 +132,11 @@ class ClusterCoordinator(Recovery):
         # closure while it runs the current one, so it never waits for the round trip.
         # Sync and bounded modes count steps per closure: one at a time there.
         depth = 1 if not self._async else self._config.closures_in_flight
-        self._states = [WorkerState(w) for w in strategy.extended._make_workers()]
+        workers = strategy.extended._make_workers(
+            keepalive_time=self._config.keepalive_time,
+            keepalive_timeout=self._config.keepalive_timeout,
+        )
+        self._states = [WorkerState(w) for w in workers]
         self._queue_bound = self._config.queued_per_worker * len(self._states)
         self._threads = [
             threading.Thread(

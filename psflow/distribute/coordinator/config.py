@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from psflow import errors, settings
+from psflow.transport.options import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 
 
 def _number(environ: Mapping[str, str], name: str, default: float, minimum: float) -> float:
@@ -71,6 +72,13 @@ class CoordinatorConfig:
             per worker wait in the queue (``PSFLOW_MAX_QUEUED_PER_WORKER``).
         schedule_timeout: seconds ``schedule`` blocks on a full queue before it
             raises ``ResourceExhaustedError`` (``PSFLOW_SCHEDULE_TIMEOUT``).
+        keepalive_time: seconds between two keepalive pings the chief sends each
+            worker on its channel (``PSFLOW_WORKER_KEEPALIVE_TIME``; as on the PS
+            channels by default).
+        keepalive_timeout: seconds a ping may go unanswered before the channel
+            is dropped and the closures in flight on it fail as a lost worker's
+            (re-queued), even with no socket reset to tell
+            (``PSFLOW_WORKER_KEEPALIVE_TIMEOUT``).
     """
 
     closures_in_flight: int = 2
@@ -81,6 +89,8 @@ class CoordinatorConfig:
     straggler_min_seconds: float = 2.0
     queued_per_worker: int = 256
     schedule_timeout: float = 600.0
+    keepalive_time: float = KEEPALIVE_TIME_MS / 1000
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT_MS / 1000
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -110,4 +120,9 @@ class CoordinatorConfig:
             ),
             queued_per_worker=_integer(env, "PSFLOW_MAX_QUEUED_PER_WORKER", d.queued_per_worker),
             schedule_timeout=_number(env, "PSFLOW_SCHEDULE_TIMEOUT", d.schedule_timeout, 0.0),
+            # gRPC counts in whole milliseconds; below 0.1 s a loaded host misses pings
+            keepalive_time=_number(env, "PSFLOW_WORKER_KEEPALIVE_TIME", d.keepalive_time, 0.1),
+            keepalive_timeout=_number(
+                env, "PSFLOW_WORKER_KEEPALIVE_TIMEOUT", d.keepalive_timeout, 0.1
+            ),
         )

@@ -26,6 +26,7 @@ from psflow.distribute.coordinator.remote_value import (
     PerWorkerValues,
     RemoteValue,
 )
+from psflow.transport.options import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, keepalive_options
 from psflow.util import nest
 
 #: gRPC options for every psflow channel: no 4 MB cap (psflow streams big tensors itself).
@@ -177,6 +178,11 @@ class GrpcWorker(Worker):
             every closure; None: the worker keeps its own.
         compression: the strategy's push compression (a codec name, or variable
             name -> codec), sent with the training mode.
+        keepalive_time: seconds between keepalive pings on the channel.
+        keepalive_timeout: seconds a ping may go unanswered before the channel
+            drops its connection: a closure in flight then fails with
+            ``WorkerUnavailableError`` (its worker's host vanished, or a
+            partition holds every byte) instead of waiting for its deadline.
     """
 
     def __init__(
@@ -189,6 +195,8 @@ class GrpcWorker(Worker):
         metadata: tuple = (),
         training: Any = None,
         compression: Any = None,
+        keepalive_time: float = KEEPALIVE_TIME_MS / 1000,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT_MS / 1000,
     ) -> None:
         super().__init__(index, f"worker:{index}")
         self.max_in_flight = 2
@@ -211,10 +219,14 @@ class GrpcWorker(Worker):
         )
         self.address = address
         self._security = default_security() if security is None else security
+        # the PS channels' keepalive: a silent partition ends the calls in flight
+        options = CHANNEL_OPTIONS + keepalive_options(
+            round(keepalive_time * 1000), round(keepalive_timeout * 1000)
+        )
         if credentials is not None:
-            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         else:
-            self._channel = open_channel(address, self._security, CHANNEL_OPTIONS)
+            self._channel = open_channel(address, self._security, options)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._metadata = (*self._security.call_metadata(), *metadata)
         self._sent: set[tuple[str, str]] = set()
