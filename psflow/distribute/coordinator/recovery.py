@@ -100,13 +100,31 @@ class Recovery:
         since = max(s.down_since or time.monotonic() for s in self._states)
         timeout = self._config.worker_unavailable_timeout
         if time.monotonic() - since > timeout:
-            tasks = ", ".join(s.worker.task for s in self._states)
-            self._fail(
-                errors.WorkerUnavailableError(
-                    f"No worker reachable for {timeout:g}s (lost: {tasks}); giving up with "
-                    f"{len(self._queue)} closures queued"
-                )
+            self._fail(errors.WorkerUnavailableError(self._no_worker_message(timeout)))
+
+    def _no_worker_message(self, timeout: float) -> str:
+        """Why no worker could be used (hold ``_cond``): lost, silent, or cut off from a PS."""
+        queued = f"giving up with {len(self._queue)} closures queued"
+        cut = [s for s in self._states if s.ps_cut is not None]
+        if len(cut) == len(self._states):
+            # the chief probed each PS task a worker could not reach, and it answered: the
+            # fault is the workers' paths to the PS, not the workers nor the PS
+            paths = ", ".join(f"{s.worker.task} cannot reach {s.ps_cut}" for s in cut)
+            reached = ", ".join(sorted({str(s.ps_cut) for s in cut}))
+            return (
+                f"No worker could reach the parameter servers for {timeout:g}s while the chief "
+                f"reaches {reached}: {paths} (each set aside until a check run on it reaches "
+                f"every PS task); {queued}"
             )
+        reasons = []
+        for s in self._states:
+            if s.ps_cut is not None:
+                reasons.append(f"{s.worker.task} set aside: cannot reach {s.ps_cut}")
+            elif s.unresponsive:
+                reasons.append(f"{s.worker.task} answers no health probe")
+            else:
+                reasons.append(f"{s.worker.task} unreachable")
+        return f"No worker reachable for {timeout:g}s (lost: {'; '.join(reasons)}); {queued}"
 
     def _requeue(self, state: WorkerState, closure: Closure) -> None:
         """Queues ``closure`` again unless it finished, waits already or still runs elsewhere."""
