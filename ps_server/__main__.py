@@ -83,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
         help="mirror dense values into shared memory for clients on this host "
         "(auto: when bound to loopback and /dev/shm is usable)",
     )
+    p.add_argument(
+        "--shm-idle",
+        type=float,
+        default=shm.MIRROR_IDLE_SECONDS,
+        metavar="SECONDS",
+        help="a mirror no client on this host read for this long stops following its "
+        "variable (no copy per update) until a client reads it again",
+    )
     return p
 
 
@@ -112,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     mirrors = None
     if args.shm == "on" or (args.shm == "auto" and is_loopback(bind)):
+        if not 0 < args.shm_idle < float("inf"):
+            return serving.usage_error(
+                "ps_server",
+                f"--shm-idle must be a finite number of seconds > 0, got {args.shm_idle}",
+            )
         if shm.enabled():
-            mirrors = shm.MirrorSet()
+            mirrors = shm.MirrorSet(idle=args.shm_idle)
         elif args.shm == "on":
             log.warning("--shm on, but shared memory is not usable here; values travel over gRPC")
     store = VariableStore(

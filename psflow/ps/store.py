@@ -951,6 +951,8 @@ class _Reading:
                         out.append(PulledTensor(var.meta.name, var.value[checked[i]], var.version))
                     else:
                         value, version = var.acquire_read()
+                        if var.mirror is not None:  # a reader of a dormant mirror pulls
+                            var.mirror.wake(value, version)  # here: it follows again
                         self._held.append((var, value))
                         out.append(PulledTensor(var.meta.name, value, version))
             store.stats.record_pull(sum(t.value.nbytes for t in out))

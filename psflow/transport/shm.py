@@ -6,7 +6,13 @@ machine (loopback addresses), bulk bytes can skip it:
 * **pulls**: the PS mirrors each dense variable into a shared-memory segment
   after every change; a client on the same host copies the value out under a
   *seqlock* (a counter that is odd while the PS writes: a read that saw the
-  counter change retries), so a pull is one ``memcpy`` and no RPC;
+  counter change retries), so a pull is one ``memcpy`` and no RPC.  Mirrors
+  are lazy: a PS copies a value into its mirror only while some reader asks
+  for it (each read stamps the segment); a mirror nobody read for
+  ``idle`` seconds goes *dormant* and its variable's updates cost no copy.  A
+  read of a dormant mirror fails (:class:`MirrorDormantError`) and the reader
+  pulls over gRPC instead; that pull (:meth:`Mirror.wake`) brings the mirror
+  back, so the next read is served from shared memory again;
 * **pushes**: a client writes its gradients into a segment of its own and the
   Push RPC names the segment instead of carrying the bytes; the PS reads them
   in place, applies them, and only then replies, so the client may reuse the
@@ -30,6 +36,7 @@ a link to any other file (or another user's planted file) does not hold. Set
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import mmap
 import os
@@ -48,8 +55,14 @@ import numpy as np
 from psflow import errors, settings
 
 SHM_DIR = "/dev/shm"
-HEADER_BYTES = 64  # magic, sequence, version, data bytes, writer's pid, then reserved
-MAGIC = 0x7073666C6F770001  # "psflow" + format 1
+# magic, sequence, version, data bytes, writer's pid, when a reader last asked for the
+# value (CLOCK_MONOTONIC ns, one clock for every process of the host), live (1: the
+# writer copies every change in), values copied in so far
+HEADER_BYTES = 64
+_SEQ, _VERSION, _NBYTES, _PID, _ASKED, _LIVE, _COPIES = 1, 2, 3, 4, 5, 6, 7
+MAGIC = 0x7073666C6F770002  # "psflow" + format 2 (lazy: a reader must see it live)
+#: seconds a mirror keeps following its variable after its last read
+MIRROR_IDLE_SECONDS = 10.0
 PAYLOAD_MAGIC = 0x7073666C6F770101  # "psflow" + push payload, format 1
 _NAME = re.compile(r"^psflow-(?P<pid>\d+)-[0-9a-f]{8}-[A-Za-z0-9_.-]{1,160}$")
 _PAYLOAD_TOKEN = re.compile(r"-(?P<token>[0-9a-f]{32})$")
@@ -179,17 +192,29 @@ class Segment:
 class Mirror:
     """A variable's value published for readers on this host (PS side).
 
-    Layout: a 64-byte header (magic, sequence, version, data bytes) then the
-    value's bytes. :meth:`publish` is called with the variable's lock held.
+    Layout: a 64-byte header (see :data:`HEADER_BYTES`) then the value's
+    bytes.  :meth:`publish` and :meth:`wake` are called with the variable's
+    lock held (one writer at a time).
+
+    Args:
+        name: the segment's name.
+        value: the variable's value now (its size and first content).
+        idle: seconds the mirror keeps copying changes in after the last read;
+            ``None``: always (an eager mirror, live from the start).  A lazy
+            mirror starts dormant: nothing is copied before a reader asks.
     """
 
-    def __init__(self, name: str, value: np.ndarray) -> None:
+    def __init__(self, name: str, value: np.ndarray, idle: float | None = None) -> None:
+        if idle is not None and not idle > 0:
+            raise errors.InvalidArgumentError(f"mirror idle time must be > 0 s, got {idle!r}")
         self.segment = Segment(name, HEADER_BYTES + value.nbytes, create=True)
         self._header = self.segment.array(np.int64, (8,))
         self._data = self.segment.array(np.uint8, (value.nbytes,), HEADER_BYTES)
-        self._header[3] = value.nbytes
-        self._header[4] = os.getpid()
-        self.publish(value, 0)
+        self._header[_NBYTES] = value.nbytes
+        self._header[_PID] = os.getpid()
+        self._idle_ns = None if idle is None else int(idle * 1e9)
+        if idle is None:
+            self._copy(value, 0)
         self._header[0] = MAGIC  # valid from now on
 
     @property
@@ -197,18 +222,92 @@ class Mirror:
         """The segment's name, for clients."""
         return self.segment.name
 
-    def publish(self, value: np.ndarray, version: int) -> None:
-        """Copies ``value`` in under the seqlock."""
+    @property
+    def copies(self) -> int:
+        """Values copied in so far: what the mirror cost its PS."""
+        return int(self._header[_COPIES])
+
+    @property
+    def live(self) -> bool:
+        """Whether the segment follows the variable (readers may use it)."""
+        return bool(self._header[_LIVE])
+
+    def _asked(self) -> bool:
+        """Whether a reader asked for the value within the idle time (always, if eager)."""
+        if self._idle_ns is None:
+            return True
+        asked = int(self._header[_ASKED])
+        return asked != 0 and time.monotonic_ns() - asked <= self._idle_ns
+
+    def _copy(self, value: np.ndarray, version: int) -> None:
+        """Copies ``value`` in under the seqlock; the mirror is live afterwards."""
         header = self._header
-        header[1] += 1  # odd: a write is in progress
+        header[_SEQ] += 1  # odd: a write is in progress
         np.copyto(self._data, value.reshape(-1).view(np.uint8))
-        header[2] = version
-        header[1] += 1  # even again: consistent
+        header[_VERSION] = version
+        header[_LIVE] = 1
+        header[_COPIES] += 1
+        header[_SEQ] += 1  # even again: consistent
+
+    def publish(self, value: np.ndarray, version: int) -> bool:
+        """After a change: copies ``value`` in if a reader asked lately; returns whether it did.
+
+        A mirror no reader asked for within the idle time goes dormant (its
+        readers are told so, under the seqlock) and stops copying.
+        """
+        if self._asked():
+            self._copy(value, version)
+            return True
+        header = self._header
+        if header[_LIVE]:
+            header[_SEQ] += 1
+            header[_LIVE] = 0
+            header[_SEQ] += 1
+        return False
+
+    def wake(self, value: np.ndarray, version: int) -> bool:
+        """A dormant mirror a reader asked for copies ``value`` in (the PS calls this on a
+        pull over gRPC, which is how a reader of a dormant mirror gets its value);
+        returns whether it did."""
+        if self._header[_LIVE] or not self._asked():
+            return False
+        self._copy(value, version)
+        return True
 
     def close(self) -> None:
         """Retires the mirror (readers still mapping it see that) and removes the segment."""
         self._header[0] = 0
         self.segment.close(unlink=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MirrorState:
+    """What a mirror's header says (see :func:`peek`)."""
+
+    live: bool  # it follows its variable: readers may use it
+    copies: int  # values its writer copied in so far (each update while live)
+    version: int  # the variable's version it holds
+
+
+def peek(name: str) -> MirrorState:
+    """The state of mirror ``name``, read without asking for the value (a reader's
+    :meth:`MirrorReader.read` asks, which keeps the mirror live).
+
+    Raises:
+        FileNotFoundError, InvalidArgumentError, PermissionDeniedError: as
+            :class:`Segment` (missing, or not to be trusted).
+        FailedPreconditionError: not a mirror (or a retired one).
+    """
+    segment = Segment(name, 0, create=False, writable=False)
+    try:
+        if segment.size < HEADER_BYTES:
+            raise errors.FailedPreconditionError(f"segment {name!r} is not a mirror")
+        header = segment.array(np.int64, (8,)).copy()
+    finally:
+        segment.close()
+    if int(header[0]) != MAGIC:
+        raise errors.FailedPreconditionError(f"segment {name!r} is not a live psflow mirror")
+    return MirrorState(bool(header[_LIVE]), int(header[_COPIES]), int(header[_VERSION]))
 
 
 class SegmentUnreachableError(errors.UnimplementedError):
@@ -225,18 +324,30 @@ class MirrorRetiredError(errors.FailedPreconditionError):
     """A mirror was retired (its variable restored or removed, or its PS process gone)."""
 
 
-class MirrorSet:
-    """The mirrors of one PS process's variables (dense ones up to ``max_bytes``)."""
+class MirrorDormantError(errors.UnavailableError):
+    """A mirror does not follow its variable now (no reader asked lately): pull over
+    gRPC, which makes the PS copy the value in again (the read asked for it)."""
 
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
+
+class MirrorSet:
+    """The mirrors of one PS process's variables (dense ones up to ``max_bytes``).
+
+    ``idle``: seconds each mirror follows its variable after its last read
+    (lazy mirrors, see :class:`Mirror`).
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20, idle: float = MIRROR_IDLE_SECONDS) -> None:
+        if not idle > 0:
+            raise errors.InvalidArgumentError(f"mirror idle time must be > 0 s, got {idle!r}")
         self.prefix = new_prefix()
         self.max_bytes = max_bytes
+        self.idle = idle
         self._count = 0
         self._lock = threading.Lock()
         remove_stale()
 
     def attach(self, variable: Any) -> None:
-        """Gives a store variable a mirror (and publishes it now), if it qualifies."""
+        """Gives a store variable a (dormant) mirror, if it qualifies."""
         value = variable.value
         if value.nbytes > self.max_bytes or value.dtype.kind not in "fiub":
             variable.mirror = None
@@ -244,9 +355,7 @@ class MirrorSet:
         with self._lock:
             self._count += 1
             name = f"{self.prefix}-v{self._count}"
-        mirror = Mirror(name, value)
-        mirror.publish(value, variable.version)
-        variable.mirror = mirror
+        variable.mirror = Mirror(name, value, idle=self.idle)
 
     def detach(self, variable: Any) -> None:
         """Removes a variable's mirror."""
@@ -257,10 +366,14 @@ class MirrorSet:
 
 
 class MirrorReader:
-    """A client's mapping of one PS variable's mirror."""
+    """A client's mapping of one PS variable's mirror.
+
+    It maps the segment writable to stamp it when it reads (:meth:`ask`); it
+    never writes the value.
+    """
 
     def __init__(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-        self.segment = Segment(name, 0, create=False, writable=False)
+        self.segment = Segment(name, 0, create=False, writable=True)
         self._header = self.segment.array(np.int64, (8,))
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         if int(self._header[0]) != MAGIC or int(self._header[3]) != nbytes:
@@ -271,27 +384,40 @@ class MirrorReader:
         self.dtype, self.shape = np.dtype(dtype), tuple(shape)
         self._writer = int(self._header[4])
 
+    def ask(self) -> None:
+        """Tells the PS a reader wants the value (it keeps, or starts, copying it in)."""
+        self._header[_ASKED] = time.monotonic_ns()
+
     def read(self) -> tuple[np.ndarray, int]:
-        """A consistent copy of the value and its version.
+        """A consistent copy of the value and its version (asking for the next ones).
 
         Raises:
             MirrorRetiredError: the mirror no longer follows the variable (map it again).
+            MirrorDormantError: no reader asked lately, so the PS stopped copying
+                (pull over gRPC: the PS copies the value in again then).
             UnavailableError: the PS kept writing for too long (the caller falls back to gRPC).
         """
         if int(self._header[0]) != MAGIC or not _pid_alive(self._writer):
             raise MirrorRetiredError(f"shared-memory mirror {self.segment.name} was retired")
+        self.ask()
         out = np.empty(self.shape, self.dtype)
         flat = out.reshape(-1).view(np.uint8)
         header = self._header
         for attempt in range(_READ_RETRIES):
-            before = int(header[1])
+            before = int(header[_SEQ])
             if before & 1:
                 if attempt > 100:
                     time.sleep(0)
                 continue
+            # read under the seqlock too: a mirror that went dormant mid-copy is retried
+            # and then refused, never returned stale
+            if not header[_LIVE]:
+                raise MirrorDormantError(
+                    f"shared-memory mirror {self.segment.name} is dormant (no reader lately)"
+                )
             np.copyto(flat, self._data)
-            version = int(header[2])
-            if int(header[1]) == before:
+            version = int(header[_VERSION])
+            if int(header[_SEQ]) == before:
                 return out, version
         raise errors.UnavailableError("shared-memory read kept racing with the writer")
 

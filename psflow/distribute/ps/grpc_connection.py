@@ -105,6 +105,10 @@ class GrpcPSConnection(PSConnection):
                 return [r.read() for r in readers]
             except shm.MirrorRetiredError:
                 self._forget_mirrors()  # the PS restored or restarted: map its new mirrors
+            except shm.MirrorDormantError:
+                for reader in readers:  # the gRPC pull below wakes every one of them
+                    reader.ask()
+                return None
             except errors.UnavailableError:
                 return None
         return None
