@@ -1,4 +1,5 @@
-"""Keepalive on the chief's worker channels: a worker whose host goes silent is noticed.
+"""Keepalive on the chief's worker channels: a worker whose host goes silent is noticed;
+and a channel to a PS whose path healed is used again within about a second.
 
 A partition that keeps TCP up (the chaos relay holds every byte, no reset) on
 the chief -> worker path leaves a RunClosure waiting for its own deadline (an
@@ -11,12 +12,22 @@ tests set that grace far beyond the fault, so keepalive alone must do it.
 
 from __future__ import annotations
 
+import sys
+import time
+
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psflow as pf
 from psflow.distribute.coordinator.config import CoordinatorConfig
+from psflow.transport.options import channel_options
 from tests import netfault_scenario as scenario
+from tests.conftest import ROOT
 from tests.test_netfault import relayed_cluster  # noqa: F401  (the fixture)
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _netfault
 
 KEEPALIVE = 1.0  # seconds between pings, and seconds a ping may go unanswered
 
@@ -57,3 +68,38 @@ def test_a_worker_partitioned_from_the_chief_is_noticed_by_keepalive_and_its_clo
     # a ping at most KEEPALIVE after the stall, unanswered for KEEPALIVE; slack for a
     # loaded machine, still far below the probe's grace and the closure's deadline
     assert noticed - result["down"] < 2 * KEEPALIVE + 3.0, noticed - result["down"]
+
+
+@pytest.mark.slow
+def test_a_ps_channel_is_used_again_within_about_a_second_of_its_path_healing(start_ps):
+    """Ten seconds of resets: gRPC's default backoff would wait ~6 s more (its attempts at
+    about 1, 2.6, 5.2, 9.3, 15.9 s); psflow's caps it at a second."""
+    server = start_ps()
+    with _netfault.ChaosRelay(server.address) as relay:
+        channel = grpc.insecure_channel(relay.address, options=channel_options())
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        try:
+            stub.Check(request, timeout=10)
+            relay.cut()
+            cut = time.monotonic()
+            refused = 0
+            while time.monotonic() - cut < 10:  # every attempt reset: the backoff grows
+                try:
+                    stub.Check(request, timeout=0.5)
+                except grpc.RpcError:
+                    refused += 1
+                time.sleep(0.1)
+            assert refused > 0
+            relay.heal()
+            healed = time.monotonic()
+            while time.monotonic() - healed < 30:
+                try:
+                    stub.Check(request, timeout=1)
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.02)
+            back = time.monotonic() - healed
+        finally:
+            channel.close()
+    assert back < 2.5, back
