@@ -157,6 +157,9 @@ class PSSession(UpdateGroup, Routing):
         self.resize_origin: int | None = None
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
+        # handles a prefetch found missing on their PS (a restore dropped another
+        # model's variables): left out of prefetches until read, or registered, again
+        self._gone: set[str] = set()
         self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
         self._versions: dict[str, int] = {}
         self._cache_lock = threading.RLock()
@@ -242,8 +245,10 @@ class PSSession(UpdateGroup, Routing):
         """Keeps one handle object per PS variable (so tapes and models share it)."""
         with self._handles_lock:
             existing = self._handles.get(handle.key)
-            if existing is not None:
+            if existing is not None and handle.key not in self._gone:
                 return existing
+            # new, or the PS lost the old one: a variable created again takes its place
+            self._gone.discard(handle.key)
             self._handles[handle.key] = handle
             return handle
 
@@ -349,14 +354,17 @@ class PSSession(UpdateGroup, Routing):
                 return hit[0]
             host = cache.get((handle.key, None))
             if host is None:
-                wanted = [handle]
+                others = []
                 if self._prefetchable(handle):
-                    wanted += [
+                    others = [
                         h
                         for k, h in self._handles.items()
-                        if k != handle.key and (k, None) not in cache and self._prefetchable(h)
+                        if k != handle.key
+                        and (k, None) not in cache
+                        and k not in self._gone
+                        and self._prefetchable(h)
                     ]
-                for key, (value, version) in self._pull_into_cache(wanted).items():
+                for key, (value, version) in self._prefetch(handle, others).items():
                     cache[(key, None)] = (value, version)
                     self._versions[key] = version
                 host = cache[(handle.key, None)]
@@ -365,6 +373,44 @@ class PSSession(UpdateGroup, Routing):
             placed = backend.place(host[0], dev)
             cache[(handle.key, dev)] = (placed, host[1])
             return placed
+
+    def _prefetch(self, handle: Any, others: list[Any]) -> dict[str, tuple[np.ndarray, int]]:
+        """``handle``'s value and those of ``others`` (a step's first read pulls them all).
+
+        A NotFound caused by one of ``others`` is no failure of this read: a
+        restore may have dropped variables another model (an earlier function
+        this worker ran) left in this session.  Those are probed one by one,
+        the missing ones left out of later prefetches, and the rest kept.
+
+        Raises:
+            NotFoundError: ``handle`` itself is missing on its PS task.
+        """
+        try:
+            out = self._pull_into_cache([handle, *others])
+        except errors.NotFoundError:
+            if not others:
+                raise
+            out = self._pull_into_cache([handle])  # its own NotFound is the caller's error
+        else:
+            if handle.key in self._gone:  # read again: it exists (again)
+                with self._handles_lock:
+                    self._gone.discard(handle.key)
+            return out
+        missing = []
+        for h in others:  # bounded: once per variable, and only after such a restore
+            try:
+                out.update(self._pull_into_cache([h]))
+            except errors.NotFoundError:
+                missing.append(h.key)
+        with self._handles_lock:
+            self._gone.update(missing)
+        log.info(
+            "%s: %d variables are gone from the parameter servers (e.g. %s); no longer prefetched",
+            self.task,
+            len(missing),
+            missing[:3],
+        )
+        return out
 
     def read_rows(self, handle: Any, indices: np.ndarray) -> np.ndarray:
         """Rows of a PS variable (no caching: each lookup pulls only what it needs)."""
