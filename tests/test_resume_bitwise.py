@@ -1,6 +1,6 @@
 """A chief killed mid-``fit`` and run again ends with the weights of a run never interrupted.
 
-Real processes: one PS... two PS tasks, one worker, a chief script.  The
+Real processes: two PS tasks, one worker, a chief script.  The
 reference run trains uninterrupted on its own fresh cluster; the other chief
 kills itself (SIGKILL) in the middle of an epoch, and the same script run again
 resumes from its ``BackupAndRestore`` backup.  With one worker closures run in
@@ -106,19 +106,21 @@ def _state(out) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("save_freq", "kill_at"),
-    [("epoch", 25), ("4", 27)],  # epoch 2 of 4 (10 steps each); with "4", 3 steps after a save
+    ("save_freq", "kill_at", "optimizer"),
+    # epoch 2 of 4 (10 steps each); with "4", 3 steps after a save. Adam: every table
+    # shard continues from its own step (its bias correction), restored onto 2 PS again
+    [("epoch", 25, "sgd"), ("4", 27, "sgd"), ("epoch", 25, "adam")],
 )
 def test_resumed_fit_ends_with_the_weights_of_an_uninterrupted_one_with_one_worker(
-    start_cluster, tmp_path, save_freq, kill_at
+    start_cluster, tmp_path, save_freq, kill_at, optimizer
 ):
     reference = start_cluster(num_ps=2, num_workers=1)
-    ran, ref_out = _run(reference, tmp_path, "reference", 0, save_freq, "sgd")
+    ran, ref_out = _run(reference, tmp_path, "reference", 0, save_freq, optimizer)
     assert ran.returncode == 0 and "DONE" in ran.stdout, ran.stderr[-3000:]
     cluster = start_cluster(num_ps=2, num_workers=1)
-    killed, out = _run(cluster, tmp_path, "resumed", kill_at, save_freq, "sgd")
+    killed, out = _run(cluster, tmp_path, "resumed", kill_at, save_freq, optimizer)
     assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed, out = _run(cluster, tmp_path, "resumed", 0, save_freq, "sgd")
+    resumed, out = _run(cluster, tmp_path, "resumed", 0, save_freq, optimizer)
     assert resumed.returncode == 0 and "DONE" in resumed.stdout, resumed.stderr[-3000:]
     want, got = _state(ref_out), _state(out)
     assert sorted(got) == sorted(want)
