@@ -3,8 +3,9 @@
 Real processes: two PS tasks, one worker, a chief script.  The
 reference run trains uninterrupted on its own fresh cluster; the other chief
 kills itself (SIGKILL) in the middle of an epoch, and the same script run again
-resumes from its ``BackupAndRestore`` backup.  With one worker closures run in
-the order they are scheduled, so with SGD the two runs must agree bit for bit:
+resumes from its ``BackupAndRestore`` backup.  With one worker and one closure
+in flight (``PSFLOW_CLOSURES_IN_FLIGHT=1``) closures run in the order they are
+scheduled, so the two runs must agree bit for bit:
 dense variables and every table row, slot and counter.  That needs the resumed
 run to see each epoch's batches in the same order (the shuffle of epoch ``e``
 depends on ``e``, not on how many epochs this process has run) and, with an
@@ -87,9 +88,10 @@ def _run(cluster, tmp_path, name: str, kill_at: int, save_freq: str, optimizer: 
         save_freq,
         optimizer,
     ]
-    return subprocess.run(
-        args, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120
-    ), out
+    # one closure in flight: the worker runs them in the order they were scheduled (with
+    # two, the default, the next one waits on the worker and the two may swap)
+    env = child_env({"PSFLOW_CLOSURES_IN_FLIGHT": "1"})
+    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120), out
 
 
 def _state(out) -> dict[str, np.ndarray]:

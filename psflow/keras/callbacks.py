@@ -469,10 +469,12 @@ class BackupAndRestore(Callback):
     integer ``save_freq``, after the last batch backed up within its epoch (as
     TensorFlow does), so ``fit(epochs=E)`` completes E epochs in total. Each
     epoch's batches come in the same order however often the chief restarted,
-    so with one worker (closures run in the order they are scheduled) a resumed
-    ``fit`` ends with the weights of an uninterrupted one, bit for bit; with
-    several workers the order in which closures apply is not deterministic and
-    only the state at the backup is reproduced. Under a ParameterServerStrategy it
+    so with one worker and one closure in flight (``PSFLOW_CLOSURES_IN_FLIGHT=1``:
+    closures then run in the order they are scheduled) a resumed ``fit`` ends
+    with the weights of an uninterrupted one, bit for bit; with several workers
+    (or two closures in flight, the default) the order in which closures apply
+    is not deterministic, in an uninterrupted run too, and what is reproduced
+    is the state at the backup and the batches each epoch trains. Under a ParameterServerStrategy it
     also lets ``fit`` survive a lost parameter server: once the PS task is back,
     every PS rolls back to the last backup and training resumes from there.
     With ``delete_checkpoint`` the backup is removed when training completes.

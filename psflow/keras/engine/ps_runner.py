@@ -76,6 +76,10 @@ def _predict_batch(model: Any, x: Any) -> Any:
     return nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, y)
 
 
+_OTHER_PASSES = 1 << 40
+"""Where the numbers of passes that are no fit epoch start (they seed no training shuffle)."""
+
+
 class PSRunner(Runner):
     """Runs Keras steps as closures on the strategy's workers."""
 
@@ -176,8 +180,8 @@ class PSRunner(Runner):
     def _new_plan(self, reader: Any, epoch: int | None = None, first_step: int = 0) -> Any:
         """A plan for one pass; ``epoch`` (fit's, when training) seeds the array
         shuffle, so a restarted chief sees each epoch's batches in the same order."""
-        if epoch is None:  # evaluation: any number no training epoch takes
-            epoch = -1 - self._epoch
+        if epoch is None:  # evaluation, a dataset function: numbers no fit epoch takes
+            epoch = _OTHER_PASSES + self._epoch
             self._epoch += 1
         if isinstance(reader, ps_batches.ArrayReader):
             return ps_batches.ArrayPlan(epoch, reader.num_batches, first_step)
