@@ -1,11 +1,13 @@
-"""A worker that served another model must not make a restore look like a lost PS.
+"""A worker that served another model forgets it: no pulls of it, no recovery loop.
 
 Real PS and worker processes.  The worker first trains model A; then another
 chief session trains model B and restores its backup, which holds only B's
 variables: the PS tasks drop A's.  The worker still knew A's variables and
 prefetched them with every step's first read; the PS answered NotFound, which
 the chief took for a PS that came back empty, restored again, and looped.  The
-worker now forgets variables the PS no longer has: B's fit finishes.
+worker now leaves out variables the PS no longer has (B's fit finishes), and a
+step prefetches only what its function read before (A's variables, still on
+the PS, are not pulled with each of B's steps).
 """
 
 from __future__ import annotations
@@ -84,3 +86,35 @@ def test_restore_dropping_another_models_variables_does_not_loop_in_ps_recovery(
     with pytest.raises(pf.errors.NotFoundError):  # the restore did drop A's variables
         model_a.layers[0].kernel.numpy()
     assert np.isfinite(history.history["loss"]).all()
+
+
+def _worker_bytes_pulled() -> int:
+    """Runs on the worker: what its PS session has pulled so far."""
+    from psflow.distribute.ps import session as session_lib
+
+    return session_lib.current().bytes_pulled
+
+
+def test_worker_stops_prefetching_the_variables_of_a_model_it_no_longer_trains(start_cluster):
+    cluster = start_cluster(num_ps=1, num_workers=1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    with strategy.scope():  # A's variables: 3x2000 + 2000x1 floats, 32 kB
+        big = pf.keras.Sequential(
+            [pf.keras.layers.Dense(2000, input_shape=(3,)), pf.keras.layers.Dense(1)]
+        )
+        big.compile(optimizer=pf.keras.optimizers.SGD(0.01), loss="mse")
+    big.fit(x, y, batch_size=16, epochs=1, verbose=0)  # the worker knows A's variables
+    a_bytes = sum(w.nbytes for w in big.get_weights())
+    small = _model(strategy, "b")
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    before = coordinator.schedule(_worker_bytes_pulled).fetch()
+    small.fit(x, y, batch_size=16, epochs=5, verbose=0)  # 20 steps of B
+    pulled = coordinator.schedule(_worker_bytes_pulled).fetch() - before
+    b_bytes = sum(w.nbytes for w in small.get_weights())
+    # B's step function prefetches A's variables at most once (its first step, before
+    # it knows what it reads), not 20 times
+    assert pulled <= 2 * a_bytes + 20 * 4 * b_bytes, (pulled, a_bytes, b_bytes)
+    assert pulled >= 20 * b_bytes
