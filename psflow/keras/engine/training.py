@@ -347,6 +347,8 @@ class Model(Layer):
             resumed = cb.restore()
             if resumed is not None and resumed >= epoch:
                 epoch, first_step = resumed, cb.initial_step
+            else:  # initial_epoch is past the backup: its epoch starts at batch 0
+                cb.initial_step = 0
         while epoch < epochs:
             self.reset_metrics()
             cbs.on_epoch_begin(epoch)
