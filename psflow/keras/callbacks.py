@@ -474,7 +474,10 @@ class BackupAndRestore(Callback):
     with the weights of an uninterrupted one, bit for bit; with several workers
     (or two closures in flight, the default) the order in which closures apply
     is not deterministic, in an uninterrupted run too, and what is reproduced
-    is the state at the backup and the batches each epoch trains. Under a ParameterServerStrategy it
+    is the state at the backup and the batches each epoch trains. Under a
+    ParameterServerStrategy a backup every ``save_freq`` batches holds exactly
+    those batches: the steps in flight finish first and no later one starts
+    before it is written (the pipeline drains once per backup). Under a ParameterServerStrategy it
     also lets ``fit`` survive a lost parameter server: once the PS task is back,
     every PS rolls back to the last backup and training resumes from there.
     With ``delete_checkpoint`` the backup is removed when training completes.
