@@ -263,7 +263,9 @@ class ClosureExecutor:
                     return Outcome(error=describe(e))
                 try:
                     key = f"{session_id}/c{closure_id}" if closure_id else None
-                    with ps.step(step or None, key):
+                    # a one-off function's reads tell nothing about later steps
+                    scope = None if function_key.startswith("once-") else function_key
+                    with ps.step(step or None, key, scope):
                         value = fn(*args, **kwargs)
                     if resource_key:
                         state.resources[resource_key] = value

@@ -73,6 +73,12 @@ class Callback:
     def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Called after each prediction step."""
 
+    def settle_after(self, batch: int) -> bool:
+        """Whether ``on_train_batch_end(batch)`` needs the model settled: every
+        step up to ``batch`` applied and none after it started (a backup taken
+        there).  A runner that keeps steps in flight waits for them first."""
+        return False
+
 
 class CallbackList:
     """Calls a hook on every callback in order."""
@@ -86,6 +92,10 @@ class CallbackList:
                 raise TypeError(f"callbacks must be keras Callback objects, got {cb!r}")
             cb.set_model(model)
             cb.set_params(params)
+
+    def settle_after(self, batch: int) -> bool:
+        """Whether any callback needs the model settled after training step ``batch``."""
+        return any(cb.settle_after(batch) for cb in self.callbacks)
 
     def __getattr__(self, hook: str) -> Callable[..., None]:
         if not hook.startswith("on_"):
@@ -452,14 +462,25 @@ def _accepts_two_positional(fn: Callable[..., Any]) -> bool:
 class BackupAndRestore(Callback):
     """Fault tolerance for ``fit`` (TensorFlow's ``BackupAndRestore``).
 
-    Saves the model, its optimizer and the epoch to ``backup_dir`` at the end of
-    every epoch (or every ``save_freq`` batches). When ``fit`` starts and a
-    backup exists — the chief was restarted — it restores it and continues with
-    the next epoch, so ``fit(epochs=E)`` completes E epochs in total. Under a
-    ParameterServerStrategy it also lets ``fit`` survive a lost parameter
-    server: once the PS task is back, every PS rolls back to the last backup and
-    training resumes from there. With ``delete_checkpoint`` the backup is
-    removed when training completes.
+    Saves the model, its optimizer and where training stands to ``backup_dir``
+    at the end of every epoch (or every ``save_freq`` batches). When ``fit``
+    starts and a backup exists — the chief was restarted — it restores it and
+    continues where the backup was taken: with the next epoch, or, with an
+    integer ``save_freq``, after the last batch backed up within its epoch (as
+    TensorFlow does), so ``fit(epochs=E)`` completes E epochs in total. Each
+    epoch's batches come in the same order however often the chief restarted,
+    so with one worker and one closure in flight (``PSFLOW_CLOSURES_IN_FLIGHT=1``:
+    closures then run in the order they are scheduled) a resumed ``fit`` ends
+    with the weights of an uninterrupted one, bit for bit; with several workers
+    (or two closures in flight, the default) the order in which closures apply
+    is not deterministic, in an uninterrupted run too, and what is reproduced
+    is the state at the backup and the batches each epoch trains. Under a
+    ParameterServerStrategy a backup every ``save_freq`` batches holds exactly
+    those batches: the steps in flight finish first and no later one starts
+    before it is written (the pipeline drains once per backup). Under a ParameterServerStrategy it
+    also lets ``fit`` survive a lost parameter server: once the PS task is back,
+    every PS rolls back to the last backup and training resumes from there.
+    With ``delete_checkpoint`` the backup is removed when training completes.
     """
 
     def __init__(
@@ -472,7 +493,9 @@ class BackupAndRestore(Callback):
         super().__init__()
         if not backup_dir:
             raise errors.InvalidArgumentError("BackupAndRestore needs a backup_dir")
-        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+        if save_freq != "epoch" and not (
+            isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0
+        ):
             raise errors.InvalidArgumentError(
                 f"save_freq must be 'epoch' or a positive int, got {save_freq!r}"
             )
@@ -481,7 +504,10 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = delete_checkpoint
         self._manager: Any = None
         self._epoch = 0
-        self._batches = 0
+        self._batches = 0  # training steps since the first fit began (restored with a backup)
+        self._epoch_base = 0  # self._batches when batch 0 of the current epoch began
+        self.initial_step = 0
+        """Batches of the restored epoch the last restore found done already."""
 
     def _ensure_manager(self) -> Any:
         if self._manager is None:
@@ -494,28 +520,45 @@ class BackupAndRestore(Callback):
         return self._manager
 
     def restore(self) -> int | None:
-        """Restores the latest backup; returns the epoch to continue with (None: no backup)."""
+        """Restores the latest backup; returns the epoch to continue with (None: no
+        backup) and sets :attr:`initial_step`, the batches of it done already."""
         manager = self._ensure_manager()
         latest = manager.latest_checkpoint
         if latest is None:
             return None
         status = manager._checkpoint.restore(latest)
+        self.initial_step = int(status.scalars.get("step_in_epoch", 0))
+        self._batches = int(status.scalars.get("batches", 0))
         return int(status.scalars.get("next_epoch", 0))
 
-    def save(self, next_epoch: int) -> str | None:
-        """Backs up the model with the epoch training should continue from."""
+    def save(self, next_epoch: int, step_in_epoch: int = 0) -> str | None:
+        """Backs up the model with where training continues: ``step_in_epoch``
+        batches of epoch ``next_epoch`` are done."""
         return self._ensure_manager().save(
-            check_interval=False, extra={"next_epoch": int(next_epoch)}
+            check_interval=False,
+            extra={
+                "next_epoch": int(next_epoch),
+                "step_in_epoch": int(step_in_epoch),
+                "batches": int(self._batches),
+            },
         )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
+        # a resumed epoch's first batch is numbered initial_step (its earlier ones are done)
+        self._epoch_base = self._batches - self.initial_step
+        self.initial_step = 0
+
+    def settle_after(self, batch: int) -> bool:
+        """True at each ``save_freq``-th batch: the backup must hold it and nothing after."""
+        return (
+            isinstance(self.save_freq, int) and (self._epoch_base + batch + 1) % self.save_freq == 0
+        )
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if isinstance(self.save_freq, int):
-            self._batches += 1
-            if self._batches % self.save_freq == 0:
-                self.save(self._epoch)
+        self._batches = self._epoch_base + batch + 1
+        if isinstance(self.save_freq, int) and self._batches % self.save_freq == 0:
+            self.save(self._epoch, batch + 1)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.save_freq == "epoch":

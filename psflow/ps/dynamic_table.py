@@ -533,14 +533,18 @@ class DynamicTable:
         parts: list[dict[str, np.ndarray]],
         keep: Any = None,
         counted: list[bool] | None = None,
+        step: int | None = None,
     ) -> DynamicTable:
         """A table holding the union of exported ``parts`` (:meth:`export_state` of
         any number of shards), keeping the ids for which ``keep(ids)`` is True.
 
-        The step becomes the largest part's step (shards step independently; Adam
-        bias correction continues from there) and the counters are the sum of
-        the parts ``counted`` marks (default: all; a counter cannot be split by
-        id, so of several new shards only one should count a part).
+        The step is ``step`` where the caller knows it (the shard's own, saved
+        with the same layout); otherwise, merging parts, the largest part's step
+        (shards step independently and a step cannot be split by id, so Adam's
+        bias correction and the ttl clocks continue from the furthest shard).
+        The counters are the sum of the parts ``counted`` marks (default: all;
+        a counter cannot be split by id, so of several new shards only one
+        should count a part).
         """
         ids = np.concatenate([p["ids"] for p in parts]) if parts else np.zeros(0, np.int64)
         mask = np.ones(ids.shape[0], bool) if keep is None else np.asarray(keep(ids), bool)
@@ -575,7 +579,9 @@ class DynamicTable:
             for p, count in zip(parts, counted or [True] * len(parts)):
                 for n, v in zip(names, p["counters"].tolist()):
                     fresh._counters[n] += v if count else 0
-            fresh.step = max((int(p["step"]) for p in parts), default=0)
+            fresh.step = (
+                max((int(p["step"]) for p in parts), default=0) if step is None else int(step)
+            )
         return fresh
 
 

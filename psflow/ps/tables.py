@@ -376,6 +376,11 @@ class TableRegistry:
         """Replaces every table found in ``directory`` with the ids this task owns
         as ``shard_index`` of ``num_shards``; returns ``(tables, rows kept)``.
 
+        Onto the layout it was saved with, each shard gets back its own step
+        (shards step independently: a push reaches only the shards owning its
+        ids); onto another layout the parts merge and every shard takes the
+        largest step (see :meth:`DynamicTable.from_parts`).
+
         Everything is read and verified before anything changes.
 
         Raises:
@@ -389,6 +394,7 @@ class TableRegistry:
             raise NotFoundError(f"no table checkpoint in {directory!r}", task=self.task)
         parts: dict[str, list[dict[str, np.ndarray]]] = {}
         counted: dict[str, list[bool]] = {}
+        own_step: dict[str, int] = {}
         configs: dict[str, TableConfig] = {}
         for path in manifests:
             manifest = _read_manifest(path)
@@ -420,6 +426,8 @@ class TableRegistry:
                 same = (int(entry["shard"]), int(entry["shards"])) == (shard_index, num_shards)
                 layout = int(entry["shards"]) == num_shards
                 counted.setdefault(name, []).append(same if layout else shard_index == 0)
+                if same:  # this shard's own optimizer step (Adam's bias correction, ttl clocks)
+                    own_step[name] = int(part.get("step", 0))
         restored = {}
         rows = 0
         for name, config in configs.items():
@@ -428,6 +436,7 @@ class TableRegistry:
                 parts[name],
                 keep=lambda ids: shard_of(ids, num_shards) == shard_index,
                 counted=counted[name],
+                step=own_step.get(name),
             )
             rows += table.stats().rows
             restored[name] = (table, shard_index, num_shards)

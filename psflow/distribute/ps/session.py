@@ -13,6 +13,7 @@ the rows a batch uses and pushes back only their gradients.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -39,6 +40,8 @@ from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
 
 PREFETCH_LIMIT_BYTES = 16 << 20
+MAX_SCOPES = 64
+"""Functions whose read sets a session keeps (the least recently run is forgotten first)."""
 
 log = logging.getLogger("psflow.distribute")
 
@@ -157,11 +160,20 @@ class PSSession(UpdateGroup, Routing):
         self.resize_origin: int | None = None
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
+        # handles a prefetch found missing on their PS (a restore dropped another
+        # model's variables): left out of prefetches until read, or registered, again
+        self._gone: set[str] = set()
         self._cache: dict[tuple[str, Any], tuple[Any, int]] | None = None
         self._versions: dict[str, int] = {}
         self._cache_lock = threading.RLock()
         self._step: int | None = None
         self._closure: tuple[str, dict[int, int]] | None = None
+        # what each recent function (a worker's closure function, by key) read in its
+        # steps: a step prefetches only that, so a worker that served another model
+        # before stops pulling that model's variables (see begin_step)
+        self._scopes: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
+        self._scope: str | None = None
+        self._reads: set[str] = set()
         self._dirty_metrics: dict[int, Any] = {}
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(
@@ -242,8 +254,10 @@ class PSSession(UpdateGroup, Routing):
         """Keeps one handle object per PS variable (so tapes and models share it)."""
         with self._handles_lock:
             existing = self._handles.get(handle.key)
-            if existing is not None:
+            if existing is not None and handle.key not in self._gone:
                 return existing
+            # new, or the PS lost the old one: a variable created again takes its place
+            self._gone.discard(handle.key)
             self._handles[handle.key] = handle
             return handle
 
@@ -277,17 +291,24 @@ class PSSession(UpdateGroup, Routing):
             self.register(h)
 
     # -- steps -------------------------------------------------------------------------
-    def begin_step(self, step: int | None = None, closure_key: str | None = None) -> None:
+    def begin_step(
+        self, step: int | None = None, closure_key: str | None = None, scope: str | None = None
+    ) -> None:
         """Starts a training step: reads are cached until :meth:`end_step`.
 
         ``closure_key`` names the closure being run (coordinator session and
         closure id): its pushes carry ids derived from it, so a closure re-run
-        on another worker after a failure is applied at most once.
+        on another worker after a failure is applied at most once.  ``scope``
+        names the function the step runs: its first read prefetches only what
+        that function's earlier steps read (everything known, the first time),
+        so the variables of a function no longer run are no longer pulled.
         """
         with self._cache_lock:
             self._cache = {}
             self._step = step
             self._closure = (closure_key, {}) if closure_key else None
+            self._scope = scope
+            self._reads = set()
 
     def end_step(self) -> None:
         """Ends the step: metrics updated in it are flushed; reads pull afresh again."""
@@ -302,6 +323,12 @@ class PSSession(UpdateGroup, Routing):
                 self._cache = None
                 self._step = None
                 self._closure = None
+                scope, self._scope = self._scope, None
+                if scope is not None:
+                    self._scopes.setdefault(scope, set()).update(self._reads)
+                    self._scopes.move_to_end(scope)
+                    while len(self._scopes) > MAX_SCOPES:
+                        self._scopes.popitem(last=False)
 
     def defer_flush(self, metric: Any) -> bool:
         """Remembers a metric to flush when the running step ends; False outside a step."""
@@ -312,9 +339,11 @@ class PSSession(UpdateGroup, Routing):
             return True
 
     @contextlib.contextmanager
-    def step(self, step: int | None = None, closure_key: str | None = None) -> Iterator[None]:
+    def step(
+        self, step: int | None = None, closure_key: str | None = None, scope: str | None = None
+    ) -> Iterator[None]:
         """``begin_step`` ... ``end_step``."""
-        self.begin_step(step, closure_key)
+        self.begin_step(step, closure_key, scope)
         try:
             yield
         finally:
@@ -344,19 +373,25 @@ class PSSession(UpdateGroup, Routing):
                 value, version = self._pull_into_cache([handle])[handle.key]
                 self._versions[handle.key] = version
                 return backend.place(value, dev) if dev.is_gpu else value
+            self._reads.add(handle.key)
             hit = cache.get((handle.key, dev))
             if hit is not None:
                 return hit[0]
             host = cache.get((handle.key, None))
             if host is None:
-                wanted = [handle]
+                others = []
                 if self._prefetchable(handle):
-                    wanted += [
+                    known = self._scopes.get(self._scope) if self._scope is not None else None
+                    others = [
                         h
                         for k, h in self._handles.items()
-                        if k != handle.key and (k, None) not in cache and self._prefetchable(h)
+                        if k != handle.key
+                        and (known is None or k in known)
+                        and (k, None) not in cache
+                        and k not in self._gone
+                        and self._prefetchable(h)
                     ]
-                for key, (value, version) in self._pull_into_cache(wanted).items():
+                for key, (value, version) in self._prefetch(handle, others).items():
                     cache[(key, None)] = (value, version)
                     self._versions[key] = version
                 host = cache[(handle.key, None)]
@@ -365,6 +400,44 @@ class PSSession(UpdateGroup, Routing):
             placed = backend.place(host[0], dev)
             cache[(handle.key, dev)] = (placed, host[1])
             return placed
+
+    def _prefetch(self, handle: Any, others: list[Any]) -> dict[str, tuple[np.ndarray, int]]:
+        """``handle``'s value and those of ``others`` (a step's first read pulls them all).
+
+        A NotFound caused by one of ``others`` is no failure of this read: a
+        restore may have dropped variables another model (an earlier function
+        this worker ran) left in this session.  Those are probed one by one,
+        the missing ones left out of later prefetches, and the rest kept.
+
+        Raises:
+            NotFoundError: ``handle`` itself is missing on its PS task.
+        """
+        try:
+            out = self._pull_into_cache([handle, *others])
+        except errors.NotFoundError:
+            if not others:
+                raise
+            out = self._pull_into_cache([handle])  # its own NotFound is the caller's error
+        else:
+            if handle.key in self._gone:  # read again: it exists (again)
+                with self._handles_lock:
+                    self._gone.discard(handle.key)
+            return out
+        missing = []
+        for h in others:  # bounded: once per variable, and only after such a restore
+            try:
+                out.update(self._pull_into_cache([h]))
+            except errors.NotFoundError:
+                missing.append(h.key)
+        with self._handles_lock:
+            self._gone.update(missing)
+        log.info(
+            "%s: %d variables are gone from the parameter servers (e.g. %s); no longer prefetched",
+            self.task,
+            len(missing),
+            missing[:3],
+        )
+        return out
 
     def read_rows(self, handle: Any, indices: np.ndarray) -> np.ndarray:
         """Rows of a PS variable (no caching: each lookup pulls only what it needs)."""

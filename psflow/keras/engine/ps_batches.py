@@ -183,10 +183,10 @@ class FunctionReader(DatasetReader):
 class ArrayPlan:
     """Chief side for arrays: hands out batch ``0, 1, ...`` of the epoch, bound when scheduled."""
 
-    def __init__(self, epoch: int, num_batches: int) -> None:
+    def __init__(self, epoch: int, num_batches: int, first: int = 0) -> None:
         self.epoch = epoch
         self.num_batches = num_batches
-        self._next = 0
+        self._next = max(0, int(first))  # batches before it are done (a resumed epoch)
 
     def exhausted(self) -> bool:
         """Whether every batch has been handed out."""
@@ -208,10 +208,13 @@ class ArrayPlan:
 class DatasetPlan:
     """Chief side for datasets: positions of per-worker shards, bound when a worker takes a step."""
 
-    def __init__(self, epoch: int, num_shards: int) -> None:
+    def __init__(self, epoch: int, num_shards: int, first: int = 0) -> None:
         self.epoch = epoch
         self.num_shards = num_shards
-        self._next = [0] * num_shards
+        # a resumed epoch: ``first`` positions were done, spread over the shards as the
+        # workers took them (exact with one shard; with several, which were done is not
+        # known, and each shard resumes at its share)
+        self._next = [max(0, int(first)) // num_shards] * num_shards
         self._end: list[int | None] = [None] * num_shards
         self._lock = threading.Lock()
 

@@ -76,6 +76,10 @@ def _predict_batch(model: Any, x: Any) -> Any:
     return nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, y)
 
 
+_OTHER_PASSES = 1 << 40
+"""Where the numbers of passes that are no fit epoch start (they seed no training shuffle)."""
+
+
 class PSRunner(Runner):
     """Runs Keras steps as closures on the strategy's workers."""
 
@@ -161,7 +165,9 @@ class PSRunner(Runner):
             )
         return (card // self.num_workers) * self.num_workers
 
-    def _plan(self, kind: str, source: Any, reader: Any) -> Any:
+    def _plan(
+        self, kind: str, source: Any, reader: Any, epoch: int | None = None, first_step: int = 0
+    ) -> Any:
         if kind == "train" and isinstance(source, data_adapter.FunctionBatches):
             # steps_per_epoch over a dataset with no epoch (it repeats): training runs on
             # where the last epoch stopped, as TF's iterator does; evaluation starts over
@@ -169,14 +175,17 @@ class PSRunner(Runner):
             if plan is None:
                 plan = self._running[id(source)] = self._new_plan(reader)
             return plan
-        return self._new_plan(reader)
+        return self._new_plan(reader, epoch, first_step)
 
-    def _new_plan(self, reader: Any) -> Any:
-        epoch = self._epoch
-        self._epoch += 1
+    def _new_plan(self, reader: Any, epoch: int | None = None, first_step: int = 0) -> Any:
+        """A plan for one pass; ``epoch`` (fit's, when training) seeds the array
+        shuffle, so a restarted chief sees each epoch's batches in the same order."""
+        if epoch is None:  # evaluation, a dataset function: numbers no fit epoch takes
+            epoch = _OTHER_PASSES + self._epoch
+            self._epoch += 1
         if isinstance(reader, ps_batches.ArrayReader):
-            return ps_batches.ArrayPlan(epoch, reader.num_batches)
-        return ps_batches.DatasetPlan(epoch, reader.num_shards)
+            return ps_batches.ArrayPlan(epoch, reader.num_batches, first_step)
+        return ps_batches.DatasetPlan(epoch, reader.num_shards, first_step)
 
     def _program(self, kind: str) -> _StepProgram:
         key = (id(self.model), kind)
@@ -186,10 +195,20 @@ class PSRunner(Runner):
             self._programs[key] = program
         return program
 
-    def _run(self, kind: str, source: Any, steps: int | None, on_begin: Any, on_end: Any) -> int:
+    def _run(
+        self,
+        kind: str,
+        source: Any,
+        steps: int | None,
+        on_begin: Any,
+        on_end: Any,
+        epoch: int | None = None,
+        first_step: int = 0,
+        settle_after: Any = None,
+    ) -> int:
         reader, on_workers = self._reader(source)
         total = self._steps_for_sync(reader, steps)
-        plan = self._plan(kind, source, reader)
+        plan = self._plan(kind, source, reader, epoch, first_step)
         program = self._program(kind)
         completed: queue.SimpleQueue = queue.SimpleQueue()
         model = self.model
@@ -203,16 +222,26 @@ class PSRunner(Runner):
         # does not starve the others; the coordinator bounds its own queue too.
         window = 4 * self.num_workers
         pending = scheduled = done = 0
+        # the batches of a resumed epoch done before the restart are not trained again
+        # (a dataset function's plan runs on across epochs: it has no "first" to skip to)
+        first = 0 if plan is self._running.get(id(source)) else first_step
+        if total is not None:
+            total = max(0, total - first)
+        hold = False  # a callback needs the last scheduled step settled before any other
         while True:
+            if hold and not pending:  # it is, and its callbacks ran: go on
+                hold = False
             while (
                 pending < window
+                and not hold
                 and not plan.exhausted()
                 # steps that trained, or may: a ticket past a shard's end trains nothing and
                 # must not take one of the epoch's steps (steps_per_epoch counts trained ones)
                 and (total is None or done + pending < total)
                 and not model.stop_training
             ):
-                on_begin(scheduled)
+                on_begin(first + scheduled)
+                hold = settle_after is not None and settle_after(first + scheduled)
                 step = schedule = None
                 if carry_step:
                     step, schedule = base_step + scheduled, optimizer.learning_rate_schedule
@@ -241,7 +270,7 @@ class PSRunner(Runner):
             done += 1
             if carry_step:
                 optimizer.iterations = base_step + done
-            on_end(done - 1, model._current_logs())
+            on_end(first + done - 1, model._current_logs())
         self.coordinator.join()
         if done == 0 and steps is not None and plan.exhausted():
             raise errors.OutOfRangeError(
@@ -279,10 +308,24 @@ class PSRunner(Runner):
         with contextlib.suppress(Exception):  # the closures that hit the lost PS: this failure
             self.coordinator.join(timeout=max(left, 1.0))
 
-    def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
-        """One epoch of closures; returns the steps that ran."""
+    def train_epoch(
+        self,
+        source: Any,
+        steps: int | None,
+        callbacks: Any,
+        epoch: int | None = None,
+        first_step: int = 0,
+    ) -> int:
+        """One epoch of closures (array batches from ``first_step`` on); returns the steps that ran."""
         return self._run(
-            "train", source, steps, callbacks.on_train_batch_begin, callbacks.on_train_batch_end
+            "train",
+            source,
+            steps,
+            callbacks.on_train_batch_begin,
+            callbacks.on_train_batch_end,
+            epoch,
+            first_step,
+            callbacks.settle_after,
         )
 
     def test_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:

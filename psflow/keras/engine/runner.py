@@ -31,8 +31,19 @@ class Runner(abc.ABC):
         return getattr(source, "steps", None)  # a public attribute some sources have
 
     @abc.abstractmethod
-    def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
-        """Trains one epoch; returns the steps trained."""
+    def train_epoch(
+        self,
+        source: Any,
+        steps: int | None,
+        callbacks: Any,
+        epoch: int | None = None,
+        first_step: int = 0,
+    ) -> int:
+        """Trains one epoch; returns the steps trained.
+
+        ``epoch`` numbers it (its batch order may depend on it); ``first_step``
+        batches of it are done already (a resumed backup) and are skipped.
+        """
 
     @abc.abstractmethod
     def test_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
@@ -67,9 +78,14 @@ class LocalRunner(Runner):
         step_fn: Callable[[Any], Any],
         on_begin: Callable[[int], None],
         on_end: Callable[[int, dict], None],
+        first_step: int = 0,
     ) -> int:
         it: Iterator = iter(source)
-        step = 0
+        step = skipped = 0
+        for _ in range(first_step):  # done before a restart: skipped, as TensorFlow does
+            if next(it, None) is None:
+                break
+            step = skipped = skipped + 1
         while steps is None or step < steps:
             try:
                 batch = next(it)
@@ -88,16 +104,24 @@ class LocalRunner(Runner):
             step += 1
             if self.model.stop_training:
                 break
-        return step
+        return step - skipped
 
-    def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
-        """Runs one epoch of training steps; returns how many ran."""
+    def train_epoch(
+        self,
+        source: Any,
+        steps: int | None,
+        callbacks: Any,
+        epoch: int | None = None,
+        first_step: int = 0,
+    ) -> int:
+        """Runs one epoch of training steps (after ``first_step`` done ones); returns how many ran."""
         return self._steps(
             source,
             steps,
             lambda batch: self.strategy.run(self.model.train_step, args=(_on_device(batch),)),
             callbacks.on_train_batch_begin,
             callbacks.on_train_batch_end,
+            first_step,
         )
 
     def test_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
@@ -193,13 +217,21 @@ class MirroredRunner(LocalRunner):
         finally:
             self.model._global_batch_size = None
 
-    def train_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
+    def train_epoch(
+        self,
+        source: Any,
+        steps: int | None,
+        callbacks: Any,
+        epoch: int | None = None,
+        first_step: int = 0,
+    ) -> int:
         return self._steps(
             source,
             steps,
             lambda b: self._run(self.model.train_step, b),
             callbacks.on_train_batch_begin,
             callbacks.on_train_batch_end,
+            first_step,
         )
 
     def test_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:

@@ -342,19 +342,24 @@ class Model(Layer):
         backups = [cb for cb in cb_list if isinstance(cb, callbacks_lib.BackupAndRestore)]
         cbs.on_train_begin()
         epoch = initial_epoch
+        first_step = 0  # batches of the first epoch a backup holds done already
         for cb in backups:  # a restarted chief continues where the backup left off
             resumed = cb.restore()
-            if resumed is not None:
-                epoch = max(epoch, resumed)
+            if resumed is not None and resumed >= epoch:
+                epoch, first_step = resumed, cb.initial_step
+            else:  # initial_epoch is past the backup: its epoch starts at batch 0
+                cb.initial_step = 0
         while epoch < epochs:
             self.reset_metrics()
             cbs.on_epoch_begin(epoch)
             try:
-                runner.train_epoch(source, steps_per_epoch, cbs)
+                runner.train_epoch(source, steps_per_epoch, cbs, epoch=epoch, first_step=first_step)
             except (errors.UnavailableError, errors.NotFoundError) as e:
                 # a PS task that died (unavailable) or came back empty (variables not found)
                 epoch = self._recover_from_ps_loss(e, backups, runner)
+                first_step = backups[0].initial_step
                 continue
+            first_step = 0
             logs = self._current_logs()
             if val is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = self._evaluate_source(
