@@ -14,7 +14,9 @@ Variables:
 * ``PSFLOW_MALLOC_TUNING`` — ``0`` keeps glibc's malloc defaults;
 * ``PSFLOW_SHM`` — ``0`` turns the shared-memory data path off;
 * ``PSFLOW_PROGBAR`` — ``plain``: progress bars print lines, never redraw;
-* ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600).
+* ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600);
+* ``PSFLOW_DATA_PLANE`` — ``off``: clients push and pull over gRPC even where a
+  PS announces a raw TCP data plane.
 
 Example:
     >>> s = ProcessSettings.from_environment({"PSFLOW_NUM_CPU_DEVICES": "4", "PSFLOW_SHM": "off"})
@@ -33,6 +35,7 @@ from psflow.errors import InvalidArgumentError
 
 __all__ = [
     "ENV_CLOSURE_TIMEOUT",
+    "ENV_DATA_PLANE",
     "ENV_MALLOC_TUNING",
     "ENV_NUM_CPU_DEVICES",
     "ENV_PROGBAR",
@@ -48,7 +51,15 @@ ENV_MALLOC_TUNING = "PSFLOW_MALLOC_TUNING"
 ENV_SHM = "PSFLOW_SHM"
 ENV_PROGBAR = "PSFLOW_PROGBAR"
 ENV_CLOSURE_TIMEOUT = "PSFLOW_CLOSURE_TIMEOUT"
-_NAMES = (ENV_NUM_CPU_DEVICES, ENV_MALLOC_TUNING, ENV_SHM, ENV_PROGBAR, ENV_CLOSURE_TIMEOUT)
+ENV_DATA_PLANE = "PSFLOW_DATA_PLANE"
+_NAMES = (
+    ENV_NUM_CPU_DEVICES,
+    ENV_MALLOC_TUNING,
+    ENV_SHM,
+    ENV_PROGBAR,
+    ENV_CLOSURE_TIMEOUT,
+    ENV_DATA_PLANE,
+)
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
 
@@ -98,6 +109,7 @@ class ProcessSettings:
     shm: bool = True
     plain_progbar: bool = False
     closure_timeout: float = 3600.0
+    data_plane: bool = True
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -115,6 +127,7 @@ class ProcessSettings:
             shm=_switch(env, ENV_SHM),
             plain_progbar=env.get(ENV_PROGBAR) == "plain",
             closure_timeout=timeout,
+            data_plane=_switch(env, ENV_DATA_PLANE),
         )
 
 

@@ -39,7 +39,7 @@ from psflow.security.config import SecurityConfig
 from psflow.transport.status import status_error
 
 from . import auth, frames
-from .stream import FrameStream
+from .stream import FrameStream, tune
 
 __all__ = ["DataPlaneClient", "Sink"]
 
@@ -145,7 +145,7 @@ class DataPlaneClient:
             ) from None
         stream = None
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             if self._tls is not None:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 try:

@@ -42,7 +42,7 @@ from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
 from . import auth, frames
-from .stream import FrameStream
+from .stream import FrameStream, tune
 
 __all__ = ["DataPlaneServer", "Handler", "Reply", "Request"]
 
@@ -281,7 +281,7 @@ class DataPlaneServer:
         sock, peer = conn.sock, conn.peer
         try:
             sock.settimeout(self.io_timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_side=True)
                 conn.sock = sock
