@@ -300,7 +300,9 @@ class PSClient:
             )
         self._closed = False
         # the data plane: None until asked (first push or pull), then a client or False
-        self._want_plane = settings.current().data_plane if data_plane is None else data_plane
+        process = settings.current()
+        self._want_plane = process.data_plane if data_plane is None else data_plane
+        self._plane_route = dict(process.data_plane_routes).get(address, "")
         self._plane: DataPlaneClient | bool | None = None if self._want_plane else False
         self._plane_max_payload = 0
         self._plane_lock = threading.Lock()
@@ -356,7 +358,9 @@ class PSClient:
             raise
         if not info.port and not info.address:
             return False
-        address = info.address or f"{self.address.rpartition(':')[0]}:{info.port}"
+        address = (
+            self._plane_route or info.address or f"{self.address.rpartition(':')[0]}:{info.port}"
+        )
         plane = DataPlaneClient(address, self.security, task=self.task, client_name=self.client_id)
         try:
             plane.connect(min(left, _PLANE_CONNECT_TIMEOUT))
