@@ -320,10 +320,16 @@ class DataPlaneClient:
             raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
 
 
+_FRESH = 1.0
+
+
 def _reusable(conn: _Conn, reuse_idle: float) -> bool:
     """Whether a pooled connection is worth reusing: recently used and not closed by the peer."""
-    if time.monotonic() - conn.last_used > reuse_idle:
+    idle = time.monotonic() - conn.last_used
+    if idle > reuse_idle:
         return False
+    if idle < _FRESH:  # servers close only connections idle far longer: skip the syscall
+        return not conn.stream.pending()
     try:
         readable, _, _ = select.select([conn.stream.sock], [], [], 0)
     except (OSError, ValueError):
