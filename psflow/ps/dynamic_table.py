@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
-from psflow.update_rules import UpdateRule, rule_from_config
+from psflow.update_rules import UpdateRule, put_rows, rule_from_config, take_rows
 
 from .key_index import KeyIndex, mix64, sum_rows, unique_ids
 
@@ -279,12 +279,12 @@ class DynamicTable:
             if have.all():
                 self._touched[slots] = self.step
                 self._traffic[slots] += 1
-                out = self._rows[slots]
+                out = take_rows(self._rows, slots)
             else:  # candidates read the default row (zeros)
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
                 out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-                out[have] = self._rows[slots[have]]
+                out[have] = take_rows(self._rows, slots[have])
         return out if unique is ids else out[inverse]
 
     def _read(self, unique: np.ndarray) -> np.ndarray:
@@ -342,10 +342,10 @@ class DynamicTable:
         slots = self._index.insert(ids)
         c = self.config
         rows = initial_rows(c.initializer, c.seed, ids, c.dim, c.init_scale, self.dtype)
-        self._rows[slots] = rows
+        put_rows(self._rows, slots, rows)
         if self.rule is not None:
             for k, v in self.rule.init_slots(rows).items():
-                self._slots[k][slots] = v
+                put_rows(self._slots[k], slots, v)
         self._traffic[slots] = 0
         self._counters["created"] += ids.shape[0]
         return slots
@@ -375,7 +375,9 @@ class DynamicTable:
             )
         grads = grads.astype(self.dtype, copy=False)
         unique, inverse = unique_ids(ids)
-        if unique.shape[0] == ids.shape[0]:
+        if unique is ids:  # sorted unique already (what clients send)
+            summed = grads
+        elif unique.shape[0] == ids.shape[0]:
             summed = np.empty_like(grads)
             summed[inverse] = grads
         else:  # unsorted_segment_sum, in order of appearance
@@ -386,10 +388,12 @@ class DynamicTable:
             have = slots >= 0
             self._counters["dropped_gradients"] += int((~have).sum())
             self.step += 1
-            if have.any():
-                self.rule.apply_sparse(
-                    self._rows, slots[have], summed[have], self._slots, self.step
-                )
+            if have.all():  # slots of unique ids: unique, in range
+                self.rule.apply_rows(self._rows, slots, summed, self._slots, self.step)
+                self._touched[slots] = self.step
+                self._traffic[slots] += 1
+            elif have.any():
+                self.rule.apply_rows(self._rows, slots[have], summed[have], self._slots, self.step)
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
             if self.step >= self._next_scan:
