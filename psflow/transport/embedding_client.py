@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import threading
@@ -47,6 +46,7 @@ from psflow.ps.key_index import shard_of, sum_rows, unique_ids
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
+from psflow.update_rules import put_rows, take_rows
 
 from . import codec
 from .options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
@@ -73,6 +73,43 @@ def _as_ids(ids: Any) -> np.ndarray:
     if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 2**63:
         raise InvalidArgumentError(f"id {int(ids.max())} does not fit in int64")
     return ids.reshape(-1).astype(np.int64, copy=False)
+
+
+class _Pending:
+    """A call to one shard in flight on the client's pool (or already done,
+    when the calling thread made it itself): :meth:`result` waits for the reply
+    or raises its typed error."""
+
+    __slots__ = ("_future", "_reply")
+
+    def __init__(self, future: concurrent.futures.Future | None, reply: Any = None) -> None:
+        self._future, self._reply = future, reply
+
+    def result(self) -> Any:
+        """The reply.
+
+        Raises:
+            OpError: the call failed (its typed error, naming ``ps:<shard>``).
+        """
+        return self._reply if self._future is None else self._future.result()
+
+    def cancel(self) -> None:
+        """Gives up on a call not started yet."""
+        if self._future is not None:
+            self._future.cancel()
+
+
+def _gather(pending: dict[int, _Pending]) -> dict[int, Any]:
+    """Every shard's reply; on the first failure the others are cancelled and it raises."""
+    replies = {}
+    try:
+        for shard, call in pending.items():
+            replies[shard] = call.result()
+    except BaseException:
+        for call in pending.values():
+            call.cancel()
+        raise
+    return replies
 
 
 class EmbeddingClient:
@@ -115,25 +152,24 @@ class EmbeddingClient:
 
     def _connect(self) -> None:
         """Channels, stubs and a thread pool for ``self.addresses``."""
-        metadata = self.security.call_metadata() or None
+        self._metadata = self.security.call_metadata() or None
         self._channels = [
             open_channel(a, self.security, channel_options(self._max_message_bytes))
             for a in self.addresses
         ]
-        self._stubs: list[dict[str, Callable]] = []
+        self._stubs: list[dict[str, grpc.UnaryUnaryMultiCallable]] = []
         for channel in self._channels:
             stubs = {}
             for method in _SERVICE.methods:
                 response_cls = getattr(embedding_pb2, method.output_type.name)
-                stub = channel.unary_unary(
+                stubs[method.name] = channel.unary_unary(
                     f"/{_SERVICE.full_name}/{method.name}",
                     request_serializer=lambda m: m.SerializeToString(),
                     response_deserializer=response_cls.FromString,
                 )
-                stubs[method.name] = (
-                    stub if metadata is None else functools.partial(stub, metadata=metadata)
-                )
             self._stubs.append(stubs)
+        # for the calls that run client code per shard (moves, stats); lookups and
+        # pushes fan out as gRPC futures from the calling thread: no thread hand-off
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, len(self.addresses)), thread_name_prefix="embedding-client"
         )
@@ -341,13 +377,24 @@ class EmbeddingClient:
     ) -> Any:
         for attempt in range(retries + 1):
             try:
-                return self._stubs[shard][method](request, timeout=timeout or self.timeout)
+                return self._stubs[shard][method](
+                    request, timeout=timeout or self.timeout, metadata=self._metadata
+                )
             except grpc.RpcError as e:
                 error = from_grpc(e, task=f"ps:{shard}")
                 retriable = isinstance(error, (UnavailableError, DeadlineExceededError))
                 if attempt == retries or not retriable:
                     raise error from None
         raise AssertionError("unreachable")
+
+    def _start(
+        self, shard: int, method: str, request: Any, retries: int = 0, inline: bool = False
+    ) -> _Pending:
+        """Makes a call on the pool without waiting for it, or ``inline`` in this
+        thread (a fan-out's last call: one thread hand-off fewer)."""
+        if inline:
+            return _Pending(None, self._call(shard, method, request, retries))
+        return _Pending(self._pool.submit(self._call, shard, method, request, retries))
 
     def _on_every_shard(self, fn: Callable[[int], Any]) -> list[Any]:
         futures = [self._pool.submit(fn, s) for s in range(self.num_shards)]
@@ -406,21 +453,21 @@ class EmbeddingClient:
             cached = self._hot_cache(table).split(unique)
         missing = unique if cached is None else unique[~cached[0]]
         parts = self._split(missing)
-
-        def one(s: int) -> np.ndarray | None:
-            if parts[s].size == 0:
-                return None
+        pending = {}
+        shards = [s for s in range(self.num_shards) if parts[s].size]
+        for s in shards:
             request = embedding_pb2.LookupRequest(
                 table=table, ids=codec.encode_tensor(missing[parts[s]]), read_only=not training
             )
-            rows = codec.decode_tensor(self._call(s, "Lookup", request, retries=1).rows)
-            with self._lock:
-                self.bytes.pulled += missing[parts[s]].nbytes + rows.nbytes
-            return rows
-
-        results = self._on_every_shard(one)
+            pending[s] = self._start(s, "Lookup", request, retries=1, inline=s == shards[-1])
+        replies = _gather(pending)
+        results: list[np.ndarray | None] = [None] * self.num_shards
+        for s, reply in replies.items():
+            results[s] = codec.decode_tensor(reply.rows)
         with self._lock:
             self.bytes.lookups += 1
+            for s in replies:
+                self.bytes.pulled += missing[parts[s]].nbytes + results[s].nbytes
         known = [r for r in results if r is not None]
         if cached is not None and cached[0].any():
             known.append(cached[1])
@@ -432,10 +479,10 @@ class EmbeddingClient:
         at = np.arange(unique.shape[0]) if cached is None else np.flatnonzero(~cached[0])
         for s, rows in enumerate(results):
             if rows is not None:
-                out[at[parts[s]]] = rows
+                put_rows(out, at[parts[s]], rows)
         if cached is not None and cached[0].any():
             out[cached[0]] = cached[1]
-        return (out if unique is flat else out[inverse]).reshape(*ids.shape, dim)
+        return (out if unique is flat else take_rows(out, inverse)).reshape(*ids.shape, dim)
 
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
@@ -467,15 +514,36 @@ class EmbeddingClient:
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> list[int]:
         """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
-        each shard's step (-1 where it got no ids).  ``optimizer`` (an update
-        rule's config) binds a table created without one, or must match it.
-        ``request_ids(shard)`` gives each shard's request id (a PS session's
-        :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
-        closure's push is applied once); by default this client's own sequence.
+        each shard's step (-1 where it got no ids).  :meth:`start_push`, then
+        waiting for it.
 
         Raises:
             NotFoundError: unknown table.
             InvalidArgumentError: ids not integers, grads of the wrong shape.
+        """
+        return self.start_push(table, ids, grads, optimizer, request_ids)()
+
+    def start_push(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        request_ids: Callable[[int], tuple[str, int]] | None = None,
+    ) -> Callable[[], list[int]]:
+        """Sends gradient rows ``grads`` (``ids.shape + (dim,)``) to their shards
+        and returns without waiting: calling the result waits for every shard
+        and returns each one's step (-1 where it got no ids).  ``optimizer`` (an
+        update rule's config) binds a table created without one, or must match
+        it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
+        :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
+        closure's push is applied once); by default this client's own sequence.
+
+        Raises:
+            InvalidArgumentError: ids not integers, grads of the wrong shape
+                (here, before anything is sent).
+            NotFoundError: unknown table (from calling the result, as every
+                error a shard answers).
         """
         flat = _as_ids(ids)
         grads = np.asarray(grads)
@@ -494,13 +562,13 @@ class EmbeddingClient:
             summed[inverse] = grads
         parts = self._split(unique)
         optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
+        pending = {}
+        sent = 0
         # ids are taken here, in shard order, so a re-run draws the same ones
-        rids = {s: self._request_id(s, request_ids) for s in range(len(parts)) if parts[s].size}
-
-        def one(s: int) -> int:
+        for s in range(len(parts)):
             if parts[s].size == 0:
-                return -1
-            client_id, sequence = rids[s]
+                continue
+            client_id, sequence = self._request_id(s, request_ids)
             request = embedding_pb2.PushGradientsRequest(
                 table=table,
                 ids=codec.encode_tensor(unique[parts[s]]),
@@ -508,15 +576,17 @@ class EmbeddingClient:
                 request_id=ps_pb2.RequestId(client_id=client_id, sequence=sequence),
                 optimizer_json=optimizer_json,
             )
-            reply = self._call(s, "PushGradients", request, retries=1)
-            with self._lock:
-                self.bytes.pushed += unique[parts[s]].nbytes + summed[parts[s]].nbytes
-            return reply.step
+            sent += unique[parts[s]].nbytes + summed[parts[s]].nbytes
+            pending[s] = self._start(s, "PushGradients", request, retries=1)
 
-        steps = self._on_every_shard(one)
-        with self._lock:
-            self.bytes.pushes += 1
-        return steps
+        def finish() -> list[int]:
+            replies = _gather(pending)
+            with self._lock:
+                self.bytes.pushes += 1
+                self.bytes.pushed += sent
+            return [replies[s].step if s in replies else -1 for s in range(len(parts))]
+
+        return finish
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
@@ -610,6 +680,22 @@ class InProcessEmbeddingClient:
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> list[int]:
         """Applies gradient rows (see :meth:`EmbeddingClient.push`)."""
+        return self.start_push(table, ids, grads, optimizer, request_ids)()
+
+    def start_push(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        request_ids: Callable[[int], tuple[str, int]] | None = None,
+    ) -> Callable[[], list[int]]:
+        """Applies gradient rows now; the result returns the step (the
+        interface of :meth:`EmbeddingClient.start_push`).
+
+        Raises:
+            InvalidArgumentError, NotFoundError: as :meth:`EmbeddingClient.push`.
+        """
         flat = _as_ids(ids)
         grads = np.asarray(grads)
         if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
@@ -618,7 +704,8 @@ class InProcessEmbeddingClient:
             )
         grads = grads.reshape(flat.shape[0], grads.shape[-1])
         rid = None if request_ids is None else request_ids(0)
-        return [self.registry.push(table, flat, grads, rid, optimizer)]
+        steps = [self.registry.push(table, flat, grads, rid, optimizer)]
+        return lambda: steps
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids and their rows."""
