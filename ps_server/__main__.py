@@ -21,6 +21,13 @@ finish (``--grace`` seconds), the final checkpoint is written if
 servers drained (every variable moved away, then the Drain RPC) stops the same
 way and prints ``PSFLOW_DRAINED task=<task> pid=<pid>`` before exiting 0, so a
 supervisor knows not to restart it.
+
+Data plane (see :mod:`psflow.transport.dataplane`): beside the gRPC port the
+task serves Push and Pull over a raw TCP port of its own (``--data-plane
+on``, the default; ``--data-port``, default any free port, named
+`` data_port=<port>`` in the ready line), with the same token and TLS; clients
+learn it over gRPC.  ``--data-advertise host:port`` is the address clients
+dial instead (NAT, relays, Kubernetes); open that port between hosts too.
 """
 
 from __future__ import annotations
@@ -31,13 +38,13 @@ import os
 import sys
 
 from psflow import serving
-from psflow.errors import OpError
+from psflow.errors import InvalidArgumentError, OpError
 from psflow.ps.store import VariableStore
 from psflow.security.config import is_loopback
 from psflow.security.limits import DEFAULT_MAX_SYNC_CONTRIBUTORS, PSLimits
 from psflow.transport import shm
 
-from .server import serve
+from .server import DataPlaneOptions, serve
 
 log = logging.getLogger("ps_server")
 
@@ -83,7 +90,38 @@ def _parser() -> argparse.ArgumentParser:
         help="mirror dense values into shared memory for clients on this host "
         "(auto: when bound to loopback and /dev/shm is usable)",
     )
+    p.add_argument(
+        "--data-plane",
+        choices=("on", "off"),
+        default="on",
+        help="serve Push and Pull over a raw TCP port beside gRPC (default on)",
+    )
+    p.add_argument("--data-port", type=int, default=0, help="the data plane's port (0: any)")
+    p.add_argument(
+        "--data-advertise",
+        default="",
+        metavar="HOST:PORT",
+        help="address clients dial for the data plane (default: the gRPC host, --data-port)",
+    )
     return p
+
+
+def _data_plane(args: argparse.Namespace) -> DataPlaneOptions | None:
+    """The data plane the flags ask for (None: off).
+
+    Raises:
+        InvalidArgumentError: a port out of range or an advertised address
+            that is not ``host:port``.
+    """
+    if args.data_plane == "off":
+        return None
+    if not 0 <= args.data_port <= 65535:
+        raise InvalidArgumentError(f"--data-port {args.data_port} is not a port (0..65535)")
+    if args.data_advertise:
+        host, sep, port = args.data_advertise.rpartition(":")
+        if not host or not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise InvalidArgumentError(f"--data-advertise {args.data_advertise!r} is not host:port")
+    return DataPlaneOptions(port=args.data_port, advertise=args.data_advertise)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         bind, task = bind or tf_bind, task or tf_task
     try:
         bind, task, security = serving.setup_process(args, "ps", task, bind)
+        data_plane = _data_plane(args)
     except OpError as e:
         return serving.usage_error("ps_server", e)
     limits = PSLimits(
@@ -140,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             stream_idle_timeout=limits.stream_idle_timeout,
             metrics_port=args.metrics_port,
             metrics_bind=args.metrics_bind,
+            data_plane=data_plane,
         )
     except OpError as e:
         log.error("ps_server failed: %s", e)

@@ -9,6 +9,7 @@ checkpoint is written, and it returns 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -25,6 +26,7 @@ from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig
+from psflow.transport.dataplane import DataPlaneServer
 from psflow.transport.options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -35,13 +37,32 @@ from psflow.transport.service import SERVICE
 from .embedding_servicer import EmbeddingServicer
 from .servicer import ParameterServerServicer
 
-__all__ = ["READY_PREFIX", "create_server", "serve"]
+__all__ = ["READY_PREFIX", "DataPlaneOptions", "create_server", "serve"]
 
 log = logging.getLogger(__name__)
 
 READY_PREFIX = launch.READY_PREFIX + "ps"
 # printed on stdout by a task that exits because a resize drained it (exit code 0)
 DRAINED_LINE = "PSFLOW_DRAINED"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPlaneOptions:
+    """The raw TCP data plane a PS runs beside its gRPC port (see
+    :mod:`psflow.transport.dataplane`).
+
+    Attributes:
+        port: its port (0: any free one).
+        advertise: ``host:port`` clients dial instead of the gRPC host and
+            ``port`` (NAT, relays, Kubernetes services); "" for none.
+        max_connections: connections served at once.
+        idle_timeout: seconds a connection may wait for its next call.
+    """
+
+    port: int = 0
+    advertise: str = ""
+    max_connections: int = 256
+    idle_timeout: float = 300.0
 
 
 def create_server(
@@ -78,6 +99,43 @@ def create_server(
             authenticates nobody and ``insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
+    _, server, bound = _build(
+        store,
+        bind,
+        port,
+        max_workers=max_workers,
+        chunk_bytes=chunk_bytes,
+        max_message_bytes=max_message_bytes,
+        health_servicer=health_servicer,
+        security=security,
+        insecure=insecure,
+        max_streams=max_streams,
+        max_streams_per_client=max_streams_per_client,
+        stream_idle_timeout=stream_idle_timeout,
+        metrics=metrics,
+        tables=tables,
+    )
+    return server, bound
+
+
+def _build(
+    store: VariableStore,
+    bind: str,
+    port: int,
+    *,
+    max_workers: int,
+    chunk_bytes: int,
+    max_message_bytes: int,
+    health_servicer: health.HealthServicer | None,
+    security: SecurityConfig | None,
+    insecure: bool,
+    max_streams: int | None,
+    max_streams_per_client: int | None,
+    stream_idle_timeout: float | None,
+    metrics: PSMetrics | None,
+    tables: TableRegistry | None,
+) -> tuple[ParameterServerServicer, grpc.Server, int]:
+    """:func:`create_server`, also returning the servicer (the data plane calls it)."""
     servicer = ParameterServerServicer(
         store,
         chunk_bytes=chunk_bytes,
@@ -91,7 +149,7 @@ def create_server(
         gate = servicer.gate
         metrics.watch_streams(lambda: gate.active)
     embedding = EmbeddingServicer(tables or TableRegistry(store.task), store.max_tensor_bytes)
-    return serving.build_server(
+    server, bound = serving.build_server(
         (servicer.generic_handler(), embedding.generic_handler()),
         SERVICE,
         bind=bind,
@@ -105,6 +163,43 @@ def create_server(
         metrics=metrics,
         health_servicer=health_servicer,
     )
+    return servicer, server, bound
+
+
+def start_data_plane(
+    servicer: ParameterServerServicer,
+    bind: str,
+    options: DataPlaneOptions,
+    security: SecurityConfig,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    metrics: PSMetrics | None = None,
+) -> DataPlaneServer:
+    """Starts the data plane serving ``servicer``'s Push and Pull on ``bind`` and
+    announces it (DataPlaneInfo).  A frame may carry the larger of a gRPC message
+    and a variable; larger calls go over gRPC.
+
+    Raises:
+        UnavailableError: its port cannot be bound.
+    """
+    max_payload = max(max_message_bytes, servicer.store.max_tensor_bytes)
+    plane = DataPlaneServer(
+        bind,
+        options.port,
+        security,
+        servicer.data_plane_handlers(),
+        max_connections=options.max_connections,
+        idle_timeout=options.idle_timeout,
+        max_payload=max_payload,
+        on_reject=None if metrics is None else metrics.record_rejection,
+    ).start()
+    servicer.announce_data_plane(plane.port, options.advertise, max_payload)
+    log.info(
+        "data plane on %s%s",
+        serving.host_port(bind, plane.port),
+        f" (advertised as {options.advertise})" if options.advertise else "",
+    )
+    return plane
 
 
 def serve(
@@ -126,12 +221,15 @@ def serve(
     metrics_port: int | None = None,
     metrics_bind: str | None = None,
     tables: TableRegistry | None = None,
+    data_plane: DataPlaneOptions | None = None,
 ) -> int:
     """Runs a parameter server until SIGTERM/SIGINT (or ``stop_event``); returns 0.
 
     Prints ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>`` on stdout once
-    bound (followed by `` metrics_port=<port>`` when ``metrics_port`` is not
-    None: 0 picks a free one; ``metrics_bind`` defaults to ``bind``).  Signal
+    bound (followed by `` data_port=<port>`` when ``data_plane`` is given and
+    `` metrics_port=<port>`` when ``metrics_port`` is not None: 0 picks a free
+    one; ``metrics_bind`` defaults to ``bind``).  The data plane stops before
+    the final checkpoint is written.  Signal
     handlers are installed only when called from the main thread.  A task
     drained by a resize (the Drain RPC, once it holds no variables) stops the
     same way, then prints ``PSFLOW_DRAINED task=<task> pid=<pid>`` and returns 0.
@@ -141,12 +239,13 @@ def serve(
     metrics = None
     if metrics_port is not None:
         metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
-    server, bound = create_server(
+    servicer, server, bound = _build(
         store,
         bind,
         port,
         max_workers=max_workers,
         chunk_bytes=chunk_bytes,
+        max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
         health_servicer=health_servicer,
         security=security,
         insecure=insecure,
@@ -157,6 +256,11 @@ def serve(
         tables=tables,
     )
     log.info("listening on %s", serving.host_port(bind, bound))
+    plane = None
+    if data_plane is not None:
+        plane = start_data_plane(
+            servicer, bind, data_plane, security or SecurityConfig(), metrics=metrics
+        )
     prefix = store.task.replace(":", "-")
 
     def restore() -> None:
@@ -176,6 +280,8 @@ def serve(
             )
 
     def finish() -> None:
+        if plane is not None:  # no push may land after the final checkpoint
+            plane.stop(grace)
         if checkpoint_dir:
             result = save_shard(store, checkpoint_dir, prefix)
             log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)
@@ -191,20 +297,25 @@ def serve(
                 stop.set()
 
     threading.Thread(target=watch_drain, name="ps-drain-watch", daemon=True).start()
-    code = serving.serve_until_stopped(
-        server,
-        bound,
-        health_servicer,
-        SERVICE,
-        role="ps",
-        task=store.task,
-        grace=grace,
-        stop_event=stop,
-        metrics=metrics,
-        metrics_address=(metrics_bind or bind, metrics_port),
-        before_serving=restore,
-        after_drain=finish,
-    )
+    try:
+        code = serving.serve_until_stopped(
+            server,
+            bound,
+            health_servicer,
+            SERVICE,
+            role="ps",
+            task=store.task,
+            grace=grace,
+            stop_event=stop,
+            metrics=metrics,
+            metrics_address=(metrics_bind or bind, metrics_port),
+            before_serving=restore,
+            after_drain=finish,
+            ready_extra="" if plane is None else f"data_port={plane.port}",
+        )
+    finally:
+        if plane is not None:
+            plane.stop(1.0)
     if store.drained.is_set():  # a supervisor must not restart a drained task
         sys.stdout.write(f"{DRAINED_LINE} task={store.task} pid={os.getpid()}\n")
         sys.stdout.flush()

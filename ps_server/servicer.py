@@ -40,6 +40,7 @@ from psflow.ps.store import Gradient, VariableMeta, VariableStore
 from psflow.ps.tensors import check_extent, segments_from_pieces
 from psflow.security.limits import StreamGate, limit_exceeded
 from psflow.transport import codec, framing, shm
+from psflow.transport.dataplane import Handler, Reply, Request
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
 
@@ -180,6 +181,9 @@ class ParameterServerServicer:
         # (dtype code, shape) -> checked (dtype, shape, nbytes): a worker pushes the same
         # few specs every step, and checking one costs more than the rest of a small push
         self._checked_specs: dict[tuple[int, tuple[int, ...]], tuple[np.dtype, tuple, int]] = {}
+        # where this task's data plane listens (port 0: none), for DataPlaneInfo
+        self._data_plane = ps_pb2.DataPlaneInfoResponse()
+        self._plane_max_payload = 0
 
     # -- registration ---------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -213,9 +217,7 @@ class ParameterServerServicer:
                 log.debug("%s ended by its client: %s: %s", name, type(e).__name__, e)
                 context.abort(grpc.StatusCode.CANCELLED, "the call ended on the client side")
             if isinstance(e, OpError):
-                log.debug("%s rejected: %s", name, e)
-                if metrics is not None:
-                    metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
+                self._rejected(name, e)
                 if isinstance(e, MovedError):  # the redirect travels as trailing metadata
                     context.set_trailing_metadata(e.metadata())
                 context.abort(to_grpc_code(e), _details(e.message))
@@ -223,18 +225,7 @@ class ParameterServerServicer:
             context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
 
         gate = self.gate
-
-        def take_slot(peer: str) -> None:
-            """A slot of the gate for ``peer``; release it with ``gate.release(peer)``."""
-            try:
-                gate.acquire(peer)
-            except ResourceExhaustedError as e:
-                # every slot taken: a streaming call that stopped moving yields its own
-                if getattr(e, "reason", None) != "too_many_streams" or not (
-                    self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
-                ):
-                    raise
-                gate.acquire(peer, wait=EVICT_WAIT)
+        take_slot = self._take_slot
 
         def admit(stack: contextlib.ExitStack, context: grpc.ServicerContext) -> Any:
             """Takes a slot and, for a streaming call, starts its idle watch."""
@@ -313,6 +304,102 @@ class ParameterServerServicer:
                     done(start, code)
 
         return unary
+
+    def _take_slot(self, peer: str) -> None:
+        """A slot of the gate for ``peer``; release it with ``gate.release(peer)``."""
+        try:
+            self.gate.acquire(peer)
+        except ResourceExhaustedError as e:
+            # every slot taken: a streaming call that stopped moving yields its own
+            if getattr(e, "reason", None) != "too_many_streams" or not (
+                self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
+            ):
+                raise
+            self.gate.acquire(peer, wait=EVICT_WAIT)
+
+    def _rejected(self, name: str, e: OpError) -> None:
+        """Logs and counts a call refused with a typed error (either edge)."""
+        log.debug("%s rejected: %s", name, e)
+        if self.metrics is not None:
+            self.metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
+
+    # -- the data plane's edge ------------------------------------------------------------
+    def announce_data_plane(self, port: int, address: str, max_payload: int) -> None:
+        """Where this task's data plane listens, as DataPlaneInfo answers it."""
+        self._data_plane = ps_pb2.DataPlaneInfoResponse(
+            port=port, address=address, max_payload_bytes=max_payload
+        )
+        self._plane_max_payload = max_payload
+
+    def data_plane_handlers(self) -> dict[str, Handler]:
+        """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves:
+        Push and Pull, through the same admission, logic and accounting as the gRPC ones."""
+        return {
+            "Push": self._plane_edge("Push", self._plane_push),
+            "Pull": self._plane_edge("Pull", self._plane_pull),
+        }
+
+    def _plane_edge(self, name: str, fn: Callable[[Request], Reply]) -> Handler:
+        """The data plane's twin of :meth:`_edge`'s lean path: a gate slot, the log
+        context, rejection and call metrics; typed errors propagate (the data-plane
+        server turns them into ERROR frames with their status)."""
+        metrics, gate = self.metrics, self.gate
+
+        def handle(request: Request) -> Reply:
+            start, code, held = time.perf_counter() if metrics is not None else 0.0, "OK", None
+            with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
+                try:
+                    if gate is not None:
+                        self._take_slot(request.peer)
+                        held = request.peer
+                    return fn(request)
+                except OpError as e:
+                    code = e.code.name
+                    self._rejected(name, e)
+                    raise
+                except Exception:
+                    code = "INTERNAL"
+                    raise
+                finally:
+                    if held is not None:
+                        gate.release(held)
+                    if metrics is not None:
+                        metrics.record_rpc(name, code, time.perf_counter() - start)
+
+        return handle
+
+    def _plane_push(self, request: Request) -> Reply:
+        header = _parse_header(request.header, ps_pb2.PushHeader)
+        reply = self._push(header, (), request.time_remaining(), borrowed=request.payload)
+        return Reply(reply.SerializeToString())
+
+    def _plane_pull(self, request: Request) -> Reply:
+        start = time.perf_counter() if self.metrics is not None else 0.0
+        names, rows = self._pull_parts(_parse_header(request.header, ps_pb2.PullRequest))
+        stack = contextlib.ExitStack()
+        try:
+            # the snapshot stays consistent until its buffers are sent (writers copy)
+            tensors = stack.enter_context(self.store.reading(names, rows))
+            total = sum(t.value.nbytes for t in tensors)
+            if total > self._plane_max_payload:
+                raise ResourceExhaustedError(
+                    f"pull of {total} bytes exceeds the data plane's limit of "
+                    f"{self._plane_max_payload}; use PullStream"
+                )
+            header = self._pull_header(tensors)
+            buffers = [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors]
+            self._pulled(tensors, start)
+        except BaseException:
+            stack.close()
+            raise
+        return Reply(header, buffers, stack.close)
+
+    def DataPlaneInfo(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> ps_pb2.DataPlaneInfoResponse:
+        """Where this task's data plane listens (port 0: it runs none)."""
+        _check(request)
+        return self._data_plane
 
     def _spec(self, dtype_code: int, shape: Any, what: str) -> tuple[np.dtype, tuple, int]:
         """A checked wire spec; above ``max_tensor_bytes`` is RESOURCE_EXHAUSTED."""
@@ -466,17 +553,25 @@ class ParameterServerServicer:
     # -- pushes ------------------------------------------------------------------------
     def Push(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         """Applies gradients (unary)."""
-        return self._push(*_framed_unary(request, ps_pb2.PushHeader), context)
+        return self._push(*_framed_unary(request, ps_pb2.PushHeader), context.time_remaining())
 
     def PushStream(
         self, request_iterator: Iterator[Any], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
         """Applies gradients (streamed payload)."""
-        return self._push(*_framed(request_iterator, ps_pb2.PushHeader), context)
+        return self._push(*_framed(request_iterator, ps_pb2.PushHeader), context.time_remaining())
 
     def _push(
-        self, header: Any, payloads: Iterable[memoryview], context: grpc.ServicerContext
+        self,
+        header: Any,
+        payloads: Iterable[memoryview],
+        timeout: float | None,
+        *,
+        borrowed: memoryview | None = None,
     ) -> ps_pb2.PushResponse:
+        """Applies a push: one function for every edge.  ``payloads``: the payload's
+        chunks as received; ``borrowed``: instead, the whole payload in a buffer the
+        caller reuses once this returns (the data plane's)."""
         start = time.perf_counter()
         if not header.HasField("id") or not header.id.client_id:
             raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
@@ -499,9 +594,15 @@ class ParameterServerServicer:
             layout.append((item, dtype, shape, wire, len(sizes)))
             sizes.append(nbytes // dtype.itemsize * wire.itemsize)
         assembler = framing.PayloadAssembler(sizes)
+        view = borrowed
         if header.shm_payload:
+            if borrowed is not None and len(borrowed):
+                raise InvalidArgumentError(
+                    f"a push with {len(borrowed)} payload bytes names a shared-memory payload too"
+                )
             # the bytes wait in the client's shared-memory segment (same host)
             view = self._shm_payloads.view(header.shm_payload, sum(sizes))
+        if view is not None:
             if step is not None:  # a sync contribution outlives this call: own its bytes
                 view = memoryview(bytes(view))
             # in chunks, as if streamed: the optimizer then updates cache-sized blocks
@@ -534,7 +635,7 @@ class ParameterServerServicer:
             num_required=header.num_required,
             wait_applied=header.wait_applied,
             max_staleness=header.max_staleness if header.HasField("max_staleness") else None,
-            timeout=context.time_remaining(),
+            timeout=timeout,
             rule_json=header.rule_json,
         )
         if self.metrics is not None:  # only now: a rejected push leaves no series behind

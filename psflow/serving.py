@@ -260,10 +260,12 @@ def serve_until_stopped(
     metrics_address: tuple[str, int | None] = ("127.0.0.1", None),
     before_serving: Callable[[], None] | None = None,
     after_drain: Callable[[], None] | None = None,
+    ready_extra: str = "",
 ) -> int:
     """Serves ``metrics`` on ``metrics_address`` (``(bind, port)``; port None: no
     metrics, 0: any free one, named in the ready line), then
     :func:`run_until_stopped`; closes the metrics server after the drain.
+    ``ready_extra`` (``key=value`` fields) goes into the ready line too.
 
     Raises:
         UnavailableError: the metrics port cannot be bound.
@@ -281,7 +283,7 @@ def serve_until_stopped(
             stop_event=stop_event,
             before_serving=before_serving,
             after_drain=after_drain,
-            ready_extra=ready_fields(metrics_server),
+            ready_extra=" ".join(f for f in (ready_extra, ready_fields(metrics_server)) if f),
         )
     finally:
         if metrics_server is not None:

@@ -14,7 +14,12 @@ Variables:
 * ``PSFLOW_MALLOC_TUNING`` — ``0`` keeps glibc's malloc defaults;
 * ``PSFLOW_SHM`` — ``0`` turns the shared-memory data path off;
 * ``PSFLOW_PROGBAR`` — ``plain``: progress bars print lines, never redraw;
-* ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600).
+* ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600);
+* ``PSFLOW_DATA_PLANE`` — ``off``: clients push and pull over gRPC even where a
+  PS announces a raw TCP data plane;
+* ``PSFLOW_DATA_PLANE_ROUTES`` — ``GRPC=DATA[,...]`` (``host:port`` each): a PS
+  reached at ``GRPC`` has its data plane dialled at ``DATA``, whatever it
+  announces (a client behind its own relay or tunnel to that PS).
 
 Example:
     >>> s = ProcessSettings.from_environment({"PSFLOW_NUM_CPU_DEVICES": "4", "PSFLOW_SHM": "off"})
@@ -33,6 +38,8 @@ from psflow.errors import InvalidArgumentError
 
 __all__ = [
     "ENV_CLOSURE_TIMEOUT",
+    "ENV_DATA_PLANE",
+    "ENV_DATA_PLANE_ROUTES",
     "ENV_MALLOC_TUNING",
     "ENV_NUM_CPU_DEVICES",
     "ENV_PROGBAR",
@@ -48,7 +55,17 @@ ENV_MALLOC_TUNING = "PSFLOW_MALLOC_TUNING"
 ENV_SHM = "PSFLOW_SHM"
 ENV_PROGBAR = "PSFLOW_PROGBAR"
 ENV_CLOSURE_TIMEOUT = "PSFLOW_CLOSURE_TIMEOUT"
-_NAMES = (ENV_NUM_CPU_DEVICES, ENV_MALLOC_TUNING, ENV_SHM, ENV_PROGBAR, ENV_CLOSURE_TIMEOUT)
+ENV_DATA_PLANE = "PSFLOW_DATA_PLANE"
+ENV_DATA_PLANE_ROUTES = "PSFLOW_DATA_PLANE_ROUTES"
+_NAMES = (
+    ENV_NUM_CPU_DEVICES,
+    ENV_MALLOC_TUNING,
+    ENV_SHM,
+    ENV_PROGBAR,
+    ENV_CLOSURE_TIMEOUT,
+    ENV_DATA_PLANE,
+    ENV_DATA_PLANE_ROUTES,
+)
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
 
@@ -89,6 +106,28 @@ def _switch(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "1").strip().lower() not in _OFF
 
 
+def _routes(raw: str) -> tuple[tuple[str, str], ...]:
+    """``GRPC=DATA`` pairs of ``host:port`` addresses, comma-separated.
+
+    Raises:
+        InvalidArgumentError: a pair that is not two ``host:port`` addresses (quoted).
+    """
+    pairs = []
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        grpc_address, sep, data_address = item.partition("=")
+        if not sep or not all(_is_host_port(a) for a in (grpc_address, data_address)):
+            raise InvalidArgumentError(
+                f"{ENV_DATA_PLANE_ROUTES} holds {item!r}; expected GRPC_HOST:PORT=DATA_HOST:PORT"
+            )
+        pairs.append((grpc_address.strip(), data_address.strip()))
+    return tuple(pairs)
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.strip().rpartition(":")
+    return bool(host) and bool(sep) and port.isdigit() and 0 < int(port) <= 65535
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessSettings:
     """What the ``PSFLOW_*`` process variables say (see the module doc)."""
@@ -98,6 +137,8 @@ class ProcessSettings:
     shm: bool = True
     plain_progbar: bool = False
     closure_timeout: float = 3600.0
+    data_plane: bool = True
+    data_plane_routes: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -115,6 +156,8 @@ class ProcessSettings:
             shm=_switch(env, ENV_SHM),
             plain_progbar=env.get(ENV_PROGBAR) == "plain",
             closure_timeout=timeout,
+            data_plane=_switch(env, ENV_DATA_PLANE),
+            data_plane_routes=_routes(env.get(ENV_DATA_PLANE_ROUTES, "")),
         )
 
 

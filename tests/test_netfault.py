@@ -3,8 +3,11 @@
 A PS and two workers run as processes on 127.0.0.1 with shared memory off
 (``PSFLOW_SHM=0``: every byte crosses TCP); the chief is this process.  Each
 path goes through its own :class:`_netfault.ChaosRelay`: chief -> PS, chief ->
-each worker, each worker -> PS.  A fault on one worker's two relays is a fault
-on that worker's network, and nothing else's.
+each worker, each worker -> PS, and beside each path to the PS one to its data
+plane (the raw TCP port pushes and pulls take: ``PSFLOW_DATA_PLANE_ROUTES``
+sends each client to its own data relay, and the PS advertises a dead address
+so that no client reaches it around the relays).  A fault on one worker's
+relays is a fault on that worker's network, and nothing else's.
 
 The scenarios (tests/netfault_scenario.py) count exactly: closure ``i`` pushes
 a known increment under SGD(1.0), so the variable must end at their sum and the
@@ -27,7 +30,7 @@ import pytest
 import psflow as pf
 from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
 from tests import netfault_scenario as scenario
-from tests.conftest import ROOT, ServerProcess, start_server
+from tests.conftest import ROOT, ServerProcess, pick_free_port, start_server
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _netfault
@@ -143,7 +146,8 @@ class RelayedCluster:
     """The resolver the chief uses and the relays of each worker's path."""
 
     resolver: SimpleClusterResolver
-    paths: list[list[_netfault.ChaosRelay]]  # per worker: [chief -> worker, worker -> PS]
+    # per worker: [chief -> worker, worker -> PS, worker -> PS data plane]
+    paths: list[list[_netfault.ChaosRelay]]
     relays: list[_netfault.ChaosRelay]
     ps: ServerProcess
 
@@ -169,18 +173,22 @@ def relayed_cluster(tmp_path, monkeypatch):
     def start(delay_ms: float = 0.0, workers: int = 2, ps_timeout: float = 60.0) -> RelayedCluster:
         env = {"PSFLOW_SHM": "0"}
         ps = start_server(
-            "ps_server", ["--port", "0", "--task", "ps:0"], "PSFLOW_READY ps",
-            log_dir=tmp_path, env=env,
+            "ps_server",
+            ["--port", "0", "--task", "ps:0", "--data-advertise", f"127.0.0.1:{pick_free_port()}"],
+            "PSFLOW_READY ps", log_dir=tmp_path, env=env,
         )  # fmt: skip
         servers.append(ps)
+        data = f"127.0.0.1:{ps.ready_line.split('data_port=')[1].split()[0]}"
         to_ps = [relay(ps.address, delay_ms) for _ in range(workers)]
+        to_data = [relay(data, delay_ms) for _ in range(workers)]
 
         def start_worker(i: int) -> ServerProcess:
+            route = {"PSFLOW_DATA_PLANE_ROUTES": f"{to_ps[i].address}={to_data[i].address}"}
             return start_server(
                 "worker",
                 ["--port", "0", "--task", f"worker:{i}", "--ps", to_ps[i].address,
                  "--workers", str(workers), "--ps-timeout", str(ps_timeout)],
-                "PSFLOW_READY worker", log_dir=tmp_path, env=env,
+                "PSFLOW_READY worker", log_dir=tmp_path, env={**env, **route},
             )  # fmt: skip
 
         # started side by side: on a loaded machine each start takes seconds
@@ -189,9 +197,16 @@ def relayed_cluster(tmp_path, monkeypatch):
             for future in started:
                 with contextlib.suppress(Exception):  # reaped below; raised by result()
                     servers.append(future.result())
-        paths = [[relay(f.result().address, delay_ms), to_ps[i]] for i, f in enumerate(started)]
+        paths = [
+            [relay(f.result().address, delay_ms), to_ps[i], to_data[i]]
+            for i, f in enumerate(started)
+        ]
+        chief_to_ps, chief_to_data = relay(ps.address, delay_ms), relay(data, delay_ms)
+        monkeypatch.setenv(
+            "PSFLOW_DATA_PLANE_ROUTES", f"{chief_to_ps.address}={chief_to_data.address}"
+        )
         spec = {
-            "ps": [relay(ps.address, delay_ms).address],
+            "ps": [chief_to_ps.address],
             "worker": [p[0].address for p in paths],
             "chief": ["127.0.0.1:1"],
         }

@@ -31,7 +31,7 @@ import time
 import pytest
 
 from tests import netfault_scenario as scenario
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, pick_free_port
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _netns
@@ -73,7 +73,15 @@ class _Servers:
         self.net, self.log_dir = net, log_dir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, side: str, module: str, role: str, bind: str, args: list[str]) -> str:
+    def start(
+        self,
+        side: str,
+        module: str,
+        role: str,
+        bind: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+    ) -> str:
         """Starts ``python -m module`` in namespace ``side``; returns ``bind:port`` once ready."""
         log = open(self.log_dir / f"{module}-{side}-{len(self.procs)}.log", "wb")  # noqa: SIM115
         with log:
@@ -83,7 +91,7 @@ class _Servers:
                 ),
                 stdout=subprocess.PIPE,
                 stderr=log,
-                env=child_env(),
+                env=child_env(env),
                 cwd=ROOT,
                 text=True,
             )
@@ -130,9 +138,23 @@ def _train_across(
     """Trains with worker:1 across the link; ``delay_ms``: one-way delay on its two paths."""
     servers = _Servers(net, tmp_path)
     try:
-        ps = servers.start("a", "ps_server", "ps", _netns.SERVER_ADDR, ["--insecure"])
+        data_port = pick_free_port()  # a fresh namespace: free there too
+        ps = servers.start(
+            "a",
+            "ps_server",
+            "ps",
+            _netns.SERVER_ADDR,
+            ["--insecure", "--data-port", str(data_port)],
+        )
         # without netem, the delay comes from relays in namespace "a" on worker:1's paths
-        ps_for_w1 = servers.relay("a", ps, _netns.SERVER_ADDR, delay_ms) if delay_ms else ps
+        # (to the PS's gRPC port and to its data plane, which pushes and pulls take)
+        ps_for_w1, w1_env = ps, None
+        if delay_ms:
+            ps_for_w1 = servers.relay("a", ps, _netns.SERVER_ADDR, delay_ms)
+            data = servers.relay(
+                "a", f"{_netns.SERVER_ADDR}:{data_port}", _netns.SERVER_ADDR, delay_ms
+            )
+            w1_env = {"PSFLOW_DATA_PLANE_ROUTES": f"{ps_for_w1}={data}"}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:  # side by side: seconds each
             w0 = pool.submit(
                 servers.start, "a", "worker", "worker", "127.0.0.1",
@@ -141,7 +163,7 @@ def _train_across(
             w1 = pool.submit(
                 servers.start, "b", "worker", "worker", _netns.CLIENT_ADDR,
                 ["--task", "worker:1", "--insecure",  # an address only the namespaces see
-                 "--ps", ps_for_w1, "--workers", "2"],
+                 "--ps", ps_for_w1, "--workers", "2"], w1_env,
             )  # fmt: skip
         w0, w1 = w0.result(), w1.result()
         if delay_ms:

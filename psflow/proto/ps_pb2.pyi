@@ -359,3 +359,17 @@ class DrainRequest(_message.Message):
 class DrainResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DataPlaneInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneInfoResponse(_message.Message):
+    __slots__ = ("port", "address", "max_payload_bytes")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    address: str
+    max_payload_bytes: int
+    def __init__(self, port: _Optional[int] = ..., address: _Optional[str] = ..., max_payload_bytes: _Optional[int] = ...) -> None: ...

@@ -110,6 +110,11 @@ class ParameterServerStub:
                 request_serializer=psflow_dot_v1_dot_ps__pb2.DrainRequest.SerializeToString,
                 response_deserializer=psflow_dot_v1_dot_ps__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.DataPlaneInfo = channel.unary_unary(
+                '/psflow.v1.ParameterServer/DataPlaneInfo',
+                request_serializer=psflow_dot_v1_dot_ps__pb2.DataPlaneInfoRequest.SerializeToString,
+                response_deserializer=psflow_dot_v1_dot_ps__pb2.DataPlaneInfoResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -225,6 +230,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPlaneInfo(self, request, context):
+        """Where the task's raw TCP data plane listens (psflow/transport/dataplane), if
+        it runs one: clients send Push and Pull there instead of over gRPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -302,6 +315,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=psflow_dot_v1_dot_ps__pb2.DrainRequest.FromString,
                     response_serializer=psflow_dot_v1_dot_ps__pb2.DrainResponse.SerializeToString,
+            ),
+            'DataPlaneInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlaneInfo,
+                    request_deserializer=psflow_dot_v1_dot_ps__pb2.DataPlaneInfoRequest.FromString,
+                    response_serializer=psflow_dot_v1_dot_ps__pb2.DataPlaneInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -710,6 +728,33 @@ class ParameterServer:
             '/psflow.v1.ParameterServer/Drain',
             psflow_dot_v1_dot_ps__pb2.DrainRequest.SerializeToString,
             psflow_dot_v1_dot_ps__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPlaneInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psflow.v1.ParameterServer/DataPlaneInfo',
+            psflow_dot_v1_dot_ps__pb2.DataPlaneInfoRequest.SerializeToString,
+            psflow_dot_v1_dot_ps__pb2.DataPlaneInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,14 @@ rejects them answers ``UnauthenticatedError``, never retried; that includes a
 server refusing this client's certificate during the TLS handshake, which gRPC
 reports as UNAVAILABLE and the client recognizes (:mod:`psflow.security.probe`).
 
+Data plane: a PS that runs a raw TCP data plane beside gRPC (see
+:mod:`psflow.transport.dataplane`) announces it over gRPC (DataPlaneInfo);
+pushes and pulls then go there, the rest over gRPC.  ``data_plane=False`` (or
+``PSFLOW_DATA_PLANE=off``) keeps them on gRPC.  If the announced address
+cannot be connected on first use while gRPC works, the client logs one
+warning and uses gRPC for that PS; later failures are the ordinary typed
+errors, raised and retried as the gRPC path's.
+
 Concurrency: the client is thread-safe, and ``pull_async``/``push_async``
 (or :meth:`PSClient.submit` for any method) return futures, so calls to several
 PS tasks run at the same time::
@@ -41,6 +49,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import math
 import random
 import threading
@@ -53,14 +62,14 @@ import grpc
 import numpy as np
 
 from psflow import compression as _compression
+from psflow import settings
 from psflow.errors import (
-    Code,
     DeadlineExceededError,
     InvalidArgumentError,
-    MovedError,
     OpError,
+    ResourceExhaustedError,
     UnauthenticatedError,
-    error_class,
+    to_grpc_code,
 )
 from psflow.proto import ps_pb2
 from psflow.ps.push_types import Gradient, PushReply
@@ -69,6 +78,7 @@ from psflow.security.grpc_auth import open_channel
 from psflow.security.probe import diagnose_unavailable
 
 from . import codec, framing
+from .dataplane import DataPlaneClient
 from .options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -76,10 +86,17 @@ from .options import (
     channel_options,
 )
 from .service import METHODS, method_path
+from .status import status_error
 
 __all__ = ["PSClient", "PushReply", "RetryPolicy", "VariableDescription"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+# how long the first connection to an announced data plane may take before the
+# client settles for gRPC
+_PLANE_CONNECT_TIMEOUT = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +215,25 @@ class _Filler:
             )
 
 
+def _views(payload: memoryview, specs: list[tuple[np.dtype, tuple[int, ...]]]) -> list[np.ndarray]:
+    """Arrays of ``specs`` over consecutive slices of ``payload`` (a copy where a
+    slice would be misaligned for its dtype).
+
+    Raises:
+        InvalidArgumentError: the payload's size differs from the specs' total.
+    """
+    need = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
+    if len(payload) != need:
+        raise InvalidArgumentError(f"pull reply of {len(payload)} bytes for {need} announced")
+    arrays, pos = [], 0
+    for dtype, shape in specs:
+        n = math.prod(shape) * dtype.itemsize
+        arr = np.frombuffer(payload, dtype, math.prod(shape), pos).reshape(shape)
+        arrays.append(arr if pos % dtype.itemsize == 0 else arr.copy())
+        pos += n
+    return arrays
+
+
 class PSClient:
     """A client of one parameter-server task.
 
@@ -212,6 +248,8 @@ class PSClient:
         client_id: identity for exactly-once pushes (default: a fresh UUID).
         max_workers: threads serving the ``*_async`` methods.
         security: token and TLS material to present (default: the environment's).
+        data_plane: push and pull over the PS's data plane when it announces one
+            (default: on unless ``PSFLOW_DATA_PLANE=off``).
     """
 
     def __init__(
@@ -227,6 +265,7 @@ class PSClient:
         client_id: str | None = None,
         max_workers: int = 4,
         security: SecurityConfig | None = None,
+        data_plane: bool | None = None,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes > max_message_bytes // 2:
             raise InvalidArgumentError(
@@ -260,6 +299,13 @@ class PSClient:
                 stub if metadata is None else functools.partial(stub, metadata=metadata)
             )
         self._closed = False
+        # the data plane: None until asked (first push or pull), then a client or False
+        process = settings.current()
+        self._want_plane = process.data_plane if data_plane is None else data_plane
+        self._plane_route = dict(process.data_plane_routes).get(address, "")
+        self._plane: DataPlaneClient | bool | None = None if self._want_plane else False
+        self._plane_max_payload = 0
+        self._plane_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------
     def __repr__(self) -> str:
@@ -276,7 +322,62 @@ class PSClient:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._plane_lock:
+            plane, self._plane = self._plane, False
+        if isinstance(plane, DataPlaneClient):
+            plane.close()
         self._channel.close()
+
+    @property
+    def data_plane_address(self) -> str | None:
+        """The data plane pushes and pulls go to, once known (None: gRPC, or not asked yet)."""
+        plane = self._plane
+        return plane.address if isinstance(plane, DataPlaneClient) else None
+
+    def _data_plane(self, left: float) -> DataPlaneClient | None:
+        """The PS's data plane, asked for over gRPC on first use (None: use gRPC).
+
+        Raises:
+            grpc.RpcError: the question failed (the caller's attempt fails as any
+                gRPC call would; the next one asks again).
+        """
+        plane = self._plane
+        if plane is not None:
+            return plane or None
+        with self._plane_lock:
+            if self._plane is None:
+                self._plane = self._ask_data_plane(left)
+            return self._plane or None
+
+    def _ask_data_plane(self, left: float) -> DataPlaneClient | bool:
+        try:
+            info = self._stubs["DataPlaneInfo"](ps_pb2.DataPlaneInfoRequest(), timeout=left)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a PS from before the data plane
+                return False
+            raise
+        if not info.port and not info.address:
+            return False
+        address = (
+            self._plane_route or info.address or f"{self.address.rpartition(':')[0]}:{info.port}"
+        )
+        plane = DataPlaneClient(address, self.security, task=self.task, client_name=self.client_id)
+        try:
+            plane.connect(min(left, _PLANE_CONNECT_TIMEOUT))
+        except OpError as e:
+            plane.close()
+            log.warning(
+                "%s announces a data plane at %s, which cannot be used (%s): pushes and "
+                "pulls to it go over gRPC",
+                self.task,
+                address,
+                e,
+            )
+            return False
+        self._plane_max_payload = info.max_payload_bytes
+        return plane
+
+    # -- plumbing: ids, errors, retries
 
     def next_request_id(self) -> tuple[str, int]:
         """A fresh ``(client_id, sequence)`` for an exactly-once request."""
@@ -298,16 +399,14 @@ class PSClient:
 
     def _error(self, method: str, e: grpc.RpcError) -> OpError:
         code = e.code()
-        cls = error_class(code.value[0]) if code is not None else error_class(Code.UNKNOWN)
-        details = e.details() or (code.name if code is not None else "no status")
-        moved = MovedError.from_metadata(
-            f"{method} to {self.task} at {self.address}: {details}",
-            e.trailing_metadata() if isinstance(e, grpc.Call) else (),
+        return status_error(
+            method,
             self.task,
+            self.address,
+            code.value[0] if code is not None else None,
+            e.details() or "",
+            e.trailing_metadata() if isinstance(e, grpc.Call) else (),
         )
-        if moved is not None:  # a redirect: the variable lives on another task now
-            return moved
-        return cls(f"{method} to {self.task} at {self.address} failed: {details}", task=self.task)
 
     def _invoke(
         self, method: str, attempt: Callable[[float], T], *, retry: bool, timeout: float | None
@@ -344,6 +443,17 @@ class PSClient:
                     continue
                 raise self._error(method, e) from None
             except OpError as e:
+                # the data plane raises typed errors itself; retried as their gRPC twins
+                left = deadline - time.monotonic()
+                if (
+                    retry
+                    and to_grpc_code(e) in self.retry.retry_codes
+                    and n < self.retry.max_attempts
+                    and left > backoff
+                ):
+                    time.sleep(backoff * random.uniform(0.5, 1.0))
+                    backoff = min(backoff * self.retry.multiplier, self.retry.max_backoff)
+                    continue
                 e.task = e.task or self.task
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
@@ -548,6 +658,37 @@ class PSClient:
                 total += (first[0] if first else 1) * row_bytes
         return total
 
+    def _pull_specs(self, header: Any, rows: bool) -> list[tuple[np.dtype, tuple[int, ...]]]:
+        """Each pulled tensor's dtype and shape (remembered for sizing later pulls)."""
+        specs = []
+        for t in header.tensors:
+            dtype = codec.dtype_from_wire(t.spec.dtype)
+            shape = tuple(t.spec.shape)
+            specs.append((dtype, shape))
+            if not rows:
+                known = self._specs.get(t.name)
+                if known is None or known[1] != shape:
+                    self._remember(t.name, dtype, shape)
+        return specs
+
+    def _pull_targets(
+        self, header: Any, out: Sequence[np.ndarray | None] | None, rows: bool
+    ) -> list[np.ndarray]:
+        """The arrays a pull reply fills: ``out``'s (checked) or new ones."""
+        arrays = []
+        for k, (dtype, shape) in enumerate(self._pull_specs(header, rows)):
+            target = out[k] if out is not None else None
+            if target is None:
+                target = np.empty(shape, dtype)
+            elif target.dtype != dtype or target.shape != shape or not target.flags.c_contiguous:
+                name = header.tensors[k].name
+                raise InvalidArgumentError(
+                    f"out[{k}] is {target.dtype}{list(target.shape)}, the pulled {name!r} is "
+                    f"{dtype.name}{list(shape)} (C-contiguous needed)"
+                )
+            arrays.append(target)
+        return arrays
+
     def _decode_pull(
         self, messages: Iterable[bytes], out: Sequence[np.ndarray | None] | None, rows: bool
     ) -> tuple[list[np.ndarray], list[int]]:
@@ -556,23 +697,7 @@ class PSClient:
         if header_bytes is None:
             raise InvalidArgumentError("pull reply without a header")
         header = ps_pb2.PullHeader.FromString(header_bytes)
-        arrays = []
-        for k, t in enumerate(header.tensors):
-            dtype = codec.dtype_from_wire(t.spec.dtype)
-            shape = tuple(t.spec.shape)
-            target = out[k] if out is not None else None
-            if target is None:
-                target = np.empty(shape, dtype)
-            elif target.dtype != dtype or target.shape != shape or not target.flags.c_contiguous:
-                raise InvalidArgumentError(
-                    f"out[{k}] is {target.dtype}{list(target.shape)}, the pulled {t.name!r} is "
-                    f"{dtype.name}{list(shape)} (C-contiguous needed)"
-                )
-            arrays.append(target)
-            if not rows:
-                known = self._specs.get(t.name)
-                if known is None or known[1] != shape:
-                    self._remember(t.name, dtype, shape)
+        arrays = self._pull_targets(header, out, rows)
         filler = _Filler([framing.byte_view(a) for a in arrays])
         filler.feed(payload)
         for message in it:
@@ -583,12 +708,59 @@ class PSClient:
         filler.finish()
         return arrays, [t.version for t in header.tensors]
 
+    def _pull_plane(
+        self,
+        plane: DataPlaneClient,
+        raw: bytes,
+        out: Sequence[np.ndarray | None] | None,
+        rows: bool,
+        left: float,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """A pull over the data plane: one tensor is received straight into its
+        array; several into one buffer the new arrays view (``out``'s are filled)."""
+        got: dict[str, Any] = {}
+
+        def sink(header_bytes: bytes, n: int) -> memoryview | None:
+            header = got["header"] = ps_pb2.PullHeader.FromString(header_bytes)
+            if len(header.tensors) != 1:
+                return None
+            got["arrays"] = arrays = self._pull_targets(header, out, rows)
+            if arrays[0].nbytes != n:
+                raise InvalidArgumentError(
+                    f"pull reply of {n} bytes for {arrays[0].nbytes} announced"
+                )
+            return memoryview(framing.byte_view(arrays[0]))
+
+        _, payload = plane.call("Pull", raw, timeout=left, sink=sink)
+        header = got["header"]
+        arrays = got.get("arrays")
+        if arrays is None:
+            if out is not None:
+                arrays = self._pull_targets(header, out, rows)
+                filler = _Filler([framing.byte_view(a) for a in arrays])
+                filler.feed(payload)
+                filler.finish()
+            else:
+                arrays = _views(payload, self._pull_specs(header, rows))
+        return arrays, [t.version for t in header.tensors]
+
     def _pull(self, request: ps_pb2.PullRequest, out, rows: bool, timeout: float | None):
         expected = self._expected_bytes(request)
         stream = expected is None or expected > self.stream_threshold
         raw = request.SerializeToString()
 
         def attempt(left: float):
+            deadline = time.monotonic() + left
+            plane = self._data_plane(left)
+            if plane is not None and (expected is None or expected <= self._plane_max_payload):
+                try:
+                    return self._pull_plane(plane, raw, out, rows, left)
+                except ResourceExhaustedError:
+                    # larger than a data-plane frame: stream it over gRPC
+                    left = max(deadline - time.monotonic(), 0.001)
+                    return self._decode_pull(
+                        self._stubs["PullStream"](raw, timeout=left), out, rows
+                    )
             if not stream:
                 try:
                     return self._decode_pull([self._stubs["Pull"](raw, timeout=left)], out, rows)
@@ -752,17 +924,22 @@ class PSClient:
             header.shm_payload = shm_buffer.write(arrays)
             arrays = []
         header_bytes = header.SerializeToString()
-        if sum(a.nbytes for a in arrays) <= self.stream_threshold:
-            message = framing.encode_message(header_bytes, [framing.byte_view(a) for a in arrays])
+        views = [framing.byte_view(a) for a in arrays]
+        total = sum(a.nbytes for a in arrays)
+        message = None  # the unary gRPC message, built only if gRPC carries the push
 
-            def attempt(left: float) -> Any:
-                return self._stubs["Push"](message, timeout=left)
-
-        else:
-
-            def attempt(left: float) -> Any:
+        def attempt(left: float) -> Any:
+            nonlocal message
+            plane = self._data_plane(left)
+            if plane is not None and total <= self._plane_max_payload:
+                raw, _ = plane.call("Push", header_bytes, views, timeout=left)
+                return ps_pb2.PushResponse.FromString(raw)
+            if total > self.stream_threshold:
                 messages = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
                 return self._stubs["PushStream"](messages, timeout=left)
+            if message is None:
+                message = framing.encode_message(header_bytes, views)
+            return self._stubs["Push"](message, timeout=left)
 
         reply = self._invoke("Push", attempt, retry=True, timeout=timeout)
         return PushReply(

@@ -72,6 +72,14 @@ METHODS: dict[str, tuple[Kind, type, type, bool, bool]] = {
         False,
     ),
     "Drain": (Kind.UNARY_UNARY, ps_pb2.DrainRequest, ps_pb2.DrainResponse, False, False),
+    # where the task's raw TCP data plane listens (psflow.transport.dataplane)
+    "DataPlaneInfo": (
+        Kind.UNARY_UNARY,
+        ps_pb2.DataPlaneInfoRequest,
+        ps_pb2.DataPlaneInfoResponse,
+        False,
+        False,
+    ),
 }
 
 

@@ -40,6 +40,8 @@ class GrpcPSConnection(PSConnection):
             ``psflow.security.config``).
         compression: encodes dense gradients before they are pushed, keeping
             what rounding lost for the next push (see :mod:`psflow.compression`).
+        data_plane: pushes and pulls over the PS's data plane when it announces
+            one (default: on unless ``PSFLOW_DATA_PLANE=off``); see :class:`PSClient`.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class GrpcPSConnection(PSConnection):
         timeout: float = 60.0,
         security: Any = None,
         compression: ErrorFeedback | None = None,
+        data_plane: bool | None = None,
     ) -> None:
         self.task = task
         self.compression = compression
@@ -57,7 +60,12 @@ class GrpcPSConnection(PSConnection):
         # One message up to 8 MB: a training step's few megabytes cost less unary than
         # streamed in 1 MB chunks (measured: benchmarks/pss_train.py); larger ones stream.
         self.client = PSClient(
-            address, task=task, timeout=timeout, security=security, stream_threshold=8 << 20
+            address,
+            task=task,
+            timeout=timeout,
+            security=security,
+            stream_threshold=8 << 20,
+            data_plane=data_plane,
         )
         self._shm = shm.enabled() and shm.is_local_address(address)
         self._mirrors: dict[str, shm.MirrorReader | None] = {}

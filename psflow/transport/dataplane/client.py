@@ -1,0 +1,331 @@
+"""``DataPlaneClient``: calls over the raw TCP data plane of one server.
+
+Thread-safe: a small pool of connections, one call at a time on each.  Every
+call has a deadline, from which each socket operation's timeout is derived.
+Failures raise the typed psflow errors the gRPC path raises for the same
+failure (one mapping, :func:`psflow.transport.status.status_error`):
+
+* the server unreachable, the connection reset or closed mid-call:
+  ``UnavailableError``;
+* the deadline passed: ``DeadlineExceededError``;
+* the TLS handshake or the token refused: ``UnauthenticatedError``;
+* an ERROR frame: the error of its status code, a ``MovedError`` with its
+  redirect fields when its metadata carries them.
+
+A connection that failed is dropped; the next call opens a new one (lazily).
+
+Example:
+    >>> client = DataPlaneClient("127.0.0.1:4000", SecurityConfig())  # doctest: +SKIP
+    >>> header, payload = client.call("Pull", request_bytes, timeout=5.0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from psflow.errors import Code, InvalidArgumentError, OpError
+from psflow.proto import dataplane_pb2
+from psflow.security.config import SecurityConfig
+from psflow.transport.status import status_error
+
+from . import auth, frames
+from .stream import FrameStream, tune
+
+__all__ = ["DataPlaneClient", "Sink"]
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[bytes, int], "memoryview | None"]
+"""``sink(reply_header, payload_len)``: a writable byte view of exactly
+``payload_len`` bytes to receive a reply's payload into, or None (a new buffer)."""
+
+_DEFAULT_MAX_REPLY = 1 << 34
+
+
+class _Conn:
+    __slots__ = ("last_used", "stream")
+
+    def __init__(self, stream: FrameStream) -> None:
+        self.stream = stream
+        self.last_used = time.monotonic()
+
+
+class DataPlaneClient:
+    """A client of one :class:`~.server.DataPlaneServer`.
+
+    Args:
+        address: ``host:port`` of the data plane.
+        security: the token and TLS material to present.
+        task: the server's task name (``"ps:0"``), used in errors.
+        max_connections: connections open at once; more concurrent calls wait.
+        max_reply_bytes: the largest reply payload accepted.
+        reuse_idle: a pooled connection idle longer than this is replaced
+            rather than reused (servers close idle connections).
+        client_name: how this client introduces itself (server logs).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        security: SecurityConfig | None = None,
+        *,
+        task: str | None = None,
+        max_connections: int = 8,
+        max_reply_bytes: int = _DEFAULT_MAX_REPLY,
+        reuse_idle: float = 60.0,
+        client_name: str = "",
+    ) -> None:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidArgumentError(f"data-plane address {address!r} is not host:port")
+        self.address = address
+        self._host, self._port = host.strip("[]"), int(port)
+        self.security = security or SecurityConfig()
+        self.task = task
+        self.max_reply_bytes = max_reply_bytes
+        self.reuse_idle = reuse_idle
+        self._hello = auth.hello(self.security, client_name)
+        self._tls = None
+        if self.security.tls is not None:
+            self._tls = auth.client_context(self.security.tls)
+        self._server_name = (
+            self.security.tls.server_name if self.security.tls is not None else None
+        ) or self._host
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._idle: list[_Conn] = []
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"DataPlaneClient({self.address!r}, task={self.task!r})"
+
+    def __enter__(self) -> DataPlaneClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the pooled connections; calls in flight finish on theirs."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.stream.close()
+
+    # -- connections ------------------------------------------------------------------
+    def _error(self, method: str, code: Code, details: str, metadata=()) -> OpError:
+        return status_error(method, self.task, self.address, code, details, metadata)
+
+    def _open(self, method: str, deadline: float) -> _Conn:
+        """A new connection, its HELLO accepted."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise self._error(method, Code.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=left)
+        except TimeoutError:
+            raise self._error(
+                method, Code.DEADLINE_EXCEEDED, "data plane: connect timed out"
+            ) from None
+        except OSError as e:
+            raise self._error(
+                method, Code.UNAVAILABLE, f"data plane: connect failed: {e}"
+            ) from None
+        stream = None
+        try:
+            tune(sock)
+            if self._tls is not None:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    sock = self._tls.wrap_socket(sock, server_hostname=self._server_name)
+                except ssl.SSLError as e:
+                    raise self._error(
+                        method, Code.UNAUTHENTICATED, f"data plane TLS handshake failed: {e}"
+                    ) from None
+            stream = FrameStream(
+                sock, max_header=frames.MAX_HEADER_BYTES, max_payload=self.max_reply_bytes
+            )
+            conn = _Conn(stream)
+            self._exchange(method, conn, frames.Kind.HELLO, 0, 0, self._hello, (), deadline)
+            return conn
+        except BaseException:
+            (stream or FrameStream(sock, max_header=0, max_payload=0)).close()
+            raise
+
+    def _take(self, method: str, deadline: float) -> _Conn:
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError(f"{self!r} is closed")
+            while self._idle:
+                conn = self._idle.pop()
+                if _reusable(conn, self.reuse_idle):
+                    return conn
+                conn.stream.close()
+        return self._open(method, deadline)
+
+    def _give_back(self, conn: _Conn) -> None:
+        conn.last_used = time.monotonic()
+        with self._lock:
+            if not self._closed:
+                self._idle.append(conn)
+                return
+        conn.stream.close()
+
+    def connect(self, timeout: float) -> None:
+        """Opens one connection now (and pools it): the server is reachable and accepts us.
+
+        Raises:
+            UnavailableError, DeadlineExceededError, UnauthenticatedError: as :meth:`call`.
+        """
+        deadline = time.monotonic() + timeout
+        self._give_back(self._take("connect", deadline))
+
+    # -- calls -----------------------------------------------------------------------
+    def call(
+        self,
+        method: str,
+        header: bytes,
+        payload: Sequence[Any] = (),
+        timeout: float = 60.0,
+        *,
+        sink: Sink | None = None,
+    ) -> tuple[bytes, memoryview]:
+        """Calls ``method``; returns the reply's header bytes and payload.
+
+        Args:
+            method: the method name.
+            header: the serialized request header.
+            payload: buffers sent back to back as the payload (not joined).
+            timeout: seconds until the deadline.
+            sink: where the reply payload goes (default: a new buffer the
+                returned view owns).
+
+        Raises:
+            OpError: the typed error of the failure (see the module docstring).
+        """
+        deadline = time.monotonic() + timeout
+        if not self._slots.acquire(timeout=max(timeout, 0.0)):
+            raise self._error(method, Code.DEADLINE_EXCEEDED, "no free data-plane connection")
+        try:
+            conn = self._take(method, deadline)
+            reply = self._exchange(
+                method,
+                conn,
+                frames.Kind.REQUEST,
+                frames.method_id(method),
+                next(self._ids),
+                header,
+                payload,
+                deadline,
+                sink,
+            )
+            self._give_back(conn)
+            return reply
+        finally:
+            self._slots.release()
+
+    def _exchange(
+        self,
+        method: str,
+        conn: _Conn,
+        kind: frames.Kind,
+        mid: int,
+        call_id: int,
+        header: bytes,
+        payload: Sequence[Any],
+        deadline: float,
+        sink: Sink | None = None,
+    ) -> tuple[bytes, memoryview]:
+        """Sends one frame and reads its answer; drops ``conn`` on any failure but a status."""
+        stream = conn.stream
+        answered = None  # the error an ERROR frame answered: the connection stays usable
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            stream.settimeout(left)
+            stream.send_frame(
+                kind,
+                method=mid,
+                call_id=call_id,
+                header=header,
+                buffers=payload,
+                timeout_ms=frames.timeout_ms(left),
+            )
+            stream.settimeout(max(deadline - time.monotonic(), 0.001))
+            head = stream.read_head()
+            reply_header = stream.read_bytes(head.header_len)
+            if head.call_id != call_id:
+                raise frames.FrameError(
+                    f"a reply to call {head.call_id} where call {call_id}'s was due"
+                )
+            if head.kind is frames.Kind.ERROR:
+                stream.discard(head.payload_len)
+                status = dataplane_pb2.DataPlaneStatus.FromString(reply_header)
+                code = Code.__members__.get(status.code, Code.UNKNOWN)
+                error = self._error(
+                    method, code, status.message, [(m.key, m.value) for m in status.metadata]
+                )
+                if kind is frames.Kind.HELLO:
+                    stream.close()
+                else:
+                    self._give_back(conn)
+                answered = error
+                raise error
+            expected = frames.Kind.WELCOME if kind is frames.Kind.HELLO else frames.Kind.REPLY
+            if head.kind is not expected:
+                raise frames.FrameError(f"a {head.kind.name} frame where {expected.name} was due")
+            dest = None if sink is None else sink(reply_header, head.payload_len)
+            if dest is None:
+                dest = memoryview(np.empty(head.payload_len, np.uint8))
+            elif len(dest) != head.payload_len:
+                raise InvalidArgumentError(
+                    f"the sink gave {len(dest)} bytes for a payload of {head.payload_len}"
+                )
+            stream.read_into(dest)
+            return reply_header, dest
+        except frames.FrameError as e:
+            stream.close()
+            raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
+        except OpError as e:
+            if e is not answered:
+                stream.close()
+            raise
+        except TimeoutError:
+            stream.close()
+            raise self._error(method, Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except ssl.SSLError as e:
+            stream.close()
+            # TLS 1.3 reports a refused client certificate on the first read, the HELLO's
+            code = Code.UNAUTHENTICATED if kind is frames.Kind.HELLO else Code.UNAVAILABLE
+            raise self._error(method, code, f"data plane TLS: {e}") from None
+        except (ConnectionError, OSError) as e:
+            stream.close()
+            raise self._error(method, Code.UNAVAILABLE, f"data plane: {e}") from None
+        except Exception as e:  # a malformed status header: the connection is unusable
+            stream.close()
+            raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
+
+
+def _reusable(conn: _Conn, reuse_idle: float) -> bool:
+    """Whether a pooled connection is worth reusing: recently used and not closed by the peer."""
+    if time.monotonic() - conn.last_used > reuse_idle:
+        return False
+    try:
+        readable, _, _ = select.select([conn.stream.sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    # nothing may arrive between calls: readable means closed (EOF) or out of step
+    return not readable and not conn.stream.pending()
