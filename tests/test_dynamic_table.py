@@ -408,3 +408,21 @@ def test_key_index_finds_every_key_near_full_load_with_long_clusters():
     np.testing.assert_array_equal(index.find(keys[~kept]), again)
     assert index._table.shape[0] == size  # the tombstones were reused, not rebuilt away
     assert (index._table >= 0).sum() == keys.size
+
+
+def test_a_push_after_its_ids_were_evicted_and_their_slots_reused_is_dropped():
+    # The push's ids were looked up (their slots remembered), then evicted, and a
+    # new id took a freed slot: the push must not land on the new id's row.
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    table = DynamicTable(TableConfig("t", DIM, optimizer=sgd, ttl_steps=1))
+    ids = np.array([1, 2], np.int64)
+    table.lookup(ids)
+    for _ in range(3):  # pushes of an unknown id advance the clock past the TTL
+        table.apply_gradients(np.array([9], np.int64), np.ones((1, DIM), np.float32))
+    assert table.stats().evicted_rows == 2
+    newcomer = np.array([3], np.int64)
+    first = table.lookup(newcomer)  # takes a freed slot
+    dropped = table.stats().dropped_gradients
+    table.apply_gradients(ids, np.ones((2, DIM), np.float32))
+    assert table.stats().dropped_gradients == dropped + 2
+    np.testing.assert_array_equal(table.peek(newcomer), first)

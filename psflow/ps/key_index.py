@@ -116,6 +116,8 @@ class KeyIndex:
         self._num_free = 0
         self._tombstones = 0
         self.size = 0
+        # keys removed so far: a slot found before is still the key's while it is unchanged
+        self.removals = 0
 
     @property
     def capacity(self) -> int:
@@ -277,6 +279,7 @@ class KeyIndex:
         self._free.append(np.array(slots, np.int64))
         self._num_free += slots.size
         self.size -= slots.size
+        self.removals += slots.size
 
     def _rebuild(self, size: int) -> None:
         live = self.live_slots()
