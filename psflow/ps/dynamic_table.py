@@ -231,6 +231,7 @@ class DynamicTable:
         # ``(ids, slots, index removals)`` of recent lookups: a push carries the ids its
         # worker just looked up, and finds their slots here instead of probing again
         self._recent: collections.deque = collections.deque(maxlen=_RECENT_LOOKUPS)
+        self._parsed_rule: tuple[str, UpdateRule] | None = None
         self._rows = np.zeros((self._index.capacity, config.dim), self.dtype)
         self._slots = {} if self.rule is None else self.rule.init_slots(self._rows)
         self._touched = np.zeros(self._index.capacity, np.uint32)
@@ -373,7 +374,7 @@ class DynamicTable:
             FailedPreconditionError: no optimizer bound or given, or another one
                 than the bound one.
         """
-        rule = None if optimizer is None else rule_from_config(optimizer)
+        rule = None if optimizer is None else self._rule_of(optimizer)
         ids = check_ids(ids)
         grads = np.asarray(grads)
         if grads.shape != (ids.shape[0], self.config.dim) or grads.dtype.kind != "f":
@@ -407,6 +408,16 @@ class DynamicTable:
             if self.step >= self._next_scan:
                 self._evict()
             return self.step
+
+    def _rule_of(self, optimizer: dict) -> UpdateRule:
+        """``rule_from_config(optimizer)``, parsed once while pushes name the same
+        config (every push carries it); its canonical JSON is the key, so a
+        config differing only in a value's type is parsed (and checked) anew."""
+        key = json.dumps(optimizer, sort_keys=True, default=repr)
+        held = self._parsed_rule
+        if held is None or held[0] != key:
+            held = self._parsed_rule = (key, rule_from_config(optimizer))
+        return held[1]
 
     def _find_pushed(self, unique: np.ndarray) -> np.ndarray:
         """The slots of a push's unique ids: a recent lookup's when it had the same
