@@ -4,7 +4,9 @@
 first reduces its ids to unique ones (a push sums the gradient rows of repeated
 ids, as ``unsorted_segment_sum`` would), splits them by owner
 (:func:`psflow.ps.key_index.shard_of`) and calls the owners in parallel, so the
-wire carries each id at most once per call.  Every call has a deadline; pushes
+wire carries each id at most once per call.  Lookups and pushes go over a
+task's raw TCP data plane when it announces one
+(:mod:`psflow.transport.embedding_plane`), gRPC otherwise.  Every call has a deadline; pushes
 carry a request id and are retried once on UNAVAILABLE or DEADLINE_EXCEEDED
 with the same id, so a lost reply never applies a gradient twice.
 
@@ -208,8 +210,8 @@ class EmbeddingClient:
         self._planes: list[tuple[DataPlaneClient, int] | bool | None] = [
             None if self._want_plane else False for _ in self.addresses
         ]
-        # for the calls that run client code per shard (moves, stats); lookups and
-        # pushes fan out as gRPC futures from the calling thread: no thread hand-off
+        # fan-outs: one call per shard here (a lookup's last shard runs in the
+        # calling thread); not gRPC futures, which start a thread per call when idle
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, len(self.addresses)), thread_name_prefix="embedding-client"
         )
