@@ -14,7 +14,10 @@ loop scheduled through the ClusterCoordinator (one closure = one batch).
   ``FixedShardsPartitioner(2)``, ids hashed into ``[0, VOCAB)`` first (so
   unrelated ids collide: TensorFlow's PSS needs a fixed vocabulary).
 
-Measured: examples/s (ratio), bytes on the wire per step (psflow: counted by
+Measured: examples/s (ratio), CPU milliseconds per step of each role (chief,
+workers, PS: utime+stime of every process from ``/proc`` over the timed steps,
+all threads, both sides; where the gap is), the calls per step the PS tasks
+serve (psflow), bytes on the wire per step (psflow: counted by
 the servers; TensorFlow: the formula below, it has no counter), resident
 memory of the PS processes, test AUC of both and of a single-process psflow
 run on the same batches, pulled bytes with the hot-row cache on vs off, and
