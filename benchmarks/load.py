@@ -30,7 +30,7 @@ acknowledged push is reported for both sides (``ps_cpu_ms_per_push``,
 run on the same cores as the PS.  The
 TensorFlow worker stays one process with ``--clients`` threads (its eager
 runtime holds one connection per process).  ``PSClient`` never uses shared
-memory, so every case is the gRPC path (as ``--shm off`` elsewhere).
+memory, so every byte crosses TCP (as ``--shm off`` elsewhere).
 
 Each case checks exactness: the final value must equal the initial value
 minus the sum of every acknowledged gradient (reported as ``"exact"``).
@@ -390,6 +390,8 @@ def _psflow_case(case: str, args, certs: dict[str, str] | None) -> dict:
         flags += ["--metrics-port", "auto"]
     if case == "mtls":
         env_extra.update(certs or {})
+    if case == "plain-grpc":
+        env_extra["PSFLOW_DATA_PLANE"] = "off"
     env = _env(env_extra)
     from psflow import launch
 
@@ -468,7 +470,8 @@ def run(args) -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     total_seconds = args.seconds or (3.0 if args.quick else 30.0)
     args.run_seconds = total_seconds / rounds
-    cases = [c for c in ["plain", "token", "token+metrics", "mtls", "grpc-raw"] if c in args.cases]
+    psflow_cases = ["plain", "plain-grpc", "token", "token+metrics", "mtls", "grpc-raw"]
+    cases = [c for c in psflow_cases if c in args.cases]
     with tempfile.TemporaryDirectory(prefix="psflow-load-") as tmp:
         certs = _make_certs(pathlib.Path(tmp))
         if certs is None and "mtls" in cases:
@@ -540,12 +543,13 @@ def run(args) -> int:
         if case not in ("plain", "tensorflow", "grpc-raw") and "plain" in throughput:
             emit(BENCH, case, "ratio", round(throughput[case] / throughput["plain"], 3), "x",
                  baseline="plain", of="throughput")  # fmt: skip
-    if "tensorflow" in throughput and "plain" in throughput:
-        emit(BENCH, "plain", "ratio", round(throughput["plain"] / throughput["tensorflow"], 3),
-             "x", baseline="tensorflow", of="throughput", tf_version=tf_version)  # fmt: skip
-    if "grpc-raw" in throughput and "plain" in throughput:
-        emit(BENCH, "plain", "ratio", round(throughput["plain"] / throughput["grpc-raw"], 3), "x",
-             baseline="grpc-raw", of="throughput")  # fmt: skip
+    for case in ("plain", "plain-grpc"):  # the data plane and gRPC, each against both
+        if "tensorflow" in throughput and case in throughput:
+            emit(BENCH, case, "ratio", round(throughput[case] / throughput["tensorflow"], 3),
+                 "x", baseline="tensorflow", of="throughput", tf_version=tf_version)  # fmt: skip
+        if "grpc-raw" in throughput and case in throughput:
+            emit(BENCH, case, "ratio", round(throughput[case] / throughput["grpc-raw"], 3), "x",
+                 baseline="grpc-raw", of="throughput")  # fmt: skip
     table(["case", "pushes/s", "p50 ms", "p99 ms", "pushes", "errors", "exact", "ps ms/push",
            "client ms/push"], rows)  # fmt: skip
     return 0
@@ -564,7 +568,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cases",
         type=lambda text: text.split(","),
-        default=["plain", "token", "token+metrics", "mtls", "grpc-raw", "tensorflow"],
+        default=[
+            "plain",
+            "plain-grpc",
+            "token",
+            "token+metrics",
+            "mtls",
+            "grpc-raw",
+            "tensorflow",
+        ],
         help="comma-separated cases to run (default: all)",
     )
     p.add_argument(

@@ -4,8 +4,11 @@ Starts three servers as separate processes on 127.0.0.1: ``python -m ps_server``
 a bare grpcio server (generic handlers, bytes in and out, no protobuf), and a raw
 TCP server.  Then, alternating the sides (A B A B...) so drift hits all of them:
 
-* ``push/<size>``: ``PSClient.push`` of one float32 gradient, SGD applied on the PS;
-* ``pull/<size>``: ``PSClient.pull`` of that variable into a preallocated array;
+* ``push/<size>``: ``PSClient.push`` of one float32 gradient, SGD applied on the PS,
+  over the PS's raw TCP data plane (the default, see psflow/transport/dataplane);
+* ``pull/<size>``: ``PSClient.pull`` of that variable into a preallocated array (the
+  data plane too);
+* ``grpc-push|grpc-pull/<size>``: the same with ``data_plane=False``: over gRPC;
 * ``grpc-raw-up|down/<size>``: a bare client/server stream of the same bytes in
   the same chunk size (prebuilt bytes objects, the receiver only counts them);
 * ``tcp-up|down/<size>``: the same bytes over one TCP connection (``sendall`` /
@@ -17,7 +20,8 @@ TCP server.  Then, alternating the sides (A B A B...) so drift hits all of them:
 * ``push-bf16/<size>``: the push with ``compression="bf16"`` (encoded on this
   side, decoded on the PS; half the bytes on the wire); its throughput counts
   the float32 gradient's bytes, so it compares directly with ``push``;
-* ``pull/4B`` vs ``grpc-raw-unary/4B``: round-trip latency.
+* ``pull/4B`` (data plane) and ``grpc-pull/4B`` vs ``grpc-raw-unary/4B``: round-trip
+  latency.
 
 Paths: first on loopback (``--shm on``, the default, adds the shared-memory
 cases and lets the PS mirror its values; ``--shm off`` starts the PS with
@@ -333,7 +337,7 @@ def _run_tf(args: argparse.Namespace, results: dict[str, list[float]]) -> list[t
             interleaved=False,
         )
         text = f"{np.median(vals):6.2f} GB/s  psflow/tf ratio"
-        for case in (ours, f"shm-{ours}"):
+        for case in (ours, f"grpc-{ours}", f"shm-{ours}"):
             if case not in results:
                 continue
             ratio = float(np.median(results[case]) / np.median(vals))
@@ -374,6 +378,13 @@ def run(args: argparse.Namespace) -> int:
     with _servers(shm_on, net) as (ps_port, bare_port, tcp_port):
         client = PSClient(
             f"{host}:{ps_port}", timeout=120, chunk_bytes=chunk, stream_threshold=chunk
+        )
+        grpc_client = PSClient(
+            f"{host}:{ps_port}",
+            timeout=120,
+            chunk_bytes=chunk,
+            stream_threshold=chunk,
+            data_plane=False,
         )
         channel = grpc.insecure_channel(f"{host}:{bare_port}", options=channel_options())
         up = channel.stream_unary("/bench.Bare/Up")
@@ -421,8 +432,10 @@ def run(args: argparse.Namespace) -> int:
                 f"push-bf16/{size}MB": lambda g=grad, nm=name: client.push(
                     {nm: g}, compression="bf16"
                 ),
+                f"grpc-push/{size}MB": lambda g=grad, nm=name: grpc_client.push({nm: g}),
                 f"grpc-raw-up/{size}MB": lambda p=prebuilt: up(iter(p), timeout=120),
                 f"pull/{size}MB": lambda nm=name, o=out: client.pull(nm, out=[o]),
+                f"grpc-pull/{size}MB": lambda nm=name, o=out: grpc_client.pull(nm, out=[o]),
                 f"grpc-raw-down/{size}MB": lambda r=down_req: sum(
                     len(c) for c in down(r, timeout=120)
                 ),
@@ -469,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
                     f"vs push {ratio:5.2f}x, half the wire bytes",
                 )
             )
-            for prefix in ("", "shm-") if conn is not None else ("",):
+            for prefix in ("", "grpc-", "shm-") if conn is not None else ("", "grpc-"):
                 for ours, bare in (
                     (f"{prefix}push/{size}MB", f"grpc-raw-up/{size}MB"),
                     (f"{prefix}pull/{size}MB", f"grpc-raw-down/{size}MB"),
@@ -490,12 +503,18 @@ def run(args: argparse.Namespace) -> int:
         tiny = np.empty(1, np.float32)
         for _ in range(50):
             client.pull("tiny", out=[tiny])
+            grpc_client.pull("tiny", out=[tiny])
             echo(b"abcd", timeout=10)
-        ours_lat, bare_lat = [], []
+        ours_lat, grpc_lat, bare_lat = [], [], []
         for _ in range(lat_n):
             ours_lat.append(_timed(lambda: client.pull("tiny", out=[tiny])) * 1e6)
+            grpc_lat.append(_timed(lambda: grpc_client.pull("tiny", out=[tiny])) * 1e6)
             bare_lat.append(_timed(lambda: echo(b"abcd", timeout=10)) * 1e6)
-        for case, lat in (("pull/4B", ours_lat), ("grpc-raw-unary/4B", bare_lat)):
+        for case, lat in (
+            ("pull/4B", ours_lat),
+            ("grpc-pull/4B", grpc_lat),
+            ("grpc-raw-unary/4B", bare_lat),
+        ):
             _emit(
                 case,
                 "latency_p50",
@@ -504,17 +523,19 @@ def run(args: argparse.Namespace) -> int:
                 n=lat_n,
                 p99=round(float(np.percentile(lat, 99)), 1),
             )
-        ratio = float(np.percentile(ours_lat, 50) / np.percentile(bare_lat, 50))
-        _emit("pull/4B", "ratio", ratio, "x", baseline="grpc-raw-unary", metric_of="latency_p50")
-        table.append(
-            (
-                "pull/4B",
-                f"p50 {np.percentile(ours_lat, 50):6.0f} us  "
-                f"bare unary {np.percentile(bare_lat, 50):5.0f} us  ratio {ratio:4.2f}  "
-                f"p99 {np.percentile(ours_lat, 99):.0f} / {np.percentile(bare_lat, 99):.0f} us",
+        for case, lat in (("pull/4B", ours_lat), ("grpc-pull/4B", grpc_lat)):
+            ratio = float(np.percentile(lat, 50) / np.percentile(bare_lat, 50))
+            _emit(case, "ratio", ratio, "x", baseline="grpc-raw-unary", metric_of="latency_p50")
+            table.append(
+                (
+                    case,
+                    f"p50 {np.percentile(lat, 50):6.0f} us  "
+                    f"bare unary {np.percentile(bare_lat, 50):5.0f} us  ratio {ratio:4.2f}  "
+                    f"p99 {np.percentile(lat, 99):.0f} / {np.percentile(bare_lat, 99):.0f} us",
+                )
             )
-        )
         client.close()
+        grpc_client.close()
         if conn is not None:
             conn.close()
         channel.close()

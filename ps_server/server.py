@@ -178,13 +178,14 @@ def start_data_plane(
 ) -> DataPlaneServer:
     """Starts the data plane serving ``servicer``'s Push and Pull (and
     ``embedding``'s Lookup and PushGradients, when given) on ``bind`` and
-    announces it (DataPlaneInfo).  A frame may carry the larger of a gRPC message
-    and a variable; larger calls go over gRPC.
+    announces it (DataPlaneInfo).  A frame carries at most a gRPC message's bytes;
+    larger pushes and pulls stream over gRPC, whose chunks come from the heap the
+    process already holds (a 1 GB frame buffer cost a fresh 1 GB mapping).
 
     Raises:
         UnavailableError: its port cannot be bound.
     """
-    max_payload = max(max_message_bytes, servicer.store.max_tensor_bytes)
+    max_payload = max_message_bytes
     plane = DataPlaneServer(
         bind,
         options.port,

@@ -283,7 +283,7 @@ def test_server_gone_is_unavailable_and_the_client_reconnects_lazily():
     client = DataPlaneClient(f"127.0.0.1:{port}", task="ps:1")
     try:
         assert client.call("Echo", b"ab", timeout=10)[0] == b"ba"
-        time.sleep(0.8)  # the server closed the idle connection: the client notices, reconnects
+        time.sleep(1.5)  # the server closed the idle connection: the client notices, reconnects
         assert client.call("Echo", b"cd", timeout=10)[0] == b"dc"
         server.stop()
         with pytest.raises(UnavailableError, match="Echo to ps:1"):

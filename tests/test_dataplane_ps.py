@@ -362,3 +362,33 @@ def test_tls_push_and_pull_over_the_data_plane(start_ps, pki):
         pytest.raises(UnauthenticatedError),
     ):
         rogue.call("Pull", b"", timeout=10)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_data_plane_calls_count_in_the_same_metrics(start_ps):
+    import urllib.request
+
+    server = start_ps("--shm", "off", "--metrics-port", "auto")
+    url = f"http://127.0.0.1:{server.ready_line.split('metrics_port=')[1].split()[0]}/metrics"
+    with PSClient(server.address, timeout=30) as client:
+        client.create_variable("w", np.zeros(256, np.float32), optimizer={"name": "sgd"})
+        for _ in range(3):
+            client.push({"w": np.ones(256, np.float32)})
+        client.pull("w")
+        with pytest.raises(InvalidArgumentError):
+            client.push({"w": np.ones(3, np.float32)})
+        assert client.data_plane_address is not None
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    assert _metric(text, "psflow_ps_rpcs_total", method="Push", code="OK") == 3
+    assert _metric(text, "psflow_ps_rpcs_total", method="Push", code="INVALID_ARGUMENT") == 1
+    assert _metric(text, "psflow_ps_rpcs_total", method="Pull", code="OK") == 1
+    assert _metric(text, "psflow_ps_rejected_total", reason="invalid_argument") == 1
+    assert _metric(text, "psflow_ps_push_bytes_total", variable="w") == 3 * 256 * 4

@@ -37,7 +37,7 @@ from tests.conftest import ROOT, child_env, pid_alive, wait_gone
 
 HELLO = str(ROOT / "examples" / "cluster_hello.py")
 READY = re.compile(r"^\[(?P<role>\S+)\] PSFLOW_READY (?P<type>\w+) port=(?P<port>\d+) "
-                   r"task=(?P<task>\S+) pid=(?P<pid>\d+)$", re.M)  # fmt: skip
+                   r"task=(?P<task>\S+) pid=(?P<pid>\d+)(?: \w+=\S+)*$", re.M)  # fmt: skip
 
 # A chief that reports itself, then waits (bounded) for a release file.
 WAITING_CHIEF = """

@@ -69,6 +69,7 @@ from psflow.errors import (
     OpError,
     ResourceExhaustedError,
     UnauthenticatedError,
+    UnavailableError,
     to_grpc_code,
 )
 from psflow.proto import ps_pb2
@@ -306,6 +307,7 @@ class PSClient:
         self._plane: DataPlaneClient | bool | None = None if self._want_plane else False
         self._plane_max_payload = 0
         self._plane_lock = threading.Lock()
+        self._plane_worked = False  # once it did, a failure to connect is an error
 
     # -- plumbing ---------------------------------------------------------------
     def __repr__(self) -> str:
@@ -366,6 +368,8 @@ class PSClient:
             plane.connect(min(left, _PLANE_CONNECT_TIMEOUT))
         except OpError as e:
             plane.close()
+            if self._plane_worked:  # not the first use: an ordinary transport failure
+                raise
             log.warning(
                 "%s announces a data plane at %s, which cannot be used (%s): pushes and "
                 "pulls to it go over gRPC",
@@ -375,7 +379,20 @@ class PSClient:
             )
             return False
         self._plane_max_payload = info.max_payload_bytes
+        self._plane_worked = True
         return plane
+
+    def _plane_call(self, plane: DataPlaneClient, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``plane.call``; after an UNAVAILABLE failure the next attempt asks the PS
+        again where its data plane is (a restarted PS listens on a new port)."""
+        try:
+            return plane.call(method, *args, **kwargs)
+        except UnavailableError:
+            with self._plane_lock:
+                if self._plane is plane:
+                    self._plane = None
+            plane.close()
+            raise
 
     # -- plumbing: ids, errors, retries
 
@@ -731,7 +748,7 @@ class PSClient:
                 )
             return memoryview(framing.byte_view(arrays[0]))
 
-        _, payload = plane.call("Pull", raw, timeout=left, sink=sink)
+        _, payload = self._plane_call(plane, "Pull", raw, timeout=left, sink=sink)
         header = got["header"]
         arrays = got.get("arrays")
         if arrays is None:
@@ -932,7 +949,7 @@ class PSClient:
             nonlocal message
             plane = self._data_plane(left)
             if plane is not None and total <= self._plane_max_payload:
-                raw, _ = plane.call("Push", header_bytes, views, timeout=left)
+                raw, _ = self._plane_call(plane, "Push", header_bytes, views, timeout=left)
                 return ps_pb2.PushResponse.FromString(raw)
             if total > self.stream_threshold:
                 messages = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)

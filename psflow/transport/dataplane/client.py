@@ -117,7 +117,8 @@ class DataPlaneClient:
         self.close()
 
     def close(self) -> None:
-        """Closes the pooled connections; calls in flight finish on theirs."""
+        """Closes the pooled connections; calls in flight finish on theirs, later
+        calls raise ``UnavailableError``."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
@@ -166,8 +167,8 @@ class DataPlaneClient:
 
     def _take(self, method: str, deadline: float) -> _Conn:
         with self._lock:
-            if self._closed:
-                raise InvalidArgumentError(f"{self!r} is closed")
+            if self._closed:  # a caller may retry on a new client: as if unreachable
+                raise self._error(method, Code.UNAVAILABLE, "the data-plane client is closed")
             while self._idle:
                 conn = self._idle.pop()
                 if _reusable(conn, self.reuse_idle):
@@ -319,10 +320,16 @@ class DataPlaneClient:
             raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
 
 
+_FRESH = 1.0
+
+
 def _reusable(conn: _Conn, reuse_idle: float) -> bool:
     """Whether a pooled connection is worth reusing: recently used and not closed by the peer."""
-    if time.monotonic() - conn.last_used > reuse_idle:
+    idle = time.monotonic() - conn.last_used
+    if idle > reuse_idle:
         return False
+    if idle < _FRESH:  # servers close only connections idle far longer: skip the syscall
+        return not conn.stream.pending()
     try:
         readable, _, _ = select.select([conn.stream.sock], [], [], 0)
     except (OSError, ValueError):

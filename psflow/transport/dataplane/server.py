@@ -113,7 +113,9 @@ class DataPlaneServer:
         max_header: the largest protobuf header accepted.
         max_payload: the largest payload accepted.
         retain_bytes: a connection keeps its receive buffer across calls up to
-            this size (larger payloads get a buffer of their own each time).
+            this size (larger payloads get a buffer of their own each time: with
+            many connections, kept 64 MB buffers would add up; a tuned allocator,
+            see :mod:`psflow.memory`, reuses the freed ones anyway).
         on_reject: called with a reason for every refused connection or frame
             (``"unauthenticated"``, ``"malformed_frame"``, ``"too_many_connections"``).
 
@@ -134,7 +136,7 @@ class DataPlaneServer:
         io_timeout: float = 60.0,
         max_header: int = frames.MAX_HEADER_BYTES,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
-        retain_bytes: int = 64 << 20,
+        retain_bytes: int = 4 << 20,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.host = host
