@@ -14,7 +14,10 @@ loop scheduled through the ClusterCoordinator (one closure = one batch).
   ``FixedShardsPartitioner(2)``, ids hashed into ``[0, VOCAB)`` first (so
   unrelated ids collide: TensorFlow's PSS needs a fixed vocabulary).
 
-Measured: examples/s (ratio), bytes on the wire per step (psflow: counted by
+Measured: examples/s (ratio), CPU milliseconds per step of each role (chief,
+workers, PS: utime+stime of every process from ``/proc`` over the timed steps,
+all threads, both sides; where the gap is), the calls per step the PS tasks
+serve (psflow), bytes on the wire per step (psflow: counted by
 the servers; TensorFlow: the formula below, it has no counter), resident
 memory of the PS processes, test AUC of both and of a single-process psflow
 run on the same batches, pulled bytes with the hot-row cache on vs off, and
@@ -70,6 +73,29 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux ``/proc``), 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    # after the command name: state is field 3, utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(roles: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of every role's processes (summed per role)."""
+    return {role: sum(cpu_seconds(p) for p in pids) for role, pids in roles.items()}
+
+
+def cpu_ms_per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
+    """Milliseconds of CPU per step of every role, and their ``total``."""
+    out = {role: 1000 * (after[role] - before[role]) / steps for role in before}
+    out["total"] = sum(out.values())
+    return out
 
 
 def make_data(path: str, train: int, test: int) -> None:
@@ -140,7 +166,9 @@ def single_process_auc(data: dict, batch: int, steps: int) -> float:
     return ctr.roc_auc(data["y_test"], scores)
 
 
-def run_psflow(data: dict, cluster: dict, ps_pids: list[int], batch: int, steps: int) -> dict:
+def run_psflow(
+    data: dict, cluster: dict, pids: dict[str, list[int]], batch: int, steps: int
+) -> dict:
     """Throughput, bytes per step, PS memory, AUC and hot-row bytes of the psflow side."""
 
     import psflow as pf
@@ -185,17 +213,26 @@ def run_psflow(data: dict, cluster: dict, ps_pids: list[int], batch: int, steps:
         dense_bytes = sum(s["bytes_in"] + s["bytes_out"] for s in strategy.ps_stats())
         return dense_bytes + sum(a + b for a, b in client.server_bytes())
 
+    def rpcs() -> int:
+        """Pulls, pushes, lookups and table pushes the PS tasks served so far."""
+        dense = sum(s["pulls"] + s["pushes_applied"] for s in strategy.ps_stats())
+        return dense + sum(t.lookups + t.step for shard in client.stats() for t in shard.values())
+
     for _ in range(5):
         coordinator.schedule(step_fn, args=(iterator,))
     coordinator.join()
-    before = wire()
+    before, rpcs_before = wire(), rpcs()
+    roles = {**pids, "chief": [os.getpid()]}
+    cpu_before = cpu_snapshot(roles)
     start = time.perf_counter()
     for _ in range(steps):
         coordinator.schedule(step_fn, args=(iterator,))
     coordinator.join()
     elapsed = time.perf_counter() - start
+    cpu = cpu_ms_per_step(cpu_before, cpu_snapshot(roles), steps)
+    rpcs_per_step = (rpcs() - rpcs_before) / steps
     per_step = (wire() - before) / steps
-    rss = sum(rss_bytes(p) for p in ps_pids)
+    rss = sum(rss_bytes(p) for p in pids["ps"])
     rows = sum(s["ctr"].rows for s in client.stats())
     # inference: unseen test ids read their initial rows without being inserted
     test_x = (pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))
@@ -215,6 +252,8 @@ def run_psflow(data: dict, cluster: dict, ps_pids: list[int], batch: int, steps:
     client.close()
     return {
         "examples_per_s": steps * batch / elapsed,
+        "cpu_ms_per_step": cpu,
+        "ps_rpcs_per_step": rpcs_per_step,
         "bytes_per_step": per_step,
         "ps_rss": rss,
         "rows": rows,
@@ -289,14 +328,18 @@ def step_fn(it):
 for _ in range(5):
     coordinator.schedule(step_fn, args=(iterator,))
 coordinator.join()
+cpu0 = sum(os.times()[:2])
+print("MARK start", flush=True)
 start = time.perf_counter()
 for _ in range(steps):
     coordinator.schedule(step_fn, args=(iterator,))
 coordinator.join()
 elapsed = time.perf_counter() - start
+print("MARK end", flush=True)
+chief_cpu = sum(os.times()[:2]) - cpu0
 scores = forward(tf.constant(d["cat_tf_test"]), tf.constant(d["dense_test"])).numpy().ravel()
 print("SCORES " + json.dumps(scores.tolist()), flush=True)
-print("RESULT " + json.dumps({"examples_per_s": steps * batch / elapsed}), flush=True)
+print("RESULT " + json.dumps({"examples_per_s": steps * batch / elapsed, "chief_cpu": chief_cpu}), flush=True)
 time.sleep(0.5)
 """
 
@@ -307,6 +350,7 @@ def run_tensorflow(python: str, path: str, batch: int, steps: int) -> dict | Non
     with _cluster.Processes() as procs:
         spec = _tf_cluster(procs, python, env)
         ps_pids = [p.pid for p in procs.procs[:2]]
+        roles = {"ps": ps_pids, "worker": [p.pid for p in procs.procs[2:4]]}
         chief = subprocess.Popen(
             [
                 python,
@@ -323,9 +367,12 @@ def run_tensorflow(python: str, path: str, batch: int, steps: int) -> dict | Non
             cwd=_cluster.ROOT,
         )
         result, scores, rss = None, None, 0
+        marks: dict[str, dict[str, float]] = {}
         deadline = time.monotonic() + 900
         for line in chief.stdout:
-            if line.startswith("SCORES "):
+            if line.startswith("MARK "):  # the chief's timed phase starts or ends
+                marks[line.split()[1]] = cpu_snapshot(roles)
+            elif line.startswith("SCORES "):
                 scores = json.loads(line[len("SCORES ") :])
                 rss = sum(rss_bytes(p) for p in ps_pids)  # measured while the PS still run
             elif line.startswith("RESULT "):
@@ -341,6 +388,8 @@ def run_tensorflow(python: str, path: str, batch: int, steps: int) -> dict | Non
             progress(f"TensorFlow run failed: {chief.stderr.read()[-2000:]}")
             return None
         result["scores"], result["ps_rss"] = scores, rss
+        marks["start"]["chief"], marks["end"]["chief"] = 0.0, result.pop("chief_cpu")
+        result["cpu_ms_per_step"] = cpu_ms_per_step(marks["start"], marks["end"], steps)
         return result
 
 
@@ -377,6 +426,27 @@ def table_memory(rows: int) -> tuple[float, float, float]:
     elapsed = time.perf_counter() - start
     assert table.stats().rows == rows
     return table.nbytes / rows, 2 * DIM * 4, elapsed
+
+
+def median_cpu(runs: list[dict]) -> dict[str, float]:
+    """The median over ``runs`` of each role's CPU milliseconds per step."""
+    roles = runs[0]["cpu_ms_per_step"]
+    return {r: statistics.median(run["cpu_ms_per_step"][r] for run in runs) for r in roles}
+
+
+def emit_cpu(side: str, runs: list[dict]) -> None:
+    """One JSON line per role: CPU milliseconds per step (median over ``runs``)."""
+    for role, value in median_cpu(runs).items():
+        emit(
+            BENCH,
+            f"{side}/{role}",
+            "cpu_per_step",
+            value,
+            "ms",
+            n=len(runs),
+            runs=[run["cpu_ms_per_step"][role] for run in runs],
+            measured="utime+stime of /proc/<pid>/stat over the timed steps, all threads",
+        )
 
 
 def main() -> int:
@@ -432,8 +502,11 @@ def main() -> int:
             progress(f"round {r + 1}/{rounds}: psflow, 2 PS + 2 workers")
             with _cluster.Processes() as procs:
                 cluster = _cluster.psflow_cluster(procs, 2, 2, env)
-                ps_pids = [proc.pid for proc in procs.procs[:2]]
-                runs.append(run_psflow(data, cluster, ps_pids, batch, steps))
+                pids = {
+                    "ps": [proc.pid for proc in procs.procs[:2]],
+                    "worker": [proc.pid for proc in procs.procs[2:4]],
+                }
+                runs.append(run_psflow(data, cluster, pids, batch, steps))
             if has_tf:
                 progress(f"round {r + 1}/{rounds}: TensorFlow, 2 PS + 2 workers")
                 tf_out = run_tensorflow(args.tf_python, path, batch, steps)
@@ -465,6 +538,15 @@ def main() -> int:
         config=config,
     )
     emit(BENCH, "psflow", "bytes_per_step", ours["bytes_per_step"], "B", measured=True)
+    emit_cpu("psflow", runs)
+    emit(
+        BENCH,
+        "psflow",
+        "ps_rpcs_per_step",
+        ours["ps_rpcs_per_step"],
+        "calls",
+        counted="dense pulls + pushes + table lookups + table pushes served by the PS tasks",
+    )
     emit(BENCH, "psflow", "ps_memory", ours["ps_rss"] / 2**20, "MiB", rows=ours["rows"])
     emit(BENCH, "psflow", "auc", ours["auc"], "", oracle=ours["auc_oracle"])
     emit(BENCH, "psflow-single-process", "auc", single, "")
@@ -490,14 +572,20 @@ def main() -> int:
         fill_s=fill_s,
     )
     tf_formula = batch * NUM_CAT * (DIM * 4 + DIM * 4 + 8) + 2 * 4 * DENSE_PARAMS
+    ours_cpu = median_cpu(runs)
     rows = [
         ["examples/s", round(ours["examples_per_s"]), "-", "-"],
+        *[
+            [f"CPU ms/step {role}", round(ours_cpu[role], 1), "-", "-"]
+            for role in ("chief", "worker", "ps", "total")
+        ],
         ["bytes/step", round(ours["bytes_per_step"]), round(tf_formula), "-"],
         ["PS RSS MiB", round(ours["ps_rss"] / 2**20), "-", "-"],
         [f"AUC (single-process psflow {single:.4f})", round(ours["auc"], 4), "-", "-"],
     ]
     if theirs is not None:
         ratio = ours["examples_per_s"] / theirs["examples_per_s"]
+        theirs_cpu = median_cpu(tf_runs)
         tf_auc = ctr.roc_auc(data["y_test"], np.array(theirs["scores"]))
         emit(
             BENCH,
@@ -511,6 +599,7 @@ def main() -> int:
             config=config,
         )
         emit(BENCH, "throughput", "ratio", ratio, "x", a="psflow", b="tensorflow-pss")
+        emit_cpu("tensorflow", tf_runs)
         emit(BENCH, "tensorflow", "bytes_per_step", tf_formula, "B", measured=False, formula=True)
         emit(BENCH, "tensorflow", "ps_memory", theirs["ps_rss"] / 2**20, "MiB", vocab=VOCAB)
         emit(BENCH, "tensorflow", "auc", tf_auc, "")
@@ -520,6 +609,15 @@ def main() -> int:
                 round(ours["examples_per_s"]),
                 round(theirs["examples_per_s"]),
                 round(ratio, 2),
+            ],
+            *[
+                [
+                    f"CPU ms/step {role}",
+                    round(ours_cpu[role], 1),
+                    round(theirs_cpu[role], 1),
+                    round(ours_cpu[role] / max(theirs_cpu[role], 1e-9), 2),
+                ]
+                for role in ("chief", "worker", "ps", "total")
             ],
             [
                 "bytes/step",

@@ -23,7 +23,8 @@ from psflow.proto import embedding_pb2
 from psflow.ps.dynamic_table import TableConfig
 from psflow.ps.row_moves import COUNTER_COUNT
 from psflow.ps.tables import TableRegistry
-from psflow.transport import codec
+from psflow.transport import codec, embedding_plane, framing
+from psflow.transport.dataplane import Handler, Reply, Request
 
 __all__ = ["EMBEDDING_SERVICE", "EmbeddingServicer", "decode_chunk", "encode_chunk"]
 
@@ -166,14 +167,21 @@ class EmbeddingServicer:
 
     def Lookup(self, request: Any) -> embedding_pb2.LookupResponse:
         """Reads rows."""
-        ids = self._tensor(request.ids, "ids")
-        rows = self.tables.lookup(request.table, ids, request.read_only)
+        rows = self._lookup(request, self._tensor(request.ids, "ids"))
         return self._count(request, embedding_pb2.LookupResponse(rows=codec.encode_tensor(rows)))
 
     def PushGradients(self, request: Any) -> embedding_pb2.PushGradientsResponse:
         """Applies gradient rows, once per request id."""
         ids = self._tensor(request.ids, "ids")
         grads = self._tensor(request.grads, "grads")
+        step = self._push(request, ids, grads)
+        return self._count(request, embedding_pb2.PushGradientsResponse(step=step))
+
+    # Both edges (gRPC above, the data plane below) decode their tensors and call these.
+    def _lookup(self, request: Any, ids: np.ndarray) -> np.ndarray:
+        return self.tables.lookup(request.table, ids, request.read_only)
+
+    def _push(self, request: Any, ids: np.ndarray, grads: np.ndarray) -> int:
         request_id = None
         if request.HasField("request_id"):
             request_id = (request.request_id.client_id, request.request_id.sequence)
@@ -183,8 +191,48 @@ class EmbeddingServicer:
                 optimizer = json.loads(request.optimizer_json)
             except ValueError as e:
                 raise InvalidArgumentError(f"optimizer_json is not JSON: {e}") from e
-        step = self.tables.push(request.table, ids, grads, request_id, optimizer)
-        return self._count(request, embedding_pb2.PushGradientsResponse(step=step))
+        return self.tables.push(request.table, ids, grads, request_id, optimizer)
+
+    # -- the data plane -------------------------------------------------------------------
+    def data_plane_handlers(self) -> dict[str, Handler]:
+        """Lookup and PushGradients for a :class:`~psflow.transport.dataplane.DataPlaneServer`.
+
+        A call's header is the gRPC request with its tensors' ``data`` left
+        empty (dtype and shape only); the payload is their bytes back to back
+        in field order.  A lookup's reply is likewise a ``LookupResponse``
+        header and the rows' bytes.  Same tables, checks and typed errors as
+        the gRPC methods (see :mod:`psflow.transport.embedding_plane`).
+        """
+        return {
+            embedding_plane.LOOKUP: self._plane_lookup,
+            embedding_plane.PUSH: self._plane_push,
+        }
+
+    def _plane_tensors(self, request: Request, specs: list[tuple[Any, str]]) -> list[np.ndarray]:
+        arrays = embedding_plane.split_payload(
+            request.payload, specs, max_bytes=self.max_tensor_bytes
+        )
+        with self._bytes_lock:
+            self.bytes_in += len(request.header) + request.payload.nbytes
+        return arrays
+
+    def _plane_lookup(self, request: Request) -> Reply:
+        header = embedding_plane.parse(request.header, embedding_pb2.LookupRequest)
+        (ids,) = self._plane_tensors(request, [(header.ids, "ids")])
+        rows = codec.to_host(self._lookup(header, ids))
+        reply = embedding_pb2.LookupResponse(rows=embedding_plane.spec(rows)).SerializeToString()
+        with self._bytes_lock:
+            self.bytes_out += len(reply) + rows.nbytes
+        return Reply(reply, (framing.byte_view(rows),))
+
+    def _plane_push(self, request: Request) -> Reply:
+        header = embedding_plane.parse(request.header, embedding_pb2.PushGradientsRequest)
+        ids, grads = self._plane_tensors(request, [(header.ids, "ids"), (header.grads, "grads")])
+        reply = embedding_pb2.PushGradientsResponse(step=self._push(header, ids, grads))
+        data = reply.SerializeToString()
+        with self._bytes_lock:
+            self.bytes_out += len(data)
+        return Reply(data)
 
     def HotRows(self, request: Any) -> embedding_pb2.HotRowsResponse:
         """The busiest rows."""

@@ -99,7 +99,7 @@ def create_server(
             authenticates nobody and ``insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
-    _, server, bound = _build(
+    _, _, server, bound = _build(
         store,
         bind,
         port,
@@ -134,8 +134,8 @@ def _build(
     stream_idle_timeout: float | None,
     metrics: PSMetrics | None,
     tables: TableRegistry | None,
-) -> tuple[ParameterServerServicer, grpc.Server, int]:
-    """:func:`create_server`, also returning the servicer (the data plane calls it)."""
+) -> tuple[ParameterServerServicer, EmbeddingServicer, grpc.Server, int]:
+    """:func:`create_server`, also returning the servicers (the data plane calls them)."""
     servicer = ParameterServerServicer(
         store,
         chunk_bytes=chunk_bytes,
@@ -163,7 +163,7 @@ def _build(
         metrics=metrics,
         health_servicer=health_servicer,
     )
-    return servicer, server, bound
+    return servicer, embedding, server, bound
 
 
 def start_data_plane(
@@ -174,8 +174,10 @@ def start_data_plane(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     metrics: PSMetrics | None = None,
+    embedding: EmbeddingServicer | None = None,
 ) -> DataPlaneServer:
-    """Starts the data plane serving ``servicer``'s Push and Pull on ``bind`` and
+    """Starts the data plane serving ``servicer``'s Push and Pull (and
+    ``embedding``'s Lookup and PushGradients, when given) on ``bind`` and
     announces it (DataPlaneInfo).  A frame carries at most a gRPC message's bytes;
     larger pushes and pulls stream over gRPC, whose chunks come from the heap the
     process already holds (a 1 GB frame buffer cost a fresh 1 GB mapping).
@@ -188,7 +190,10 @@ def start_data_plane(
         bind,
         options.port,
         security,
-        servicer.data_plane_handlers(),
+        {
+            **servicer.data_plane_handlers(),
+            **({} if embedding is None else embedding.data_plane_handlers()),
+        },
         max_connections=options.max_connections,
         idle_timeout=options.idle_timeout,
         max_payload=max_payload,
@@ -240,7 +245,7 @@ def serve(
     metrics = None
     if metrics_port is not None:
         metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
-    servicer, server, bound = _build(
+    servicer, embedding, server, bound = _build(
         store,
         bind,
         port,
@@ -260,7 +265,12 @@ def serve(
     plane = None
     if data_plane is not None:
         plane = start_data_plane(
-            servicer, bind, data_plane, security or SecurityConfig(), metrics=metrics
+            servicer,
+            bind,
+            data_plane,
+            security or SecurityConfig(),
+            metrics=metrics,
+            embedding=embedding,
         )
     prefix = store.task.replace(":", "-")
 

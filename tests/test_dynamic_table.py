@@ -12,7 +12,7 @@ import pytest
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
-from psflow.ps.key_index import KeyIndex, shard_of, sum_rows
+from psflow.ps.key_index import KeyIndex, mix64, shard_of, sum_rows
 from psflow.update_rules import rule_from_config
 
 DIM = 4
@@ -381,3 +381,48 @@ def test_sum_rows_equals_add_at_bit_for_bit():
     np.add.at(expected, inverse, values)
     got = sum_rows(values, inverse, inverse.max() + 1)
     assert got.tobytes() == expected.tobytes()
+
+
+def test_key_index_finds_every_key_near_full_load_with_long_clusters():
+    # Keys chosen to share few home entries: long clusters that take several
+    # widening probe windows, and batch inserts whose keys race for the same
+    # free entries (one takes it, the others probe on).
+    index = KeyIndex(64)
+    size = index._table.shape[0]
+    homes = np.flatnonzero(np.arange(size) < 4)  # four home entries for every key
+    rng = np.random.default_rng(5)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=200_000, dtype=np.int64)
+    crowded = pool[np.isin(mix64(pool) & np.uint64(size - 1), homes)]
+    keys = np.unique(crowded)[: int(size * 0.45)]
+    slots = index.insert(keys)
+    assert index._table.shape[0] == size  # no rebuild: the clusters stay long
+    np.testing.assert_array_equal(index.find(keys), slots)
+    absent = np.setdiff1d(crowded, keys)[:50]
+    np.testing.assert_array_equal(index.find(absent), -1)
+    index.remove(slots[::3])  # tombstones inside the clusters
+    kept = np.ones(keys.size, bool)
+    kept[::3] = False
+    np.testing.assert_array_equal(index.find(keys[kept]), slots[kept])
+    np.testing.assert_array_equal(index.find(keys[~kept]), -1)
+    again = index.insert(keys[~kept])  # tombstones reused, no duplicate entries
+    np.testing.assert_array_equal(index.find(keys[~kept]), again)
+    assert index._table.shape[0] == size  # the tombstones were reused, not rebuilt away
+    assert (index._table >= 0).sum() == keys.size
+
+
+def test_a_push_after_its_ids_were_evicted_and_their_slots_reused_is_dropped():
+    # The push's ids were looked up (their slots remembered), then evicted, and a
+    # new id took a freed slot: the push must not land on the new id's row.
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    table = DynamicTable(TableConfig("t", DIM, optimizer=sgd, ttl_steps=1))
+    ids = np.array([1, 2], np.int64)
+    table.lookup(ids)
+    for _ in range(3):  # pushes of an unknown id advance the clock past the TTL
+        table.apply_gradients(np.array([9], np.int64), np.ones((1, DIM), np.float32))
+    assert table.stats().evicted_rows == 2
+    newcomer = np.array([3], np.int64)
+    first = table.lookup(newcomer)  # takes a freed slot
+    dropped = table.stats().dropped_gradients
+    table.apply_gradients(ids, np.ones((2, DIM), np.float32))
+    assert table.stats().dropped_gradients == dropped + 2
+    np.testing.assert_array_equal(table.peek(newcomer), first)

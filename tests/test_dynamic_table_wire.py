@@ -220,9 +220,13 @@ def test_killed_ps_restarts_with_its_table_from_the_last_checkpoint(start_ps, tm
         servers[1].stop(signal.SIGKILL)
         with pytest.raises(errors.UnavailableError):
             client.lookup("emb", ids)
+        on_1 = shard_of(ids, 2) == 1
+        # a push sent without waiting raises when it is waited for
+        finish = client.start_push("emb", ids[on_1], np.ones((int(on_1.sum()), DIM), np.float32))
+        with pytest.raises(errors.UnavailableError, match="ps:1"):
+            finish()
         start_ps("--task", "ps:1", "--port", str(servers[1].port), "--restore", str(tmp_path))
         after = _when_reachable(lambda: client.lookup("emb", ids))
-        on_1 = shard_of(ids, 2) == 1
         assert on_1.any() and (~on_1).any()
         assert after[on_1].tobytes() == saved[on_1].tobytes()
         assert after[~on_1].tobytes() == now[~on_1].tobytes()

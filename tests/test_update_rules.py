@@ -15,8 +15,10 @@ from psflow.update_rules import (
     Adam,
     RMSprop,
     densify_rows,
+    put_rows,
     registered_rules,
     rule_from_config,
+    take_rows,
 )
 
 # Three gradient steps for a two-element variable; every step is nonzero.
@@ -315,3 +317,48 @@ def test_keras_defaults_and_slot_names():
     acc = Adagrad(initial_accumulator_value=0.25).init_slots(np.zeros(2, np.float16))
     assert acc["accumulator"].dtype == np.float16
     np.testing.assert_array_equal(acc["accumulator"], [0.25, 0.25])
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [SGD(learning_rate=0.1), Adagrad(learning_rate=0.1), Adam(learning_rate=0.01)],
+    ids=["sgd", "adagrad", "adam"],
+)
+def test_apply_rows_equals_apply_sparse_bit_for_bit(rule):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((50, 8)).astype(np.float32)
+    b = a.copy()
+    slots_a, slots_b = rule.init_slots(a), rule.init_slots(b)
+    for t in range(1, 4):
+        rows = rng.permutation(50)[:20]  # unique, unsorted
+        vals = rng.standard_normal((20, 8)).astype(np.float32)
+        rule.apply_sparse(a, rows, vals, slots_a, t)
+        rule.apply_rows(b, rows, vals, slots_b, t)
+        assert a.tobytes() == b.tobytes()
+        for k in slots_a:
+            assert slots_a[k].tobytes() == slots_b[k].tobytes()
+
+
+def test_apply_rows_refuses_values_that_do_not_match_and_changes_nothing():
+    rule = Adagrad(learning_rate=0.1)
+    var = np.ones((4, 2), np.float32)
+    slots = rule.init_slots(var)
+    with pytest.raises(InvalidArgumentError, match=r"\(3, 2\)"):
+        rule.apply_rows(var, np.array([0, 1]), np.ones((3, 2), np.float32), slots, 1)
+    assert (var == 1).all() and (slots["accumulator"] == np.float32(0.1)).all()
+
+
+def test_take_and_put_rows_equal_indexing():
+    rng = np.random.default_rng(4)
+    for array in (
+        rng.standard_normal((30, 5)).astype(np.float32),
+        rng.standard_normal((30, 5))[:, ::2],  # not contiguous: plain indexing
+        rng.standard_normal(30),
+    ):
+        rows = rng.permutation(30)[:7]
+        np.testing.assert_array_equal(take_rows(array, rows), array[rows])
+        values = rng.standard_normal((7, *array.shape[1:])).astype(array.dtype)
+        expected = array.copy()
+        expected[rows] = values
+        put_rows(array, rows, values)
+        np.testing.assert_array_equal(array, expected)

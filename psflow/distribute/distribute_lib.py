@@ -272,8 +272,13 @@ class StrategyExtended:
                 local.append((g, v))
         for g, v in local:
             optimizer._apply_local(v, g, step)
-        for group, pairs in groups.values():
-            group.apply_optimizer(optimizer, pairs, step)
+        # every group's update in flight before waiting for any (a table push
+        # beside the dense push); each finish() raises its group's error
+        finishes = [
+            group.start_optimizer(optimizer, pairs, step) for group, pairs in groups.values()
+        ]
+        for finish in finishes:
+            finish()
         return bool(local or groups)
 
 

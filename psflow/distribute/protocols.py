@@ -21,12 +21,16 @@ raise :class:`NotImplementedError` naming the class that forgot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from psflow.framework.readable import Readable
 
 __all__ = ["DistributedValues", "GroupUpdated", "Readable", "ReplicatedVariable", "UpdateGroup"]
+
+
+def _done() -> None:
+    """An update that already finished."""
 
 
 class UpdateGroup:
@@ -35,6 +39,15 @@ class UpdateGroup:
     def apply_optimizer(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int) -> None:
         """Applies ``(gradient, variable)`` pairs with ``optimizer``'s rule at ``step``."""
         raise NotImplementedError(f"{type(self).__name__} does not define apply_optimizer")
+
+    def start_optimizer(
+        self, optimizer: Any, pairs: Sequence[tuple[Any, Any]], step: int
+    ) -> Callable[[], None]:
+        """:meth:`apply_optimizer` in two halves: sends the update and returns a
+        callable that waits for it (and raises its error), so a step's groups
+        update concurrently.  By default the whole update happens here."""
+        self.apply_optimizer(optimizer, pairs, step)
+        return _done
 
 
 class GroupUpdated:

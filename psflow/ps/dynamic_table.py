@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import threading
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
-from psflow.update_rules import UpdateRule, rule_from_config
+from psflow.update_rules import UpdateRule, put_rows, rule_from_config, take_rows
 
 from .key_index import KeyIndex, mix64, sum_rows, unique_ids
 
@@ -56,6 +57,8 @@ __all__ = ["INITIALIZERS", "DynamicTable", "TableConfig", "TableStats", "initial
 
 INITIALIZERS = ("uniform", "normal", "zeros")
 _SEED_MIX = np.uint64(0xD1B54A32D192ED03)
+# Lookups whose slots a table remembers for the pushes that follow them.
+_RECENT_LOOKUPS = 8
 _COLUMN_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -225,6 +228,10 @@ class DynamicTable:
         self.dtype = np.dtype(config.dtype)
         self._lock = threading.Lock()
         self._index = KeyIndex(config.capacity if capacity is None else capacity)
+        # ``(ids, slots, index removals)`` of recent lookups: a push carries the ids its
+        # worker just looked up, and finds their slots here instead of probing again
+        self._recent: collections.deque = collections.deque(maxlen=_RECENT_LOOKUPS)
+        self._parsed_rule: tuple[str, UpdateRule] | None = None
         self._rows = np.zeros((self._index.capacity, config.dim), self.dtype)
         self._slots = {} if self.rule is None else self.rule.init_slots(self._rows)
         self._touched = np.zeros(self._index.capacity, np.uint32)
@@ -279,12 +286,14 @@ class DynamicTable:
             if have.all():
                 self._touched[slots] = self.step
                 self._traffic[slots] += 1
-                out = self._rows[slots]
+                out = take_rows(self._rows, slots)
+                # a copy: the ids may view a request buffer that is reused
+                self._recent.append((unique.copy(), slots, self._index.removals))
             else:  # candidates read the default row (zeros)
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
                 out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-                out[have] = self._rows[slots[have]]
+                out[have] = take_rows(self._rows, slots[have])
         return out if unique is ids else out[inverse]
 
     def _read(self, unique: np.ndarray) -> np.ndarray:
@@ -342,10 +351,10 @@ class DynamicTable:
         slots = self._index.insert(ids)
         c = self.config
         rows = initial_rows(c.initializer, c.seed, ids, c.dim, c.init_scale, self.dtype)
-        self._rows[slots] = rows
+        put_rows(self._rows, slots, rows)
         if self.rule is not None:
             for k, v in self.rule.init_slots(rows).items():
-                self._slots[k][slots] = v
+                put_rows(self._slots[k], slots, v)
         self._traffic[slots] = 0
         self._counters["created"] += ids.shape[0]
         return slots
@@ -365,7 +374,7 @@ class DynamicTable:
             FailedPreconditionError: no optimizer bound or given, or another one
                 than the bound one.
         """
-        rule = None if optimizer is None else rule_from_config(optimizer)
+        rule = None if optimizer is None else self._rule_of(optimizer)
         ids = check_ids(ids)
         grads = np.asarray(grads)
         if grads.shape != (ids.shape[0], self.config.dim) or grads.dtype.kind != "f":
@@ -375,26 +384,53 @@ class DynamicTable:
             )
         grads = grads.astype(self.dtype, copy=False)
         unique, inverse = unique_ids(ids)
-        if unique.shape[0] == ids.shape[0]:
+        if unique is ids:  # sorted unique already (what clients send)
+            summed = grads
+        elif unique.shape[0] == ids.shape[0]:
             summed = np.empty_like(grads)
             summed[inverse] = grads
         else:  # unsorted_segment_sum, in order of appearance
             summed = sum_rows(grads, inverse, unique.shape[0])
         with self._lock:
             self._bind(rule)
-            slots = self._evict_met(self._index.find(unique))
+            slots = self._evict_met(self._find_pushed(unique))
             have = slots >= 0
             self._counters["dropped_gradients"] += int((~have).sum())
             self.step += 1
-            if have.any():
-                self.rule.apply_sparse(
-                    self._rows, slots[have], summed[have], self._slots, self.step
-                )
+            if have.all():  # slots of unique ids: unique, in range
+                self.rule.apply_rows(self._rows, slots, summed, self._slots, self.step)
+                self._touched[slots] = self.step
+                self._traffic[slots] += 1
+            elif have.any():
+                self.rule.apply_rows(self._rows, slots[have], summed[have], self._slots, self.step)
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
             if self.step >= self._next_scan:
                 self._evict()
             return self.step
+
+    def _rule_of(self, optimizer: dict) -> UpdateRule:
+        """``rule_from_config(optimizer)``, parsed once while pushes name the same
+        config (every push carries it); its canonical JSON is the key, so a
+        config differing only in a value's type is parsed (and checked) anew."""
+        key = json.dumps(optimizer, sort_keys=True, default=repr)
+        held = self._parsed_rule
+        if held is None or held[0] != key:
+            held = self._parsed_rule = (key, rule_from_config(optimizer))
+        return held[1]
+
+    def _find_pushed(self, unique: np.ndarray) -> np.ndarray:
+        """The slots of a push's unique ids: a recent lookup's when it had the same
+        ids and no key was removed since (every one of them still maps to the
+        slot it had), else from the index."""
+        for ids, slots, removals in reversed(self._recent):
+            if (
+                removals == self._index.removals
+                and ids.shape == unique.shape
+                and np.array_equal(ids, unique)
+            ):
+                return slots
+        return self._index.find(unique)
 
     def _bind(self, rule: UpdateRule | None) -> None:
         if rule is None:
@@ -419,26 +455,28 @@ class DynamicTable:
         ttl = self.config.ttl_steps
         return self.step - ttl if ttl and self.step > ttl else 0
 
-    def _stale(self, slots: np.ndarray, candidates: bool = False) -> np.ndarray:
-        """Where ``slots`` (``-1``: absent) hold rows due for eviction."""
+    def _stale(self, slots: np.ndarray, candidates: bool = False) -> np.ndarray | None:
+        """Where ``slots`` (``-1``: absent) hold rows due for eviction; None: nowhere
+        (no TTL, or none passed yet)."""
         horizon = self._horizon()
+        if not horizon:
+            return None
         stale = np.zeros(slots.shape[0], bool)
-        if horizon:
-            touched = self._cand_touched if candidates else self._touched
-            found = np.flatnonzero(slots >= 0)
-            stale[found] = touched[slots[found]] < horizon
+        touched = self._cand_touched if candidates else self._touched
+        found = np.flatnonzero(slots >= 0)
+        stale[found] = touched[slots[found]] < horizon
         return stale
 
     def _live(self, slots: np.ndarray) -> np.ndarray:
         """``slots`` with rows due for eviction read as absent (nothing changes)."""
         stale = self._stale(slots)
-        return np.where(stale, -1, slots) if stale.any() else slots
+        return np.where(stale, -1, slots) if stale is not None and stale.any() else slots
 
     def _evict_met(self, slots: np.ndarray, candidates: bool = False) -> np.ndarray:
         """Evicts (and counts) the rows due for eviction among unique ``slots``;
         returns ``slots`` with them absent."""
         stale = self._stale(slots, candidates)
-        if not stale.any():
+        if stale is None or not stale.any():
             return slots
         index = self._cand if candidates else self._index
         index.remove(slots[stale])

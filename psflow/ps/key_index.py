@@ -40,9 +40,9 @@ __all__ = [
 EMPTY = -1
 TOMBSTONE = -2
 MAX_LOAD = 0.7
-# Index entries one probe round reads per key (32 bytes: one or two cache lines).
+# Index entries the second probe round reads per key (32 bytes: one or two cache
+# lines); later rounds double it.
 WINDOW = 8
-_OFFSETS = np.arange(WINDOW, dtype=np.int64)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -116,6 +116,8 @@ class KeyIndex:
         self._num_free = 0
         self._tombstones = 0
         self.size = 0
+        # keys removed so far: a slot found before is still the key's while it is unchanged
+        self.removals = 0
 
     @property
     def capacity(self) -> int:
@@ -132,10 +134,16 @@ class KeyIndex:
         return np.flatnonzero(self.live[: self._next])
 
     # -- lookups ---------------------------------------------------------------------
-    def _window(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(index positions, entries)`` of the ``WINDOW`` entries from each of ``pos``."""
-        at = (pos[:, None] + _OFFSETS) & (self._table.shape[0] - 1)
+    def _window(self, pos: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(index positions, entries)`` of the ``width`` entries from each of ``pos``."""
+        at = (pos[:, None] + np.arange(width, dtype=np.int64)) & (self._table.shape[0] - 1)
         return at, self._table[at]
+
+    def _width(self, r: int) -> int:
+        """The window width of probe round ``r`` after the first: ``WINDOW``, then
+        doubling up to the table size, so a long cluster (near ``MAX_LOAD``) costs
+        a few rounds rather than one per ``WINDOW`` entries."""
+        return min(WINDOW << min(r, 40), self._table.shape[0])
 
     def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(slot, index position)`` of each key; ``-1`` for both when absent."""
@@ -145,19 +153,20 @@ class KeyIndex:
         size = self._table.shape[0]
         pos = (mix64(keys) & np.uint64(size - 1)).astype(np.int64)
         # Round one reads each key's home entry (most keys end there); the few
-        # left read a window of WINDOW entries per round, so the Python loop runs
-        # about (longest probe / WINDOW) times. An empty entry always exists
-        # (load < 1), so every probe ends within one pass over the table.
+        # left read a window per round, doubling from WINDOW entries, so the
+        # Python loop runs about log2(longest probe / WINDOW) times. An empty
+        # entry always exists (load < 1), so every probe ends within the table.
         entry = self._table[pos]
         hit = (entry >= 0) & (self.keys[np.maximum(entry, 0)] == keys)
         slots[hit] = entry[hit]
         where[hit] = pos[hit]
         pending = np.flatnonzero(~hit & (entry != EMPTY))
         pos = (pos[pending] + 1) & (size - 1)
-        for _ in range(size // WINDOW + 1):
+        for r in range(size // WINDOW + 1):
             if pending.size == 0:
                 break
-            at, entry = self._window(pos)
+            width = self._width(r)
+            at, entry = self._window(pos, width)
             hit = self.keys[np.maximum(entry, 0)] == keys[pending][:, None]
             hit &= entry >= 0
             stop = hit | (entry == EMPTY)
@@ -168,7 +177,7 @@ class KeyIndex:
             where[pending[found]] = at[rows[found], first[found]]
             go_on = ~stop[rows, first]
             pending = pending[go_on]
-            pos = (pos[go_on] + WINDOW) & (size - 1)
+            pos = (pos[go_on] + width) & (size - 1)
         return slots, where
 
     def find(self, keys: np.ndarray) -> np.ndarray:
@@ -221,40 +230,41 @@ class KeyIndex:
         self.size += n
         return slots
 
+    def _claim(self, targets: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Writes ``slots`` into the free index entries ``targets``; where several
+        want the same entry one takes it (read back: no sort). Returns who won."""
+        before = self._table[targets]
+        self._table[targets] = slots
+        won = self._table[targets] == slots
+        self._tombstones -= int(np.count_nonzero(before[won] == TOMBSTONE))
+        return won
+
     def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:
         size = self._table.shape[0]
         pos = (mix64(keys) & np.uint64(size - 1)).astype(np.int64)
-        # Round one: a key whose home entry is free and wanted by no earlier key
-        # of the batch takes it (most do at a load below MAX_LOAD).
-        home_free = self._table[pos] < 0
-        claimed, first = np.unique(pos[home_free], return_index=True)
-        winners = np.flatnonzero(home_free)[first]
-        self._tombstones -= int(np.count_nonzero(self._table[claimed] == TOMBSTONE))
-        self._table[claimed] = slots[winners]
+        # Round one: a key whose home entry is free takes it, one key per entry
+        # (most do at a load below MAX_LOAD).
+        home_free = np.flatnonzero(self._table[pos] < 0)
         won = np.zeros(keys.shape[0], bool)
-        won[winners] = True
+        won[home_free] = self._claim(pos[home_free], slots[home_free])
         pending = np.flatnonzero(~won)
         pos = pos[pending]
-        for _ in range(2 * keys.shape[0] + size // WINDOW + 1):
+        for r in range(2 * keys.shape[0] + size // WINDOW + 1):
             if pending.size == 0:
                 break
-            at, entry = self._window(pos)
+            width = self._width(r)
+            at, entry = self._window(pos, width)
             free = entry < 0
             has = free.any(axis=1)
             first = free.argmax(axis=1)
             rows = np.flatnonzero(has)
             target = at[rows, first[rows]]
-            # Of several keys reaching the same free entry in this round, the
-            # first takes it; the others probe on from there (now occupied).
-            claimed, winner = np.unique(target, return_index=True)
-            winners = rows[winner]
-            self._tombstones -= int(np.count_nonzero(self._table[claimed] == TOMBSTONE))
-            self._table[claimed] = slots[pending[winners]]
-            # every entry before a key's first free one is occupied: losers restart there
-            pos[rows] = target
-            pos[~has] = (pos[~has] + WINDOW) & (size - 1)
             won = np.zeros(pending.shape[0], bool)
-            won[winners] = True
+            won[rows] = self._claim(target, slots[pending[rows]])
+            # every entry before a key's first free one is occupied: losers restart
+            # there (now taken); keys that met no free entry go on past the window
+            pos[rows] = target
+            pos[~has] = (pos[~has] + width) & (size - 1)
             pending = pending[~won]
             pos = pos[~won]
 
@@ -269,6 +279,7 @@ class KeyIndex:
         self._free.append(np.array(slots, np.int64))
         self._num_free += slots.size
         self.size -= slots.size
+        self.removals += slots.size
 
     def _rebuild(self, size: int) -> None:
         live = self.live_slots()

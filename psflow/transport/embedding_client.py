@@ -4,7 +4,9 @@
 first reduces its ids to unique ones (a push sums the gradient rows of repeated
 ids, as ``unsorted_segment_sum`` would), splits them by owner
 (:func:`psflow.ps.key_index.shard_of`) and calls the owners in parallel, so the
-wire carries each id at most once per call.  Every call has a deadline; pushes
+wire carries each id at most once per call.  Lookups and pushes go over a
+task's raw TCP data plane when it announces one
+(:mod:`psflow.transport.embedding_plane`), gRPC otherwise.  Every call has a deadline; pushes
 carry a request id and are retried once on UNAVAILABLE or DEADLINE_EXCEEDED
 with the same id, so a lost reply never applies a gradient twice.
 
@@ -24,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -32,6 +35,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from psflow import settings
 from psflow.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -47,13 +51,20 @@ from psflow.ps.key_index import shard_of, sum_rows, unique_ids
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
+from psflow.update_rules import put_rows, take_rows
 
-from . import codec
+from . import codec, embedding_plane
+from .dataplane import DataPlaneClient
 from .options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from .service import SERVICE as PS_SERVICE
 
 __all__ = ["EmbeddingClient", "InProcessEmbeddingClient", "WireBytes"]
 
+log = logging.getLogger(__name__)
+
 _SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
+# seconds to open the first data-plane connection before falling back to gRPC
+_PLANE_CONNECT_TIMEOUT = 5.0
 
 
 @dataclasses.dataclass
@@ -75,6 +86,52 @@ def _as_ids(ids: Any) -> np.ndarray:
     return ids.reshape(-1).astype(np.int64, copy=False)
 
 
+_TOO_LARGE = object()  # a payload above the data plane's limit: the call goes over gRPC
+
+
+def _close_planes(planes: Sequence[Any]) -> None:
+    for plane in planes:
+        if plane:
+            plane[0].close()
+
+
+class _Pending:
+    """A call to one shard in flight on the client's pool (or already done,
+    when the calling thread made it itself): :meth:`result` waits for the reply
+    or raises its typed error."""
+
+    __slots__ = ("_future", "_reply")
+
+    def __init__(self, future: concurrent.futures.Future | None, reply: Any = None) -> None:
+        self._future, self._reply = future, reply
+
+    def result(self) -> Any:
+        """The reply.
+
+        Raises:
+            OpError: the call failed (its typed error, naming ``ps:<shard>``).
+        """
+        return self._reply if self._future is None else self._future.result()
+
+    def cancel(self) -> None:
+        """Gives up on a call not started yet."""
+        if self._future is not None:
+            self._future.cancel()
+
+
+def _gather(pending: dict[int, _Pending]) -> dict[int, Any]:
+    """Every shard's reply; on the first failure the others are cancelled and it raises."""
+    replies = {}
+    try:
+        for shard, call in pending.items():
+            replies[shard] = call.result()
+    except BaseException:
+        for call in pending.values():
+            call.cancel()
+        raise
+    return replies
+
+
 class EmbeddingClient:
     """The dynamic tables of a cluster's PS tasks, addressed as one.
 
@@ -86,6 +143,10 @@ class EmbeddingClient:
         hot_rows: cache every table's busiest rows here (see
             :mod:`psflow.ps.hot_rows`; :meth:`cache_hot_rows` sets it per
             table); None: lookups go to the PS.
+        data_plane: look up and push over a PS task's raw TCP data plane when
+            it announces one (:mod:`psflow.transport.embedding_plane`; the
+            same errors and deadlines), gRPC otherwise; None: the process
+            setting (``PSFLOW_DATA_PLANE``, on by default).
     """
 
     def __init__(
@@ -96,9 +157,14 @@ class EmbeddingClient:
         security: SecurityConfig | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         hot_rows: HotRowPolicy | None = None,
+        data_plane: bool | None = None,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
+        process = settings.current()
+        self._want_plane = process.data_plane if data_plane is None else data_plane
+        self._plane_routes = dict(process.data_plane_routes)
+        self._plane_lock = threading.Lock()
         self.addresses = list(addresses)
         self.timeout = timeout
         self.security = default_security() if security is None else security
@@ -115,28 +181,46 @@ class EmbeddingClient:
 
     def _connect(self) -> None:
         """Channels, stubs and a thread pool for ``self.addresses``."""
-        metadata = self.security.call_metadata() or None
+        self._metadata = self.security.call_metadata() or None
         self._channels = [
             open_channel(a, self.security, channel_options(self._max_message_bytes))
             for a in self.addresses
         ]
-        self._stubs: list[dict[str, Callable]] = []
+        self._stubs: list[dict[str, grpc.UnaryUnaryMultiCallable]] = []
         for channel in self._channels:
             stubs = {}
             for method in _SERVICE.methods:
                 response_cls = getattr(embedding_pb2, method.output_type.name)
-                stub = channel.unary_unary(
+                stubs[method.name] = channel.unary_unary(
                     f"/{_SERVICE.full_name}/{method.name}",
                     request_serializer=lambda m: m.SerializeToString(),
                     response_deserializer=response_cls.FromString,
                 )
-                stubs[method.name] = (
-                    stub if metadata is None else functools.partial(stub, metadata=metadata)
-                )
             self._stubs.append(stubs)
+        self._info_stubs = [
+            channel.unary_unary(
+                f"/{PS_SERVICE}/DataPlaneInfo",
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=ps_pb2.DataPlaneInfoResponse.FromString,
+            )
+            for channel in self._channels
+        ]
+        # each task's data plane: None until asked (first lookup or push), then
+        # ``(client, max payload bytes)`` or False (gRPC)
+        self._planes: list[tuple[DataPlaneClient, int] | bool | None] = [
+            None if self._want_plane else False for _ in self.addresses
+        ]
+        # fan-outs: one call per shard here (a lookup's last shard runs in the
+        # calling thread); not gRPC futures, which start a thread per call when idle
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, len(self.addresses)), thread_name_prefix="embedding-client"
         )
+
+    @property
+    def data_plane_addresses(self) -> list[str | None]:
+        """Per task, the data plane its lookups and pushes go to, once known
+        (None: gRPC, or not asked yet)."""
+        return [p[0].address if p else None for p in self._planes]
 
     @property
     def num_shards(self) -> int:
@@ -155,7 +239,7 @@ class EmbeddingClient:
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
         if list(addresses) == self.addresses:
             return
-        old_pool, old_channels = self._pool, self._channels
+        old_pool, old_channels, old_planes = self._pool, self._channels, self._planes
         with self._lock:
             self.addresses = list(addresses)
             self._connect()
@@ -163,6 +247,7 @@ class EmbeddingClient:
         old_pool.shutdown(wait=False)
         for channel in old_channels:
             channel.close()
+        _close_planes(old_planes)
 
     def move_to(self, addresses: Sequence[str], chunk_bytes: int | None = None) -> int:
         """Re-shards every table over ``addresses`` over the wire; returns the rows held after.
@@ -320,10 +405,13 @@ class EmbeddingClient:
         return rows
 
     def close(self) -> None:
-        """Closes the channels and the thread pool."""
+        """Closes the channels, the data-plane connections and the thread pool."""
         self._pool.shutdown(wait=False)
         for channel in self._channels:
             channel.close()
+        with self._plane_lock:
+            planes, self._planes = self._planes, [False] * len(self._planes)
+        _close_planes(planes)
 
     def __enter__(self) -> EmbeddingClient:
         return self
@@ -341,13 +429,105 @@ class EmbeddingClient:
     ) -> Any:
         for attempt in range(retries + 1):
             try:
-                return self._stubs[shard][method](request, timeout=timeout or self.timeout)
+                return self._stubs[shard][method](
+                    request, timeout=timeout or self.timeout, metadata=self._metadata
+                )
             except grpc.RpcError as e:
                 error = from_grpc(e, task=f"ps:{shard}")
                 retriable = isinstance(error, (UnavailableError, DeadlineExceededError))
                 if attempt == retries or not retriable:
                     raise error from None
         raise AssertionError("unreachable")
+
+    def _plane(self, shard: int) -> tuple[DataPlaneClient, int] | None:
+        """Task ``shard``'s data plane and its payload limit, asked over gRPC on
+        first use (None: use gRPC).
+
+        Raises:
+            OpError: the question failed (the call fails as a gRPC call would;
+                the next one asks again).
+        """
+        plane = self._planes[shard]
+        if plane is not None:
+            return plane or None
+        with self._plane_lock:
+            if self._planes[shard] is None:
+                self._planes[shard] = self._ask_plane(shard)
+            return self._planes[shard] or None
+
+    def _ask_plane(self, shard: int) -> tuple[DataPlaneClient, int] | bool:
+        try:
+            info = self._info_stubs[shard](
+                ps_pb2.DataPlaneInfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a PS from before the data plane
+                return False
+            raise from_grpc(e, task=f"ps:{shard}") from None
+        if not info.port and not info.address:
+            return False
+        grpc_address = self.addresses[shard]
+        address = (
+            self._plane_routes.get(grpc_address, "")
+            or info.address
+            or f"{grpc_address.rpartition(':')[0]}:{info.port}"
+        )
+        plane = DataPlaneClient(
+            address, self.security, task=f"ps:{shard}", client_name=self.client_id
+        )
+        try:
+            plane.connect(min(self.timeout, _PLANE_CONNECT_TIMEOUT))
+        except OpError as e:
+            plane.close()
+            log.warning(
+                "ps:%d announces a data plane at %s, which cannot be used (%s): table "
+                "lookups and pushes to it go over gRPC",
+                shard,
+                address,
+                e,
+            )
+            return False
+        return plane, info.max_payload_bytes
+
+    def _exchange(
+        self,
+        shard: int,
+        over_grpc: Callable[[], Any],
+        over_plane: Callable[[DataPlaneClient, int], Any],
+        retries: int,
+    ) -> Any:
+        """A Lookup or PushGradients call to ``shard``: ``over_plane(client, payload
+        limit)`` when the task has a data plane (it returns ``_TOO_LARGE`` to
+        go over gRPC instead), else ``over_grpc()``; retried like :meth:`_call`."""
+        for attempt in range(retries + 1):
+            plane = None
+            try:
+                plane = self._plane(shard)
+                if plane is not None:
+                    result = over_plane(*plane)
+                    if result is not _TOO_LARGE:
+                        return result
+                return over_grpc()
+            except (UnavailableError, DeadlineExceededError) as e:
+                if plane is not None and isinstance(e, UnavailableError):
+                    # a restarted task listens elsewhere: ask again on the next call
+                    self._forget_plane(shard, plane)
+                if attempt == retries:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _forget_plane(self, shard: int, plane: tuple[DataPlaneClient, int]) -> None:
+        with self._plane_lock:
+            if self._planes[shard] is plane:
+                self._planes[shard] = None
+        plane[0].close()
+
+    def _start(self, call: Callable[[], Any], inline: bool = False) -> _Pending:
+        """Runs ``call`` on the pool without waiting for it, or ``inline`` in this
+        thread (a fan-out's last call: one thread hand-off fewer)."""
+        if inline:
+            return _Pending(None, call())
+        return _Pending(self._pool.submit(call))
 
     def _on_every_shard(self, fn: Callable[[int], Any]) -> list[Any]:
         futures = [self._pool.submit(fn, s) for s in range(self.num_shards)]
@@ -406,21 +586,22 @@ class EmbeddingClient:
             cached = self._hot_cache(table).split(unique)
         missing = unique if cached is None else unique[~cached[0]]
         parts = self._split(missing)
-
-        def one(s: int) -> np.ndarray | None:
-            if parts[s].size == 0:
-                return None
-            request = embedding_pb2.LookupRequest(
-                table=table, ids=codec.encode_tensor(missing[parts[s]]), read_only=not training
+        shards = [s for s in range(self.num_shards) if parts[s].size]
+        pending = {
+            s: self._start(
+                functools.partial(self._lookup_shard, s, table, missing[parts[s]], training),
+                inline=s == shards[-1],
             )
-            rows = codec.decode_tensor(self._call(s, "Lookup", request, retries=1).rows)
-            with self._lock:
-                self.bytes.pulled += missing[parts[s]].nbytes + rows.nbytes
-            return rows
-
-        results = self._on_every_shard(one)
+            for s in shards
+        }
+        replies = _gather(pending)
+        results: list[np.ndarray | None] = [None] * self.num_shards
+        for s, rows in replies.items():
+            results[s] = rows
         with self._lock:
             self.bytes.lookups += 1
+            for s in replies:
+                self.bytes.pulled += missing[parts[s]].nbytes + results[s].nbytes
         known = [r for r in results if r is not None]
         if cached is not None and cached[0].any():
             known.append(cached[1])
@@ -432,10 +613,28 @@ class EmbeddingClient:
         at = np.arange(unique.shape[0]) if cached is None else np.flatnonzero(~cached[0])
         for s, rows in enumerate(results):
             if rows is not None:
-                out[at[parts[s]]] = rows
+                put_rows(out, at[parts[s]], rows)
         if cached is not None and cached[0].any():
             out[cached[0]] = cached[1]
-        return (out if unique is flat else out[inverse]).reshape(*ids.shape, dim)
+        return (out if unique is flat else take_rows(out, inverse)).reshape(*ids.shape, dim)
+
+    def _lookup_shard(self, s: int, table: str, ids: np.ndarray, training: bool) -> np.ndarray:
+        """The rows of ``ids`` (all owned by task ``s``)."""
+
+        def over_grpc() -> np.ndarray:
+            request = embedding_pb2.LookupRequest(
+                table=table, ids=codec.encode_tensor(ids), read_only=not training
+            )
+            return codec.decode_tensor(self._call(s, "Lookup", request).rows)
+
+        def over_plane(plane: DataPlaneClient, limit: int) -> Any:
+            if ids.nbytes > limit:
+                return _TOO_LARGE
+            header, buffers = embedding_plane.lookup_request(table, ids, not training)
+            reply, payload = plane.call(embedding_plane.LOOKUP, header, buffers, self.timeout)
+            return embedding_plane.rows_from_reply(reply, payload)
+
+        return self._exchange(s, over_grpc, over_plane, retries=1)
 
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
@@ -467,15 +666,36 @@ class EmbeddingClient:
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> list[int]:
         """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
-        each shard's step (-1 where it got no ids).  ``optimizer`` (an update
-        rule's config) binds a table created without one, or must match it.
-        ``request_ids(shard)`` gives each shard's request id (a PS session's
-        :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
-        closure's push is applied once); by default this client's own sequence.
+        each shard's step (-1 where it got no ids).  :meth:`start_push`, then
+        waiting for it.
 
         Raises:
             NotFoundError: unknown table.
             InvalidArgumentError: ids not integers, grads of the wrong shape.
+        """
+        return self.start_push(table, ids, grads, optimizer, request_ids)()
+
+    def start_push(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        request_ids: Callable[[int], tuple[str, int]] | None = None,
+    ) -> Callable[[], list[int]]:
+        """Sends gradient rows ``grads`` (``ids.shape + (dim,)``) to their shards
+        and returns without waiting: calling the result waits for every shard
+        and returns each one's step (-1 where it got no ids).  ``optimizer`` (an
+        update rule's config) binds a table created without one, or must match
+        it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
+        :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
+        closure's push is applied once); by default this client's own sequence.
+
+        Raises:
+            InvalidArgumentError: ids not integers, grads of the wrong shape
+                (here, before anything is sent).
+            NotFoundError: unknown table (from calling the result, as every
+                error a shard answers).
         """
         flat = _as_ids(ids)
         grads = np.asarray(grads)
@@ -494,29 +714,65 @@ class EmbeddingClient:
             summed[inverse] = grads
         parts = self._split(unique)
         optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
+        pending = {}
+        sent = 0
+        shards = [s for s in range(len(parts)) if parts[s].size]
         # ids are taken here, in shard order, so a re-run draws the same ones
-        rids = {s: self._request_id(s, request_ids) for s in range(len(parts)) if parts[s].size}
+        rids = {s: self._request_id(s, request_ids) for s in shards}
+        for s in shards:
+            sent += unique[parts[s]].nbytes + summed[parts[s]].nbytes
+            pending[s] = self._start(
+                functools.partial(
+                    self._push_shard,
+                    s,
+                    table,
+                    unique[parts[s]],
+                    summed[parts[s]],
+                    rids[s],
+                    optimizer_json,
+                )
+            )
 
-        def one(s: int) -> int:
-            if parts[s].size == 0:
-                return -1
-            client_id, sequence = rids[s]
+        def finish() -> list[int]:
+            replies = _gather(pending)
+            with self._lock:
+                self.bytes.pushes += 1
+                self.bytes.pushed += sent
+            return [replies.get(s, -1) for s in range(len(parts))]
+
+        return finish
+
+    def _push_shard(
+        self,
+        s: int,
+        table: str,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        request_id: tuple[str, int],
+        optimizer_json: str,
+    ) -> int:
+        """Applies gradient rows of ``ids`` (all owned by task ``s``); returns its step."""
+
+        def over_grpc() -> int:
             request = embedding_pb2.PushGradientsRequest(
                 table=table,
-                ids=codec.encode_tensor(unique[parts[s]]),
-                grads=codec.encode_tensor(summed[parts[s]]),
-                request_id=ps_pb2.RequestId(client_id=client_id, sequence=sequence),
+                ids=codec.encode_tensor(ids),
+                grads=codec.encode_tensor(grads),
+                request_id=ps_pb2.RequestId(client_id=request_id[0], sequence=request_id[1]),
                 optimizer_json=optimizer_json,
             )
-            reply = self._call(s, "PushGradients", request, retries=1)
-            with self._lock:
-                self.bytes.pushed += unique[parts[s]].nbytes + summed[parts[s]].nbytes
-            return reply.step
+            return self._call(s, "PushGradients", request).step
 
-        steps = self._on_every_shard(one)
-        with self._lock:
-            self.bytes.pushes += 1
-        return steps
+        def over_plane(plane: DataPlaneClient, limit: int) -> Any:
+            if ids.nbytes + grads.nbytes > limit:
+                return _TOO_LARGE
+            header, buffers = embedding_plane.push_request(
+                table, ids, grads, request_id, optimizer_json
+            )
+            reply, _ = plane.call(embedding_plane.PUSH, header, buffers, self.timeout)
+            return embedding_plane.parse(reply, embedding_pb2.PushGradientsResponse).step
+
+        return self._exchange(s, over_grpc, over_plane, retries=1)
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
@@ -610,6 +866,22 @@ class InProcessEmbeddingClient:
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> list[int]:
         """Applies gradient rows (see :meth:`EmbeddingClient.push`)."""
+        return self.start_push(table, ids, grads, optimizer, request_ids)()
+
+    def start_push(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        request_ids: Callable[[int], tuple[str, int]] | None = None,
+    ) -> Callable[[], list[int]]:
+        """Applies gradient rows now; the result returns the step (the
+        interface of :meth:`EmbeddingClient.start_push`).
+
+        Raises:
+            InvalidArgumentError, NotFoundError: as :meth:`EmbeddingClient.push`.
+        """
         flat = _as_ids(ids)
         grads = np.asarray(grads)
         if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
@@ -618,7 +890,8 @@ class InProcessEmbeddingClient:
             )
         grads = grads.reshape(flat.shape[0], grads.shape[-1])
         rid = None if request_ids is None else request_ids(0)
-        return [self.registry.push(table, flat, grads, rid, optimizer)]
+        steps = [self.registry.push(table, flat, grads, rid, optimizer)]
+        return lambda: steps
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids and their rows."""

@@ -28,7 +28,7 @@ import functools
 import time
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from psflow.ps.hot_rows import HotRowPolicy
 from psflow.ps.key_index import sum_rows, unique_ids
 from psflow.train.checkpoint import ExternalState
 from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
+from psflow.update_rules import take_rows
 
 __all__ = ["DynamicEmbedding", "DynamicTableHandle"]
 
@@ -64,7 +65,14 @@ class _Backend(UpdateGroup):
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
         """Pushes each table's gradient rows with ``optimizer``'s update rule."""
+        self.start_optimizer(optimizer, pairs, step)()
+
+    def start_optimizer(
+        self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int
+    ) -> Callable[[], None]:
+        """Sends each table's gradient rows; the result waits for every shard's answer."""
         config = optimizer.rule.get_config()
+        finishes = []
         for grad, handle in pairs:
             if not isinstance(grad, IndexedSlices):
                 raise errors.InvalidArgumentError(
@@ -73,9 +81,17 @@ class _Backend(UpdateGroup):
             values = backend.to_numpy(grad._values)
             ids = backend.to_numpy(grad._indices).astype(np.int64, copy=False).reshape(-1)
             values = values.reshape(ids.size, -1).astype(handle.config.dtype, copy=False)
-            self.client.push(
-                handle.config.name, ids, values, optimizer=config, request_ids=self.request_ids
+            finishes.append(
+                self.client.start_push(
+                    handle.config.name, ids, values, optimizer=config, request_ids=self.request_ids
+                )
             )
+
+        def finish() -> None:
+            for f in finishes:
+                f()
+
+        return finish
 
 
 # One backend per PS session (the chief's, or a worker's), made on first use.
@@ -234,7 +250,7 @@ class DynamicTableHandle(GroupUpdated, Readable, ExternalState):
             rows = client.lookup(self.config.name, unique, training)
         else:
             rows = np.zeros((0, dim), self._dtype.np)
-        gathered = (rows if unique is flat else rows[inverse]).reshape((*idx.shape, dim))
+        gathered = (rows if unique is flat else take_rows(rows, inverse)).reshape((*idx.shape, dim))
         shape = (0, dim)
 
         def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
