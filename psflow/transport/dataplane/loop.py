@@ -336,19 +336,21 @@ class EventLoop:
                     self._spawn()
 
     def _arm(self, conn: LoopConnection) -> None:
-        fd = conn.sock.fileno()
-        with self._lock:
+        flags = select.EPOLLIN | select.EPOLLONESHOT | select.EPOLLRDHUP
+        with self._lock:  # not after a close: the fd number may already be another's
             if conn.closed:
                 return
+            fd = conn.sock.fileno()
             self._busy.discard(fd)
-        flags = select.EPOLLIN | select.EPOLLONESHOT | select.EPOLLRDHUP
-        try:
             try:
-                self._epoll.modify(fd, flags)
-            except FileNotFoundError:
-                self._epoll.register(fd, flags)
-        except (OSError, ValueError) as e:
-            self.close(conn, e)
+                try:
+                    self._epoll.modify(fd, flags)
+                except FileNotFoundError:
+                    self._epoll.register(fd, flags)
+                return
+            except (OSError, ValueError) as e:
+                error = e
+        self.close(conn, error)
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -370,6 +372,8 @@ class EventLoop:
             for fd, _ in events:
                 with self._lock:
                     conn = self._conns.get(fd)
+                    if conn is not None and fd in self._busy:
+                        conn = None  # being served already (a stale event)
                     if conn is not None:
                         self._busy.add(fd)
                 if conn is not None:
