@@ -1,23 +1,23 @@
-"""The data plane's event loop: one thread reads every plain-TCP connection.
+"""The data plane's event loop: a few threads share one ``epoll`` of every plain connection.
 
 With one thread per connection, every call woke its own thread, and a thread
 back from ``recv`` waited for the GIL while another one computed; with 16
-clients pushing small gradients, the PS then sat mostly idle while each push
-waited (p50 10.6 ms at 25% of a core).  Here one thread waits on ``epoll`` for
-every connection, reads whatever frames arrived (non-blocking, into each
-connection's own buffers) and hands each complete request to a small pool of
-workers, which run the handler, send the reply and re-arm the connection.  A
-worker that finds the next request already queued runs it without sleeping,
-so a busy server switches threads far less than once per call.
+client processes pushing small gradients the PS sat mostly idle while each
+push waited (p50 10.6 ms at 25% of a core).  Here the threads of an
+:class:`EventLoop` wait in one ``epoll``; the one woken reads the ready
+connection (non-blocking, into that connection's own buffers), runs the call
+it completes, sends the reply, re-arms the connection and waits again.  While
+calls are short one thread does all of it, with no hand-off between threads;
+a watcher adds a thread only when every one has been inside a call for a while
+(a synchronous push waits for the others), so a blocked call never stops the
+rest from being read.
 
-A connection is registered ``EPOLLONESHOT``: while its call runs, nothing more
+A connection is registered ``EPOLLONESHOT``: while its call runs nothing more
 is read from it (a client has one call in flight per connection), so the
-payload view handed to the handler stays valid until the handler returns.
-A slow or stalled sender only occupies its own connection's buffers: the loop
-never blocks on one socket, and a connection that stays mid-frame longer than
-``io_timeout`` (or idle longer than ``idle_timeout``) is closed.  Handlers may
-block (a synchronous push waits for the others): the pool grows, up to the
-connection limit, whenever every worker is busy.
+payload view handed to the handler stays valid until the handler returns.  A
+slow or stalled sender only fills its own connection's buffers: no thread
+blocks on its socket, and a connection that stays mid-frame longer than
+``io_timeout`` (or idle longer than ``idle_timeout``) is closed.
 """
 
 from __future__ import annotations

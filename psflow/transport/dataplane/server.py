@@ -1,9 +1,12 @@
 """``DataPlaneServer``: serves calls of the raw TCP data plane.
 
 A connection starts with a HELLO carrying the shared token (see
-:mod:`.auth`; TLS first when configured); a refused one gets an
-UNAUTHENTICATED ERROR frame and is closed.  Then it carries calls one at a
-time: a REQUEST frame whose payload is received with ``recv_into`` into the
+:mod:`.auth`; TLS first when configured), read by a short-lived thread of its
+own; a refused one gets an UNAUTHENTICATED ERROR frame and is closed.  A
+welcomed plain connection then joins the event loop (:mod:`.loop`: a few
+threads for every connection, calls run on the thread that read them); a TLS
+one keeps its thread.  It carries calls one at a time: a REQUEST frame whose
+payload is received with ``recv_into`` into the
 connection's own reusable buffer (no joins, the GIL released while the kernel
 copies), the handler named by its method id, and a REPLY frame whose buffers go
 out with one ``sendmsg``.  A handler that raises a psflow :class:`OpError`
