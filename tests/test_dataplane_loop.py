@@ -53,15 +53,16 @@ class Handlers:
         return Reply(b"released")
 
 
-@pytest.fixture
-def served():
+@pytest.fixture(params=[1.0])
+def served(request):
+    """A server and its handlers; ``request.param``: its io_timeout."""
     h = Handlers()
     server = DataPlaneServer(
         "127.0.0.1",
         0,
         SecurityConfig(token=TOKEN),
         {"Echo": h.echo, "Block": h.block},
-        io_timeout=1.0,
+        io_timeout=request.param,
     ).start()
     try:
         yield server, h
@@ -232,3 +233,24 @@ def test_client_gone_mid_call_costs_only_its_connection(served):
     assert _wait(lambda: server.connections == 0)
     with _client(server) as client:
         assert client.call("Echo", b"xy", [b"z" * 3], timeout=10) == (b"yx", memoryview(b"zzz"))
+
+
+@pytest.mark.parametrize("served", [30.0], indirect=True)  # the reader is slow, not gone
+def test_slow_reader_of_a_large_reply_gets_it_whole_and_others_go_on(served):
+    server, _ = served
+    data = np.random.default_rng(1).integers(0, 256, 24 << 20, dtype=np.uint8).tobytes()
+    sock = _welcomed(server)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        sock.sendall(_request(7, b"big", data))
+        time.sleep(0.3)  # the reply fills the socket buffers: its sender now waits (bounded)
+        with _client(server) as client:
+            start = time.monotonic()
+            for _ in range(5):
+                assert client.call("Echo", b"12", timeout=10)[0] == b"21"
+            assert time.monotonic() - start < 5
+        head, header, payload = _reply(sock)
+        assert (head.call_id, header) == (7, b"gib")
+        assert payload == data
+    finally:
+        sock.close()

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from . import frames
+from .stream import FrameStream
 
-__all__ = ["EventLoop", "LoopConnection"]
+__all__ = ["EventLoop", "LoopConnection", "ReplyStream"]
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,51 @@ _STAGING = 64 << 10
 _DIRECT = 16 << 10
 _POLL = 0.25
 _SWEEP = 1.0
+_IOV_MAX = 512
 # a call that kept every thread busy this long: start another so the rest are read
 _STALL = 0.02
 
 Dispatch = Callable[["LoopConnection", frames.FrameHead, bytes, memoryview], bool]
+
+
+class ReplyStream(FrameStream):
+    """The sending side of a loop connection, whose socket stays non-blocking.
+
+    A reply the kernel takes whole (every small one) costs one ``sendmsg``;
+    only when the socket's buffer fills does the rest go out blocking, bounded
+    by ``io_timeout`` per operation (``TimeoutError`` past it), and the socket
+    is then made non-blocking again.  Switching the socket to blocking and
+    back around every reply cost three system calls per call.
+
+    Args:
+        sock: the connection's (non-blocking, plain TCP) socket.
+        io_timeout: seconds one blocked send may wait.
+    """
+
+    def __init__(self, sock: socket.socket, io_timeout: float) -> None:
+        super().__init__(sock, max_header=0, max_payload=0)
+        self.io_timeout = io_timeout
+
+    def _send(self, pieces: list[Any]) -> None:
+        views = [memoryview(p).cast("B") for p in pieces]
+        blocking = False
+        try:
+            while views:
+                try:
+                    sent = self.sock.sendmsg(views[:_IOV_MAX])
+                except BlockingIOError:  # the kernel's buffer is full: wait, bounded
+                    self.sock.settimeout(self.io_timeout)
+                    blocking = True
+                    continue
+                while sent and views:
+                    if sent >= len(views[0]):
+                        sent -= len(views.pop(0))
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        finally:
+            if blocking:
+                self.sock.setblocking(False)
 
 
 class LoopConnection:

@@ -45,7 +45,7 @@ from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
 from . import auth, frames
-from .loop import EventLoop, LoopConnection
+from .loop import EventLoop, LoopConnection, ReplyStream
 from .stream import FrameStream, tune
 
 __all__ = ["DataPlaneServer", "Handler", "Reply", "Request"]
@@ -342,7 +342,7 @@ class DataPlaneServer:
             max_payload=self.max_payload,
             retain_bytes=self.retain_bytes,
         )
-        looped.stream = FrameStream(conn.sock, max_header=0, max_payload=0)
+        looped.stream = ReplyStream(conn.sock, self.io_timeout)
         looped.tag = conn
         self._loop.add(looped)
 
@@ -354,7 +354,6 @@ class DataPlaneServer:
         if head.timeout_ms:
             deadline = time.monotonic() + head.timeout_ms / 1000.0
         try:
-            conn.sock.settimeout(self.io_timeout)  # the reply is sent blocking, bounded
             known = self._handlers.get(head.method)
             if known is None:
                 _send_status(
@@ -367,7 +366,6 @@ class DataPlaneServer:
                 name, handler = known
                 request = Request(name, header, payload, conn.peer, deadline)
                 self._call(conn.stream, head, request, handler)
-            conn.sock.setblocking(False)
         except (OSError, ValueError) as e:  # ConnectionError, TimeoutError: the peer is gone
             log.debug("data plane connection from %s ended: %s", conn.peer, e)
             return False
