@@ -1,9 +1,12 @@
-"""``DataPlaneServer``: serves calls of the raw TCP data plane, one thread per connection.
+"""``DataPlaneServer``: serves calls of the raw TCP data plane.
 
 A connection starts with a HELLO carrying the shared token (see
-:mod:`.auth`; TLS first when configured); a refused one gets an
-UNAUTHENTICATED ERROR frame and is closed.  Then it carries calls one at a
-time: a REQUEST frame whose payload is received with ``recv_into`` into the
+:mod:`.auth`; TLS first when configured), read by a short-lived thread of its
+own; a refused one gets an UNAUTHENTICATED ERROR frame and is closed.  A
+welcomed plain connection then joins the event loop (:mod:`.loop`: a few
+threads for every connection, calls run on the thread that read them); a TLS
+one keeps its thread.  It carries calls one at a time: a REQUEST frame whose
+payload is received with ``recv_into`` into the
 connection's own reusable buffer (no joins, the GIL released while the kernel
 copies), the handler named by its method id, and a REPLY frame whose buffers go
 out with one ``sendmsg``.  A handler that raises a psflow :class:`OpError`
@@ -42,6 +45,7 @@ from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
 from . import auth, frames
+from .loop import EventLoop, LoopConnection, ReplyStream
 from .stream import FrameStream, tune
 
 __all__ = ["DataPlaneServer", "Handler", "Reply", "Request"]
@@ -158,6 +162,18 @@ class DataPlaneServer:
         self._lock = threading.Lock()
         self._connections: set[_Connection] = set()
         self._accept_thread: threading.Thread | None = None
+        # plain-TCP connections are read by one event-loop thread after their HELLO
+        # (see :mod:`.loop`); TLS ones keep a thread each (ssl has no cheap non-blocking
+        # reads of partial records)
+        self._loop = EventLoop(
+            f"dataplane-{self.port}",
+            self._loop_call,
+            max_threads=max_connections,
+            idle_timeout=idle_timeout,
+            io_timeout=io_timeout,
+            on_error=self._loop_failed,
+            on_close=self._loop_closed,
+        )
 
     def __repr__(self) -> str:
         return f"DataPlaneServer({self.host!r}, port={self.port})"
@@ -192,6 +208,7 @@ class DataPlaneServer:
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> DataPlaneServer:
         """Starts accepting connections; returns self."""
+        self._loop.start()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"dataplane-accept-{self.port}", daemon=True
         )
@@ -211,6 +228,7 @@ class DataPlaneServer:
         if self._accept_thread is not None:
             self._accept_thread.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
+        self._loop.stop(deadline)
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
@@ -281,6 +299,7 @@ class DataPlaneServer:
     # -- one connection ---------------------------------------------------------------
     def _serve(self, conn: _Connection) -> None:
         sock, peer = conn.sock, conn.peer
+        handed_over = False
         try:
             sock.settimeout(self.io_timeout)
             tune(sock)
@@ -289,6 +308,10 @@ class DataPlaneServer:
                 conn.sock = sock
             stream = FrameStream(sock, max_header=self.max_header, max_payload=self.max_payload)
             if self._welcome(stream, peer):
+                if self._tls is None and not self._stopping.is_set():
+                    self._hand_over(conn, stream)
+                    handed_over = True
+                    return
                 self._calls(stream, peer)
         except frames.FrameError as e:
             self._rejected("malformed_frame")
@@ -301,10 +324,62 @@ class DataPlaneServer:
         except (ConnectionError, OSError) as e:
             log.debug("data plane connection from %s ended: %s", peer, e)
         finally:
-            _shutdown(sock)
-            sock.close()
-            with self._lock:
-                self._connections.discard(conn)
+            if not handed_over:
+                _shutdown(sock)
+                sock.close()
+                with self._lock:
+                    self._connections.discard(conn)
+
+    # -- connections on the event loop ------------------------------------------------
+    def _hand_over(self, conn: _Connection, stream: FrameStream) -> None:
+        """Gives a welcomed plain connection to the event loop."""
+        leftover = stream.read_bytes(stream.pending()) if stream.pending() else b""
+        looped = LoopConnection(
+            conn.sock,
+            conn.peer,
+            leftover,
+            max_header=self.max_header,
+            max_payload=self.max_payload,
+            retain_bytes=self.retain_bytes,
+        )
+        looped.stream = ReplyStream(conn.sock, self.io_timeout)
+        looped.tag = conn
+        self._loop.add(looped)
+
+    def _loop_call(
+        self, conn: LoopConnection, head: frames.FrameHead, header: bytes, payload: memoryview
+    ) -> bool:
+        """Runs one call of a loop connection; False when the connection is done."""
+        deadline = None
+        if head.timeout_ms:
+            deadline = time.monotonic() + head.timeout_ms / 1000.0
+        try:
+            known = self._handlers.get(head.method)
+            if known is None:
+                _send_status(
+                    conn.stream,
+                    head.call_id,
+                    Code.UNIMPLEMENTED,
+                    f"data plane: no method with id {head.method}",
+                )
+            else:
+                name, handler = known
+                request = Request(name, header, payload, conn.peer, deadline)
+                self._call(conn.stream, head, request, handler)
+        except (OSError, ValueError) as e:  # ConnectionError, TimeoutError: the peer is gone
+            log.debug("data plane connection from %s ended: %s", conn.peer, e)
+            return False
+        conn.last = time.monotonic()
+        return not self._stopping.is_set()
+
+    def _loop_failed(self, conn: LoopConnection, error: BaseException) -> None:
+        if isinstance(error, frames.FrameError):
+            self._rejected("malformed_frame")
+            log.warning("data plane closed the connection from %s: %s", conn.peer, error)
+
+    def _loop_closed(self, conn: LoopConnection) -> None:
+        with self._lock:
+            self._connections.discard(conn.tag)
 
     def _welcome(self, stream: FrameStream, peer: str) -> bool:
         """Reads the HELLO; answers WELCOME, or UNAUTHENTICATED and False."""
