@@ -33,11 +33,51 @@ class State(enum.Enum):
     TOO_OLD = "too_old"
 
 
+_LAZY_LOCK = threading.Lock()
+
+
+class LazyEvent:
+    """``threading.Event``'s ``set``/``is_set``/``wait``, its condition made only for a waiter.
+
+    Almost no request id is ever waited for (only a duplicate arriving while
+    the original runs waits), and making an Event per push cost more than the
+    rest of the dedup bookkeeping of a small push.
+    """
+
+    __slots__ = ("_event", "_flag")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._event: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        """True once :meth:`set` ran."""
+        return self._flag
+
+    def set(self) -> None:
+        """Sets the flag and wakes whoever waits."""
+        with _LAZY_LOCK:
+            self._flag = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until set or ``timeout`` seconds passed; returns the flag."""
+        with _LAZY_LOCK:
+            if self._flag:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+
 @dataclasses.dataclass
 class Entry:
     """One remembered request id; ``done`` is set once ``reply`` is final."""
 
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: LazyEvent = dataclasses.field(default_factory=LazyEvent)
     reply: Any = None
 
 
