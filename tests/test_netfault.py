@@ -226,6 +226,29 @@ def relayed_cluster(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def sgd_training(cluster, name: str):
+    """``(v, coordinator, step)``: one float32[4] variable trained by SGD(1.0) on
+    ``sum(v)`` (each applied step subtracts 1 from every element) through the
+    cluster, after 4 steps have run."""
+    import numpy as np
+
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
+    with strategy.scope():
+        v = pf.Variable(np.zeros(4, np.float32), name=name)
+        optimizer = pf.keras.optimizers.SGD(1.0)
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    def step() -> None:
+        with pf.GradientTape() as tape:
+            loss = pf.reduce_sum(v)
+        optimizer.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+
+    for _ in range(4):
+        coordinator.schedule(step)
+    coordinator.join(timeout=30)
+    return v, coordinator, step
+
+
 def test_training_through_a_20ms_round_trip_applies_every_update_once(relayed_cluster):
     cluster = relayed_cluster(delay_ms=10)
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
@@ -327,25 +350,10 @@ def test_a_worker_cut_off_from_the_ps_past_its_push_deadline_is_set_aside_not_th
 def test_a_ps_killed_for_good_still_fails_training_naming_it_without_requeuing(
     relayed_cluster,
 ):
-    import numpy as np
-
     from psflow.observability import events
 
     cluster = relayed_cluster(ps_timeout=1.5)
-    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
-    with strategy.scope():
-        v = pf.Variable(np.zeros(4, np.float32), name="killed_ps_v")
-        optimizer = pf.keras.optimizers.SGD(1.0)
-    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
-
-    def step() -> None:
-        with pf.GradientTape() as tape:
-            loss = pf.reduce_sum(v)
-        optimizer.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
-
-    for _ in range(4):
-        coordinator.schedule(step)
-    coordinator.join(timeout=30)
+    _, coordinator, step = sgd_training(cluster, "killed_ps_v")
     log = events.EventLog()
     previous = events.install(log)
     try:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import psflow as pf
-from tests.test_netfault import relayed_cluster  # noqa: F401  (the fixture)
+from tests.test_netfault import relayed_cluster, sgd_training  # noqa: F401  (the fixture)
 
 
 @pytest.mark.slow
@@ -23,20 +23,7 @@ def test_every_worker_cut_off_from_the_ps_fails_naming_each_path_and_that_the_ch
 ):
     cluster = relayed_cluster(ps_timeout=1.5)
     monkeypatch.setenv("PSFLOW_WORKER_UNAVAILABLE_TIMEOUT", "3")
-    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
-    with strategy.scope():
-        v = pf.Variable(np.zeros(4, np.float32), name="cut_paths_v")
-        optimizer = pf.keras.optimizers.SGD(1.0)
-    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
-
-    def step() -> None:
-        with pf.GradientTape() as tape:
-            loss = pf.reduce_sum(v)
-        optimizer.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
-
-    for _ in range(4):
-        coordinator.schedule(step)
-    coordinator.join(timeout=30)
+    v, coordinator, step = sgd_training(cluster, "cut_paths_v")
     for worker in (0, 1):
         cluster.fault(worker, "cut", only_to_ps=True)
     start = time.monotonic()
