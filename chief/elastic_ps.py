@@ -91,6 +91,7 @@ class PSScaler:
         self._op: _Operation | None = None
         self._drained: set[int] = set()  # pids that printed DRAINED_LINE
         self._abandoned: set[int] = set()  # pids of new PS stopped after a failed scale-up
+        self._gone: set[int] = set()  # slots whose PS drained and exited, still in the view
 
     @property
     def num_ps(self) -> int:
@@ -133,9 +134,16 @@ class PSScaler:
             self._drained.discard(role.pid)
             log.info("%s drained: exited 0 (%s); not restarting it", role.name, DRAINED_LINE)
             if op is None and index < self._num_ps:
-                # A program resized by itself (tasks >= its count drain, in any order).
-                self._num_ps = index
-                self.publish()
+                # A program resized by itself: tasks >= its count drain in any order, and the
+                # view shrinks only past slots that all exited (a lower one may exit first).
+                self._gone.add(index)
+                num_ps = self._num_ps
+                while num_ps - 1 in self._gone:
+                    num_ps -= 1
+                    self._gone.discard(num_ps)
+                if num_ps != self._num_ps:
+                    self._num_ps = num_ps
+                    self.publish()
             return True
         if op is not None and any(r is role for r in op.roles):
             what = "starting" if op.new > op.old else "draining"
@@ -186,6 +194,7 @@ class PSScaler:
             # it: list it again rather than start a second process on its port.
             running = {r.name: r for r in self._ps_roles() if r.running}
             roles = [running.get(f"ps:{i}") or self._start_ps(i) for i in range(old, num_ps)]
+            self._gone -= set(range(old, num_ps))
             log.info("scale: starting %s", ", ".join(r.name for r in roles))
             self._op = _Operation(request_id, old, num_ps, now + self._ready_timeout, roles)
             return
@@ -195,6 +204,7 @@ class PSScaler:
             if num_ps <= int(r.name.partition(":")[2]) < old and r.running
         ]
         self._num_ps = num_ps
+        self._gone = {i for i in self._gone if i < num_ps}
         self.publish()
         log.info(
             "scale: the view lists %d PS; the chief drains %s",

@@ -277,3 +277,38 @@ def test_scale_without_an_answer_exits_1_and_leaves_the_request_queued(tmp_path)
     assert queued is not None and queued[1] == 2  # the launcher may still act on it
     bad = _scale("--ps", "2", "--cluster-dir", str(tmp_path), "--timeout", "0")
     assert bad.returncode == 2 and "--timeout" in bad.stderr
+
+
+@pytest.mark.parametrize("order", [(1, 2), (2, 1)])
+def test_a_self_resize_shrinks_the_view_only_once_every_dropped_slot_exited(tmp_path, order):
+    # The chief of a self-resize waits for the view to list its count; if ps:1 exits before
+    # ps:2, the view must still list ps:2 until it exits too (else the chief ends first).
+    import time
+
+    from chief.control import ControlDir
+    from chief.elastic_ps import PSScaler
+    from chief.supervisor import RoleProcess
+
+    control = ControlDir(str(tmp_path / "c"))
+    control.create()
+    cluster = {**CLUSTER, "ps": [f"127.0.0.1:{5010 + i}" for i in range(3)]}
+    roles = {}
+    for i in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", "print('PSFLOW_DRAINED task=x')"])
+        roles[i] = RoleProcess(f"ps:{i}", proc, time.monotonic())
+    scaler = PSScaler(
+        control, cluster, 3, start_ps=lambda i: roles[i], ps_roles=lambda: list(roles.values()),
+        is_ready=lambda r: True, ready_timeout=5,
+    )  # fmt: skip
+    scaler.publish()
+    views = []
+    for index in order:
+        role = roles[index]
+        role.returncode = role.proc.wait(timeout=30)
+        scaler.on_line(role, "PSFLOW_DRAINED task=x", from_stdout=True)
+        assert scaler.claims_exit(role)  # a drained exit: no restart, no failure
+        views.append(read_cluster_file(control.cluster_file).num_tasks("ps"))
+    assert views == ([3, 1] if order == (1, 2) else [2, 1])
+    assert scaler.num_ps == 1
+    roles[0].proc.wait(timeout=30)
+    control.remove()
