@@ -46,6 +46,12 @@ class Handlers:
             self.calls += 1
         return Reply(request.header[::-1], [bytes(request.payload)])
 
+    def spin(self, request: Request) -> Reply:
+        end = time.thread_time() + float(request.header)  # CPU seconds: busy, not blocked
+        while time.thread_time() < end:
+            pass
+        return Reply(b"spun")
+
     def block(self, request: Request) -> Reply:
         self.entered.set()
         self.release.wait(20)
@@ -61,7 +67,7 @@ def served(request):
         "127.0.0.1",
         0,
         SecurityConfig(token=TOKEN),
-        {"Echo": h.echo, "Block": h.block},
+        {"Echo": h.echo, "Block": h.block, "Spin": h.spin},
         io_timeout=request.param,
     ).start()
     try:
@@ -161,6 +167,27 @@ def test_blocked_handler_does_not_stall_other_connections(served):
                 assert other.call("Echo", b"12", timeout=10)[0] == b"21"
             assert time.monotonic() - start < 5
             assert not h.blocked_done.is_set()
+        finally:
+            h.release.set()
+            t.join(20)
+        assert result and result[0][0] == b"released"
+
+
+def test_a_computing_call_gets_no_twin_thread_but_a_blocked_one_does(served):
+    # Threads are never retired, and two of them on one epoll take turns on every
+    # call: only a call that waits (no CPU used) earns a second thread, not one that
+    # is merely slow (computing, or descheduled on a loaded host).
+    server, h = served
+    with _client(server) as client:
+        for _ in range(3):
+            assert client.call("Spin", b"0.15", timeout=30)[0] == b"spun"
+        assert server.loop_threads == 1
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(client.call("Block", b"", timeout=20)))
+        t.start()
+        try:
+            assert h.entered.wait(10)
+            assert _wait(lambda: server.loop_threads == 2)
         finally:
             h.release.set()
             t.join(20)

@@ -9,8 +9,12 @@ connection (non-blocking, into that connection's own buffers), runs the call
 it completes, sends the reply, re-arms the connection and waits again.  While
 calls are short one thread does all of it, with no hand-off between threads;
 a watcher adds a thread only when every one has been inside a call for a while
-(a synchronous push waits for the others), so a blocked call never stops the
-rest from being read.
+and none of them used the CPU meanwhile (a synchronous push waits for the
+others), so a blocked call never stops the rest from being read.  A thread
+that is merely slow - descheduled on a loaded host, or computing - gets no
+twin: threads are never retired, and two threads sharing one ``epoll`` take
+turns on every call (the kernel wakes the one that waited longest), a thread
+switch and a GIL hand-off per call for no gain.
 
 A connection is registered ``EPOLLONESHOT``: while its call runs nothing more
 is read from it (a client has one call in flight per connection), so the
@@ -48,6 +52,8 @@ _SWEEP = 1.0
 _IOV_MAX = 512
 # a call that kept every thread busy this long: start another so the rest are read
 _STALL = 0.02
+# CPU seconds a thread may use over one stall check and still count as blocked
+_IDLE_CPU = 0.001
 
 Dispatch = Callable[["LoopConnection", frames.FrameHead, bytes, memoryview], bool]
 
@@ -90,6 +96,35 @@ class ReplyStream(FrameStream):
         finally:
             if blocking:
                 self.sock.setblocking(False)
+
+
+def _own_cpu_clock() -> int | None:
+    """The calling thread's CPU clock id (taken by the thread itself, while it
+    surely lives), None where the platform has none."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def _all_idle(clock_ids: list[int | None], clocks: dict[int, float]) -> bool:
+    """Whether no thread (by CPU clock id) used the CPU since the last call,
+    which recorded their clocks in ``clocks``.  A thread descheduled by a busy
+    host or computing is not idle; one waiting on a lock or condition is.
+    Without per-thread clocks every thread counts as idle (the timer decides)."""
+    idle = True
+    for clock_id in clock_ids:
+        if clock_id is None:
+            continue
+        try:
+            now = time.clock_gettime(clock_id)
+        except OSError:  # the thread ended
+            continue
+        before = clocks.get(clock_id)
+        clocks[clock_id] = now
+        if before is None or now - before > _IDLE_CPU:
+            idle = False
+    return idle
 
 
 class LoopConnection:
@@ -288,6 +323,7 @@ class EventLoop:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._clock_ids: list[int | None] = []  # each started thread's CPU clock
         self._waiting = 0  # threads in (or on their way back to) epoll
         self._starved_since: float | None = None  # since when none waits
         self._next_sweep = time.monotonic() + _SWEEP
@@ -361,21 +397,27 @@ class EventLoop:
         thread.start()
 
     def _watch(self) -> None:
-        """Starts a thread when every one has been inside a call for ``_STALL`` seconds.
+        """Starts a thread when every one has been blocked inside a call for ``_STALL`` s.
 
         Checking on a timer rather than starting a spare thread before each call
         keeps one thread doing all the work while calls are short: a spare one
         would take every other event and the two would contend for the GIL.
         """
+        clocks: dict[int, float] = {}  # CPU clock id -> its seconds at the last tick
         while not self._stopping.wait(_STALL):
             with self._lock:
                 since = self._starved_since
-                if (
-                    since is not None
-                    and time.monotonic() - since >= _STALL
-                    and len(self._threads) < self.max_threads
-                ):
+                started = len(self._threads)
+                clock_ids = list(self._clock_ids)
+            if since is None or time.monotonic() - since < _STALL or started >= self.max_threads:
+                clocks.clear()
+                continue
+            if not _all_idle(clock_ids, clocks):
+                continue
+            with self._lock:
+                if self._starved_since == since:  # still the same stall
                     self._spawn()
+            clocks.clear()
 
     def _arm(self, conn: LoopConnection) -> None:
         flags = select.EPOLLIN | select.EPOLLONESHOT | select.EPOLLRDHUP
@@ -395,6 +437,9 @@ class EventLoop:
         self.close(conn, error)
 
     def _run(self) -> None:
+        clock_id = _own_cpu_clock()
+        with self._lock:
+            self._clock_ids.append(clock_id)
         while not self._stopping.is_set():
             try:
                 events = self._epoll.poll(_POLL, 1)

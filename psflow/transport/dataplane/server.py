@@ -178,6 +178,11 @@ class DataPlaneServer:
     def __repr__(self) -> str:
         return f"DataPlaneServer({self.host!r}, port={self.port})"
 
+    @property
+    def loop_threads(self) -> int:
+        """Threads the event loop started for plain connections (one until a call blocks)."""
+        return self._loop.threads
+
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
