@@ -39,6 +39,7 @@ class Handlers:
         self.entered = threading.Event()
         self.blocked_done = threading.Event()
         self.calls = 0
+        self.blocked = 0
         self.lock = threading.Lock()
 
     def echo(self, request: Request) -> Reply:
@@ -53,6 +54,8 @@ class Handlers:
         return Reply(b"spun")
 
     def block(self, request: Request) -> Reply:
+        with self.lock:
+            self.blocked += 1
         self.entered.set()
         self.release.wait(20)
         self.blocked_done.set()
@@ -173,25 +176,42 @@ def test_blocked_handler_does_not_stall_other_connections(served):
         assert result and result[0][0] == b"released"
 
 
-def test_a_computing_call_gets_no_twin_thread_but_a_blocked_one_does(served):
-    # Threads are never retired, and two of them on one epoll take turns on every
-    # call: only a call that waits (no CPU used) earns a second thread, not one that
-    # is merely slow (computing, or descheduled on a loaded host).
+def test_slow_calls_get_no_extra_thread_but_blocked_ones_do(served):
+    # Threads are never retired: only calls that wait (no CPU used) earn more than
+    # the two the loop starts with, not calls that are merely slow (computing, or
+    # descheduled on a loaded host).
     server, h = served
-    with _client(server) as client:
-        for _ in range(3):
-            assert client.call("Spin", b"0.15", timeout=30)[0] == b"spun"
-        assert server.loop_threads == 1
-        result: list = []
-        t = threading.Thread(target=lambda: result.append(client.call("Block", b"", timeout=20)))
-        t.start()
+    assert server.loop_threads == 2
+    with _client(server) as a, _client(server) as b, _client(server) as other:
+        spun: list = []
+
+        def spin(client: DataPlaneClient) -> None:
+            for _ in range(3):
+                spun.append(client.call("Spin", b"0.15", timeout=30)[0])
+
+        spinners = [threading.Thread(target=spin, args=(c,)) for c in (a, b)]
+        for t in spinners:  # both loop threads compute at once, 0.45 s each
+            t.start()
+        for t in spinners:
+            t.join(60)
+        assert spun == [b"spun"] * 6
+        assert server.loop_threads == 2
+        results: list = []
+        threads = [
+            threading.Thread(target=lambda c=c: results.append(c.call("Block", b"", timeout=20)))
+            for c in (a, b)
+        ]
+        for t in threads:
+            t.start()
         try:
-            assert h.entered.wait(10)
-            assert _wait(lambda: server.loop_threads == 2)
+            assert _wait(lambda: h.blocked == 2)  # both loop threads wait in a call
+            assert _wait(lambda: server.loop_threads == 3)
+            assert other.call("Echo", b"12", timeout=10)[0] == b"21"  # served meanwhile
         finally:
             h.release.set()
-            t.join(20)
-        assert result and result[0][0] == b"released"
+            for t in threads:
+                t.join(20)
+        assert [r[0] for r in results] == [b"released"] * 2
 
 
 def test_fragmented_and_back_to_back_frames_parse_as_one_stream(served):

@@ -180,7 +180,7 @@ class DataPlaneServer:
 
     @property
     def loop_threads(self) -> int:
-        """Threads the event loop started for plain connections (one until a call blocks)."""
+        """Threads the event loop started for plain connections (two until calls block)."""
         return self._loop.threads
 
     @staticmethod
