@@ -92,6 +92,15 @@ def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def _extended(array: np.ndarray, n: int) -> np.ndarray:
+    """1-D ``array`` extended to ``n`` entries, zeros after it: one fresh allocation,
+    each page written once (the kernel clears a fresh page on its first touch)."""
+    out = np.empty(n, array.dtype)
+    out[: array.shape[0]] = array
+    out[array.shape[0] :] = 0
+    return out
+
+
 def _index_size(keys: int) -> int:
     size = 8
     while size * MAX_LOAD < keys:
@@ -193,8 +202,8 @@ class KeyIndex:
         if extra > free_slots:
             need = self.capacity + extra - free_slots
             new_cap = max(need, self.capacity + self.capacity // 2)
-            self.keys = np.concatenate([self.keys, np.zeros(new_cap - self.capacity, np.int64)])
-            self.live = np.concatenate([self.live, np.zeros(new_cap - self.live.shape[0], bool)])
+            self.keys = _extended(self.keys, new_cap)
+            self.live = _extended(self.live, new_cap)
             grew = True
         if (self.size + self._tombstones + extra) > MAX_LOAD * self._table.shape[0]:
             self._rebuild(_index_size(self.size + extra))
