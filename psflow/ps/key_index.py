@@ -46,6 +46,7 @@ WINDOW = 8
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def mix64(keys: np.ndarray) -> np.ndarray:
@@ -54,10 +55,18 @@ def mix64(keys: np.ndarray) -> np.ndarray:
     A bijection with good avalanche: consecutive ids land far apart, so both
     the index and the shard assignment stay balanced on sequential ids.
     """
+    # In place over one scratch array: two allocations instead of nine (the
+    # hash of every new row's columns runs it over tens of thousands of words).
     z = np.ascontiguousarray(keys).view(np.uint64) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    t = np.right_shift(z, _S30)
+    z ^= t
+    z *= _M1
+    np.right_shift(z, _S27, out=t)
+    z ^= t
+    z *= _M2
+    np.right_shift(z, _S31, out=t)
+    z ^= t
+    return z
 
 
 def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
