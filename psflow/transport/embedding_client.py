@@ -24,7 +24,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import ipaddress
 import itertools
 import json
 import logging
@@ -88,20 +87,6 @@ def _as_ids(ids: Any) -> np.ndarray:
 
 
 _TOO_LARGE = object()  # a payload above the data plane's limit: the call goes over gRPC
-
-
-def _on_this_host(addresses: Sequence[str]) -> bool:
-    """Whether every ``host:port`` is a loopback address (or ``localhost``)."""
-    for address in addresses:
-        host = address.rpartition(":")[0].strip("[]")
-        if host == "localhost":
-            continue
-        try:
-            if not ipaddress.ip_address(host).is_loopback:
-                return False
-        except ValueError:  # a name: another host, as far as this client can tell
-            return False
-    return True
 
 
 def _close_planes(planes: Sequence[Any]) -> None:
@@ -171,13 +156,12 @@ class EmbeddingClient:
             it announces one (:mod:`psflow.transport.embedding_plane`; the
             same errors and deadlines), gRPC otherwise; None: the process
             setting (``PSFLOW_DATA_PLANE``, on by default).
-        parallel: call the shards of one lookup or push at once, from a
-            thread pool, rather than one after another from the calling
-            thread; None: in parallel unless every task is on this host's
-            loopback.  On one host the tasks share this process's cores, so
-            overlapping their calls gains no CPU, and each call handed to a
-            pool thread costs a thread switch (about 15% of the client's CPU
-            per step in ``benchmarks/recsys.py``).
+        parallel: call the shards of one lookup or push at once (all but
+            the last from a thread pool), or one after another from the
+            calling thread: no thread hand-off, but the round trips add up.
+            In ``benchmarks/recsys.py`` (2 PS and 2 workers on one 2-core
+            host) one after another took less of a lone client's CPU yet gave
+            fewer examples/s, hence the default.
     """
 
     def __init__(
@@ -189,7 +173,7 @@ class EmbeddingClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         hot_rows: HotRowPolicy | None = None,
         data_plane: bool | None = None,
-        parallel: bool | None = None,
+        parallel: bool = True,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
@@ -209,7 +193,7 @@ class EmbeddingClient:
         self._hot: dict[str, HotRowCache] = {}
         self._hot_policies: dict[str, HotRowPolicy] = {}
         self._max_message_bytes = max_message_bytes
-        self._parallel_setting = parallel
+        self.parallel = parallel
         # ``(ids, shard count, parts)`` of the last split: a push carries the unique
         # ids its lookup just split (one tuple, replaced whole: threads may share it)
         self._last_split: tuple[np.ndarray, int, list[np.ndarray]] | None = None
@@ -217,11 +201,6 @@ class EmbeddingClient:
 
     def _connect(self) -> None:
         """Channels, stubs and a thread pool for ``self.addresses``."""
-        self.parallel = (
-            not _on_this_host(self.addresses)
-            if self._parallel_setting is None
-            else self._parallel_setting
-        )
         self._metadata = self.security.call_metadata() or None
         self._channels = [
             open_channel(a, self.security, channel_options(self._max_message_bytes))
