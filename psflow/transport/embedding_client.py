@@ -721,10 +721,11 @@ class EmbeddingClient:
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> Callable[[], list[int]]:
         """Sends gradient rows ``grads`` (``ids.shape + (dim,)``) to their shards
-        and returns without waiting: calling the result waits for every shard
-        and returns each one's step (-1 where it got no ids).  ``optimizer`` (an
-        update rule's config) binds a table created without one, or must match
-        it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
+        and returns without waiting: calling the result sends the last shard's
+        (every shard's without ``parallel``) from the calling thread, waits for
+        every shard and returns each one's step (-1 where it got no ids).
+        ``optimizer`` (an update rule's config) binds a table created without
+        one, or must match it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
         :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
         closure's push is applied once); by default this client's own sequence.
 
