@@ -637,8 +637,8 @@ class EmbeddingClient:
             results[s] = rows
         with self._lock:
             self.bytes.lookups += 1
-            for s in replies:
-                self.bytes.pulled += missing[parts[s]].nbytes + results[s].nbytes
+            for s in replies:  # ids sent (counted, not gathered again) and rows received
+                self.bytes.pulled += parts[s].size * missing.itemsize + results[s].nbytes
         known = [r for r in results if r is not None]
         if cached is not None and cached[0].any():
             known.append(cached[1])
@@ -758,19 +758,15 @@ class EmbeddingClient:
         # ids are taken here, in shard order, so a re-run draws the same ones
         rids = {s: self._request_id(s, request_ids) for s in shards}
         for s in shards:
-            sent += unique[parts[s]].nbytes + summed[parts[s]].nbytes
+            # each shard's ids and rows are gathered once (take: whole rows per copy)
+            shard_ids, shard_grads = unique[parts[s]], take_rows(summed, parts[s])
+            sent += shard_ids.nbytes + shard_grads.nbytes
             # the last shard's call (every one's, not in parallel) waits for
             # finish(), which makes it in the waiting thread: the caller's
             # other work (the dense push) still goes first, one hand-off fewer
             pending[s] = self._start(
                 functools.partial(
-                    self._push_shard,
-                    s,
-                    table,
-                    unique[parts[s]],
-                    summed[parts[s]],
-                    rids[s],
-                    optimizer_json,
+                    self._push_shard, s, table, shard_ids, shard_grads, rids[s], optimizer_json
                 ),
                 defer=not self.parallel or s == shards[-1],
             )
