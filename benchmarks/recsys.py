@@ -9,7 +9,9 @@ Dense(64, relu) -> Dense(1), sigmoid cross-entropy, Adagrad 0.05, a custom
 loop scheduled through the ClusterCoordinator (one closure = one batch).
 
 - psflow: ``DynamicEmbedding`` on the raw int64 ids (no vocabulary; rows made
-  on first sight, sharded by id hash; lookups and pushes carry unique ids).
+  on first sight, sharded by id hash; lookups and pushes carry unique ids);
+  each PS allocates ``VOCAB / 2`` rows up front, as many in all as TensorFlow's
+  vocabulary holds (``config.rows_allocated_up_front``), and grows past them.
 - TensorFlow: a fixed ``Embedding(VOCAB, 8)`` partitioned over the 2 PS by
   ``FixedShardsPartitioner(2)``, ids hashed into ``[0, VOCAB)`` first (so
   unrelated ids collide: TensorFlow's PSS needs a fixed vocabulary).
@@ -57,6 +59,10 @@ from _common import emit, progress, table
 
 BENCH = "recsys"
 VOCAB = 1 << 20
+# Rows each psflow PS allocates up front: TensorFlow's side holds its whole
+# vocabulary from the start (VOCAB rows over 2 shards), so the dynamic table
+# gets the same rows in all (it still grows past them if needed).
+CAPACITY_PER_PS = VOCAB // 2
 DIM = 8
 HIDDEN = 64
 NUM_CAT, NUM_DENSE = 26, 13
@@ -120,13 +126,15 @@ def make_data(path: str, train: int, test: int) -> None:
     )
 
 
-def psflow_model(pf, name: str):
-    """The model, psflow side."""
+def psflow_model(pf, name: str, capacity: int = CAPACITY_PER_PS):
+    """The model, psflow side (``capacity``: rows each PS allocates up front)."""
 
     class Model(pf.keras.Model):
         def __init__(self):
             super().__init__()
-            self.emb = pf.keras.layers.DynamicEmbedding(DIM, table_name=name, seed=3)
+            self.emb = pf.keras.layers.DynamicEmbedding(
+                DIM, table_name=name, seed=3, capacity=capacity
+            )
             self.hidden = pf.keras.layers.Dense(HIDDEN, activation="relu")
             self.out = pf.keras.layers.Dense(1)
 
@@ -478,6 +486,10 @@ def main() -> int:
         "hidden": HIDDEN,
         "dense_params": DENSE_PARAMS,
         "optimizer": "adagrad(0.05)",
+        "rows_allocated_up_front": {
+            "psflow": f"DynamicEmbedding capacity={CAPACITY_PER_PS} per PS (grows beyond)",
+            "tensorflow": f"Embedding vocabulary {VOCAB} over 2 shards (fixed)",
+        },
         "steps_per_closure": 1,
         "cores": os.cpu_count(),
         "threads": {

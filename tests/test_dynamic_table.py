@@ -426,3 +426,28 @@ def test_a_push_after_its_ids_were_evicted_and_their_slots_reused_is_dropped():
     table.apply_gradients(ids, np.ones((2, DIM), np.float32))
     assert table.stats().dropped_gradients == dropped + 2
     np.testing.assert_array_equal(table.peek(newcomer), first)
+
+
+def test_a_table_grown_from_one_row_equals_a_presized_one():
+    # Growth copies every array (rows, optimizer slots, clocks, traffic, index):
+    # a table that starts with one row and grows many times must hold, bit for
+    # bit, what a table allocated for all its rows up front holds.
+    rng = np.random.default_rng(4)
+    config = TableConfig("t", DIM, seed=2, optimizer=OPTIMIZERS["adagrad"], capacity=1)
+    grown = DynamicTable(config)
+    presized = DynamicTable(config, capacity=4096)
+    for _ in range(40):
+        ids = (rng.zipf(1.3, size=64).astype(np.int64) * 7919) % (2**50)
+        grads = rng.standard_normal((64, DIM)).astype(np.float32)
+        assert grown.lookup(ids).tobytes() == presized.lookup(ids).tobytes()
+        assert grown.apply_gradients(ids, grads) == presized.apply_gradients(ids, grads)
+    a, b = grown.export_state(), presized.export_state()
+    assert a.keys() == b.keys()
+    order_a, order_b = np.argsort(a["ids"]), np.argsort(b["ids"])
+    for k in a:
+        if a[k].ndim and a[k].shape[0] == a["ids"].shape[0]:
+            assert a[k][order_a].tobytes() == b[k][order_b].tobytes(), k
+        else:
+            assert a[k].tobytes() == b[k].tobytes(), k
+    assert grown.stats().rows == presized.stats().rows > 500
+    assert grown.nbytes < presized.nbytes  # it grew from one row, not to 4096

@@ -268,3 +268,45 @@ def test_sigterm_writes_the_tables_and_restart_restores_them(start_ps, tmp_path)
         after = client.stats()[0]["emb"]
         assert (after.rows, after.step) == (stats.rows, stats.step)
         assert client.lookup("emb", ids).tobytes() == before.tobytes()
+
+
+def test_shards_called_in_parallel_or_in_turn_give_the_same_bits(start_ps):
+    servers = _cluster(start_ps, 2)
+    addresses = [s.address for s in servers]
+    with EmbeddingClient(addresses, timeout=30) as default:
+        assert default.parallel is True
+    optimizer = {"name": "adagrad", "learning_rate": 0.1}
+    with (
+        EmbeddingClient(addresses, timeout=30, parallel=True) as fanned,
+        EmbeddingClient(addresses, timeout=30, parallel=False) as in_turn,
+    ):
+        fanned.create_table(TableConfig("a", DIM, seed=5, optimizer=optimizer))
+        in_turn.create_table(TableConfig("b", DIM, seed=5, optimizer=optimizer))
+        for ids, grads in _traffic(3, 12):
+            assert fanned.lookup("a", ids).tobytes() == in_turn.lookup("b", ids).tobytes()
+            assert fanned.push("a", ids, grads) == in_turn.push("b", ids, grads)
+        assert [s["a"].rows for s in fanned.stats()] == [s["b"].rows for s in in_turn.stats()]
+
+
+def test_a_push_routes_its_own_ids_after_the_lookup_array_changed(start_ps):
+    # The client reuses a lookup's split for a push of the same ids; ids changed in
+    # place since (same array, new values) must be split anew: a task rejects ids
+    # it does not own, so a stale split would fail the push.
+    servers = _cluster(start_ps, 2)
+    config = TableConfig("emb", DIM, seed=1, optimizer={"name": "sgd", "learning_rate": 1.0})
+    reference = DynamicTable(config)
+    with EmbeddingClient([s.address for s in servers], timeout=30) as client:
+        client.create_table(config)
+        ids = np.arange(1, 65, dtype=np.int64)
+        client.lookup("emb", ids)
+        reference.lookup(ids)
+        ids *= 1000003
+        grads = np.ones((64, DIM), np.float32)
+        steps = client.push("emb", ids, grads)
+        assert all(s >= 1 for s in steps)
+        assert sum(s["emb"].dropped_gradients for s in client.stats()) == 64  # no rows yet
+        client.lookup("emb", ids)
+        reference.lookup(ids)
+        client.push("emb", ids, grads)
+        reference.apply_gradients(ids, grads)
+        assert client.lookup("emb", ids).tobytes() == reference.peek(ids).tobytes()

@@ -65,10 +65,14 @@ _COLUMN_MIX = np.uint64(0x9E3779B97F4A7C15)
 def _uniform_bits(seed: int, ids: np.ndarray, dim: int, stream: int) -> np.ndarray:
     """Uniform floats in ``[0, 1)``, shape ``(len(ids), dim)``: a counter-based hash
     of ``(seed, stream, id, column)``, so each row depends on its id alone."""
-    base = mix64(ids ^ np.int64(seed)) ^ (np.uint64(stream) * _SEED_MIX)
+    base = mix64(ids ^ np.int64(seed))
+    base ^= np.uint64(stream) * _SEED_MIX
     cols = np.arange(1, dim + 1, dtype=np.uint64) * _COLUMN_MIX
     bits = mix64((base[:, None] + cols[None, :]).view(np.int64))
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    bits >>= np.uint64(11)
+    out = bits.astype(np.float64)
+    out *= 1.0 / (1 << 53)
+    return out
 
 
 def initial_rows(
@@ -82,8 +86,11 @@ def initial_rows(
     if initializer == "zeros":
         return np.zeros((ids.shape[0], dim), dtype)
     u = _uniform_bits(seed, ids, dim, 0)
-    if initializer == "uniform":
-        return ((2.0 * u - 1.0) * scale).astype(dtype)
+    if initializer == "uniform":  # (2u - 1) * scale, in place
+        u *= 2.0
+        u -= 1.0
+        u *= scale
+        return u.astype(dtype)
     v = _uniform_bits(seed, ids, dim, 1)
     radius = np.sqrt(-2.0 * np.log1p(-u))  # 1 - u is in (0, 1]: no log(0)
     return (radius * np.cos(2.0 * np.pi * v) * scale).astype(dtype)
@@ -624,6 +631,13 @@ class DynamicTable:
 
 
 def _grown(array: np.ndarray, rows: int) -> np.ndarray:
-    """``array`` with its first dimension extended to ``rows`` (new entries zero)."""
-    extra = np.zeros((rows - array.shape[0], *array.shape[1:]), array.dtype)
-    return np.concatenate([array, extra])
+    """``array`` with its first dimension extended to ``rows`` (new entries zero).
+
+    One fresh allocation, written once: the kernel zeroes every fresh page on
+    first touch, so building the tail apart and concatenating (two allocations,
+    the tail written twice) cost a table about twice the page clearing.
+    """
+    out = np.empty((rows, *array.shape[1:]), array.dtype)
+    out[: array.shape[0]] = array
+    out[array.shape[0] :] = 0
+    return out

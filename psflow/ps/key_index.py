@@ -46,6 +46,7 @@ WINDOW = 8
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def mix64(keys: np.ndarray) -> np.ndarray:
@@ -54,10 +55,18 @@ def mix64(keys: np.ndarray) -> np.ndarray:
     A bijection with good avalanche: consecutive ids land far apart, so both
     the index and the shard assignment stay balanced on sequential ids.
     """
+    # In place over one scratch array: two allocations instead of nine (the
+    # hash of every new row's columns runs it over tens of thousands of words).
     z = np.ascontiguousarray(keys).view(np.uint64) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    t = np.right_shift(z, _S30)
+    z ^= t
+    z *= _M1
+    np.right_shift(z, _S27, out=t)
+    z ^= t
+    z *= _M2
+    np.right_shift(z, _S31, out=t)
+    z ^= t
+    return z
 
 
 def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
@@ -89,6 +98,15 @@ def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros((n, values.shape[1]), values.dtype)
     for column in range(values.shape[1]):
         np.add.at(out[:, column], inverse, values[:, column])
+    return out
+
+
+def _extended(array: np.ndarray, n: int) -> np.ndarray:
+    """1-D ``array`` extended to ``n`` entries, zeros after it: one fresh allocation,
+    each page written once (the kernel clears a fresh page on its first touch)."""
+    out = np.empty(n, array.dtype)
+    out[: array.shape[0]] = array
+    out[array.shape[0] :] = 0
     return out
 
 
@@ -193,8 +211,8 @@ class KeyIndex:
         if extra > free_slots:
             need = self.capacity + extra - free_slots
             new_cap = max(need, self.capacity + self.capacity // 2)
-            self.keys = np.concatenate([self.keys, np.zeros(new_cap - self.capacity, np.int64)])
-            self.live = np.concatenate([self.live, np.zeros(new_cap - self.live.shape[0], bool)])
+            self.keys = _extended(self.keys, new_cap)
+            self.live = _extended(self.live, new_cap)
             grew = True
         if (self.size + self._tombstones + extra) > MAX_LOAD * self._table.shape[0]:
             self._rebuild(_index_size(self.size + extra))

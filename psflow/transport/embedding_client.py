@@ -96,14 +96,19 @@ def _close_planes(planes: Sequence[Any]) -> None:
 
 
 class _Pending:
-    """A call to one shard in flight on the client's pool (or already done,
-    when the calling thread made it itself): :meth:`result` waits for the reply
-    or raises its typed error."""
+    """A call to one shard in flight on the client's pool, already done (the
+    calling thread made it itself), or deferred (the thread that waits for it
+    makes it then): :meth:`result` waits for the reply or raises its typed error."""
 
-    __slots__ = ("_future", "_reply")
+    __slots__ = ("_deferred", "_future", "_reply")
 
-    def __init__(self, future: concurrent.futures.Future | None, reply: Any = None) -> None:
-        self._future, self._reply = future, reply
+    def __init__(
+        self,
+        future: concurrent.futures.Future | None,
+        reply: Any = None,
+        deferred: Callable[[], Any] | None = None,
+    ) -> None:
+        self._future, self._reply, self._deferred = future, reply, deferred
 
     def result(self) -> Any:
         """The reply.
@@ -111,10 +116,14 @@ class _Pending:
         Raises:
             OpError: the call failed (its typed error, naming ``ps:<shard>``).
         """
+        if self._deferred is not None:
+            call, self._deferred = self._deferred, None
+            self._reply = call()
         return self._reply if self._future is None else self._future.result()
 
     def cancel(self) -> None:
         """Gives up on a call not started yet."""
+        self._deferred = None
         if self._future is not None:
             self._future.cancel()
 
@@ -147,6 +156,12 @@ class EmbeddingClient:
             it announces one (:mod:`psflow.transport.embedding_plane`; the
             same errors and deadlines), gRPC otherwise; None: the process
             setting (``PSFLOW_DATA_PLANE``, on by default).
+        parallel: call the shards of one lookup or push at once (all but
+            the last from a thread pool), or one after another from the
+            calling thread: no thread hand-off, but the round trips add up.
+            In ``benchmarks/recsys.py`` (2 PS and 2 workers on one 2-core
+            host) one after another took less of a lone client's CPU yet gave
+            fewer examples/s, hence the default.
     """
 
     def __init__(
@@ -158,6 +173,7 @@ class EmbeddingClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         hot_rows: HotRowPolicy | None = None,
         data_plane: bool | None = None,
+        parallel: bool = True,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
@@ -177,6 +193,10 @@ class EmbeddingClient:
         self._hot: dict[str, HotRowCache] = {}
         self._hot_policies: dict[str, HotRowPolicy] = {}
         self._max_message_bytes = max_message_bytes
+        self.parallel = parallel
+        # ``(ids, shard count, parts)`` of the last split: a push carries the unique
+        # ids its lookup just split (one tuple, replaced whole: threads may share it)
+        self._last_split: tuple[np.ndarray, int, list[np.ndarray]] | None = None
         self._connect()
 
     def _connect(self) -> None:
@@ -522,11 +542,17 @@ class EmbeddingClient:
                 self._planes[shard] = None
         plane[0].close()
 
-    def _start(self, call: Callable[[], Any], inline: bool = False) -> _Pending:
-        """Runs ``call`` on the pool without waiting for it, or ``inline`` in this
-        thread (a fan-out's last call: one thread hand-off fewer)."""
+    def _start(
+        self, call: Callable[[], Any], inline: bool = False, defer: bool = False
+    ) -> _Pending:
+        """Runs ``call`` on the pool without waiting for it, ``inline`` in this
+        thread (a fan-out's last call: one thread hand-off fewer), or with ``defer``
+        leaves it to the thread that waits for its result (the same, for a caller that
+        does other work between starting and waiting)."""
         if inline:
             return _Pending(None, call())
+        if defer:
+            return _Pending(None, deferred=call)
         return _Pending(self._pool.submit(call))
 
     def _on_every_shard(self, fn: Callable[[int], Any]) -> list[Any]:
@@ -562,11 +588,22 @@ class EmbeddingClient:
             return (self.client_id, next(self._sequence))
 
     def _split(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Positions into ``ids`` owned by each shard."""
-        if self.num_shards == 1:
+        """Positions into ``ids`` owned by each shard.
+
+        A step pushes the very ids it looked up: the last split is kept (with a
+        copy of its ids, compared by value) and the push reuses it instead of
+        hashing every id again.
+        """
+        n = self.num_shards
+        if n == 1:
             return [np.arange(ids.shape[0])]
-        owner = shard_of(ids, self.num_shards)
-        return [np.flatnonzero(owner == s) for s in range(self.num_shards)]
+        last = self._last_split
+        if last is not None and last[1] == n and np.array_equal(last[0], ids):
+            return last[2]
+        owner = shard_of(ids, n)
+        parts = [np.flatnonzero(owner == s) for s in range(n)]
+        self._last_split = (ids.copy(), n, parts)
+        return parts
 
     def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
         """Rows of ``ids`` (any shape of integers): shape ``ids.shape + (dim,)``.
@@ -590,7 +627,7 @@ class EmbeddingClient:
         pending = {
             s: self._start(
                 functools.partial(self._lookup_shard, s, table, missing[parts[s]], training),
-                inline=s == shards[-1],
+                inline=not self.parallel or s == shards[-1],
             )
             for s in shards
         }
@@ -600,8 +637,8 @@ class EmbeddingClient:
             results[s] = rows
         with self._lock:
             self.bytes.lookups += 1
-            for s in replies:
-                self.bytes.pulled += missing[parts[s]].nbytes + results[s].nbytes
+            for s in replies:  # ids sent (counted, not gathered again) and rows received
+                self.bytes.pulled += parts[s].size * missing.itemsize + results[s].nbytes
         known = [r for r in results if r is not None]
         if cached is not None and cached[0].any():
             known.append(cached[1])
@@ -684,10 +721,11 @@ class EmbeddingClient:
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> Callable[[], list[int]]:
         """Sends gradient rows ``grads`` (``ids.shape + (dim,)``) to their shards
-        and returns without waiting: calling the result waits for every shard
-        and returns each one's step (-1 where it got no ids).  ``optimizer`` (an
-        update rule's config) binds a table created without one, or must match
-        it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
+        and returns without waiting: calling the result sends the last shard's
+        (every shard's without ``parallel``) from the calling thread, waits for
+        every shard and returns each one's step (-1 where it got no ids).
+        ``optimizer`` (an update rule's config) binds a table created without
+        one, or must match it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
         :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
         closure's push is applied once); by default this client's own sequence.
 
@@ -720,17 +758,17 @@ class EmbeddingClient:
         # ids are taken here, in shard order, so a re-run draws the same ones
         rids = {s: self._request_id(s, request_ids) for s in shards}
         for s in shards:
-            sent += unique[parts[s]].nbytes + summed[parts[s]].nbytes
+            # each shard's ids and rows are gathered once (take: whole rows per copy)
+            shard_ids, shard_grads = unique[parts[s]], take_rows(summed, parts[s])
+            sent += shard_ids.nbytes + shard_grads.nbytes
+            # the last shard's call (every one's, not in parallel) waits for
+            # finish(), which makes it in the waiting thread: the caller's
+            # other work (the dense push) still goes first, one hand-off fewer
             pending[s] = self._start(
                 functools.partial(
-                    self._push_shard,
-                    s,
-                    table,
-                    unique[parts[s]],
-                    summed[parts[s]],
-                    rids[s],
-                    optimizer_json,
-                )
+                    self._push_shard, s, table, shard_ids, shard_grads, rids[s], optimizer_json
+                ),
+                defer=not self.parallel or s == shards[-1],
             )
 
         def finish() -> list[int]:
