@@ -21,6 +21,7 @@ from psflow.ps.dynamic_table import DynamicTable, TableConfig
 from psflow.ps.hot_rows import HotRowPolicy
 from psflow.ps.key_index import shard_of
 from psflow.transport import codec
+from psflow.transport.client import PSClient
 from psflow.transport.embedding_client import EmbeddingClient
 
 pytestmark = pytest.mark.slow
@@ -193,6 +194,13 @@ def test_checkpoint_of_two_ps_restores_onto_three(start_ps, tmp_path):
             assert new.lookup("emb", ids).tobytes() == old.lookup("emb", ids).tobytes()
 
 
+def _restored(address: str) -> None:
+    """Waits until a PS started with ``--restore`` reports SERVING: it answers
+    calls while it restores (its health says NOT_SERVING until done)."""
+    with PSClient(address, timeout=30) as client:
+        client.wait_ready(30)
+
+
 def _when_reachable(call, timeout: float = 30.0):
     """``call()`` once the channel reconnected (gRPC backs off after a refusal)."""
     deadline = time.monotonic() + timeout
@@ -226,6 +234,7 @@ def test_killed_ps_restarts_with_its_table_from_the_last_checkpoint(start_ps, tm
         with pytest.raises(errors.UnavailableError, match="ps:1"):
             finish()
         start_ps("--task", "ps:1", "--port", str(servers[1].port), "--restore", str(tmp_path))
+        _restored(servers[1].address)
         after = _when_reachable(lambda: client.lookup("emb", ids))
         assert on_1.any() and (~on_1).any()
         assert after[on_1].tobytes() == saved[on_1].tobytes()
@@ -264,6 +273,7 @@ def test_sigterm_writes_the_tables_and_restart_restores_them(start_ps, tmp_path)
         stats = client.stats()[0]["emb"]
     assert server.stop(signal.SIGTERM) == 0
     restarted = start_ps("--task", "ps:0", "--restore", str(tmp_path))
+    _restored(restarted.address)
     with EmbeddingClient([restarted.address], timeout=30) as client:
         after = client.stats()[0]["emb"]
         assert (after.rows, after.step) == (stats.rows, stats.step)
