@@ -11,9 +11,9 @@ no hand-off between a reading and a working thread.  Two threads wait from
 the start (``min_threads``): on a busy host the thread serving a call is
 often descheduled - or inside ``sendmsg``, whose reply wakes a client that
 then runs first - and the other serves the next ready connection meanwhile
-(16 client processes pushing 4 KB to one PS on a loaded 2-core host: +15%
-pushes/s over one thread, 6 of 8 alternated runs; one client alone: no
-difference).  A watcher adds more only when every thread has been inside a
+(16 client processes pushing 4 KB to one PS on a shared 2-core host: +12%
+pushes/s over one thread, ahead in 8 of 11 alternated runs; one client alone:
+no difference).  A watcher adds more only when every thread has been inside a
 call for a while and none of them used the CPU meanwhile (synchronous pushes
 waiting for the others), so blocked calls never stop the rest from being
 read.  Threads are never retired, so a call that is merely slow (computing,
