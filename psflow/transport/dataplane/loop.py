@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from . import frames
-from .stream import FrameStream
+from .stream import IOV_MAX, FrameStream, drop_sent
 
 __all__ = ["EventLoop", "LoopConnection", "ReplyStream"]
 
@@ -52,7 +52,6 @@ _STAGING = 64 << 10
 _DIRECT = 16 << 10
 _POLL = 0.25
 _SWEEP = 1.0
-_IOV_MAX = 512
 # a call that kept every thread busy this long: start another so the rest are read
 _STALL = 0.02
 # CPU seconds a thread may use over one stall check and still count as blocked
@@ -85,17 +84,10 @@ class ReplyStream(FrameStream):
         try:
             while views:
                 try:
-                    sent = self.sock.sendmsg(views[:_IOV_MAX])
+                    drop_sent(views, self.sock.sendmsg(views[:IOV_MAX]))
                 except BlockingIOError:  # the kernel's buffer is full: wait, bounded
                     self.sock.settimeout(self.io_timeout)
                     blocking = True
-                    continue
-                while sent and views:
-                    if sent >= len(views[0]):
-                        sent -= len(views.pop(0))
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
         finally:
             if blocking:
                 self.sock.setblocking(False)
