@@ -160,6 +160,70 @@ def test_concurrent_calls_share_the_pool(served):
     assert server.connections <= 3
 
 
+def test_sent_calls_are_answered_in_any_order_and_hold_a_connection_each(served):
+    server, rec = served
+    with _client(server, max_connections=2) as client:
+        first = client.send("Stall", b"", timeout=20)
+        second = client.send("Echo", b"ab", [np.arange(5, dtype=np.int32)], timeout=20)
+        # both connections are held until their replies are read: a third call waits
+        with pytest.raises(DeadlineExceededError, match="no free data-plane connection"):
+            client.call("Echo", b"x", timeout=0.3)
+        header, payload = second.result()
+        assert header == b"ba" and np.frombuffer(payload, np.int32).tolist() == [0, 1, 2, 3, 4]
+        rec.release.set()
+        assert first.result()[0] == b"late"
+        with pytest.raises(InvalidArgumentError, match="read or given up"):
+            first.result()
+        # both connections went back to the pool and serve the next calls
+        assert client.call("Echo", b"cd", timeout=10)[0] == b"dc"
+        assert server.connections <= 2
+
+
+def test_a_cancelled_sent_call_frees_its_connection_and_others_go_on(served):
+    server, rec = served
+    with _client(server, max_connections=1) as client:
+        stalled = client.send("Stall", b"", timeout=20)
+        stalled.cancel()
+        stalled.cancel()  # idempotent
+        with pytest.raises(InvalidArgumentError, match="read or given up"):
+            stalled.result()
+        rec.release.set()
+        # the slot is free again and a fresh connection serves the next call
+        assert client.call("Echo", b"ef", timeout=10)[0] == b"fe"
+
+
+def test_a_sent_call_raises_its_typed_error_when_read(served):
+    server, rec = served
+    with _client(server) as client:
+        failing = client.send("Fail", b"y", timeout=10)
+        stalled = client.send("Stall", b"", timeout=0.5)
+        with pytest.raises(AbortedError, match="refused 'y'"):
+            failing.result()
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match="Stall to ps:0"):
+            stalled.result()
+        assert time.monotonic() - start < 3
+        rec.release.set()
+        assert client.call("Echo", b"gh", timeout=10)[0] == b"hg"
+
+
+def test_a_sent_call_to_a_server_that_is_gone_is_unavailable_when_read():
+    server, rec = _server()
+    client = DataPlaneClient(f"127.0.0.1:{server.port}", task="ps:1")
+    try:
+        sent = client.send("Stall", b"", timeout=20)
+        server.stop()  # closes the connection the call waits on
+        rec.release.set()
+        with pytest.raises(UnavailableError, match="Stall to ps:1"):
+            sent.result()
+        with pytest.raises(UnavailableError, match="Echo to ps:1"):
+            client.send("Echo", b"", timeout=5)
+    finally:
+        rec.release.set()
+        client.close()
+        server.stop()
+
+
 def test_handler_error_raises_the_same_typed_error(served):
     server, _ = served
     with _client(server) as client:

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import select
@@ -28,7 +29,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from psflow.transport.status import status_error
 from . import auth, frames
 from .stream import FrameStream, tune
 
-__all__ = ["DataPlaneClient", "Sink"]
+__all__ = ["DataPlaneClient", "SentCall", "Sink"]
 
 log = logging.getLogger(__name__)
 
@@ -216,26 +217,100 @@ class DataPlaneClient:
         Raises:
             OpError: the typed error of the failure (see the module docstring).
         """
+        return self.send(method, header, payload, timeout).result(sink)
+
+    def send(
+        self, method: str, header: bytes, payload: Sequence[Any] = (), timeout: float = 60.0
+    ) -> SentCall:
+        """Sends a call to ``method`` now and returns without reading its reply:
+        :meth:`SentCall.result` reads it.  A thread that sends to several servers
+        before reading any reply has them work at once with no thread of its own
+        per call.  The call holds one of the pooled connections until its result
+        is read (or it is cancelled).
+
+        Raises:
+            OpError: the request could not be sent (as :meth:`call`).
+        """
         deadline = time.monotonic() + timeout
         if not self._slots.acquire(timeout=max(timeout, 0.0)):
             raise self._error(method, Code.DEADLINE_EXCEEDED, "no free data-plane connection")
         try:
             conn = self._take(method, deadline)
-            reply = self._exchange(
-                method,
-                conn,
-                frames.Kind.REQUEST,
-                frames.method_id(method),
-                next(self._ids),
-                header,
-                payload,
-                deadline,
-                sink,
-            )
-            self._give_back(conn)
-            return reply
-        finally:
+            call_id = next(self._ids)
+            kind = frames.Kind.REQUEST
+            with self._failures(method, conn, kind):
+                self._send(conn, kind, frames.method_id(method), call_id, header, payload, deadline)
+        except BaseException:
             self._slots.release()
+            raise
+        return SentCall(self, method, conn, call_id, deadline)
+
+    def _send(
+        self,
+        conn: _Conn,
+        kind: frames.Kind,
+        mid: int,
+        call_id: int,
+        header: bytes,
+        payload: Sequence[Any],
+        deadline: float,
+    ) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        conn.stream.settimeout(left)
+        conn.stream.send_frame(
+            kind,
+            method=mid,
+            call_id=call_id,
+            header=header,
+            buffers=payload,
+            timeout_ms=frames.timeout_ms(left),
+        )
+
+    def _receive(
+        self,
+        method: str,
+        conn: _Conn,
+        kind: frames.Kind,
+        call_id: int,
+        deadline: float,
+        sink: Sink | None,
+    ) -> tuple[bytes, memoryview]:
+        """Reads the answer to call ``call_id``; an ERROR frame raises its typed error
+        (marked ``answered``: the connection stays usable, handed back here)."""
+        stream = conn.stream
+        stream.settimeout(max(deadline - time.monotonic(), 0.001))
+        head = stream.read_head()
+        reply_header = stream.read_bytes(head.header_len)
+        if head.call_id != call_id:
+            raise frames.FrameError(
+                f"a reply to call {head.call_id} where call {call_id}'s was due"
+            )
+        if head.kind is frames.Kind.ERROR:
+            stream.discard(head.payload_len)
+            status = dataplane_pb2.DataPlaneStatus.FromString(reply_header)
+            code = Code.__members__.get(status.code, Code.UNKNOWN)
+            error = self._error(
+                method, code, status.message, [(m.key, m.value) for m in status.metadata]
+            )
+            if kind is frames.Kind.HELLO:
+                stream.close()
+            else:
+                self._give_back(conn)
+            raise _Answered(error)
+        expected = frames.Kind.WELCOME if kind is frames.Kind.HELLO else frames.Kind.REPLY
+        if head.kind is not expected:
+            raise frames.FrameError(f"a {head.kind.name} frame where {expected.name} was due")
+        dest = None if sink is None else sink(reply_header, head.payload_len)
+        if dest is None:
+            dest = memoryview(np.empty(head.payload_len, np.uint8))
+        elif len(dest) != head.payload_len:
+            raise InvalidArgumentError(
+                f"the sink gave {len(dest)} bytes for a payload of {head.payload_len}"
+            )
+        stream.read_into(dest)
+        return reply_header, dest
 
     def _exchange(
         self,
@@ -250,59 +325,24 @@ class DataPlaneClient:
         sink: Sink | None = None,
     ) -> tuple[bytes, memoryview]:
         """Sends one frame and reads its answer; drops ``conn`` on any failure but a status."""
+        with self._failures(method, conn, kind):
+            self._send(conn, kind, mid, call_id, header, payload, deadline)
+            return self._receive(method, conn, kind, call_id, deadline, sink)
+
+    @contextlib.contextmanager
+    def _failures(self, method: str, conn: _Conn, kind: frames.Kind) -> Iterator[None]:
+        """Maps a failure inside to its typed error; drops ``conn`` on any failure
+        but an answered status."""
         stream = conn.stream
-        answered = None  # the error an ERROR frame answered: the connection stays usable
         try:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            stream.settimeout(left)
-            stream.send_frame(
-                kind,
-                method=mid,
-                call_id=call_id,
-                header=header,
-                buffers=payload,
-                timeout_ms=frames.timeout_ms(left),
-            )
-            stream.settimeout(max(deadline - time.monotonic(), 0.001))
-            head = stream.read_head()
-            reply_header = stream.read_bytes(head.header_len)
-            if head.call_id != call_id:
-                raise frames.FrameError(
-                    f"a reply to call {head.call_id} where call {call_id}'s was due"
-                )
-            if head.kind is frames.Kind.ERROR:
-                stream.discard(head.payload_len)
-                status = dataplane_pb2.DataPlaneStatus.FromString(reply_header)
-                code = Code.__members__.get(status.code, Code.UNKNOWN)
-                error = self._error(
-                    method, code, status.message, [(m.key, m.value) for m in status.metadata]
-                )
-                if kind is frames.Kind.HELLO:
-                    stream.close()
-                else:
-                    self._give_back(conn)
-                answered = error
-                raise error
-            expected = frames.Kind.WELCOME if kind is frames.Kind.HELLO else frames.Kind.REPLY
-            if head.kind is not expected:
-                raise frames.FrameError(f"a {head.kind.name} frame where {expected.name} was due")
-            dest = None if sink is None else sink(reply_header, head.payload_len)
-            if dest is None:
-                dest = memoryview(np.empty(head.payload_len, np.uint8))
-            elif len(dest) != head.payload_len:
-                raise InvalidArgumentError(
-                    f"the sink gave {len(dest)} bytes for a payload of {head.payload_len}"
-                )
-            stream.read_into(dest)
-            return reply_header, dest
+            yield
+        except _Answered as e:
+            raise e.error from None
         except frames.FrameError as e:
             stream.close()
             raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
-        except OpError as e:
-            if e is not answered:
-                stream.close()
+        except OpError:
+            stream.close()
             raise
         except TimeoutError:
             stream.close()
@@ -318,6 +358,52 @@ class DataPlaneClient:
         except Exception as e:  # a malformed status header: the connection is unusable
             stream.close()
             raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
+
+
+class _Answered(Exception):
+    """An ERROR frame's typed error, raised past the connection-dropping handlers."""
+
+    def __init__(self, error: OpError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class SentCall:
+    """A call sent by :meth:`DataPlaneClient.send` whose reply is not read yet."""
+
+    __slots__ = ("_client", "_conn", "_deadline", "_id", "_method")
+
+    def __init__(
+        self, client: DataPlaneClient, method: str, conn: _Conn, call_id: int, deadline: float
+    ) -> None:
+        self._client, self._method, self._conn = client, method, conn
+        self._id, self._deadline = call_id, deadline
+
+    def result(self, sink: Sink | None = None) -> tuple[bytes, memoryview]:
+        """The reply's header bytes and payload (once; ``sink`` as in :meth:`DataPlaneClient.call`).
+
+        Raises:
+            OpError: the typed error of the failure (see the module docstring).
+        """
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise InvalidArgumentError(f"the reply of {self._method} was read or given up already")
+        client = self._client
+        try:
+            kind = frames.Kind.REQUEST
+            with client._failures(self._method, conn, kind):
+                reply = client._receive(self._method, conn, kind, self._id, self._deadline, sink)
+            client._give_back(conn)
+            return reply
+        finally:
+            client._slots.release()
+
+    def cancel(self) -> None:
+        """Gives up on the reply: its connection is closed (a reply may still come on it)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.stream.close()
+            self._client._slots.release()
 
 
 _FRESH = 1.0
