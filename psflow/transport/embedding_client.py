@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -97,18 +97,21 @@ def _close_planes(planes: Sequence[Any]) -> None:
 
 class _Pending:
     """A call to one shard in flight on the client's pool, already done (the
-    calling thread made it itself), or deferred (the thread that waits for it
-    makes it then): :meth:`result` waits for the reply or raises its typed error."""
+    calling thread made it itself), deferred (the thread that waits for it
+    makes it then), or sent on the data plane with its reply read then:
+    :meth:`result` waits for the reply or raises its typed error."""
 
-    __slots__ = ("_deferred", "_future", "_reply")
+    __slots__ = ("_deferred", "_future", "_on_cancel", "_reply")
 
     def __init__(
         self,
         future: concurrent.futures.Future | None,
         reply: Any = None,
         deferred: Callable[[], Any] | None = None,
+        on_cancel: Callable[[], None] | None = None,
     ) -> None:
         self._future, self._reply, self._deferred = future, reply, deferred
+        self._on_cancel = on_cancel
 
     def result(self) -> Any:
         """The reply.
@@ -117,15 +120,18 @@ class _Pending:
             OpError: the call failed (its typed error, naming ``ps:<shard>``).
         """
         if self._deferred is not None:
-            call, self._deferred = self._deferred, None
+            call, self._deferred, self._on_cancel = self._deferred, None, None
             self._reply = call()
         return self._reply if self._future is None else self._future.result()
 
     def cancel(self) -> None:
-        """Gives up on a call not started yet."""
+        """Gives up on a call not started yet (or sent and not answered yet)."""
         self._deferred = None
         if self._future is not None:
             self._future.cancel()
+        if self._on_cancel is not None:
+            on_cancel, self._on_cancel = self._on_cancel, None
+            on_cancel()
 
 
 def _gather(pending: dict[int, _Pending]) -> dict[int, Any]:
@@ -139,6 +145,22 @@ def _gather(pending: dict[int, _Pending]) -> dict[int, Any]:
             call.cancel()
         raise
     return replies
+
+
+@contextlib.contextmanager
+def _cancelled_on_error(pending: dict[int, _Pending]) -> Iterator[None]:
+    """Cancels the calls started so far when starting the next one raises."""
+    try:
+        yield
+    except BaseException:
+        for call in pending.values():
+            call.cancel()
+        raise
+
+
+def _push_step(reply: bytes, payload: memoryview) -> int:
+    """The step a data-plane PushGradients reply reports."""
+    return embedding_plane.parse(reply, embedding_pb2.PushGradientsResponse).step
 
 
 class EmbeddingClient:
@@ -529,12 +551,55 @@ class EmbeddingClient:
                         return result
                 return over_grpc()
             except (UnavailableError, DeadlineExceededError) as e:
-                if plane is not None and isinstance(e, UnavailableError):
-                    # a restarted task listens elsewhere: ask again on the next call
-                    self._forget_plane(shard, plane)
+                self._plane_failed(shard, plane, e)
                 if attempt == retries:
                     raise
         raise AssertionError("unreachable")
+
+    def _plane_failed(
+        self, shard: int, plane: tuple[DataPlaneClient, int] | None, error: OpError
+    ) -> None:
+        if plane is not None and isinstance(error, UnavailableError):
+            # a restarted task listens elsewhere: ask again on the next call
+            self._forget_plane(shard, plane)
+
+    def _begin(
+        self,
+        shard: int,
+        method: str,
+        nbytes: int,
+        request: Callable[[], tuple[bytes, Sequence[Any]]],
+        parse: Callable[[bytes, memoryview], Any],
+        call: Callable[[int], Any],
+        last: bool,
+    ) -> _Pending:
+        """Starts one shard's call of a fan-out (``call(retries)`` makes it whole).
+
+        On the shard's data plane it is sent now, from this thread, and its
+        reply read by the result: a fan-out sends to every shard before it
+        reads any reply, so the tasks work at once with no thread hand-off.
+        Where it failed it is made again, whole, by the result.  Over gRPC
+        (no plane, or a payload above the plane's limit) it runs on the pool,
+        or, ``last`` of the fan-out, is left to the thread that waits.
+        """
+        plane = self._planes[shard]
+        if not plane or nbytes > plane[1]:  # unknown yet, none, or too large: as before
+            return self._start(functools.partial(call, 1), defer=last)
+        try:
+            sent = plane[0].send(method, *request(), self.timeout)
+        except (UnavailableError, DeadlineExceededError) as e:
+            self._plane_failed(shard, plane, e)
+            return _Pending(None, deferred=functools.partial(call, 0))
+
+        def finish() -> Any:
+            try:
+                reply, payload = sent.result()
+            except (UnavailableError, DeadlineExceededError) as e:
+                self._plane_failed(shard, plane, e)
+                return call(0)
+            return parse(reply, payload)
+
+        return _Pending(None, deferred=finish, on_cancel=sent.cancel)
 
     def _forget_plane(self, shard: int, plane: tuple[DataPlaneClient, int]) -> None:
         with self._plane_lock:
@@ -624,13 +689,25 @@ class EmbeddingClient:
         missing = unique if cached is None else unique[~cached[0]]
         parts = self._split(missing)
         shards = [s for s in range(self.num_shards) if parts[s].size]
-        pending = {
-            s: self._start(
-                functools.partial(self._lookup_shard, s, table, missing[parts[s]], training),
-                inline=not self.parallel or s == shards[-1],
-            )
-            for s in shards
-        }
+        pending: dict[int, _Pending] = {}
+        with _cancelled_on_error(pending):
+            for s in shards:
+                shard_ids = missing[parts[s]]
+                call = functools.partial(self._lookup_shard, s, table, shard_ids, training)
+                if not self.parallel:
+                    pending[s] = _Pending(None, call())
+                    continue
+                pending[s] = self._begin(
+                    s,
+                    embedding_plane.LOOKUP,
+                    shard_ids.nbytes,
+                    functools.partial(
+                        embedding_plane.lookup_request, table, shard_ids, not training
+                    ),
+                    embedding_plane.rows_from_reply,
+                    call,
+                    last=s == shards[-1],
+                )
         replies = _gather(pending)
         results: list[np.ndarray | None] = [None] * self.num_shards
         for s, rows in replies.items():
@@ -655,7 +732,9 @@ class EmbeddingClient:
             out[cached[0]] = cached[1]
         return (out if unique is flat else take_rows(out, inverse)).reshape(*ids.shape, dim)
 
-    def _lookup_shard(self, s: int, table: str, ids: np.ndarray, training: bool) -> np.ndarray:
+    def _lookup_shard(
+        self, s: int, table: str, ids: np.ndarray, training: bool, retries: int = 1
+    ) -> np.ndarray:
         """The rows of ``ids`` (all owned by task ``s``)."""
 
         def over_grpc() -> np.ndarray:
@@ -671,7 +750,7 @@ class EmbeddingClient:
             reply, payload = plane.call(embedding_plane.LOOKUP, header, buffers, self.timeout)
             return embedding_plane.rows_from_reply(reply, payload)
 
-        return self._exchange(s, over_grpc, over_plane, retries=1)
+        return self._exchange(s, over_grpc, over_plane, retries)
 
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
@@ -757,19 +836,33 @@ class EmbeddingClient:
         shards = [s for s in range(len(parts)) if parts[s].size]
         # ids are taken here, in shard order, so a re-run draws the same ones
         rids = {s: self._request_id(s, request_ids) for s in shards}
-        for s in shards:
-            # each shard's ids and rows are gathered once (take: whole rows per copy)
-            shard_ids, shard_grads = unique[parts[s]], take_rows(summed, parts[s])
-            sent += shard_ids.nbytes + shard_grads.nbytes
-            # the last shard's call (every one's, not in parallel) waits for
-            # finish(), which makes it in the waiting thread: the caller's
-            # other work (the dense push) still goes first, one hand-off fewer
-            pending[s] = self._start(
-                functools.partial(
+        with _cancelled_on_error(pending):
+            for s in shards:
+                # each shard's ids and rows are gathered once (take: whole rows per copy)
+                shard_ids, shard_grads = unique[parts[s]], take_rows(summed, parts[s])
+                sent += shard_ids.nbytes + shard_grads.nbytes
+                call = functools.partial(
                     self._push_shard, s, table, shard_ids, shard_grads, rids[s], optimizer_json
-                ),
-                defer=not self.parallel or s == shards[-1],
-            )
+                )
+                if not self.parallel:  # one after another, made by finish()
+                    pending[s] = _Pending(None, deferred=call)
+                    continue
+                pending[s] = self._begin(
+                    s,
+                    embedding_plane.PUSH,
+                    shard_ids.nbytes + shard_grads.nbytes,
+                    functools.partial(
+                        embedding_plane.push_request,
+                        table,
+                        shard_ids,
+                        shard_grads,
+                        rids[s],
+                        optimizer_json,
+                    ),
+                    _push_step,
+                    call,
+                    last=s == shards[-1],
+                )
 
         def finish() -> list[int]:
             replies = _gather(pending)
@@ -788,6 +881,7 @@ class EmbeddingClient:
         grads: np.ndarray,
         request_id: tuple[str, int],
         optimizer_json: str,
+        retries: int = 1,
     ) -> int:
         """Applies gradient rows of ``ids`` (all owned by task ``s``); returns its step."""
 
@@ -807,10 +901,9 @@ class EmbeddingClient:
             header, buffers = embedding_plane.push_request(
                 table, ids, grads, request_id, optimizer_json
             )
-            reply, _ = plane.call(embedding_plane.PUSH, header, buffers, self.timeout)
-            return embedding_plane.parse(reply, embedding_pb2.PushGradientsResponse).step
+            return _push_step(*plane.call(embedding_plane.PUSH, header, buffers, self.timeout))
 
-        return self._exchange(s, over_grpc, over_plane, retries=1)
+        return self._exchange(s, over_grpc, over_plane, retries)
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
