@@ -13,6 +13,7 @@ import pytest
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
 from psflow.ps.key_index import KeyIndex, mix64, shard_of, sum_rows
+from psflow.ps.tables import TableRegistry
 from psflow.update_rules import rule_from_config
 
 DIM = 4
@@ -143,6 +144,35 @@ def test_bad_input_is_typed_and_changes_nothing(ids, grads, match):
     assert before.keys() == after.keys()
     for k in before:
         assert before[k].tobytes() == after[k].tobytes(), k
+
+
+def test_ids_of_another_shard_are_refused_naming_one_and_nothing_changes():
+    registry = TableRegistry("ps:0")
+    registry.create(TableConfig("t", DIM, optimizer=OPTIMIZERS["adagrad"]), 0, 2)
+    ids = np.arange(1, 200, dtype=np.int64)
+    mine, theirs = ids[shard_of(ids, 2) == 0], ids[shard_of(ids, 2) == 1]
+    registry.lookup("t", mine)  # rows made: later lookups of them skip the ownership hash
+    registry.push("t", mine, np.ones((mine.size, DIM), np.float32), ("c", 1))
+    table = registry.table("t")
+    before, stats = table.export_state(), table.stats()
+    mixed = np.sort(np.concatenate([mine[:5], theirs[:1]]))
+    grads = np.ones((mixed.size, DIM), np.float32)
+    calls = [
+        lambda: registry.lookup("t", mixed),
+        lambda: registry.lookup("t", mixed, read_only=True),
+        lambda: registry.push("t", mixed, grads, ("c", 2)),
+        lambda: registry.push("t", mixed, grads),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError, match=f"id {theirs[0]} .* not 0 of 2"):
+            call()
+    after = table.export_state()
+    assert table.stats() == stats
+    for k in before:
+        assert before[k].tobytes() == after[k].tobytes(), k
+    # the refused request id was not used up: the same push of owned ids applies once
+    assert registry.push("t", mine[:5], grads[:5], ("c", 2)) == stats.step + 1
+    assert registry.push("t", mine[:5], grads[:5], ("c", 2)) == stats.step + 1
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ import collections
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,13 +54,16 @@ from psflow.update_rules import UpdateRule, put_rows, rule_from_config, take_row
 
 from .key_index import KeyIndex, mix64, sum_rows, unique_ids
 
-__all__ = ["INITIALIZERS", "DynamicTable", "TableConfig", "TableStats", "initial_rows"]
+__all__ = ["INITIALIZERS", "DynamicTable", "IdCheck", "TableConfig", "TableStats", "initial_rows"]
 
 INITIALIZERS = ("uniform", "normal", "zeros")
 _SEED_MIX = np.uint64(0xD1B54A32D192ED03)
 # Lookups whose slots a table remembers for the pushes that follow them.
 _RECENT_LOOKUPS = 8
 _COLUMN_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+IdCheck = Callable[[np.ndarray], None]
+"""``check(ids)``: raises for ids (int64, 1-D) a table shard must not hold."""
 
 
 def _uniform_bits(seed: int, ids: np.ndarray, dim: int, stream: int) -> np.ndarray:
@@ -264,25 +268,32 @@ class DynamicTable:
         )
 
     # -- reads ----------------------------------------------------------------------
-    def lookup(self, ids: Any, read_only: bool = False) -> np.ndarray:
+    def lookup(self, ids: Any, read_only: bool = False, owned: IdCheck | None = None) -> np.ndarray:
         """The rows of ``ids`` (int64, 1-D), creating and admitting rows as needed.
 
         Repeated ids in one request count once towards admission.  With
         ``read_only`` (inference: evaluate, predict) nothing is created, counted
         or touched; an id without a row reads what its first training lookup
         would return (its initial row, or zeros while ``min_count > 1``).
+        ``owned(ids)`` is called with the ids that have no row here before
+        anything changes, and raises for ids this shard must not hold (an id
+        with a row here was checked when its row was made).
 
         Raises:
             InvalidArgumentError: ``ids`` not a 1-D int64 array; nothing changes.
+            OpError: what ``owned`` raised; nothing changes.
         """
         ids = check_ids(ids)
         unique, inverse = unique_ids(ids)
         if read_only:
-            out = self._read(unique)
+            out = self._read(unique, owned)
             return out if unique is ids else out[inverse]
         with self._lock:
+            found = self._index.find(unique)
+            if owned is not None:
+                owned(unique[found < 0])
             self._counters["lookups"] += 1
-            slots = self._evict_met(self._index.find(unique))
+            slots = self._evict_met(found)
             missing = slots < 0
             if missing.any():
                 admit = self._count_candidates(unique[missing])
@@ -303,9 +314,12 @@ class DynamicTable:
                 out[have] = take_rows(self._rows, slots[have])
         return out if unique is ids else out[inverse]
 
-    def _read(self, unique: np.ndarray) -> np.ndarray:
+    def _read(self, unique: np.ndarray, owned: IdCheck | None) -> np.ndarray:
         with self._lock:
-            slots = self._live(self._index.find(unique))
+            found = self._index.find(unique)
+            if owned is not None:
+                owned(unique[found < 0])
+            slots = self._live(found)
             have = slots >= 0
             out = np.empty((unique.shape[0], self.config.dim), self.dtype)
             out[have] = self._rows[slots[have]]
@@ -367,19 +381,27 @@ class DynamicTable:
         return slots
 
     # -- writes -----------------------------------------------------------------------
-    def apply_gradients(self, ids: Any, grads: Any, optimizer: dict | None = None) -> int:
+    def apply_gradients(
+        self,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        owned: IdCheck | None = None,
+    ) -> int:
         """Applies gradient rows ``grads`` for ``ids``; returns the new step.
 
         Duplicates are summed first; ids without a row (not admitted, or evicted
         since their lookup) have their gradients dropped and counted.  Then rows
         untouched for ``ttl_steps`` pushes are evicted.  ``optimizer`` (a rule
         config) binds a table created without one; it must match a bound one.
+        ``owned``: as in :meth:`lookup`.
 
         Raises:
             InvalidArgumentError: bad ids, ``grads`` not ``(len(ids), dim)`` of a
                 float dtype, or a bad optimizer config; nothing changes.
             FailedPreconditionError: no optimizer bound or given, or another one
                 than the bound one.
+            OpError: what ``owned`` raised; nothing changes.
         """
         rule = None if optimizer is None else self._rule_of(optimizer)
         ids = check_ids(ids)
@@ -399,8 +421,11 @@ class DynamicTable:
         else:  # unsorted_segment_sum, in order of appearance
             summed = sum_rows(grads, inverse, unique.shape[0])
         with self._lock:
+            found = self._find_pushed(unique)
+            if owned is not None:
+                owned(unique[found < 0])
             self._bind(rule)
-            slots = self._evict_met(self._find_pushed(unique))
+            slots = self._evict_met(found)
             have = slots >= 0
             self._counters["dropped_gradients"] += int((~have).sum())
             self.step += 1

@@ -50,7 +50,7 @@ from psflow.io.files import atomic_write
 from psflow.io.safetensors import load_file, save_file
 
 from .dedup import DedupWindow, State
-from .dynamic_table import DynamicTable, TableConfig, TableStats, check_ids
+from .dynamic_table import DynamicTable, IdCheck, TableConfig, TableStats, check_ids
 from .key_index import shard_of
 from .row_moves import Outgoing, check_part, merge
 
@@ -141,19 +141,30 @@ class TableRegistry:
             )
         return held[0]
 
-    def _owned(self, name: str, ids: Any) -> tuple[DynamicTable, np.ndarray]:
+    def _owned(self, name: str, ids: Any) -> tuple[DynamicTable, np.ndarray, IdCheck | None]:
+        """The shard of table ``name``, ``ids`` checked, and the check of the ids
+        without a row there: they must be this shard's (the table calls it before
+        it changes anything; an id with a row was checked when the row was made,
+        and a resize keeps only the rows a shard owns).  Hashing only those is what
+        keeps a lookup of known ids from paying for it."""
         table = self.table(name)
         _, index, count = self._tables[name]
         ids = check_ids(ids)
-        if count > 1 and ids.size:
-            wrong = shard_of(ids, count) != index
+        if count == 1:
+            return table, ids, None
+
+        def owned(new: np.ndarray) -> None:
+            if not new.size:
+                return
+            wrong = shard_of(new, count) != index
             if wrong.any():
                 raise InvalidArgumentError(
-                    f"id {int(ids[wrong][0])} of table {name!r} belongs to shard "
-                    f"{int(shard_of(ids[wrong][:1], count)[0])}, not {index} of {count}",
+                    f"id {int(new[wrong][0])} of table {name!r} belongs to shard "
+                    f"{int(shard_of(new[wrong][:1], count)[0])}, not {index} of {count}",
                     task=self.task,
                 )
-        return table, ids
+
+        return table, ids, owned
 
     def lookup(self, name: str, ids: Any, read_only: bool = False) -> np.ndarray:
         """Rows of ``ids`` (see :meth:`DynamicTable.lookup`).
@@ -162,8 +173,8 @@ class TableRegistry:
             NotFoundError: unknown table.
             InvalidArgumentError: bad ids, or ids another shard owns.
         """
-        table, ids = self._owned(name, ids)
-        return table.lookup(ids, read_only)
+        table, ids, owned = self._owned(name, ids)
+        return table.lookup(ids, read_only, owned)
 
     def push(
         self,
@@ -183,9 +194,9 @@ class TableRegistry:
             InvalidArgumentError: bad ids or gradients, or a request id too old
                 to tell whether it was applied.
         """
-        table, ids = self._owned(name, ids)
+        table, ids, owned = self._owned(name, ids)
         if request_id is None:
-            return table.apply_gradients(ids, grads, optimizer)
+            return table.apply_gradients(ids, grads, optimizer, owned)
         state, entry = self._dedup.begin(*request_id)
         if state is State.TOO_OLD:
             raise InvalidArgumentError(
@@ -197,7 +208,7 @@ class TableRegistry:
                 raise InvalidArgumentError(f"request {request_id} failed", task=self.task)
             return entry.reply
         try:
-            step = table.apply_gradients(ids, grads, optimizer)
+            step = table.apply_gradients(ids, grads, optimizer, owned)
         except BaseException:
             self._dedup.abandon(*request_id, entry)
             raise
