@@ -21,6 +21,7 @@ from psflow.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     MovedError,
+    NotFoundError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -121,6 +122,49 @@ def test_retried_push_over_the_data_plane_applies_once(ps):
         assert client.data_plane_address is not None
         assert (first.duplicate, again.duplicate) == (False, True)
         np.testing.assert_array_equal(client.pull("once/w"), np.full(4, -0.01, np.float32))
+
+
+def test_started_pushes_equal_pushes_and_a_resent_one_applies_once(ps):
+    rule = {"name": "adam", "learning_rate": 0.01}
+    with PSClient(ps.address, timeout=30) as client, PSClient(ps.address, timeout=30) as ref:
+        for c in (client, ref):
+            c.create_variable(f"started/{id(c)}", np.zeros(64, np.float32), optimizer=rule)
+        assert client.start_push({f"started/{id(client)}": np.ones(64, np.float32)}) is None
+        client.pull(f"started/{id(client)}")  # asks for the data plane: pushes start from now on
+        rng = np.random.default_rng(3)
+        for _ in range(5):
+            g = rng.standard_normal(64).astype(np.float32)
+            started = client.start_push({f"started/{id(client)}": g})
+            want = ref.push({f"started/{id(ref)}": g})
+            got = started.result()
+            assert (got.applied, got.duplicate, got.versions) == (True, False, want.versions)
+        assert _same_bits(client.pull(f"started/{id(client)}"), ref.pull(f"started/{id(ref)}"))
+        push_id = client.next_request_id()
+        name = f"started/{id(client)}"
+        first = client.start_push({name: np.ones(64, np.float32)}, push_id=push_id)
+        again = client.start_push({name: np.ones(64, np.float32)}, push_id=push_id)
+        assert (first.result().duplicate, again.result().duplicate) == (False, True)
+        # the PS's typed error comes back from result(); the connection goes on serving
+        unknown = client.start_push({"started/none": np.ones(2, np.float32)})
+        with pytest.raises(NotFoundError, match="started/none"):
+            unknown.result()
+        assert client.start_push({name: np.ones(64, np.float32)}).result().applied
+
+
+def test_a_started_push_to_a_ps_killed_for_good_raises_unavailable(start_ps):
+    server = start_ps("--shm", "off")
+    with PSClient(server.address, timeout=5) as client:
+        client.create_variable("w", np.zeros(1 << 20, np.float32), optimizer={"name": "sgd"})
+        client.pull("w")
+        server.proc.send_signal(signal.SIGSTOP)  # sent while it is stopped, then it dies
+        started = client.start_push({"w": np.ones(1 << 20, np.float32)})
+        server.proc.kill()
+        server.proc.wait(10)
+        begin = time.monotonic()
+        with pytest.raises(UnavailableError, match=r"Push to ps:0"):
+            started.result()
+        assert time.monotonic() - begin < 10
+        assert client.start_push({"w": np.ones(4, np.float32)}) is None  # plane forgotten
 
 
 def _push_frame(name: str, data: np.ndarray, client_id: str = "raw") -> tuple[bytes, bytes]:

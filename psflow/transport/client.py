@@ -387,12 +387,18 @@ class PSClient:
         again where its data plane is (a restarted PS listens on a new port)."""
         try:
             return plane.call(method, *args, **kwargs)
-        except UnavailableError:
-            with self._plane_lock:
-                if self._plane is plane:
-                    self._plane = None
-            plane.close()
+        except UnavailableError as e:
+            self._drop_plane(plane, e)
             raise
+
+    def _drop_plane(self, plane: DataPlaneClient, error: OpError) -> None:
+        """After an UNAVAILABLE failure on ``plane`` the next attempt asks the PS again."""
+        if not isinstance(error, UnavailableError):
+            return
+        with self._plane_lock:
+            if self._plane is plane:
+                self._plane = None
+        plane.close()
 
     # -- plumbing: ids, errors, retries
 
@@ -733,8 +739,19 @@ class PSClient:
         rows: bool,
         left: float,
     ) -> tuple[list[np.ndarray], list[int]]:
-        """A pull over the data plane: one tensor is received straight into its
-        array; several into one buffer the new arrays view (``out``'s are filled)."""
+        """A pull over the data plane (see :meth:`_pull_reply`)."""
+        try:
+            sent = plane.send("Pull", raw, (), left)
+            return self._pull_reply(sent, out, rows)
+        except UnavailableError as e:
+            self._drop_plane(plane, e)
+            raise
+
+    def _pull_reply(
+        self, sent: Any, out: Sequence[np.ndarray | None] | None, rows: bool
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """Reads a data-plane pull's reply: one tensor straight into its array,
+        several into one buffer the new arrays view (``out``'s are filled)."""
         got: dict[str, Any] = {}
 
         def sink(header_bytes: bytes, n: int) -> memoryview | None:
@@ -748,7 +765,7 @@ class PSClient:
                 )
             return memoryview(framing.byte_view(arrays[0]))
 
-        _, payload = self._plane_call(plane, "Pull", raw, timeout=left, sink=sink)
+        _, payload = sent.result(sink)
         header = got["header"]
         arrays = got.get("arrays")
         if arrays is None:
@@ -817,6 +834,32 @@ class PSClient:
         if single:
             return (arrays[0], versions[0]) if return_versions else arrays[0]
         return (arrays, versions) if return_versions else arrays
+
+    def start_pull(
+        self, names: Sequence[str], *, timeout: float | None = None
+    ) -> StartedPull | None:
+        """Sends :meth:`pull`'s request for ``names`` on the data plane now and
+        returns without reading the reply: :meth:`StartedPull.result` reads it
+        as ``(arrays, versions)`` (and pulls again where that attempt failed).
+        None, having sent nothing, where the pull cannot go that way (no data
+        plane known yet, or none, or a reply above its limit)."""
+        plane = self._plane
+        if not isinstance(plane, DataPlaneClient) or self._closed:
+            return None
+        request = ps_pb2.PullRequest(
+            items=[ps_pb2.PullItem(name=n) for n in names], chunk_bytes=self.chunk_bytes
+        )
+        expected = self._expected_bytes(request)
+        if expected is None or expected > self._plane_max_payload:
+            return None
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        try:
+            sent = plane.send("Pull", request.SerializeToString(), (), budget)
+        except (UnavailableError, DeadlineExceededError) as e:
+            self._drop_plane(plane, e)
+            sent = None
+        return StartedPull(self, plane, sent, request, deadline)
 
     def pull_rows(
         self,
@@ -890,6 +933,70 @@ class PSClient:
         Raises:
             AbortedError: a contribution to a step already applied, or too stale.
         """
+        header_bytes, arrays = self._push_message(
+            grads, push_id, base_versions, step, num_required, wait_applied, max_staleness,
+            shm_buffer, compression, rule_json,
+        )  # fmt: skip
+        return self._push_invoke(header_bytes, arrays, timeout)
+
+    def start_push(
+        self,
+        grads: Mapping[str, Any] | Sequence[Gradient],
+        *,
+        push_id: tuple[str, int] | int | None = None,
+        step: int | None = None,
+        num_required: int | None = None,
+        wait_applied: bool = False,
+        timeout: float | None = None,
+        shm_buffer: Any = None,
+        rule_json: str = "",
+    ) -> StartedPush | None:
+        """Sends :meth:`push`'s request on the data plane now and returns without
+        reading the reply: :meth:`StartedPush.result` reads it (and makes the
+        push again, with the same id, where that attempt failed).  A caller that
+        starts pushes to several tasks before it reads any reply has them apply at
+        once with no thread of its own per push.  The arguments are :meth:`push`'s.
+
+        Returns None, having sent nothing, where the push cannot go that way: no
+        data plane known yet (the first call asks for it) or none, or a payload
+        above its limit; :meth:`push` makes it then.
+
+        Raises:
+            InvalidArgumentError: as :meth:`push` (nothing is sent).
+        """
+        plane = self._plane
+        if not isinstance(plane, DataPlaneClient) or self._closed:
+            return None
+        header_bytes, arrays = self._push_message(
+            grads, push_id, None, step, num_required, wait_applied, None, shm_buffer, None,
+            rule_json,
+        )  # fmt: skip
+        if sum(a.nbytes for a in arrays) > self._plane_max_payload:
+            return None  # (the rare case: built for nothing, as push builds it again)
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        try:
+            sent = plane.send("Push", header_bytes, [framing.byte_view(a) for a in arrays], budget)
+        except (UnavailableError, DeadlineExceededError) as e:
+            self._drop_plane(plane, e)
+            sent = None
+        return StartedPush(self, plane, sent, header_bytes, arrays, deadline)
+
+    def _push_message(
+        self,
+        grads: Mapping[str, Any] | Sequence[Gradient],
+        push_id: tuple[str, int] | int | None,
+        base_versions: Mapping[str, int] | Sequence[int] | None,
+        step: int | None,
+        num_required: int | None,
+        wait_applied: bool,
+        max_staleness: int | None,
+        shm_buffer: Any,
+        compression: str | Mapping[str, str] | None,
+        rule_json: str,
+    ) -> tuple[bytes, list[np.ndarray]]:
+        """A push's header bytes and the arrays of its payload (none when they went
+        into ``shm_buffer``)."""
         if push_id is None:
             push_id = self.next_request_id()
         elif isinstance(push_id, int):
@@ -940,7 +1047,12 @@ class PSClient:
         if shm_buffer is not None:
             header.shm_payload = shm_buffer.write(arrays)
             arrays = []
-        header_bytes = header.SerializeToString()
+        return header.SerializeToString(), arrays
+
+    def _push_invoke(
+        self, header_bytes: bytes, arrays: list[np.ndarray], timeout: float | None
+    ) -> PushReply:
+        """Sends a push's message with retries (the data plane, a stream or one unary call)."""
         views = [framing.byte_view(a) for a in arrays]
         total = sum(a.nbytes for a in arrays)
         message = None  # the unary gRPC message, built only if gRPC carries the push
@@ -958,10 +1070,7 @@ class PSClient:
                 message = framing.encode_message(header_bytes, views)
             return self._stubs["Push"](message, timeout=left)
 
-        reply = self._invoke("Push", attempt, retry=True, timeout=timeout)
-        return PushReply(
-            tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness)
-        )
+        return _push_reply(self._invoke("Push", attempt, retry=True, timeout=timeout))
 
     @staticmethod
     def _push_codecs(
@@ -1148,3 +1257,98 @@ class PSClient:
             f"{self.task} at {self.address} not SERVING after {timeout}s (last: {status})",
             task=self.task,
         )
+
+
+def _push_reply(reply: Any) -> PushReply:
+    """A ``PushResponse``'s :class:`PushReply`."""
+    return PushReply(tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness))
+
+
+class StartedPush:
+    """A push sent by :meth:`PSClient.start_push` whose reply is not read yet."""
+
+    __slots__ = ("_arrays", "_client", "_deadline", "_header", "_plane", "_sent")
+
+    def __init__(
+        self,
+        client: PSClient,
+        plane: DataPlaneClient,
+        sent: Any,
+        header: bytes,
+        arrays: list[np.ndarray],
+        deadline: float,
+    ) -> None:
+        self._client, self._plane, self._sent = client, plane, sent
+        self._header, self._arrays, self._deadline = header, arrays, deadline
+
+    def result(self) -> PushReply:
+        """The PS's reply; where the sent attempt failed (UNAVAILABLE, deadline) the
+        push is made again with its id, as :meth:`PSClient.push` retries.
+
+        Raises:
+            OpError: the push failed (as :meth:`PSClient.push`).
+        """
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            try:
+                raw, _ = sent.result()
+                return _push_reply(ps_pb2.PushResponse.FromString(raw))
+            except (UnavailableError, DeadlineExceededError) as e:
+                self._client._drop_plane(self._plane, e)
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(
+                f"Push to {self._client.task} at {self._client.address}: Deadline Exceeded",
+                task=self._client.task,
+            )
+        return self._client._push_invoke(self._header, self._arrays, left)
+
+    def cancel(self) -> None:
+        """Gives up on the reply (the push may still be applied)."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sent.cancel()
+
+
+class StartedPull:
+    """A pull sent by :meth:`PSClient.start_pull` whose reply is not read yet."""
+
+    __slots__ = ("_client", "_deadline", "_plane", "_request", "_sent")
+
+    def __init__(
+        self,
+        client: PSClient,
+        plane: DataPlaneClient,
+        sent: Any,
+        request: ps_pb2.PullRequest,
+        deadline: float,
+    ) -> None:
+        self._client, self._plane, self._sent = client, plane, sent
+        self._request, self._deadline = request, deadline
+
+    def result(self) -> tuple[list[np.ndarray], list[int]]:
+        """``(arrays, versions)``; where the sent attempt failed (UNAVAILABLE, the
+        deadline, a reply above the frame limit) it pulls again as :meth:`PSClient.pull`.
+
+        Raises:
+            OpError: the pull failed (as :meth:`PSClient.pull`).
+        """
+        sent, self._sent = self._sent, None
+        client = self._client
+        if sent is not None:
+            try:
+                return client._pull_reply(sent, None, False)
+            except (UnavailableError, DeadlineExceededError, ResourceExhaustedError) as e:
+                client._drop_plane(self._plane, e)
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(
+                f"Pull to {client.task} at {client.address}: Deadline Exceeded", task=client.task
+            )
+        return client._pull(self._request, None, False, left)
+
+    def cancel(self) -> None:
+        """Gives up on the reply."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sent.cancel()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,6 +29,16 @@ class VarSpec:
 
 # The session builds its gradients in the store's own type: one shape end to end.
 Grad = Gradient
+
+
+class Started(Protocol):
+    """A call to one task started without waiting for it."""
+
+    def result(self) -> Any:
+        """Waits for the reply and returns it (or raises the call's typed error)."""
+
+    def cancel(self) -> None:
+        """Gives up on the reply."""
 
 
 class PSConnection(abc.ABC):
@@ -53,6 +63,19 @@ class PSConnection(abc.ABC):
         self, names: Sequence[str], rows: dict[int, np.ndarray] | None = None
     ) -> list[tuple[np.ndarray, int]]:
         """Values (or rows, for the items in ``rows``) and their versions."""
+
+    def start_pull(self, names: Sequence[str]) -> Started | None:
+        """Starts a pull of ``names`` without waiting for it: it is sent (or read)
+        now, its ``result()`` gives what :meth:`pull` returns.  None, having done
+        nothing, where this backend cannot start it (the caller pulls then).  A
+        session starts its calls to every task before it waits for any."""
+        return None
+
+    def start_push(self, grads: Sequence[Gradient], context: PushContext) -> Started | None:
+        """Starts :meth:`push` without waiting for its reply (``result()`` gives
+        its :class:`PushReply`); None, having sent nothing, where this backend
+        cannot (the caller pushes then)."""
+        return None
 
     @abc.abstractmethod
     def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:

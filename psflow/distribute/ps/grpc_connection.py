@@ -20,11 +20,12 @@ import numpy as np
 
 from psflow import errors
 from psflow.compression import ErrorFeedback
-from psflow.distribute.ps.connection import PSConnection, VarSpec
+from psflow.distribute.ps.connection import PSConnection, Started, VarSpec
 from psflow.ps import write_ops
 from psflow.ps.push_types import Gradient, PushContext, PushReply
 from psflow.transport import codec, shm
 from psflow.transport.client import PSClient
+from psflow.transport.dataplane import DataPlaneClient
 
 log = logging.getLogger("psflow.distribute")
 
@@ -147,6 +148,47 @@ class GrpcPSConnection(PSConnection):
         arrays, versions = self.client.pull(list(names), return_versions=True)
         return list(zip(arrays, versions))
 
+    def start_pull(self, names: Sequence[str]) -> Started | None:
+        """A pull started now: read from the PS's shared-memory mirrors at once
+        (no call), else sent on the data plane; None where neither can serve it
+        (:meth:`pull` makes it then)."""
+        pulled = self._pull_shm(names) if self._shm else None
+        if pulled is not None:
+            return _Done(pulled)
+        started = self.client.start_pull(list(names))
+        return None if started is None else _Pulled(started)
+
+    def start_push(self, grads: Sequence[Gradient], context: PushContext) -> Started | None:
+        """Sends a push on the data plane now and returns it started (its
+        ``result()`` reads the reply, ``cancel()`` gives it up); None where it
+        cannot go that way (:meth:`push` makes it).  Compressed pushes are not
+        started early: their error feedback is kept per push."""
+        if self.compression is not None or not isinstance(self.client._plane, DataPlaneClient):
+            return None
+        kwargs = {
+            "push_id": context.push_id,
+            "step": context.step,
+            "num_required": context.num_required or None,
+            "wait_applied": context.wait_applied,
+            "timeout": context.timeout,
+            "rule_json": context.rule_json,
+        }
+        if not self._shm:
+            return self.client.start_push(list(grads), **kwargs)
+        # the payload segment is this push's from the write until the PS answered
+        self._shm_lock.acquire()
+        try:
+            if self._payload is None:
+                self._payload = shm.PayloadBuffer()
+            started = self.client.start_push(list(grads), shm_buffer=self._payload, **kwargs)
+        except BaseException:
+            self._shm_lock.release()
+            raise
+        if started is None:
+            self._shm_lock.release()
+            return None
+        return _SegmentPush(self, started, list(grads), kwargs)
+
     def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         ef = self.compression
         if ef is not None:  # dense values travel encoded; what rounding lost waits for the next
@@ -254,3 +296,73 @@ class GrpcPSConnection(PSConnection):
         if self._payload is not None:
             self._payload.close()
         self.client.close()
+
+
+class _Done:
+    """A started call that is complete already: :meth:`result` returns its value."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self) -> Any:
+        """The value."""
+        return self._value
+
+    def cancel(self) -> None:
+        """Nothing to give up."""
+
+
+class _Pulled:
+    """A started data-plane pull: :meth:`result` gives ``[(array, version), ...]``."""
+
+    __slots__ = ("_started",)
+
+    def __init__(self, started: Any) -> None:
+        self._started = started
+
+    def result(self) -> list[tuple[np.ndarray, int]]:
+        """The values and their versions."""
+        arrays, versions = self._started.result()
+        return list(zip(arrays, versions))
+
+    def cancel(self) -> None:
+        """Gives up on the reply."""
+        self._started.cancel()
+
+
+class _SegmentPush:
+    """A push started through the connection's payload segment, which it holds
+    until its reply is read or it is given up."""
+
+    __slots__ = ("_conn", "_grads", "_kwargs", "_started")
+
+    def __init__(
+        self, conn: GrpcPSConnection, started: Any, grads: list[Gradient], kwargs: dict
+    ) -> None:
+        self._conn, self._started, self._grads, self._kwargs = conn, started, grads, kwargs
+
+    def result(self) -> PushReply:
+        """The PS's reply (as :meth:`GrpcPSConnection.push`)."""
+        started, self._started = self._started, None
+        if started is None:
+            raise errors.InvalidArgumentError("this push's reply was read or given up already")
+        conn = self._conn
+        try:
+            return started.result()
+        except errors.UnimplementedError as e:
+            # shm.SegmentUnreachableError at the PS: it cannot see our segment
+            # (another host or container after all), and applied nothing
+            log.info("%s: pushes go over gRPC (%s)", conn.task, e)
+            conn._shm = False
+            return conn.client.push(self._grads, **self._kwargs)
+        finally:
+            conn._shm_lock.release()
+
+    def cancel(self) -> None:
+        """Gives the reply up (the push may still be applied)."""
+        started, self._started = self._started, None
+        if started is not None:
+            started.cancel()
+            self._conn._shm_lock.release()

@@ -47,7 +47,11 @@ class Routing:
     _handles_lock: threading.Lock
     _pool: Any
 
-    def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+    def _on_each(
+        self,
+        work: dict[int, Callable[[], Any]],
+        starts: dict[int, Callable[[], Any]] | None = None,
+    ) -> dict[int, Any]:
         raise NotImplementedError  # the session's
 
     def _invalidate(self) -> None:
@@ -205,8 +209,12 @@ class Routing:
         self,
         handles: Sequence[Any],
         call: Callable[[int, list[Any], int], Any],
+        start: Callable[[int, list[Any], int], Any] | None = None,
     ) -> dict[int, tuple[list[Any], Any]]:
         """Runs ``call(ps, handles_there, attempt)`` once per owning task, following redirects.
+
+        ``start(ps, handles_there, attempt)``, where given, sends that call now
+        and returns it started, or None (see ``_on_each``).
 
         A task that answers ``MovedError`` applied nothing of that call: its
         handles are regrouped by the updated map and sent again (``attempt``
@@ -225,8 +233,16 @@ class Routing:
                 ps: functools.partial(_moved_as_value, call, ps, hs, attempt)
                 for ps, hs in by_ps.items()
             }
+            starts = (
+                None
+                if start is None
+                else {
+                    ps: functools.partial(_started_moved_as_value, start, ps, hs, attempt)
+                    for ps, hs in by_ps.items()
+                }
+            )
             pending = []
-            for ps, result in self._on_each(work).items():
+            for ps, result in self._on_each(work, starts).items():
                 if isinstance(result, errors.MovedError):
                     self._learn(result)
                     pending += by_ps[ps]
@@ -246,3 +262,25 @@ def _moved_as_value(call: Callable[..., Any], *args: Any) -> Any:
         return call(*args)
     except errors.MovedError as e:
         return e
+
+
+def _started_moved_as_value(start: Callable[..., Any], *args: Any) -> Any:
+    """``start(*args)``, its result giving a redirect back instead of raising it."""
+    started = start(*args)
+    return None if started is None else _MovedAsValue(started)
+
+
+class _MovedAsValue:
+    """A started call whose ``result()`` returns a ``MovedError`` instead of raising it."""
+
+    __slots__ = ("_started",)
+
+    def __init__(self, started: Any) -> None:
+        self._started = started
+
+    def result(self) -> Any:
+        """The reply, or the redirect the task answered."""
+        try:
+            return self._started.result()
+        except errors.MovedError as e:
+            return e

@@ -225,8 +225,40 @@ class PSSession(UpdateGroup, Routing):
             self._seq["push"] = itertools.count(1)
         return (f"{self.client_id}/push", next(self._seq["push"]))
 
-    def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
-        """Runs one call per PS task, concurrently when there are several."""
+    def _on_each(
+        self,
+        work: dict[int, Callable[[], Any]],
+        starts: dict[int, Callable[[], Any]] | None = None,
+    ) -> dict[int, Any]:
+        """Runs one call per PS task, concurrently when there are several.
+
+        ``starts[ps]()``, where given, sends task ``ps``'s call now and returns
+        it started (its ``result()`` reads the reply), or None (``work[ps]``
+        makes it then): every started call is sent before any reply is read,
+        with no thread hand-off for them.  On a failure the other calls still
+        finish before the error propagates.
+        """
+        started: dict[int, Any] = {}
+        error: BaseException | None = None
+        out: dict[int, Any] = {}
+        try:
+            for ps, start in (starts or {}).items():
+                call = start()
+                if call is not None:
+                    started[ps] = call
+            out = self._run_each({ps: fn for ps, fn in work.items() if ps not in started})
+        except BaseException as e:
+            error = e
+        for ps, call in started.items():
+            try:
+                out[ps] = call.result()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return {ps: out[ps] for ps in work}
+
+    def _run_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
         if len(work) <= 1 or self._pool is None:
             return {ps: fn() for ps, fn in work.items()}
         # the first call runs on this thread: one hand-off (and its wake-up) fewer
@@ -239,7 +271,7 @@ class PSSession(UpdateGroup, Routing):
                 concurrent.futures.wait([f])
             raise
         out.update((ps, f.result()) for ps, f in futures.items())
-        return {ps: out[ps] for ps in work}
+        return out
 
     def close(self) -> None:
         """Closes every connection and the call pool."""
@@ -357,8 +389,11 @@ class PSSession(UpdateGroup, Routing):
         def pull(ps: int, hs: list[Any], attempt: int) -> Any:
             return self.connections[ps].pull([h.key for h in hs])
 
+        def start(ps: int, hs: list[Any], attempt: int) -> Any:
+            return self.connections[ps].start_pull([h.key for h in hs])
+
         out: dict[str, tuple[np.ndarray, int]] = {}
-        for hs, pulled in self._routed(handles, pull).values():
+        for hs, pulled in self._routed(handles, pull, start).values():
             for h, (value, version) in zip(hs, pulled):
                 out[h.key] = (value, version)
                 self.bytes_pulled += value.nbytes
@@ -512,11 +547,10 @@ class PSSession(UpdateGroup, Routing):
 
         push_id = self._push_id()
 
-        def push(ps: int, hs: list[Any], attempt: int) -> Any:
-            items = [grads[h.key] for h in hs]
+        def context(attempt: int) -> PushContext:
             # the first try carries the step's id; a redirected resend, applied nowhere
             # yet, one of its own (the new owner may have had this id for other variables)
-            context = PushContext(
+            return PushContext(
                 push_id=push_id if attempt == 0 else (f"{push_id[0]}/moved{attempt}", push_id[1]),
                 step=step_id,
                 num_required=self.sync.num_workers if sync else 0,
@@ -524,7 +558,16 @@ class PSSession(UpdateGroup, Routing):
                 timeout=self.sync.timeout if sync else None,
                 rule_json=rule_json,
             )
-            call = functools.partial(self.connections[ps].push, items, context)
+
+        def start(ps: int, hs: list[Any], attempt: int) -> Any:
+            if sync:  # a sync push waits at the barrier, watched: on the pool
+                return None
+            return self.connections[ps].start_push([grads[h.key] for h in hs], context(attempt))
+
+        def push(ps: int, hs: list[Any], attempt: int) -> Any:
+            call = functools.partial(
+                self.connections[ps].push, [grads[h.key] for h in hs], context(attempt)
+            )
             if not sync:
                 return call()
             # held at the PS until every worker's gradient of this step arrived: say so
@@ -535,7 +578,7 @@ class PSSession(UpdateGroup, Routing):
             with self._watch.waiting(what, self.sync.timeout):
                 return call()
 
-        for hs, reply in self._routed(handles, push).values():
+        for hs, reply in self._routed(handles, push, start).values():
             for h, version in zip(hs, reply.versions):
                 self._versions[h.key] = version
             self.bytes_pushed += sum(
