@@ -53,6 +53,8 @@ _TO_WIRE: dict[np.dtype, int] = {
 }
 _FROM_WIRE: dict[int, np.dtype] = {code: dt for dt, code in _TO_WIRE.items()}
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(dt.name for dt in _TO_WIRE)
+# Wire codes of the dtype objects met so far (any byte order), by the object.
+_SEEN: dict[np.dtype, int] = {}
 
 
 def default_max_tensor_bytes() -> int:
@@ -70,6 +72,10 @@ def dtype_to_wire(dtype: Any) -> int:
         InvalidArgumentError: the dtype is not one psflow transports.
     """
     try:
+        return _SEEN[dtype]  # every tensor on the wire asks: no new dtype object per call
+    except (KeyError, TypeError):
+        pass
+    try:
         dt = np.dtype(dtype).newbyteorder("=")
     except TypeError as e:
         raise InvalidArgumentError(f"not a dtype: {dtype!r}") from e
@@ -78,6 +84,8 @@ def dtype_to_wire(dtype: Any) -> int:
         raise InvalidArgumentError(
             f"unsupported dtype {dt.name!r}; supported: {list(SUPPORTED_DTYPES)}"
         )
+    if isinstance(dtype, np.dtype) and len(_SEEN) < 64:
+        _SEEN[dtype] = code
     return code
 
 
