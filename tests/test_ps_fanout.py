@@ -45,27 +45,31 @@ def _step(model, optimizer, xb, yb) -> None:
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 
-def _strategy(servers) -> pf.distribute.ParameterServerStrategy:
+def _on_two_ps(start_ps, shm: str, make_optimizer):
+    """``(servers, strategy, model, optimizer)``: the model's variables on two real PS."""
+    servers = [start_ps("--shm", shm, "--task", f"ps:{i}") for i in range(2)]
     # the worker is never reached: the chief runs the steps itself
     spec = ClusterSpec(
         {"ps": [s.address for s in servers], "worker": ["127.0.0.1:2"], "chief": ["127.0.0.1:1"]}
     )
-    return pf.distribute.ParameterServerStrategy(
+    strategy = pf.distribute.ParameterServerStrategy(
         SimpleClusterResolver(spec, task_type="chief", task_id=0)
     )
+    with strategy.scope():
+        model = _model()
+        model.build((None, 8))
+        optimizer = make_optimizer()
+    assert len({v.ps_index for v in model.trainable_variables}) == 2  # both tasks
+    return servers, strategy, model, optimizer
 
 
 @pytest.mark.parametrize("shm", ["on", "off"])
 def test_steps_fan_out_with_no_thread_hand_off_and_equal_one_process(start_ps, shm):
-    servers = [start_ps("--shm", shm, "--task", f"ps:{i}") for i in range(2)]
+    _, strategy, model, optimizer = _on_two_ps(
+        start_ps, shm, lambda: pf.keras.optimizers.Adam(0.01)
+    )
     batches = _data(6)
-    strategy = _strategy(servers)
-    with strategy.scope():
-        model = _model()
-        model.build((None, 8))
-        optimizer = pf.keras.optimizers.Adam(0.01)
     session = strategy._session
-    assert len({v.ps_index for v in model.trainable_variables}) == 2  # both tasks
     reference = _model()
     reference.build((None, 8))
     reference.set_weights(model.get_weights())
@@ -85,13 +89,10 @@ def test_steps_fan_out_with_no_thread_hand_off_and_equal_one_process(start_ps, s
 
 
 def test_a_task_killed_for_good_fails_the_step_naming_it_and_the_other_is_unharmed(start_ps):
-    servers = [start_ps("--shm", "off", "--task", f"ps:{i}") for i in range(2)]
+    servers, strategy, model, optimizer = _on_two_ps(
+        start_ps, "off", lambda: pf.keras.optimizers.SGD(0.1)
+    )
     batches = _data(3)
-    strategy = _strategy(servers)
-    with strategy.scope():
-        model = _model()
-        model.build((None, 8))
-        optimizer = pf.keras.optimizers.SGD(0.1)
     session = strategy._session
     for s, (xb, yb) in enumerate(batches[:2]):
         with session.step(s):

@@ -165,14 +165,7 @@ class GrpcPSConnection(PSConnection):
         started early: their error feedback is kept per push."""
         if self.compression is not None or not isinstance(self.client._plane, DataPlaneClient):
             return None
-        kwargs = {
-            "push_id": context.push_id,
-            "step": context.step,
-            "num_required": context.num_required or None,
-            "wait_applied": context.wait_applied,
-            "timeout": context.timeout,
-            "rule_json": context.rule_json,
-        }
+        kwargs = _push_kwargs(context)
         if not self._shm:
             return self.client.start_push(list(grads), **kwargs)
         # the payload segment is this push's from the write until the PS answered
@@ -199,14 +192,7 @@ class GrpcPSConnection(PSConnection):
                 for g in grads
             ]
         payload = list(grads)
-        kwargs = {
-            "push_id": context.push_id,
-            "step": context.step,
-            "num_required": context.num_required or None,
-            "wait_applied": context.wait_applied,
-            "timeout": context.timeout,
-            "rule_json": context.rule_json,
-        }
+        kwargs = _push_kwargs(context)
         if self._shm:
             with self._shm_lock:  # one payload segment: one push at a time through it
                 if self._payload is None:
@@ -296,6 +282,18 @@ class GrpcPSConnection(PSConnection):
         if self._payload is not None:
             self._payload.close()
         self.client.close()
+
+
+def _push_kwargs(context: PushContext) -> dict[str, Any]:
+    """:meth:`PSClient.push`'s keyword arguments for ``context``."""
+    return {
+        "push_id": context.push_id,
+        "step": context.step,
+        "num_required": context.num_required or None,
+        "wait_applied": context.wait_applied,
+        "timeout": context.timeout,
+        "rule_json": context.rule_json,
+    }
 
 
 class _Done:
