@@ -65,6 +65,9 @@ from psflow.util import nest
 
 log = logging.getLogger("psflow.coordinator")
 
+# How often a dispatcher waiting for a closure's per-worker inputs checks its worker is up.
+_INPUT_POLL_SECONDS = 0.5
+
 _alive: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -597,6 +600,10 @@ class ClusterCoordinator(Recovery):
             if taken is None:
                 return
             attempt, closure = taken
+            if not self._inputs_ready(state, closure):
+                self._end_attempt(state, attempt, closure)
+                self._requeue(state, closure)
+                continue
             try:
                 value = state.worker.run(self._session_id, closure, self._functions)
             except errors.WorkerUnavailableError as e:
@@ -636,6 +643,18 @@ class ClusterCoordinator(Recovery):
             else:
                 if self._end_attempt(state, attempt, closure, finish=True):
                     closure.remote_value._set_value(value)
+
+    def _inputs_ready(self, state: WorkerState, closure: Closure) -> bool:
+        """Waits for the per-worker values ``closure`` takes on ``state``'s worker
+        (its iterators, built there by targeted closures).  False once that worker
+        is down or the coordinator closed before they arrived: the closure then
+        goes back to the queue for another worker instead of waiting, unbounded,
+        on a worker that may never come back."""
+        for value in closure.inputs_on(state.worker.index):
+            while not value.ready(_INPUT_POLL_SECONDS):
+                if self._closed or not state.up:
+                    return False
+        return True
 
     def _end_attempt(
         self, state: WorkerState, attempt: int, closure: Closure, finish: bool = False

@@ -85,6 +85,10 @@ class RemoteValue:
         if self._error is not None:
             raise self._error
 
+    def ready(self, timeout: float) -> bool:
+        """Whether the value (or an error) arrived, waiting up to ``timeout`` seconds."""
+        return self._event.wait(timeout)
+
     def get(self, timeout: float | None = None) -> Any:
         """Waits for the value and returns it as the closure returned it.
 

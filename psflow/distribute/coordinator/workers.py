@@ -68,6 +68,23 @@ class Closure:
     # reads a per-worker iterator (the two runs would consume two different elements)
     speculable: bool = True
 
+    def inputs_on(self, worker_index: int) -> list[RemoteValue]:
+        """The remote values (per-worker iterators, datasets) the arguments take on
+        worker ``worker_index``: :meth:`args_for` waits for each of them."""
+        found: list[RemoteValue] = []
+
+        def visit(x: Any) -> Any:
+            if isinstance(x, PerWorkerValues):
+                x = x.values[worker_index]
+            if isinstance(x, RemoteValue):
+                found.append(x)
+            return x
+
+        for part in (tuple(self.args), dict(self.kwargs)):
+            if part:
+                nest.map_structure(visit, part)
+        return found
+
     def args_for(self, worker_index: int) -> tuple[tuple, dict]:
         """The arguments with every per-worker value replaced by this worker's component."""
 
