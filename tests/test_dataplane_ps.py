@@ -144,6 +144,8 @@ def test_started_pushes_equal_pushes_and_a_resent_one_applies_once(ps):
         first = client.start_push({name: np.ones(64, np.float32)}, push_id=push_id)
         again = client.start_push({name: np.ones(64, np.float32)}, push_id=push_id)
         assert (first.result().duplicate, again.result().duplicate) == (False, True)
+        with pytest.raises(InvalidArgumentError, match="read or given up"):
+            first.result()  # a reply is read once: never a silent second push
         # the PS's typed error comes back from result(); the connection goes on serving
         unknown = client.start_push({"started/none": np.ones(2, np.float32)})
         with pytest.raises(NotFoundError, match="started/none"):

@@ -837,9 +837,9 @@ class PSClient:
 
     def start_pull(
         self, names: Sequence[str], *, timeout: float | None = None
-    ) -> StartedPull | None:
+    ) -> StartedCall | None:
         """Sends :meth:`pull`'s request for ``names`` on the data plane now and
-        returns without reading the reply: :meth:`StartedPull.result` reads it
+        returns without reading the reply: :meth:`StartedCall.result` reads it
         as ``(arrays, versions)`` (and pulls again where that attempt failed).
         None, having sent nothing, where the pull cannot go that way (no data
         plane known yet, or none, or a reply above its limit)."""
@@ -859,7 +859,17 @@ class PSClient:
         except (UnavailableError, DeadlineExceededError) as e:
             self._drop_plane(plane, e)
             sent = None
-        return StartedPull(self, plane, sent, request, deadline)
+        return StartedCall(
+            self,
+            "Pull",
+            plane,
+            sent,
+            lambda sent: self._pull_reply(sent, None, False),
+            lambda left: self._pull(request, None, False, left),
+            # a reply above the frame limit streams over gRPC, as pull() does
+            (UnavailableError, DeadlineExceededError, ResourceExhaustedError),
+            deadline,
+        )
 
     def pull_rows(
         self,
@@ -950,9 +960,9 @@ class PSClient:
         timeout: float | None = None,
         shm_buffer: Any = None,
         rule_json: str = "",
-    ) -> StartedPush | None:
+    ) -> StartedCall | None:
         """Sends :meth:`push`'s request on the data plane now and returns without
-        reading the reply: :meth:`StartedPush.result` reads it (and makes the
+        reading the reply: :meth:`StartedCall.result` reads it (and makes the
         push again, with the same id, where that attempt failed).  A caller that
         starts pushes to several tasks before it reads any reply has them apply at
         once with no thread of its own per push.  The arguments are :meth:`push`'s.
@@ -980,7 +990,16 @@ class PSClient:
         except (UnavailableError, DeadlineExceededError) as e:
             self._drop_plane(plane, e)
             sent = None
-        return StartedPush(self, plane, sent, header_bytes, arrays, deadline)
+        return StartedCall(
+            self,
+            "Push",
+            plane,
+            sent,
+            lambda sent: _push_reply(ps_pb2.PushResponse.FromString(sent.result()[0])),
+            lambda left: self._push_invoke(header_bytes, arrays, left),
+            (UnavailableError, DeadlineExceededError),
+            deadline,
+        )
 
     def _push_message(
         self,
@@ -1264,91 +1283,66 @@ def _push_reply(reply: Any) -> PushReply:
     return PushReply(tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness))
 
 
-class StartedPush:
-    """A push sent by :meth:`PSClient.start_push` whose reply is not read yet."""
+class StartedCall:
+    """A push or pull sent by :meth:`PSClient.start_push` / :meth:`PSClient.start_pull`
+    whose reply is not read yet.
 
-    __slots__ = ("_arrays", "_client", "_deadline", "_header", "_plane", "_sent")
+    ``read(sent)`` turns the sent call's reply into the value; where that
+    attempt failed with one of ``retried``, ``again(time_left)`` makes the call
+    anew, as the blocking method with its retries (a push with the same id).
+    """
 
-    def __init__(
-        self,
-        client: PSClient,
-        plane: DataPlaneClient,
-        sent: Any,
-        header: bytes,
-        arrays: list[np.ndarray],
-        deadline: float,
-    ) -> None:
-        self._client, self._plane, self._sent = client, plane, sent
-        self._header, self._arrays, self._deadline = header, arrays, deadline
-
-    def result(self) -> PushReply:
-        """The PS's reply; where the sent attempt failed (UNAVAILABLE, deadline) the
-        push is made again with its id, as :meth:`PSClient.push` retries.
-
-        Raises:
-            OpError: the push failed (as :meth:`PSClient.push`).
-        """
-        sent, self._sent = self._sent, None
-        if sent is not None:
-            try:
-                raw, _ = sent.result()
-                return _push_reply(ps_pb2.PushResponse.FromString(raw))
-            except (UnavailableError, DeadlineExceededError) as e:
-                self._client._drop_plane(self._plane, e)
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceededError(
-                f"Push to {self._client.task} at {self._client.address}: Deadline Exceeded",
-                task=self._client.task,
-            )
-        return self._client._push_invoke(self._header, self._arrays, left)
-
-    def cancel(self) -> None:
-        """Gives up on the reply (the push may still be applied)."""
-        sent, self._sent = self._sent, None
-        if sent is not None:
-            sent.cancel()
-
-
-class StartedPull:
-    """A pull sent by :meth:`PSClient.start_pull` whose reply is not read yet."""
-
-    __slots__ = ("_client", "_deadline", "_plane", "_request", "_sent")
+    __slots__ = (
+        "_again",
+        "_client",
+        "_deadline",
+        "_method",
+        "_plane",
+        "_read",
+        "_retried",
+        "_sent",
+    )
 
     def __init__(
         self,
         client: PSClient,
+        method: str,
         plane: DataPlaneClient,
         sent: Any,
-        request: ps_pb2.PullRequest,
+        read: Callable[[Any], Any],
+        again: Callable[[float], Any],
+        retried: tuple[type[OpError], ...],
         deadline: float,
     ) -> None:
-        self._client, self._plane, self._sent = client, plane, sent
-        self._request, self._deadline = request, deadline
+        self._client, self._method, self._plane, self._sent = client, method, plane, sent
+        self._read, self._again, self._retried, self._deadline = read, again, retried, deadline
 
-    def result(self) -> tuple[list[np.ndarray], list[int]]:
-        """``(arrays, versions)``; where the sent attempt failed (UNAVAILABLE, the
-        deadline, a reply above the frame limit) it pulls again as :meth:`PSClient.pull`.
+    def result(self) -> Any:
+        """The value (once).
 
         Raises:
-            OpError: the pull failed (as :meth:`PSClient.pull`).
+            OpError: the call failed (as the blocking method).
         """
         sent, self._sent = self._sent, None
+        read, self._read = self._read, None
         client = self._client
+        if read is None:
+            raise InvalidArgumentError(f"the reply of {self._method} was read or given up already")
         if sent is not None:
             try:
-                return client._pull_reply(sent, None, False)
-            except (UnavailableError, DeadlineExceededError, ResourceExhaustedError) as e:
+                return read(sent)
+            except self._retried as e:
                 client._drop_plane(self._plane, e)
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise DeadlineExceededError(
-                f"Pull to {client.task} at {client.address}: Deadline Exceeded", task=client.task
+                f"{self._method} to {client.task} at {client.address}: Deadline Exceeded",
+                task=client.task,
             )
-        return client._pull(self._request, None, False, left)
+        return self._again(left)
 
     def cancel(self) -> None:
-        """Gives up on the reply."""
-        sent, self._sent = self._sent, None
+        """Gives up on the reply (a push may still be applied)."""
+        sent, self._sent, self._read = self._sent, None, None
         if sent is not None:
             sent.cancel()

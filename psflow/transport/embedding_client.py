@@ -86,7 +86,21 @@ def _as_ids(ids: Any) -> np.ndarray:
     return ids.reshape(-1).astype(np.int64, copy=False)
 
 
-_TOO_LARGE = object()  # a payload above the data plane's limit: the call goes over gRPC
+@dataclasses.dataclass(frozen=True)
+class _ShardCall:
+    """A Lookup or PushGradients call to one task, either way it can travel.
+
+    ``request()`` gives the data-plane header and payload buffers of ``method``
+    (``nbytes`` of payload) and ``parse(header, payload)`` its reply's value;
+    ``over_grpc()`` makes the whole call over gRPC instead.
+    """
+
+    shard: int
+    method: str
+    nbytes: int
+    request: Callable[[], tuple[bytes, Sequence[Any]]]
+    parse: Callable[[bytes, memoryview], Any]
+    over_grpc: Callable[[], Any]
 
 
 def _close_planes(planes: Sequence[Any]) -> None:
@@ -531,27 +545,19 @@ class EmbeddingClient:
             return False
         return plane, info.max_payload_bytes
 
-    def _exchange(
-        self,
-        shard: int,
-        over_grpc: Callable[[], Any],
-        over_plane: Callable[[DataPlaneClient, int], Any],
-        retries: int,
-    ) -> Any:
-        """A Lookup or PushGradients call to ``shard``: ``over_plane(client, payload
-        limit)`` when the task has a data plane (it returns ``_TOO_LARGE`` to
-        go over gRPC instead), else ``over_grpc()``; retried like :meth:`_call`."""
+    def _exchange(self, call: _ShardCall, retries: int = 1) -> Any:
+        """``call`` on its task's data plane when it has one and the payload fits,
+        else over gRPC; retried like :meth:`_call`."""
         for attempt in range(retries + 1):
             plane = None
             try:
-                plane = self._plane(shard)
-                if plane is not None:
-                    result = over_plane(*plane)
-                    if result is not _TOO_LARGE:
-                        return result
-                return over_grpc()
+                plane = self._plane(call.shard)
+                if plane is None or call.nbytes > plane[1]:
+                    return call.over_grpc()
+                header, buffers = call.request()
+                return call.parse(*plane[0].call(call.method, header, buffers, self.timeout))
             except (UnavailableError, DeadlineExceededError) as e:
-                self._plane_failed(shard, plane, e)
+                self._plane_failed(call.shard, plane, e)
                 if attempt == retries:
                     raise
         raise AssertionError("unreachable")
@@ -563,17 +569,8 @@ class EmbeddingClient:
             # a restarted task listens elsewhere: ask again on the next call
             self._forget_plane(shard, plane)
 
-    def _begin(
-        self,
-        shard: int,
-        method: str,
-        nbytes: int,
-        request: Callable[[], tuple[bytes, Sequence[Any]]],
-        parse: Callable[[bytes, memoryview], Any],
-        call: Callable[[int], Any],
-        last: bool,
-    ) -> _Pending:
-        """Starts one shard's call of a fan-out (``call(retries)`` makes it whole).
+    def _begin(self, call: _ShardCall, last: bool) -> _Pending:
+        """Starts one shard's call of a fan-out.
 
         On the shard's data plane it is sent now, from this thread, and its
         reply read by the result: a fan-out sends to every shard before it
@@ -582,22 +579,22 @@ class EmbeddingClient:
         (no plane, or a payload above the plane's limit) it runs on the pool,
         or, ``last`` of the fan-out, is left to the thread that waits.
         """
-        plane = self._planes[shard]
-        if not plane or nbytes > plane[1]:  # unknown yet, none, or too large: as before
-            return self._start(functools.partial(call, 1), defer=last)
+        plane = self._planes[call.shard]
+        if not plane or call.nbytes > plane[1]:  # unknown yet, none, or too large: as before
+            return self._start(functools.partial(self._exchange, call), defer=last)
         try:
-            sent = plane[0].send(method, *request(), self.timeout)
+            sent = plane[0].send(call.method, *call.request(), self.timeout)
         except (UnavailableError, DeadlineExceededError) as e:
-            self._plane_failed(shard, plane, e)
-            return _Pending(None, deferred=functools.partial(call, 0))
+            self._plane_failed(call.shard, plane, e)
+            return _Pending(None, deferred=functools.partial(self._exchange, call, 0))
 
         def finish() -> Any:
             try:
                 reply, payload = sent.result()
             except (UnavailableError, DeadlineExceededError) as e:
-                self._plane_failed(shard, plane, e)
-                return call(0)
-            return parse(reply, payload)
+                self._plane_failed(call.shard, plane, e)
+                return self._exchange(call, 0)
+            return call.parse(reply, payload)
 
         return _Pending(None, deferred=finish, on_cancel=sent.cancel)
 
@@ -692,22 +689,11 @@ class EmbeddingClient:
         pending: dict[int, _Pending] = {}
         with _cancelled_on_error(pending):
             for s in shards:
-                shard_ids = missing[parts[s]]
-                call = functools.partial(self._lookup_shard, s, table, shard_ids, training)
+                call = self._lookup_call(s, table, missing[parts[s]], training)
                 if not self.parallel:
-                    pending[s] = _Pending(None, call())
-                    continue
-                pending[s] = self._begin(
-                    s,
-                    embedding_plane.LOOKUP,
-                    shard_ids.nbytes,
-                    functools.partial(
-                        embedding_plane.lookup_request, table, shard_ids, not training
-                    ),
-                    embedding_plane.rows_from_reply,
-                    call,
-                    last=s == shards[-1],
-                )
+                    pending[s] = _Pending(None, self._exchange(call))
+                else:
+                    pending[s] = self._begin(call, last=s == shards[-1])
         replies = _gather(pending)
         results: list[np.ndarray | None] = [None] * self.num_shards
         for s, rows in replies.items():
@@ -732,10 +718,8 @@ class EmbeddingClient:
             out[cached[0]] = cached[1]
         return (out if unique is flat else take_rows(out, inverse)).reshape(*ids.shape, dim)
 
-    def _lookup_shard(
-        self, s: int, table: str, ids: np.ndarray, training: bool, retries: int = 1
-    ) -> np.ndarray:
-        """The rows of ``ids`` (all owned by task ``s``)."""
+    def _lookup_call(self, s: int, table: str, ids: np.ndarray, training: bool) -> _ShardCall:
+        """The lookup of the rows of ``ids`` (all owned by task ``s``)."""
 
         def over_grpc() -> np.ndarray:
             request = embedding_pb2.LookupRequest(
@@ -743,14 +727,14 @@ class EmbeddingClient:
             )
             return codec.decode_tensor(self._call(s, "Lookup", request).rows)
 
-        def over_plane(plane: DataPlaneClient, limit: int) -> Any:
-            if ids.nbytes > limit:
-                return _TOO_LARGE
-            header, buffers = embedding_plane.lookup_request(table, ids, not training)
-            reply, payload = plane.call(embedding_plane.LOOKUP, header, buffers, self.timeout)
-            return embedding_plane.rows_from_reply(reply, payload)
-
-        return self._exchange(s, over_grpc, over_plane, retries)
+        return _ShardCall(
+            s,
+            embedding_plane.LOOKUP,
+            ids.nbytes,
+            functools.partial(embedding_plane.lookup_request, table, ids, not training),
+            embedding_plane.rows_from_reply,
+            over_grpc,
+        )
 
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
@@ -841,28 +825,11 @@ class EmbeddingClient:
                 # each shard's ids and rows are gathered once (take: whole rows per copy)
                 shard_ids, shard_grads = unique[parts[s]], take_rows(summed, parts[s])
                 sent += shard_ids.nbytes + shard_grads.nbytes
-                call = functools.partial(
-                    self._push_shard, s, table, shard_ids, shard_grads, rids[s], optimizer_json
-                )
+                call = self._push_call(s, table, shard_ids, shard_grads, rids[s], optimizer_json)
                 if not self.parallel:  # one after another, made by finish()
-                    pending[s] = _Pending(None, deferred=call)
-                    continue
-                pending[s] = self._begin(
-                    s,
-                    embedding_plane.PUSH,
-                    shard_ids.nbytes + shard_grads.nbytes,
-                    functools.partial(
-                        embedding_plane.push_request,
-                        table,
-                        shard_ids,
-                        shard_grads,
-                        rids[s],
-                        optimizer_json,
-                    ),
-                    _push_step,
-                    call,
-                    last=s == shards[-1],
-                )
+                    pending[s] = _Pending(None, deferred=functools.partial(self._exchange, call))
+                else:
+                    pending[s] = self._begin(call, last=s == shards[-1])
 
         def finish() -> list[int]:
             replies = _gather(pending)
@@ -873,7 +840,7 @@ class EmbeddingClient:
 
         return finish
 
-    def _push_shard(
+    def _push_call(
         self,
         s: int,
         table: str,
@@ -881,9 +848,9 @@ class EmbeddingClient:
         grads: np.ndarray,
         request_id: tuple[str, int],
         optimizer_json: str,
-        retries: int = 1,
-    ) -> int:
-        """Applies gradient rows of ``ids`` (all owned by task ``s``); returns its step."""
+    ) -> _ShardCall:
+        """The push of gradient rows of ``ids`` (all owned by task ``s``); its value
+        is the shard's step."""
 
         def over_grpc() -> int:
             request = embedding_pb2.PushGradientsRequest(
@@ -895,15 +862,16 @@ class EmbeddingClient:
             )
             return self._call(s, "PushGradients", request).step
 
-        def over_plane(plane: DataPlaneClient, limit: int) -> Any:
-            if ids.nbytes + grads.nbytes > limit:
-                return _TOO_LARGE
-            header, buffers = embedding_plane.push_request(
-                table, ids, grads, request_id, optimizer_json
-            )
-            return _push_step(*plane.call(embedding_plane.PUSH, header, buffers, self.timeout))
-
-        return self._exchange(s, over_grpc, over_plane, retries)
+        return _ShardCall(
+            s,
+            embedding_plane.PUSH,
+            ids.nbytes + grads.nbytes,
+            functools.partial(
+                embedding_plane.push_request, table, ids, grads, request_id, optimizer_json
+            ),
+            _push_step,
+            over_grpc,
+        )
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
