@@ -160,7 +160,10 @@ class DataPlaneClient:
                 sock, max_header=frames.MAX_HEADER_BYTES, max_payload=self.max_reply_bytes
             )
             conn = _Conn(stream)
-            self._exchange(method, conn, frames.Kind.HELLO, 0, 0, self._hello, (), deadline)
+            hello = frames.Kind.HELLO
+            with self._failures(method, conn, hello):
+                self._send(conn, hello, 0, 0, self._hello, (), deadline)
+                self._receive(method, conn, hello, 0, deadline, None)
             return conn
         except BaseException:
             (stream or FrameStream(sock, max_header=0, max_payload=0)).close()
@@ -311,23 +314,6 @@ class DataPlaneClient:
             )
         stream.read_into(dest)
         return reply_header, dest
-
-    def _exchange(
-        self,
-        method: str,
-        conn: _Conn,
-        kind: frames.Kind,
-        mid: int,
-        call_id: int,
-        header: bytes,
-        payload: Sequence[Any],
-        deadline: float,
-        sink: Sink | None = None,
-    ) -> tuple[bytes, memoryview]:
-        """Sends one frame and reads its answer; drops ``conn`` on any failure but a status."""
-        with self._failures(method, conn, kind):
-            self._send(conn, kind, mid, call_id, header, payload, deadline)
-            return self._receive(method, conn, kind, call_id, deadline, sink)
 
     @contextlib.contextmanager
     def _failures(self, method: str, conn: _Conn, kind: frames.Kind) -> Iterator[None]:
