@@ -164,10 +164,15 @@ def main(argv: list[str] | None = None) -> int:
                 "ps_server",
                 f"--shm-idle must be a finite number of seconds > 0, got {args.shm_idle}",
             )
-        if shm.enabled():
+        why = shm.unavailable_reason()
+        if why is None:
             mirrors = shm.MirrorSet(idle=args.shm_idle)
-        elif args.shm == "on":
-            log.warning("--shm on, but shared memory is not usable here; values travel over gRPC")
+        else:  # one line, at either setting: the wire carries what shm would have
+            log.log(
+                logging.WARNING if args.shm == "on" else logging.INFO,
+                "shared memory is off: %s; values travel over the data plane or gRPC",
+                why,
+            )
     store = VariableStore(
         task=task,
         max_tensor_bytes=limits.max_tensor_bytes,

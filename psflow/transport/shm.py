@@ -72,13 +72,21 @@ _READ_RETRIES = 10_000
 
 def enabled() -> bool:
     """Whether the shared-memory path may be used in this process."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the shared-memory path may not be used in this process; None when it may."""
     if not settings.current().shm:
-        return False
+        return "turned off (PSFLOW_SHM=0)"
     # The seqlock relies on x86's store and load ordering (no reordering of stores
-    # with stores, nor loads with loads); elsewhere the data goes over gRPC.
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+    # with stores, nor loads with loads); elsewhere the data goes over the wire.
+    machine = platform.machine()
+    if machine.lower() not in ("x86_64", "amd64"):
+        return f"it needs x86-64 (Linux), this machine is {machine or 'unknown'}"
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return f"{SHM_DIR} is not a writable directory on this platform"
+    return None
 
 
 def is_local_address(address: str) -> bool:

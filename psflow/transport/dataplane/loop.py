@@ -43,7 +43,7 @@ import numpy as np
 from . import frames
 from .stream import IOV_MAX, FrameStream, drop_sent
 
-__all__ = ["EventLoop", "LoopConnection", "ReplyStream"]
+__all__ = ["EventLoop", "LoopConnection", "ReplyStream", "available"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,15 @@ _STALL = 0.02
 _IDLE_CPU = 0.001
 
 Dispatch = Callable[["LoopConnection", frames.FrameHead, bytes, memoryview], bool]
+
+
+def available() -> bool:
+    """Whether this platform has ``epoll`` (Linux), which :class:`EventLoop` waits in.
+
+    Elsewhere (macOS, the BSDs, Windows) the data-plane server serves each
+    connection on a thread of its own, as it does TLS connections everywhere.
+    """
+    return hasattr(select, "epoll")
 
 
 class ReplyStream(FrameStream):

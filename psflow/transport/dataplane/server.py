@@ -5,7 +5,8 @@ A connection starts with a HELLO carrying the shared token (see
 own; a refused one gets an UNAUTHENTICATED ERROR frame and is closed.  A
 welcomed plain connection then joins the event loop (:mod:`.loop`: a few
 threads for every connection, calls run on the thread that read them); a TLS
-one keeps its thread.  It carries calls one at a time: a REQUEST frame whose
+one keeps its thread, and so does every connection on a platform without
+``epoll`` (macOS, the BSDs, Windows: one log line says so).  It carries calls one at a time: a REQUEST frame whose
 payload is received with ``recv_into`` into the
 connection's own reusable buffer (no joins, the GIL released while the kernel
 copies), the handler named by its method id, and a REPLY frame whose buffers go
@@ -27,6 +28,7 @@ import dataclasses
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +46,7 @@ from psflow.errors import (
 from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
-from . import auth, frames
+from . import auth, frames, loop
 from .loop import EventLoop, LoopConnection, ReplyStream
 from .stream import FrameStream, tune
 
@@ -164,24 +166,35 @@ class DataPlaneServer:
         self._accept_thread: threading.Thread | None = None
         # plain-TCP connections are read by one event-loop thread after their HELLO
         # (see :mod:`.loop`); TLS ones keep a thread each (ssl has no cheap non-blocking
-        # reads of partial records)
-        self._loop = EventLoop(
-            f"dataplane-{self.port}",
-            self._loop_call,
-            max_threads=max_connections,
-            idle_timeout=idle_timeout,
-            io_timeout=io_timeout,
-            on_error=self._loop_failed,
-            on_close=self._loop_closed,
-        )
+        # reads of partial records), and so does every connection where there is no epoll
+        self._loop: EventLoop | None = None
+        if loop.available():
+            self._loop = EventLoop(
+                f"dataplane-{self.port}",
+                self._loop_call,
+                max_threads=max_connections,
+                idle_timeout=idle_timeout,
+                io_timeout=io_timeout,
+                on_error=self._loop_failed,
+                on_close=self._loop_closed,
+            )
+        else:
+            log.info(
+                "data plane on %s:%d: no epoll on this platform (%s); "
+                "each connection is served on a thread of its own",
+                host,
+                self.port,
+                sys.platform,
+            )
 
     def __repr__(self) -> str:
         return f"DataPlaneServer({self.host!r}, port={self.port})"
 
     @property
     def loop_threads(self) -> int:
-        """Threads the event loop started for plain connections (two until calls block)."""
-        return self._loop.threads
+        """Threads the event loop started for plain connections (two until calls block;
+        0 where there is no epoll and each connection has a thread of its own)."""
+        return 0 if self._loop is None else self._loop.threads
 
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:
@@ -213,7 +226,8 @@ class DataPlaneServer:
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> DataPlaneServer:
         """Starts accepting connections; returns self."""
-        self._loop.start()
+        if self._loop is not None:
+            self._loop.start()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"dataplane-accept-{self.port}", daemon=True
         )
@@ -233,7 +247,8 @@ class DataPlaneServer:
         if self._accept_thread is not None:
             self._accept_thread.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
-        self._loop.stop(deadline)
+        if self._loop is not None:
+            self._loop.stop(deadline)
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
@@ -313,8 +328,8 @@ class DataPlaneServer:
                 conn.sock = sock
             stream = FrameStream(sock, max_header=self.max_header, max_payload=self.max_payload)
             if self._welcome(stream, peer):
-                if self._tls is None and not self._stopping.is_set():
-                    self._hand_over(conn, stream)
+                if self._loop is not None and self._tls is None and not self._stopping.is_set():
+                    self._hand_over(conn, self._loop, stream)
                     handed_over = True
                     return
                 self._calls(stream, peer)
@@ -336,7 +351,7 @@ class DataPlaneServer:
                     self._connections.discard(conn)
 
     # -- connections on the event loop ------------------------------------------------
-    def _hand_over(self, conn: _Connection, stream: FrameStream) -> None:
+    def _hand_over(self, conn: _Connection, event_loop: EventLoop, stream: FrameStream) -> None:
         """Gives a welcomed plain connection to the event loop."""
         leftover = stream.read_bytes(stream.pending()) if stream.pending() else b""
         looped = LoopConnection(
@@ -349,7 +364,7 @@ class DataPlaneServer:
         )
         looped.stream = ReplyStream(conn.sock, self.io_timeout)
         looped.tag = conn
-        self._loop.add(looped)
+        event_loop.add(looped)
 
     def _loop_call(
         self, conn: LoopConnection, head: frames.FrameHead, header: bytes, payload: memoryview
