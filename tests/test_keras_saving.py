@@ -14,6 +14,7 @@ import psflow as pf
 from psflow import errors
 from psflow.distribute.ps.values import PSVariable
 from psflow.distribute.values import MirroredVariable
+from tests.numerics import assert_close_across_splits
 from tests.test_mirrored_training import logical_cpus
 
 keras = pf.keras
@@ -100,9 +101,18 @@ def sequential_model() -> Any:
 
 
 def assert_same_predictions(a: Any, b: Any, x: Any) -> None:
+    """Bit for bit: both models predict ``x`` with the same operations on the same shapes."""
     pa, pb = a.predict(x, verbose=0), b.predict(x, verbose=0)
     for leaf_a, leaf_b in zip(pf.nest.flatten(pa), pf.nest.flatten(pb)):
         np.testing.assert_array_equal(leaf_a, leaf_b)
+
+
+def assert_same_weights(a: Any, b: Any) -> None:
+    """The round trip itself: every weight comes back bit for bit."""
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for x, y in zip(wa, wb):
+        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("suffix", [".keras", "_dir"])
@@ -231,7 +241,14 @@ def test_mirrored_save_and_load_in_scope(tmp_path: Any) -> None:
         assert all(isinstance(v, MirroredVariable) for v in loaded.weights)
         assert_same_predictions(model, loaded, [XA, XB])
     plain = keras.models.load_model(tmp_path / "m.keras")  # and outside any strategy
-    assert_same_predictions(model, plain, [XA, XB])
+    assert_same_weights(model, plain)
+    # two replicas split the batch, one device does not: each GEMM sees other rows, and
+    # the BLAS may block (so round) its sums otherwise - equal within float32 ulps only
+    for got, want in zip(
+        pf.nest.flatten(plain.predict([XA, XB], verbose=0)),
+        pf.nest.flatten(model.predict([XA, XB], verbose=0)),
+    ):
+        assert_close_across_splits(got, want)
 
 
 def test_parameter_server_save_and_load_in_scope(tmp_path: Any) -> None:
