@@ -111,6 +111,28 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="address clients dial for the data plane (default: the gRPC host, --data-port)",
     )
+    p.add_argument(
+        "--data-max-connections",
+        type=int,
+        default=DataPlaneOptions.max_connections,
+        metavar="N",
+        help="authenticated data-plane connections at once; at the limit the one idle "
+        "longest makes room (connections still in their handshake have a budget of their own)",
+    )
+    p.add_argument(
+        "--data-hello-timeout",
+        type=float,
+        default=DataPlaneOptions.hello_timeout,
+        metavar="SECONDS",
+        help="a data-plane connection must authenticate this soon after it is accepted",
+    )
+    p.add_argument(
+        "--data-io-timeout",
+        type=float,
+        default=DataPlaneOptions.io_timeout,
+        metavar="SECONDS",
+        help="a data-plane frame must arrive whole (a reply be taken) this soon after it began",
+    )
     return p
 
 
@@ -129,7 +151,25 @@ def _data_plane(args: argparse.Namespace) -> DataPlaneOptions | None:
         host, sep, port = args.data_advertise.rpartition(":")
         if not host or not sep or not port.isdigit() or not 0 < int(port) <= 65535:
             raise InvalidArgumentError(f"--data-advertise {args.data_advertise!r} is not host:port")
-    return DataPlaneOptions(port=args.data_port, advertise=args.data_advertise)
+    for flag, value in (
+        ("--data-hello-timeout", args.data_hello_timeout),
+        ("--data-io-timeout", args.data_io_timeout),
+    ):
+        if not 0 < value < float("inf"):
+            raise InvalidArgumentError(
+                f"{flag} must be a finite number of seconds > 0, got {value}"
+            )
+    if args.data_max_connections < 1:
+        raise InvalidArgumentError(
+            f"--data-max-connections must be at least 1, got {args.data_max_connections}"
+        )
+    return DataPlaneOptions(
+        port=args.data_port,
+        advertise=args.data_advertise,
+        max_connections=args.data_max_connections,
+        hello_timeout=args.data_hello_timeout,
+        io_timeout=args.data_io_timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

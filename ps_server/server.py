@@ -55,14 +55,18 @@ class DataPlaneOptions:
         port: its port (0: any free one).
         advertise: ``host:port`` clients dial instead of the gRPC host and
             ``port`` (NAT, relays, Kubernetes services); "" for none.
-        max_connections: connections served at once.
+        max_connections: authenticated connections served at once.
         idle_timeout: seconds a connection may wait for its next call.
+        hello_timeout: seconds from accept by which a connection must authenticate.
+        io_timeout: seconds a frame may take to arrive whole once it began.
     """
 
     port: int = 0
     advertise: str = ""
     max_connections: int = 256
     idle_timeout: float = 300.0
+    hello_timeout: float = 10.0
+    io_timeout: float = 60.0
 
 
 def create_server(
@@ -186,16 +190,19 @@ def start_data_plane(
         UnavailableError: its port cannot be bound.
     """
     max_payload = max_message_bytes
+    handlers = servicer.data_plane_handlers()
+    if embedding is not None:  # through the same gate, limits, metrics and log context
+        for name, handler in embedding.data_plane_handlers().items():
+            handlers[name] = servicer.plane_edge(name, handler)
     plane = DataPlaneServer(
         bind,
         options.port,
         security,
-        {
-            **servicer.data_plane_handlers(),
-            **({} if embedding is None else embedding.data_plane_handlers()),
-        },
+        handlers,
         max_connections=options.max_connections,
         idle_timeout=options.idle_timeout,
+        hello_timeout=options.hello_timeout,
+        io_timeout=options.io_timeout,
         max_payload=max_payload,
         on_reject=None if metrics is None else metrics.record_rejection,
     ).start()

@@ -93,6 +93,11 @@ def _check(message: Any) -> Any:
     return message
 
 
+def _left(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """Whether a gRPC call's client has left (cancelled, its deadline passed, gone)."""
+    return lambda: not context.is_active()
+
+
 def _parse_header(header_bytes: bytes | None, header_cls: type) -> Any:
     if header_bytes is None:
         raise InvalidArgumentError("the first message of a request carries no header")
@@ -335,14 +340,15 @@ class ParameterServerServicer:
         """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves:
         Push and Pull, through the same admission, logic and accounting as the gRPC ones."""
         return {
-            "Push": self._plane_edge("Push", self._plane_push),
-            "Pull": self._plane_edge("Pull", self._plane_pull),
+            "Push": self.plane_edge("Push", self._plane_push),
+            "Pull": self.plane_edge("Pull", self._plane_pull),
         }
 
-    def _plane_edge(self, name: str, fn: Callable[[Request], Reply]) -> Handler:
-        """The data plane's twin of :meth:`_edge`'s lean path: a gate slot, the log
-        context, rejection and call metrics; typed errors propagate (the data-plane
-        server turns them into ERROR frames with their status)."""
+    def plane_edge(self, name: str, fn: Callable[[Request], Reply]) -> Handler:
+        """The data plane's twin of :meth:`_edge`'s lean path, for every method it
+        serves (the tables' too): a ``--max-streams`` slot, the log context,
+        rejection and call metrics; typed errors propagate (the data-plane server
+        turns them into ERROR frames with their status)."""
         metrics, gate = self.metrics, self.gate
 
         def handle(request: Request) -> Reply:
@@ -370,7 +376,9 @@ class ParameterServerServicer:
 
     def _plane_push(self, request: Request) -> Reply:
         header = _parse_header(request.header, ps_pb2.PushHeader)
-        reply = self._push(header, (), request.time_remaining(), borrowed=request.payload)
+        reply = self._push(
+            header, (), request.time_remaining(), request.peer_gone, borrowed=request.payload
+        )
         return Reply(reply.SerializeToString())
 
     def _plane_pull(self, request: Request) -> Reply:
@@ -553,25 +561,29 @@ class ParameterServerServicer:
     # -- pushes ------------------------------------------------------------------------
     def Push(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         """Applies gradients (unary)."""
-        return self._push(*_framed_unary(request, ps_pb2.PushHeader), context.time_remaining())
+        header, payloads = _framed_unary(request, ps_pb2.PushHeader)
+        return self._push(header, payloads, context.time_remaining(), _left(context))
 
     def PushStream(
         self, request_iterator: Iterator[Any], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
         """Applies gradients (streamed payload)."""
-        return self._push(*_framed(request_iterator, ps_pb2.PushHeader), context.time_remaining())
+        header, payloads = _framed(request_iterator, ps_pb2.PushHeader)
+        return self._push(header, payloads, context.time_remaining(), _left(context))
 
     def _push(
         self,
         header: Any,
         payloads: Iterable[memoryview],
         timeout: float | None,
+        client_gone: Callable[[], bool],
         *,
         borrowed: memoryview | None = None,
     ) -> ps_pb2.PushResponse:
         """Applies a push: one function for every edge.  ``payloads``: the payload's
         chunks as received; ``borrowed``: instead, the whole payload in a buffer the
-        caller reuses once this returns (the data plane's)."""
+        caller reuses once this returns (the data plane's); ``client_gone``: whether
+        the caller has left (a synchronous push stops waiting for nobody)."""
         start = time.perf_counter()
         if not header.HasField("id") or not header.id.client_id:
             raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
@@ -637,6 +649,7 @@ class ParameterServerServicer:
             max_staleness=header.max_staleness if header.HasField("max_staleness") else None,
             timeout=timeout,
             rule_json=header.rule_json,
+            client_gone=client_gone,
         )
         if self.metrics is not None:  # only now: a rejected push leaves no series behind
             self.metrics.record_push_seen(header.id.client_id, step)

@@ -22,7 +22,14 @@ import pytest
 from psflow.distribute.coordinator.workers import GrpcWorker
 from psflow.errors import InvalidArgumentError, UnauthenticatedError
 from psflow.observability.http import MetricsServer
-from psflow.observability.logs import JsonFormatter, LogFormat, configure_logging, log_context
+from psflow.observability.logs import (
+    JsonFormatter,
+    LogFormat,
+    configure_logging,
+    current_context,
+    log_context,
+    set_log_context,
+)
 from psflow.observability.metrics import Registry, parse_exposition
 from psflow.proto import worker_pb2
 from psflow.security.config import SecurityConfig
@@ -144,6 +151,19 @@ def test_json_log_lines_carry_role_task_step_and_request():
     assert (second["step"], second["request_id"]) == (None, None)
     with pytest.raises(InvalidArgumentError, match="'yaml' is not one of"):
         LogFormat.parse("yaml")
+
+
+def test_fields_set_inside_a_call_do_not_leak_to_the_next_one():
+    """A push learns its step late (``set_log_context``); the call's block must undo it,
+    or the next connection-level warning on that thread carries a stale ``step=``."""
+    with log_context(request_id="ps:0/1"):
+        set_log_context(step=7, request_id="client:3")
+        assert current_context() == {"step": 7, "request_id": "client:3"}
+    assert current_context() == {"step": None, "request_id": None}
+    with log_context(step=2):  # an outer step stays for an inner block that sets none
+        with log_context(request_id="r"):
+            assert current_context() == {"step": 2, "request_id": "r"}
+        assert current_context() == {"step": 2, "request_id": None}
     with pytest.raises(InvalidArgumentError, match="unknown log level"):
         configure_logging("ps", "ps:0", "LOUD", "text", stream=io.StringIO())
 

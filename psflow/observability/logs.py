@@ -85,10 +85,12 @@ class log_context:  # noqa: N801 - used as a function-style context manager
         self._tokens: list[tuple[contextvars.ContextVar, contextvars.Token]] = []
 
     def __enter__(self) -> None:
-        if self._step is not None:
-            self._tokens.append((_STEP, _STEP.set(int(self._step))))
-        if self._request is not None:
-            self._tokens.append((_REQUEST, _REQUEST.set(str(self._request))))
+        # both are set (to their current value when None), so that leaving the block also
+        # undoes what :func:`set_log_context` set inside it: nothing leaks to the next call
+        step = _STEP.get() if self._step is None else int(self._step)
+        request = _REQUEST.get() if self._request is None else str(self._request)
+        self._tokens.append((_STEP, _STEP.set(step)))
+        self._tokens.append((_REQUEST, _REQUEST.set(request)))
 
     def __exit__(self, *exc: object) -> None:
         for var, token in reversed(self._tokens):

@@ -41,7 +41,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,7 @@ import numpy as np
 from psflow.errors import (
     AbortedError,
     AlreadyExistsError,
+    CancelledError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -89,6 +90,8 @@ MAX_PENDING_STEPS = 16
 MAX_WAIT_SECONDS = 600.0
 # Client ids remembered as well-formed (checking one per push costs as much as a lookup).
 MAX_CHECKED_CLIENTS = 4096
+# Seconds between two checks that the client of a waiting sync push is still there.
+_GONE_CHECK = 0.5
 
 
 def _bounded_wait(timeout: float | None) -> float:
@@ -570,6 +573,7 @@ class VariableStore:
         max_staleness: int | None = None,
         timeout: float | None = None,
         rule_json: str = "",
+        client_gone: Callable[[], bool] | None = None,
     ) -> PushReply:
         """Applies (or, for a sync step, contributes) gradients, exactly once per id.
 
@@ -585,6 +589,8 @@ class VariableStore:
                 updated, slots created on first use; ``""``: each variable's
                 current rule.  A rule with another slot layout than a
                 variable's is rejected.
+            client_gone: asked now and then while ``wait_applied`` waits: True
+                ends the wait (the contribution still counts).
 
         Raises:
             NotFoundError, InvalidArgumentError, FailedPreconditionError: bad input.
@@ -592,6 +598,8 @@ class VariableStore:
                 is exceeded, or the id is older than the dedup window.
             DeadlineExceededError: ``wait_applied`` timed out (the contribution
                 still counts).
+            CancelledError: the client left while ``wait_applied`` waited (the
+                contribution still counts).
         """
         with self._rejecting():
             rule = self._pushed_rules.get(rule_json) if rule_json else None
@@ -619,7 +627,7 @@ class VariableStore:
 
         result = self._once(push_id, run, lambda r: dataclasses.replace(r, duplicate=True), timeout)
         if wait_applied and step is not None and not result.applied:
-            self._wait_step([c[0] for c in checked], int(step), timeout)
+            self._wait_step([c[0] for c in checked], int(step), timeout, client_gone)
             result = dataclasses.replace(
                 result, applied=True, versions=tuple(c[0].version for c in checked)
             )
@@ -631,6 +639,18 @@ class VariableStore:
         staleness = []
         for var, g, _, _ in checked:
             s = var.version - g.base_version if g.base_version >= 0 else -1
+            if g.base_version > var.version:
+                # a base version this variable never had (a client's bug, a forged
+                # header, or one from before a rollback): its staleness is unknown
+                if max_staleness is not None:
+                    err = AbortedError(
+                        f"gradient for {var.meta.name!r} claims base version "
+                        f"{g.base_version}, but the variable is at version {var.version}: "
+                        f"its staleness cannot be checked against the bound {max_staleness}"
+                    )
+                    err.reason = "future_base_version"
+                    raise err
+                s = -1
             if max_staleness is not None and s > max_staleness:
                 err = AbortedError(
                     f"gradient for {var.meta.name!r} is {s} versions stale (base version "
@@ -710,7 +730,13 @@ class VariableStore:
         self.stats.add(sync_steps_applied=1)
         var.changed.notify_all()
 
-    def _wait_step(self, variables: Sequence[Variable], step: int, timeout: float | None) -> None:
+    def _wait_step(
+        self,
+        variables: Sequence[Variable],
+        step: int,
+        timeout: float | None,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> None:
         deadline = time.monotonic() + _bounded_wait(timeout)
         for var in variables:
             with var.lock:
@@ -722,7 +748,12 @@ class VariableStore:
                             f"{len(var.pending[step].contributions)} of "
                             f"{var.pending[step].num_required} contributions arrived"
                         )
-                    var.changed.wait(left)
+                    if client_gone is not None and client_gone():
+                        raise CancelledError(
+                            f"the client waiting for sync step {step} of {var.meta.name!r} "
+                            "left; its contribution counts"
+                        )
+                    var.changed.wait(left if client_gone is None else min(left, _GONE_CHECK))
                 if var.sync_step < step:
                     raise AbortedError(
                         f"sync step {step} of {var.meta.name!r} was dropped: a later step "

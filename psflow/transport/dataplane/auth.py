@@ -17,11 +17,16 @@ import ssl
 from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig, TLSConfig
 
-__all__ = ["check_hello", "client_context", "hello", "server_context"]
+__all__ = ["HELLO_LIMIT", "check_hello", "client_context", "hello", "server_context"]
+
+HELLO_LIMIT = 8 << 10
+"""The largest HELLO header a server reads before the peer is authenticated: a
+token and a client name fit many times over; nothing larger is allocated."""
 
 
 def hello(security: SecurityConfig, client: str = "") -> bytes:
-    """The serialized HELLO header a client sends first."""
+    """The serialized HELLO header a client sends first (at most :data:`HELLO_LIMIT`
+    bytes: a longer token is refused by the server like a wrong one)."""
     return dataplane_pb2.DataPlaneHello(
         token=security.token or "", client=client[:256]
     ).SerializeToString()

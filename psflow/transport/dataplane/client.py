@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import select
 import socket
 import ssl
 import threading
@@ -40,7 +39,7 @@ from psflow.security.config import SecurityConfig
 from psflow.transport.status import status_error
 
 from . import auth, frames
-from .stream import FrameStream, tune
+from .stream import FrameStream, readable_now, tune
 
 __all__ = ["DataPlaneClient", "SentCall", "Sink"]
 
@@ -403,23 +402,8 @@ def _reusable(conn: _Conn, reuse_idle: float) -> bool:
     if idle < _FRESH:  # servers close only connections idle far longer: skip the syscall
         return not conn.stream.pending()
     try:
-        readable = _readable_now(conn.stream.sock)
+        readable = readable_now(conn.stream.sock)
     except (OSError, ValueError):
         return False
     # nothing may arrive between calls: readable means closed (EOF) or out of step
     return not readable and not conn.stream.pending()
-
-
-def _readable_now(sock: socket.socket) -> bool:
-    """Whether ``sock`` has bytes, an EOF or an error to report, without waiting.
-
-    ``poll`` where the platform has it: ``select`` refuses descriptors from
-    1024 up (``FD_SETSIZE``), which a process with many open files reaches.
-    Windows has no ``poll``, and its ``select`` takes any socket.
-    """
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))  # POLLHUP / POLLERR / POLLNVAL come unasked
-    readable, _, _ = select.select([sock], [], [], 0)
-    return bool(readable)

@@ -87,7 +87,7 @@ class ReplyStream(FrameStream):
         super().__init__(sock, max_header=0, max_payload=0)
         self.io_timeout = io_timeout
 
-    def _send(self, pieces: list[Any]) -> None:
+    def _send(self, pieces: list[Any], release: Callable[[], None] | None = None) -> None:
         views = [memoryview(p).cast("B") for p in pieces]
         blocking = False
         try:
@@ -95,11 +95,19 @@ class ReplyStream(FrameStream):
                 try:
                     drop_sent(views, self.sock.sendmsg(views[:IOV_MAX]))
                 except BlockingIOError:  # the kernel's buffer is full: wait, bounded
+                    if release is not None:
+                        # a slow reader: it waits on a copy, not on the handler's lock
+                        views = [memoryview(b"".join(views))]
+                        release()
+                        release = None
                     self.sock.settimeout(self.io_timeout)
                     blocking = True
         finally:
             if blocking:
                 self.sock.setblocking(False)
+
+    def _send_releasing(self, pieces: list[Any], release: Callable[[], None]) -> None:
+        self._send(pieces, release)
 
 
 def _own_cpu_clock() -> int | None:
@@ -155,6 +163,7 @@ class LoopConnection:
         "_start",
         "_view",
         "closed",
+        "frame_start",
         "last",
         "max_header",
         "max_payload",
@@ -191,6 +200,9 @@ class LoopConnection:
         self._parts: list[memoryview] = [memoryview(self._header)]
         self._pos = 0
         self.last = time.monotonic()
+        # when the first bytes of the frame being read arrived (None between frames):
+        # a frame's deadline runs from there, however its bytes trickle in
+        self.frame_start: float | None = self.last if leftover else None
         self.closed = False
         self.stream: Any = None  # the owner's sending side
         self.tag: Any = None  # the owner's record of this connection
@@ -235,6 +247,8 @@ class LoopConnection:
             if n == 0:
                 raise ConnectionError("the data-plane connection was closed by its peer")
             self.last = time.monotonic()
+            if self.frame_start is None:
+                self.frame_start = self.last
 
     def _fill_parts(self) -> bool:
         """Copies staged bytes into the current part; True once it is full."""
@@ -273,6 +287,8 @@ class LoopConnection:
             if self._parts:
                 return None
         head, header, payload = self._head, bytes(self._header), self._payload
+        # the next frame's clock starts with its first bytes (already here if pipelined)
+        self.frame_start = self.last if self._start < self._end else None
         self._head = None
         self._header = bytearray(frames.FIXED.size)
         self._parts = [memoryview(self._header)]
@@ -514,6 +530,26 @@ class EventLoop:
         with self._lock:
             waiting = [c for fd, c in self._conns.items() if fd not in self._busy]
         for conn in waiting:
-            limit = self.io_timeout if conn.mid_frame() else self.idle_timeout
-            if now - conn.last > limit:
-                self.close(conn, TimeoutError(f"no bytes for {now - conn.last:.1f} s"))
+            if conn.mid_frame():
+                started = conn.last if conn.frame_start is None else conn.frame_start
+                if now - started > self.io_timeout:
+                    why = f"a frame still incomplete {now - started:.1f} s after it began"
+                    self.close(conn, TimeoutError(why))
+            elif now - conn.last > self.idle_timeout:
+                self.close(conn, TimeoutError(f"no call for {now - conn.last:.1f} s"))
+
+    def close_idlest(self, min_idle: float) -> LoopConnection | None:
+        """Closes the connection waiting longest for its next call, if it has waited
+        ``min_idle`` seconds at least (not one being served or mid-frame); returns it."""
+        now = time.monotonic()
+        with self._lock:
+            waiting = [
+                c
+                for fd, c in self._conns.items()
+                if fd not in self._busy and not c.mid_frame() and now - c.last >= min_idle
+            ]
+        if not waiting:
+            return None
+        conn = min(waiting, key=lambda c: c.last)
+        self.close(conn, TimeoutError(f"idle {now - conn.last:.1f} s: made room for another"))
+        return conn

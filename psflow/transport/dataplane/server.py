@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import socket
 import ssl
@@ -46,9 +47,9 @@ from psflow.errors import (
 from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
-from . import auth, frames, loop
+from . import auth, door, frames, loop
 from .loop import EventLoop, LoopConnection, ReplyStream
-from .stream import FrameStream, tune
+from .stream import FrameStream, readable_now, tune
 
 __all__ = ["DataPlaneServer", "Handler", "Reply", "Request"]
 
@@ -57,6 +58,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_PAYLOAD = 1 << 30
 _ACCEPT_POLL = 0.2
 _MAX_DETAILS = 4096
+# an authenticated connection idle this long may be closed to make room for a new one
+# (clients check a pooled connection idle over a second before they reuse it)
+_EVICTABLE_IDLE = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,9 @@ class Request:
             until the handler returns (copy what must outlive the call).
         peer: ``ipv4:host:port`` of the client (as gRPC names a peer).
         deadline: ``time.monotonic()`` by which the client stops waiting, or None.
+        peer_gone: whether the client has left (closed or reset its connection):
+            a handler that waits (a synchronous step) asks it now and then and
+            stops waiting for nobody.  One system call; cheap, not free.
     """
 
     method: str
@@ -77,6 +84,7 @@ class Request:
     payload: memoryview
     peer: str
     deadline: float | None
+    peer_gone: Callable[[], bool] = lambda: False
 
     def time_remaining(self) -> float | None:
         """Seconds until the client's deadline (None: it gave none)."""
@@ -96,12 +104,19 @@ Handler = Callable[[Request], Reply]
 
 
 class _Connection:
-    __slots__ = ("peer", "sock", "thread")
+    """One accepted connection, from its handshake on (a thread of its own) to its
+    end, served by that thread (TLS, or no epoll) or on the event loop."""
+
+    __slots__ = ("authenticated", "busy", "last", "looped", "peer", "sock", "thread")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
         self.thread: threading.Thread | None = None
+        self.authenticated = False  # counted against ``max_connections``
+        self.busy = False  # a call being read or run (the threaded path)
+        self.last = time.monotonic()  # when its last call ended
+        self.looped: LoopConnection | None = None
 
 
 class DataPlaneServer:
@@ -112,7 +127,16 @@ class DataPlaneServer:
         port: the port (0: any free one; see :attr:`port`).
         security: the token and TLS material clients must present.
         handlers: method name -> handler.
-        max_connections: connections served at once; one more is refused.
+        max_connections: authenticated connections served at once; at the limit
+            the one idle longest (at least a few seconds) is closed for a new one,
+            or else the new one is refused.
+        max_pending: connections that have not finished their handshake, at once
+            (apart from ``max_connections``); at this budget, or at
+            ``max_pending_per_host`` from one address, the oldest handshake is
+            closed for the new one (see :mod:`.door`).
+        max_pending_per_host: the same budget for one address.
+        hello_timeout: seconds from accept by which the HELLO (and the TLS
+            handshake) must be done.
         idle_timeout: seconds a connection may wait for its next call.
         io_timeout: seconds a frame may take to arrive (or a reply to leave)
             once it started.
@@ -138,6 +162,9 @@ class DataPlaneServer:
         handlers: Mapping[str, Handler],
         *,
         max_connections: int = 256,
+        max_pending: int = 128,
+        max_pending_per_host: int = 64,
+        hello_timeout: float = 10.0,
         idle_timeout: float = 300.0,
         io_timeout: float = 60.0,
         max_header: int = frames.MAX_HEADER_BYTES,
@@ -163,6 +190,12 @@ class DataPlaneServer:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._connections: set[_Connection] = set()
+        self._door = door.Door(
+            max_pending=max_pending,
+            max_pending_per_host=max_pending_per_host,
+            hello_timeout=hello_timeout,
+        )
+        self._refusals = door.Refusals(log)
         self._accept_thread: threading.Thread | None = None
         # plain-TCP connections are read by one event-loop thread after their HELLO
         # (see :mod:`.loop`); TLS ones keep a thread each (ssl has no cheap non-blocking
@@ -259,13 +292,19 @@ class DataPlaneServer:
 
     @property
     def connections(self) -> int:
-        """Connections open now."""
+        """Connections open now (handshakes under way included)."""
         with self._lock:
             return len(self._connections)
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections that have not finished their handshake."""
+        return self._door.pending
 
     # -- accepting -------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
+            self._reap()
             try:
                 sock, addr = self._listener.accept()
             except TimeoutError:
@@ -276,74 +315,129 @@ class DataPlaneServer:
                 log.warning("data plane accept failed: %s", e)
                 time.sleep(_ACCEPT_POLL)
                 continue
-            peer = _peer_name(addr)
-            conn = _Connection(sock, peer)
+            conn = _Connection(sock, _peer_name(addr))
+            deadline, evicted = self._door.enter(conn, addr[0])
+            for old in evicted:
+                self._refused(old.peer, "closed before its handshake ended: a newer one came")
+                _shutdown(old.sock)
             with self._lock:
-                full = len(self._connections) >= self.max_connections
-                if not full:
-                    self._connections.add(conn)
-            if full:
-                self._refuse_full(sock, peer)
-                continue
+                self._connections.add(conn)
             conn.thread = threading.Thread(
-                target=self._serve, args=(conn,), name=f"dataplane-{peer}", daemon=True
+                target=self._serve, args=(conn, deadline), name=f"dataplane-{conn.peer}"
             )
+            conn.thread.daemon = True
             conn.thread.start()
 
-    def _refuse_full(self, sock: socket.socket, peer: str) -> None:
-        self._rejected("too_many_connections")
-        log.warning(
-            "data plane refused a connection from %s: %d connections open (the limit)",
+    def _reap(self) -> None:
+        """Closes the handshakes past their deadline; reports counted refusals."""
+        for conn in self._door.expired():
+            self._refused(conn.peer, f"no handshake within {self._door.hello_timeout:g} s")
+            _shutdown(conn.sock)
+        self._refusals.flush()
+
+    def _refused(self, peer: str, why: str, reason: str = "handshake_incomplete") -> None:
+        """Counts a refused connection (metrics) and logs it, rate-limited."""
+        self._rejected(reason)
+        self._refusals.refused(peer, why, reason)
+
+    def _admit(self, conn: _Connection) -> bool:
+        """Counts an authenticated ``conn`` against ``max_connections``; at the limit
+        the connection idle longest gives way, or ``conn`` is refused (False)."""
+        for _ in range(3):  # each round admits, or closes one idle connection
+            with self._lock:
+                open_now = sum(1 for c in self._connections if c.authenticated)
+                if open_now < self.max_connections:
+                    conn.authenticated = True
+                    return True
+            if not self._close_idlest():
+                break
+        why = f"{self.max_connections} connections open (the limit), none idle"
+        self._refused(conn.peer, why, "too_many_connections")
+        with contextlib.suppress(OSError):
+            _send_raw_status(
+                conn.sock,
+                Code.RESOURCE_EXHAUSTED,
+                f"the data plane serves at most {self.max_connections} connections",
+            )
+        return False
+
+    def _close_idlest(self) -> bool:
+        """Closes the authenticated connection idle longest, if it has been idle
+        :data:`_EVICTABLE_IDLE` s at least (a client reuses a fresher one unchecked)."""
+        if self._loop is not None:
+            closed = self._loop.close_idlest(_EVICTABLE_IDLE)
+            if closed is not None:
+                self._made_room(closed.peer)
+                return True
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                c
+                for c in self._connections
+                if c.authenticated
+                and c.looped is None
+                and not c.busy
+                and now - c.last >= _EVICTABLE_IDLE
+            ]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda c: c.last)
+            victim.authenticated = False
+        _shutdown(victim.sock)
+        self._made_room(victim.peer)
+        return True
+
+    def _made_room(self, peer: str) -> None:
+        log.info(
+            "data plane: closed the idle connection from %s for a new one (%d open, the limit)",
             peer,
             self.max_connections,
         )
-        if self._tls is None:  # a TLS client hears nothing before a handshake: just close
-            try:
-                sock.settimeout(1.0)
-                stream = FrameStream(sock, max_header=0, max_payload=0)
-                _send_status(
-                    stream,
-                    0,
-                    Code.RESOURCE_EXHAUSTED,
-                    f"the data plane serves at most {self.max_connections} connections",
-                )
-            except OSError:
-                pass
-        _shutdown(sock)
-        sock.close()
 
     def _rejected(self, reason: str) -> None:
         if self._on_reject is not None:
             self._on_reject(reason)
 
     # -- one connection ---------------------------------------------------------------
-    def _serve(self, conn: _Connection) -> None:
+    def _serve(self, conn: _Connection, deadline: float) -> None:
+        """A connection's thread: the handshake by ``deadline``, then its calls (or
+        the hand-over to the event loop)."""
         sock, peer = conn.sock, conn.peer
         handed_over = False
         try:
-            sock.settimeout(self.io_timeout)
             tune(sock)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_side=True)
                 conn.sock = sock
+            authenticated = self._authenticate(sock, peer, deadline)
+            if not self._door.leave(conn):
+                return  # past its deadline or evicted meanwhile: already shut down
+            if not authenticated or not self._admit(conn):
+                return
+            sock.sendall(frames.pack(frames.Kind.WELCOME))
+            conn.last = time.monotonic()
+            if self._loop is not None and self._tls is None and not self._stopping.is_set():
+                self._hand_over(conn, self._loop)
+                handed_over = True
+                return
+            # authenticated: only now is a stream's buffer allocated for this peer
             stream = FrameStream(sock, max_header=self.max_header, max_payload=self.max_payload)
-            if self._welcome(stream, peer):
-                if self._loop is not None and self._tls is None and not self._stopping.is_set():
-                    self._hand_over(conn, self._loop, stream)
-                    handed_over = True
-                    return
-                self._calls(stream, peer)
+            self._calls(conn, stream)
         except frames.FrameError as e:
-            self._rejected("malformed_frame")
-            log.warning("data plane closed the connection from %s: %s", peer, e)
+            if conn.authenticated:
+                self._rejected("malformed_frame")
+                log.warning("data plane closed the connection from %s: %s", peer, e)
+            else:
+                self._refused(peer, str(e), "malformed_frame")
         except ssl.SSLError as e:
-            self._rejected("unauthenticated")
-            log.warning("data plane TLS with %s failed: %s", peer, e)
+            self._refused(peer, f"TLS failed: {e}", "unauthenticated")
         except TimeoutError:
             log.debug("data plane connection from %s idle or stalled: closed", peer)
         except (ConnectionError, OSError) as e:
             log.debug("data plane connection from %s ended: %s", peer, e)
         finally:
+            self._door.leave(conn)
             if not handed_over:
                 _shutdown(sock)
                 sock.close()
@@ -351,41 +445,28 @@ class DataPlaneServer:
                     self._connections.discard(conn)
 
     # -- connections on the event loop ------------------------------------------------
-    def _hand_over(self, conn: _Connection, event_loop: EventLoop, stream: FrameStream) -> None:
-        """Gives a welcomed plain connection to the event loop."""
-        leftover = stream.read_bytes(stream.pending()) if stream.pending() else b""
+    def _hand_over(self, conn: _Connection, event_loop: EventLoop) -> None:
+        """Gives a welcomed plain connection to the event loop (the HELLO was read
+        exactly: nothing of the next frame is held here)."""
         looped = LoopConnection(
             conn.sock,
             conn.peer,
-            leftover,
+            b"",
             max_header=self.max_header,
             max_payload=self.max_payload,
             retain_bytes=self.retain_bytes,
         )
         looped.stream = ReplyStream(conn.sock, self.io_timeout)
         looped.tag = conn
+        conn.looped = looped
         event_loop.add(looped)
 
     def _loop_call(
         self, conn: LoopConnection, head: frames.FrameHead, header: bytes, payload: memoryview
     ) -> bool:
         """Runs one call of a loop connection; False when the connection is done."""
-        deadline = None
-        if head.timeout_ms:
-            deadline = time.monotonic() + head.timeout_ms / 1000.0
         try:
-            known = self._handlers.get(head.method)
-            if known is None:
-                _send_status(
-                    conn.stream,
-                    head.call_id,
-                    Code.UNIMPLEMENTED,
-                    f"data plane: no method with id {head.method}",
-                )
-            else:
-                name, handler = known
-                request = Request(name, header, payload, conn.peer, deadline)
-                self._call(conn.stream, head, request, handler)
+            self._dispatch(conn.stream, conn.sock, head, header, payload, conn.peer)
         except (OSError, ValueError) as e:  # ConnectionError, TimeoutError: the peer is gone
             log.debug("data plane connection from %s ended: %s", conn.peer, e)
             return False
@@ -401,29 +482,35 @@ class DataPlaneServer:
         with self._lock:
             self._connections.discard(conn.tag)
 
-    def _welcome(self, stream: FrameStream, peer: str) -> bool:
-        """Reads the HELLO; answers WELCOME, or UNAUTHENTICATED and False."""
-        head = stream.read_head()
-        if head.kind is not frames.Kind.HELLO or head.payload_len:
+    # -- the handshake ----------------------------------------------------------------
+    def _authenticate(self, sock: socket.socket, peer: str, deadline: float) -> bool:
+        """Reads the HELLO (at most :data:`auth.HELLO_LIMIT` bytes, by ``deadline``)
+        and checks its token; a refused one is answered UNAUTHENTICATED (False)."""
+        raw = _read_exact(sock, frames.FIXED.size, deadline)
+        head = frames.unpack(raw, max_header=auth.HELLO_LIMIT, max_payload=0)
+        if head.kind is not frames.Kind.HELLO:
             raise frames.FrameError(
-                f"the first frame is a {head.kind.name} with {head.payload_len} payload "
-                "bytes; a HELLO without payload was expected"
+                f"the first frame is a {head.kind.name}; a HELLO without payload was expected"
             )
-        why = auth.check_hello(self.security, stream.read_bytes(head.header_len))
+        why = auth.check_hello(self.security, _read_exact(sock, head.header_len, deadline))
         if why is not None:
-            self._rejected("unauthenticated")
-            log.warning("data plane refused %s: %s", peer, why)
-            _send_status(stream, 0, Code.UNAUTHENTICATED, f"data plane: {why}")
+            self._refused(peer, why, "unauthenticated")
+            _send_raw_status(sock, Code.UNAUTHENTICATED, f"data plane: {why}")
             return False
-        stream.send_frame(frames.Kind.WELCOME)
         return True
 
-    def _calls(self, stream: FrameStream, peer: str) -> None:
+    # -- connections on a thread of their own ------------------------------------------
+    def _calls(self, conn: _Connection, stream: FrameStream) -> None:
+        """Serves calls until the peer leaves, stays idle ``idle_timeout`` s, or takes
+        more than ``io_timeout`` s to send one frame."""
         buffer = np.empty(0, np.uint8)
         while not self._stopping.is_set():
+            stream.deadline = None
             stream.settimeout(self.idle_timeout)
+            stream.wait_for_bytes()
+            conn.busy = True
+            stream.deadline = time.monotonic() + self.io_timeout  # the whole frame's
             head = stream.read_head()
-            stream.settimeout(self.io_timeout)
             if head.kind is not frames.Kind.REQUEST:
                 raise frames.FrameError(f"a {head.kind.name} frame where a REQUEST was expected")
             header = stream.read_bytes(head.header_len)
@@ -436,24 +523,39 @@ class DataPlaneServer:
                 held = buffer
             payload = memoryview(held)[:n]
             stream.read_into(payload)
-            deadline = None
-            if head.timeout_ms:
-                deadline = time.monotonic() + head.timeout_ms / 1000.0
-            known = self._handlers.get(head.method)
-            if known is None:
-                _send_status(
-                    stream,
-                    head.call_id,
-                    Code.UNIMPLEMENTED,
-                    f"data plane: no method with id {head.method}",
-                )
-                continue
-            name, handler = known
-            self._call(stream, head, Request(name, header, payload, peer, deadline), handler)
+            stream.deadline = None
+            stream.settimeout(self.io_timeout)  # each send of the reply
+            self._dispatch(stream, stream.sock, head, header, payload, conn.peer)
+            conn.busy = False
+            conn.last = time.monotonic()
 
-    def _call(
-        self, stream: FrameStream, head: frames.FrameHead, request: Request, handler: Handler
+    # -- one call, either path ------------------------------------------------------
+    def _dispatch(
+        self,
+        stream: FrameStream,
+        sock: socket.socket,
+        head: frames.FrameHead,
+        header: bytes,
+        payload: memoryview,
+        peer: str,
     ) -> None:
+        """Runs one request with its handler and sends the reply or the error."""
+        known = self._handlers.get(head.method)
+        if known is None:
+            _send_status(
+                stream,
+                head.call_id,
+                Code.UNIMPLEMENTED,
+                f"data plane: no method with id {head.method}",
+            )
+            return
+        deadline = None
+        if head.timeout_ms:
+            deadline = time.monotonic() + head.timeout_ms / 1000.0
+        name, handler = known
+        request = Request(
+            name, header, payload, peer, deadline, functools.partial(_peer_gone, sock)
+        )
         try:
             reply = Reply(*handler(request))
         except OpError as e:
@@ -466,17 +568,59 @@ class DataPlaneServer:
                 stream, head.call_id, Code.INTERNAL, f"{request.method}: {type(e).__name__}: {e}"
             )
             return
-        try:
-            stream.send_frame(
-                frames.Kind.REPLY,
-                method=head.method,
-                call_id=head.call_id,
-                header=reply.header,
-                buffers=reply.buffers,
-            )
-        finally:
-            if reply.release is not None:
-                reply.release()
+        stream.send_frame(
+            frames.Kind.REPLY,
+            method=head.method,
+            call_id=head.call_id,
+            header=reply.header,
+            buffers=reply.buffers,
+            release=reply.release,
+        )
+
+
+def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes from ``sock`` by ``deadline`` (no more: nothing of a peer's
+    next frame is read, nor anything allocated past ``n``).
+
+    Raises:
+        TimeoutError: the deadline passed.
+        ConnectionError: the peer closed first.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    pos = 0
+    while pos < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{n - pos} of {n} bytes still missing at the deadline")
+        sock.settimeout(left)
+        got = sock.recv_into(view[pos:])
+        if got == 0:
+            raise ConnectionError("the data-plane connection was closed by its peer")
+        pos += got
+    return bytes(buf)
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    """Whether the client of a call in progress has left (closed or reset).
+
+    A client sends nothing while its call runs, so a readable socket means an end
+    of file, an error, or a peer out of step: the answer has nobody to go to.
+    """
+    try:
+        return readable_now(sock)
+    except (OSError, ValueError):  # closed under us
+        return True
+
+
+def _status_header(code: Code, message: str, metadata: Sequence[tuple[str, str]] = ()) -> bytes:
+    if len(message) > _MAX_DETAILS:
+        message = f"{message[:_MAX_DETAILS]}... ({len(message)} chars)"
+    return dataplane_pb2.DataPlaneStatus(
+        code=Code(code).name,
+        message=message,
+        metadata=[dataplane_pb2.DataPlaneMetadata(key=k, value=v) for k, v in metadata],
+    ).SerializeToString()
 
 
 def _send_status(
@@ -486,14 +630,14 @@ def _send_status(
     message: str,
     metadata: Sequence[tuple[str, str]] = (),
 ) -> None:
-    if len(message) > _MAX_DETAILS:
-        message = f"{message[:_MAX_DETAILS]}... ({len(message)} chars)"
-    status = dataplane_pb2.DataPlaneStatus(
-        code=Code(code).name,
-        message=message,
-        metadata=[dataplane_pb2.DataPlaneMetadata(key=k, value=v) for k, v in metadata],
-    )
-    stream.send_frame(frames.Kind.ERROR, call_id=call_id, header=status.SerializeToString())
+    header = _status_header(code, message, metadata)
+    stream.send_frame(frames.Kind.ERROR, call_id=call_id, header=header)
+
+
+def _send_raw_status(sock: socket.socket, code: Code, message: str) -> None:
+    """An ERROR frame sent before (or instead of) a connection's stream exists."""
+    header = _status_header(code, message)
+    sock.sendall(frames.pack(frames.Kind.ERROR, header_len=len(header)) + header)
 
 
 def _peer_name(addr: Any) -> str:

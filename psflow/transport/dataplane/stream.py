@@ -14,14 +14,16 @@ the client and the server turn them into their own outcomes.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import ssl
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import frames
 
-__all__ = ["IOV_MAX", "SOCKET_BUFFER_BYTES", "FrameStream", "drop_sent", "tune"]
+__all__ = ["IOV_MAX", "SOCKET_BUFFER_BYTES", "FrameStream", "drop_sent", "readable_now", "tune"]
 
 _STAGING = 64 << 10
 # below this many bytes still to read, refill the staging buffer rather than
@@ -41,6 +43,44 @@ def tune(sock: socket.socket) -> None:
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+class _Once:
+    """Calls ``fn`` the first time it is called, never again."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+def _send_buffer(sock: socket.socket) -> int:
+    """The kernel's send buffer of ``sock`` in bytes (Linux reports twice what it
+    uses for data; the caller halves it)."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+    except (OSError, ValueError):
+        return 0
+
+
+def readable_now(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes, an end of file or an error to report, without waiting.
+
+    ``poll`` where the platform has it: ``select`` refuses descriptors from
+    1024 up (``FD_SETSIZE``), which a process with many open files reaches.
+    Windows has no ``poll``, and its ``select`` takes any socket.
+    """
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))  # POLLHUP / POLLERR / POLLNVAL come unasked
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
 
 
 def drop_sent(views: list[memoryview], sent: int) -> None:
@@ -72,6 +112,10 @@ class FrameStream:
         self._view = memoryview(self._staging)
         self._start = 0
         self._end = 0
+        self.deadline: float | None = None
+        """``time.monotonic()`` by which every read must be done (None: each read
+        waits up to the socket's timeout): a frame's absolute deadline, which a
+        peer dripping its bytes cannot extend."""
 
     def close(self) -> None:
         """Closes the socket (idempotent)."""
@@ -87,12 +131,30 @@ class FrameStream:
         return self._end - self._start
 
     # -- reading -------------------------------------------------------------------
+    def _recv_into(self, view: memoryview) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the rest of the frame did not arrive in time")
+            self.sock.settimeout(left)
+        return self.sock.recv_into(view)
+
     def _fill(self) -> None:
         """Receives into the staging buffer (which holds nothing unread)."""
-        n = self.sock.recv_into(self._view)
+        n = self._recv_into(self._view)
         if n == 0:
             raise ConnectionError("the data-plane connection was closed by its peer")
         self._start, self._end = 0, n
+
+    def wait_for_bytes(self) -> None:
+        """Returns once a next frame's first bytes are here (within the socket's timeout).
+
+        Raises:
+            TimeoutError: none came in time.
+            ConnectionError: the peer closed the connection.
+        """
+        if self._start == self._end:
+            self._fill()
 
     def read_into(self, dest: memoryview) -> None:
         """Fills ``dest`` (a writable byte view) with the next ``len(dest)`` bytes."""
@@ -105,7 +167,7 @@ class FrameStream:
         while pos < n:
             left = n - pos
             if left >= _DIRECT:
-                got = self.sock.recv_into(dest[pos:])
+                got = self._recv_into(dest[pos:])
                 if got == 0:
                     raise ConnectionError("the data-plane connection was closed by its peer")
                 pos += got
@@ -154,8 +216,14 @@ class FrameStream:
         header: bytes = b"",
         buffers: Sequence[Any] = (),
         timeout_ms: int = 0,
+        release: Callable[[], None] | None = None,
     ) -> None:
-        """Sends one frame: its fixed header, ``header`` and ``buffers`` back to back."""
+        """Sends one frame: its fixed header, ``header`` and ``buffers`` back to back.
+
+        ``release`` (a snapshot's lock, say) is called once ``buffers`` may change:
+        after the send, or before it when the send might wait for a slow reader,
+        which then gets a copy instead (a reader never holds a lock).
+        """
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if len(v)]
         fixed = frames.pack(
@@ -169,7 +237,23 @@ class FrameStream:
         small = [fixed, header] if header else [fixed]
         if views and len(views[0]) <= _DIRECT:
             small.append(views.pop(0))  # a small payload rides in the same piece
-        self._send([b"".join(small), *views])
+        pieces = [b"".join(small), *views]
+        if release is None:
+            self._send(pieces)
+            return
+        once = _Once(release)
+        try:
+            self._send_releasing(pieces, once)
+        finally:
+            once()
+
+    def _send_releasing(self, pieces: list[Any], release: Callable[[], None]) -> None:
+        """Sends ``pieces``, which stay valid only until ``release`` (called early here
+        when the kernel might not take them whole without waiting)."""
+        if sum(len(p) for p in pieces) > _send_buffer(self.sock) // 2:
+            pieces = [b"".join(pieces)]  # a copy: the reader may take its time
+            release()
+        self._send(pieces)
 
     def _send(self, pieces: list[Any]) -> None:
         if not self._gather:
