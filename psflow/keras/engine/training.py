@@ -290,7 +290,7 @@ class Model(Layer):
         Raises:
             FailedPreconditionError: ``compile`` was not called (also a ValueError).
             InvalidArgumentError: mismatched x/y lengths, bad batch size, bad split.
-            TypeError: non-numeric data.
+            TypeError: data that is neither numbers nor text, naming the input.
         """
         self._assert_compiled("fit")
         if class_weight is not None:
