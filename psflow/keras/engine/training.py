@@ -466,12 +466,24 @@ class Model(Layer):
         callbacks: Any = None,
         **kwargs: Any,
     ) -> Any:
-        """Predictions for every example, concatenated into NumPy arrays."""
+        """Predictions for every example, concatenated into NumPy arrays.
+
+        ``verbose`` as in Keras: ``"auto"`` or 1 a progress bar, 2 one line at the
+        end, 0 silent.
+        """
+        verbose = 1 if verbose == "auto" else int(verbose)
         source = data_adapter.make_batches(x, None, None, batch_size, False, steps, "predict")
         self._ensure_built(source)
         runner = self._runner()
         source = runner.prepare(source)
-        cbs = callbacks_lib.CallbackList(list(callbacks or []), self, {"steps": steps})
+        cb_list = list(callbacks or [])
+        if verbose:
+            cb_list.append(callbacks_lib.ProgbarLogger())
+        cbs = callbacks_lib.CallbackList(
+            cb_list,
+            self,
+            {"verbose": verbose, "steps": steps or getattr(source, "steps", None), "epochs": 1},
+        )
         cbs.on_predict_begin()
         outputs = runner.predict(source, steps, cbs)
         cbs.on_predict_end()
