@@ -142,3 +142,13 @@ def test_text_and_rank1_columns_train_on_a_ps_worker(start_cluster: Any) -> None
     bad = dict(x, num=np.ones((N, 2)))
     with pytest.raises(pf.errors.InvalidArgumentError, match=r"'num'.*\(None, 1\)"):
         model.fit(bad, y, batch_size=BATCH, verbose=0)
+
+
+def test_a_pandas_dataframe_trains_as_its_columns() -> None:
+    pd = pytest.importorskip("pandas")  # not a dependency: only where it is installed
+    x, y = _columns()
+    frame = pd.DataFrame(x)
+    model = _model()
+    model.fit(dict(frame), y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), _reference_weights(x, y)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
