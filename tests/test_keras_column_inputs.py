@@ -152,3 +152,14 @@ def test_a_pandas_dataframe_trains_as_its_columns() -> None:
     model.fit(dict(frame), y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), _reference_weights(x, y)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unbatched_example_passes_and_a_wrong_one_is_named() -> None:
+    # TensorFlow's PS tutorial calls a preprocessing model on single examples in Dataset.map
+    words = keras.Input(shape=(3,), dtype="string", name="words")
+    model = keras.Model({"words": words}, keras.layers.StringLookup(vocabulary=["a", "b"])(words))
+    assert model({"words": pf.constant(["a", "b", "z"])}).numpy().tolist() == [1, 2, 0]
+    with pytest.raises(pf.errors.InvalidArgumentError, match=r"'words'.*\(None, 3\).*\[2\]"):
+        model({"words": pf.constant(["a", "b"])})
+    with pytest.raises(pf.errors.InvalidArgumentError, match=r"'words'.*\[1, 1, 3\]"):
+        model({"words": pf.constant([[["a", "b", "z"]]])})

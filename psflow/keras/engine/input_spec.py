@@ -9,7 +9,8 @@ does before running the graph:
   ``Input(shape=(1,))``); one of rank ``r + 1`` ending in 1 loses it;
 * dtype: numbers are cast to the input's numeric dtype; text feeds only
   ``string`` inputs, and a ``string`` input only takes text;
-* shape: every known dimension must match.
+* shape: every known dimension must match (a single example, without the
+  batch axis, is matched against the dimensions after it).
 
 Each failure names the input, so a model with a dict of twenty columns says
 which one is wrong (not an op deep in the graph, on a worker).
@@ -71,15 +72,23 @@ def conform(
         if not text and t.dtype.name != dtype:
             t = math_ops.cast(t, dtype)
     got = tuple(t.shape)
-    if check_shape and (
-        len(got) != len(want)
-        or any(w is not None and g is not None and w != g for w, g in zip(want, got))
-    ):
+    if check_shape and not _compatible(got, want):
         raise errors.InvalidArgumentError(
             f"{model}: input {name!r} expects shape {_shown(want)} (None: any size), got "
             f"{list(tuple(value.shape) if hasattr(value, 'shape') else got)}"
         )
     return t
+
+
+def _compatible(got: tuple, want: tuple) -> bool:
+    """Every known dimension matches; one example without its batch axis (a model called
+    in ``Dataset.map`` before ``batch``, as TensorFlow's tutorials do) is matched against
+    the dimensions after the batch one, as Keras 2 lets it through."""
+    if len(got) == len(want) - 1:
+        want = want[1:]
+    if len(got) != len(want):
+        return False
+    return all(w is None or g is None or w == g for w, g in zip(want, got))
 
 
 def _shown(shape: tuple) -> str:
