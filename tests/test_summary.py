@@ -105,3 +105,17 @@ def test_bad_calls_raise_typed_errors_naming_the_value(tmp_path: pathlib.Path) -
     ):
         pf.summary.scalar("late", 1.0)
     assert _read(tmp_path) == {}
+
+
+def test_summary_calls_without_a_writer_need_no_tensorboard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    for module in ("tensorboard.plugins.scalar", "tensorboard.plugins.scalar.summary_v2"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
+    assert pf.summary.scalar("loss", 1.0, step=0) is False
+    for module in ("tensorboard.compat.proto", "tensorboard.compat.proto.event_pb2"):
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(pf.errors.FailedPreconditionError, match="pip install"):
+        pf.summary.create_file_writer("/nonexistent-never-created")

@@ -51,12 +51,10 @@ def _step(step: Any) -> int:
 
 
 def _write(make: Any, step: Any) -> bool:
-    if not should_record_summaries():
-        return False
-    at = _step(step)
     writer = STATE.writer
-    assert writer is not None  # should_record_summaries checked it
-    writer.write(make().value, at)
+    if writer is None:
+        return False
+    writer.write(make().value, _step(step))
     return True
 
 
@@ -66,6 +64,8 @@ def scalar(name: str, data: Any, step: Any = None, description: str | None = Non
     Raises:
         InvalidArgumentError: ``data`` is not a real scalar, or no step is set.
     """
+    if not should_record_summaries():  # nothing to write: tensorboard is not needed
+        return False
     from tensorboard.plugins.scalar import summary_v2
 
     value = _host(data)
@@ -89,6 +89,8 @@ def histogram(
     Raises:
         InvalidArgumentError: non-numeric data, or no step is set.
     """
+    if not should_record_summaries():
+        return False
     from tensorboard.plugins.histogram import summary_v2
 
     value = _host(data)
@@ -106,6 +108,8 @@ def text(name: str, data: Any, step: Any = None, description: str | None = None)
     Raises:
         InvalidArgumentError: ``data`` is not text, or no step is set.
     """
+    if not should_record_summaries():
+        return False
     from tensorboard.plugins.text import summary_v2
 
     value = _host(data)
