@@ -75,6 +75,15 @@ def test_fit_takes_rank1_text_columns_and_trains_as_the_explicit_loop(kind: str)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_an_object_column_of_python_numbers_is_a_number_column() -> None:
+    x, y = _columns()
+    model = _model()
+    as_objects = dict(x, num=np.array(x["num"].tolist(), dtype=object))
+    model.fit(as_objects, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), _reference_weights(x, y)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_evaluate_and_predict_take_text_columns() -> None:
     x, y = _columns()
     model = _model()
@@ -105,6 +114,7 @@ def test_a_rank1_column_for_a_sequential_input_is_expanded() -> None:
     [
         ("color", np.array(["red", None] * (N // 2), dtype=object), TypeError, r"None.*text"),
         ("num", np.ones((N, 2)), pf.errors.InvalidArgumentError, r"'num'.*\(None, 1\).*\[16, 2\]"),
+        ("color", np.array(["red", 1] * (N // 2), dtype=object), TypeError, r"1 .*is not text"),
         ("color", np.arange(N), TypeError, r"'color'.*string input.*int"),
         ("num", np.array(["1.5"] * N), TypeError, r"'num'.*text.*StringLookup"),
     ],

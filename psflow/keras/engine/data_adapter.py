@@ -69,6 +69,8 @@ def _to_numpy(value: Any, what: str) -> Any:
         raise errors.InvalidArgumentError(
             f"{what} could not be converted to an array: {e}"
         ) from None
+    if arr.dtype.kind == "O" and not any(isinstance(e, (str, bytes)) for e in arr.flat):
+        arr = _numbers(arr)  # an object column of Python numbers (pandas gives some)
     if arr.dtype.kind in "USO":
         # text (NumPy str arrays, or object arrays of str as pandas gives) feeds string
         # inputs (StringLookup, Hashing), as Keras takes it
@@ -92,6 +94,13 @@ def _unusable(what: str, arr: np.ndarray) -> str:
     return f"{what} holds elements of type {arr.dtype}{sample}: fit, evaluate and predict take {_WHAT_WORKS}"
 
 
+def _numbers(arr: np.ndarray) -> np.ndarray:
+    """An object array of numbers as a numeric array; unchanged when it holds anything else."""
+    if arr.size == 0 or not all(isinstance(e, (int, float, np.number, np.bool_)) for e in arr.flat):
+        return arr
+    return np.array(arr.tolist())
+
+
 def _text_array(arr: np.ndarray, what: str) -> np.ndarray:
     """A string tensor's array (object array of ``str``) for text ``arr``.
 
@@ -107,7 +116,8 @@ def _text_array(arr: np.ndarray, what: str) -> np.ndarray:
         flat = arr.reshape(-1).tolist()
         others = [e for e in flat if not isinstance(e, (str, bytes))]
         if others:
-            detail = f"{others[0]!r} (a {type(others[0]).__name__}) is neither a number nor text"
+            kind = "not text" if len(others) < len(flat) else "neither a number nor text"
+            detail = f"{others[0]!r} (a {type(others[0]).__name__}) is {kind}"
         else:  # bytes that are not UTF-8
             bad = next(e for e in flat if isinstance(e, bytes) and not _utf8(e))
             detail = f"{bad!r} is not UTF-8"
