@@ -61,6 +61,8 @@ def model_to_dot(
 ) -> Any:
     """A ``pydot.Dot`` graph of the model: one node per layer, one edge per connection.
 
+    A nested model is one node (``expand_nested`` is accepted and not applied).
+
     Raises:
         ImportError: pydot or Graphviz is missing (the message says how to install them).
     """
