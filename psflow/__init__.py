@@ -154,6 +154,7 @@ _LAZY = {
     "math": "psflow.math",
     "nn": "psflow.nn",
     "collective": "psflow.collective",
+    "summary": "psflow.summary",
 }
 
 

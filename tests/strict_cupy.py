@@ -419,8 +419,11 @@ def _to_device(a: Any, dtype: Any = None, copy: bool = False) -> ndarray:
         return ndarray._of(np.array(a._a, dtype=dtype, copy=True), dev)
     if isinstance(a, (list, tuple)) and any(isinstance(v, ndarray) for v in a):
         return _kernel(np.array, (a,), {"dtype": dtype})
+    host = np.array(a, dtype=dtype, copy=True)
+    if host.dtype.kind in "OUS":  # CuPy has no text or object arrays
+        raise ValueError(f"Unsupported dtype {host.dtype}")
     _st().transfers.count("to_device")
-    return ndarray._of(np.array(a, dtype=dtype, copy=True), dev)
+    return ndarray._of(host, dev)
 
 
 def asarray(a: Any, dtype: Any = None, order: Any = None, **kwargs: Any) -> ndarray:

@@ -545,3 +545,21 @@ def test_an_embedding_model_with_concat_fits_on_a_gpu_like_on_the_cpu(where, gpu
     _assert_histories_close(got[0], want[0])
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_text_and_rank1_columns_fit_on_a_gpu_like_on_the_cpu(gpu):
+    # text stays on the host (lookups read it there); numbers and lookups' outputs go to the GPU
+    from tests.test_keras_column_inputs import BATCH, _columns, _model
+
+    def run() -> tuple[list[np.ndarray], np.ndarray]:
+        x, y = _columns()
+        model = _model()
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return [np.asarray(w) for w in model.get_weights()], model.predict(x, verbose=0)
+
+    got = run()
+    with pf.device("/cpu:0"):
+        want = run()
+    for g, w in zip(got[0], want[0]):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)

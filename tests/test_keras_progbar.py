@@ -205,3 +205,23 @@ def test_value_format(value: float, text: str) -> None:
 def test_time_per_unit_format(seconds: float, text: str) -> None:
     assert format_time_per_unit(seconds) == text
     assert format_time_per_unit(seconds, "epoch") == text.replace("step", "epoch")
+
+
+def test_predict_prints_keras_progress_line(capsys: Any) -> None:
+    model = _model()
+    model.predict(X, batch_size=4)  # verbose="auto": the bar, as Keras
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"2/2 {BAR_DONE} - \d+s {TIME}/step", line), line
+    model.predict(X, batch_size=2, verbose=2)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"3/3 - \d+s - {TIME}/epoch - {TIME}/step", line), line
+
+
+def test_predict_bar_redraws_per_batch_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stdout", tty)
+    _model().predict(X, batch_size=2, verbose=1)
+    frames = tty.getvalue().split("\r")[1:]
+    assert len(frames) == 4 and tty.getvalue().count("\n") == 1
+    assert re.fullmatch(r"1/3 \[={9}>\.{20}\] - ETA: \d+s *", frames[0]), frames[0]
+    assert re.fullmatch(rf"3/3 {BAR_DONE} - \d+s {TIME}/step *\n", frames[3]), frames[3]

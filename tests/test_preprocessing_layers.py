@@ -212,7 +212,7 @@ def test_adapted_lookup_config_carries_the_learned_vocabulary() -> None:
             "'zz'",
         ),
         (lambda: layers.StringLookup()(pf.constant(["a"])), pf.errors.FailedPreconditionError, "adapt"),
-        (lambda: layers.StringLookup(output_mode="tf_idf"), pf.errors.InvalidArgumentError, "tf_idf"),
+        (lambda: layers.StringLookup(output_mode="tfidf"), pf.errors.InvalidArgumentError, "tfidf"),
         (lambda: layers.StringLookup(vocabulary=["a"]).adapt(["b"]), pf.errors.InvalidArgumentError, "adapt"),
         (lambda: layers.IntegerLookup(vocabulary=[1])(pf.constant(["1"])), pf.errors.InvalidArgumentError, "integer"),
         (lambda: layers.Hashing(num_bins=0), pf.errors.InvalidArgumentError, "num_bins"),
@@ -244,3 +244,60 @@ def test_encodings_drop_the_mask_token_which_then_has_no_index() -> None:
     assert lookup.get_vocabulary() == ["[UNK]", "a", "b"]
     out = lookup(pf.constant([["a", ""], ["", ""]]))
     np.testing.assert_array_equal(out.numpy(), [[0, 1, 0], [0, 0, 0]])
+
+
+# -- Keras's older names and tf_idf -----------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", ["StringLookup", "IntegerLookup", "CategoryEncoding"])
+def test_binary_is_keras_older_name_for_multi_hot(cls: str) -> None:
+    layer_cls = getattr(pf.keras.layers, cls)
+    if cls == "CategoryEncoding":
+        make = lambda mode: layer_cls(num_tokens=4, output_mode=mode)  # noqa: E731
+        data = pf.constant([[0, 1], [3, 3]])
+    elif cls == "StringLookup":
+        make = lambda mode: layer_cls(vocabulary=["a", "b"], output_mode=mode)  # noqa: E731
+        data = pf.constant([["a"], ["b"], ["zz"]])
+    else:
+        make = lambda mode: layer_cls(vocabulary=[4, 9], output_mode=mode)  # noqa: E731
+        data = pf.constant([[4], [9], [5]])
+    binary, multi_hot = make("binary"), make("multi_hot")
+    assert binary.output_mode == "multi_hot"
+    np.testing.assert_array_equal(binary(data).numpy(), multi_hot(data).numpy())
+
+
+def test_tf_idf_adapt_weighs_counts_by_keras_idf() -> None:
+    docs = np.array([["a", "b"], ["a", "a"], ["c", "a"]])
+    layer = pf.keras.layers.StringLookup(output_mode="tf_idf")
+    layer.adapt(docs)
+    assert layer.get_vocabulary() == ["[UNK]", "a", "c", "b"]
+    # idf = log(1 + documents / (1 + document frequency)); OOV gets the tokens' mean
+    idf = {"a": np.log(1 + 3 / 4), "c": np.log(1 + 3 / 2), "b": np.log(1 + 3 / 2)}
+    oov = np.mean(list(idf.values()))
+    got = layer(pf.constant([["a", "a"], ["c", "zz"]])).numpy()
+    want = np.array([[0, 2 * idf["a"], 0, 0], [oov, 0, idf["c"], 0]], np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    rebuilt = pf.keras.layers.StringLookup.from_config(layer.get_config())
+    np.testing.assert_allclose(rebuilt(pf.constant([["a", "a"], ["c", "zz"]])).numpy(), want)
+
+
+def test_tf_idf_with_a_vocabulary_takes_idf_weights() -> None:
+    layer = pf.keras.layers.IntegerLookup(
+        vocabulary=[5, 7], idf_weights=[0.5, 1.0], output_mode="tf_idf"
+    )
+    got = layer(pf.constant([[5, 5], [7, 9]])).numpy()
+    np.testing.assert_allclose(got, [[0, 1.0, 0], [0.75, 0, 1.0]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"vocabulary": ["a"], "output_mode": "tf_idf"}, "needs idf_weights"),
+        ({"vocabulary": ["a"], "idf_weights": [1.0], "output_mode": "count"}, "'count'"),
+        ({"vocabulary": ["a", "b"], "idf_weights": [1.0], "output_mode": "tf_idf"}, "1 idf"),
+        ({"output_mode": "tf-idfs"}, "tf-idfs"),
+    ],
+)
+def test_bad_tf_idf_arguments_are_refused(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(pf.errors.InvalidArgumentError, match=pattern):
+        pf.keras.layers.StringLookup(**kwargs)

@@ -414,3 +414,21 @@ def test_variable_creator_scope_intercepts_creation() -> None:
         v = pf.Variable(1.0, name="inside")
     pf.Variable(1.0, name="outside")
     assert seen == ["inside"] and isinstance(v, pf.Variable)
+
+
+def test_format_of_a_scalar_is_its_numpy_value_with_the_spec_applied() -> None:
+    # TensorFlow formats an eager tensor as its NumPy value: "{}" gives 0.25, specs apply
+    loss = pf.constant(0.25)
+    assert "{}".format(loss) == "0.25" == format(np.float32(0.25))  # noqa: UP032
+    assert f"{loss:.3f}" == "0.250"
+    assert f"{pf.constant(7):>3d}" == "  7"
+    assert f"{pf.constant('ab'):>4}" == "  ab"
+    assert f"{loss!r}" == repr(loss)  # !r and str() keep the tensor's own text
+    assert str(loss) == "psflow.Tensor(0.25, shape=(), dtype=float32)"
+
+
+def test_format_of_a_non_scalar_is_numpys() -> None:
+    t = pf.constant([1.0, 2.0])
+    assert f"{t}" == format(np.array([1.0, 2.0], np.float32)) == "[1. 2.]"
+    with pytest.raises(TypeError, match="format"):
+        f"{t:.2f}"

@@ -368,6 +368,11 @@ class Tensor(Readable):
         body = numpy_text(self.numpy(), is_repr=True)
         return f"<psflow.Tensor: shape={shape}, dtype={self.dtype.name}, numpy={body}>"
 
+    def __format__(self, format_spec: str) -> str:
+        """Formats the value as NumPy does (TensorFlow's rule): ``f"{loss:.3f}"`` on a scalar;
+        a format spec on a non-scalar raises ``TypeError``, as on a NumPy array."""
+        return format(self.numpy(), format_spec)
+
     # -- Python protocols ------------------------------------------------------------
     __hash__ = None  # type: ignore[assignment]  # == is elementwise, as in TensorFlow 2
 

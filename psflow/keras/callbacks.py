@@ -176,6 +176,22 @@ class ProgbarLogger(Callback):
                 self._bar.target = self._seen
             self._bar.update(self._seen, list((logs or {}).items()), finalize=True)
 
+    # predict: one bar over its batches, no logs (Keras's line: "2/2 [====] - 0s 3ms/step")
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        self._bar = Progbar(self.params.get("steps"), verbose=self.params.get("verbose", 1))
+        self._seen = 0
+
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._seen = batch + 1
+        if self._bar is not None and self._bar._interactive:
+            self._bar.update(self._seen, finalize=False)
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        if self._bar is not None:
+            if self._bar.target is None:
+                self._bar.target = self._seen
+            self._bar.update(self._seen, finalize=True)
+
 
 class ProgressPublisher(Callback):
     """Reports ``fit``'s steps and epochs to a ``psflow.observability.progress.TrainingProgress``.

@@ -1,8 +1,9 @@
 """``TensorBoard``: scalars of ``fit`` as event files that TensorBoard reads.
 
-The events are written by the ``tensorboard`` package's own writer
-(``EventFileWriter``, the one PyTorch's ``SummaryWriter`` uses too) as
-TensorFlow 2 scalar summaries, so TensorBoard shows them as Keras's would.
+The events are written through :class:`psflow.summary.event_writer.EventWriter`
+(the ``tensorboard`` package's own ``EventFileWriter``, which ``psflow.summary``
+writes through too) as TensorFlow 2 scalar summaries, so TensorBoard shows them
+as Keras's would.
 The package is optional (``pip install psflow[tensorboard]``); it is
 imported when the callback is created, with a clear error when missing.
 
@@ -22,19 +23,19 @@ import numpy as np
 
 from psflow import errors
 from psflow.keras.callbacks import Callback
+from psflow.summary import event_writer
 
 
-def _writer_library() -> tuple[Any, Any, Any]:
+def _writer_library() -> Any:
     try:
-        from tensorboard.compat.proto import event_pb2
+        event_writer.library()
         from tensorboard.plugins.scalar import summary_v2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-    except ImportError as e:
+    except (ImportError, errors.FailedPreconditionError) as e:
         raise errors.FailedPreconditionError(
             "The TensorBoard callback needs the 'tensorboard' package: "
             "pip install 'psflow[tensorboard]' (or pip install tensorboard)"
         ) from e
-    return EventFileWriter, event_pb2, summary_v2
+    return summary_v2
 
 
 class TensorBoard(Callback):
@@ -74,7 +75,7 @@ class TensorBoard(Callback):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        self._writer_cls, self._event_pb2, self._summary = _writer_library()
+        self._summary = _writer_library()
         if update_freq == "batch":
             update_freq = 1
         if update_freq != "epoch" and (
@@ -100,9 +101,7 @@ class TensorBoard(Callback):
     def _writer(self, kind: str) -> Any:
         writer = self._writers.get(kind)
         if writer is None:
-            path = os.path.join(self.log_dir, kind)
-            os.makedirs(path, exist_ok=True)
-            writer = self._writer_cls(path)
+            writer = event_writer.EventWriter(os.path.join(self.log_dir, kind))
             self._writers[kind] = writer
         return writer
 
@@ -117,9 +116,7 @@ class TensorBoard(Callback):
             values.extend(summary.value)
         if not values:
             return
-        event = self._event_pb2.Event(wall_time=time.time(), step=int(step))
-        event.summary.value.extend(values)
-        self._writer(kind).add_event(event)
+        self._writer(kind).write(values, step)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._train_step = 0

@@ -69,13 +69,70 @@ def _to_numpy(value: Any, what: str) -> Any:
         raise errors.InvalidArgumentError(
             f"{what} could not be converted to an array: {e}"
         ) from None
+    if arr.dtype.kind == "O" and not any(isinstance(e, (str, bytes)) for e in arr.flat):
+        arr = _numbers(arr)  # an object column of Python numbers (pandas gives some)
+    if arr.dtype.kind in "USO":
+        # text (NumPy str arrays, or object arrays of str as pandas gives) feeds string
+        # inputs (StringLookup, Hashing), as Keras takes it
+        return _text_array(arr, what)
     if arr.dtype.kind not in "fiub":
-        raise TypeError(
-            f"{what} must be numeric, got elements of type {arr.dtype} (e.g. {arr.ravel()[:1]!r})"
-        )
+        raise TypeError(_unusable(what, arr))
     if arr.dtype == np.float64:  # Keras casts float inputs to floatx (float32)
         arr = arr.astype(np.float32)
     return arr
+
+
+_WHAT_WORKS = (
+    "arrays of numbers (int, float, bool) or of text (str or bytes, for string inputs "
+    "such as keras.Input(dtype='string') feeding a StringLookup)"
+)
+
+
+def _unusable(what: str, arr: np.ndarray) -> str:
+    first = arr.ravel()[:1].tolist()
+    sample = f" (e.g. {first[0]!r})" if first else ""
+    return f"{what} holds elements of type {arr.dtype}{sample}: fit, evaluate and predict take {_WHAT_WORKS}"
+
+
+def _numbers(arr: np.ndarray) -> np.ndarray:
+    """An object array of numbers as a numeric array; unchanged when it holds anything else."""
+    if arr.size == 0 or not all(isinstance(e, (int, float, np.number, np.bool_)) for e in arr.flat):
+        return arr
+    return np.array(arr.tolist())
+
+
+def _text_array(arr: np.ndarray, what: str) -> np.ndarray:
+    """A string tensor's array (object array of ``str``) for text ``arr``.
+
+    Raises:
+        TypeError: an element that is neither ``str`` nor ``bytes`` (a ``None``, a
+            ``float`` NaN from a pandas column with gaps...), naming ``what``.
+    """
+    from psflow.framework.tensor import string_array
+
+    try:
+        return string_array(arr, arr)
+    except TypeError:
+        flat = arr.reshape(-1).tolist()
+        others = [e for e in flat if not isinstance(e, (str, bytes))]
+        if others:
+            kind = "not text" if len(others) < len(flat) else "neither a number nor text"
+            detail = f"{others[0]!r} (a {type(others[0]).__name__}) is {kind}"
+        else:  # bytes that are not UTF-8
+            bad = next(e for e in flat if isinstance(e, bytes) and not _utf8(e))
+            detail = f"{bad!r} is not UTF-8"
+        raise TypeError(
+            f"{what} holds elements of type {arr.dtype}: {detail}; fit, evaluate and predict "
+            f"take {_WHAT_WORKS}"
+        ) from None
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _num_examples(arrays: Any, names: list[str]) -> int:
@@ -289,7 +346,7 @@ def make_batches(
         InvalidArgumentError: ``y`` given with a dataset or generator, missing ``x``,
             arrays of different lengths, or a dataset function without the step count
             (names ``steps_per_epoch``, ``validation_steps`` or ``steps``).
-        TypeError: non-numeric data.
+        TypeError: data that is neither numbers nor text, naming the input.
     """
     if x is None:
         raise errors.InvalidArgumentError(f"{what}: x is required")
@@ -374,10 +431,14 @@ def on_device(batch: Any) -> Any:
 def _placed(value: Any, dev: backend.Device) -> Any:
     if isinstance(value, Tensor):  # variables stay where they live
         arr = value._array()
+        if isinstance(arr, np.ndarray) and arr.dtype.kind == "O":  # text stays on the host
+            return value
         placed = backend.place(arr, dev)
         return value if placed is arr else Tensor._wrap(placed)
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) and value.dtype.kind != "O":  # text stays on the host
         return Tensor._wrap(backend.place(value, dev))
+    if isinstance(value, np.ndarray):
+        return Tensor._wrap(value)
     return value
 
 

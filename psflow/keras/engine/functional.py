@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from psflow import errors
-from psflow.framework.tensor import TensorShape, convert_to_tensor, is_tensor
+from psflow.framework.tensor import TensorShape
+from psflow.keras.engine import input_spec
 from psflow.keras.engine.keras_tensor import KerasTensor, Node, is_shape, map_shapes
 from psflow.keras.engine.training import Model
 from psflow.keras.layers.base import Layer
@@ -198,8 +199,8 @@ class Functional(Model):
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         values: dict[int, Any] = {}
-        for t, value in zip(self.inputs, self._flat_inputs(inputs)):
-            values[id(t)] = value if is_tensor(value) else convert_to_tensor(value)
+        for t, name, value in zip(self.inputs, self.input_names, self._flat_inputs(inputs)):
+            values[id(t)] = input_spec.conform(value, t.shape, t.dtype, name, self.name)
 
         def fill(x: Any) -> Any:
             return values[id(x)] if isinstance(x, KerasTensor) else x

@@ -32,6 +32,9 @@ class Sequential(Model):
     ) -> None:
         super().__init__(name=name, **kwargs)
         self._layers: list[Layer] = []
+        # (shape, dtype) of the input declared by an Input or input_shape, conformed to
+        # on every call (dtype None: an input_shape only, which fixes no dtype)
+        self._declared_input: tuple[Any, str | None] | None = None
         for layer in layers or []:
             self.add(layer)
 
@@ -67,6 +70,8 @@ class Sequential(Model):
         first = self._layers[0]
         if first._batch_input_shape is not None:
             self._batch_input_shape = first._batch_input_shape
+            dtype = first.output.dtype if isinstance(first, InputLayer) else None
+            self._declared_input = (first._batch_input_shape, dtype)
             self.build(self._batch_input_shape)
 
     def pop(self) -> Layer:
@@ -75,6 +80,8 @@ class Sequential(Model):
             raise errors.InvalidArgumentError("There are no layers to pop")
         layer = self._layers.pop()
         self._sublayers.remove(layer)
+        if not self._layers:
+            self._declared_input = None
         return layer
 
     def _maybe_build(self, input_shape: Any) -> None:
@@ -100,6 +107,15 @@ class Sequential(Model):
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         x = inputs
+        if self._declared_input is not None and not isinstance(inputs, (dict, list, tuple)):
+            from psflow.keras.engine import input_spec
+
+            shape, dtype = self._declared_input
+            # an input_shape on a layer (no Input): that layer checks the dimensions itself
+            first = self._layers[0]
+            x = input_spec.conform(
+                inputs, shape, dtype, first.name, self.name, isinstance(first, InputLayer)
+            )
         for layer in self._layers:
             x = layer(x, training=training)
         return x

@@ -290,7 +290,7 @@ class Model(Layer):
         Raises:
             FailedPreconditionError: ``compile`` was not called (also a ValueError).
             InvalidArgumentError: mismatched x/y lengths, bad batch size, bad split.
-            TypeError: non-numeric data.
+            TypeError: data that is neither numbers nor text, naming the input.
         """
         self._assert_compiled("fit")
         if class_weight is not None:
@@ -466,12 +466,24 @@ class Model(Layer):
         callbacks: Any = None,
         **kwargs: Any,
     ) -> Any:
-        """Predictions for every example, concatenated into NumPy arrays."""
+        """Predictions for every example, concatenated into NumPy arrays.
+
+        ``verbose`` as in Keras: ``"auto"`` or 1 a progress bar, 2 one line at the
+        end, 0 silent.
+        """
+        verbose = 1 if verbose == "auto" else int(verbose)
         source = data_adapter.make_batches(x, None, None, batch_size, False, steps, "predict")
         self._ensure_built(source)
         runner = self._runner()
         source = runner.prepare(source)
-        cbs = callbacks_lib.CallbackList(list(callbacks or []), self, {"steps": steps})
+        cb_list = list(callbacks or [])
+        if verbose:
+            cb_list.append(callbacks_lib.ProgbarLogger())
+        cbs = callbacks_lib.CallbackList(
+            cb_list,
+            self,
+            {"verbose": verbose, "steps": steps or getattr(source, "steps", None), "epochs": 1},
+        )
         cbs.on_predict_begin()
         outputs = runner.predict(source, steps, cbs)
         cbs.on_predict_end()

@@ -7,6 +7,7 @@ from psflow.keras.saving.serialization import (
     register_keras_serializable,
 )
 from psflow.keras.utils import experimental
+from psflow.keras.utils.plotting import model_to_dot, plot_model
 from psflow.keras.utils.progbar import Progbar
 
 

@@ -17,6 +17,9 @@ from psflow.framework.tensor import Tensor, constant, to_array
 
 OUTPUT_MODES = ("int", "one_hot", "multi_hot", "count")
 
+# Keras's older names, still accepted (tutorials written for TF 2.4-2.5 use them)
+LEGACY_OUTPUT_MODES = {"binary": "multi_hot", "tf-idf": "tf_idf"}
+
 
 def host_array(value: Any, layer: str) -> np.ndarray:
     """``value`` (a tensor, array, list or scalar) as a host array; text as an object array.

@@ -37,6 +37,7 @@ class CategoryEncoding(Layer):
         if sparse:
             raise errors.UnimplementedError("CategoryEncoding: sparse outputs are not implemented")
         self.num_tokens = int(num_tokens)
+        output_mode = _common.LEGACY_OUTPUT_MODES.get(output_mode, output_mode)
         self.output_mode = _common.check_output_mode(
             output_mode, ("one_hot", "multi_hot", "count"), "CategoryEncoding"
         )

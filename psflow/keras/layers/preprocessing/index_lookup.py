@@ -44,7 +44,8 @@ class _IndexLookup(Layer):
     ) -> None:
         kwargs.pop("vocabulary_dtype", None)
         kwargs.pop("encoding", None)
-        kwargs.pop("idf_weights", None)
+        idf_weights = kwargs.pop("idf_weights", None)
+        output_mode = _common.LEGACY_OUTPUT_MODES.get(output_mode, output_mode)
         if output_mode != "int":
             kwargs.setdefault("dtype", "float32")
         super().__init__(**kwargs)
@@ -61,7 +62,9 @@ class _IndexLookup(Layer):
             raise errors.InvalidArgumentError(
                 f"{cls}: invert=True needs output_mode='int', got {output_mode!r}"
             )
-        self.output_mode = _common.check_output_mode(output_mode, _common.OUTPUT_MODES, cls)
+        self.output_mode = _common.check_output_mode(
+            output_mode, (*_common.OUTPUT_MODES, "tf_idf"), cls
+        )
         self.max_tokens = None if max_tokens is None else int(max_tokens)
         self.num_oov_indices = int(num_oov_indices)
         self.mask_token = self._token(mask_token) if mask_token is not None else None
@@ -70,10 +73,16 @@ class _IndexLookup(Layer):
         self.pad_to_max_tokens = bool(pad_to_max_tokens)
         self.sparse = False
         self._input_vocabulary = vocabulary
+        self._input_idf_weights = idf_weights
         self._tokens: list[Any] = []
         self._index: dict[Any, int] = {}
+        self._idf: np.ndarray | None = None  # one weight per index (tf_idf), specials included
         if vocabulary is not None:
-            self.set_vocabulary(vocabulary)
+            self.set_vocabulary(vocabulary, idf_weights)
+        elif idf_weights is not None:
+            raise errors.InvalidArgumentError(
+                f"{cls}: idf_weights needs a vocabulary (or adapt, which computes them)"
+            )
         self.built = True
 
     # -- tokens ------------------------------------------------------------------------
@@ -113,15 +122,19 @@ class _IndexLookup(Layer):
         """The number of indices, special ones included."""
         return self._token_start + len(self._tokens)
 
-    def set_vocabulary(self, vocabulary: Any) -> None:
+    def set_vocabulary(self, vocabulary: Any, idf_weights: Any = None) -> None:
         """Replaces the vocabulary: a list or array of tokens, or a text file of one a line.
 
         A vocabulary that starts with the special tokens (as ``get_vocabulary``
-        returns) is accepted as is.
+        returns) is accepted as is. ``output_mode="tf_idf"`` needs ``idf_weights``,
+        one per token given; the special indices get their mean unless the
+        vocabulary includes them (Keras's rule).
 
         Raises:
             InvalidArgumentError: an empty vocabulary, a repeated token, the mask or
-                OOV token inside it, or more tokens than ``max_tokens`` allows.
+                OOV token inside it, or more tokens than ``max_tokens`` allows;
+                ``idf_weights`` missing for ``tf_idf``, given for another mode, or
+                not one per token.
         """
         cls = type(self).__name__
         if isinstance(vocabulary, (str, os.PathLike)):
@@ -135,8 +148,10 @@ class _IndexLookup(Layer):
         tokens = [self._token(v) for v in values]
         if not tokens:
             raise errors.InvalidArgumentError(f"{cls}: cannot set an empty vocabulary")
+        idf = self._check_idf(idf_weights, len(tokens))
         specials = self.get_vocabulary()[: self._token_start]
-        if tokens[: self._token_start] == specials:
+        with_specials = tokens[: self._token_start] == specials
+        if with_specials:
             tokens = tokens[self._token_start :]
         seen: set[Any] = set()
         repeated = sorted({t for t in tokens if t in seen or seen.add(t)}, key=str)
@@ -154,6 +169,33 @@ class _IndexLookup(Layer):
             )
         self._tokens = tokens
         self._index = {t: i + self._token_start for i, t in enumerate(tokens)}
+        if idf is not None:
+            self._idf = idf if with_specials else self._with_special_idf(idf)
+
+    def _check_idf(self, idf_weights: Any, count: int) -> np.ndarray | None:
+        cls = type(self).__name__
+        if self.output_mode != "tf_idf":
+            if idf_weights is not None:
+                raise errors.InvalidArgumentError(
+                    f"{cls}: idf_weights apply to output_mode='tf_idf', not {self.output_mode!r}"
+                )
+            return None
+        if idf_weights is None:
+            raise errors.InvalidArgumentError(
+                f"{cls}: output_mode='tf_idf' with a vocabulary needs idf_weights (one per token)"
+            )
+        idf = _common.host_array(idf_weights, cls).reshape(-1).astype(np.float32)
+        if idf.size != count:
+            raise errors.InvalidArgumentError(
+                f"{cls}: {idf.size} idf_weights for a vocabulary of {count} tokens"
+            )
+        return idf
+
+    def _with_special_idf(self, idf: np.ndarray) -> np.ndarray:
+        """Token weights with the special indices in front, each the tokens' mean (Keras
+        cannot know an OOV value's document frequency either)."""
+        mean = np.float32(idf.mean()) if idf.size else np.float32(0)
+        return np.concatenate([np.full(self._token_start, mean, np.float32), idf])
 
     def adapt(self, data: Any, batch_size: int | None = None, steps: int | None = None) -> None:
         """Learns the vocabulary from ``data``: tokens by decreasing count, ties by
@@ -170,12 +212,22 @@ class _IndexLookup(Layer):
                 f"{cls}: adapt cannot replace the vocabulary given at construction"
             )
         counts: dict[Any, int] = {}
+        documents: dict[Any, int] = {}  # tf_idf: how many rows hold each token
+        num_documents = 0
         for arr in _common.batches(data, steps, cls):
             self._check_kind(arr)
             uniq, n = np.unique(arr.reshape(-1), return_counts=True)
             for token, c in zip(uniq.tolist(), n.tolist()):
                 token = self._token(token)
                 counts[token] = counts.get(token, 0) + c
+            if self.output_mode == "tf_idf":
+                # a row is a document; a rank-1 batch is one token per document
+                rows = arr.reshape(-1, 1) if arr.ndim < 2 else arr.reshape(-1, arr.shape[-1])
+                num_documents += rows.shape[0]
+                for row in rows:
+                    for token in set(row.tolist()):
+                        token = self._token(token)
+                        documents[token] = documents.get(token, 0) + 1
         counts.pop(self.mask_token, None)
         if self.num_oov_indices:
             counts.pop(self.oov_token, None)
@@ -184,6 +236,10 @@ class _IndexLookup(Layer):
             order = order[: self.max_tokens - self._token_start]
         self._tokens = order
         self._index = {t: i + self._token_start for i, t in enumerate(order)}
+        if self.output_mode == "tf_idf":
+            df = np.array([documents.get(t, 0) for t in order], dtype=np.float64)
+            idf = np.log1p(num_documents / (1.0 + df)).astype(np.float32)
+            self._idf = self._with_special_idf(idf)
 
     # -- calling -------------------------------------------------------------------------
     def _check_kind(self, arr: np.ndarray) -> None:
@@ -256,7 +312,15 @@ class _IndexLookup(Layer):
             else self.vocabulary_size()
         )
         dtype = "int64" if self.output_mode == "int" else self.dtype
-        return _common.encode(result, self.output_mode, depth, dtype, self.name, drop_negative=True)
+        if self.output_mode != "tf_idf":
+            return _common.encode(
+                result, self.output_mode, depth, dtype, self.name, drop_negative=True
+            )
+        counts = _common.encode(result, "count", depth, dtype, self.name, drop_negative=True)
+        weights = np.zeros(depth, dtype=dtype)  # indices past the vocabulary (padding): 0
+        idf = self._idf if self._idf is not None else np.zeros(0, dtype)
+        weights[: min(depth, idf.size)] = idf[:depth]
+        return constant(counts.numpy() * weights)
 
     def compute_output_shape(self, input_shape: Any) -> TensorShape:
         shape = tuple(input_shape)
@@ -283,9 +347,18 @@ class _IndexLookup(Layer):
             "vocabulary": vocabulary,
             "invert": self.invert,
             "output_mode": self.output_mode,
+            "idf_weights": self._config_idf(),
             "pad_to_max_tokens": self.pad_to_max_tokens,
             "sparse": self.sparse,
         }
+
+    def _config_idf(self) -> Any:
+        """The idf weights a rebuilt layer needs with the vocabulary :meth:`get_config` gives."""
+        if self.output_mode != "tf_idf" or self._idf is None:
+            return None
+        if self._input_vocabulary is not None:  # rebuilt from the vocabulary given
+            return _common.host_array(self._input_idf_weights, self.name).reshape(-1).tolist()
+        return self._idf[self._token_start :].tolist()
 
 
 class StringLookup(_IndexLookup):
