@@ -350,7 +350,7 @@ class DynamicEmbedding(Layer):
         local = None if self._strategy is not None else _Backend(InProcessEmbeddingClient())
         self.table = DynamicTableHandle(self.config, local, self.hot_rows)
         self.table.backend.client.create_table(self.config)
-        self._own_weights.append(self.table)
+        self._track_weight("table", self.table)
         self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:
