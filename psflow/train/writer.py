@@ -136,7 +136,7 @@ def _optimizer_entry(
     }
     for var, values in opt._slots_for_checkpoint():
         var_node = node_of.get(id(var))
-        if var_node is None:  # a variable no tracked object holds: as TensorFlow, not saved
+        if var_node is None or not values:  # untracked (as TensorFlow: not saved), or none
             continue
         keys = {}
         for slot, value in values.items():
