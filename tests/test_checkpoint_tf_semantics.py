@@ -294,7 +294,7 @@ def test_an_iterator_resumes_after_the_elements_it_had_given(tmp_path):
     fresh = iter(pf.data.Dataset.range(20).shuffle(20, seed=4).batch(3))
     pf.train.Checkpoint(iterator=fresh).restore(path).assert_consumed()
     assert [b.numpy().tolist() for b in fresh] == rest
-    assert sorted(sum(seen + rest, [])) == list(range(20))
+    assert sorted(x for b in seen + rest for x in b) == list(range(20))
 
 
 @pytest.mark.parametrize(
