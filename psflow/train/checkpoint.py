@@ -2,6 +2,10 @@
 
 A checkpoint is a directory (``<prefix>-<n>``):
 
+* values are named by object path (``model/layer_with_weights-0/kernel``, see
+  :mod:`psflow.train.object_graph` and ``docs/checkpoints.md``), so they restore
+  into any program whose objects have the same structure; values whose objects
+  do not exist yet wait for them (:mod:`psflow.train.restore`);
 * variables held by parameter servers are written by their PS tasks, each its
   own shard files (``ps-<i>.manifest.json`` and a safetensors file, values and
   optimizer slots, sha256-checksummed);
@@ -9,14 +13,16 @@ A checkpoint is a directory (``<prefix>-<n>``):
   optimizer slots go to ``local.safetensors``;
 * state no variable holds (dynamic embedding tables, :class:`ExternalState`)
   is written by its owner into ``external-<i>/``;
-* ``checkpoint.json``, written last and atomically, names everything with its
-  checksums — a checkpoint exists only once it is there, so a crash while
-  saving leaves the previous one as the latest.
+* ``checkpoint.json``, written last and atomically, holds the object graph and
+  names everything with its checksums — a checkpoint exists only once it is
+  there, so a crash while saving leaves the previous one as the latest
+  (:mod:`psflow.train.writer`).
 
 Restoring verifies every checksum. When the parameter servers are laid out
 differently than at save time (another number of tasks, another number of
-shards of a partitioned variable), the shards are rewritten for the current
-layout first (see :mod:`psflow.train.reshard`) — TensorFlow cannot do that.
+shards of a partitioned variable), or their variables have other names, the
+shards are rewritten for the current layout first (see
+:mod:`psflow.train.reshard`) — TensorFlow cannot re-split shards.
 
 Example:
     >>> import psflow as pf, tempfile, os

@@ -366,8 +366,12 @@ class InitializationOnlyStatus:
     """The status of ``restore(None)``: nothing restored (TensorFlow's)."""
 
     path = None
-    scalars: dict[str, Any] = {}
     step = 0
+
+    @property
+    def scalars(self) -> dict[str, Any]:
+        """No checkpoint, no saved numbers."""
+        return {}
 
     def _nothing(self) -> None:
         raise errors.CheckpointMismatchError(
