@@ -315,3 +315,48 @@ def test_an_iterator_that_cannot_be_saved_is_refused_by_name_at_save(tmp_path, m
         ckpt.save(str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt-1").exists()
     assert pf.train.latest_checkpoint(str(tmp_path)) is None
+
+
+# -- dynamic embedding tables: deferred too, and restored by table name ----------------------
+
+
+def _table_model(**kwargs) -> pf.keras.Sequential:
+    return pf.keras.Sequential(
+        [
+            pf.keras.layers.DynamicEmbedding(4, seed=7, **kwargs),  # built by its first call
+            pf.keras.layers.Flatten(),
+            pf.keras.layers.Dense(1),
+        ]
+    )
+
+
+def test_a_dynamic_table_built_after_restore_gets_its_rows_and_slots(tmp_path):
+    from tests.test_dynamic_table_keras import _custom_loop, _data, _table_state
+
+    ids, y = _data()
+    a, opt_a = _table_model(table_name="t"), pf.keras.optimizers.Adagrad(0.1)
+    _custom_loop(a, opt_a, ids, y, 8, 3)
+    path = pf.train.Checkpoint(model=a, optimizer=opt_a).save(str(tmp_path / "ckpt"))
+    b, opt_b = _table_model(table_name="t"), pf.keras.optimizers.Adagrad(0.1)
+    status = pf.train.Checkpoint(model=b, optimizer=opt_b).restore(path)
+    assert not b.built
+    _custom_loop(a, opt_a, ids[24:], y[24:], 8, 2)
+    _custom_loop(b, opt_b, ids[24:], y[24:], 8, 2)
+    _equal(a, b)
+    saved, restored = _table_state(a), _table_state(b)
+    for key in saved:
+        np.testing.assert_array_equal(restored[key], saved[key], err_msg=key)
+    status.assert_consumed()
+
+
+def test_a_table_of_another_name_is_refused_by_name_not_silently_skipped(tmp_path):
+    from tests.test_dynamic_table_keras import _custom_loop, _data
+
+    ids, y = _data()
+    a, opt = _table_model(table_name="first"), pf.keras.optimizers.SGD(0.1)
+    _custom_loop(a, opt, ids, y, 8, 1)
+    path = pf.train.Checkpoint(model=a).save(str(tmp_path / "ckpt"))
+    b = _table_model(table_name="second")
+    b(ids[:2])
+    with pytest.raises(errors.UnimplementedError, match=r"saved as 'first'.*table_name='first'"):
+        pf.train.Checkpoint(model=b).restore(path)

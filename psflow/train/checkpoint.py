@@ -63,6 +63,11 @@ class ExternalState:
         """Replaces the state with the one :meth:`save_external` wrote there."""
         raise NotImplementedError(f"{type(self).__name__} does not define restore_external")
 
+    @property
+    def external_name(self) -> str | None:
+        """The name the state is saved under and restored by (None: not named)."""
+        return None
+
 
 class Checkpoint:
     """Groups objects to save and restore together (TensorFlow's ``tf.train.Checkpoint``).

@@ -120,9 +120,20 @@ class Restoration:
                 deferred.defer(live, self, nid)
         return pairs
 
-    def _check_shape(self, live: Any, nid: int) -> np.ndarray | None:
-        """The value to assign to a live variable, shape checked (None: not a value kind)."""
+    def _checked_value(self, live: Any, nid: int) -> np.ndarray | None:
+        """The value to assign to a live variable, shape checked (None: not a variable).
+
+        Raises:
+            InvalidArgumentError: another shape.
+            UnimplementedError: state restored by name (a dynamic table) under another name.
+        """
         node = self._nodes[nid]
+        if node["kind"] == Kind.EXTERNAL.value and node.get("name") != live.external_name:
+            raise errors.UnimplementedError(
+                f"{self.path}: {node['path']} was saved as {node.get('name')!r} and cannot "
+                f"restore into {live.external_name!r}: tables are restored by name; give the "
+                f"layer table_name={node.get('name')!r}"
+            )
         if node["kind"] not in (Kind.VARIABLE.value, Kind.PS_VARIABLE.value):
             return None
         value = self._saved_value(nid)
@@ -151,7 +162,7 @@ class Restoration:
                     sources = sessions.setdefault(id(session), (session, {}))[1]
                     sources[ps_base_key(live)] = self._nodes[nid]["ps_key"]
                 else:
-                    value = self._check_shape(live, nid)
+                    value = self._checked_value(live, nid)
                     if value is not None:
                         values[nid] = value
             # 2. parameter servers
@@ -214,7 +225,7 @@ class Restoration:
             child = self._nodes[node_id]["children"].get(name)
             if child is not None and child not in self._matched:
                 for live, nid in self._match(value, child):
-                    self._restore_one(live, nid, self._check_shape(live, nid))
+                    self._restore_one(live, nid, self._checked_value(live, nid))
                 self._give_slots()
             edges = object_graph.children(owner)
             return all(

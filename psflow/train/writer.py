@@ -84,6 +84,7 @@ def write(root: Any, path: str, step: int, save_counter: int, extra: dict[str, A
             sessions[id(session)] = session
         elif n.kind is Kind.EXTERNAL:
             entry["dir"] = external[n.path] = f"external-{len(external)}"
+            entry["name"] = n.obj.external_name
         elif n.kind is Kind.OPTIMIZER:
             entry.update(_optimizer_entry(n, nodes, node_of, local))
         elif n.kind is Kind.ITERATOR:

@@ -269,6 +269,11 @@ class DynamicTableHandle(GroupUpdated, Readable, ExternalState):
         """Every PS task replaces the tables saved in ``directory`` with the ids it owns."""
         self.backend.client.restore(directory)
 
+    @property
+    def external_name(self) -> str:
+        """The table's name: tables are restored by it."""
+        return self.config.name
+
     def __reduce__(self) -> tuple:
         hot = None if self.hot_rows is None else dataclasses.astuple(self.hot_rows)
         return (_resolve, (self.config.to_json(), hot))
