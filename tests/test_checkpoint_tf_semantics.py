@@ -148,6 +148,16 @@ def test_a_saved_value_of_another_shape_is_refused_by_path_and_changes_nothing(t
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_refused_restore_leaves_no_value_waiting_for_an_unbuilt_model(tmp_path):
+    a, _ = _trained()
+    path = pf.train.Checkpoint(model=a, v=pf.Variable([1.0, 2.0])).save(str(tmp_path / "ckpt"))
+    b = _model()
+    with pytest.raises(errors.InvalidArgumentError, match=r"\bv has shape \[2\]"):
+        pf.train.Checkpoint(model=b, v=pf.Variable([0.0, 0.0, 0.0])).restore(path)
+    b(X)  # builds after the refused restore: its own initial values, none of the checkpoint's
+    assert not np.array_equal(b.get_weights()[0], a.get_weights()[0])
+
+
 # -- 2. matched by object path ---------------------------------------------------------------
 
 

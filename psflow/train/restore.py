@@ -57,6 +57,7 @@ class Restoration:
             for s in n["slots"]
         }
         self._slots_handed: set[tuple[int, int]] = set()
+        self._waiting_owners: list[Any] = []  # layers deferred by the restore in progress
 
     # -- reading the files -------------------------------------------------------------
     def _array(self, key: str) -> np.ndarray:
@@ -118,6 +119,7 @@ class Restoration:
                     waiting = True
             if waiting and isinstance(live, Layer):
                 deferred.defer(live, self, nid)
+                self._waiting_owners.append(live)
         return pairs
 
     def _checked_value(self, live: Any, nid: int) -> np.ndarray | None:
@@ -147,31 +149,41 @@ class Restoration:
     # -- restoring ---------------------------------------------------------------------
     def run(self, root: Any) -> None:
         """Restores everything that exists now under ``root``; the rest waits."""
+        with self._lock:
+            try:
+                self._run(root)
+            except BaseException:  # a failed restore leaves nothing waiting either
+                for owner in self._waiting_owners:
+                    deferred.forget(owner, self)
+                raise
+            finally:
+                self._waiting_owners = []
+
+    def _run(self, root: Any) -> None:
         from psflow.train.checkpoint import restore_ps
         from psflow.train.writer import ps_base_key, ps_session
 
-        with self._lock:
-            pairs = self._match(root, 0)
-            # 1. values checked before anything changes; the PS ones restore by session
-            values, sessions = {}, {}
-            for live, nid in pairs:
-                kind = object_graph.kind_of(live)
-                saved_kind = Kind(self._nodes[nid]["kind"])
-                if kind is Kind.PS_VARIABLE and saved_kind is Kind.PS_VARIABLE:
-                    session = ps_session(live)
-                    sources = sessions.setdefault(id(session), (session, {}))[1]
-                    sources[ps_base_key(live)] = self._nodes[nid]["ps_key"]
-                else:
-                    value = self._checked_value(live, nid)
-                    if value is not None:
-                        values[nid] = value
-            # 2. parameter servers
-            for session, sources in sessions.values():
-                restore_ps(session, self.path, self.manifest, sources)
-            # 3. this process
-            for live, nid in pairs:
-                self._restore_one(live, nid, values.get(nid))
-            self._give_slots()
+        pairs = self._match(root, 0)
+        # 1. values checked before anything changes; the PS ones restore by session
+        values, sessions = {}, {}
+        for live, nid in pairs:
+            kind = object_graph.kind_of(live)
+            saved_kind = Kind(self._nodes[nid]["kind"])
+            if kind is Kind.PS_VARIABLE and saved_kind is Kind.PS_VARIABLE:
+                session = ps_session(live)
+                sources = sessions.setdefault(id(session), (session, {}))[1]
+                sources[ps_base_key(live)] = self._nodes[nid]["ps_key"]
+            else:
+                value = self._checked_value(live, nid)
+                if value is not None:
+                    values[nid] = value
+        # 2. parameter servers
+        for session, sources in sessions.values():
+            restore_ps(session, self.path, self.manifest, sources)
+        # 3. this process
+        for live, nid in pairs:
+            self._restore_one(live, nid, values.get(nid))
+        self._give_slots()
 
     def _restore_one(self, live: Any, nid: int, value: np.ndarray | None) -> None:
         """Gives one matched live object its saved state (PS variables: restored already)."""
