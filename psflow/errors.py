@@ -135,6 +135,14 @@ class FailedPreconditionError(OpError):
     code = Code.FAILED_PRECONDITION
 
 
+class CheckpointMismatchError(FailedPreconditionError, AssertionError):
+    """A restored checkpoint and the objects it was restored into do not match
+    (yet): values still waiting for their objects, or objects given none.
+
+    An ``AssertionError`` too, as TensorFlow's ``assert_consumed()`` raises.
+    """
+
+
 class AbortedError(OpError):
     """The operation was aborted, e.g. a contribution for a step already applied."""
 

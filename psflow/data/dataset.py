@@ -146,6 +146,19 @@ class Dataset:
         """
         raise errors.InternalError(f"{type(self).__name__} cannot be iterated")
 
+    def _replay_obstacle(self) -> str | None:
+        """Why a fresh pass might not repeat this one's elements (None: it does).
+
+        A checkpointed iterator is restored by starting a fresh pass and
+        skipping the elements already read, which is right only for a
+        pipeline whose passes repeat (no Python generator, no unseeded shuffle).
+        """
+        for d in self._inputs:
+            reason = d._replay_obstacle()
+            if reason is not None:
+                return reason
+        return None
+
     def _iter_flat(self) -> Iterator[tuple[Any, ...]]:
         """Starts one pass; yields elements as flat tuples of NumPy arrays."""
         if self._has_plan():

@@ -28,6 +28,35 @@ class Iterator:
     def __init__(self, dataset: Any) -> None:
         self._dataset = dataset
         self._flat = dataset._iter_flat()
+        self._position = 0  # elements handed out: what a checkpoint saves
+
+    # -- checkpointing (``psflow.train.Checkpoint(iterator=it)``) ------------------------
+    def _checkpoint_position(self, path: str) -> int:
+        """The position to save.
+
+        Raises:
+            FailedPreconditionError: the dataset's passes may differ (a Python
+                generator, an unseeded shuffle), naming it and ``path``.
+        """
+        reason = self._dataset._replay_obstacle()
+        if reason is not None:
+            raise errors.FailedPreconditionError(
+                f"Checkpoint cannot save the iterator {path!r}: its dataset reads {reason}, "
+                "whose elements a restored iterator could not find again"
+            )
+        return self._position
+
+    def _restore_position(self, position: int) -> None:
+        """Continues after the first ``position`` elements of a pass (replayed from the start)."""
+        if position < self._position:  # read past it already: a fresh pass
+            self._flat = self._dataset._iter_flat()
+            self._position = 0
+        for _ in range(position - self._position):
+            try:
+                next(self._flat)
+            except StopIteration:
+                break
+        self._position = position
 
     @property
     def element_spec(self) -> Any:
@@ -39,6 +68,7 @@ class Iterator:
 
     def __next__(self) -> Any:
         flat = next(self._flat)
+        self._position += 1
         return self._dataset._pack(tuple(Tensor._wrap(_place(a)) for a in flat))
 
     def next(self) -> Any:

@@ -134,6 +134,11 @@ class ShuffleDataset(Dataset):
         self._seed = _seed_key(seed)
         self._passes = 0
 
+    def _replay_obstacle(self) -> str | None:
+        if self._seed[2] == 3:  # fresh entropy: another process shuffles otherwise
+            return f"Dataset.shuffle({self._buffer}) without a seed"
+        return super()._replay_obstacle()
+
     def _next_rng(self) -> np.random.Generator:
         with _COUNTER_LOCK:
             n = self._passes

@@ -187,6 +187,9 @@ class GeneratorDataset(Dataset):
         host = [structure.to_host_array(a, "generator argument") for a in args]
         self._args = tuple(a[()] if a.ndim == 0 else a for a in host)
 
+    def _replay_obstacle(self) -> str | None:
+        return f"Dataset.from_generator({getattr(self._generator, '__name__', self._generator)!r})"
+
     @staticmethod
     def _signature(output_types: Any, output_shapes: Any, output_signature: Any) -> Any:
         if output_signature is not None:

@@ -134,7 +134,7 @@ class CheckpointManager:
         ]
         numbers = [self._number(c) for c in self._checkpoints]
         checkpoint.save_counter = max(
-            [n for n in numbers if n is not None] or [checkpoint.save_counter]
+            [n for n in numbers if n is not None] or [int(checkpoint.save_counter)]
         )
 
     @staticmethod
@@ -197,7 +197,7 @@ class CheckpointManager:
             checkpoint_number = (
                 step
                 if step is not None and self._interval is not None
-                else self._checkpoint.save_counter + 1
+                else int(self._checkpoint.save_counter) + 1
             )
         path = os.path.join(self._directory, f"{self._name}-{int(checkpoint_number)}")
         self._checkpoint.save_counter = int(checkpoint_number)

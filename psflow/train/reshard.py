@@ -48,17 +48,43 @@ def read_entries(directory: str) -> dict[str, tuple[dict[str, Any], dict[str, np
     return out
 
 
+def joined_value(
+    entries: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], base: str
+) -> np.ndarray | None:
+    """The whole value of variable ``base`` (its parts joined along the first axis), or None."""
+    if base in entries:
+        return entries[base][1]["value"]
+    parts = sorted(
+        (index, name) for name in entries for b, index in [_split_name(name)] if b == base
+    )
+    if not parts:
+        return None
+    return np.concatenate([entries[name][1]["value"] for _, name in parts], axis=0)
+
+
+def base_name(name: str) -> str:
+    """A shard's variable name without its ``/part_<i>`` suffix."""
+    return _split_name(name)[0]
+
+
 def rewrite(
-    directory: str, layout: dict[int, list[tuple[str, tuple[int, ...]]]], step: int = 0
+    directory: str,
+    layout: dict[int, list[tuple[str, tuple[int, ...]]]],
+    step: int = 0,
+    sources: dict[str, str] | None = None,
 ) -> str:
     """Writes shard files for ``layout`` (task -> [(name, shape)]) into a new subdirectory.
 
-    Returns the subdirectory; task ``i``'s shard has prefix ``ps-{i}``.
+    ``sources`` maps a variable's current name (without ``/part_<i>``) to its
+    name in the checkpoint, where they differ (another model's variables
+    matched by object path).  Returns the subdirectory; task ``i``'s shard
+    has prefix ``ps-{i}``.
 
     Raises:
         NotFoundError: a variable (or every part of it) is missing from the checkpoint.
         InvalidArgumentError: a variable's total shape differs from the checkpoint's.
     """
+    sources = sources or {}
     entries = read_entries(directory)
     by_base: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for name in entries:
@@ -72,16 +98,23 @@ def rewrite(
     arrays_for: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
     for base, wanted in wanted_by_base.items():
         wanted.sort()
+        source = sources.get(base, base)
+        single = source + wanted[0][1][len(base) :]  # its saved name, if not re-split
         if (
             len(wanted) == 1
-            and wanted[0][1] in entries
-            and tuple(entries[wanted[0][1]][0]["shape"]) == wanted[0][2]
+            and single in entries
+            and tuple(entries[single][0]["shape"]) == wanted[0][2]
         ):
-            arrays_for[wanted[0][1]] = entries[wanted[0][1]]
+            arrays_for[wanted[0][1]] = (
+                {**entries[single][0], "name": wanted[0][1]},
+                entries[single][1],
+            )
             continue
-        parts = sorted(by_base.get(base, []))
+        parts = sorted(by_base.get(source, []))
         if not parts:
-            raise errors.NotFoundError(f"variable {base!r} is not in the checkpoint at {directory}")
+            raise errors.NotFoundError(
+                f"variable {source!r} is not in the checkpoint at {directory}"
+            )
         first_entry = entries[parts[0][1]][0]
         joined = {
             k: np.concatenate([entries[n][1][k] for _, n in parts], axis=0)
@@ -92,7 +125,7 @@ def rewrite(
             w[2][1:] != joined["value"].shape[1:] for w in wanted
         ):
             raise errors.InvalidArgumentError(
-                f"variable {base!r} is {list(joined['value'].shape)} in the checkpoint but "
+                f"variable {source!r} is {list(joined['value'].shape)} in the checkpoint but "
                 f"{[list(w[2]) for w in wanted]} now"
             )
         start = 0

@@ -20,6 +20,7 @@ from psflow.keras.engine.runner import runner_for
 from psflow.keras.layers.base import Layer
 from psflow.observability import events, progress
 from psflow.ops import math_ops
+from psflow.train import deferred
 from psflow.util import nest
 
 
@@ -86,6 +87,7 @@ class Model(Layer):
         names = self.output_names or []
         with self._strategy_scope():
             self.optimizer = optimizers_lib.get(optimizer)
+        deferred.child_created(self, "optimizer", self.optimizer)  # a restore waiting for it
         routes: list[int | None]
         if len(names) > 1:  # several outputs: Keras's per-output losses and metrics
             from psflow.keras.engine import compile_utils

@@ -24,6 +24,7 @@ from psflow.framework.tensor import Tensor, TensorShape, to_array
 from psflow.framework.variable import Variable
 from psflow.keras import initializers
 from psflow.keras.engine import keras_tensor
+from psflow.train import deferred
 
 _name_lock = threading.Lock()
 _track_lock = threading.Lock()  # layers' weight lists, appended to from replica threads
@@ -97,6 +98,7 @@ class Layer:
         self.dtype = dtypes.as_dtype(dtype or "float32").name
         self.built = False
         self._own_weights: list[Variable] = []
+        self._weight_names: dict[int, str] = {}  # id -> the name a checkpoint tracks it by
         self._sublayers: list[Layer] = []
         self._losses: list[Any] = []
         self._strategy = distribute_lib.get_strategy() if distribute_lib.has_strategy() else None
@@ -241,19 +243,41 @@ class Layer:
                 v = make()
         else:
             v = make()
-        # Built lazily inside MirroredStrategy.run, every replica thread creates the weight
-        # (one merge_call hands all of them the same variable): track it once, or each
-        # replica would see the others' appends at its own time and list it twice.
-        with _track_lock:
-            if any(w is v for w in self._own_weights):
-                return v
-            self._own_weights.append(v)
+        if not self._track_weight(name or "weight", v):
+            return v
         if regularizer is not None:
             from psflow.keras import regularizers
 
             reg = regularizers.get(regularizer)
             self._losses.append(lambda: reg(v))
         return v
+
+    def _track_weight(self, name: str, value: Any) -> bool:
+        """Lists a new weight under ``name`` (its checkpoint name); False if listed already.
+
+        A checkpoint restored before the weight existed gives it its value
+        here, before any other thread can read it (deferred restoration).
+        """
+        # Built lazily inside MirroredStrategy.run, every replica thread creates the weight
+        # (one merge_call hands all of them the same variable): track it once, or each
+        # replica would see the others' appends at its own time and list it twice.
+        with _track_lock:
+            if any(w is value for w in self._own_weights):
+                return False
+            self._own_weights.append(value)
+            self._weight_names[id(value)] = name
+            deferred.child_created(self, name, value)
+        return True
+
+    def _named_weights(self) -> list[tuple[str, Any]]:
+        """``(name, weight)`` for this layer's own weights, by the names they were made with."""
+        out = []
+        for w in self._own_weights:
+            name = self._weight_names.get(id(w))
+            if name is None:  # appended by hand: its variable name, less the layer's
+                name = w.name.split(":")[0].removeprefix(f"{self.name}/")
+            out.append((name, w))
+        return out
 
     def get_weights(self) -> list[np.ndarray]:
         """The weights' values as NumPy arrays."""

@@ -269,6 +269,11 @@ class DynamicTableHandle(GroupUpdated, Readable, ExternalState):
         """Every PS task replaces the tables saved in ``directory`` with the ids it owns."""
         self.backend.client.restore(directory)
 
+    @property
+    def external_name(self) -> str:
+        """The table's name: tables are restored by it."""
+        return self.config.name
+
     def __reduce__(self) -> tuple:
         hot = None if self.hot_rows is None else dataclasses.astuple(self.hot_rows)
         return (_resolve, (self.config.to_json(), hot))
@@ -350,7 +355,7 @@ class DynamicEmbedding(Layer):
         local = None if self._strategy is not None else _Backend(InProcessEmbeddingClient())
         self.table = DynamicTableHandle(self.config, local, self.hot_rows)
         self.table.backend.client.create_table(self.config)
-        self._own_weights.append(self.table)
+        self._track_weight("table", self.table)
         self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:

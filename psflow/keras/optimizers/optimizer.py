@@ -9,7 +9,7 @@ group, which applies the very same rule where the value lives.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,8 @@ class Optimizer:
         self._iterations = 0
         self._slots: dict[tuple[int, int], dict[str, Any]] = {}
         self._slot_owner: dict[tuple[int, int], Any] = {}
-        self._pending_slots: dict[tuple[str, int], dict[str, Any]] = {}
+        # restored slots waiting for their variable's first update: id -> (variable, values, done)
+        self._pending_slots: dict[int, tuple[Any, dict[str, Any], Callable[[], None]]] = {}
         self._lock = threading.Lock()
         self._rule_cache: tuple[float, update_rules.UpdateRule] | None = None
         _ = self.rule  # validates the hyperparameters now, naming a bad one
@@ -164,21 +165,53 @@ class Optimizer:
         """The slot arrays of ``var``'s copy on ``replica`` (created on first use)."""
         key = (id(var), replica)
         slots = self._slots.get(key)
+        restored = None
         if slots is None:
             with self._lock:
                 slots = self._slots.get(key)
                 if slots is None:
                     arr = var._array() if array is None else array
                     slots = self.rule.init_slots(arr)
-                    pending = self._pending_slots.pop((var.name, replica), {})
-                    for name, saved in pending.items():  # restored before the slots existed
-                        if name in slots and slots[name].shape == saved.shape:
-                            backend.xp_of(slots[name]).copyto(
-                                slots[name], backend.place(saved, backend.device_of(slots[name]))
-                            )
                     self._slots[key] = slots
                     self._slot_owner[key] = var
+                    pending = self._pending_slots.get(id(var))
+                    if pending is not None and pending[0] is var:  # restored before they existed
+                        _copy_slots(slots, pending[1])
+                        restored = pending[2]
+                        copies = len(var.values) if isinstance(var, ReplicatedVariable) else 1
+                        if sum(k[0] == id(var) for k in self._slots) >= copies:
+                            del self._pending_slots[id(var)]
+        if restored is not None:  # outside the lock: the restore takes its own
+            restored()
         return slots
+
+    def _restore_slots(
+        self, var: Any, saved: dict[str, np.ndarray], restored: Callable[[], None]
+    ) -> None:
+        """Gives ``var``'s slots (every replica's) the values ``saved`` by slot name:
+        at once where they exist, else when they are created; calls ``restored`` then."""
+        with self._lock:
+            found = [slots for key, slots in self._slots.items() if self._slot_owner[key] is var]
+            for slots in found:
+                _copy_slots(slots, saved)
+            if found:
+                self._pending_slots.pop(id(var), None)
+            else:
+                self._pending_slots[id(var)] = (var, saved, restored)
+        if found:
+            restored()
+
+    def _slots_for_checkpoint(self) -> list[tuple[Any, dict[str, np.ndarray]]]:
+        """``(variable, {slot: host array})`` per variable with slots here; one copy of a
+        replicated variable's (every replica applies the same updates)."""
+        out = []
+        with self._lock:
+            for key, slots in self._slots.items():
+                if key[1] == 0:
+                    out.append(
+                        (self._slot_owner[key], {n: backend.to_numpy(a) for n, a in slots.items()})
+                    )
+        return out
 
     def build(self, var_list: Iterable[Any]) -> None:
         """Creates the slots of in-process variables now rather than at the first update."""
@@ -193,15 +226,6 @@ class Optimizer:
         for slots in self._slots.values():
             out.extend(Tensor._wrap(a) for a in slots.values())
         return out
-
-    def _state_for_checkpoint(self) -> dict[str, Any]:
-        """Step and slots by variable name, as host arrays."""
-        state: dict[str, Any] = {"iterations": self._iterations}
-        for key, slots in self._slots.items():
-            var = self._slot_owner[key]
-            for name, arr in slots.items():
-                state[f"{var.name}/{name}/{key[1]}"] = backend.to_numpy(arr)
-        return state
 
     # -- applying --------------------------------------------------------------------
     def _clip(self, grads: list[Any]) -> list[Any]:
@@ -343,6 +367,14 @@ class Optimizer:
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._lock = threading.Lock()
+
+
+def _copy_slots(slots: dict[str, Any], saved: dict[str, np.ndarray]) -> None:
+    """Copies saved slot values into live slot arrays of the same name and shape."""
+    for name, value in saved.items():
+        target = slots.get(name)
+        if target is not None and tuple(target.shape) == tuple(value.shape):
+            backend.xp_of(target).copyto(target, backend.place(value, backend.device_of(target)))
 
 
 def _shape_of(variable: Any) -> tuple[int, ...]:
