@@ -66,7 +66,10 @@ MIRROR_IDLE_SECONDS = 10.0
 PAYLOAD_MAGIC = 0x7073666C6F770101  # "psflow" + push payload, format 1
 _NAME = re.compile(r"^psflow-(?P<pid>\d+)-[0-9a-f]{8}-[A-Za-z0-9_.-]{1,160}$")
 _PAYLOAD_TOKEN = re.compile(r"-(?P<token>[0-9a-f]{32})$")
-_OPEN_EXISTING = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+# getattr: Windows has none of these (and no /dev/shm: the path is off there anyway)
+_OPEN_EXISTING = (
+    getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
 _READ_RETRIES = 10_000
 
 
