@@ -254,6 +254,10 @@ class FinalDocument:
                 },
                 "events": [],
             }
+        now = time.time()
+        for worker in document.get("workers", []):  # ages grow on after the chief's last round
+            if worker.get("last_heartbeat") is not None:
+                worker["heartbeat_age_seconds"] = max(0.0, now - worker["last_heartbeat"])
         # The chief no longer probes: what the launcher saw exit is the tasks' last state.
         # "finished" is the launcher's to say, once it stopped every task.
         job = JobStatus.from_json(read_json(os.path.join(self.directory, ROLES_FILE)))
