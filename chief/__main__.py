@@ -143,6 +143,7 @@ def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = N
     loopback, guard the page.
     """
     from psflow.dashboard.app import start_dashboard
+    from psflow.dashboard.job_status import LAUNCHER_DIR_ENV
     from psflow.distribute.cluster_resolver import TFConfigClusterResolver
     from psflow.distribute.cluster_resolver.cluster_file import CLUSTER_FILE_ENV
     from psflow.security.config import SecurityConfig
@@ -160,7 +161,12 @@ def _start_dashboard(port: int, bind: str, environ: Mapping[str, str] | None = N
         path = env.get(CLUSTER_FILE_ENV)
         ps_view = None if not path else functools.partial(_listed_ps, path)
         dashboard = start_dashboard(
-            cluster, port=port, bind=bind, security=security, ps_view=ps_view
+            cluster,
+            port=port,
+            bind=bind,
+            security=security,
+            ps_view=ps_view,
+            launcher_dir=env.get(LAUNCHER_DIR_ENV) or None,  # under psflow local
         )
     except (OpError, ValueError) as e:
         log.error("cannot start the dashboard: %s", e)

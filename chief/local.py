@@ -75,6 +75,7 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from chief.control import ControlDir, default_cluster_dir
+from chief.dashboard_host import LauncherDashboard, describe_exits
 from chief.elastic_ps import DEFAULT_DRAIN_TIMEOUT, PSScaler
 from chief.liveness import LivenessProber
 from chief.restart import DEFAULT_MAX_RESTARTS, RestartBook, RestartMode, RestartPolicy
@@ -120,6 +121,9 @@ class LocalClusterConfig:
         grace: seconds a role has to exit after SIGTERM before SIGKILL.
         dashboard_port: the chief serves its dashboard on this port of ``host``
             (0: a free one the launcher picks), or None for none.
+        dashboard_linger: with a dashboard, seconds the launcher keeps serving
+            the finished job's page after every role stopped (inf: until
+            SIGINT/SIGTERM; None: until then on an interactive terminal, else 0).
         status_interval: show every role's state every this many seconds
             (:mod:`chief.status`), or None for no status view.
         restart: whether and how often a role that died is started again in
@@ -146,6 +150,7 @@ class LocalClusterConfig:
     ready_timeout: float = 60.0
     grace: float = 15.0
     dashboard_port: int | None = None
+    dashboard_linger: float | None = None
     status_interval: float | None = None
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
     health_grace: float | None = None
@@ -194,6 +199,9 @@ class LocalClusterConfig:
         d = self.dashboard_port
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 65535):
             raise InvalidArgumentError(f"dashboard port {d!r} must be an integer in 0..65535")
+        linger = self.dashboard_linger
+        if linger is not None and not linger >= 0:  # NaN too
+            raise InvalidArgumentError(f"dashboard linger {linger!r} must be >= 0 seconds")
         if self.status_interval is not None and not self.status_interval > 0:
             raise InvalidArgumentError(f"status interval {self.status_interval!r} must be > 0")
         if not isinstance(self.restart, RestartPolicy):
@@ -463,6 +471,8 @@ class LocalCluster:
         self._due: dict[str, float] = {}  # role name -> when to start it again
         self._scaler: PSScaler | None = None
         self._control: ControlDir | None = None
+        self._dashboard: LauncherDashboard | None = None
+        self._dashboard_url: str | None = None  # the finished job's page, once served
         self._prober = (
             LivenessProber(config.health_grace)
             if config.health_grace is not None and config.restart.enabled
@@ -547,7 +557,10 @@ class LocalCluster:
             supervisor.pump(0.1)
             if self._status is not None:
                 self._status.refresh()
-            for role in supervisor.poll():
+            exited = supervisor.poll()
+            if exited:
+                self._publish_roles()
+            for role in exited:
                 if self._prober is not None:
                     self._prober.forget(role.name)
                 if self._scaler is not None and self._scaler.claims_exit(role):
@@ -668,7 +681,14 @@ class LocalCluster:
         }
         env["PYTHONUNBUFFERED"] = "1"
         self._specs[spec.name] = spec
-        return supervisor.start(spec.name, spec.argv, env)
+        role = supervisor.start(spec.name, spec.argv, env)
+        self._publish_roles()
+        return role
+
+    def _publish_roles(self) -> None:
+        """Tells the chief's dashboard how every role's process stands (with --dashboard)."""
+        if self._dashboard is not None and self._supervisor is not None:
+            self._dashboard.publish(self._supervisor.roles, self._restarts)
 
     def run(self) -> int:
         """Runs the cluster to the end; returns the launcher's exit status.
@@ -687,6 +707,11 @@ class LocalCluster:
         except OpError as e:
             log.error("cannot start the local cluster: %s", e)
             return int(ExitCode.USER_ERROR)
+        if config.dashboard_port is not None:
+            self._dashboard = LauncherDashboard(config.restart)
+            chief_spec = specs[-1]
+            env = {**chief_spec.env, **self._dashboard.env()}
+            specs = [*specs[:-1], dataclasses.replace(chief_spec, env=env)]
         full = cluster_dict(config.ps_slots, config.num_workers, config.host, ports)
         cluster = {**full, PS: full[PS][: config.num_ps]}
         log.info("cluster %s; chief runs %s", json.dumps(cluster), config.target)
@@ -720,7 +745,12 @@ class LocalCluster:
                 )
                 chief = self._start(specs[-1])
                 started[CHIEF].append(chief)
-                return self._watch(chief)
+                status = self._watch(chief)
+                if self._dashboard is not None:  # the chief's page is gone: keep its final state
+                    self._dashboard_url = self._dashboard.serve_final(
+                        config.host, int(config.dashboard_port or 0)
+                    )
+                return status
             except _Interrupted as e:
                 log.warning("received %s: stopping the cluster", e)
                 return 128 + e.signum
@@ -740,6 +770,31 @@ class LocalCluster:
                 if self._control is not None:
                     self._control.remove()
                 self._log_statuses()
+                self._finish_dashboard()
+
+    def _finish_dashboard(self) -> None:
+        """Says the job finished on the page, keeps it up as asked, removes the directory."""
+        dashboard = self._dashboard
+        if dashboard is None:
+            return
+        try:
+            final = dashboard.finish(self._require_supervisor().roles, self._restarts)
+            url = self._dashboard_url
+            linger = self.config.dashboard_linger
+            if linger is None:
+                linger = float("inf") if _interactive() else 0.0
+            if url is not None and not self._signals and linger > 0:
+                seen = len(self._signals)
+                until = "until Ctrl-C" if linger == float("inf") else f"for {linger:g} s"
+                log.info(
+                    "job finished (%s); the dashboard at %s shows its final state %s",
+                    describe_exits(final),
+                    url,
+                    until,
+                )
+                dashboard.linger(linger, lambda: len(self._signals) > seen)
+        finally:
+            dashboard.close()
 
     def _start_control(self, full: Mapping[str, Sequence[str]], specs: list[RoleSpec]):
         """Creates the control directory and the scaler; returns ``specs``, the chief's amended."""
@@ -807,6 +862,14 @@ class LocalCluster:
             for r in supervisor.roles
         )
         log.info("stopped: %s", statuses or "nothing was started")
+
+
+def _interactive() -> bool:
+    """Whether a person may be watching: stdin and stderr are terminals."""
+    try:
+        return sys.stdin.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # closed or replaced streams
+        return False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -899,6 +962,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the chief serves a live dashboard at http://HOST:PORT/ (no PORT: a free one)",
     )
     p.add_argument(
+        "--dashboard-linger",
+        type=float,
+        metavar="S",
+        help="with --dashboard: keep serving the finished job's page S seconds after every "
+        "role stopped (default: until Ctrl-C on a terminal, else 0; inf: until a signal)",
+    )
+    p.add_argument(
         "--status",
         action="store_true",
         help="show every role's state: a table redrawn in place on a terminal, "
@@ -978,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
             ready_timeout=args.ready_timeout,
             grace=args.grace,
             dashboard_port=args.dashboard,
+            dashboard_linger=args.dashboard_linger,
             status_interval=args.status_interval if args.status else None,
             restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
             health_grace=args.health_grace or None,

@@ -96,6 +96,9 @@ def test_api_tracks_lost_and_replaced_tasks(start_cluster):
         time.sleep(0.5)  # more failed rounds must not repeat the event
         lost = [e for e in document(dash.url)["events"] if e["kind"] == "worker_lost"]
         assert [e["task"] for e in lost] == ["worker:1"]
+        # The message quotes the probe's error whole (it names the address), not cut inside it.
+        error = " ".join(lost[0]["data"]["error"].split())
+        assert len(error) <= 300 and lost[0]["message"] == f"worker:1 lost: {error}"
 
         # Another process in the slot: replaced, one restart, its new pid.
         new = cluster.restart_worker(1)
@@ -329,6 +332,7 @@ def test_local_rejects_a_bad_dashboard_port(tmp_path, capsys, port):
         "psflow.dashboard.server",
         "psflow.dashboard.app",
         "psflow.dashboard.terminal",
+        "psflow.dashboard.job_status",
         "chief.local",
     ],
 )

@@ -60,7 +60,21 @@ def page_facts(dom: str) -> dict:
     svgs = {a.get("id"): a for t, a in parser.elements if t == "svg"}
     events = [a["data-kind"] for t, a in parser.elements if t == "li" and "data-kind" in a]
     status = next((a for t, a in parser.elements if a.get("id") == "status"), {})
-    return {"rows": rows, "loss": svgs.get("loss-svg", {}), "events": events, "status": status}
+    job = next((a for t, a in parser.elements if a.get("id") == "job"), {})
+    signals, row = {}, None
+    for t, a in parser.elements:
+        if t == "tr" and "data-task" in a:
+            row = a["data-task"]
+        elif t == "td" and "data-signal" in a and row is not None:
+            signals[row] = a["data-signal"]
+    return {
+        "rows": rows,
+        "loss": svgs.get("loss-svg", {}),
+        "events": events,
+        "status": status,
+        "job": job,
+        "signal": signals,
+    }
 
 
 def render(
@@ -178,14 +192,17 @@ def test_page_shows_ps_tasks_lost_worker_and_live_loss(tmp_path):
 
         victim = workers(api(url))["worker:1"]["pid"]
         os.kill(victim, signal.SIGKILL)
-        wait_api(url, lambda d: workers(d)["worker:1"]["state"] == "lost", 60, launcher, log)
+        # psflow local saw it die: killed, with its signal (a probe alone would say lost).
+        wait_api(url, lambda d: workers(d)["worker:1"]["state"] == "killed", 60, launcher, log)
         shot = tmp_path / "dashboard.png"
         after = page_facts(render(chromium, url, profile, screenshot=shot))
 
         assert after["rows"]["ps:0"] == after["rows"]["ps:1"] == "up", after["rows"]
-        assert after["rows"]["worker:1"] == "lost", after["rows"]
+        assert after["rows"]["worker:1"] == "killed", after["rows"]
+        assert after["signal"].get("worker:1") == "SIGKILL", after
+        assert after["job"].get("hidden") is None, after  # the --restart on-failure hint shows
         assert after["rows"]["worker:0"] in ("running", "ready"), after["rows"]
-        assert "worker_lost" in after["events"], after["events"]
+        assert "task_exited" in after["events"], after["events"]
         assert int(after["loss"]["data-last-step"]) > first_step, (before["loss"], after["loss"])
         assert shot.stat().st_size > 10_000  # a rendered page, not a blank one
     finally:

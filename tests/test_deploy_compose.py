@@ -43,6 +43,9 @@ jsonschema = pytest.importorskip("jsonschema")
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 COMPOSE_GPU = DOCKER / "compose.gpu.yaml"
+COMPOSE_JOB = DOCKER / "compose.job.yaml"
+JOB_MOUNT = "/opt/psflow/job"
+DASHBOARD_PORT = 8080
 SCHEMA = ROOT / "tests" / "schemas" / "compose-spec.json"
 SERVER_MODULES = ("ps_server", "worker")
 
@@ -91,6 +94,43 @@ def module_of(command: list[str]) -> str | None:
     return None
 
 
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def interpolate(value: str, environ: dict[str, str]) -> str:
+    """Compose's ``${VAR}`` / ``${VAR:-default}`` in ``value``, from ``environ``."""
+    return _VARIABLE.sub(lambda m: environ.get(m[1]) or (m[2] or ""), value)
+
+
+def mount_target(volume: str) -> str:
+    """The container path of a ``SOURCE:TARGET[:MODE]`` volume (SOURCE may be ``${...}``)."""
+    return interpolate(volume, {}).split(":")[1]
+
+
+def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``docker compose -f base -f override``'s services: keys replaced, volumes merged by target."""
+    document = copy.deepcopy(base)
+    for name, changes in override["services"].items():
+        service = document["services"][name]
+        for key, value in changes.items():
+            if key == "volumes":
+                targets = {mount_target(v): v for v in service.get("volumes") or []}
+                targets.update({mount_target(v): v for v in value})
+                service["volumes"] = list(targets.values())
+            else:
+                service[key] = copy.deepcopy(value)
+    return document
+
+
+def chief_script(command: list[str]) -> str:
+    """The program ``python -m chief [OPTIONS] SCRIPT ...`` runs."""
+    options = {"--log-level", "--dashboard-port", "--dashboard-bind"}
+    rest = command[3:]
+    while rest[0] in options:
+        rest = rest[2:]
+    return rest[0]
+
+
 @pytest.fixture(scope="module")
 def compose_file() -> dict[str, Any]:
     return load(COMPOSE)
@@ -115,6 +155,50 @@ def test_compose_file_matches_the_compose_schema(compose_file):
 
 def test_gpu_override_matches_the_compose_schema():
     assert schema_errors(load(COMPOSE_GPU)) == []
+
+
+def test_job_override_matches_the_compose_schema(compose_file):
+    assert schema_errors(load(COMPOSE_JOB)) == []
+    assert schema_errors(merged(compose_file, load(COMPOSE_JOB))) == []
+
+
+def test_chief_runs_the_example_by_default_and_your_mounted_script_with_the_override(compose):
+    assert chief_script(compose["services"]["chief"]["command"]) == "examples/digits_ps.py"
+    job = merged(compose, load(COMPOSE_JOB))["services"]
+    script = interpolate(chief_script(job["chief"]["command"]), {})
+    assert script == f"{JOB_MOUNT}/train.py"
+    chosen = {"PSFLOW_JOB_SCRIPT": "mine.py", "PSFLOW_JOB_DIR": "/srv/myjob"}
+    assert interpolate(chief_script(job["chief"]["command"]), chosen) == f"{JOB_MOUNT}/mine.py"
+    # The chief and every worker mount the one host directory there, read-only.
+    for name, service in job.items():
+        mounts = {mount_target(v): v for v in service.get("volumes") or []}
+        if name == "chief" or module_of(service["command"]) == "worker":
+            volume = mounts[JOB_MOUNT]
+            assert interpolate(volume, {}) == f"./job:{JOB_MOUNT}:ro", name
+            assert interpolate(volume, chosen) == f"/srv/myjob:{JOB_MOUNT}:ro", name
+            assert (DOCKER / "job" / "train.py").is_file()
+        else:
+            assert JOB_MOUNT not in mounts, name  # the PS tasks need none of it
+    # The override changes nothing else of the chief: its options stay the default's.
+    default = compose["services"]["chief"]["command"]
+    assert (
+        job["chief"]["command"][: default.index("examples/digits_ps.py")]
+        == default[: default.index("examples/digits_ps.py")]
+    )
+
+
+def test_chief_publishes_the_dashboard_on_the_hosts_loopback(compose):
+    chief = compose["services"]["chief"]
+    command = chief["command"]
+    assert int(command[command.index("--dashboard-port") + 1]) == DASHBOARD_PORT
+    # Inside its container the chief must listen beyond loopback for the port to reach it...
+    assert command[command.index("--dashboard-bind") + 1] == "0.0.0.0"
+    # ...and the host publishes it on its own loopback only; the page wants the token.
+    assert chief["ports"] == [f"127.0.0.1:{DASHBOARD_PORT}:{DASHBOARD_PORT}"]
+    assert "PSFLOW_AUTH_TOKEN_FILE" in chief["environment"]
+    for name, service in compose["services"].items():
+        if name != "chief":
+            assert "ports" not in service, name  # nothing else is published
 
 
 @pytest.mark.parametrize(
@@ -301,6 +385,7 @@ class LocalCompose:
         self.compose = compose
         self.root = root
         self.ports = {name: free_port() for name in compose["services"]}
+        self.dashboard_port = free_port()
         self.mounts: dict[str, pathlib.Path] = {}
         for volume in compose.get("volumes") or {}:
             (root / "volumes" / volume).mkdir(parents=True)
@@ -338,8 +423,11 @@ class LocalCompose:
     def _mounts(self, service: dict[str, Any]) -> dict[str, pathlib.Path]:
         mounts = dict(self.mounts)
         for volume in service.get("volumes") or []:
-            source, target = volume.split(":")[:2]
-            mounts[target] = self.root / "volumes" / source
+            source, target = interpolate(volume, {}).split(":")[:2]
+            if source.startswith((".", "/")):  # a bind mount: a host path, relative to docker/
+                mounts[target] = (DOCKER / source).resolve()
+            else:
+                mounts[target] = self.root / "volumes" / source
         return mounts
 
     def _argv(self, command: list[str]) -> list[str]:
@@ -354,6 +442,9 @@ class LocalCompose:
         argv = [sys.executable, *command[1:]]
         if module_of(command) in SERVER_MODULES:
             argv += ["--bind", "127.0.0.1"]  # compose binds 0.0.0.0 in a container
+        if "--dashboard-port" in argv:
+            argv[argv.index("--dashboard-port") + 1] = str(self.dashboard_port)
+            argv[argv.index("--dashboard-bind") + 1] = "127.0.0.1"
         if "--metrics-port" in argv:  # one port per container there, one machine here
             argv[argv.index("--metrics-port") + 1] = "auto"
         elif module_of(command) == "chief" and not self.has_chief_main:
@@ -366,7 +457,8 @@ class LocalCompose:
         env = child_env(
             {k: self._value(str(v), name, mounts) for k, v in service["environment"].items()}
         )
-        argv = self._argv([self._value(a, name, mounts) for a in service["command"]])
+        command = [interpolate(a, {}) for a in service["command"]]
+        argv = self._argv([self._value(a, name, mounts) for a in command])
         check = service.get("healthcheck") or {}
         health = None
         if check and not check.get("disable"):
@@ -400,9 +492,21 @@ def start_order(compose: dict[str, Any]) -> list[str]:
     return order
 
 
+def dashboard_answers(port: int) -> bool:
+    """True when the chief's dashboard at ``port`` serves its cluster document."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/cluster", timeout=2) as r:
+            return "workers" in json.loads(r.read())
+    except (OSError, ValueError):
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_compose_topology_runs_as_local_processes(compose, tmp_path):
+@pytest.mark.parametrize("job", ["example", "mounted-script"])
+def test_compose_topology_runs_as_local_processes(compose, tmp_path, job):
+    if job == "mounted-script":
+        compose = merged(compose, load(COMPOSE_JOB))
     local = LocalCompose(compose, tmp_path)
     services = {name: local.service(name) for name in start_order(compose)}
     deadline = time.monotonic() + 120
@@ -433,12 +537,22 @@ def test_compose_topology_runs_as_local_processes(compose, tmp_path):
             time.sleep(0.3)
 
         chief = services["chief"]
+        dashboard_seen = False
+        while chief.proc.poll() is None and time.monotonic() < deadline:
+            dashboard_seen = dashboard_seen or dashboard_answers(local.dashboard_port)
+            time.sleep(0.2)
         try:
             code = chief.proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pytest.fail("the chief did not finish in time\n" + chief.log_tail())
         assert code == 0, chief.log_tail()
-        assert "test accuracy" in chief.log_path.read_text()
+        if job == "example":
+            assert "test accuracy" in chief.log_path.read_text()
+            # The published dashboard port is the one the chief serves (a run of seconds).
+            assert dashboard_seen, chief.log_tail()
+        else:  # the mounted directory's script ran, and only it
+            log = chief.log_path.read_text()
+            assert "job done: y = 3.0" in log and "test accuracy" not in log, chief.log_tail()
 
         # `up --exit-code-from chief` then stops the rest: SIGTERM, graceful exit 0.
         for svc in services.values():

@@ -198,11 +198,12 @@ def test_examples_and_wrapper_are_where_compose_and_kubernetes_look(dockerfile):
     (chmod,) = [i.flags for i in instructions if "docker/psflow_k8s_env.py" in i.args]
     assert "--chmod=0755" in chmod
     chief = yaml.safe_load(COMPOSE.read_text())["services"]["chief"]["command"]
-    script = posixpath.join(final_workdir, chief[3])
+    program = next(arg for arg in chief[3:] if arg.endswith(".py"))
+    script = posixpath.join(final_workdir, program)
     source = next(
         src + script[len(t) :] for t, src in targets.items() if script.startswith(t + "/")
     )
-    assert (ROOT / source).is_file(), f"{name}: the chief's {chief[3]} is not in the image"
+    assert (ROOT / source).is_file(), f"{name}: the chief's {program} is not in the image"
     # The checkpoint directory exists and belongs to the user, so volumes start writable.
     assert any(
         ins.keyword == "RUN" and "/checkpoints" in ins.args and "chown psflow" in ins.args

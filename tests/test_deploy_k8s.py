@@ -81,12 +81,16 @@ def one(kind: str, name: str) -> dict[str, Any]:
 
 
 def selected(selector: str) -> list[dict[str, Any]]:
-    """The objects ``kubectl apply -f docker/k8s/ -l KEY!=VALUE`` applies.
+    """The objects ``kubectl apply -f docker/k8s/ -l KEY!=VALUE[,KEY!=VALUE]`` applies.
 
     ``!=`` also selects objects without the label, as Kubernetes' selectors do.
     """
-    key, _, value = selector.partition("!=")
-    return [o for _, o in OBJECTS if (o["metadata"].get("labels") or {}).get(key) != value]
+    terms = [term.partition("!=")[::2] for term in selector.split(",")]
+    return [
+        o
+        for _, o in OBJECTS
+        if all((o["metadata"].get("labels") or {}).get(key) != value for key, value in terms)
+    ]
 
 
 def pod_specs() -> list[tuple[str, dict[str, Any]]]:
@@ -101,8 +105,9 @@ def pod_specs() -> list[tuple[str, dict[str, Any]]]:
     return specs
 
 
-def wrapped_command(command: list[str]) -> list[str]:
-    """The command psflow-k8s-env runs (what follows ``--``), or the command itself."""
+def wrapped_command(container: dict[str, Any]) -> list[str]:
+    """What the container runs (``command`` + ``args``), after ``--`` under psflow-k8s-env."""
+    command = [*container["command"], *container.get("args", [])]
     if command[0] == "psflow-k8s-env":
         return command[command.index("--") + 1 :]
     return command
@@ -225,7 +230,7 @@ def test_every_pod_derives_a_valid_cluster_of_the_manifests_pods():
         resolver = TFConfigClusterResolver(environ={"TF_CONFIG": json.dumps(config)})
         assert (resolver.task_type, resolver.task_id) == (job, index)
         (container,) = pod["spec"]["containers"]
-        command = wrapped_command(container["command"])
+        command = wrapped_command(container)
         assert command[:3] == ["python", "-m", ENTRYPOINTS[job]], fqdn
         assert container["command"][0] == "psflow-k8s-env"
         if job != "chief":
@@ -288,7 +293,7 @@ def test_a_layout_without_workers_is_not_a_ps_cluster():
 def test_servers_have_native_grpc_probes_on_their_port():
     for owner, spec in pod_specs():
         (container,) = spec["containers"]
-        command = wrapped_command(container["command"])
+        command = wrapped_command(container)
         if command[2] == "chief":
             assert "readinessProbe" not in container, owner  # the chief serves nothing
             continue
@@ -319,7 +324,7 @@ def test_ps_and_chief_share_the_checkpoint_claim():
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     for owner, spec in pod_specs():
         (container,) = spec["containers"]
-        command = wrapped_command(container["command"])
+        command = wrapped_command(container)
         volumes = {v["name"]: v for v in spec["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         if command[2] == "ps_server":
@@ -332,13 +337,161 @@ def test_ps_and_chief_share_the_checkpoint_claim():
         assert claim_name == "psflow-checkpoints", owner
 
 
-def test_workers_request_a_gpu_and_use_the_cuda_image():
+def worker_containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """``(owner, pod spec)`` of every worker pod template among ``objects``."""
+    found = []
+    for obj in objects:
+        for spec in _specs_of(obj):
+            (container,) = spec["containers"]
+            if wrapped_command(container)[2] == "worker":
+                found.append((obj["metadata"]["name"], spec))
+    return found
+
+
+def gpu_requests(spec: dict[str, Any]) -> list[str]:
+    """Every ``*/gpu`` resource a pod spec's containers request or limit."""
+    return [
+        name
+        for container in spec["containers"]
+        for part in ("requests", "limits")
+        for name in (container.get("resources") or {}).get(part, {})
+        if name.endswith("/gpu")
+    ]
+
+
+def test_default_manifests_request_no_gpu_so_a_cpu_cluster_schedules_them():
+    workers = worker_containers([o for _, o in OBJECTS])
+    assert sorted(owner for owner, _ in workers) == ["psflow-digits", "psflow-worker"]
     for owner, spec in pod_specs():
+        assert gpu_requests(spec) == [], owner
+        assert "tolerations" not in spec, owner
         (container,) = spec["containers"]
-        if wrapped_command(container["command"])[2] != "worker":
-            continue
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1, owner
-        assert container["image"] == "psflow:cuda", owner
+        assert container["image"] == "psflow:latest", owner  # the CPU image
+
+
+def json_patch(document: dict[str, Any], patch: list[dict[str, Any]]) -> dict[str, Any]:
+    """``document`` with an RFC 6902 patch applied (add, replace, remove), as kubectl does."""
+    result = copy.deepcopy(document)
+    for op in patch:
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]
+        ]
+        node = result
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = int(last) if isinstance(node, list) else last
+        if op["op"] == "add":
+            node[key] = copy.deepcopy(op["value"])
+        elif op["op"] == "replace":
+            assert key in node if isinstance(node, dict) else key < len(node), op["path"]
+            node[key] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[key]
+        else:
+            raise AssertionError(f"unsupported op {op['op']!r}")
+    return result
+
+
+GPU_PATCHES = {
+    "StatefulSet": K8S / "gpu" / "worker.yaml",
+    "TFJob": K8S / "gpu" / "tfjob-worker.yaml",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GPU_PATCHES))
+def test_gpu_patch_gives_each_worker_a_gpu_and_the_cuda_image(kubernetes_validate, kind):
+    (target,) = [o for o in find(kind) if worker_containers([o])]
+    patched = json_patch(target, yaml.safe_load(GPU_PATCHES[kind].read_text()))
+    ((_, spec),) = worker_containers([patched])
+    (container,) = spec["containers"]
+    assert container["image"] == "psflow:cuda"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+    # Only the worker changes: its command, probes and mounts are the CPU set's.
+    ((_, before),) = worker_containers([target])
+    assert wrapped_command(container) == wrapped_command(before["containers"][0])
+    if kind == "TFJob":
+        for role, replica in patched["spec"]["tfReplicaSpecs"].items():
+            if role != "Worker":
+                assert gpu_requests(replica["template"]["spec"]) == [], role
+        template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "tfjob-worker-gpu"},
+            "template": patched["spec"]["tfReplicaSpecs"]["Worker"]["template"],
+        }
+        kubernetes_validate.validate(template, MIN_KUBERNETES, strict=True)
+    else:
+        for version in (MIN_KUBERNETES, kubernetes_validate.latest_version()):
+            kubernetes_validate.validate(patched, version, strict=True)
+
+
+USER_SCRIPT = K8S / "user-script"
+USER_SELECTOR = "psflow.io/deployment!=tfjob,psflow.io/program!=example"
+
+
+def user_script_objects() -> list[dict[str, Any]]:
+    return [
+        d
+        for path in sorted(USER_SCRIPT.glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d
+    ]
+
+
+def test_user_script_manifests_match_kubernetes_schemas(kubernetes_validate):
+    objects = user_script_objects()
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Job"]
+    for obj in objects:
+        for version in (MIN_KUBERNETES, kubernetes_validate.latest_version()):
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_user_script_chief_reads_the_configmap_where_it_is_mounted():
+    (job,) = [o for o in user_script_objects() if o["kind"] == "Job"]
+    (configmap,) = [o for o in user_script_objects() if o["kind"] == "ConfigMap"]
+    spec = job["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    command = wrapped_command(container)
+    assert command[:3] == ["python", "-m", "chief"]
+    script = pathlib.PurePosixPath(command[3])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    mount = mounts[str(script.parent)]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"] == "psflow-job"
+    # The file the chief runs is a key of the ConfigMap: the sample job, verbatim.
+    assert configmap["data"][script.name] == (ROOT / "docker" / "job" / "train.py").read_text()
+    compile(configmap["data"][script.name], str(script), "exec")
+
+
+def test_user_script_chief_is_the_example_job_but_for_its_program():
+    (job,) = [o for o in user_script_objects() if o["kind"] == "Job"]
+    example = copy.deepcopy(one("Job", "psflow-chief"))
+    mine = copy.deepcopy(job)
+    assert example["metadata"]["labels"].pop("psflow.io/program") == "example"
+    assert mine["metadata"]["labels"].pop("psflow.io/program") == "user-script"
+    (c_example,) = example["spec"]["template"]["spec"]["containers"]
+    (c_mine,) = mine["spec"]["template"]["spec"]["containers"]
+    assert c_example.pop("args")[0] == "examples/digits_ps.py"
+    assert c_mine.pop("args")[0].startswith("/opt/psflow/job/")
+    (job_mount,) = [m for m in c_mine["volumeMounts"] if m["name"] == "job"]
+    c_mine["volumeMounts"].remove(job_mount)
+    volumes = mine["spec"]["template"]["spec"]["volumes"]
+    volumes.remove(next(v for v in volumes if v["name"] == "job"))
+    assert mine == example
+
+
+def test_user_script_selector_swaps_the_example_chief_for_yours():
+    kept = selected(USER_SELECTOR)
+    dropped = [o for _, o in OBJECTS if o not in kept and o["kind"] != "TFJob"]
+    assert [(o["kind"], o["metadata"]["name"]) for o in dropped] == [("Job", "psflow-chief")]
+    jobs = [o for o in kept + user_script_objects() if o["kind"] == "Job"]
+    assert [j["metadata"]["labels"]["psflow.io/program"] for j in jobs] == ["user-script"]
+    # The chief's headless Service (its pod's DNS name) stays.
+    assert ("Service", "psflow-chief") in {(o["kind"], o["metadata"]["name"]) for o in kept}
 
 
 def test_disruption_budgets_cover_ps_and_workers():
@@ -389,10 +542,10 @@ def test_the_readmes_use_the_tested_selectors():
     pattern = r"kubectl (?:apply|delete) -f docker/k8s/ -l '([^']+)'"
     for readme in (ROOT / "README.md", ROOT / "docker" / "README.md"):
         found = set(re.findall(pattern, readme.read_text()))
-        assert found == {"psflow.io/deployment!=tfjob", "psflow.io/deployment!=statefulsets"}, (
-            readme.name,
-            found,
-        )
+        expected = {"psflow.io/deployment!=tfjob", "psflow.io/deployment!=statefulsets"}
+        if readme.parent.name == "docker":
+            expected.add(USER_SELECTOR)  # "Your own script"
+        assert found == expected, (readme.name, found)
 
 
 def _specs_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -457,7 +610,7 @@ def test_tfjob_runs_the_statefulset_commands_and_a_valid_cluster():
     by_entrypoint = {}
     for _, spec in pod_specs():
         (container,) = spec["containers"]
-        command = wrapped_command(container["command"])
+        command = wrapped_command(container)
         by_entrypoint.setdefault(command[2], []).append(command)
     for commands in by_entrypoint.values():
         assert all(c == commands[0] for c in commands), commands  # same job both ways
@@ -568,7 +721,7 @@ def test_statefulset_servers_serve_metrics_where_prometheus_looks():
     for name in ("psflow-ps", "psflow-worker"):
         pod = one("StatefulSet", name)["spec"]["template"]
         (container,) = pod["spec"]["containers"]
-        command = wrapped_command(container["command"])
+        command = wrapped_command(container)
         assert command[command.index("--metrics-port") + 1] == str(METRICS_PORT), name
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["metrics"] == METRICS_PORT, name

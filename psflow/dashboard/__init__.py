@@ -10,7 +10,10 @@ Modules (imported explicitly; nothing starts on import):
 * :mod:`psflow.dashboard.server` — ``DashboardServer``: the page, its script and
   the JSON API over HTTP from daemon threads, loopback unless a token guards it;
 * :mod:`psflow.dashboard.terminal` — the same document as a compact text table
-  (``psflow local --status``).
+  (``psflow local --status``);
+* :mod:`psflow.dashboard.job_status` — what ``psflow local`` tells the page
+  (each process's exit status, the restart policy) and the final document it
+  keeps serving once the chief has exited.
 
 Example::
 

@@ -14,12 +14,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 
 from psflow.observability import events, progress
 from psflow.security.config import SecurityConfig, default_security
 
 from .collector import ClusterMonitor
+from .job_status import DOCUMENT_FILE, ROLES_FILE, JobStatus, read_json
 from .probe import ClusterProbe
 from .server import DashboardServer
 
@@ -70,11 +73,15 @@ def start_dashboard(
     security: SecurityConfig | None = None,
     interval: float = 1.0,
     ps_view: Callable[[], Sequence[str]] | None = None,
+    launcher_dir: str | None = None,
 ) -> Dashboard:
     """Starts probing ``cluster`` and serving the page on ``bind:port`` (0: a free port).
 
     ``ps_view``, when given, returns the PS addresses the job runs on now; the
-    page then follows a resize of the parameter servers.
+    page then follows a resize of the parameter servers. ``launcher_dir``: the
+    directory ``psflow local`` shares with its chief (:mod:`.job_status`): the
+    page shows how tasks' processes ended, and the document is left there for
+    the launcher to serve after the chief exits.
 
     Raises:
         FailedPreconditionError: ``bind`` is not loopback and ``security`` has no token.
@@ -86,7 +93,20 @@ def start_dashboard(
     log = events.EventLog()
     recorder = progress.TrainingProgress()
     probe = ClusterProbe(cluster, security=security)
-    monitor = ClusterMonitor(probe, log, recorder, interval=interval, ps_view=ps_view)
+    job_status = document_path = None
+    if launcher_dir is not None:
+        roles = os.path.join(launcher_dir, ROLES_FILE)
+        job_status = functools.partial(_read_job_status, roles)
+        document_path = os.path.join(launcher_dir, DOCUMENT_FILE)
+    monitor = ClusterMonitor(
+        probe,
+        log,
+        recorder,
+        interval=interval,
+        ps_view=ps_view,
+        job_status=job_status,
+        document_path=document_path,
+    )
     try:
         server = DashboardServer(monitor, bind, port, security=security)
     except Exception:
@@ -95,3 +115,7 @@ def start_dashboard(
     previous = (events.install(log), progress.install(recorder))
     monitor.start()
     return Dashboard(server, monitor, previous)
+
+
+def _read_job_status(path: str) -> JobStatus | None:
+    return JobStatus.from_json(read_json(path))

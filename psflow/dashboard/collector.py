@@ -7,7 +7,11 @@ States (the JSON ``state`` field):
 * worker: ``unknown``, ``ready`` (answers, ran no closure since the last
   round), ``running`` (ran closures since the last round), ``lost``, and
   ``replaced`` (a different process answers in the slot - another pid or start
-  time - and it has not run a closure yet).
+  time - and it has not run a closure yet);
+* either, under ``psflow local``: ``killed`` or ``exited`` when the launcher
+  saw its process die by a signal or exit (``roles.json``, see
+  :mod:`psflow.dashboard.job_status`) and it does not answer; its ``exit``
+  then says how (``killed by SIGKILL (exit 137)``).
 
 Transitions are recorded in the :class:`~psflow.observability.events.EventLog`
 (worker lost, back, replaced; PS lost, back), next to what the training loop
@@ -32,6 +36,7 @@ from psflow.errors import InvalidArgumentError, OpError
 from psflow.observability.events import EventKind, EventLog
 from psflow.observability.progress import TrainingProgress
 
+from .job_status import JobStatus, apply_job_status, write_json
 from .probe import ClusterProbe, TaskAnswer
 
 __all__ = ["API_VERSION", "ClusterMonitor"]
@@ -41,8 +46,19 @@ log = logging.getLogger(__name__)
 API_VERSION = 1
 """Bumped when a field of ``/api/cluster`` changes meaning or disappears."""
 
-_REASON_CHARS = 80
-"""How much of a probe's error an event's message quotes (all of it is in its data)."""
+_REASON_CHARS = 300
+"""About how much of a probe's error an event's message quotes, cut between words
+(all of it is in the event's data, which the page lets one expand)."""
+
+
+def _shorten(text: str, limit: int = _REASON_CHARS) -> str:
+    """``text`` up to ``limit`` characters, cut at a space (never inside an address), ``…`` after."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    return (text[:cut] if cut > 0 else text[:limit]) + " …"
+
 
 EVENTS_SHOWN = 200
 """The newest events the document carries."""
@@ -96,6 +112,10 @@ class ClusterMonitor:
         lost_after: consecutive unanswered rounds before a task that answered is lost.
         ps_view: the PS addresses the job runs on now, read before every round
             (the parameter servers can be resized); None: the probe's, fixed.
+        job_status: what the launcher knows of every task's process (exit
+            statuses, the restart policy), read every round; None: no launcher.
+        document_path: the latest document is written there after every round
+            (and by :meth:`close`), so a launcher can serve it once the chief is gone.
 
     Raises:
         InvalidArgumentError: ``interval`` <= 0 or ``lost_after`` < 1.
@@ -110,6 +130,8 @@ class ClusterMonitor:
         interval: float = 1.0,
         lost_after: int = 2,
         ps_view: Callable[[], Sequence[str]] | None = None,
+        job_status: Callable[[], JobStatus | None] | None = None,
+        document_path: str | None = None,
     ) -> None:
         if not interval > 0:
             raise InvalidArgumentError(f"interval {interval!r} must be > 0")
@@ -121,6 +143,10 @@ class ClusterMonitor:
         self._interval = interval
         self._lost_after = lost_after
         self._ps_view = ps_view
+        self._job_status = job_status
+        self._job: JobStatus | None = None
+        self._exits_seen: set[tuple[str, int | None]] = set()
+        self._document_path = document_path
         self._started = time.time()
         self._lock = threading.Lock()
         self._tasks = [_Task("ps", i, a) for i, a in enumerate(probe.ps_addresses)]
@@ -144,6 +170,7 @@ class ClusterMonitor:
             began = time.monotonic()
             try:
                 self.probe_once()
+                self.write_document()
             except Exception:  # a bug here must not kill the page: log and keep probing
                 log.exception("dashboard probe round failed")
             self._stop.wait(max(0.0, self._interval - (time.monotonic() - began)))
@@ -152,10 +179,40 @@ class ClusterMonitor:
         """Runs one round now (over the PS tasks the view lists) and folds the answers in."""
         self._follow_view()
         answers = self._probe.round()
+        job = self._job_status() if self._job_status is not None else None
         with self._lock:
             for task, answer in zip(self._tasks, answers, strict=True):
                 self._fold(task, answer)
             self._rounds += 1
+            self._job = job
+        if job is not None:
+            self._record_exits(job)
+
+    def _record_exits(self, job: JobStatus) -> None:
+        """One ``task_exited`` event per process the launcher saw end (the chief's own excepted)."""
+        for name, role in sorted(job.roles.items()):
+            if role.running or name == "chief" or (name, role.pid) in self._exits_seen:
+                continue
+            self._exits_seen.add((name, role.pid))
+            restarts = (
+                "; restarts are off (psflow local --restart on-failure restarts it)"
+                if job.restart == "never" and role.failed
+                else ""
+            )
+            self.events.record(
+                EventKind.TASK_EXITED,
+                name,
+                f"{name} {role.describe()}{restarts}",
+                role.as_json(),
+            )
+
+    def write_document(self) -> None:
+        """Writes the document to ``document_path`` now (when there is one)."""
+        if self._document_path is not None:
+            try:
+                write_json(self._document_path, self.snapshot())
+            except OSError as e:  # the launcher removed its directory: it is going away
+                log.debug("cannot write %s: %s", self._document_path, e)
 
     def _follow_view(self) -> None:
         """Probes the PS tasks the view lists now; a task kept at its address keeps its history."""
@@ -183,7 +240,7 @@ class ClusterMonitor:
             if seen and task.failures >= self._lost_after and task.state != "lost":
                 task.state = "lost"
                 kind = EventKind.PS_LOST if task.job == "ps" else EventKind.WORKER_LOST
-                reason = (answer.error or "")[:_REASON_CHARS]
+                reason = _shorten(answer.error or "")
                 self.events.record(
                     kind, task.task, f"{task.task} lost: {reason}", {"error": answer.error}
                 )
@@ -281,7 +338,8 @@ class ClusterMonitor:
             ps = [self._ps_json(t) for t in self._tasks if t.job == "ps"]
             workers = [self._worker_json(t, now) for t in self._tasks if t.job == "worker"]
             rounds = self._rounds
-        return {
+            job = self._job
+        document = {
             "version": API_VERSION,
             "time": now,
             "uptime_seconds": now - self._started,
@@ -292,10 +350,12 @@ class ClusterMonitor:
             "training": self._progress.snapshot(),
             "events": [e.as_json() for e in self.events.events()[-EVENTS_SHOWN:]],
         }
+        return apply_job_status(document, job)
 
     def close(self) -> None:
         """Stops probing (waits up to one round) and closes the probe."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self._probe.timeout + 5.0)
+        self.write_document()  # the final state: training ended, the last events
         self._probe.close()

@@ -31,14 +31,23 @@ import importlib.resources
 import json
 import logging
 import urllib.parse
+from typing import Any, Protocol
 
 from psflow.errors import FailedPreconditionError
 from psflow.http_server import BackgroundHTTPServer
 from psflow.security.config import SecurityConfig, check_bind, is_loopback
 
-from .collector import ClusterMonitor
+__all__ = ["DashboardServer", "DocumentSource"]
 
-__all__ = ["DashboardServer"]
+
+class DocumentSource(Protocol):
+    """Where the ``/api/cluster`` documents come from: the live
+    :class:`~psflow.dashboard.collector.ClusterMonitor`, or the finished job's
+    :class:`~psflow.dashboard.job_status.FinalDocument`."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """The current document."""
+
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +65,7 @@ def _static(name: str) -> bytes:
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    monitor: ClusterMonitor  # set on the per-server subclass
+    monitor: DocumentSource  # set on the per-server subclass
     token: str | None  # required when set
     server_version = "psflow-dashboard"
     timeout = 10.0  # a stalled browser cannot pin a thread
@@ -139,7 +148,7 @@ class DashboardServer:
 
     def __init__(
         self,
-        monitor: ClusterMonitor,
+        monitor: DocumentSource,
         bind: str = "127.0.0.1",
         port: int = 0,
         *,

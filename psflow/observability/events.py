@@ -45,6 +45,7 @@ class EventKind(enum.Enum):
     TRAINING_STARTED = "training_started"
     EPOCH_END = "epoch_end"
     TRAINING_ENDED = "training_ended"
+    TASK_EXITED = "task_exited"  # the launcher saw a task's process end (its status, signal)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,13 @@ a custom training loop can call :meth:`TrainingProgress.step` itself.  The
 recorder keeps a bounded series: when it fills up, every other point is
 dropped, so a long run still plots from its first step at half the resolution.
 
+Keras's batch logs are running means over the epoch so far, which plot as a
+saw-tooth that restarts at every epoch. For every loss the recorder also keeps
+the step's own value, ``batch_<name>``, derived from two successive means:
+``batch_k = k * mean_k - (k - 1) * mean_(k-1)`` for the k-th step of an epoch
+(exact when the epoch's batches weigh the same, as all but a smaller last one
+do; that one's value is approximate). The page plots these.
+
 Example:
     >>> p = TrainingProgress(max_points=4, clock=iter(range(100)).__next__)
     >>> p.train_begin(epochs=2, steps_per_epoch=3)
@@ -15,6 +22,8 @@ Example:
     >>> s = p.snapshot()
     >>> s["global_step"], s["epoch"], [pt["step"] for pt in s["steps"]]
     (3, 1, [1, 2, 3])
+    >>> [round(pt["batch_loss"], 4) for pt in s["steps"]]  # means 1, 1/2, 1/3
+    [1.0, 0.0, 0.0]
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ class TrainingProgress:
         self._points: list[dict[str, Any]] = []
         self._epoch_logs: list[dict[str, Any]] = []
         self._times: list[float] = []
+        self._means: dict[str, float] = {}  # the epoch's running losses at the previous step
+        self._means_at: tuple[int, int] | None = None  # (epoch, step) they belong to
         self._started = self._clock()
 
     def train_begin(self, epochs: int | None = None, steps_per_epoch: int | None = None) -> None:
@@ -104,9 +115,28 @@ class TrainingProgress:
             self._global_step += 1
             self._times.append(now)
             del self._times[: -(_SPEED_WINDOW + 1)]
-            self._points.append({"step": self._global_step, "epoch": epoch, **values})
+            batch = self._batch_losses(epoch, step_in_epoch, values)
+            self._points.append({"step": self._global_step, "epoch": epoch, **values, **batch})
             if len(self._points) > self._max_points:
                 self._points = self._points[1::2]  # keep the latest point, halve the rest
+
+    def _batch_losses(
+        self, epoch: int, step_in_epoch: int, means: Mapping[str, float]
+    ) -> dict[str, float]:
+        """``batch_<loss>`` for each loss in ``means`` (running means of the epoch)."""
+        k = step_in_epoch + 1
+        follows = self._means_at == (epoch, step_in_epoch - 1)
+        out = {}
+        for key, mean in means.items():
+            if "loss" not in key:
+                continue
+            if k == 1:
+                out[f"batch_{key}"] = mean
+            elif follows and key in self._means:  # a skipped step leaves a gap instead
+                out[f"batch_{key}"] = k * mean - (k - 1) * self._means[key]
+        self._means = {key: v for key, v in means.items() if "loss" in key}
+        self._means_at = (epoch, step_in_epoch)
+        return out
 
     def epoch_end(self, epoch: int, logs: Mapping[str, Any] | None) -> None:
         """``epoch`` (0-based) finished with ``logs`` (validation metrics too)."""

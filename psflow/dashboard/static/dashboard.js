@@ -7,7 +7,7 @@ const EVENT_COLORS = {
   worker_lost: "#c53030", worker_back: "#2f855a", worker_replaced: "#dd6b20",
   closure_requeued: "#d69e2e", ps_lost: "#9b2c2c", ps_back: "#38a169", ps_restored: "#38a169",
   checkpoint_written: "#3182ce", training_started: "#4a5568", epoch_end: "#a0aec0",
-  training_ended: "#4a5568",
+  training_ended: "#4a5568", task_exited: "#742a2a",
 };
 const colorOf = (kind) => EVENT_COLORS[kind] || "#718096";
 
@@ -39,9 +39,17 @@ function cell(tr, text, cls) {
   return td;
 }
 
-function stateCell(tr, state) {
-  const td = cell(tr, state, "state");
-  td.setAttribute("data-state", state);
+// A task's state; under psflow local, how its process ended ("killed by SIGKILL (exit 137)").
+function stateCell(tr, task) {
+  const e = task.exit;
+  const text = !e ? task.state
+    : task.state === "killed" ? `killed (${e.signal}, exit ${e.status})`
+    : task.state === "exited" ? `exited (${e.status})`
+    : `${task.state} (${e.description})`;
+  const td = cell(tr, text, "state");
+  td.setAttribute("data-state", task.state);
+  if (task.exit && task.exit.signal) td.setAttribute("data-signal", task.exit.signal);
+  td.title = task.error || "";
   return td;
 }
 
@@ -52,7 +60,7 @@ function renderWorkers(workers) {
     tr.setAttribute("data-task", w.task);
     tr.setAttribute("data-state", w.state);
     cell(tr, w.task);
-    stateCell(tr, w.state).title = w.error || "";
+    stateCell(tr, w);
     cell(tr, w.pid === null ? "-" : String(w.pid));
     cell(tr, String(w.closures_run), "num");
     cell(tr, String(w.closures_failed), "num");
@@ -70,7 +78,7 @@ function renderPS(ps) {
     tr.setAttribute("data-task", p.task);
     tr.setAttribute("data-state", p.state);
     cell(tr, p.task);
-    stateCell(tr, p.state).title = p.error || "";
+    stateCell(tr, p);
     cell(tr, String(p.variables), "num");
     cell(tr, fmtBytes(p.variable_bytes), "num");
     cell(tr, fmtRate(p.pushes_per_second), "num");
@@ -114,10 +122,12 @@ function renderTraining(t) {
     span.append(`${k} `, b);
     return span;
   }));
+  // Each step's own loss (batch_*), derived from Keras's running mean of the epoch.
   const stepKeys = new Set();
-  for (const p of t.steps) for (const k of Object.keys(p)) if (/loss/.test(k)) stepKeys.add(k);
+  for (const p of t.steps) for (const k of Object.keys(p)) if (/^batch_.*loss/.test(k)) stepKeys.add(k);
   const lossChart = lineChart(document.getElementById("loss-chart"), [...stepKeys].sort().map(
-    (k) => ({name: k, points: t.steps.map((p) => [p.step, p[k] === undefined ? null : p[k]])})),
+    (k) => ({name: `${k.slice("batch_".length)} of the batch`,
+             points: t.steps.map((p) => [p.step, p[k] === undefined ? null : p[k]])})),
     {xLabel: "step"});
   lossChart.setAttribute("data-last-step",
                          String(t.steps.length ? t.steps[t.steps.length - 1].step : 0));
@@ -142,15 +152,46 @@ function renderEvents(events, doc) {
     dot.style.background = colorOf(e.kind);
     const when = document.createElement("time");
     when.textContent = new Date(e.time * 1000).toLocaleTimeString();
+    const message = Object.assign(document.createElement("span"),
+                                  {className: "message", textContent: ` ${e.message}`});
     li.append(dot, when, ` ${e.kind.replace(/_/g, " ")} `, Object.assign(
-      document.createElement("b"), {textContent: e.task}), ` ${e.message}`);
+      document.createElement("b"), {textContent: e.task}), message);
+    // The whole error when the message quotes only its start.
+    const error = e.data && typeof e.data.error === "string" ? e.data.error : null;
+    if (error && !e.message.includes(error)) {
+      const details = document.createElement("details");
+      details.append(Object.assign(document.createElement("summary"), {textContent: "full error"}),
+                     Object.assign(document.createElement("pre"), {textContent: error}));
+      li.append(details);
+    }
     return li;
   }));
   timeline(document.getElementById("timeline"), events, doc.time - doc.uptime_seconds,
            doc.time, colorOf);
 }
 
+// What psflow local said: the job finished (exit codes), or a task died with restarts off.
+function renderJob(job) {
+  const box = document.getElementById("job");
+  if (!job || (!job.finished && !job.hint)) {
+    box.hidden = true;
+    box.removeAttribute("data-finished");
+    return;
+  }
+  box.hidden = false;
+  box.setAttribute("data-finished", String(job.finished));
+  const codes = Object.entries(job.exit_codes).map(([t, c]) => `${t}=${c}`).join(", ");
+  const parts = [];
+  if (job.finished) {
+    parts.push(`job finished, exit codes ${codes || "-"}; this is its final state, ` +
+               "served by psflow local until it exits");
+  }
+  if (job.hint) parts.push(job.hint);
+  box.textContent = parts.join(" \u00b7 ");
+}
+
 function render(doc) {
+  renderJob(doc.job);
   renderTraining(doc.training);
   renderWorkers(doc.workers);
   renderPS(doc.ps);
@@ -161,8 +202,10 @@ function render(doc) {
     `${doc.ps.length} ps, ${doc.workers.length} workers` + (lost ? `, ${lost} lost` : "") +
     ` \u00b7 training ${doc.training.state}`;
   const status = document.getElementById("status");
-  status.textContent = `updated ${new Date(doc.time * 1000).toLocaleTimeString()}`;
-  status.setAttribute("data-state", "live");
+  const finished = doc.job && doc.job.finished;
+  status.textContent = finished ? "job finished"
+    : `updated ${new Date(doc.time * 1000).toLocaleTimeString()}`;
+  status.setAttribute("data-state", finished ? "finished" : "live");
   document.body.setAttribute("data-rounds", String(doc.probe_rounds));
 }
 
