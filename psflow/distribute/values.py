@@ -45,7 +45,7 @@ class PerReplica(DistributedValues):
         return f"PerReplica:{{\n{body}\n}}"
 
     def __str__(self) -> str:
-        body = ",\n".join(f"  {i}: {v}" for i, v in enumerate(self._values))
+        body = ",\n".join(f"  {i}: {v!s}" for i, v in enumerate(self._values))
         return f"PerReplica:{{\n{body}\n}}"
 
 
