@@ -249,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.USAGE_ERROR)
     args = parser.parse_args(own)
     _configure_logging(args.log_level)
-    from psflow import memory
+    from psflow import memory, thread_budget
+
+    try:
+        thread_budget.start_process_budget("chief", logger=log)
+    except InvalidArgumentError as e:
+        sys.stderr.write(f"python -m chief: {e}\n")
+        return int(ExitCode.USAGE_ERROR)
 
     memory.ensure_tuned()  # the chief's embedded mode and its pulls move megabyte buffers too
     if args.dashboard_port is None:
