@@ -29,8 +29,8 @@ Precedence, first that applies (:func:`resolve_budget`):
 
 The budget is applied at process start with ``threadpoolctl``
 (:func:`apply_budget`, process-wide: BLAS and OpenMP pools). MirroredStrategy's
-replica threads still narrow their own share below it
-(:mod:`psflow.distribute.replica_pool`).
+replicas on CPU devices split it (:func:`process_threads`) with their own
+per-thread setter (:mod:`psflow.distribute.replica_pool`).
 
 Example:
     >>> share_cores(cores=2, num_ps=1, num_compute=2)
@@ -59,6 +59,7 @@ __all__ = [
     "current_blas_threads",
     "library_threads",
     "parse_threads",
+    "process_threads",
     "ready_field",
     "resolve_budget",
     "role_threads",
@@ -217,6 +218,21 @@ def resolve_budget(
     if threads is not None:
         return ThreadBudget(threads, BLAS_THREADS_ENV, cores)
     return ThreadBudget(role_threads(role, cores), AUTO, cores)
+
+
+def process_threads(environ: Mapping[str, str] | None = None) -> int:
+    """The BLAS threads this process may use in all, for sharing among its own threads.
+
+    The count its environment budgets (as a worker would resolve it), or its
+    cores where that is psflow's choice, the library's default, or unreadable.
+    Read from the environment, not the library: MirroredStrategy's replica
+    threads change OpenBLAS's process-wide count as they narrow their share.
+    """
+    try:
+        budget = resolve_budget("worker", environ)
+    except InvalidArgumentError:
+        return available_cores()
+    return budget.threads if budget.threads > 0 else budget.cores
 
 
 def apply_budget(budget: ThreadBudget) -> None:
