@@ -12,6 +12,12 @@ The program runs in this process as ``__main__`` with ``sys.argv == [SCRIPT,
 valid parameter-server cluster that names this task as its chief; otherwise the
 process exits 2 without running anything.
 
+BLAS threads (:mod:`psflow.thread_budget`), set before the program starts and
+logged as ``blas_threads=N``: the cores of its container unless
+``PSFLOW_BLAS_THREADS=N`` (``psflow local`` sets it) or
+``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` say
+otherwise; a bad value exits 2 without running anything.
+
 Exit status (Kubeflow's ``restartPolicy: ExitCode`` reads it, see
 ``psflow.exit_codes``): 0 on success; the code of ``sys.exit``; for an
 exception, its traceback on stderr and ``exit_code_for(error)`` - 138

@@ -14,9 +14,10 @@ it over as ``PSFLOW_BLAS_THREADS``. Precedence, first that applies:
 
 Example:
     >>> plan = plan_threads(1, 2, None, {}, cores=8)
-    >>> plan.env("ps"), plan.env("worker"), plan.describe()
-    ({'PSFLOW_BLAS_THREADS': '1'}, {'PSFLOW_BLAS_THREADS': '2'}, \
-'ps 1, worker 2, chief 2 (psflow\\'s choice: 8 cores for 4 processes)')
+    >>> plan.env("ps"), plan.env("worker")
+    ({'PSFLOW_BLAS_THREADS': '1'}, {'PSFLOW_BLAS_THREADS': '2'})
+    >>> print(plan.describe())
+    ps 1, worker 2, chief 2 (psflow's choice: 8 cores for 4 processes)
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ one thread each). So every process psflow starts gets a budget:
 * ``psflow local`` knows the processes it starts on this host and the cores
   there (:func:`available_cores`); :func:`share_cores` gives each parameter
   server 1 thread (its work, optimizer updates and (de)serialization, is
-  element-wise NumPy, which BLAS threads do not speed up) and splits the
+  element-wise NumPy: no BLAS call in ``psflow/ps``, ``ps_server`` or the
+  update rules, so BLAS threads cannot speed it up) and splits the
   cores left among the workers and the chief, at least 1 each. It passes the
   result to each child as ``PSFLOW_BLAS_THREADS``.
 * an entrypoint started alone (``python -m ps_server|worker|chief``: a

@@ -8,6 +8,8 @@ reference is the plan computed here from the same cores.
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import re
 import subprocess
@@ -46,6 +48,12 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
         env.pop(name, None)
     env.update(extra or {})
     return env
+
+
+@pytest.mark.parametrize("name", ["psflow.thread_budget", "chief.thread_plan"])
+def test_docstring_examples(name) -> None:
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
 
 
 # -- the policy ---------------------------------------------------------------------------
