@@ -12,6 +12,12 @@ The program runs in this process as ``__main__`` with ``sys.argv == [SCRIPT,
 valid parameter-server cluster that names this task as its chief; otherwise the
 process exits 2 without running anything.
 
+BLAS threads (:mod:`psflow.thread_budget`), set before the program starts and
+logged as ``blas_threads=N``: the cores of its container unless
+``PSFLOW_BLAS_THREADS=N`` (``psflow local`` sets it) or
+``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` say
+otherwise; a bad value exits 2 without running anything.
+
 Exit status (Kubeflow's ``restartPolicy: ExitCode`` reads it, see
 ``psflow.exit_codes``): 0 on success; the code of ``sys.exit``; for an
 exception, its traceback on stderr and ``exit_code_for(error)`` - 138
@@ -255,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.USAGE_ERROR)
     args = parser.parse_args(own)
     _configure_logging(args.log_level)
-    from psflow import memory
+    from psflow import memory, thread_budget
+
+    try:
+        thread_budget.start_process_budget("chief", logger=log)
+    except InvalidArgumentError as e:
+        sys.stderr.write(f"python -m chief: {e}\n")
+        return int(ExitCode.USAGE_ERROR)
 
     memory.ensure_tuned()  # the chief's embedded mode and its pulls move megabyte buffers too
     if args.dashboard_port is None:

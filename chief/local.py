@@ -51,6 +51,14 @@ the launcher starts new parameter servers or lets the chief drain the last
 ones, and a chief running a ``ClusterWatch`` resizes to the view.  A drained
 PS exits 0 after ``PSFLOW_DRAINED`` and is neither restarted nor a failure.
 
+Every role gets a BLAS/OpenMP thread budget (:mod:`chief.thread_plan`), so
+that the processes do not oversubscribe the cores they share: 1 thread per
+parameter server, the cores left split among the workers and the chief
+(``--threads-per-process N`` for N everywhere; a user's
+``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` wins). The
+launcher prints it at start (``[local] INFO BLAS threads per process: ...``)
+and each ps and worker reports its own in its ready line (``blas_threads=N``).
+
 ``--devices-per-worker K`` gives each worker K devices: ``K`` disjoint GPUs
 (``CUDA_VISIBLE_DEVICES``) when CuPy and GPUs are present, otherwise ``K``
 logical CPU devices (``PSFLOW_NUM_CPU_DEVICES=K``).
@@ -74,6 +82,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from chief import thread_plan
 from chief.control import ControlDir, default_cluster_dir
 from chief.dashboard_host import LauncherDashboard, describe_exits
 from chief.elastic_ps import DEFAULT_DRAIN_TIMEOUT, PSScaler
@@ -93,6 +102,7 @@ from psflow.errors import (
 from psflow.exit_codes import ExitCode
 from psflow.launch import READY_PREFIX, parse_ready
 from psflow.security.config import with_generated_token
+from psflow.thread_budget import available_cores, parse_threads
 
 log = logging.getLogger("chief.local")
 
@@ -136,6 +146,8 @@ class LocalClusterConfig:
         cluster_dir: with ``ps_max``, the control directory ``psflow scale``
             finds the launcher in (None: :func:`chief.control.default_cluster_dir`).
         drain_timeout: with ``ps_max``, seconds a drained PS has to exit.
+        threads_per_process: BLAS threads of every role (``--threads-per-process``),
+            or None for psflow's budget (:mod:`chief.thread_plan`).
 
     Raises:
         InvalidArgumentError: a value is out of range (the message names it).
@@ -157,6 +169,7 @@ class LocalClusterConfig:
     ps_max: int | None = None
     cluster_dir: str | None = None
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    threads_per_process: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_ps", "num_workers"):
@@ -179,6 +192,9 @@ class LocalClusterConfig:
             raise InvalidArgumentError(
                 f"cluster_dir {self.cluster_dir!r} needs ps_max (elastic parameter servers)"
             )
+        t = self.threads_per_process
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise InvalidArgumentError(f"threads_per_process {t!r} must be an integer >= 1")
         if not self.drain_timeout > 0:
             raise InvalidArgumentError(f"drain_timeout {self.drain_timeout!r} must be > 0")
         k = self.devices_per_worker
@@ -350,21 +366,6 @@ def gpu_ids(environ: Mapping[str, str] | None = None) -> list[str]:
     return [str(i) for i in range(visible_gpu_count(env))]
 
 
-BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def blas_threads_env(num_processes: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """BLAS thread counts that share the cores among the cluster's processes.
-
-    Several processes each running a BLAS pool as wide as the machine
-    oversubscribe the cores, and OpenBLAS slows down badly when its threads
-    are preempted; each role gets ``cores // processes`` (at least 1) threads.
-    Variables the user set are kept.
-    """
-    threads = max(1, (os.cpu_count() or 1) // max(num_processes, 1))
-    return {k: str(threads) for k in BLAS_THREAD_VARIABLES if k not in environ}
-
-
 def worker_device_env(
     devices_per_worker: int | None, num_workers: int, gpus: Sequence[str]
 ) -> list[dict[str, str]]:
@@ -469,6 +470,7 @@ class LocalCluster:
         self._started: dict[str, list[RoleProcess]] = {PS: [], WORKER: [], CHIEF: []}
         self._restarts = RestartBook(config.restart)
         self._due: dict[str, float] = {}  # role name -> when to start it again
+        self._threads = thread_plan.ThreadPlan({}, thread_plan.AUTO, 1, 0)  # set by run()
         self._scaler: PSScaler | None = None
         self._control: ControlDir | None = None
         self._dashboard: LauncherDashboard | None = None
@@ -477,6 +479,21 @@ class LocalCluster:
             LivenessProber(config.health_grace)
             if config.health_grace is not None and config.restart.enabled
             else None
+        )
+
+    def plan_threads(self) -> thread_plan.ThreadPlan:
+        """Every role's BLAS threads (:mod:`chief.thread_plan`).
+
+        Raises:
+            InvalidArgumentError: a thread variable of the environment is bad.
+        """
+        config = self.config
+        return thread_plan.plan_threads(
+            config.ps_slots,
+            config.num_workers,
+            config.threads_per_process,
+            self._environ,
+            cores=available_cores(),
         )
 
     # -- signals ------------------------------------------------------------------------
@@ -674,11 +691,7 @@ class LocalCluster:
     # -- running ------------------------------------------------------------------------
     def _start(self, spec: RoleSpec) -> RoleProcess:
         supervisor = self._require_supervisor()
-        env = {
-            **blas_threads_env(self.config.num_tasks, self._environ),
-            **self._environ,
-            **spec.env,
-        }
+        env = {**self._environ, **self._threads.env(spec.task_type), **spec.env}
         env["PYTHONUNBUFFERED"] = "1"
         self._specs[spec.name] = spec
         role = supervisor.start(spec.name, spec.argv, env)
@@ -704,6 +717,7 @@ class LocalCluster:
                 port = pick_ports(1, config.host)[0]
                 config = self.config = dataclasses.replace(config, dashboard_port=port)
             specs = plan_roles(config, ports, self._gpus)
+            self._threads = self.plan_threads()
         except OpError as e:
             log.error("cannot start the local cluster: %s", e)
             return int(ExitCode.USER_ERROR)
@@ -715,6 +729,14 @@ class LocalCluster:
         full = cluster_dict(config.ps_slots, config.num_workers, config.host, ports)
         cluster = {**full, PS: full[PS][: config.num_ps]}
         log.info("cluster %s; chief runs %s", json.dumps(cluster), config.target)
+        log.info("BLAS threads per process: %s", self._threads.describe())
+        if self._threads.inherited and config.threads_per_process is not None:
+            log.warning(
+                "%s in the environment wins over %s %d",
+                self._threads.source,
+                thread_plan.FLAG,
+                config.threads_per_process,
+            )
         if config.ps_max is not None:
             try:
                 specs = self._start_control(full, specs)
@@ -947,6 +969,14 @@ def _parser() -> argparse.ArgumentParser:
         f"(frozen, cut off) is killed and restarted (default {DEFAULT_HEALTH_GRACE:g}; 0: never)",
     )
     p.add_argument(
+        thread_plan.FLAG,
+        default="auto",
+        metavar="N",
+        help="BLAS/OpenMP threads of every ps, worker and chief process (default auto: "
+        "1 per ps, the cores left shared by the workers and the chief; "
+        "OPENBLAS_NUM_THREADS / OMP_NUM_THREADS / MKL_NUM_THREADS in the environment win)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -1055,12 +1085,15 @@ def main(argv: list[str] | None = None) -> int:
             ps_max=args.ps_max,
             cluster_dir=args.cluster_dir,
             drain_timeout=args.drain_timeout,
+            threads_per_process=parse_threads(args.threads_per_process, thread_plan.FLAG),
         )
+        cluster = LocalCluster(config)
+        cluster.plan_threads()  # a bad thread variable is a usage error, found before any start
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"psflow local: {e}\n")
         return int(ExitCode.USAGE_ERROR)
-    return LocalCluster(config).run()
+    return cluster.run()
 
 
 if __name__ == "__main__":

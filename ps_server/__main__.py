@@ -9,8 +9,12 @@ Examples::
         python -m ps_server                      # address and task from TF_CONFIG
 
 Once bound it prints one line ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>``
-(plus `` metrics_port=<port>`` with ``--metrics-port``) on stdout; logs go to
-stderr (``--log-format json``: one JSON object per line).
+(plus `` metrics_port=<port>`` with ``--metrics-port``, and `` blas_threads=<n>``)
+on stdout; logs go to stderr (``--log-format json``: one JSON object per line).
+
+BLAS threads (:mod:`psflow.thread_budget`): 1 unless ``PSFLOW_BLAS_THREADS=N``
+(``psflow local`` sets it) or ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/
+``MKL_NUM_THREADS`` say otherwise; a bad value exits 2.
 
 Security (see :mod:`psflow.security`): a shared token (``PSFLOW_AUTH_TOKEN``,
 ``PSFLOW_AUTH_TOKEN_FILE`` or ``--auth-token-file``) and/or mutual TLS

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from psflow import thread_budget
 from psflow.errors import UnavailableError
 from psflow.launch import READY_FORMAT
 from psflow.security.grpc_auth import add_port, server_interceptors
@@ -137,16 +138,18 @@ def server_parser(module: str, doc: str, role: str, grace_help: str) -> argparse
 def setup_process(
     args: argparse.Namespace, role: str, task: str | None, bind: str | None
 ) -> tuple[str, str, Any]:
-    """Configures logging and malloc tuning from :func:`server_parser`'s flags.
+    """Configures logging, malloc tuning and the BLAS thread budget
+    (:mod:`psflow.thread_budget`) from :func:`server_parser`'s flags and the environment.
 
     Returns:
         ``(bind, task, security)``: ``bind`` (default ``127.0.0.1``), ``task``
         (default ``<role>:0``) and the ``SecurityConfig`` the server binds with.
 
     Raises:
-        OpError: a bad log level or format, or unusable security settings.
+        OpError: a bad log level or format, unusable security settings, or a
+            bad ``PSFLOW_BLAS_THREADS`` / ``OPENBLAS_NUM_THREADS``... value.
     """
-    from psflow import memory
+    from psflow import memory, thread_budget
     from psflow.observability.logs import configure_logging
     from psflow.security.flags import security_from_flags
 
@@ -154,6 +157,7 @@ def setup_process(
     task = task or f"{role}:0"
     configure_logging(role, task, args.log_level, args.log_format)
     security = security_from_flags(args, bind)
+    thread_budget.start_process_budget(role)
     # gradients and pulled values are megabyte buffers every step
     memory.ensure_tuned(False if args.no_malloc_tuning else None)
     return bind, task, security
@@ -308,14 +312,16 @@ def run_until_stopped(
 
     ``before_serving`` runs after the ready line and before health turns SERVING
     (e.g. a restore); ``after_drain`` runs once in-flight calls finished (e.g. a
-    final checkpoint).  ``ready_extra`` (``key=value`` fields) ends the ready line.
+    final checkpoint).  ``ready_extra`` (``key=value`` fields) ends the ready line,
+    followed by ``blas_threads=N``: the BLAS threads this process runs with.
     """
     stop = stop_event or threading.Event()
     install_stop_signals(stop)
     set_health(health_servicer, services, serving=False)
     server.start()
     ready = READY_FORMAT.format(role=role, port=port, task=task, pid=os.getpid())
-    sys.stdout.write(f"{ready} {ready_extra}\n" if ready_extra else ready + "\n")
+    ready_extra = " ".join(f for f in (ready_extra, thread_budget.ready_field()) if f)
+    sys.stdout.write(f"{ready} {ready_extra}\n")
     sys.stdout.flush()
     try:
         if before_serving is not None:

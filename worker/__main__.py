@@ -7,9 +7,16 @@ Examples::
                 "task": {"type": "worker", "index": 0}}' python -m worker
 
 Once bound it prints ``PSFLOW_READY worker port=<port> task=<task> pid=<pid>``
-(plus `` metrics_port=<port>`` with ``--metrics-port``) on stdout; logs go to
-stderr (``--log-format json``: one JSON object per line). SIGTERM: health
-NOT_SERVING, the running closure finishes (``--grace`` seconds), exit 0.
+(plus `` metrics_port=<port>`` with ``--metrics-port``, and `` blas_threads=<n>``)
+on stdout; logs go to stderr (``--log-format json``: one JSON object per line).
+SIGTERM: health NOT_SERVING, the running closure finishes (``--grace``
+seconds), exit 0.
+
+BLAS threads (:mod:`psflow.thread_budget`): the cores of its container
+(affinity, capped by a cgroup v2 ``cpu.max`` quota) unless
+``PSFLOW_BLAS_THREADS=N`` (``psflow local`` sets it) or
+``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` say
+otherwise; a bad value exits 2.
 
 Security (see :mod:`psflow.security`): the same token and/or TLS settings as
 the parameter servers (``PSFLOW_AUTH_TOKEN``, ``--auth-token-file``,

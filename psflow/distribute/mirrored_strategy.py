@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from psflow import backend, errors
+from psflow import backend, errors, thread_budget
 from psflow import config as config_lib
 from psflow.collective import (
     CommunicationOptions,
@@ -36,7 +36,7 @@ from psflow.collective import (
 from psflow.distribute import distribute_lib, input_lib, reduce_util
 from psflow.distribute.protocols import GroupUpdated, UpdateGroup
 from psflow.distribute.reduce_util import ReduceOp
-from psflow.distribute.replica_pool import ReplicaPool, available_cores
+from psflow.distribute.replica_pool import ReplicaPool
 from psflow.distribute.sync_on_read import SyncOnReadVariable, check_aggregation
 from psflow.distribute.values import (
     MirroredVariable,
@@ -649,8 +649,10 @@ class MirroredStrategy(distribute_lib.Strategy):
                     self._pool = ReplicaPool(
                         n,
                         name="mirrored-replica",
-                        # replicas share the cores: each gets its share of BLAS threads
-                        blas_threads=max(1, available_cores() // n) if on_cpu else None,
+                        # replicas share the process's BLAS budget (its cores by default)
+                        blas_threads=max(1, thread_budget.process_threads() // n)
+                        if on_cpu
+                        else None,
                     )
                     self._finalizer.detach()
                     self._finalizer = weakref.finalize(
