@@ -758,3 +758,23 @@ def test_service_monitor_selects_the_server_services_by_their_metrics_port():
             assert endpoint["port"] in {p["name"] for p in one("Service", name)["spec"]["ports"]}
     # Kept out of the directory `kubectl apply -f docker/k8s/` reads: it needs the operator's CRD.
     assert all(o["kind"] != "ServiceMonitor" for _, o in OBJECTS)
+
+
+def test_every_psflow_container_budgets_its_blas_threads():
+    """A pod with no CPU limit sees every core of its node: each psflow container says how
+    many BLAS threads it may use (1 for a PS, what it requested for a worker or chief)."""
+    for owner, spec in pod_specs():
+        for container in spec["containers"]:
+            command = wrapped_command(container)
+            module = command[2] if command[:2] == ["python", "-m"] else None
+            if module not in ("ps_server", "worker", "chief"):
+                continue
+            env = {e["name"]: e for e in container.get("env", [])}
+            budget = env.get("PSFLOW_BLAS_THREADS")
+            assert budget is not None, (owner, container["name"])
+            if module == "ps_server":
+                assert budget["value"] == "1", owner
+            else:
+                ref = budget["valueFrom"]["resourceFieldRef"]
+                assert ref["resource"] == "requests.cpu", owner
+                assert "cpu" in container["resources"]["requests"], owner
