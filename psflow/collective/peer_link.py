@@ -1,0 +1,433 @@
+"""The links of a cross-process ring: one framed TCP connection to each neighbour.
+
+Worker ``r`` of ``N`` listens on its own address (its TF_CONFIG port), dials
+its right neighbour ``r+1`` and accepts its left neighbour ``r-1`` (mod N).
+Data only flows rightwards: ``r`` writes to the right socket and reads from
+the left one, so neither socket is ever used by two threads at once (TLS
+sockets cannot be).
+
+Both links speak the data plane's frames (:mod:`psflow.transport.dataplane.frames`):
+
+* the dialler sends a HELLO (the cluster token, and ``client = "worker:r"``);
+  the listener checks the token in constant time before it reads or
+  allocates anything else, and that the caller is the left neighbour it
+  expects, then answers WELCOME, or an ERROR (UNAUTHENTICATED,
+  INVALID_ARGUMENT) and closes;
+* a collective's payloads are REQUEST frames numbered by a per-link counter
+  (a frame out of step is an ``InternalError``);
+* a worker that fails forwards one ERROR frame naming the failed peer to its
+  right, so the failure travels round the ring and every survivor reports
+  the same peer instead of the neighbour that merely went quiet.
+
+Every wait has the collective's deadline; a peer that closes or resets gives
+``UnavailableError``, a silent one ``DeadlineExceededError``, both naming the
+peer as ``worker:i at host:port``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from psflow import errors
+from psflow.errors import Code
+from psflow.proto import dataplane_pb2
+from psflow.security.config import SecurityConfig
+from psflow.transport.dataplane import auth, frames
+from psflow.transport.dataplane.stream import FrameStream, tune
+
+__all__ = ["PeerLinks", "peer_name"]
+
+_METHOD = frames.method_id("psflow.collective.ring")
+_MAX_PAYLOAD = 1 << 40
+_RETRY_SECONDS = 0.05
+_FORWARD_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
+
+
+def peer_name(rank: int, address: str) -> str:
+    """How errors name a peer: ``worker:1 at 127.0.0.1:23456``."""
+    return f"worker:{rank} at {address}"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as a pair.
+
+    Raises:
+        InvalidArgumentError: no port, or a port that is not a number.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise errors.InvalidArgumentError(f"peer address {address!r} has no numeric port")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _status(code: Code, message: str, failed: str = "") -> bytes:
+    metadata = [dataplane_pb2.DataPlaneMetadata(key="failed-peer", value=failed)] if failed else []
+    return dataplane_pb2.DataPlaneStatus(
+        code=code.name, message=message[:4096], metadata=metadata
+    ).SerializeToString()
+
+
+def _parse_status(raw: bytes) -> tuple[Code, str, str]:
+    try:
+        status = dataplane_pb2.DataPlaneStatus.FromString(raw)
+        code = Code[status.code] if status.code in Code.__members__ else Code.UNKNOWN
+        failed = next((m.value for m in status.metadata if m.key == "failed-peer"), "")
+        return code, status.message, failed
+    except Exception:  # a malformed status is itself a failure of that peer
+        return Code.INTERNAL, "malformed error frame", ""
+
+
+class PeerLinks:
+    """This worker's two ring links, their handshake, and framed sends and receives.
+
+    Args:
+        rank: this worker's index in ``addresses``.
+        addresses: every worker's ``host:port``, in ring order.
+        security: the token and TLS material (as every psflow port).
+        listener: an already bound, listening socket for this worker (tests);
+            by default one is bound on this worker's port.
+
+    Raises:
+        InvalidArgumentError: a bad rank or address.
+        UnavailableError: this worker's port cannot be bound (names it).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: Sequence[str],
+        security: SecurityConfig,
+        listener: socket.socket | None = None,
+    ) -> None:
+        n = len(addresses)
+        if not 0 <= rank < n:
+            raise errors.InvalidArgumentError(f"rank {rank} is not in [0, {n})")
+        self.rank, self.size = rank, n
+        self.addresses = list(addresses)
+        self.security = security
+        self.left_rank, self.right_rank = (rank - 1) % n, (rank + 1) % n
+        self.left_name = peer_name(self.left_rank, self.addresses[self.left_rank])
+        self.right_name = peer_name(self.right_rank, self.addresses[self.right_rank])
+        self._listener = listener if listener is not None else self._bind()
+        self._left: FrameStream | None = None
+        self._right: FrameStream | None = None
+        self._sent = self._received = 0  # frame counters of the two links
+        self._broken: errors.OpError | None = None
+        self._sends: queue.Queue[Any] = queue.Queue()
+        self._sender: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port this worker listens on."""
+        return self._listener.getsockname()[1]
+
+    def _bind(self) -> socket.socket:
+        host, port = split_address(self.addresses[self.rank])
+        from psflow.security.config import check_bind, is_loopback
+
+        bind = host if is_loopback(host) else "0.0.0.0"
+        check_bind(bind, self.security)
+        sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind, port))
+        except OSError as e:
+            sock.close()
+            raise errors.UnavailableError(
+                f"collective: cannot listen on {bind}:{port} for "
+                f"{peer_name(self.rank, self.addresses[self.rank])}: {e.strerror or e}"
+            ) from None
+        sock.listen(8)
+        return sock
+
+    # -- handshake ---------------------------------------------------------------------
+    def connect(self, timeout: float) -> None:
+        """Dials the right neighbour and accepts the left one, both by ``timeout`` seconds.
+
+        Raises:
+            UnauthenticatedError: the right neighbour refused this worker's token.
+            DeadlineExceededError: a neighbour did not come in time (named).
+            UnavailableError: a neighbour failed during the handshake (named).
+        """
+        deadline = time.monotonic() + timeout
+        accepted: list[Any] = []
+        acceptor = threading.Thread(
+            target=lambda: accepted.append(self._accept_left(deadline)),
+            name="psflow-ring-accept",
+            daemon=True,
+        )
+        acceptor.start()
+        try:
+            self._right = self._dial_right(deadline)
+        finally:
+            acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if self._right is None:
+            return
+        outcome = accepted[0] if accepted else None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome is None:
+            raise errors.DeadlineExceededError(
+                f"collective: {self.left_name} did not connect within {timeout:g}s",
+                task=f"worker:{self.left_rank}",
+            )
+        self._left = outcome
+        self._sender = threading.Thread(
+            target=self._send_loop, name="psflow-ring-send", daemon=True
+        )
+        self._sender.start()
+
+    def _wrap(self, sock: socket.socket, *, server: bool, host: str) -> socket.socket:
+        tls = self.security.tls
+        if tls is None:
+            return sock
+        if server:
+            return auth.server_context(tls).wrap_socket(sock, server_side=True)
+        return auth.client_context(tls).wrap_socket(sock, server_hostname=tls.server_name or host)
+
+    def _dial_right(self, deadline: float) -> FrameStream:
+        host, port = split_address(self.addresses[self.right_rank])
+        who, task = self.right_name, f"worker:{self.right_rank}"
+        last: BaseException | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.DeadlineExceededError(
+                    f"collective: cannot reach {who} (last error: {last})", task=task
+                )
+            try:
+                sock = socket.create_connection((host, port), timeout=min(left, 5.0))
+            except OSError as e:  # not listening yet: the peer is still starting
+                last = e
+                time.sleep(_RETRY_SECONDS)
+                continue
+            break
+        try:
+            tune(sock)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                sock = self._wrap(sock, server=False, host=host)
+            except ssl.SSLError as e:
+                raise errors.UnauthenticatedError(
+                    f"collective: TLS handshake with {who} failed: {e}", task=task
+                ) from None
+            stream = FrameStream(sock, max_header=auth.HELLO_LIMIT, max_payload=_MAX_PAYLOAD)
+            stream.send_frame(
+                frames.Kind.HELLO, header=auth.hello(self.security, f"worker:{self.rank}")
+            )
+            stream.deadline = deadline
+            head = stream.read_head()
+            header = stream.read_bytes(head.header_len)
+            stream.deadline = None
+        except errors.OpError:
+            sock.close()
+            raise
+        except (OSError, frames.FrameError) as e:
+            sock.close()
+            raise errors.UnavailableError(
+                f"collective: handshake with {who} failed: {e}", task=task
+            ) from None
+        if head.kind is frames.Kind.WELCOME:
+            return stream
+        stream.close()
+        code, message, _ = (
+            _parse_status(header)
+            if head.kind is frames.Kind.ERROR
+            else (
+                Code.INTERNAL,
+                f"unexpected {head.kind.name} frame",
+                "",
+            )
+        )
+        raise errors.error_class(code)(f"collective: {who} refused this worker: {message}", task)
+
+    def _accept_left(self, deadline: float) -> FrameStream | BaseException | None:
+        """The left neighbour's authenticated stream (None when it did not come in time)."""
+        expected = f"worker:{self.left_rank}"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._listener.settimeout(min(left, 0.5))
+            try:
+                sock, _addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                return errors.UnavailableError(f"collective: accept failed: {e}")
+            try:
+                stream = self._admit(sock, deadline, expected)
+            except (OSError, frames.FrameError):
+                stream = None
+            if stream is not None:
+                return stream
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _admit(self, sock: socket.socket, deadline: float, expected: str) -> FrameStream | None:
+        """Checks one incoming connection's HELLO; refuses (ERROR frame) all but the left peer."""
+        tune(sock)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            sock = self._wrap(sock, server=True, host="")
+        except ssl.SSLError:
+            return None
+        stream = FrameStream(sock, max_header=auth.HELLO_LIMIT, max_payload=0)
+        stream.deadline = deadline
+        head = stream.read_head()  # limits checked before any allocation
+        if head.kind is not frames.Kind.HELLO:
+            return None
+        raw = stream.read_bytes(head.header_len)
+        why = auth.check_hello(self.security, raw)
+        if why is not None:
+            stream.send_frame(frames.Kind.ERROR, header=_status(Code.UNAUTHENTICATED, why))
+            return None
+        client = dataplane_pb2.DataPlaneHello.FromString(raw).client
+        if client != expected:  # a worker of another ring order (a bad TF_CONFIG)
+            why = f"this is worker:{self.rank}; its left neighbour is {expected}, not {client!r}"
+            stream.send_frame(frames.Kind.ERROR, header=_status(Code.INVALID_ARGUMENT, why))
+            return None
+        stream.deadline = None
+        stream.send_frame(frames.Kind.WELCOME)
+        stream.max_payload = _MAX_PAYLOAD
+        stream.max_header = frames.MAX_HEADER_BYTES
+        return stream
+
+    # -- framed traffic -----------------------------------------------------------------
+    def check(self) -> None:
+        """Raises the error that broke these links, if any."""
+        if self._broken is not None:
+            raise self._broken
+
+    def send(self, buffers: Sequence[Any], deadline: float) -> threading.Event:
+        """Queues one frame of ``buffers`` for the right neighbour; the event is set when sent.
+
+        The buffers must not change until the event is set (see :meth:`wait_sent`).
+        """
+        self.check()
+        done = threading.Event()
+        self._sent += 1
+        self._sends.put((frames.Kind.REQUEST, self._sent, b"", list(buffers), deadline, done))
+        return done
+
+    def wait_sent(self, done: threading.Event, deadline: float) -> None:
+        """Waits for a queued send (by ``deadline``).
+
+        Raises:
+            DeadlineExceededError / UnavailableError naming the right neighbour.
+        """
+        while not done.wait(0.05):
+            self.check()
+            if time.monotonic() > deadline:
+                self.fail(
+                    errors.DeadlineExceededError(
+                        f"collective: {self.right_name} did not take data in time",
+                        task=f"worker:{self.right_rank}",
+                    )
+                )
+        self.check()
+
+    def _send_loop(self) -> None:
+        right = self._right
+        assert right is not None  # started after connect
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            kind, call_id, header, buffers, deadline, done = item
+            try:
+                right.settimeout(max(deadline - time.monotonic(), 0.001))
+                right.send_frame(
+                    kind, method=_METHOD, call_id=call_id, header=header, buffers=buffers
+                )
+            except OSError as e:
+                if kind is frames.Kind.REQUEST:
+                    gone = isinstance(e, TimeoutError)
+                    cls = errors.DeadlineExceededError if gone else errors.UnavailableError
+                    self.fail(
+                        cls(
+                            f"collective: {self.right_name} is unavailable: {e}",
+                            task=f"worker:{self.right_rank}",
+                        ),
+                        forward=False,
+                    )
+            finally:
+                done.set()
+
+    def receive_into(self, dest: memoryview, deadline: float) -> None:
+        """Fills ``dest`` with the left neighbour's next frame (of exactly ``len(dest)`` bytes).
+
+        Raises:
+            UnavailableError: the left neighbour closed, or reported a failed peer.
+            DeadlineExceededError: nothing came by ``deadline``.
+            InternalError: a frame out of step (the ring's workers disagree).
+        """
+        self.check()
+        stream = self._left
+        assert stream is not None
+        stream.deadline = deadline
+        who, task = self.left_name, f"worker:{self.left_rank}"
+        try:
+            head = stream.read_head()
+            if head.kind is frames.Kind.ERROR:
+                code, message, failed = _parse_status(stream.read_bytes(head.header_len))
+                self.fail(errors.error_class(code)(message, failed or task))
+            self._received += 1
+            if (
+                head.kind is not frames.Kind.REQUEST
+                or head.call_id != self._received
+                or head.payload_len != dest.nbytes
+            ):
+                self.fail(
+                    errors.InternalError(
+                        f"collective: frame {head.call_id} of {head.payload_len} bytes from {who}, "
+                        f"expected frame {self._received} of {dest.nbytes} bytes: the workers "
+                        "are running different collectives",
+                        task=task,
+                    )
+                )
+            stream.discard(head.header_len)
+            stream.read_into(dest.cast("B") if dest.nbytes else dest)
+        except TimeoutError:
+            self.fail(
+                errors.DeadlineExceededError(
+                    f"collective: no data from {who} before the deadline", task=task
+                )
+            )
+        except (OSError, frames.FrameError) as e:
+            self.fail(errors.UnavailableError(f"collective: {who} is unavailable: {e}", task=task))
+        finally:
+            stream.deadline = None
+
+    def fail(self, error: errors.OpError, *, forward: bool = True) -> None:
+        """Marks the links broken with ``error``, tells the right neighbour, raises ``error``.
+
+        The first failure wins: later calls raise it again.
+        """
+        if self._broken is None:
+            self._broken = error
+            if forward and self._right is not None:
+                done = threading.Event()
+                header = _status(error.code, error.message, error.task or "")
+                deadline = time.monotonic() + _FORWARD_SECONDS
+                self._sends.put((frames.Kind.ERROR, 0, header, [], deadline, done))
+                done.wait(_FORWARD_SECONDS)
+        raise self._broken
+
+    def close(self) -> None:
+        """Closes both links and the listener (idempotent)."""
+        if self._broken is None:
+            self._broken = errors.CancelledError("collective: the ring was closed")
+        self._sends.put(None)
+        for stream in (self._left, self._right):
+            if stream is not None:
+                stream.close()
+        with contextlib.suppress(OSError):
+            self._listener.close()
