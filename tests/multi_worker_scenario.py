@@ -1,0 +1,175 @@
+"""One worker of a multi-worker test: ``python tests/multi_worker_scenario.py MODE OUT.json``.
+
+TF_CONFIG (and PSFLOW_NUM_CPU_DEVICES, PSFLOW_AUTH_TOKEN) come from the test;
+the worker writes what it computed to OUT.json, or ``{"error": class, "message"}``
+when the strategy raised a psflow error (exit code 3).
+
+Modes:
+  train      custom loop (GradientTape + strategy.run + apply_gradients) of a Dense model
+  allreduce  ReplicaContext.all_reduce of seeded random float32 arrays (sizes 0, 1, 7, 1 MB)
+  shard_data / shard_off / uneven   the elements each replica saw per step
+  kill       all-reduces in a loop; worker KILL_RANK SIGKILLs itself at step 3
+  connect    only builds the strategy (a wrong token is refused there)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import psflow as pf
+
+GLOBAL_BATCH = 12
+STEPS_DATA = 36  # 3 global batches
+SIZES = (0, 1, 7, 262144)  # 262144 float32 = 1 MB
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((STEPS_DATA, 5)).astype(np.float32)
+    y = (x @ rng.standard_normal((5, 1)) + 0.1).astype(np.float32)
+    return x, y
+
+
+def make_model() -> pf.keras.Model:
+    """The model, with weights from a fixed seed (then each worker's are overwritten by
+    worker 0's broadcast; the test gives worker 0 the seed the reference uses)."""
+    pf.random.set_seed(int(os.environ.get("SCENARIO_SEED", "1")))
+    model = pf.keras.Sequential(
+        [pf.keras.layers.Dense(4, activation="tanh"), pf.keras.layers.Dense(1)]
+    )
+    model.build((None, 5))
+    return model
+
+
+def train(strategy: pf.distribute.Strategy | None, epochs: int = 2) -> dict:
+    x, y = data()
+    scope = strategy.scope() if strategy is not None else None
+    if scope is not None:
+        scope.__enter__()
+    model = make_model()
+    opt = pf.keras.optimizers.SGD(0.1)
+    if scope is not None:
+        scope.__exit__(None, None, None)
+    loss_object = pf.keras.losses.MeanSquaredError(reduction="none")
+
+    def train_step(inputs: tuple) -> pf.Tensor:
+        features, labels = inputs
+        with pf.GradientTape() as tape:
+            per_example = loss_object(labels, model(features, training=True))
+            loss = pf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    dataset = pf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    losses = []
+    for _ in range(epochs):
+        if strategy is None:
+            for batch in dataset:
+                losses.append(float(train_step(batch)))
+            continue
+        for batch in strategy.experimental_distribute_dataset(dataset):
+            per_replica = strategy.run(train_step, args=(batch,))
+            losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
+    return {"weights": [w.tolist() for w in model.get_weights()], "losses": losses}
+
+
+def seen(strategy: pf.distribute.Strategy, dataset: pf.data.Dataset) -> list:
+    """Per step, the elements each local replica got."""
+    steps = []
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        parts = strategy.experimental_local_results(batch)
+        steps.append([np.asarray(p).tolist() for p in parts])
+    return steps
+
+
+def main() -> int:
+    mode, out_path = sys.argv[1], sys.argv[2]
+    if mode == "reference":
+        result = train(None)
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+        return 0
+    timeout = float(os.environ.get("SCENARIO_TIMEOUT", "30"))
+    options = pf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+    started = time.monotonic()
+    try:
+        strategy = pf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        resolver = strategy.cluster_resolver
+        result: dict = {
+            "task": [resolver.task_type, resolver.task_id],
+            "replicas": strategy.num_replicas_in_sync,
+            "should_checkpoint": strategy.extended.should_checkpoint,
+        }
+        if mode == "train":
+            result.update(train(strategy))
+        elif mode == "allreduce":
+            ctx_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+            rng = np.random.default_rng(100 + ctx_id)
+            arrays = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+
+            def step() -> list:
+                ctx = pf.distribute.get_replica_context()
+                return ctx.all_reduce("SUM", [pf.constant(a) for a in arrays])
+
+            reduced = strategy.run(step)
+            result["sums"] = [np.asarray(r).tolist() for r in reduced]
+            result["inputs"] = [a.tolist() for a in arrays]
+        elif mode == "shard_data":
+            result["steps"] = seen(strategy, pf.data.Dataset.range(16).batch(4))
+        elif mode == "shard_off":
+            options_off = pf.data.Options()
+            options_off.experimental_distribute.auto_shard_policy = (
+                pf.data.experimental.AutoShardPolicy.OFF
+            )
+            result["steps"] = seen(
+                strategy, pf.data.Dataset.range(8).batch(4).with_options(options_off)
+            )
+        elif mode == "uneven":
+            result["steps"] = seen(strategy, pf.data.Dataset.range(10).batch(4))
+
+            def per_worker(ctx: pf.distribute.InputContext) -> pf.data.Dataset:
+                # worker 0 gets 3 batches, the others 1: the epoch still ends together
+                count = 3 if ctx.input_pipeline_id == 0 else 1
+                return pf.data.Dataset.range(count * 2).batch(2)
+
+            dist = strategy.distribute_datasets_from_function(per_worker)
+            result["from_function"] = [
+                [np.asarray(p).tolist() for p in strategy.experimental_local_results(b)]
+                for b in dist
+            ]
+        elif mode == "kill":
+            kill_rank = int(os.environ["KILL_RANK"])
+            me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+            for i in range(1000):
+                if i == 3 and me == kill_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                strategy.run(
+                    lambda: pf.distribute.get_replica_context().all_reduce("SUM", pf.ones([64]))
+                )
+                time.sleep(0.05)
+        result["seconds"] = time.monotonic() - started
+    except pf.errors.OpError as e:
+        with open(out_path, "w") as f:
+            json.dump(
+                {
+                    "error": type(e).__name__,
+                    "message": str(e),
+                    "seconds": time.monotonic() - started,
+                },
+                f,
+            )
+        return 3
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

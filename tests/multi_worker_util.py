@@ -1,0 +1,98 @@
+"""Starts N worker processes of ``multi_worker_scenario.py`` with TF_CONFIG on 127.0.0.1.
+
+Every process is bounded by a timeout and reaped, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT, child_env, pick_free_port
+
+SCENARIO = ROOT / "tests" / "multi_worker_scenario.py"
+TOKEN = "multi-worker-test-token-0123456789"
+
+
+def tf_config(ports: list[int], index: int) -> str:
+    """TF_CONFIG of worker ``index`` of a worker-only cluster on ``ports``."""
+    return json.dumps(
+        {
+            "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+            "task": {"type": "worker", "index": index},
+        }
+    )
+
+
+def run_workers(
+    tmp: pathlib.Path,
+    mode: str,
+    workers: int,
+    *,
+    devices: int = 1,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    per_worker_env: dict[int, dict[str, str]] | None = None,
+) -> tuple[list[int], list[dict], list[str]]:
+    """Runs ``workers`` processes of MODE; returns (exit codes, JSON results, logs)."""
+    ports = [pick_free_port() for _ in range(workers)]
+    procs, logs, outs = [], [], []
+    try:
+        for i in range(workers):
+            out = tmp / f"{mode}-{i}.json"
+            log = tmp / f"{mode}-{i}.log"
+            extra = {
+                "TF_CONFIG": tf_config(ports, i),
+                "PSFLOW_NUM_CPU_DEVICES": str(devices),
+                "PSFLOW_AUTH_TOKEN": TOKEN,
+                "SCENARIO_SEED": str(1 + i),  # worker 0 has the reference's seed
+                **(env or {}),
+                **((per_worker_env or {}).get(i, {})),
+            }
+            with open(log, "wb") as f:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SCENARIO), mode, str(out)],
+                        env=child_env(extra),
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        cwd=ROOT,
+                    )
+                )
+            outs.append(out)
+            logs.append(log)
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results = [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    return codes, results, [log.read_text(errors="replace") for log in logs]
+
+
+def run_reference(tmp: pathlib.Path, timeout: float = 120.0) -> dict:
+    """The scenario's training with no strategy, in one process."""
+    out = tmp / "reference.json"
+    env = child_env({"SCENARIO_SEED": "1"})
+    env.pop("TF_CONFIG", None)
+    subprocess.run(
+        [sys.executable, str(SCENARIO), "reference", str(out)],
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if os.environ.get("CI") else None,
+    )
+    return json.loads(out.read_text())
