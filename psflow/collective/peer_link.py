@@ -47,7 +47,8 @@ __all__ = ["PeerLinks", "peer_name"]
 _METHOD = frames.method_id("psflow.collective.ring")
 _MAX_PAYLOAD = 1 << 40
 _RETRY_SECONDS = 0.05
-_FORWARD_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
+_FORWARD_SECONDS = 2.0
+_LINGER_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
 
 
 def peer_name(rank: int, address: str) -> str:
@@ -166,10 +167,12 @@ class PeerLinks:
         acceptor.start()
         try:
             self._right = self._dial_right(deadline)
-        finally:
-            acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        if self._right is None:
-            return
+        except errors.UnauthenticatedError:
+            # refused: answer a neighbour dialling us meanwhile (it learns why, instead of
+            # finding no listener), briefly; the acceptor ends when close() closes the listener
+            acceptor.join(min(_LINGER_SECONDS, max(0.0, deadline - time.monotonic())))
+            raise
+        acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
         outcome = accepted[0] if accepted else None
         if isinstance(outcome, BaseException):
             raise outcome

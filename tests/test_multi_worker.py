@@ -1,0 +1,209 @@
+"""MultiWorkerMirroredStrategy with real worker processes on 127.0.0.1.
+
+Each case starts N processes of ``tests/multi_worker_scenario.py`` with their
+TF_CONFIG (see :mod:`tests.multi_worker_util`: bounded, every child reaped)
+and compares what they computed with one process, NumPy, or TensorFlow's
+documented behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from psflow.collective.cross_host import CrossHostRing
+from psflow.collective.peer_link import PeerLinks
+from psflow.distribute.cluster_resolver import SimpleClusterResolver
+from psflow.security.config import SecurityConfig
+from tests.multi_worker_util import run_reference, run_workers
+
+# Summing a gradient over replicas in another order than one process does changes float32
+# results by a few ulps per step; 2 epochs of 3 steps keep them within this.
+ATOL, RTOL = 1e-6, 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    return run_reference(tmp_path_factory.mktemp("reference"))
+
+
+def _ok(codes: list, logs: list[str]) -> None:
+    assert codes == [0] * len(codes), "\n---\n".join(log[-3000:] for log in logs)
+
+
+@pytest.mark.parametrize(("workers", "devices"), [(2, 1), (3, 1), (2, 2)])
+def test_custom_loop_trains_like_one_process_on_the_global_batch(
+    tmp_path, reference, workers, devices
+):
+    codes, results, logs = run_workers(tmp_path, "train", workers, devices=devices)
+    _ok(codes, logs)
+    for rank, result in enumerate(results):
+        assert result["task"] == ["worker", rank]
+        assert result["replicas"] == workers * devices
+        assert result["should_checkpoint"] is (rank == 0)
+        # every worker holds the same bits (each sum is computed once, then copied)
+        assert result["weights"] == results[0]["weights"]
+        assert result["losses"] == results[0]["losses"]
+    # workers started from different seeds: worker 0's broadcast made them equal to the reference
+    for got, want in zip(results[0]["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(results[0]["losses"], reference["losses"], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_all_reduce_matches_a_float64_numpy_sum(tmp_path, workers):
+    codes, results, logs = run_workers(tmp_path, "allreduce", workers)
+    _ok(codes, logs)
+    for k in range(4):  # sizes 0, 1, 7 and 1 MB
+        want = sum(np.asarray(r["inputs"][k], np.float64) for r in results)
+        got = [np.asarray(r["sums"][k], np.float32) for r in results]
+        assert got[0].shape == want.shape
+        np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * workers)
+        assert all(np.array_equal(g, got[0]) for g in got)
+
+
+def test_auto_shard_data_gives_each_worker_its_slice_of_every_global_batch(tmp_path):
+    # TF: DATA rebatches each global batch of 4 into per-replica batches of 4/2 and
+    # worker w keeps piece w: step k of both workers covers global batch k exactly
+    codes, results, logs = run_workers(tmp_path, "shard_data", 2)
+    _ok(codes, logs)
+    assert results[0]["steps"] == [[[0, 1]], [[4, 5]], [[8, 9]], [[12, 13]]]
+    assert results[1]["steps"] == [[[2, 3]], [[6, 7]], [[10, 11]], [[14, 15]]]
+
+
+def test_auto_shard_off_gives_every_worker_the_whole_dataset(tmp_path):
+    # TF: OFF shards nothing; the per-replica batch is still 4 / 2 replicas
+    codes, results, logs = run_workers(tmp_path, "shard_off", 2)
+    _ok(codes, logs)
+    expected = [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
+    assert results[0]["steps"] == expected
+    assert results[1]["steps"] == expected
+
+
+def test_uneven_last_batch_ends_the_epoch_on_every_worker(tmp_path):
+    codes, results, logs = run_workers(tmp_path, "uneven", 2)
+    _ok(codes, logs)
+    # range(10).batch(4): the last global batch [8, 9] is cut 1 + 1
+    assert results[0]["steps"] == [[[0, 1]], [[4, 5]], [[8]]]
+    assert results[1]["steps"] == [[[2, 3]], [[6, 7]], [[9]]]
+    # datasets of 3 and 1 batches: the short worker feeds empty batches until both are done
+    assert results[0]["from_function"] == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    assert results[1]["from_function"] == [[[0, 1]], [[]], [[]]]
+
+
+def test_a_killed_worker_gives_every_survivor_a_typed_error_naming_it(tmp_path):
+    timeout = 8.0
+    codes, results, logs = run_workers(
+        tmp_path, "kill", 3, env={"KILL_RANK": "1", "SCENARIO_TIMEOUT": str(timeout)}, timeout=60
+    )
+    assert codes[1] == -9
+    for rank in (0, 2):
+        assert codes[rank] == 3, logs[rank][-3000:]
+        result = results[rank]
+        assert result["error"] in ("UnavailableError", "DeadlineExceededError")
+        assert "worker:1 at 127.0.0.1:" in result["message"]
+        assert result["seconds"] < timeout + 5
+
+
+def test_a_wrong_token_is_refused_with_unauthenticated(tmp_path):
+    codes, results, logs = run_workers(
+        tmp_path,
+        "connect",
+        2,
+        env={"SCENARIO_TIMEOUT": "8"},
+        per_worker_env={1: {"PSFLOW_AUTH_TOKEN": "some-other-token-abcdefghijklmnop"}},
+    )
+    assert codes == [3, 3], logs
+    assert results[0]["error"] == results[1]["error"] == "UnauthenticatedError"
+    assert "worker:1 at 127.0.0.1:" in results[0]["message"]
+    assert "invalid token" in results[0]["message"]
+
+
+# -- in one process ----------------------------------------------------------------------
+
+
+def _ring_pair(timeout: float) -> list[PeerLinks]:
+    listeners = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        listeners.append(s)
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    security = SecurityConfig(token="t" * 20)
+    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(2)]
+    threads = [threading.Thread(target=lk.connect, args=(timeout,)) for lk in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return links
+
+
+def test_a_silent_peer_fails_the_collective_at_its_deadline_naming_it():
+    links = _ring_pair(10.0)
+    try:
+        ring = CrossHostRing(links[0], timeout=0.5)  # worker 1 never joins the call
+        with pytest.raises(pf.errors.DeadlineExceededError, match=r"worker:1 at 127\.0\.0\.1:"):
+            ring.all_reduce([np.ones(10, np.float32)])
+        # the ring stays broken: the next call fails at once with the same error
+        with pytest.raises(pf.errors.DeadlineExceededError, match="worker:1"):
+            ring.all_reduce([np.ones(10, np.float32)])
+    finally:
+        for lk in links:
+            lk.close()
+
+
+def test_without_tf_config_it_is_a_single_worker_strategy(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = pf.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.extended.should_checkpoint and strategy.extended.should_save_summary
+    with strategy.scope():
+        v = pf.Variable([1.0, 2.0])
+    assert isinstance(v, pf.distribute.MirroredVariable)
+    assert float(strategy.reduce("SUM", strategy.run(lambda: v * 2), axis=None)[1]) == 4.0
+    assert pf.distribute.experimental.MultiWorkerMirroredStrategy is type(strategy)
+    comm = pf.distribute.experimental.CollectiveCommunication
+    assert comm is pf.distribute.experimental.CommunicationImplementation
+    assert comm.RING.name == "RING"
+
+
+def test_a_cluster_with_ps_tasks_is_refused_naming_it():
+    resolver = SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    with pytest.raises(pf.errors.InvalidArgumentError, match="ps tasks"):
+        pf.distribute.MultiWorkerMirroredStrategy(resolver)
+
+
+def test_a_task_missing_from_the_cluster_is_refused(monkeypatch):
+    config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "ps"}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({**config, "task": {"type": "ps", "index": 0}}))
+    with pytest.raises(pf.errors.OpError, match="ps"):
+        pf.distribute.MultiWorkerMirroredStrategy()
+
+
+@pytest.mark.parametrize(
+    ("policy", "error"),
+    [("FILE", pf.errors.NotFoundError), ("HINT", pf.errors.UnimplementedError)],
+)
+def test_unsupported_auto_shard_policies_raise_typed_errors(monkeypatch, policy, error):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = pf.distribute.MultiWorkerMirroredStrategy()
+    options = pf.data.Options()
+    options.experimental_distribute.auto_shard_policy = getattr(
+        pf.data.experimental.AutoShardPolicy, policy
+    )
+    dataset = pf.data.Dataset.range(4).batch(2).with_options(options)
+    with pytest.raises(error, match=policy):
+        strategy.experimental_distribute_dataset(dataset)
