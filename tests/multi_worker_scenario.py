@@ -80,6 +80,29 @@ def train(strategy: pf.distribute.Strategy | None, epochs: int = 2) -> dict:
     return {"weights": [w.tolist() for w in model.get_weights()], "losses": losses}
 
 
+def fit(strategy: pf.distribute.Strategy | None, checkpoint_dir: str) -> dict:
+    """Keras compile/fit on the global batch, checkpointing every epoch."""
+    x, y = data()
+    scope = strategy.scope() if strategy is not None else None
+    if scope is not None:
+        scope.__enter__()
+    model = make_model()
+    model.compile(optimizer=pf.keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    if scope is not None:
+        scope.__exit__(None, None, None)
+    dataset = pf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    checkpoint = pf.keras.callbacks.ModelCheckpoint(
+        os.path.join(checkpoint_dir, "ckpt-{epoch}.weights.h5")
+    )
+    history = model.fit(dataset, epochs=2, verbose=0, callbacks=[checkpoint])
+    predictions = model.predict(pf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH))
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history.history,
+        "predictions": np.asarray(predictions).tolist(),
+    }
+
+
 def seen(strategy: pf.distribute.Strategy, dataset: pf.data.Dataset) -> list:
     """Per step, the elements each local replica got."""
     steps = []
@@ -91,8 +114,8 @@ def seen(strategy: pf.distribute.Strategy, dataset: pf.data.Dataset) -> list:
 
 def main() -> int:
     mode, out_path = sys.argv[1], sys.argv[2]
-    if mode == "reference":
-        result = train(None)
+    if mode in ("reference", "fit_reference"):
+        result = train(None) if mode == "reference" else fit(None, os.environ["CKPT_DIR"])
         with open(out_path, "w") as f:
             json.dump(result, f)
         return 0
@@ -109,6 +132,8 @@ def main() -> int:
         }
         if mode == "train":
             result.update(train(strategy))
+        elif mode == "fit":
+            result.update(fit(strategy, os.environ["CKPT_DIR"]))
         elif mode == "allreduce":
             ctx_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
             rng = np.random.default_rng(100 + ctx_id)

@@ -81,13 +81,15 @@ def run_workers(
     return codes, results, [log.read_text(errors="replace") for log in logs]
 
 
-def run_reference(tmp: pathlib.Path, timeout: float = 120.0) -> dict:
+def run_reference(
+    tmp: pathlib.Path, mode: str = "reference", timeout: float = 120.0, env: dict | None = None
+) -> dict:
     """The scenario's training with no strategy, in one process."""
-    out = tmp / "reference.json"
-    env = child_env({"SCENARIO_SEED": "1"})
+    out = tmp / f"{mode}.json"
+    env = child_env({"SCENARIO_SEED": "1", **(env or {})})
     env.pop("TF_CONFIG", None)
     subprocess.run(
-        [sys.executable, str(SCENARIO), "reference", str(out)],
+        [sys.executable, str(SCENARIO), mode, str(out)],
         env=env,
         cwd=ROOT,
         timeout=timeout,

@@ -207,3 +207,28 @@ def test_unsupported_auto_shard_policies_raise_typed_errors(monkeypatch, policy,
     dataset = pf.data.Dataset.range(4).batch(2).with_options(options)
     with pytest.raises(error, match=policy):
         strategy.experimental_distribute_dataset(dataset)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_keras_fit_trains_like_one_process_and_only_the_chief_checkpoints(tmp_path, devices):
+    ref_dir, dirs = tmp_path / "reference", [tmp_path / "w0", tmp_path / "w1"]
+    reference = run_reference(tmp_path, "fit_reference", env={"CKPT_DIR": str(ref_dir)})
+    codes, results, logs = run_workers(
+        tmp_path,
+        "fit",
+        2,
+        devices=devices,
+        per_worker_env={i: {"CKPT_DIR": str(d)} for i, d in enumerate(dirs)},
+    )
+    _ok(codes, logs)
+    assert results[0]["weights"] == results[1]["weights"]
+    for got, want in zip(results[0]["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    # the logs are every worker's metric states summed: the same numbers as one process
+    for result in results:
+        for name, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][name], values, rtol=RTOL)
+        # predict gives every worker the whole global batch, in order
+        np.testing.assert_allclose(result["predictions"], reference["predictions"], atol=1e-5)
+    assert sorted(p.name for p in dirs[0].iterdir()) == sorted(p.name for p in ref_dir.iterdir())
+    assert not dirs[1].exists() or not any(dirs[1].iterdir())

@@ -160,6 +160,11 @@ class MultiWorkerDataset:
         devices: this worker's local devices.
         num_workers, worker: the group's size and this worker's rank.
         ring: the workers' collectives (for the epoch agreement).
+        policy_of: the dataset whose options give the sharding policy, when
+            ``dataset`` is a plain iterable of batches built from it (Keras's).
+
+    Attributes:
+        global_batch_size: the size of the global batch of the last step.
     """
 
     def __init__(
@@ -169,13 +174,15 @@ class MultiWorkerDataset:
         num_workers: int,
         worker: int,
         ring: CrossHostRing,
+        policy_of: Any = None,
     ) -> None:
         self._dataset = dataset
         self._devices = devices
         self._num_workers = num_workers
         self._worker = worker
         self._ring = ring
-        self._policy = shard_policy(dataset)
+        self._policy = shard_policy(dataset if policy_of is None else policy_of)
+        self.global_batch_size: int | None = None
 
     def _local_steps(self) -> Callable[[], list[Any] | None]:
         it = iter(self._dataset)
@@ -188,7 +195,8 @@ class MultiWorkerDataset:
                     element = next(it)
                 except StopIteration:
                     return None
-                sizes = split_sizes(input_lib._leading(element), n)
+                self.global_batch_size = input_lib._leading(element)
+                sizes = split_sizes(self.global_batch_size, n)
                 return _slices(element, sizes, self._worker * n_local, n_local)
 
             return step
@@ -201,7 +209,8 @@ class MultiWorkerDataset:
                     element = next(it)
                 except StopIteration:
                     break
-                pieces.extend(_slices(element, split_sizes(input_lib._leading(element), n), 0, n))
+                self.global_batch_size = input_lib._leading(element)
+                pieces.extend(_slices(element, split_sizes(self.global_batch_size, n), 0, n))
             if not pieces:
                 return None
             taken = pieces[:n_local]
@@ -214,6 +223,14 @@ class MultiWorkerDataset:
 
     def __iter__(self) -> Iterator[Any]:
         return DistributedIterator(_AgreedIterator(self._local_steps(), self._devices, self._ring))
+
+    @property
+    def steps(self) -> int | None:
+        """Steps of an epoch when the underlying source knows its length (DATA: its batches)."""
+        steps = getattr(self._dataset, "steps", None)  # Keras's batch sources have it
+        if steps is None or self._policy is not AutoShardPolicy.DATA:
+            return None
+        return steps
 
     @property
     def element_spec(self) -> Any:

@@ -163,6 +163,43 @@ class MultiWorkerExtended(MirroredExtended):
         """Whether this worker writes summaries: the same worker as :attr:`should_checkpoint`."""
         return self._group().rank == 0
 
+    def keras_runner(self, model: Any) -> Any:
+        """``fit`` runs the same steps on every worker, each global batch cut across all replicas."""
+        from psflow.keras.engine.multi_worker_runner import MultiWorkerRunner
+
+        return MultiWorkerRunner(model, self._container_strategy())
+
+    def metric_results(self, metrics: Any) -> dict[str, float]:
+        """Each metric's result over every worker's state (one all-reduce for all of them).
+
+        Every worker must ask at the same points (``fit`` does, after each step).
+        Metrics that keep no summable state report this worker's own result.
+        """
+        ring: CrossHostRing = self._container_strategy()._ring  # type: ignore[attr-defined]
+        states, sizes = [], []
+        for m in metrics:
+            try:
+                state = [np.asarray(x, np.float64).reshape(-1) for x in m.get_state()]
+            except NotImplementedError:
+                state = []
+            states.append(state)
+            sizes.append([x.size for x in state])
+        flat = [x for state in states for x in state]
+        if ring.size == 1 or not flat:
+            return super().metric_results(metrics)
+        (summed,) = ring.all_reduce([np.concatenate(flat)])
+        logs, pos = {}, 0
+        for m, state, shape in zip(metrics, states, sizes):
+            if not state:
+                logs[m.name] = float(m.result()._value)
+                continue
+            parts = []
+            for x, k in zip(m.get_state(), shape):
+                parts.append(summed[pos : pos + k].reshape(np.shape(x)))
+                pos += k
+            logs[m.name] = float(m.result_of_state(parts)._value)
+        return logs
+
     @property
     def should_init(self) -> bool:
         """Every worker initialises its variables (from worker 0's values)."""
