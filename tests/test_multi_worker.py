@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -20,6 +22,7 @@ from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.distribute.cluster_resolver import SimpleClusterResolver
 from psflow.security.config import SecurityConfig
+from tests.conftest import ROOT, child_env
 from tests.multi_worker_util import run_reference, run_workers
 
 # Summing a gradient over replicas in another order than one process does changes float32
@@ -232,3 +235,54 @@ def test_keras_fit_trains_like_one_process_and_only_the_chief_checkpoints(tmp_pa
         np.testing.assert_allclose(result["predictions"], reference["predictions"], atol=1e-5)
     assert sorted(p.name for p in dirs[0].iterdir()) == sorted(p.name for p in ref_dir.iterdir())
     assert not dirs[1].exists() or not any(dirs[1].iterdir())
+
+
+# -- psflow local --mode multi-worker ----------------------------------------------------
+
+
+def _local(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chief.local", *args],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_psflow_local_runs_the_example_as_peer_workers_with_prefixed_logs(tmp_path):
+    out = _local(
+        "--mode",
+        "multi-worker",
+        "--workers",
+        "2",
+        "--devices-per-worker",
+        "2",
+        str(ROOT / "examples" / "multi_worker_custom_loop.py"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "[worker:0] task ('worker', 0): 4 replicas in sync" in lines
+    assert "[worker:1] task ('worker', 1): 4 replicas in sync" in lines
+    sums = {ln.split("] ", 1)[0]: ln for ln in lines if "weights checksum" in ln}
+    assert sums["[worker:0"].split("] ")[1] == sums["[worker:1"].split("] ")[1]
+    assert [ln for ln in lines if "chief saved" in ln][0].startswith("[worker:0]")
+    assert not any(ln.startswith("[worker:1] chief saved") for ln in lines)
+
+
+def test_psflow_local_returns_the_status_of_the_worker_that_failed(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "sys.exit(7 if json.loads(os.environ['TF_CONFIG'])['task']['index'] == 1 else 0)\n"
+    )
+    out = _local("--mode", "multi-worker", "--workers", "2", str(script), timeout=60)
+    assert out.returncode == 7, out.stdout + out.stderr
+    assert "worker:1 exited with status 7" in out.stderr
+
+
+def test_psflow_local_multi_worker_refuses_ps_tasks():
+    out = _local("--mode", "multi-worker", "--ps", "1", "--workers", "2", "x.py", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "--ps 1" in out.stderr
