@@ -614,7 +614,7 @@ class MirroredStrategy(distribute_lib.Strategy):
         if tasks > 1:
             raise errors.InvalidArgumentError(
                 f"MirroredStrategy trains on one machine, but cluster_spec {spec.as_dict()} has "
-                f"{tasks} tasks; use ParameterServerStrategy for several machines"
+                f"{tasks} tasks; use MultiWorkerMirroredStrategy or ParameterServerStrategy for several machines"
             )
         return spec
 
