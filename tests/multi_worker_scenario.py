@@ -146,6 +146,34 @@ def main() -> int:
             reduced = strategy.run(step)
             result["sums"] = [np.asarray(r).tolist() for r in reduced]
             result["inputs"] = [a.tolist() for a in arrays]
+        elif mode == "collectives":
+
+            def ids() -> pf.Tensor:
+                ctx = pf.distribute.get_replica_context()
+                rid = pf.cast(ctx.replica_id_in_sync_group, "float32")
+                # replica r contributes r + 1 rows of value r
+                mine = pf.fill([1, 2], rid)
+                gathered = ctx.all_gather(mine, axis=0)
+                mean = ctx.all_reduce("MEAN", pf.fill([3], rid))
+                return rid, gathered, mean
+
+            rid, gathered, mean = strategy.run(ids)
+            values = strategy.experimental_distribute_values_from_function(
+                lambda ctx: (
+                    pf.fill([ctx.replica_id_in_sync_group + 1], 1.0)
+                    * float(ctx.replica_id_in_sync_group)
+                )
+            )
+            result["ids"] = [float(v) for v in strategy.experimental_local_results(rid)]
+            result["all_gather"] = np.asarray(
+                strategy.experimental_local_results(gathered)[0]
+            ).tolist()
+            result["all_reduce_mean"] = np.asarray(
+                strategy.experimental_local_results(mean)[-1]
+            ).tolist()
+            result["gather"] = np.asarray(strategy.gather(values, axis=0)).tolist()
+            result["reduce_mean_axis0"] = float(strategy.reduce("MEAN", values, axis=0))
+            result["reduce_sum"] = float(strategy.reduce("SUM", rid, axis=None))
         elif mode == "shard_data":
             result["steps"] = seen(strategy, pf.data.Dataset.range(16).batch(4))
         elif mode == "shard_off":
@@ -172,9 +200,10 @@ def main() -> int:
         elif mode == "kill":
             kill_rank = int(os.environ["KILL_RANK"])
             me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+            fault = getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL"))
             for i in range(1000):
                 if i == 3 and me == kill_rank:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), fault)  # SIGSTOP: frozen, for good
                 strategy.run(
                     lambda: pf.distribute.get_replica_context().all_reduce("SUM", pf.ones([64]))
                 )

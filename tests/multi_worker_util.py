@@ -37,8 +37,13 @@ def run_workers(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     per_worker_env: dict[int, dict[str, str]] | None = None,
-) -> tuple[list[int], list[dict], list[str]]:
-    """Runs ``workers`` processes of MODE; returns (exit codes, JSON results, logs)."""
+    wait_for: set[int] | None = None,
+) -> tuple[list[int | None], list[dict], list[str]]:
+    """Runs ``workers`` processes of MODE; returns (exit codes, JSON results, logs).
+
+    Only the ranks in ``wait_for`` (default: all) are waited for; the others are
+    killed once those exited (code None: it had not exited).
+    """
     ports = [pick_free_port() for _ in range(workers)]
     procs, logs, outs = [], [], []
     try:
@@ -66,8 +71,11 @@ def run_workers(
             outs.append(out)
             logs.append(log)
         deadline = time.monotonic() + timeout
-        codes = []
-        for p in procs:
+        codes: list[int | None] = []
+        for i, p in enumerate(procs):
+            if wait_for is not None and i not in wait_for:
+                codes.append(None)
+                continue
             try:
                 codes.append(p.wait(max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:

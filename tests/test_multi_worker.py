@@ -99,18 +99,44 @@ def test_uneven_last_batch_ends_the_epoch_on_every_worker(tmp_path):
     assert results[1]["from_function"] == [[[0, 1]], [[]], [[]]]
 
 
-def test_a_killed_worker_gives_every_survivor_a_typed_error_naming_it(tmp_path):
-    timeout = 8.0
+@pytest.mark.parametrize(
+    ("fault", "errors_allowed"),
+    [
+        ("SIGKILL", ("UnavailableError", "DeadlineExceededError")),  # dead: found at once
+        ("SIGSTOP", ("DeadlineExceededError",)),  # frozen for good: found at the deadline
+    ],
+)
+def test_a_lost_worker_gives_every_survivor_a_typed_error_naming_it(
+    tmp_path, fault, errors_allowed
+):
+    timeout = 4.0
     codes, results, logs = run_workers(
-        tmp_path, "kill", 3, env={"KILL_RANK": "1", "SCENARIO_TIMEOUT": str(timeout)}, timeout=60
+        tmp_path,
+        "kill",
+        3,
+        env={"KILL_RANK": "1", "KILL_SIGNAL": fault, "SCENARIO_TIMEOUT": str(timeout)},
+        timeout=60,
+        wait_for={0, 2},
     )
-    assert codes[1] == -9
     for rank in (0, 2):
         assert codes[rank] == 3, logs[rank][-3000:]
         result = results[rank]
-        assert result["error"] in ("UnavailableError", "DeadlineExceededError")
+        assert result["error"] in errors_allowed, result
         assert "worker:1 at 127.0.0.1:" in result["message"]
         assert result["seconds"] < timeout + 5
+
+
+def test_cross_replica_collectives_span_every_worker(tmp_path):
+    codes, results, logs = run_workers(tmp_path, "collectives", 2, devices=2)
+    _ok(codes, logs)
+    assert results[0]["ids"] == [0.0, 1.0] and results[1]["ids"] == [2.0, 3.0]
+    for r in results:
+        assert r["all_gather"] == [[float(i)] * 2 for i in range(4)]
+        assert r["all_reduce_mean"] == [1.5] * 3
+        # replica i's value: i + 1 copies of i, concatenated in replica order
+        assert r["gather"] == [float(i) for i in range(4) for _ in range(i + 1)]
+        assert r["reduce_mean_axis0"] == pytest.approx(20 / 10)
+        assert r["reduce_sum"] == 6.0
 
 
 def test_a_wrong_token_is_refused_with_unauthenticated(tmp_path):
@@ -286,3 +312,49 @@ def test_psflow_local_multi_worker_refuses_ps_tasks():
     out = _local("--mode", "multi-worker", "--ps", "1", "--workers", "2", "x.py", timeout=60)
     assert out.returncode == 2, out.stderr
     assert "--ps 1" in out.stderr
+
+
+def test_the_ring_runs_over_mutual_tls_and_refuses_a_rogue_certificate(tmp_path):
+    from tests.test_auth_tls import make_pki, tls
+
+    pki = make_pki(tmp_path)
+    good = tls(pki)
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(2)]
+    results: list = [None, None]
+
+    def pair(configs: list[SecurityConfig], work: bool) -> list:
+        listeners = []
+        for _ in range(2):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(4)
+            listeners.append(s)
+        addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+        outcomes: list = [None, None]
+
+        def worker(i: int) -> None:
+            links = PeerLinks(i, addresses, configs[i], listener=listeners[i])
+            try:
+                links.connect(5.0)
+                if work:
+                    results[i] = CrossHostRing(links, 10.0).all_reduce([inputs[i]])[0]
+            except pf.errors.OpError as e:
+                outcomes[i] = e
+            finally:
+                links.close()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return outcomes
+
+    assert pair([good, good], work=True) == [None, None]
+    assert np.array_equal(results[0], results[1])
+    np.testing.assert_allclose(results[0], inputs[0].astype(np.float64) + inputs[1], rtol=1e-6)
+    # worker 1 presents a certificate of another CA: both sides refuse the link
+    outcomes = pair([good, tls(pki, cert="rogue")], work=False)
+    assert all(isinstance(e, pf.errors.OpError) for e in outcomes), outcomes
+    assert any(isinstance(e, pf.errors.UnauthenticatedError) for e in outcomes), outcomes

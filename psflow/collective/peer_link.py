@@ -234,7 +234,9 @@ class PeerLinks:
             raise
         except (OSError, frames.FrameError) as e:
             sock.close()
-            raise errors.UnavailableError(
+            # TLS 1.3 reports a refused client certificate only at the first read
+            cls = errors.UnauthenticatedError if isinstance(e, ssl.SSLError) else None
+            raise (cls or errors.UnavailableError)(
                 f"collective: handshake with {who} failed: {e}", task=task
             ) from None
         if head.kind is frames.Kind.WELCOME:
