@@ -358,3 +358,56 @@ def test_the_ring_runs_over_mutual_tls_and_refuses_a_rogue_certificate(tmp_path)
     outcomes = pair([good, tls(pki, cert="rogue")], work=False)
     assert all(isinstance(e, pf.errors.OpError) for e in outcomes), outcomes
     assert any(isinstance(e, pf.errors.UnauthenticatedError) for e in outcomes), outcomes
+
+
+def _on_both(links: list[PeerLinks], calls: list) -> list:
+    """Runs ``calls[i](CrossHostRing(links[i]))`` on two threads; returns results or errors."""
+    out: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i](CrossHostRing(links[i], timeout=5.0))
+        except pf.errors.OpError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
+    rng = np.random.default_rng(5)
+    xs = [[rng.standard_normal(n).astype(np.float32) for n in (5, 0, 33, 1000)] for _ in range(2)]
+    links = _ring_pair(10.0)
+    try:
+        packed = _on_both(
+            links, [lambda r, i=i: r.all_reduce(xs[i], bytes_per_pack=64) for i in (0, 1)]
+        )
+        whole = _on_both(links, [lambda r, i=i: r.all_reduce(xs[i]) for i in (0, 1)])
+    finally:
+        for lk in links:
+            lk.close()
+    for k in range(4):
+        want = xs[0][k] + xs[1][k]  # two workers: one float32 addition per element
+        for got in (packed[0][k], packed[1][k], whole[0][k], whole[1][k]):
+            assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_workers_calling_different_collectives_fail_with_internal_error():
+    links = _ring_pair(10.0)
+    try:
+        out = _on_both(
+            links,
+            [
+                lambda r: r.all_reduce([np.ones(10, np.float32)]),
+                lambda r: r.all_reduce([np.ones(12, np.float32)]),
+            ],
+        )
+    finally:
+        for lk in links:
+            lk.close()
+    assert all(isinstance(e, pf.errors.InternalError) for e in out), out
+    assert any("different collectives" in str(e) for e in out)
