@@ -14,8 +14,11 @@ workers, each pack split into ``N`` chunks:
 Each chunk is summed by one worker and then copied, so every worker ends with
 the same bits; each sends ``2(N-1)/N`` of the buffer.  A send overlaps the
 step's receive (the links' sender thread), so two neighbours never wait on
-each other's full socket buffers.  Every call has one deadline: a peer that
-dies or stalls fails the call on every worker with an error naming it.
+each other's full socket buffers.  Inside a call each worker sends
+heartbeats to its right: a worker blames its left neighbour when it stays
+silent for ``timeout`` seconds, and otherwise (the neighbour is alive and
+itself waiting) waits for the error that neighbour forwards, so every
+survivor names the peer that died or froze.  No call outlasts ``2 * timeout``.
 
 Example (one worker: the arrays themselves, copied):
     >>> import numpy as np
@@ -25,9 +28,10 @@ Example (one worker: the arrays themselves, copied):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,8 +54,8 @@ class CrossHostRing:
 
     Args:
         links: this worker's connected :class:`PeerLinks`, or None for a single worker.
-        timeout: seconds each call may take before it fails (every worker's
-            error names the peer it waited for).
+        timeout: how long a neighbour may stay silent inside a call before it is
+            blamed (every worker's error names the peer that failed).
     """
 
     def __init__(self, links: PeerLinks | None, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
@@ -59,7 +63,23 @@ class CrossHostRing:
         self.size = 1 if links is None else links.size
         self.rank = 0 if links is None else links.rank
         self.timeout = timeout
+        if links is not None:
+            links.silence = timeout
+            links.heartbeat = min(1.0, timeout / 4)
         self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[float]:
+        """One collective: its lock, heartbeats on, and its hard deadline."""
+        with self._lock:
+            if self.links is None:
+                yield time.monotonic() + 2 * self.timeout
+                return
+            self.links.begin()
+            try:
+                yield time.monotonic() + 2 * self.timeout
+            finally:
+                self.links.end()
 
     # -- all-reduce ---------------------------------------------------------------------
     def all_reduce(
@@ -88,8 +108,7 @@ class CrossHostRing:
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype.str, []).append(i)
         out: list[Any] = [None] * len(arrays)
-        with self._lock:
-            deadline = time.monotonic() + self.timeout
+        with self._call() as deadline:
             for dtype, members in groups.items():
                 flat = np.concatenate([arrays[i].reshape(-1) for i in members]) if members else None
                 assert flat is not None
@@ -172,8 +191,7 @@ class CrossHostRing:
         links = self.links
         assert links is not None
         n, r = self.size, self.rank
-        with self._lock:
-            deadline = time.monotonic() + self.timeout
+        with self._call() as deadline:
             for s in range(n - 1):  # pass every block once round the ring
                 send_b, recv_b = (r - s) % n, (r - s - 1) % n
                 sent = links.send([blocks[send_b]], deadline)
@@ -194,8 +212,7 @@ class CrossHostRing:
         n, r = self.size, self.rank
         last = (root - 1) % n  # the worker whose right neighbour is the root: it only receives
         out = [a if r == root else np.empty(np.shape(a), np.asarray(a).dtype) for a in arrays]
-        with self._lock:
-            deadline = time.monotonic() + self.timeout
+        with self._call() as deadline:
             for a in out:
                 if r != root:
                     links.receive_into(memoryview(a), deadline)

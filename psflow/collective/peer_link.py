@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import select
 import socket
 import ssl
 import threading
@@ -45,6 +46,7 @@ from psflow.transport.dataplane.stream import FrameStream, tune
 __all__ = ["PeerLinks", "peer_name"]
 
 _METHOD = frames.method_id("psflow.collective.ring")
+_HEARTBEAT = frames.method_id("psflow.collective.heartbeat")
 _MAX_PAYLOAD = 1 << 40
 _RETRY_SECONDS = 0.05
 _FORWARD_SECONDS = 2.0
@@ -66,6 +68,18 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise errors.InvalidArgumentError(f"peer address {address!r} has no numeric port")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _writable(sock: socket.socket) -> bool:
+    """Whether a small frame can be written now without waiting (a heartbeat must never block)."""
+    try:
+        if hasattr(select, "poll"):  # select() refuses descriptors >= FD_SETSIZE
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            return bool(poller.poll(0))
+        return bool(select.select([], [sock], [], 0)[1])
+    except (OSError, ValueError):
+        return False
 
 
 def _status(code: Code, message: str, failed: str = "") -> bytes:
@@ -94,6 +108,8 @@ class PeerLinks:
         security: the token and TLS material (as every psflow port).
         listener: an already bound, listening socket for this worker (tests);
             by default one is bound on this worker's port.
+        silence_seconds: how long the left neighbour may stay silent (no data,
+            no heartbeat) inside a collective before it is blamed.
 
     Raises:
         InvalidArgumentError: a bad rank or address.
@@ -106,6 +122,7 @@ class PeerLinks:
         addresses: Sequence[str],
         security: SecurityConfig,
         listener: socket.socket | None = None,
+        silence_seconds: float = 300.0,
     ) -> None:
         n = len(addresses)
         if not 0 <= rank < n:
@@ -123,6 +140,10 @@ class PeerLinks:
         self._broken: errors.OpError | None = None
         self._sends: queue.Queue[Any] = queue.Queue()
         self._sender: threading.Thread | None = None
+        self.silence = float(silence_seconds)
+        self.heartbeat = min(1.0, self.silence / 4)
+        self._active = threading.Event()  # inside a collective: heartbeats flow rightwards
+        self._heard = 0.0  # when the left neighbour last sent a frame
 
     @property
     def port(self) -> int:
@@ -339,11 +360,27 @@ class PeerLinks:
                 )
         self.check()
 
+    def begin(self) -> None:
+        """A collective starts: heartbeats tell the right neighbour this worker is in it."""
+        self._heard = time.monotonic()
+        self._active.set()
+
+    def end(self) -> None:
+        """The collective is over: no more heartbeats until the next one."""
+        self._active.clear()
+
     def _send_loop(self) -> None:
         right = self._right
         assert right is not None  # started after connect
         while True:
-            item = self._sends.get()
+            try:
+                item = self._sends.get(timeout=self.heartbeat)
+            except queue.Empty:
+                if self._active.is_set() and self._broken is None and _writable(right.sock):
+                    with contextlib.suppress(OSError):  # a real failure shows on the next send
+                        right.settimeout(self.heartbeat)
+                        right.send_frame(frames.Kind.REQUEST, method=_HEARTBEAT)
+                continue
             if item is None:
                 return
             kind, call_id, header, buffers, deadline, done = item
@@ -369,18 +406,39 @@ class PeerLinks:
     def receive_into(self, dest: memoryview, deadline: float) -> None:
         """Fills ``dest`` with the left neighbour's next frame (of exactly ``len(dest)`` bytes).
 
+        The left neighbour is blamed when it stays silent (no data, no
+        heartbeat) for :attr:`silence` seconds.  One that keeps sending
+        heartbeats is alive and itself waiting for a peer further left: this
+        worker waits (until ``deadline``) for the error it will forward, which
+        names the peer that failed.
+
         Raises:
             UnavailableError: the left neighbour closed, or reported a failed peer.
-            DeadlineExceededError: nothing came by ``deadline``.
+            DeadlineExceededError: the left neighbour was silent, or ``deadline`` passed.
             InternalError: a frame out of step (the ring's workers disagree).
         """
         self.check()
         stream = self._left
         assert stream is not None
-        stream.deadline = deadline
         who, task = self.left_name, f"worker:{self.left_rank}"
         try:
-            head = stream.read_head()
+            while True:
+                stream.deadline = min(deadline, self._heard + self.silence)
+                try:
+                    head = stream.read_head()
+                except TimeoutError:
+                    now = time.monotonic()
+                    if now >= self._heard + self.silence:
+                        why = f"{who} sent nothing for {self.silence:g}s"
+                    else:
+                        why = f"{who} is alive but its data did not come before the deadline"
+                    self.fail(errors.DeadlineExceededError(f"collective: {why}", task=task))
+                self._heard = time.monotonic()
+                if head.kind is frames.Kind.REQUEST and head.method == _HEARTBEAT:
+                    stream.discard(head.header_len + head.payload_len)
+                    continue
+                break
+            stream.deadline = deadline
             if head.kind is frames.Kind.ERROR:
                 code, message, failed = _parse_status(stream.read_bytes(head.header_len))
                 self.fail(errors.error_class(code)(message, failed or task))
@@ -400,10 +458,13 @@ class PeerLinks:
                 )
             stream.discard(head.header_len)
             stream.read_into(dest.cast("B") if dest.nbytes else dest)
+            self._heard = time.monotonic()
+        except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
+            raise
         except TimeoutError:
             self.fail(
                 errors.DeadlineExceededError(
-                    f"collective: no data from {who} before the deadline", task=task
+                    f"collective: the data from {who} did not arrive in time", task=task
                 )
             )
         except (OSError, frames.FrameError) as e:
