@@ -18,14 +18,18 @@ SCENARIO = ROOT / "tests" / "multi_worker_scenario.py"
 TOKEN = "multi-worker-test-token-0123456789"
 
 
-def tf_config(ports: list[int], index: int) -> str:
-    """TF_CONFIG of worker ``index`` of a worker-only cluster on ``ports``."""
-    return json.dumps(
-        {
-            "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-            "task": {"type": "worker", "index": index},
-        }
-    )
+def tf_config(ports: list[int], index: int, chief: bool = False) -> str:
+    """TF_CONFIG of process ``index`` on ``ports``: worker ``index`` of a worker-only
+    cluster, or with ``chief`` process 0 as the chief and the others workers 0, 1..."""
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    if not chief:
+        cluster, task = {"worker": addresses}, {"type": "worker", "index": index}
+    else:
+        cluster = {"chief": addresses[:1], "worker": addresses[1:]}
+        task = (
+            {"type": "chief", "index": 0} if index == 0 else {"type": "worker", "index": index - 1}
+        )
+    return json.dumps({"cluster": cluster, "task": task})
 
 
 def run_workers(
@@ -38,6 +42,7 @@ def run_workers(
     env: dict[str, str] | None = None,
     per_worker_env: dict[int, dict[str, str]] | None = None,
     wait_for: set[int] | None = None,
+    chief: bool = False,
 ) -> tuple[list[int | None], list[dict], list[str]]:
     """Runs ``workers`` processes of MODE; returns (exit codes, JSON results, logs).
 
@@ -51,7 +56,7 @@ def run_workers(
             out = tmp / f"{mode}-{i}.json"
             log = tmp / f"{mode}-{i}.log"
             extra = {
-                "TF_CONFIG": tf_config(ports, i),
+                "TF_CONFIG": tf_config(ports, i, chief),
                 "PSFLOW_NUM_CPU_DEVICES": str(devices),
                 "PSFLOW_AUTH_TOKEN": TOKEN,
                 "SCENARIO_SEED": str(1 + i),  # worker 0 has the reference's seed

@@ -58,6 +58,17 @@ def test_custom_loop_trains_like_one_process_on_the_global_batch(
     np.testing.assert_allclose(results[0]["losses"], reference["losses"], atol=ATOL, rtol=RTOL)
 
 
+def test_a_chief_task_is_worker_0_of_the_group(tmp_path, reference):
+    codes, results, logs = run_workers(tmp_path, "train", 2, chief=True)
+    _ok(codes, logs)
+    assert [r["task"] for r in results] == [["chief", 0], ["worker", 0]]
+    assert [r["should_checkpoint"] for r in results] == [True, False]
+    assert results[0]["replicas"] == 2 and results[0]["weights"] == results[1]["weights"]
+    # the chief's seed is the reference's: its initial weights were broadcast
+    for got, want in zip(results[0]["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("workers", [2, 3])
 def test_all_reduce_matches_a_float64_numpy_sum(tmp_path, workers):
     codes, results, logs = run_workers(tmp_path, "allreduce", workers)
@@ -238,15 +249,22 @@ def test_unsupported_auto_shard_policies_raise_typed_errors(monkeypatch, policy,
         strategy.experimental_distribute_dataset(dataset)
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_keras_fit_trains_like_one_process_and_only_the_chief_checkpoints(tmp_path, devices):
+@pytest.mark.parametrize(
+    ("devices", "samples"),
+    [(1, 36), (2, 36), (2, 30)],  # 30: the last global batch of 6 is cut 2 + 2 + 2 + 0
+)
+def test_keras_fit_trains_like_one_process_and_only_the_chief_checkpoints(
+    tmp_path, devices, samples
+):
     ref_dir, dirs = tmp_path / "reference", [tmp_path / "w0", tmp_path / "w1"]
-    reference = run_reference(tmp_path, "fit_reference", env={"CKPT_DIR": str(ref_dir)})
+    data_env = {"SCENARIO_SAMPLES": str(samples)}
+    reference = run_reference(tmp_path, "fit_reference", env={"CKPT_DIR": str(ref_dir), **data_env})
     codes, results, logs = run_workers(
         tmp_path,
         "fit",
         2,
         devices=devices,
+        env=data_env,
         per_worker_env={i: {"CKPT_DIR": str(d)} for i, d in enumerate(dirs)},
     )
     _ok(codes, logs)
