@@ -104,6 +104,47 @@ def fit(strategy: pf.distribute.Strategy | None, checkpoint_dir: str) -> dict:
     }
 
 
+def train_sparse(strategy: pf.distribute.Strategy | None) -> dict:
+    """An embedding model (sparse gradients) with Adam, custom loop, on the global batch."""
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, 50, size=(36, 3)).astype(np.int64)
+    y = rng.standard_normal((36, 1)).astype(np.float32)
+    scope = strategy.scope() if strategy is not None else None
+    if scope is not None:
+        scope.__enter__()
+    pf.random.set_seed(int(os.environ.get("SCENARIO_SEED", "1")))
+    model = pf.keras.Sequential(
+        [pf.keras.layers.Embedding(50, 4), pf.keras.layers.Flatten(), pf.keras.layers.Dense(1)]
+    )
+    model.build((None, 3))
+    opt = pf.keras.optimizers.Adam(0.05)
+    if scope is not None:
+        scope.__exit__(None, None, None)
+
+    def step(inputs: tuple) -> pf.Tensor:
+        features, labels = inputs
+        with pf.GradientTape() as tape:
+            per_example = pf.keras.losses.MeanSquaredError(reduction="none")(
+                labels, model(features, training=True)
+            )
+            loss = pf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        kinds.add(type(grads[0]).__name__)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    kinds: set = set()
+    dataset = pf.data.Dataset.from_tensor_slices((ids, y)).batch(GLOBAL_BATCH)
+    for _ in range(2):
+        if strategy is None:
+            for batch in dataset:
+                step(batch)
+        else:
+            for batch in strategy.experimental_distribute_dataset(dataset):
+                strategy.run(step, args=(batch,))
+    return {"weights": [w.tolist() for w in model.get_weights()], "kinds": sorted(kinds)}
+
+
 def seen(strategy: pf.distribute.Strategy, dataset: pf.data.Dataset) -> list:
     """Per step, the elements each local replica got."""
     steps = []
@@ -115,8 +156,13 @@ def seen(strategy: pf.distribute.Strategy, dataset: pf.data.Dataset) -> list:
 
 def main() -> int:
     mode, out_path = sys.argv[1], sys.argv[2]
-    if mode in ("reference", "fit_reference"):
-        result = train(None) if mode == "reference" else fit(None, os.environ["CKPT_DIR"])
+    if mode in ("reference", "fit_reference", "sparse_reference"):
+        if mode == "reference":
+            result = train(None)
+        elif mode == "sparse_reference":
+            result = train_sparse(None)
+        else:
+            result = fit(None, os.environ["CKPT_DIR"])
         with open(out_path, "w") as f:
             json.dump(result, f)
         return 0
@@ -133,6 +179,8 @@ def main() -> int:
         }
         if mode == "train":
             result.update(train(strategy))
+        elif mode == "sparse":
+            result.update(train_sparse(strategy))
         elif mode == "fit":
             result.update(fit(strategy, os.environ["CKPT_DIR"]))
         elif mode == "allreduce":

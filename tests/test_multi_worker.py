@@ -58,6 +58,19 @@ def test_custom_loop_trains_like_one_process_on_the_global_batch(
     np.testing.assert_allclose(results[0]["losses"], reference["losses"], atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sparse_gradients_are_gathered_and_train_like_one_process(tmp_path, devices):
+    # Adam on IndexedSlices updates only the rows a step touched (as one process does);
+    # densifying the embedding gradient would move the others too
+    reference = run_reference(tmp_path, "sparse_reference")
+    codes, results, logs = run_workers(tmp_path, "sparse", 2, devices=devices)
+    _ok(codes, logs)
+    assert results[0]["kinds"] == reference["kinds"] == ["IndexedSlices"]
+    assert results[0]["weights"] == results[1]["weights"]
+    for got, want in zip(results[0]["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
 def test_a_chief_task_is_worker_0_of_the_group(tmp_path, reference):
     codes, results, logs = run_workers(tmp_path, "train", 2, chief=True)
     _ok(codes, logs)

@@ -44,6 +44,7 @@ from psflow.distribute.mirrored_strategy import (
 from psflow.distribute.reduce_util import ReduceOp
 from psflow.distribute.sync_on_read import SyncOnReadVariable
 from psflow.distribute.values import PerReplica
+from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, to_array
 from psflow.util import nest
 
@@ -126,6 +127,48 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
 
         strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
         return constant(strategy._global_replica(self._replica_id), dtype="int32")
+
+    def _all_reduce_gradients(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        """Sums dense gradients; gathers sparse ones (``IndexedSlices``) instead of densifying.
+
+        The replicas first agree, in one tiny all-reduce, which variables got a
+        dense gradient somewhere and which only sparse ones.  A sparse-only
+        variable's rows and indices are all-gathered in replica order (a
+        replica without a gradient adds no rows), so every worker applies the
+        same sparse update, as one process would with the global batch's
+        gradient; the others take the dense all-reduce (sparse ones densified).
+        """
+        strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
+        comm = strategy._communicator
+        kinds = np.zeros((len(grads), 2), np.int64)  # [dense count, sparse count]
+        for i, g in enumerate(grads):
+            if g is not None:
+                kinds[i, 1 if isinstance(g, IndexedSlices) else 0] = 1
+        (counts,) = comm.all_reduce(self._replica_id, [kinds], "SUM")
+        sparse = [i for i, (dense, rows) in enumerate(counts) if dense == 0 and rows > 0]
+        if not sparse:
+            return super()._all_reduce_gradients(grads, variables)
+        out: list[Any] = [None] * len(grads)
+        dense = [i for i in range(len(grads)) if i not in set(sparse)]
+        if dense:
+            reduced = super()._all_reduce_gradients(
+                [grads[i] for i in dense], [variables[i] for i in dense]
+            )
+            for i, r in zip(dense, reduced):
+                out[i] = r
+        for i in sparse:
+            g, v = grads[i], variables[i]
+            shape = tuple(v.shape)
+            if g is None:  # this replica's batch touched no row
+                values = np.zeros((0, *shape[1:]), v.dtype.np)
+                indices = np.zeros((0,), np.int64)
+            else:
+                values = np.asarray(backend.to_numpy(to_array(g.values)))
+                indices = np.asarray(backend.to_numpy(to_array(g.indices))).astype(np.int64)
+            all_values = comm.all_gather(self._replica_id, values, 0)
+            all_indices = comm.all_gather(self._replica_id, indices, 0)
+            out[i] = IndexedSlices(all_values, all_indices, shape)
+        return out
 
 
 class MultiWorkerExtended(MirroredExtended):
