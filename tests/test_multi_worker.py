@@ -25,6 +25,9 @@ from psflow.security.config import SecurityConfig
 from tests.conftest import ROOT, child_env
 from tests.multi_worker_util import run_reference, run_workers
 
+# a ring thread that dies with an exception fails the test that left it behind
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
 # Summing a gradient over replicas in another order than one process does changes float32
 # results by a few ulps per step; 2 epochs of 3 steps keep them within this.
 ATOL, RTOL = 1e-6, 1e-5

@@ -281,12 +281,14 @@ class PeerLinks:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            self._listener.settimeout(min(left, 0.5))
             try:
+                self._listener.settimeout(min(left, 0.5))
                 sock, _addr = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError as e:
+                if self._broken is not None:  # closed meanwhile: nobody waits for this any more
+                    return None
                 return errors.UnavailableError(f"collective: accept failed: {e}")
             try:
                 stream = self._admit(sock, deadline, expected)
