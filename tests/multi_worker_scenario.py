@@ -97,7 +97,9 @@ def fit(strategy: pf.distribute.Strategy | None, checkpoint_dir: str) -> dict:
     )
     history = model.fit(dataset, epochs=2, verbose=0, callbacks=[checkpoint])
     predictions = model.predict(pf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH))
+    evaluation = model.evaluate(dataset, verbose=0, return_dict=True)
     return {
+        "evaluate": evaluation,
         "weights": [w.tolist() for w in model.get_weights()],
         "history": history.history,
         "predictions": np.asarray(predictions).tolist(),

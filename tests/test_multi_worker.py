@@ -291,6 +291,8 @@ def test_keras_fit_trains_like_one_process_and_only_the_chief_checkpoints(
     for result in results:
         for name, values in reference["history"].items():
             np.testing.assert_allclose(result["history"][name], values, rtol=RTOL)
+        for name, value in reference["evaluate"].items():
+            assert result["evaluate"][name] == pytest.approx(value, rel=RTOL)
         # predict gives every worker the whole global batch, in order
         np.testing.assert_allclose(result["predictions"], reference["predictions"], atol=1e-5)
     assert sorted(p.name for p in dirs[0].iterdir()) == sorted(p.name for p in ref_dir.iterdir())

@@ -39,7 +39,7 @@ from typing import Any
 from psflow import errors
 from psflow.errors import Code
 from psflow.proto import dataplane_pb2
-from psflow.security.config import SecurityConfig
+from psflow.security.config import SecurityConfig, check_bind, is_loopback
 from psflow.transport.dataplane import auth, frames
 from psflow.transport.dataplane.stream import FrameStream, tune
 
@@ -152,8 +152,6 @@ class PeerLinks:
 
     def _bind(self) -> socket.socket:
         host, port = split_address(self.addresses[self.rank])
-        from psflow.security.config import check_bind, is_loopback
-
         bind = host if is_loopback(host) else "0.0.0.0"
         check_bind(bind, self.security)
         sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -311,6 +312,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._resolver = cluster_resolver
         self._group = group
         self._ring = CrossHostRing(links, options.timeout)
+        # the links' sockets and threads go when the strategy does (or at exit)
+        self._ring_finalizer = weakref.finalize(self, self._ring.close)
         super().__init__(communication_options=options)
         self._fused_update = False  # the fused ring is in-process only
 
