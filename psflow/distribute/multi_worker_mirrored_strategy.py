@@ -314,7 +314,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._ring = CrossHostRing(links, options.timeout)
         # the links' sockets and threads go when the strategy does (or at exit)
         self._ring_finalizer = weakref.finalize(self, self._ring.close)
-        super().__init__(communication_options=options)
+        try:
+            super().__init__(communication_options=options)
+        except BaseException:  # e.g. NCCL asked for without CuPy: free the port at once
+            self._ring.close()
+            raise
         self._fused_update = False  # the fused ring is in-process only
 
     def _reset_collectives(self) -> None:
