@@ -235,6 +235,14 @@ def main() -> int:
             result["steps"] = seen(
                 strategy, pf.data.Dataset.range(8).batch(4).with_options(options_off)
             )
+        elif mode == "shard_hint":
+            options_hint = pf.data.Options()
+            options_hint.experimental_distribute.auto_shard_policy = (
+                pf.data.experimental.AutoShardPolicy.HINT
+            )
+            hint = pf.data.experimental.SHARD_HINT
+            dataset = pf.data.Dataset.range(16).shard(hint, hint).batch(4)
+            result["steps"] = seen(strategy, dataset.with_options(options_hint))
         elif mode == "uneven":
             result["steps"] = seen(strategy, pf.data.Dataset.range(10).batch(4))
 

@@ -19,8 +19,10 @@ worker reads (TensorFlow's policies):
   replicas take the next ``L`` pieces in turn, so every worker sees the whole
   dataset (``W`` times as many steps per epoch);
 * ``FILE``: ``NotFoundError``, as TensorFlow when no file reader is found;
-* ``HINT``: ``UnimplementedError`` (``shard(SHARD_HINT, ...)`` placeholders
-  are not rewritten yet).
+* ``HINT``: every ``shard(SHARD_HINT, SHARD_HINT)`` in the pipeline becomes
+  ``shard(num_workers, worker_index)`` (none: no sharding); each worker's
+  batches are then cut into ``N`` per-replica pieces taken ``L`` at a time,
+  as with ``OFF`` (TensorFlow's rebatching after a file-level shard).
 
 Each step the workers agree, with a one-integer all-reduce, whether any of
 them still has data: the epoch ends on every worker at once; a worker that
@@ -37,7 +39,9 @@ import numpy as np
 
 from psflow import backend, errors
 from psflow.collective.cross_host import CrossHostRing
+from psflow.data.dataset import Dataset
 from psflow.data.options import AutoShardPolicy
+from psflow.data.ordering import replace_shard_hints
 from psflow.distribute import input_lib
 from psflow.distribute.input_lib import DistributedIterator, split_sizes
 from psflow.distribute.values import PerReplica
@@ -52,7 +56,6 @@ def shard_policy(dataset: Any) -> AutoShardPolicy:
 
     Raises:
         NotFoundError: FILE, and the pipeline reads no files (as TensorFlow).
-        UnimplementedError: HINT.
     """
     options = dataset.options() if hasattr(dataset, "options") else None
     policy = AutoShardPolicy.AUTO
@@ -64,11 +67,6 @@ def shard_policy(dataset: Any) -> AutoShardPolicy:
         raise errors.NotFoundError(
             "auto_shard_policy FILE: the dataset reads no files to shard by worker; "
             "use AutoShardPolicy.DATA or OFF"
-        )
-    if policy is AutoShardPolicy.HINT:
-        raise errors.UnimplementedError(
-            "auto_shard_policy HINT is not supported by MultiWorkerMirroredStrategy yet; "
-            "use DATA, OFF, or shard in distribute_datasets_from_function"
         )
     return policy
 
@@ -185,7 +183,10 @@ class MultiWorkerDataset:
         self.global_batch_size: int | None = None
 
     def _local_steps(self) -> Callable[[], list[Any] | None]:
-        it = iter(self._dataset)
+        dataset = self._dataset
+        if self._policy is AutoShardPolicy.HINT and isinstance(dataset, Dataset):
+            dataset, _ = replace_shard_hints(dataset, self._num_workers, self._worker)
+        it = iter(dataset)
         n_local = len(self._devices)
         n = n_local * self._num_workers
         if self._policy is AutoShardPolicy.DATA:
@@ -201,7 +202,7 @@ class MultiWorkerDataset:
 
             return step
 
-        pieces: list[Any] = []  # OFF: the stream of per-replica pieces, taken L at a time
+        pieces: list[Any] = []  # OFF, HINT: the stream of per-replica pieces, taken L at a time
 
         def step_off() -> list[Any] | None:
             while len(pieces) < n_local:
