@@ -1099,6 +1099,7 @@ def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, targe
             host=args.host,
             port_base=args.port_base,
             grace=args.grace,
+            restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

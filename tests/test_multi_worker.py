@@ -423,3 +423,33 @@ def test_workers_calling_different_collectives_fail_with_internal_error():
             lk.close()
     assert all(isinstance(e, pf.errors.InternalError) for e in out), out
     assert any("different collectives" in str(e) for e in out)
+
+
+def test_psflow_local_restarts_the_whole_group_on_failure(tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import json, os, pathlib, sys\n"
+        "import psflow as pf\n"
+        "index = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "opts = pf.distribute.experimental.CommunicationOptions(timeout_seconds=20)\n"
+        "strategy = pf.distribute.MultiWorkerMirroredStrategy(communication_options=opts)\n"
+        f"marker = pathlib.Path({str(tmp_path)!r}) / f'ran-{{index}}'\n"
+        "first = not marker.exists()\n"
+        "marker.touch()\n"
+        "if first and index == 1:\n"
+        "    sys.exit(5)  # the first generation loses worker 1\n"
+        "total = strategy.reduce('SUM', strategy.run(lambda: pf.constant(1.0)), axis=None)\n"
+        "print('sum', float(total))\n"
+    )
+    out = _local(
+        "--mode", "multi-worker", "--workers", "2", "--restart", "on-failure",
+        "--max-restarts", "1", "--grace", "5", str(script),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "restarting all of them in their slots (restart 1 of 1)" in out.stderr
+    assert "[worker:0] sum 2.0" in out.stdout and "[worker:1] sum 2.0" in out.stdout
+    # without restarts the same failure ends the run with worker 1's status
+    for marker in tmp_path.glob("ran-*"):
+        marker.unlink()
+    out = _local("--mode", "multi-worker", "--workers", "2", "--grace", "5", str(script))
+    assert out.returncode == 5, out.stdout + out.stderr
