@@ -453,3 +453,39 @@ def test_psflow_local_restarts_the_whole_group_on_failure(tmp_path):
         marker.unlink()
     out = _local("--mode", "multi-worker", "--workers", "2", "--grace", "5", str(script))
     assert out.returncode == 5, out.stdout + out.stderr
+
+
+def test_intruders_are_refused_and_do_not_keep_the_neighbour_out():
+    from psflow.proto import dataplane_pb2
+    from psflow.transport.dataplane import auth, frames
+
+    listeners = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        listeners.append(s)
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    security = SecurityConfig(token="t" * 20)
+    silent = socket.create_connection(listeners[0].getsockname(), timeout=10)  # says nothing
+    wrong = socket.create_connection(listeners[0].getsockname(), timeout=10)
+    hello = auth.hello(SecurityConfig(token="w" * 20), "worker:1")
+    wrong.sendall(frames.pack(frames.Kind.HELLO, header_len=len(hello)) + hello)
+    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(2)]
+    threads = [threading.Thread(target=lk.connect, args=(20.0,)) for lk in links]
+    try:
+        for t in threads:
+            t.start()
+        raw = wrong.recv(4096)
+        head = frames.unpack(raw[: frames.FIXED.size], max_header=4096, max_payload=0)
+        status = dataplane_pb2.DataPlaneStatus.FromString(raw[frames.FIXED.size :])
+        assert head.kind is frames.Kind.ERROR and status.code == "UNAUTHENTICATED"
+        for t in threads:
+            t.join(30)
+        out = _on_both(links, [lambda r: r.all_reduce([np.ones(3, np.float32)])] * 2)
+        assert all(np.array_equal(o[0], np.full(3, 2, np.float32)) for o in out), out
+    finally:
+        silent.close()
+        wrong.close()
+        for lk in links:
+            lk.close()

@@ -49,8 +49,9 @@ _METHOD = frames.method_id("psflow.collective.ring")
 _HEARTBEAT = frames.method_id("psflow.collective.heartbeat")
 _MAX_PAYLOAD = 1 << 40
 _RETRY_SECONDS = 0.05
-_FORWARD_SECONDS = 2.0
-_LINGER_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
+_FORWARD_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
+_LINGER_SECONDS = 2.0  # how long a refused worker still answers its left neighbour
+_HELLO_SECONDS = 5.0  # how long an incoming connection has to authenticate
 
 
 def peer_name(rank: int, address: str) -> str:
@@ -201,6 +202,8 @@ class PeerLinks:
                 task=f"worker:{self.left_rank}",
             )
         self._left = outcome
+        with contextlib.suppress(OSError):  # both links are up: nobody else may connect
+            self._listener.close()
         self._sender = threading.Thread(
             target=self._send_loop, name="psflow-ring-send", daemon=True
         )
@@ -300,6 +303,8 @@ class PeerLinks:
     def _admit(self, sock: socket.socket, deadline: float, expected: str) -> FrameStream | None:
         """Checks one incoming connection's HELLO; refuses (ERROR frame) all but the left peer."""
         tune(sock)
+        # a caller that says nothing must not hold the door until the deadline
+        deadline = min(deadline, time.monotonic() + _HELLO_SECONDS)
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             sock = self._wrap(sock, server=True, host="")
