@@ -494,3 +494,16 @@ def test_intruders_are_refused_and_do_not_keep_the_neighbour_out():
         wrong.close()
         for lk in links:
             lk.close()
+
+
+def test_the_multi_worker_keras_tutorial_runs_on_two_workers(tmp_path):
+    out = _local(
+        "--mode", "multi-worker", "--workers", "2",
+        str(ROOT / "examples" / "multi_worker_keras_tutorial.py"),
+        "--epochs", "2", "--workdir", str(tmp_path), "--min-accuracy", "0.6",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    finals = {ln.split("] ", 1)[1] for ln in out.stdout.splitlines() if "final training" in ln}
+    assert len(finals) == 1  # both workers report the same (all-worker) accuracy
+    # the chief wrote the model; the other worker's temporary copy is gone, and so is the backup
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keras-model.keras"]
