@@ -57,10 +57,9 @@ def shard_policy(dataset: Any) -> AutoShardPolicy:
     Raises:
         NotFoundError: FILE, and the pipeline reads no files (as TensorFlow).
     """
-    options = dataset.options() if hasattr(dataset, "options") else None
-    policy = AutoShardPolicy.AUTO
-    if options is not None:
-        policy = AutoShardPolicy(options.experimental_distribute.auto_shard_policy)
+    policy = AutoShardPolicy.AUTO  # a plain iterable of batches: as a dataset without options
+    if isinstance(dataset, Dataset):
+        policy = AutoShardPolicy(dataset.options().experimental_distribute.auto_shard_policy)
     if policy is AutoShardPolicy.AUTO:
         return AutoShardPolicy.DATA
     if policy is AutoShardPolicy.FILE:
