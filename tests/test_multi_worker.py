@@ -275,6 +275,40 @@ def test_auto_shard_hint_replaces_the_placeholder_by_the_worker_shard(tmp_path):
     assert results[1]["steps"] == [[[1, 3]], [[5, 7]], [[9, 11]], [[13, 15]]]
 
 
+@pytest.mark.parametrize(
+    ("devices", "samples"),
+    [(1, 36), (2, 36), (2, 30)],  # 30: the last global batch of 6 is cut 2 + 2 + 2 + 0
+)
+def test_keras_fit_trains_like_one_process_and_only_the_chief_checkpoints(
+    tmp_path, devices, samples
+):
+    ref_dir, dirs = tmp_path / "reference", [tmp_path / "w0", tmp_path / "w1"]
+    data_env = {"SCENARIO_SAMPLES": str(samples)}
+    reference = run_reference(tmp_path, "fit_reference", env={"CKPT_DIR": str(ref_dir), **data_env})
+    codes, results, logs = run_workers(
+        tmp_path,
+        "fit",
+        2,
+        devices=devices,
+        env=data_env,
+        per_worker_env={i: {"CKPT_DIR": str(d)} for i, d in enumerate(dirs)},
+    )
+    _ok(codes, logs)
+    assert results[0]["weights"] == results[1]["weights"]
+    for got, want in zip(results[0]["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    # the logs are every worker's metric states summed: the same numbers as one process
+    for result in results:
+        for name, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][name], values, rtol=RTOL)
+        for name, value in reference["evaluate"].items():
+            assert result["evaluate"][name] == pytest.approx(value, rel=RTOL)
+        # predict gives every worker the whole global batch, in order
+        np.testing.assert_allclose(result["predictions"], reference["predictions"], atol=1e-5)
+    assert sorted(p.name for p in dirs[0].iterdir()) == sorted(p.name for p in ref_dir.iterdir())
+    assert not dirs[1].exists() or not any(dirs[1].iterdir())
+
+
 # -- psflow local --mode multi-worker ----------------------------------------------------
 
 
