@@ -14,6 +14,7 @@ Modes:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -95,7 +96,10 @@ def fit(strategy: pf.distribute.Strategy | None, checkpoint_dir: str) -> dict:
     checkpoint = pf.keras.callbacks.ModelCheckpoint(
         os.path.join(checkpoint_dir, "ckpt-{epoch}.weights.h5")
     )
-    history = model.fit(dataset, epochs=2, verbose=0, callbacks=[checkpoint])
+    callbacks: list = [checkpoint]
+    if importlib.util.find_spec("tensorboard") is not None:  # the optional extra
+        callbacks.append(pf.keras.callbacks.TensorBoard(os.path.join(checkpoint_dir, "tb")))
+    history = model.fit(dataset, epochs=2, verbose=0, callbacks=callbacks)
     predictions = model.predict(pf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH))
     evaluation = model.evaluate(dataset, verbose=0, return_dict=True)
     return {
