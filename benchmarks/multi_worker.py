@@ -87,7 +87,10 @@ def ring_case(workers: int, sizes: list[int], repeats: int) -> dict[int, float]:
             "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1",
         }
-        code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.multi_worker import _worker; _worker({sizes!r}, {repeats})"
+        code = (
+            f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+            f"from benchmarks.multi_worker import _worker\n_worker({sizes!r}, {repeats})\n"
+        )
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
