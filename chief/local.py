@@ -897,11 +897,20 @@ def _interactive() -> bool:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="psflow local",
-        usage="psflow local --ps N --workers M [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]",
-        description="Run SCRIPT as the chief of a cluster of separate processes on loopback.",
+        usage="psflow local (--ps N | --mode multi-worker) --workers M [OPTIONS] "
+        "(SCRIPT | -m MODULE) [ARGS...]",
+        description="Run SCRIPT as the chief of a cluster of separate processes on loopback "
+        "(with --mode multi-worker: run M peer workers of SCRIPT).",
     )
     p.add_argument(
-        "--ps", "--num-ps", type=int, required=True, metavar="N", help="parameter-server tasks"
+        "--mode",
+        default="ps",
+        choices=["ps", "multi-worker"],
+        help="ps: parameter servers, workers and SCRIPT as the chief (default); multi-worker: "
+        "M processes of SCRIPT as the workers of a MultiWorkerMirroredStrategy (chief/peers.py)",
+    )
+    p.add_argument(
+        "--ps", "--num-ps", type=int, metavar="N", help="parameter-server tasks (--mode ps)"
     )
     p.add_argument(
         "--ps-max",
@@ -1067,6 +1076,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="[local] %(levelname)s %(message)s"
     )
+    if args.mode == "multi-worker":
+        return _main_peers(parser, args, target)
+    if args.ps is None:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write("psflow local: --ps N is required (or --mode multi-worker)\n")
+        return int(ExitCode.USAGE_ERROR)
     try:
         config = LocalClusterConfig(
             num_ps=args.ps,
@@ -1094,6 +1109,35 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"psflow local: {e}\n")
         return int(ExitCode.USAGE_ERROR)
     return cluster.run()
+
+
+def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, target: Target) -> int:
+    """``--mode multi-worker``: peer workers of the script, no ps, no separate chief."""
+    from chief.peers import run_peers
+
+    if args.ps or args.ps_max:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(
+            f"psflow local: --mode multi-worker runs no parameter servers; drop --ps {args.ps}\n"
+        )
+        return int(ExitCode.USAGE_ERROR)
+    try:
+        check_loopback(args.host)
+        if args.workers < 1:
+            raise InvalidArgumentError(f"--workers must be at least 1, got {args.workers}")
+        return run_peers(
+            target,
+            args.workers,
+            devices_per_worker=args.devices_per_worker,
+            host=args.host,
+            port_base=args.port_base,
+            grace=args.grace,
+            restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
+        )
+    except InvalidArgumentError as e:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"psflow local: {e}\n")
+        return int(ExitCode.USAGE_ERROR)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,8 @@ from psflow.data.options import (
     OptimizationOptions,
     ThreadingOptions,
 )
+from psflow.data.ordering import SHARD_HINT
 from psflow.framework.tensor import Tensor
-
-SHARD_HINT = -1
 
 
 def cardinality(dataset: Dataset) -> Tensor:

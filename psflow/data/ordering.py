@@ -180,13 +180,27 @@ class SkipDataset(Dataset):
         return itertools.islice(self._inputs[0]._iter_flat(), self._count, None)
 
 
+SHARD_HINT = -1
+"""``shard(SHARD_HINT, SHARD_HINT)``: a placeholder a multi-worker strategy with
+``AutoShardPolicy.HINT`` replaces by ``shard(num_workers, worker_index)``."""
+
+
 class ShardDataset(Dataset):
-    """``Dataset.shard``: elements ``index``, ``index + num_shards``, ..."""
+    """``Dataset.shard``: elements ``index``, ``index + num_shards``, ...
+
+    ``shard(SHARD_HINT, SHARD_HINT)`` is a placeholder (see :data:`SHARD_HINT`,
+    :func:`replace_shard_hints`); iterating it unreplaced is an error.
+    """
 
     def __init__(self, input_dataset: Dataset, num_shards: Any, index: Any) -> None:
         super().__init__(input_dataset)
         num = int_arg(num_shards, "num_shards")
         idx = int_arg(index, "index")
+        self._num: int | None
+        self._index: int | None
+        if num == SHARD_HINT and idx == SHARD_HINT:
+            self._num = self._index = None
+            return
         if num <= 0:
             raise errors.InvalidArgumentError(
                 f"shard: num_shards must be greater than zero, got num_shards={num}"
@@ -197,21 +211,67 @@ class ShardDataset(Dataset):
             )
         self._num, self._index = num, idx
 
+    @property
+    def is_hint(self) -> bool:
+        """Whether this is a ``shard(SHARD_HINT, SHARD_HINT)`` placeholder."""
+        return self._num is None
+
+    def _shards(self) -> tuple[int, int]:
+        if self._num is None or self._index is None:
+            raise errors.InvalidArgumentError(
+                "shard(SHARD_HINT, SHARD_HINT) is a placeholder: MultiWorkerMirroredStrategy "
+                "replaces it with auto_shard_policy=HINT; elsewhere give num_shards and index"
+            )
+        return self._num, self._index
+
     def _cardinality(self) -> int:
         n = self._inputs[0]._cardinality()
         if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
             return n
+        if self._num is None:
+            return UNKNOWN_CARDINALITY
         return n // self._num + (1 if self._index < n % self._num else 0)
 
     def _has_plan(self) -> bool:
-        return self._inputs[0]._has_plan()
+        return self._num is not None and self._inputs[0]._has_plan()
 
     def _plan(self) -> _Plan:
+        num, index = self._shards()
         inner = self._inputs[0]._plan()
-        return _Plan(inner.gather, _shard_chunks(inner.chunks, self._num, self._index), inner.rows)
+        return _Plan(inner.gather, _shard_chunks(inner.chunks, num, index), inner.rows)
 
     def _iter_elements(self) -> Iterator[tuple[Any, ...]]:
-        return itertools.islice(self._inputs[0]._iter_flat(), self._index, None, self._num)
+        num, index = self._shards()
+        return itertools.islice(self._inputs[0]._iter_flat(), index, None, num)
+
+
+def replace_shard_hints(dataset: Dataset, num_shards: int, index: int) -> tuple[Dataset, int]:
+    """``dataset`` with every ``shard(SHARD_HINT, SHARD_HINT)`` made ``shard(num_shards, index)``.
+
+    The nodes on the way to a placeholder are copied (the others shared);
+    ``dataset`` itself is not changed.  Returns the new dataset and how many
+    placeholders were replaced.
+
+    Example:
+        >>> import psflow as pf
+        >>> ds = pf.data.Dataset.range(6).shard(SHARD_HINT, SHARD_HINT)
+        >>> shard, count = replace_shard_hints(ds, 2, 1)
+        >>> [int(x) for x in shard], count
+        ([1, 3, 5], 1)
+    """
+    import copy
+
+    inputs = [replace_shard_hints(d, num_shards, index) for d in dataset._inputs]
+    count = sum(c for _, c in inputs)
+    hint = isinstance(dataset, ShardDataset) and dataset.is_hint
+    if not count and not hint:
+        return dataset, 0
+    node = copy.copy(dataset)
+    node._inputs = tuple(d for d, _ in inputs)
+    if hint:
+        node._num, node._index = num_shards, index
+        count += 1
+    return node, count
 
 
 # -- cache ------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from psflow.distribute.distribute_lib import (
     in_cross_replica_context,
 )
 from psflow.distribute.mirrored_strategy import MirroredStrategy
+from psflow.distribute.multi_worker_mirrored_strategy import MultiWorkerMirroredStrategy
 from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 from psflow.distribute.ps.values import ShardedVariable
 from psflow.distribute.reduce_util import ReduceOp

@@ -238,6 +238,23 @@ class StrategyExtended:
         """A runner for ``model.fit`` and friends (None: the engine picks by strategy)."""
         return None
 
+    def metric_results(self, metrics: Sequence[Any]) -> dict[str, float]:
+        """The logs ``fit`` reports for ``metrics``: each one's result, here in this process.
+
+        A multi-process strategy combines every process's metric state first.
+        """
+        return {m.name: float(m.result()._value) for m in metrics}
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints (TF: the chief; here the only process)."""
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this process writes summaries."""
+        return True
+
     def apply_update(
         self,
         optimizer: Any,

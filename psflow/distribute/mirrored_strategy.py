@@ -521,6 +521,10 @@ class MirroredStrategy(distribute_lib.Strategy):
             among ``devices``, or a cluster of more than one task.
     """
 
+    # what a subclass (MultiWorkerMirroredStrategy) builds instead
+    _extended_type: type[MirroredExtended] = MirroredExtended
+    _replica_context_type: type[MirroredReplicaContext] = MirroredReplicaContext
+
     def __init__(
         self,
         devices: list[str] | None = None,
@@ -571,7 +575,7 @@ class MirroredStrategy(distribute_lib.Strategy):
             raise errors.InvalidArgumentError(
                 f"cross_device_ops must be a CrossDeviceOps or a name, got {cross_device_ops!r}"
             )
-        super().__init__(MirroredExtended(self, parsed))
+        super().__init__(self._extended_type(self, parsed))
         self._devices = parsed
         self._cross_device_ops = ops
         self._options = options
@@ -610,7 +614,7 @@ class MirroredStrategy(distribute_lib.Strategy):
         if tasks > 1:
             raise errors.InvalidArgumentError(
                 f"MirroredStrategy trains on one machine, but cluster_spec {spec.as_dict()} has "
-                f"{tasks} tasks; use ParameterServerStrategy for several machines"
+                f"{tasks} tasks; use MultiWorkerMirroredStrategy or ParameterServerStrategy for several machines"
             )
         return spec
 
@@ -681,7 +685,7 @@ class MirroredStrategy(distribute_lib.Strategy):
             def call() -> Any:
                 my_args = select_replica(i, args)
                 my_kwargs = select_replica(i, kwargs)
-                ctx = MirroredReplicaContext(self, i)
+                ctx = self._replica_context_type(self, i)
                 with (
                     backend.device(self._devices[i]),
                     distribute_lib._enter(distribute_lib._Context(self, ctx)),

@@ -329,6 +329,8 @@ class ModelCheckpoint(Callback):
         self._batches = 0
 
     def _save(self, epoch: int, logs: dict | None) -> None:
+        if not self.model.distribute_strategy.extended.should_checkpoint:
+            return  # a multi-worker job: the chief (worker 0) writes; its weights are the same
         logs = logs or {}
         path = self.filepath.format(epoch=epoch + 1, **logs)
         if self.save_best_only:
@@ -549,7 +551,10 @@ class BackupAndRestore(Callback):
 
     def save(self, next_epoch: int, step_in_epoch: int = 0) -> str | None:
         """Backs up the model with where training continues: ``step_in_epoch``
-        batches of epoch ``next_epoch`` are done."""
+        batches of epoch ``next_epoch`` are done.  In a multi-worker job only
+        the chief (worker 0) writes: every worker holds the same state."""
+        if not self.model.distribute_strategy.extended.should_checkpoint:
+            return None
         return self._ensure_manager().save(
             check_interval=False,
             extra={
@@ -581,6 +586,8 @@ class BackupAndRestore(Callback):
             self.save(epoch + 1)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if not self.model.distribute_strategy.extended.should_checkpoint:
+            return  # the chief removes the backup it wrote
         if self.delete_checkpoint:  # only reached when fit completes
             import shutil
 

@@ -9,7 +9,8 @@ imported when the callback is created, with a clear error when missing.
 
 Only the process running ``fit`` writes: under ParameterServerStrategy that
 is the chief (workers run closures, never callbacks), under
-MirroredStrategy the one process. Values are the aggregated logs ``fit``
+MirroredStrategy the one process, under MultiWorkerMirroredStrategy the
+chief alone (``strategy.extended.should_save_summary``), TensorFlow's rule. Values are the aggregated logs ``fit``
 already gathered, so every strategy writes the same curves.
 """
 
@@ -106,6 +107,8 @@ class TensorBoard(Callback):
         return writer
 
     def _write(self, kind: str, prefix: str, logs: dict[str, Any], step: int) -> None:
+        if not self.model.distribute_strategy.extended.should_save_summary:
+            return  # another worker of a multi-worker job: the chief writes the same curves
         values = []
         for name, value in logs.items():
             try:

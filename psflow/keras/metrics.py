@@ -116,6 +116,10 @@ class Metric:
         """The current value, a float32 scalar tensor."""
         return self._result_from(self.get_state())
 
+    def result_of_state(self, state: Any) -> Tensor:
+        """The value this metric has with ``state`` (e.g. several processes' states summed)."""
+        return self._result_from(tuple(np.asarray(x, dtype=np.float64) for x in state))
+
     def reset_state(self) -> None:
         """Clears the accumulated state (on the parameter servers too, when it lives there)."""
         initial = self._initial_state()

@@ -19,4 +19,8 @@ def __getattr__(name: str):
         from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 
         return ParameterServerStrategy
+    if name == "MultiWorkerMirroredStrategy":
+        from psflow.distribute.multi_worker_mirrored_strategy import MultiWorkerMirroredStrategy
+
+        return MultiWorkerMirroredStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -168,7 +168,8 @@ class Model(Layer):
             m.reset_state()
 
     def _current_logs(self) -> dict[str, float]:
-        return {m.name: float(m.result()._value) for m in self.metrics}
+        # a multi-worker strategy combines every worker's metric state here
+        return self.distribute_strategy.extended.metric_results(self.metrics)
 
     def _assert_compiled(self, what: str) -> None:
         if not self.compiled:

@@ -1,0 +1,226 @@
+"""Collectives between worker processes: a ring over :class:`~.peer_link.PeerLinks`.
+
+All-reduce, for each dtype of a call (its arrays flattened into one buffer,
+cut into packs of at most ``bytes_per_pack`` when that is set), on ``N``
+workers, each pack split into ``N`` chunks:
+
+* **reduce-scatter** (N-1 steps): at step ``s`` worker ``r`` sends chunk
+  ``(r-s) % N`` to its right and adds the chunk ``(r-s-1) % N`` from its left
+  into its own.  After the last step it holds the full sum of chunk
+  ``(r+1) % N``; a mean is divided there, once.
+* **all-gather** (N-1 steps): at step ``s`` it sends chunk ``(r+1-s) % N`` and
+  receives chunk ``(r-s) % N`` straight into its buffer.
+
+Each chunk is summed by one worker and then copied, so every worker ends with
+the same bits; each sends ``2(N-1)/N`` of the buffer.  A send overlaps the
+step's receive (the links' sender thread), so two neighbours never wait on
+each other's full socket buffers.  Inside a call each worker sends
+heartbeats to its right: a worker blames its left neighbour when it stays
+silent for ``timeout`` seconds, and otherwise (the neighbour is alive and
+itself waiting) waits for the error that neighbour forwards, so every
+survivor names the peer that died or froze.  No call outlasts ``2 * timeout``.
+
+Example (one worker: the arrays themselves, copied):
+    >>> import numpy as np
+    >>> CrossHostRing(None).all_reduce([np.ones(2, np.float32)])[0]
+    array([1., 1.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from psflow import errors
+from psflow.collective.options import DEFAULT_TIMEOUT_SECONDS
+from psflow.collective.peer_link import PeerLinks
+
+__all__ = ["CrossHostRing"]
+
+
+def _bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``[0, length)``, sizes differing by at most one."""
+    edges = [length * i // parts for i in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class CrossHostRing:
+    """The workers' collectives; one call at a time, called by every worker in the same order.
+
+    Args:
+        links: this worker's connected :class:`PeerLinks`, or None for a single worker.
+        timeout: how long a neighbour may stay silent inside a call before it is
+            blamed (every worker's error names the peer that failed).
+    """
+
+    def __init__(self, links: PeerLinks | None, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        self.links = links
+        self.size = 1 if links is None else links.size
+        self.rank = 0 if links is None else links.rank
+        self.timeout = timeout
+        if links is not None:
+            links.silence = timeout
+            links.heartbeat = min(1.0, timeout / 4)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[float]:
+        """One collective: its lock, heartbeats on, and its hard deadline."""
+        with self._lock:
+            if self.links is None:
+                yield time.monotonic() + 2 * self.timeout
+                return
+            self.links.begin()
+            try:
+                yield time.monotonic() + 2 * self.timeout
+            finally:
+                self.links.end()
+
+    # -- all-reduce ---------------------------------------------------------------------
+    def all_reduce(
+        self,
+        arrays: Sequence[Any],
+        *,
+        divisor: int | None = None,
+        bytes_per_pack: int = 0,
+    ) -> list[np.ndarray]:
+        """Sums each array over the workers (then divides by ``divisor``, if given).
+
+        Args:
+            arrays: this worker's NumPy arrays; the same shapes and dtypes on every worker.
+            divisor: for a mean: the sum is divided by it (once, before it is copied).
+            bytes_per_pack: cut each dtype's buffer into packs of at most this many bytes.
+
+        Returns:
+            New arrays, bitwise equal on every worker.
+
+        Raises:
+            UnavailableError / DeadlineExceededError: a peer died or stalled (named).
+            InternalError: the workers called different collectives.
+        """
+        arrays = [np.asarray(a) for a in arrays]
+        groups: dict[str, list[int]] = {}
+        for i, a in enumerate(arrays):
+            groups.setdefault(a.dtype.str, []).append(i)
+        out: list[Any] = [None] * len(arrays)
+        with self._call() as deadline:
+            for dtype, members in groups.items():
+                flat = np.concatenate([arrays[i].reshape(-1) for i in members]) if members else None
+                assert flat is not None
+                flat = flat.astype(np.dtype(dtype), copy=False)
+                if self.size > 1 and flat.size:
+                    step = flat.size
+                    if bytes_per_pack > 0:
+                        step = max(1, bytes_per_pack // flat.itemsize)
+                    for lo in range(0, flat.size, step):
+                        self._ring_reduce(flat[lo : lo + step], divisor, deadline)
+                elif divisor is not None and divisor != 1:
+                    flat = self._divide(flat, divisor)
+                pos = 0
+                for i in members:
+                    size = arrays[i].size
+                    out[i] = flat[pos : pos + size].reshape(arrays[i].shape)
+                    pos += size
+        return out
+
+    @staticmethod
+    def _divide(x: np.ndarray, divisor: int) -> np.ndarray:
+        if x.dtype.kind in "iu":
+            return x / divisor  # true division, as TF's mean of integers
+        np.divide(x, x.dtype.type(divisor), out=x)
+        return x
+
+    def _ring_reduce(self, buf: np.ndarray, divisor: int | None, deadline: float) -> None:
+        links = self.links
+        assert links is not None
+        n, r = self.size, self.rank
+        chunks = [buf[lo:hi] for lo, hi in _bounds(buf.size, n)]
+        scratch = np.empty(max(c.size for c in chunks), buf.dtype)
+
+        # Phase 1: reduce-scatter.
+        for s in range(n - 1):
+            send_c, recv_c = (r - s) % n, (r - s - 1) % n
+            sent = links.send([chunks[send_c]], deadline)
+            incoming = scratch[: chunks[recv_c].size]
+            links.receive_into(memoryview(incoming), deadline)
+            np.add(chunks[recv_c], incoming, out=chunks[recv_c])
+            links.wait_sent(sent, deadline)
+
+        # The chunk this worker finished: a mean is divided here, once, before it is copied.
+        if divisor is not None and divisor != 1 and buf.dtype.kind not in "iu":
+            mine = chunks[(r + 1) % n]
+            np.divide(mine, buf.dtype.type(divisor), out=mine)
+
+        # Phase 2: all-gather, straight into the buffer.
+        for s in range(n - 1):
+            send_c, recv_c = (r + 1 - s) % n, (r - s) % n
+            sent = links.send([chunks[send_c]], deadline)
+            links.receive_into(memoryview(chunks[recv_c]), deadline)
+            links.wait_sent(sent, deadline)
+
+    # -- all-gather and broadcast ----------------------------------------------------------
+    def all_gather(self, array: Any, axis: int = 0) -> np.ndarray:
+        """Concatenates every worker's ``array`` along ``axis``, in worker order.
+
+        The workers' arrays may differ in size along ``axis`` only.
+
+        Raises:
+            InvalidArgumentError: ``axis`` is out of range.
+            UnavailableError / DeadlineExceededError: as :meth:`all_reduce`.
+        """
+        x = np.asarray(array)
+        if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
+            raise errors.InvalidArgumentError(
+                f"all_gather axis {axis} is out of range for a value of shape {x.shape}"
+            )
+        if self.size == 1:
+            return x.copy()
+        axis %= x.ndim
+        lengths = np.zeros(self.size, np.int64)
+        lengths[self.rank] = x.shape[axis]
+        lengths = self.all_reduce([lengths])[0]
+        moved = np.ascontiguousarray(np.moveaxis(x, axis, 0))
+        rest = moved.shape[1:]
+        blocks = [np.empty((int(k), *rest), x.dtype) for k in lengths]
+        blocks[self.rank][...] = moved
+        links = self.links
+        assert links is not None
+        n, r = self.size, self.rank
+        with self._call() as deadline:
+            for s in range(n - 1):  # pass every block once round the ring
+                send_b, recv_b = (r - s) % n, (r - s - 1) % n
+                sent = links.send([blocks[send_b]], deadline)
+                links.receive_into(memoryview(blocks[recv_b]), deadline)
+                links.wait_sent(sent, deadline)
+        return np.moveaxis(np.concatenate(blocks, axis=0), 0, axis)
+
+    def broadcast(self, arrays: Sequence[np.ndarray], root: int = 0) -> list[np.ndarray]:
+        """Every worker gets ``root``'s ``arrays`` (the others pass arrays of the same shapes).
+
+        Returns:
+            ``root``'s arrays (its own, unchanged, on ``root``; new arrays elsewhere).
+        """
+        if self.size == 1:
+            return list(arrays)
+        links = self.links
+        assert links is not None
+        n, r = self.size, self.rank
+        last = (root - 1) % n  # the worker whose right neighbour is the root: it only receives
+        out = [a if r == root else np.empty(np.shape(a), np.asarray(a).dtype) for a in arrays]
+        with self._call() as deadline:
+            for a in out:
+                if r != root:
+                    links.receive_into(memoryview(a), deadline)
+                if r != last:
+                    links.wait_sent(links.send([np.ascontiguousarray(a)], deadline), deadline)
+        return out
+
+    def close(self) -> None:
+        """Closes the links (the ring cannot be used afterwards)."""
+        if self.links is not None:
+            self.links.close()

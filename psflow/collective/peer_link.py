@@ -1,0 +1,504 @@
+"""The links of a cross-process ring: one framed TCP connection to each neighbour.
+
+Worker ``r`` of ``N`` listens on its own address (its TF_CONFIG port), dials
+its right neighbour ``r+1`` and accepts its left neighbour ``r-1`` (mod N).
+Data only flows rightwards: ``r`` writes to the right socket and reads from
+the left one, so neither socket is ever used by two threads at once (TLS
+sockets cannot be).
+
+Both links speak the data plane's frames (:mod:`psflow.transport.dataplane.frames`):
+
+* the dialler sends a HELLO (the cluster token, and ``client = "worker:r"``);
+  the listener checks the token in constant time before it reads or
+  allocates anything else, and that the caller is the left neighbour it
+  expects, then answers WELCOME, or an ERROR (UNAUTHENTICATED,
+  INVALID_ARGUMENT) and closes;
+* a collective's payloads are REQUEST frames numbered by a per-link counter
+  (a frame out of step is an ``InternalError``);
+* a worker that fails forwards one ERROR frame naming the failed peer to its
+  right, so the failure travels round the ring and every survivor reports
+  the same peer instead of the neighbour that merely went quiet.
+
+Every wait has the collective's deadline; a peer that closes or resets gives
+``UnavailableError``, a silent one ``DeadlineExceededError``, both naming the
+peer as ``worker:i at host:port``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from psflow import errors
+from psflow.errors import Code
+from psflow.proto import dataplane_pb2
+from psflow.security.config import SecurityConfig, check_bind, is_loopback
+from psflow.transport.dataplane import auth, frames
+from psflow.transport.dataplane.stream import FrameStream, tune
+
+__all__ = ["PeerLinks", "peer_name"]
+
+_METHOD = frames.method_id("psflow.collective.ring")
+_HEARTBEAT = frames.method_id("psflow.collective.heartbeat")
+_MAX_PAYLOAD = 1 << 40
+_RETRY_SECONDS = 0.05
+_FORWARD_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
+_LINGER_SECONDS = 2.0  # how long a refused worker still answers its left neighbour
+_HELLO_SECONDS = 5.0  # how long an incoming connection has to authenticate
+
+
+def peer_name(rank: int, address: str) -> str:
+    """How errors name a peer: ``worker:1 at 127.0.0.1:23456``."""
+    return f"worker:{rank} at {address}"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as a pair.
+
+    Raises:
+        InvalidArgumentError: no port, or a port that is not a number.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise errors.InvalidArgumentError(f"peer address {address!r} has no numeric port")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _writable(sock: socket.socket) -> bool:
+    """Whether a small frame can be written now without waiting (a heartbeat must never block)."""
+    try:
+        if hasattr(select, "poll"):  # select() refuses descriptors >= FD_SETSIZE
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            return bool(poller.poll(0))
+        return bool(select.select([], [sock], [], 0)[1])
+    except (OSError, ValueError):
+        return False
+
+
+def _status(code: Code, message: str, failed: str = "") -> bytes:
+    metadata = [dataplane_pb2.DataPlaneMetadata(key="failed-peer", value=failed)] if failed else []
+    return dataplane_pb2.DataPlaneStatus(
+        code=code.name, message=message[:4096], metadata=metadata
+    ).SerializeToString()
+
+
+def _parse_status(raw: bytes) -> tuple[Code, str, str]:
+    try:
+        status = dataplane_pb2.DataPlaneStatus.FromString(raw)
+        code = Code[status.code] if status.code in Code.__members__ else Code.UNKNOWN
+        failed = next((m.value for m in status.metadata if m.key == "failed-peer"), "")
+        return code, status.message, failed
+    except Exception:  # a malformed status is itself a failure of that peer
+        return Code.INTERNAL, "malformed error frame", ""
+
+
+class PeerLinks:
+    """This worker's two ring links, their handshake, and framed sends and receives.
+
+    Args:
+        rank: this worker's index in ``addresses``.
+        addresses: every worker's ``host:port``, in ring order.
+        security: the token and TLS material (as every psflow port).
+        listener: an already bound, listening socket for this worker (tests);
+            by default one is bound on this worker's port.
+        silence_seconds: how long the left neighbour may stay silent (no data,
+            no heartbeat) inside a collective before it is blamed.
+
+    Raises:
+        InvalidArgumentError: a bad rank or address.
+        UnavailableError: this worker's port cannot be bound (names it).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: Sequence[str],
+        security: SecurityConfig,
+        listener: socket.socket | None = None,
+        silence_seconds: float = 300.0,
+    ) -> None:
+        n = len(addresses)
+        if not 0 <= rank < n:
+            raise errors.InvalidArgumentError(f"rank {rank} is not in [0, {n})")
+        self.rank, self.size = rank, n
+        self.addresses = list(addresses)
+        self.security = security
+        self.left_rank, self.right_rank = (rank - 1) % n, (rank + 1) % n
+        self.left_name = peer_name(self.left_rank, self.addresses[self.left_rank])
+        self.right_name = peer_name(self.right_rank, self.addresses[self.right_rank])
+        self._listener = listener if listener is not None else self._bind()
+        self._left: FrameStream | None = None
+        self._right: FrameStream | None = None
+        self._sent = self._received = 0  # frame counters of the two links
+        self._broken: errors.OpError | None = None
+        self._sends: queue.Queue[Any] = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self.silence = float(silence_seconds)
+        self.heartbeat = min(1.0, self.silence / 4)
+        self._active = threading.Event()  # inside a collective: heartbeats flow rightwards
+        self._heard = 0.0  # when the left neighbour last sent a frame
+
+    @property
+    def port(self) -> int:
+        """The port this worker listens on."""
+        return self._listener.getsockname()[1]
+
+    def _bind(self) -> socket.socket:
+        host, port = split_address(self.addresses[self.rank])
+        bind = host if is_loopback(host) else "0.0.0.0"
+        check_bind(bind, self.security)
+        sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind, port))
+        except OSError as e:
+            sock.close()
+            raise errors.UnavailableError(
+                f"collective: cannot listen on {bind}:{port} for "
+                f"{peer_name(self.rank, self.addresses[self.rank])}: {e.strerror or e}"
+            ) from None
+        sock.listen(8)
+        return sock
+
+    # -- handshake ---------------------------------------------------------------------
+    def connect(self, timeout: float) -> None:
+        """Dials the right neighbour and accepts the left one, both by ``timeout`` seconds.
+
+        Raises:
+            UnauthenticatedError: the right neighbour refused this worker's token.
+            DeadlineExceededError: a neighbour did not come in time (named).
+            UnavailableError: a neighbour failed during the handshake (named).
+        """
+        deadline = time.monotonic() + timeout
+        accepted: list[Any] = []
+        acceptor = threading.Thread(
+            target=lambda: accepted.append(self._accept_left(deadline)),
+            name="psflow-ring-accept",
+            daemon=True,
+        )
+        acceptor.start()
+        try:
+            self._right = self._dial_right(deadline)
+        except errors.UnauthenticatedError:
+            # refused: answer a neighbour dialling us meanwhile (it learns why, instead of
+            # finding no listener), briefly; the acceptor ends when close() closes the listener
+            acceptor.join(min(_LINGER_SECONDS, max(0.0, deadline - time.monotonic())))
+            raise
+        acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        outcome = accepted[0] if accepted else None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome is None:
+            raise errors.DeadlineExceededError(
+                f"collective: {self.left_name} did not connect within {timeout:g}s",
+                task=f"worker:{self.left_rank}",
+            )
+        self._left = outcome
+        with contextlib.suppress(OSError):  # both links are up: nobody else may connect
+            self._listener.close()
+        self._sender = threading.Thread(
+            target=self._send_loop, name="psflow-ring-send", daemon=True
+        )
+        self._sender.start()
+
+    def _wrap(self, sock: socket.socket, *, server: bool, host: str) -> socket.socket:
+        tls = self.security.tls
+        if tls is None:
+            return sock
+        if server:
+            return auth.server_context(tls).wrap_socket(sock, server_side=True)
+        return auth.client_context(tls).wrap_socket(sock, server_hostname=tls.server_name or host)
+
+    def _dial_right(self, deadline: float) -> FrameStream:
+        host, port = split_address(self.addresses[self.right_rank])
+        who, task = self.right_name, f"worker:{self.right_rank}"
+        last: BaseException | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.DeadlineExceededError(
+                    f"collective: cannot reach {who} (last error: {last})", task=task
+                )
+            try:
+                sock = socket.create_connection((host, port), timeout=min(left, 5.0))
+            except OSError as e:  # not listening yet: the peer is still starting
+                last = e
+                time.sleep(_RETRY_SECONDS)
+                continue
+            break
+        try:
+            tune(sock)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                sock = self._wrap(sock, server=False, host=host)
+            except ssl.SSLError as e:
+                raise errors.UnauthenticatedError(
+                    f"collective: TLS handshake with {who} failed: {e}", task=task
+                ) from None
+            stream = FrameStream(sock, max_header=auth.HELLO_LIMIT, max_payload=_MAX_PAYLOAD)
+            stream.send_frame(
+                frames.Kind.HELLO, header=auth.hello(self.security, f"worker:{self.rank}")
+            )
+            stream.deadline = deadline
+            head = stream.read_head()
+            header = stream.read_bytes(head.header_len)
+            stream.deadline = None
+        except errors.OpError:
+            sock.close()
+            raise
+        except (OSError, frames.FrameError) as e:
+            sock.close()
+            # TLS 1.3 reports a refused client certificate only at the first read
+            cls = errors.UnauthenticatedError if isinstance(e, ssl.SSLError) else None
+            raise (cls or errors.UnavailableError)(
+                f"collective: handshake with {who} failed: {e}", task=task
+            ) from None
+        if head.kind is frames.Kind.WELCOME:
+            return stream
+        stream.close()
+        code, message, _ = (
+            _parse_status(header)
+            if head.kind is frames.Kind.ERROR
+            else (
+                Code.INTERNAL,
+                f"unexpected {head.kind.name} frame",
+                "",
+            )
+        )
+        raise errors.error_class(code)(f"collective: {who} refused this worker: {message}", task)
+
+    def _accept_left(self, deadline: float) -> FrameStream | BaseException | None:
+        """The left neighbour's authenticated stream (None when it did not come in time)."""
+        expected = f"worker:{self.left_rank}"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                self._listener.settimeout(min(left, 0.5))
+                sock, _addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._broken is not None:  # closed meanwhile: nobody waits for this any more
+                    return None
+                return errors.UnavailableError(f"collective: accept failed: {e}")
+            try:
+                stream = self._admit(sock, deadline, expected)
+            except (OSError, frames.FrameError):
+                stream = None
+            if stream is not None:
+                return stream
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _admit(self, sock: socket.socket, deadline: float, expected: str) -> FrameStream | None:
+        """Checks one incoming connection's HELLO; refuses (ERROR frame) all but the left peer."""
+        tune(sock)
+        # a caller that says nothing must not hold the door until the deadline
+        deadline = min(deadline, time.monotonic() + _HELLO_SECONDS)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            sock = self._wrap(sock, server=True, host="")
+        except ssl.SSLError:
+            return None
+        stream = FrameStream(sock, max_header=auth.HELLO_LIMIT, max_payload=0)
+        stream.deadline = deadline
+        head = stream.read_head()  # limits checked before any allocation
+        if head.kind is not frames.Kind.HELLO:
+            return None
+        raw = stream.read_bytes(head.header_len)
+        why = auth.check_hello(self.security, raw)
+        if why is not None:
+            stream.send_frame(frames.Kind.ERROR, header=_status(Code.UNAUTHENTICATED, why))
+            return None
+        client = dataplane_pb2.DataPlaneHello.FromString(raw).client
+        if client != expected:  # a worker of another ring order (a bad TF_CONFIG)
+            why = f"this is worker:{self.rank}; its left neighbour is {expected}, not {client!r}"
+            stream.send_frame(frames.Kind.ERROR, header=_status(Code.INVALID_ARGUMENT, why))
+            return None
+        stream.deadline = None
+        stream.send_frame(frames.Kind.WELCOME)
+        stream.max_payload = _MAX_PAYLOAD
+        stream.max_header = frames.MAX_HEADER_BYTES
+        return stream
+
+    # -- framed traffic -----------------------------------------------------------------
+    def check(self) -> None:
+        """Raises the error that broke these links, if any."""
+        if self._broken is not None:
+            raise self._broken
+
+    def send(self, buffers: Sequence[Any], deadline: float) -> threading.Event:
+        """Queues one frame of ``buffers`` for the right neighbour; the event is set when sent.
+
+        The buffers must not change until the event is set (see :meth:`wait_sent`).
+        """
+        self.check()
+        done = threading.Event()
+        self._sent += 1
+        self._sends.put((frames.Kind.REQUEST, self._sent, b"", list(buffers), deadline, done))
+        return done
+
+    def wait_sent(self, done: threading.Event, deadline: float) -> None:
+        """Waits for a queued send (by ``deadline``).
+
+        Raises:
+            DeadlineExceededError / UnavailableError naming the right neighbour.
+        """
+        while not done.wait(0.05):
+            self.check()
+            if time.monotonic() > deadline:
+                self.fail(
+                    errors.DeadlineExceededError(
+                        f"collective: {self.right_name} did not take data in time",
+                        task=f"worker:{self.right_rank}",
+                    )
+                )
+        self.check()
+
+    def begin(self) -> None:
+        """A collective starts: heartbeats tell the right neighbour this worker is in it."""
+        self._heard = time.monotonic()
+        self._active.set()
+
+    def end(self) -> None:
+        """The collective is over: no more heartbeats until the next one."""
+        self._active.clear()
+
+    def _send_loop(self) -> None:
+        right = self._right
+        assert right is not None  # started after connect
+        while True:
+            try:
+                item = self._sends.get(timeout=self.heartbeat)
+            except queue.Empty:
+                if self._active.is_set() and self._broken is None and _writable(right.sock):
+                    with contextlib.suppress(OSError):  # a real failure shows on the next send
+                        right.settimeout(self.heartbeat)
+                        right.send_frame(frames.Kind.REQUEST, method=_HEARTBEAT)
+                continue
+            if item is None:
+                return
+            kind, call_id, header, buffers, deadline, done = item
+            try:
+                right.settimeout(max(deadline - time.monotonic(), 0.001))
+                right.send_frame(
+                    kind, method=_METHOD, call_id=call_id, header=header, buffers=buffers
+                )
+            except OSError as e:
+                if kind is frames.Kind.REQUEST:
+                    gone = isinstance(e, TimeoutError)
+                    cls = errors.DeadlineExceededError if gone else errors.UnavailableError
+                    self.fail(
+                        cls(
+                            f"collective: {self.right_name} is unavailable: {e}",
+                            task=f"worker:{self.right_rank}",
+                        ),
+                        forward=False,
+                    )
+            finally:
+                done.set()
+
+    def receive_into(self, dest: memoryview, deadline: float) -> None:
+        """Fills ``dest`` with the left neighbour's next frame (of exactly ``len(dest)`` bytes).
+
+        The left neighbour is blamed when it stays silent (no data, no
+        heartbeat) for :attr:`silence` seconds.  One that keeps sending
+        heartbeats is alive and itself waiting for a peer further left: this
+        worker waits (until ``deadline``) for the error it will forward, which
+        names the peer that failed.
+
+        Raises:
+            UnavailableError: the left neighbour closed, or reported a failed peer.
+            DeadlineExceededError: the left neighbour was silent, or ``deadline`` passed.
+            InternalError: a frame out of step (the ring's workers disagree).
+        """
+        self.check()
+        stream = self._left
+        assert stream is not None
+        who, task = self.left_name, f"worker:{self.left_rank}"
+        try:
+            while True:
+                stream.deadline = min(deadline, self._heard + self.silence)
+                try:
+                    head = stream.read_head()
+                except TimeoutError:
+                    now = time.monotonic()
+                    if now >= self._heard + self.silence:
+                        why = f"{who} sent nothing for {self.silence:g}s"
+                    else:
+                        why = f"{who} is alive but its data did not come before the deadline"
+                    self.fail(errors.DeadlineExceededError(f"collective: {why}", task=task))
+                self._heard = time.monotonic()
+                if head.kind is frames.Kind.REQUEST and head.method == _HEARTBEAT:
+                    stream.discard(head.header_len + head.payload_len)
+                    continue
+                break
+            stream.deadline = deadline
+            if head.kind is frames.Kind.ERROR:
+                code, message, failed = _parse_status(stream.read_bytes(head.header_len))
+                self.fail(errors.error_class(code)(message, failed or task))
+            self._received += 1
+            if (
+                head.kind is not frames.Kind.REQUEST
+                or head.call_id != self._received
+                or head.payload_len != dest.nbytes
+            ):
+                self.fail(
+                    errors.InternalError(
+                        f"collective: frame {head.call_id} of {head.payload_len} bytes from {who}, "
+                        f"expected frame {self._received} of {dest.nbytes} bytes: the workers "
+                        "are running different collectives",
+                        task=task,
+                    )
+                )
+            stream.discard(head.header_len)
+            stream.read_into(dest.cast("B") if dest.nbytes else dest)
+            self._heard = time.monotonic()
+        except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
+            raise
+        except TimeoutError:
+            self.fail(
+                errors.DeadlineExceededError(
+                    f"collective: the data from {who} did not arrive in time", task=task
+                )
+            )
+        except (OSError, frames.FrameError) as e:
+            self.fail(errors.UnavailableError(f"collective: {who} is unavailable: {e}", task=task))
+        finally:
+            stream.deadline = None
+
+    def fail(self, error: errors.OpError, *, forward: bool = True) -> None:
+        """Marks the links broken with ``error``, tells the right neighbour, raises ``error``.
+
+        The first failure wins: later calls raise it again.
+        """
+        if self._broken is None:
+            self._broken = error
+            if forward and self._right is not None:
+                done = threading.Event()
+                header = _status(error.code, error.message, error.task or "")
+                deadline = time.monotonic() + _FORWARD_SECONDS
+                self._sends.put((frames.Kind.ERROR, 0, header, [], deadline, done))
+                done.wait(_FORWARD_SECONDS)
+        raise self._broken
+
+    def close(self) -> None:
+        """Closes both links and the listener (idempotent)."""
+        if self._broken is None:
+            self._broken = errors.CancelledError("collective: the ring was closed")
+        self._sends.put(None)
+        for stream in (self._left, self._right):
+            if stream is not None:
+                stream.close()
+        with contextlib.suppress(OSError):
+            self._listener.close()

@@ -1,0 +1,442 @@
+"""``MultiWorkerMirroredStrategy``: synchronous data parallelism across worker processes.
+
+Every worker runs the same script; ``TF_CONFIG`` lists the ``worker`` tasks
+(and an optional ``chief``, which then is worker 0 of the group, as in
+TensorFlow) and says which one this process is.  Each worker mirrors the
+variables over its local devices as :class:`MirroredStrategy` does; a
+gradient is summed inside the process first, then across the workers by a
+ring over framed TCP (:mod:`psflow.collective.cross_host`), so all
+``workers x local devices`` replicas apply the same update and keep the same
+bits.  Variables start from worker 0's initial values (a broadcast when they
+are created).  Every collective has a deadline (``timeout_seconds``): a dead
+or stalled worker gives every survivor an error naming it, never a hang.
+
+Without ``TF_CONFIG`` (or for an ``evaluator`` task) it is a single-worker
+strategy over the local devices, as in TensorFlow.
+
+Example:
+    >>> import psflow as tf
+    >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    >>> strategy.num_replicas_in_sync, strategy.extended.should_checkpoint
+    (1, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from psflow import backend, errors
+from psflow.collective import CommunicationOptions, Communicator
+from psflow.collective.cross_host import CrossHostRing
+from psflow.collective.hierarchical import HierarchicalCommunicator
+from psflow.collective.peer_link import PeerLinks
+from psflow.distribute import distribute_lib, multi_worker_input, reduce_util
+from psflow.distribute.mirrored_strategy import (
+    MirroredExtended,
+    MirroredReplicaContext,
+    MirroredStrategy,
+    _MergeRendezvous,
+)
+from psflow.distribute.reduce_util import ReduceOp
+from psflow.distribute.sync_on_read import SyncOnReadVariable
+from psflow.distribute.values import PerReplica
+from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.tensor import Tensor, to_array
+from psflow.util import nest
+
+__all__ = ["MultiWorkerMirroredStrategy", "WorkerGroup"]
+
+_GROUP_JOBS = ("chief", "worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerGroup:
+    """The workers that train together, read once from a cluster resolver.
+
+    Attributes:
+        addresses: every member's ``host:port``: the chief first (if any), then the workers.
+        rank: this process's index in ``addresses`` (0 for a single worker).
+        task_type, task_id: this process's task (None without a cluster).
+    """
+
+    addresses: tuple[str, ...]
+    rank: int
+    task_type: str | None
+    task_id: int | None
+
+    @property
+    def size(self) -> int:
+        """How many workers train together."""
+        return max(1, len(self.addresses))
+
+    @classmethod
+    def from_resolver(cls, resolver: Any) -> WorkerGroup:
+        """Reads the group from ``resolver`` (its cluster spec and task).
+
+        Raises:
+            InvalidArgumentError: ``ps`` tasks in the cluster, a task that is not a
+                chief, worker or evaluator, or no task given for a cluster (each named).
+        """
+        spec = resolver.cluster_spec()
+        jobs = set(spec.jobs)
+        task_type, task_id = resolver.task_type, resolver.task_id
+        if not jobs & set(_GROUP_JOBS) or task_type == "evaluator":
+            return cls((), 0, task_type, task_id)  # a single worker (TF: the evaluator too)
+        if "ps" in jobs:
+            raise errors.InvalidArgumentError(
+                f"MultiWorkerMirroredStrategy: the cluster {spec.as_dict()} has ps tasks; "
+                "use ParameterServerStrategy for them"
+            )
+        if task_type not in _GROUP_JOBS or task_id is None:
+            raise errors.InvalidArgumentError(
+                f"MultiWorkerMirroredStrategy: this task is {task_type!r}:{task_id!r}; "
+                f"TF_CONFIG['task'] must name a chief or worker task of {spec.as_dict()}"
+            )
+        members: list[tuple[str, int, str]] = []
+        for job in _GROUP_JOBS:
+            if job in jobs:
+                for index, address in enumerate(spec.job_tasks(job)):
+                    if address is None:
+                        raise errors.InvalidArgumentError(
+                            f"MultiWorkerMirroredStrategy: job {job!r} has no task {index} "
+                            f"(a sparse cluster); every worker must be listed"
+                        )
+                    members.append((job, index, address))
+        rank = next(
+            (i for i, (j, k, _) in enumerate(members) if (j, k) == (task_type, task_id)), None
+        )
+        if rank is None:
+            raise errors.InvalidArgumentError(
+                f"MultiWorkerMirroredStrategy: task {task_type}:{task_id} is not in "
+                f"{spec.as_dict()}"
+            )
+        return cls(tuple(a for _, _, a in members), rank, task_type, task_id)
+
+
+class MultiWorkerReplicaContext(MirroredReplicaContext):
+    """A replica inside ``run``: collectives span every worker's replicas."""
+
+    @property
+    def replica_id_in_sync_group(self) -> Any:
+        """This replica's index among all workers' replicas (an int32 scalar tensor)."""
+        from psflow.framework.tensor import constant
+
+        strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
+        return constant(strategy._global_replica(self._replica_id), dtype="int32")
+
+    def _all_reduce_gradients(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        """Sums dense gradients; gathers sparse ones (``IndexedSlices``) instead of densifying.
+
+        The replicas first agree, in one tiny all-reduce, which variables got a
+        dense gradient somewhere and which only sparse ones.  A sparse-only
+        variable's rows and indices are all-gathered in replica order (a
+        replica without a gradient adds no rows), so every worker applies the
+        same sparse update, as one process would with the global batch's
+        gradient; the others take the dense all-reduce (sparse ones densified).
+        """
+        strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
+        comm = strategy._communicator
+        kinds = np.zeros((len(grads), 2), np.int64)  # [dense count, sparse count]
+        for i, g in enumerate(grads):
+            if g is not None:
+                kinds[i, 1 if isinstance(g, IndexedSlices) else 0] = 1
+        (counts,) = comm.all_reduce(self._replica_id, [kinds], "SUM")
+        sparse = [i for i, (dense, rows) in enumerate(counts) if dense == 0 and rows > 0]
+        if not sparse:
+            return super()._all_reduce_gradients(grads, variables)
+        out: list[Any] = [None] * len(grads)
+        dense = [i for i in range(len(grads)) if i not in set(sparse)]
+        if dense:
+            reduced = super()._all_reduce_gradients(
+                [grads[i] for i in dense], [variables[i] for i in dense]
+            )
+            for i, r in zip(dense, reduced):
+                out[i] = r
+        for i in sparse:
+            g, v = grads[i], variables[i]
+            shape = tuple(v.shape)
+            if g is None:  # this replica's batch touched no row
+                values = np.zeros((0, *shape[1:]), v.dtype.np)
+                indices = np.zeros((0,), np.int64)
+            else:
+                values = np.asarray(backend.to_numpy(to_array(g.values)))
+                indices = np.asarray(backend.to_numpy(to_array(g.indices))).astype(np.int64)
+            all_values = comm.all_gather(self._replica_id, values, 0)
+            all_indices = comm.all_gather(self._replica_id, indices, 0)
+            out[i] = IndexedSlices(all_values, all_indices, shape)
+        return out
+
+
+class MultiWorkerExtended(MirroredExtended):
+    """Internals: variables initialised from worker 0, and who writes checkpoints."""
+
+    def _create_mirrored(self, next_creator: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        variable = super()._create_mirrored(next_creator, kwargs)
+        strategy: MultiWorkerMirroredStrategy = self._container_strategy()  # type: ignore[assignment]
+        ring = strategy._ring
+        if ring.size > 1:  # every worker starts from worker 0's bits
+            first = variable.values[0]._value
+            host = np.ascontiguousarray(backend.to_numpy(first))
+            (value,) = ring.broadcast([host], root=0)
+            for copy in variable.values:
+                if isinstance(copy._value, np.ndarray) and copy._value.flags.writeable:
+                    np.copyto(copy._value, value)
+                else:
+                    copy._value = backend.place(value.copy(), backend.device_of(copy._value))
+        return variable
+
+    def _group(self) -> WorkerGroup:
+        return self._container_strategy()._group  # type: ignore[attr-defined]
+
+    @property
+    def _in_multi_worker_mode(self) -> bool:
+        return self._group().size > 1
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker writes checkpoints: the chief, else worker 0 (as TF)."""
+        return self._group().rank == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker writes summaries: the same worker as :attr:`should_checkpoint`."""
+        return self._group().rank == 0
+
+    def keras_runner(self, model: Any) -> Any:
+        """``fit`` runs the same steps on every worker, each global batch cut across all replicas."""
+        from psflow.keras.engine.multi_worker_runner import MultiWorkerRunner
+
+        return MultiWorkerRunner(model, self._container_strategy())
+
+    def metric_results(self, metrics: Any) -> dict[str, float]:
+        """Each metric's result over every worker's state (one all-reduce for all of them).
+
+        Every worker must ask at the same points (``fit`` does, after each step).
+        Metrics that keep no summable state report this worker's own result.
+        """
+        ring: CrossHostRing = self._container_strategy()._ring  # type: ignore[attr-defined]
+        states, sizes = [], []
+        for m in metrics:
+            try:
+                state = [np.asarray(x, np.float64).reshape(-1) for x in m.get_state()]
+            except NotImplementedError:
+                state = []
+            states.append(state)
+            sizes.append([x.size for x in state])
+        flat = [x for state in states for x in state]
+        if ring.size == 1 or not flat:
+            return super().metric_results(metrics)
+        (summed,) = ring.all_reduce([np.concatenate(flat)])
+        logs, pos = {}, 0
+        for m, state, shape in zip(metrics, states, sizes):
+            if not state:
+                logs[m.name] = float(m.result()._value)
+                continue
+            parts = []
+            for x, k in zip(m.get_state(), shape):
+                parts.append(summed[pos : pos + k].reshape(np.shape(x)))
+                pos += k
+            logs[m.name] = float(m.result_of_state(parts)._value)
+        return logs
+
+    @property
+    def should_init(self) -> bool:
+        """Every worker initialises its variables (from worker 0's values)."""
+        return True
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """TensorFlow's name of :attr:`should_init`."""
+        return True
+
+
+class MultiWorkerMirroredStrategy(MirroredStrategy):
+    """Synchronous training on the devices of several worker processes.
+
+    TensorFlow's ``tf.distribute.MultiWorkerMirroredStrategy``.
+
+    Args:
+        cluster_resolver: where the workers and this task are read (default:
+            ``TFConfigClusterResolver()``, i.e. ``TF_CONFIG``).
+        communication_options: ``CommunicationOptions(bytes_per_pack,
+            timeout_seconds, implementation)``; ``timeout_seconds`` bounds every
+            collective and the initial connection to the neighbours.
+
+    Raises:
+        InvalidArgumentError: a bad cluster or task (see :meth:`WorkerGroup.from_resolver`).
+        UnauthenticatedError: a neighbour refused this worker's token (or TLS certificate).
+        DeadlineExceededError / UnavailableError: a neighbour did not connect in time (named).
+
+    Example:
+        >>> import psflow as tf
+        >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        >>> with strategy.scope():
+        ...     v = tf.Variable(1.0)
+        >>> float(strategy.reduce("SUM", strategy.run(lambda: v * 2), axis=None))
+        2.0
+    """
+
+    _extended_type = MultiWorkerExtended
+    _replica_context_type = MultiWorkerReplicaContext
+
+    def __init__(
+        self,
+        cluster_resolver: Any = None,
+        communication_options: CommunicationOptions | None = None,
+    ) -> None:
+        if cluster_resolver is None:
+            from psflow.distribute.cluster_resolver import TFConfigClusterResolver
+
+            cluster_resolver = TFConfigClusterResolver()
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise errors.InvalidArgumentError(
+                f"communication_options must be a CommunicationOptions, got {options!r}"
+            )
+        group = WorkerGroup.from_resolver(cluster_resolver)
+        links = None
+        if group.size > 1:
+            from psflow.security.config import default_security
+
+            links = PeerLinks(group.rank, group.addresses, default_security())
+            try:
+                links.connect(options.timeout)
+            except BaseException:
+                links.close()
+                raise
+        self._resolver = cluster_resolver
+        self._group = group
+        self._ring = CrossHostRing(links, options.timeout)
+        # the links' sockets and threads go when the strategy does (or at exit)
+        self._ring_finalizer = weakref.finalize(self, self._ring.close)
+        try:
+            super().__init__(communication_options=options)
+        except BaseException:  # e.g. NCCL asked for without CuPy: free the port at once
+            self._ring.close()
+            raise
+        self._fused_update = False  # the fused ring is in-process only
+
+    def _reset_collectives(self) -> None:
+        local = Communicator(len(self._devices), self._cross_device_ops, self._options)
+        self._communicator = HierarchicalCommunicator(  # type: ignore[assignment]
+            local, self._ring, self._options.bytes_per_pack
+        )
+        self._merge = _MergeRendezvous(len(self._devices), local.timeout)
+
+    def _global_replica(self, local: int) -> int:
+        return self._group.rank * len(self._devices) + local
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Workers x local devices."""
+        return self._group.size * len(self._devices)
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The resolver the cluster and this task were read from."""
+        return self._resolver
+
+    # -- cross-replica collectives ---------------------------------------------------
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None) -> Any:
+        """Combines per-replica values of every worker (every worker must call it).
+
+        Raises:
+            InvalidArgumentError: SUM of a non-distributed value with several local replicas.
+            UnavailableError / DeadlineExceededError: a worker died or stalled (named).
+        """
+        op = ReduceOp.from_value(reduce_op)
+        n_local = len(self._devices)
+
+        def parts_of(v: Any) -> list[Any]:
+            if isinstance(v, (PerReplica, SyncOnReadVariable)):
+                return list(v.values)
+            if n_local == 1:
+                return [v]  # one local replica: its bare value
+            if op is ReduceOp.SUM:
+                raise errors.InvalidArgumentError(
+                    f"A non-distributed value {v!r} cannot be reduced with SUM across "
+                    f"{self.num_replicas_in_sync} replicas; return it from strategy.run"
+                )
+            return [v] * n_local
+
+        def reduce_leaf(v: Any) -> Any:
+            host = [np.asarray(backend.to_numpy(to_array(p))) for p in parts_of(v)]
+            if axis is None:
+                reduce_util.check_same_shapes([h.shape for h in host], f"reduce({op.value})")
+                total = host[0].copy()
+                for h in host[1:]:
+                    total = total + h
+                (total,) = self._ring.all_reduce([total])
+                if op is ReduceOp.MEAN:
+                    return reduce_util.mean(Tensor._wrap(total), self.num_replicas_in_sync)
+                return Tensor._wrap(total)
+            sums = [h.sum(axis=axis, dtype=h.dtype) for h in host]
+            total = sums[0]
+            for s in sums[1:]:
+                total = total + s
+            count = np.asarray([sum(h.shape[axis] for h in host)], np.int64)
+            total, count = self._ring.all_reduce([np.asarray(total), count])
+            if op is ReduceOp.MEAN:
+                return reduce_util.mean(Tensor._wrap(total), max(int(count[0]), 1))
+            return Tensor._wrap(total)
+
+        if isinstance(value, (PerReplica, SyncOnReadVariable)):
+            return reduce_leaf(value)
+        return nest.map_structure(reduce_leaf, value)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's value of every worker along ``axis``, in replica order."""
+
+        def gather_leaf(v: Any) -> Any:
+            parts = [
+                np.asarray(backend.to_numpy(to_array(p)))
+                for p in (v.values if isinstance(v, PerReplica) else [v])
+            ]
+            local = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+            return Tensor._wrap(self._ring.all_gather(local, axis))
+
+        if isinstance(value, PerReplica):
+            return gather_leaf(value)
+        return nest.map_structure(gather_leaf, value)
+
+    # -- input -----------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Shards ``dataset`` by worker (its ``auto_shard_policy``) and splits each global batch.
+
+        See :mod:`psflow.distribute.multi_worker_input` for the policies.
+        """
+        return multi_worker_input.MultiWorkerDataset(
+            dataset, list(self._devices), self._group.size, self._group.rank, self._ring
+        )
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Any], options: Any = None
+    ) -> Any:
+        """Calls ``dataset_fn(InputContext(workers, this worker, replicas))`` on this worker."""
+        ctx = distribute_lib.InputContext(
+            self._group.size, self._group.rank, self.num_replicas_in_sync
+        )
+        return multi_worker_input.MultiWorkerDatasetsFromFunction(
+            dataset_fn, ctx, list(self._devices), self._ring
+        )
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
+        """``PerReplica`` of ``value_fn(ValueContext(global id, N))`` for this worker's replicas."""
+        n = self.num_replicas_in_sync
+        values = [
+            value_fn(distribute_lib.ValueContext(self._global_replica(i), n))
+            for i in range(len(self._devices))
+        ]
+        return values[0] if len(values) == 1 else PerReplica(values)
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiWorkerMirroredStrategy(worker {self._group.rank} of {self._group.size}, "
+            f"devices={list(self.devices)})"
+        )

@@ -1,0 +1,60 @@
+"""``fit`` under MultiWorkerMirroredStrategy: every worker runs the same steps in lockstep.
+
+Each worker reads the same global batches; the strategy's distributed input
+gives each of its replicas its slice (DATA sharding, see
+:mod:`psflow.distribute.multi_worker_input`), the loss of a replica is scaled
+by its share of the *global* batch, and gradients are summed over every
+worker's replicas, so all workers apply the same update.  Logged metrics are
+every worker's metric states summed (:meth:`MultiWorkerExtended.metric_results`),
+so each worker reports the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psflow.keras.engine.runner import MirroredRunner
+
+
+class MultiWorkerRunner(MirroredRunner):
+    """A :class:`MirroredRunner` whose batches are cut across every worker's replicas."""
+
+    def __init__(self, model: Any, strategy: Any) -> None:
+        super().__init__(model, strategy)
+        self._prepared: Any = None
+
+    def prepare(self, source: Any) -> Any:
+        """Cuts each global batch of ``source`` across the workers' replicas."""
+        from psflow.distribute import multi_worker_input
+        from psflow.keras.engine import data_adapter
+
+        if data_adapter.is_distributed(getattr(source, "dataset", None)):
+            return source
+        self._prepared = multi_worker_input.MultiWorkerDataset(
+            source,
+            list(self.strategy._devices),
+            self.strategy._group.size,
+            self.strategy._group.rank,
+            self.strategy._ring,
+            policy_of=getattr(source, "dataset", None),
+        )
+        return self._prepared
+
+    def _run(self, fn: Any, batch: Any) -> Any:
+        prepared = self._prepared
+        # the loss of each replica is scaled by its share of the global batch, of every worker
+        self.model._global_batch_size = prepared.global_batch_size if prepared else None
+        try:
+            return self.strategy.run(fn, args=(batch,))
+        finally:
+            self.model._global_batch_size = None
+
+    def predict(self, source: Any, steps: int | None, callbacks: Any) -> list[Any]:
+        """Every worker's predictions of each global batch, in order, on every worker."""
+        import numpy as np
+
+        from psflow.util import nest
+
+        ring = self.strategy._ring
+        local = super().predict(source, steps, callbacks)
+        return [nest.map_structure(lambda a: ring.all_gather(np.asarray(a), 0), o) for o in local]
