@@ -33,7 +33,6 @@ import time
 from collections.abc import Iterator, Mapping
 
 from chief.local import (
-    blas_threads_env,
     gpu_ids,
     host_port,
     pick_ports,
@@ -43,7 +42,9 @@ from chief.local import (
 from chief.restart import RestartBook, RestartPolicy
 from chief.script import Target
 from chief.supervisor import RoleProcess, Supervisor, shell_status
+from chief.thread_plan import plan_threads
 from psflow.security.config import with_generated_token
+from psflow.thread_budget import available_cores
 
 log = logging.getLogger("chief.peers")
 
@@ -99,9 +100,17 @@ def run_peers(
     ports = pick_ports(num_workers, host, port_base)
     cluster = worker_cluster(num_workers, host, ports)
     devices = worker_device_env(devices_per_worker, num_workers, gpu_ids(base_env))
+    # N peers share the cores, none a PS (a group of "N - 1 workers and a chief" to the plan)
+    threads = plan_threads(0, num_workers - 1, None, base_env, cores=available_cores())
+    log.info(
+        "BLAS threads per worker: %d (%s, %d cores)",
+        threads.threads["worker"],
+        threads.source,
+        threads.cores,
+    )
     envs = [
         {
-            **blas_threads_env(num_workers, base_env),
+            **threads.env("worker"),
             **base_env,
             "TF_CONFIG": tf_config(cluster, "worker", i),
             **devices[i],
