@@ -395,7 +395,11 @@ def test_timeline_of_a_fit_that_loses_and_restores_a_ps(start_cluster, tmp_path)
     kinds = [(e["kind"], e["task"]) for e in doc["events"]]
     assert ("ps_restored", "ps:1") in kinds, kinds
     assert kinds.count(("checkpoint_written", "chief")) >= 2, kinds  # one backup per epoch
-    assert kinds[0] == ("training_started", "chief") and kinds[-1][0] == "training_ended"
+    assert kinds[0] == ("training_started", "chief")
+    # the chief's last event ends training; the collector may see ps:1 back (its own
+    # probe, every 0.2 s) only after a fast fit has ended, so "ps_back" may come later
+    chief_events = [kind for kind, task in kinds if task == "chief"]
+    assert chief_events[-1] == "training_ended", kinds
     t = doc["training"]
     assert t["state"] == "finished" and len(t["epoch_logs"]) == 3
     np.testing.assert_allclose([e["loss"] for e in t["epoch_logs"]], history.history["loss"])
