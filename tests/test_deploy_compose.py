@@ -552,7 +552,11 @@ def test_compose_topology_runs_as_local_processes(compose, tmp_path, job):
             assert dashboard_seen, chief.log_tail()
         else:  # the mounted directory's script ran, and only it
             log = chief.log_path.read_text()
-            assert "job done: y = 3.0" in log and "test accuracy" not in log, chief.log_tail()
+            assert "test accuracy" not in log, chief.log_tail()
+            # asynchronous training: close to y = 3x - 2, not the same digits every run
+            done = re.search(r"job done: y = (-?[\d.]+) x \+ (-?[\d.]+)", log)
+            assert done, chief.log_tail()
+            assert abs(float(done[1]) - 3.0) < 0.05 and abs(float(done[2]) + 2.0) < 0.05, done[0]
 
         # `up --exit-code-from chief` then stops the rest: SIGTERM, graceful exit 0.
         for svc in services.values():
