@@ -29,6 +29,7 @@ import tempfile
 from typing import Any
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from psflow.io.files import atomic_write
 
 STATE, CLUSTER, REQUESTS, RESULTS = "state.json", "cluster.json", "requests", "results"
 MAX_CONTROL_FILE_BYTES = 64 * 1024
@@ -41,16 +42,8 @@ def default_cluster_dir() -> str:
 
 def write_json(path: str, data: Any) -> None:
     """Writes ``data`` as JSON to ``path`` atomically (temporary file in the same directory, rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, durable=False) as f:
+        f.write((json.dumps(data) + "\n").encode("utf-8"))
 
 
 def read_json(path: str) -> Any:

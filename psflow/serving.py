@@ -149,7 +149,7 @@ def setup_process(
         OpError: a bad log level or format, unusable security settings, or a
             bad ``PSFLOW_BLAS_THREADS`` / ``OPENBLAS_NUM_THREADS``... value.
     """
-    from psflow import memory, thread_budget
+    from psflow import memory
     from psflow.observability.logs import configure_logging
     from psflow.security.flags import security_from_flags
 

@@ -29,16 +29,16 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from psflow.io.files import atomic_write
 
 __all__ = [
     "DOCUMENT_FILE",
@@ -63,16 +63,8 @@ DOCUMENT_FILE = "dashboard.json"
 
 def write_json(path: str, data: Any) -> None:
     """Replaces ``path`` with ``data`` as JSON at once: a reader sees the old file or the new."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, allow_nan=False)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, durable=False) as f:
+        f.write(json.dumps(data, allow_nan=False).encode())
 
 
 def read_json(path: str) -> Any:

@@ -22,10 +22,12 @@ def fsync_dir(directory: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+def atomic_write(path: str | os.PathLike, *, durable: bool = True) -> Iterator[BinaryIO]:
     """Opens a temporary file next to ``path``; on success fsyncs and renames it over ``path``.
 
     On an exception the temporary file is removed and ``path`` is untouched.
+    ``durable=False`` skips both fsyncs: for state that only has to be whole,
+    not to survive a crash of the machine (a launcher's status files).
 
     Example:
         >>> import tempfile, pathlib
@@ -41,10 +43,12 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
         with open(tmp, "wb") as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
