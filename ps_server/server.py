@@ -9,7 +9,6 @@ checkpoint is written, and it returns 0.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -27,17 +26,14 @@ from psflow.ps.store import VariableStore
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig
 from psflow.transport.dataplane import DataPlaneServer
-from psflow.transport.options import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    server_options,
-)
+from psflow.transport.options import server_options
 from psflow.transport.service import SERVICE
 
 from .embedding_servicer import EmbeddingServicer
+from .options import DataPlaneOptions, ServerOptions
 from .servicer import ParameterServerServicer
 
-__all__ = ["READY_PREFIX", "DataPlaneOptions", "create_server", "serve"]
+__all__ = ["READY_PREFIX", "create_server", "serve", "start_data_plane"]
 
 log = logging.getLogger(__name__)
 
@@ -46,43 +42,12 @@ READY_PREFIX = launch.READY_PREFIX + "ps"
 DRAINED_LINE = "PSFLOW_DRAINED"
 
 
-@dataclasses.dataclass(frozen=True)
-class DataPlaneOptions:
-    """The raw TCP data plane a PS runs beside its gRPC port (see
-    :mod:`psflow.transport.dataplane`).
-
-    Attributes:
-        port: its port (0: any free one).
-        advertise: ``host:port`` clients dial instead of the gRPC host and
-            ``port`` (NAT, relays, Kubernetes services); "" for none.
-        max_connections: authenticated connections served at once.
-        idle_timeout: seconds a connection may wait for its next call.
-        hello_timeout: seconds from accept by which a connection must authenticate.
-        io_timeout: seconds a frame may take to arrive whole once it began.
-    """
-
-    port: int = 0
-    advertise: str = ""
-    max_connections: int = 256
-    idle_timeout: float = 300.0
-    hello_timeout: float = 10.0
-    io_timeout: float = 60.0
-
-
 def create_server(
     store: VariableStore,
-    bind: str = "127.0.0.1",
-    port: int = 0,
+    options: ServerOptions | None = None,
     *,
-    max_workers: int = 32,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    health_servicer: health.HealthServicer | None = None,
     security: SecurityConfig | None = None,
-    insecure: bool = False,
-    max_streams: int | None = None,
-    max_streams_per_client: int | None = None,
-    stream_idle_timeout: float | None = None,
+    health_servicer: health.HealthServicer | None = None,
     metrics: PSMetrics | None = None,
     tables: TableRegistry | None = None,
 ) -> tuple[grpc.Server, int]:
@@ -91,79 +56,57 @@ def create_server(
     The server is not started.  It also serves the standard health service (a
     given ``health_servicer``, or a new one already SERVING) and reflection.
     With ``security``, every call but the health check needs the token and/or
-    a client certificate; ``max_streams`` bounds the calls served at once
-    (the thread pool grows to ``max_streams + 2`` so the limit, not the pool,
-    is what a caller meets), ``max_streams_per_client`` those of one client
-    connection; a streaming call idle for ``stream_idle_timeout`` seconds is
-    cancelled.  ``tables`` (a new registry if None) is served by the
-    EmbeddingService beside the ParameterServer service.
+    a client certificate; ``options.limits.max_streams`` bounds the calls
+    served at once (the thread pool grows to ``max_streams + 2`` so the limit,
+    not the pool, is what a caller meets).  ``tables`` (a new registry if
+    None) is served by the EmbeddingService beside the ParameterServer service.
 
     Raises:
         FailedPreconditionError: ``bind`` is not loopback, ``security``
-            authenticates nobody and ``insecure`` is False.
+            authenticates nobody and ``options.insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
-    _, _, server, bound = _build(
-        store,
-        bind,
-        port,
-        max_workers=max_workers,
-        chunk_bytes=chunk_bytes,
-        max_message_bytes=max_message_bytes,
-        health_servicer=health_servicer,
-        security=security,
-        insecure=insecure,
-        max_streams=max_streams,
-        max_streams_per_client=max_streams_per_client,
-        stream_idle_timeout=stream_idle_timeout,
-        metrics=metrics,
-        tables=tables,
+    *_, server, bound = _build(
+        store, options or ServerOptions(), security, health_servicer, metrics, tables
     )
     return server, bound
 
 
 def _build(
     store: VariableStore,
-    bind: str,
-    port: int,
-    *,
-    max_workers: int,
-    chunk_bytes: int,
-    max_message_bytes: int,
-    health_servicer: health.HealthServicer | None,
+    options: ServerOptions,
     security: SecurityConfig | None,
-    insecure: bool,
-    max_streams: int | None,
-    max_streams_per_client: int | None,
-    stream_idle_timeout: float | None,
+    health_servicer: health.HealthServicer | None,
     metrics: PSMetrics | None,
     tables: TableRegistry | None,
 ) -> tuple[ParameterServerServicer, EmbeddingServicer, grpc.Server, int]:
     """:func:`create_server`, also returning the servicers (the data plane calls them)."""
+    limits = options.limits
     servicer = ParameterServerServicer(
         store,
-        chunk_bytes=chunk_bytes,
-        max_message_bytes=max_message_bytes,
-        max_streams=max_streams,
-        max_streams_per_client=max_streams_per_client,
-        stream_idle_timeout=stream_idle_timeout,
+        chunk_bytes=options.chunk_bytes,
+        max_message_bytes=options.max_message_bytes,
+        max_streams=limits.max_streams,
+        max_streams_per_client=limits.max_streams_per_client,
+        stream_idle_timeout=limits.stream_idle_timeout,
         metrics=metrics,
     )
     if metrics is not None and servicer.gate is not None:
         gate = servicer.gate
         metrics.watch_streams(lambda: gate.active)
     embedding = EmbeddingServicer(tables or TableRegistry(store.task), store.max_tensor_bytes)
+    threads = options.threads
     server, bound = serving.build_server(
         (servicer.generic_handler(), embedding.generic_handler()),
         SERVICE,
-        bind=bind,
-        port=port,
+        bind=options.bind,
+        port=options.port,
         security=security or SecurityConfig(),
-        insecure=insecure,
+        insecure=options.insecure,
         task=store.task,
-        threads=max(max_workers, max_streams + 2) if max_streams else max_workers,
+        threads=max(threads, limits.max_streams + 2) if limits.max_streams else threads,
         thread_name_prefix="ps-rpc",
-        options=server_options(max_message_bytes),
+        options=server_options(options.max_message_bytes),
         metrics=metrics,
         health_servicer=health_servicer,
     )
@@ -172,112 +115,84 @@ def _build(
 
 def start_data_plane(
     servicer: ParameterServerServicer,
-    bind: str,
-    options: DataPlaneOptions,
+    options: ServerOptions,
     security: SecurityConfig,
     *,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     metrics: PSMetrics | None = None,
     embedding: EmbeddingServicer | None = None,
 ) -> DataPlaneServer:
-    """Starts the data plane serving ``servicer``'s Push and Pull (and
-    ``embedding``'s Lookup and PushGradients, when given) on ``bind`` and
-    announces it (DataPlaneInfo).  A frame carries at most a gRPC message's bytes;
-    larger pushes and pulls stream over gRPC, whose chunks come from the heap the
-    process already holds (a 1 GB frame buffer cost a fresh 1 GB mapping).
+    """Starts the data plane ``options.data_plane`` describes, serving ``servicer``'s
+    Push and Pull (and ``embedding``'s Lookup and PushGradients, when given) on
+    ``options.bind``, and announces it (DataPlaneInfo).  A frame carries at most a
+    gRPC message's bytes; larger pushes and pulls stream over gRPC, whose chunks
+    come from the heap the process already holds (a 1 GB frame buffer cost a
+    fresh 1 GB mapping).
 
     Raises:
         UnavailableError: its port cannot be bound.
     """
-    max_payload = max_message_bytes
+    plane_options = options.data_plane or DataPlaneOptions()
+    max_payload = options.max_message_bytes
     handlers = servicer.data_plane_handlers()
     if embedding is not None:  # through the same gate, limits, metrics and log context
         for name, handler in embedding.data_plane_handlers().items():
             handlers[name] = servicer.plane_edge(name, handler)
     plane = DataPlaneServer(
-        bind,
-        options.port,
+        options.bind,
+        plane_options.port,
         security,
         handlers,
-        max_connections=options.max_connections,
-        idle_timeout=options.idle_timeout,
-        hello_timeout=options.hello_timeout,
-        io_timeout=options.io_timeout,
+        max_connections=plane_options.max_connections,
+        idle_timeout=plane_options.idle_timeout,
+        hello_timeout=plane_options.hello_timeout,
+        io_timeout=plane_options.io_timeout,
         max_payload=max_payload,
         on_reject=None if metrics is None else metrics.record_rejection,
     ).start()
-    servicer.announce_data_plane(plane.port, options.advertise, max_payload)
+    advertise = plane_options.advertise
+    servicer.announce_data_plane(plane.port, advertise, max_payload)
     log.info(
         "data plane on %s%s",
-        serving.host_port(bind, plane.port),
-        f" (advertised as {options.advertise})" if options.advertise else "",
+        serving.host_port(options.bind, plane.port),
+        f" (advertised as {advertise})" if advertise else "",
     )
     return plane
 
 
 def serve(
     store: VariableStore,
-    bind: str = "127.0.0.1",
-    port: int = 0,
+    options: ServerOptions | None = None,
     *,
-    checkpoint_dir: str | None = None,
-    restore_dir: str | None = None,
-    grace: float = 10.0,
-    max_workers: int = 32,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    stop_event: threading.Event | None = None,
     security: SecurityConfig | None = None,
-    insecure: bool = False,
-    max_streams: int | None = None,
-    max_streams_per_client: int | None = None,
-    stream_idle_timeout: float | None = None,
-    metrics_port: int | None = None,
-    metrics_bind: str | None = None,
+    stop_event: threading.Event | None = None,
     tables: TableRegistry | None = None,
-    data_plane: DataPlaneOptions | None = None,
 ) -> int:
     """Runs a parameter server until SIGTERM/SIGINT (or ``stop_event``); returns 0.
 
     Prints ``PSFLOW_READY ps port=<port> task=<task> pid=<pid>`` on stdout once
-    bound (followed by `` data_port=<port>`` when ``data_plane`` is given and
-    `` metrics_port=<port>`` when ``metrics_port`` is not None: 0 picks a free
-    one; ``metrics_bind`` defaults to ``bind``).  The data plane stops before
-    the final checkpoint is written.  Signal
-    handlers are installed only when called from the main thread.  A task
+    bound (followed by `` data_port=<port>`` when ``options.data_plane`` is set and
+    `` metrics_port=<port>`` when ``options.metrics_port`` is not None: 0 picks a
+    free one).  The data plane stops before the final checkpoint is written.
+    Signal handlers are installed only when called from the main thread.  A task
     drained by a resize (the Drain RPC, once it holds no variables) stops the
     same way, then prints ``PSFLOW_DRAINED task=<task> pid=<pid>`` and returns 0.
     """
+    options = options or ServerOptions()
+    bind, grace = options.bind, options.grace
+    restore_dir, checkpoint_dir = options.restore_dir, options.checkpoint_dir
     health_servicer = health.HealthServicer()
     tables = tables or TableRegistry(store.task)
     metrics = None
-    if metrics_port is not None:
+    if options.metrics_port is not None:
         metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
     servicer, embedding, server, bound = _build(
-        store,
-        bind,
-        port,
-        max_workers=max_workers,
-        chunk_bytes=chunk_bytes,
-        max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
-        health_servicer=health_servicer,
-        security=security,
-        insecure=insecure,
-        max_streams=max_streams,
-        max_streams_per_client=max_streams_per_client,
-        stream_idle_timeout=stream_idle_timeout,
-        metrics=metrics,
-        tables=tables,
+        store, options, security, health_servicer, metrics, tables
     )
     log.info("listening on %s", serving.host_port(bind, bound))
     plane = None
-    if data_plane is not None:
+    if options.data_plane is not None:
         plane = start_data_plane(
-            servicer,
-            bind,
-            data_plane,
-            security or SecurityConfig(),
-            metrics=metrics,
-            embedding=embedding,
+            servicer, options, security or SecurityConfig(), metrics=metrics, embedding=embedding
         )
     prefix = store.task.replace(":", "-")
 
@@ -326,7 +241,7 @@ def serve(
             grace=grace,
             stop_event=stop,
             metrics=metrics,
-            metrics_address=(metrics_bind or bind, metrics_port),
+            metrics_address=(options.metrics_bind or bind, options.metrics_port),
             before_serving=restore,
             after_drain=finish,
             ready_extra="" if plane is None else f"data_port={plane.port}",
