@@ -1,9 +1,9 @@
 """The EmbeddingService gRPC servicer: translates RPCs to TableRegistry calls.
 
 It holds no algorithm: it decodes tensors (dtype, shape and byte counts are
-wire format), calls :class:`psflow.ps.tables.TableRegistry`, and turns typed
-psflow errors into gRPC status codes (only here, at the edge).  Malformed
-request bytes are INVALID_ARGUMENT, not INTERNAL.
+wire format) and calls :class:`psflow.ps.tables.TableRegistry`; its calls
+enter through the task's :class:`~ps_server.edge.Edge` (typed errors become
+statuses there).  Malformed request bytes are INVALID_ARGUMENT, not INTERNAL.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psflow.errors import InvalidArgumentError, OpError, to_grpc_code
+from psflow.errors import InvalidArgumentError
 from psflow.proto import embedding_pb2
 from psflow.ps.dynamic_table import TableConfig
 from psflow.ps.row_moves import COUNTER_COUNT
@@ -26,30 +26,13 @@ from psflow.ps.tables import TableRegistry
 from psflow.transport import codec, embedding_plane, framing
 from psflow.transport.dataplane import Handler, Reply, Request
 
+from .edge import Edge, check, lenient
+
 __all__ = ["EMBEDDING_SERVICE", "EmbeddingServicer", "decode_chunk", "encode_chunk"]
 
 log = logging.getLogger(__name__)
 
 EMBEDDING_SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
-
-
-class _Malformed:
-    """A request whose bytes did not parse; the handler raises ``error``."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: OpError) -> None:
-        self.error = error
-
-
-def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def deserialize(raw: bytes) -> Any:
-        try:
-            return parse(raw)
-        except Exception as e:  # protobuf DecodeError and friends
-            return _Malformed(InvalidArgumentError(f"malformed request: {e}"))
-
-    return deserialize
 
 
 _CHUNK_TENSORS = (
@@ -101,49 +84,50 @@ def decode_chunk(
     return config, part
 
 
+def _with_context(fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    """A method of one argument as the edge calls it: ``(request, context)``, the
+    request checked (a malformed one raises its error)."""
+
+    @functools.wraps(fn)
+    def call(request: Any, context: Any) -> Any:
+        return fn(check(request))
+
+    return call
+
+
 class EmbeddingServicer:
     """Serves a :class:`TableRegistry` over ``psflow.v1.EmbeddingService``.
 
     Args:
         tables: the task's tables.
         max_tensor_bytes: the largest tensor a request may carry.
+        edge: where its calls enter (the ParameterServer servicer's, to share its
+            limits and metrics; None: one of its own).
     """
 
-    def __init__(self, tables: TableRegistry, max_tensor_bytes: int) -> None:
+    def __init__(
+        self, tables: TableRegistry, max_tensor_bytes: int, edge: Edge | None = None
+    ) -> None:
         self.tables = tables
         self.max_tensor_bytes = max_tensor_bytes
+        self.edge = edge or Edge(tables.task)
         self._bytes_lock = threading.Lock()
         self.bytes_in = 0
         self.bytes_out = 0
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        """A handler for every method of the service."""
+        """A handler for every method of the service, through the edge."""
         service = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
         handlers = {}
         for method in service.methods:
             request_cls = getattr(embedding_pb2, method.input_type.name)
+            fn = _with_context(getattr(self, method.name))
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                self._edge(method.name, getattr(self, method.name)),
-                request_deserializer=_lenient(request_cls.FromString),
+                self.edge.grpc_method(method.name, fn, streaming=False),
+                request_deserializer=lenient(request_cls.FromString),
                 response_serializer=lambda m: m.SerializeToString(),
             )
         return grpc.method_handlers_generic_handler(EMBEDDING_SERVICE, handlers)
-
-    def _edge(self, name: str, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def unary(request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                if isinstance(request, _Malformed):
-                    raise request.error
-                return fn(request)
-            except OpError as e:
-                log.debug("%s rejected: %s", name, e)
-                context.abort(to_grpc_code(e), e.message)
-            except Exception as e:
-                log.exception("%s failed", name)
-                context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
-
-        return unary
 
     def _count(self, request: Any, reply: Any) -> Any:
         with self._bytes_lock:
@@ -204,8 +188,10 @@ class EmbeddingServicer:
         the gRPC methods (see :mod:`psflow.transport.embedding_plane`).
         """
         return {
-            embedding_plane.LOOKUP: self._plane_lookup,
-            embedding_plane.PUSH: self._plane_push,
+            embedding_plane.LOOKUP: self.edge.plane_method(
+                embedding_plane.LOOKUP, self._plane_lookup
+            ),
+            embedding_plane.PUSH: self.edge.plane_method(embedding_plane.PUSH, self._plane_push),
         }
 
     def _plane_tensors(self, request: Request, specs: list[tuple[Any, str]]) -> list[np.ndarray]:

@@ -91,10 +91,12 @@ def _build(
         stream_idle_timeout=limits.stream_idle_timeout,
         metrics=metrics,
     )
-    if metrics is not None and servicer.gate is not None:
-        gate = servicer.gate
+    if metrics is not None and servicer.edge.gate is not None:
+        gate = servicer.edge.gate
         metrics.watch_streams(lambda: gate.active)
-    embedding = EmbeddingServicer(tables or TableRegistry(store.task), store.max_tensor_bytes)
+    embedding = EmbeddingServicer(
+        tables or TableRegistry(store.task), store.max_tensor_bytes, servicer.edge
+    )
     threads = options.threads
     server, bound = serving.build_server(
         (servicer.generic_handler(), embedding.generic_handler()),
@@ -134,9 +136,8 @@ def start_data_plane(
     plane_options = options.data_plane or DataPlaneOptions()
     max_payload = options.max_message_bytes
     handlers = servicer.data_plane_handlers()
-    if embedding is not None:  # through the same gate, limits, metrics and log context
-        for name, handler in embedding.data_plane_handlers().items():
-            handlers[name] = servicer.plane_edge(name, handler)
+    if embedding is not None:  # through the same edge: gate, limits, metrics, log context
+        handlers.update(embedding.data_plane_handlers())
     plane = DataPlaneServer(
         options.bind,
         plane_options.port,

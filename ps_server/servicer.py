@@ -10,9 +10,6 @@ gradients reach the update rule as views of the received chunks.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import itertools
 import json
 import logging
 import time
@@ -25,12 +22,9 @@ import numpy as np
 from psflow import compression
 from psflow.errors import (
     InvalidArgumentError,
-    MovedError,
-    OpError,
     ResourceExhaustedError,
-    to_grpc_code,
 )
-from psflow.observability.logs import log_context, set_log_context
+from psflow.observability.logs import set_log_context
 from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
 from psflow.ps import write_ops
@@ -38,13 +32,15 @@ from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.names import quote
 from psflow.ps.store import Gradient, VariableMeta, VariableStore
 from psflow.ps.tensors import check_extent, segments_from_pieces
-from psflow.security.limits import StreamGate, limit_exceeded
+from psflow.security.limits import limit_exceeded
 from psflow.transport import codec, framing, shm
 from psflow.transport.dataplane import Handler, Reply, Request
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
 
-from .idle import IdleWatch, touching
+from .edge import Edge
+from .edge import check as _check
+from .edge import lenient as _lenient
 
 __all__ = ["ParameterServerServicer"]
 
@@ -54,43 +50,7 @@ _HEADER_SLACK = 1 << 20
 _MIN_CHUNK = 4096
 _SPEC_CACHE_SIZE = 1024
 _NO_LIMIT = 1 << 62
-# gRPC refuses status details beyond its metadata limit (8 KB by default), and an
-# error quoting a caller's text must still reach the caller: details are cut to this.
-MAX_DETAILS_CHARS = 4096
 MAX_OPTIMIZER_JSON = 64 << 10
-# With every slot taken, a streaming call idle this long is cancelled to admit a new
-# call, which waits up to EVICT_WAIT for the slot to be released.
-EVICT_AFTER_IDLE = 1.0
-EVICT_WAIT = 2.0
-
-
-class _Bad:
-    """A request that failed to parse; the handler raises ``error``."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: OpError) -> None:
-        self.error = error
-
-
-def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """Wraps a deserializer so malformed bytes become INVALID_ARGUMENT, not INTERNAL."""
-
-    def deserialize(raw: bytes) -> Any:
-        try:
-            return parse(raw)
-        except OpError as e:
-            return _Bad(e)
-        except Exception as e:  # protobuf DecodeError and friends
-            return _Bad(InvalidArgumentError(f"malformed request: {e}"))
-
-    return deserialize
-
-
-def _check(message: Any) -> Any:
-    if isinstance(message, _Bad):
-        raise message.error
-    return message
 
 
 def _left(context: grpc.ServicerContext) -> Callable[[], bool]:
@@ -171,17 +131,14 @@ class ParameterServerServicer:
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
         self.max_unary_payload = max_message_bytes - _HEADER_SLACK
-        self.gate = (
-            StreamGate(max_streams, per_client=max_streams_per_client) if max_streams else None
-        )
         self.metrics = metrics
-        self.idle = None
-        if stream_idle_timeout:
-            on_expire = None
-            if metrics is not None:
-                on_expire = lambda _label: metrics.record_rejection("stream_idle")  # noqa: E731
-            self.idle = IdleWatch(stream_idle_timeout, on_expire)
-        self._ids = itertools.count(1)
+        self.edge = Edge(
+            store.task,
+            max_streams=max_streams,
+            max_streams_per_client=max_streams_per_client,
+            stream_idle_timeout=stream_idle_timeout,
+            metrics=metrics,
+        )
         self._shm_payloads = shm.SegmentCache()
         # (dtype code, shape) -> checked (dtype, shape, nbytes): a worker pushes the same
         # few specs every step, and checking one costs more than the rest of a small push
@@ -192,7 +149,8 @@ class ParameterServerServicer:
 
     # -- registration ---------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        """A handler serving every method of the service, with the wire codecs."""
+        """A handler serving every method of the service, through the edge, with the
+        wire codecs."""
         handlers = {}
         factories = {
             Kind.UNARY_UNARY: grpc.unary_unary_rpc_method_handler,
@@ -201,132 +159,15 @@ class ParameterServerServicer:
         }
         for name, (kind, req_cls, _resp_cls, framed_req, framed_resp) in METHODS.items():
             parse = framing.split_message if framed_req else req_cls.FromString
+            fn = self.edge.grpc_method(
+                name, getattr(self, name), streaming=kind is not Kind.UNARY_UNARY
+            )
             handlers[name] = factories[kind](
-                self._edge(name, kind, getattr(self, name)),
+                fn,
                 request_deserializer=_lenient(parse),
                 response_serializer=None if framed_resp else _serialize,
             )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
-
-    def _edge(self, name: str, kind: Kind, fn: Callable) -> Callable:
-        """Converts typed errors into status codes (the only place that does); admits
-        the call under the stream limits, watches a streaming call for idleness, tags
-        its log records, records its metrics."""
-        metrics = self.metrics
-
-        def abort(context: grpc.ServicerContext, e: BaseException, watched: Any) -> None:
-            if _gone(context, watched):
-                # the client cancelled or its deadline passed (the request stream then
-                # breaks off however it may): nobody waits for an answer, and a client
-                # giving up is neither a rejection nor a server error
-                log.debug("%s ended by its client: %s: %s", name, type(e).__name__, e)
-                context.abort(grpc.StatusCode.CANCELLED, "the call ended on the client side")
-            if isinstance(e, OpError):
-                self._rejected(name, e)
-                if isinstance(e, MovedError):  # the redirect travels as trailing metadata
-                    context.set_trailing_metadata(e.metadata())
-                context.abort(to_grpc_code(e), _details(e.message))
-            log.exception("%s failed", name)
-            context.abort(grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}"))
-
-        gate = self.gate
-        take_slot = self._take_slot
-
-        def admit(stack: contextlib.ExitStack, context: grpc.ServicerContext) -> Any:
-            """Takes a slot and, for a streaming call, starts its idle watch."""
-            if gate is not None:
-                peer = context.peer()
-                take_slot(peer)
-                stack.callback(gate.release, peer)
-            if self.idle is None or kind is Kind.UNARY_UNARY:
-                return None
-            label = f"{name} from {context.peer()}"
-            return stack.enter_context(self.idle.watching(label, context.cancel))
-
-        def done(start: float, code: str) -> None:
-            if metrics is not None:
-                metrics.record_rpc(name, code, time.perf_counter() - start)
-
-        # The log context spans the rejection too, so its log record carries the request id.
-        if inspect.isgeneratorfunction(fn):
-
-            @functools.wraps(fn)
-            def stream(request, context):
-                start, code, watched = time.perf_counter(), "OK", None
-                with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
-                    try:
-                        with contextlib.ExitStack() as stack:
-                            watched = admit(stack, context)
-                            replies = fn(request, context)
-                            yield from replies if watched is None else touching(replies, watched)
-                    except Exception as e:
-                        code = _status_name(e, context, watched)
-                        abort(context, e, watched)
-                    finally:
-                        done(start, code)
-
-            return stream
-
-        if self.idle is None or kind is Kind.UNARY_UNARY:
-            # no idle watch (a unary call, or none configured): the lean path every small
-            # push and pull takes, a slot taken and released without a context stack
-            @functools.wraps(fn)
-            def lean(request, context):
-                start, code, held = time.perf_counter() if metrics is not None else 0.0, "OK", None
-                with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
-                    try:
-                        if gate is not None:
-                            peer = context.peer()
-                            take_slot(peer)
-                            held = peer
-                        return fn(request, context)
-                    except Exception as e:
-                        if metrics is not None:
-                            code = _status_name(e, context, None)
-                        abort(context, e, None)
-                    finally:
-                        if held is not None:
-                            gate.release(held)
-                        if metrics is not None:
-                            done(start, code)
-
-            return lean
-
-        @functools.wraps(fn)
-        def unary(request, context):
-            start, code, watched = time.perf_counter(), "OK", None
-            with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
-                try:
-                    with contextlib.ExitStack() as stack:
-                        watched = admit(stack, context)
-                        if watched is not None:
-                            request = touching(request, watched)
-                        return fn(request, context)
-                except Exception as e:
-                    code = _status_name(e, context, watched)
-                    abort(context, e, watched)
-                finally:
-                    done(start, code)
-
-        return unary
-
-    def _take_slot(self, peer: str) -> None:
-        """A slot of the gate for ``peer``; release it with ``gate.release(peer)``."""
-        try:
-            self.gate.acquire(peer)
-        except ResourceExhaustedError as e:
-            # every slot taken: a streaming call that stopped moving yields its own
-            if getattr(e, "reason", None) != "too_many_streams" or not (
-                self.idle is not None and self.idle.evict_idlest(EVICT_AFTER_IDLE)
-            ):
-                raise
-            self.gate.acquire(peer, wait=EVICT_WAIT)
-
-    def _rejected(self, name: str, e: OpError) -> None:
-        """Logs and counts a call refused with a typed error (either edge)."""
-        log.debug("%s rejected: %s", name, e)
-        if self.metrics is not None:
-            self.metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
 
     # -- the data plane's edge ------------------------------------------------------------
     def announce_data_plane(self, port: int, address: str, max_payload: int) -> None:
@@ -338,41 +179,11 @@ class ParameterServerServicer:
 
     def data_plane_handlers(self) -> dict[str, Handler]:
         """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves:
-        Push and Pull, through the same admission, logic and accounting as the gRPC ones."""
+        Push and Pull, through the same edge as the gRPC ones."""
         return {
-            "Push": self.plane_edge("Push", self._plane_push),
-            "Pull": self.plane_edge("Pull", self._plane_pull),
+            "Push": self.edge.plane_method("Push", self._plane_push),
+            "Pull": self.edge.plane_method("Pull", self._plane_pull),
         }
-
-    def plane_edge(self, name: str, fn: Callable[[Request], Reply]) -> Handler:
-        """The data plane's twin of :meth:`_edge`'s lean path, for every method it
-        serves (the tables' too): a ``--max-streams`` slot, the log context,
-        rejection and call metrics; typed errors propagate (the data-plane server
-        turns them into ERROR frames with their status)."""
-        metrics, gate = self.metrics, self.gate
-
-        def handle(request: Request) -> Reply:
-            start, code, held = time.perf_counter() if metrics is not None else 0.0, "OK", None
-            with log_context(request_id=f"{self.store.task}/{next(self._ids)}"):
-                try:
-                    if gate is not None:
-                        self._take_slot(request.peer)
-                        held = request.peer
-                    return fn(request)
-                except OpError as e:
-                    code = e.code.name
-                    self._rejected(name, e)
-                    raise
-                except Exception:
-                    code = "INTERNAL"
-                    raise
-                finally:
-                    if held is not None:
-                        gate.release(held)
-                    if metrics is not None:
-                        metrics.record_rpc(name, code, time.perf_counter() - start)
-
-        return handle
 
     def _plane_push(self, request: Request) -> Reply:
         header = _parse_header(request.header, ps_pb2.PushHeader)
@@ -805,25 +616,6 @@ class _GradientWhat:
 
     def __str__(self) -> str:
         return f"gradient for {quote(self.name)}"
-
-
-def _gone(context: grpc.ServicerContext, watched: Any) -> bool:
-    """Whether the call ended outside the handler: the client cancelled, its deadline
-    passed, or the idle watch cancelled it (gRPC may not have noticed that yet)."""
-    return not context.is_active() or (watched is not None and watched.expired)
-
-
-def _status_name(e: BaseException, context: grpc.ServicerContext, watched: Any) -> str:
-    if _gone(context, watched):  # the client went away: not a server error
-        return "DEADLINE_EXCEEDED" if context.time_remaining() <= 0 else "CANCELLED"
-    return e.code.name if isinstance(e, OpError) else "INTERNAL"
-
-
-def _details(message: str) -> str:
-    """A status message that fits gRPC's metadata and encodes as UTF-8."""
-    if len(message) > MAX_DETAILS_CHARS:
-        message = f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} chars)"
-    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import typing
 
 
 class Code(enum.IntEnum):
@@ -298,6 +299,29 @@ def to_grpc_code(error: BaseException):
 
     code = error.code if isinstance(error, OpError) else Code.UNKNOWN
     return grpc.StatusCode[code.name]
+
+
+MAX_DETAILS_CHARS = 4096
+"""A status's message is cut to this many characters: gRPC refuses details beyond its
+metadata limit (8 KB by default), and an error quoting a caller's text must still
+reach the caller."""
+
+
+class Status(typing.NamedTuple):
+    """What a server edge answers for a typed error (gRPC and the data plane alike)."""
+
+    code: Code
+    details: str  # the message, cut to MAX_DETAILS_CHARS and valid UTF-8
+    metadata: tuple[tuple[str, str], ...]  # trailing metadata: a MovedError's redirect
+
+
+def status_of(error: OpError) -> Status:
+    """The status an edge answers ``error`` with (the one translation of errors to statuses)."""
+    message = error.message
+    if len(message) > MAX_DETAILS_CHARS:
+        message = f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} chars)"
+    details = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return Status(error.code, details, error.metadata() if isinstance(error, MovedError) else ())
 
 
 def from_grpc(rpc_error, task: str | None = None) -> OpError:
