@@ -177,9 +177,9 @@ def test_blocked_handler_does_not_stall_other_connections(served):
 
 
 def test_slow_calls_get_no_extra_thread_but_blocked_ones_do(served):
-    # Threads are never retired: only calls that wait (no CPU used) earn more than
-    # the two the loop starts with, not calls that are merely slow (computing, or
-    # descheduled on a loaded host).
+    # Only calls that wait (no CPU used) earn more than the two threads the loop
+    # starts with, not calls that are merely slow (computing, or descheduled on a
+    # loaded host); the extra ones retire only after idling (30 s by default).
     server, h = served
     assert server.loop_threads == 2
     with _client(server) as a, _client(server) as b, _client(server) as other:

@@ -8,7 +8,9 @@ TLS material.  One concept per module:
 * :mod:`.frames`: the fixed binary frame header and its limits;
 * :mod:`.stream`: frames over one socket, read into caller buffers;
 * :mod:`.auth`: the HELLO token check and the TLS contexts;
-* :mod:`.server`: :class:`DataPlaneServer`, one thread per connection;
+* :mod:`.door`: what a peer gets before it has authenticated;
+* :mod:`.loop`: a welcomed connection's one request path, and the threads that wait for it;
+* :mod:`.server`: :class:`DataPlaneServer`: accept, handshake, dispatch;
 * :mod:`.client`: :class:`DataPlaneClient`, a pool of connections.
 """
 

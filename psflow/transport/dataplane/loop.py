@@ -1,30 +1,34 @@
-"""The data plane's event loop: a few threads share one ``epoll`` of every plain connection.
+"""How the data-plane server reads its connections: one request path, two ways to wait.
 
-With one thread per connection, every call woke its own thread, and a thread
-back from ``recv`` waited for the GIL while another one computed; with 16
-client processes pushing small gradients the PS sat mostly idle while each
-push waited (p50 10.6 ms at 25% of a core).  Here the threads of an
-:class:`EventLoop` wait in one ``epoll``; the one woken reads the ready
-connection (non-blocking, into that connection's own buffers), runs the call
-it completes, sends the reply, re-arms the connection and waits again, with
-no hand-off between a reading and a working thread.  Two threads wait from
-the start (``min_threads``): on a busy host the thread serving a call is
-often descheduled - or inside ``sendmsg``, whose reply wakes a client that
-then runs first - and the other serves the next ready connection meanwhile
-(16 client processes pushing 4 KB to one PS on a shared 2-core host: +12%
-pushes/s over one thread, ahead in 8 of 11 alternated runs; one client alone:
-no difference).  A watcher adds more only when every thread has been inside a
-call for a while and none of them used the CPU meanwhile (synchronous pushes
-waiting for the others), so blocked calls never stop the rest from being
-read.  Threads are never retired, so a call that is merely slow (computing,
-or descheduled) gets no extra thread.
+A welcomed connection, plain or TLS, becomes a :class:`Connection`: it reads
+frames into its own buffers (a small frame in one ``recv``; a large payload
+straight into a buffer kept across calls up to ``retain_bytes``) and answers
+through a :class:`ReplyStream`.  What waits for its bytes differs by platform,
+nothing else does:
 
-A connection is registered ``EPOLLONESHOT``: while its call runs nothing more
-is read from it (a client has one call in flight per connection), so the
-payload view handed to the handler stays valid until the handler returns.  A
-slow or stalled sender only fills its own connection's buffers: no thread
-blocks on its socket, and a connection that stays mid-frame longer than
-``io_timeout`` (or idle longer than ``idle_timeout``) is closed.
+* :class:`EventLoop` (Linux): a few threads share one ``epoll``.  With one
+  thread per connection, every call woke its own thread, and a thread back
+  from ``recv`` waited for the GIL while another one computed (16 client
+  processes pushing small gradients: p50 10.6 ms at 25% of a core).  Here the
+  thread woken reads the ready connection, runs the call it completes, sends
+  the reply, re-arms the connection and waits again: no hand-off between a
+  reading and a working thread.  Two threads wait from the start: on a busy
+  host the one serving a call is often descheduled, or inside the ``sendmsg``
+  that wakes a client, and the other serves the next connection meanwhile
+  (+12% pushes/s for 16 processes pushing 4 KB on a shared 2-core host).  A
+  watcher adds a thread only when every one has been inside a call for a while
+  without using the CPU (synchronous pushes waiting for the others), so blocked
+  calls never stop the rest from being read; a thread beyond the first two that
+  sees no event for ``retire_after`` seconds exits.  Connections are
+  registered ``EPOLLONESHOT``: while a call runs nothing more is read from its
+  connection, so the payload view handed to the handler stays valid until it
+  returns.  A TLS socket is read until OpenSSL wants more bytes from the
+  kernel, so ``epoll`` never sleeps on a decrypted record.
+* :func:`serve_blocking` (no ``epoll``: macOS, the BSDs, Windows): the
+  connection's own thread reads it with blocking calls.
+
+Idle and stalled connections are closed by their owner's sweep (a socket
+shutdown wakes either kind of wait), not here.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -41,53 +46,63 @@ from typing import Any
 import numpy as np
 
 from . import frames
-from .stream import IOV_MAX, FrameStream, drop_sent
+from .stream import DIRECT_BYTES, IOV_MAX, STAGING_BYTES, FrameStream, drop_sent, readable_now
 
-__all__ = ["EventLoop", "LoopConnection", "ReplyStream", "available"]
+__all__ = ["Connection", "EventLoop", "ReplyStream", "available", "serve_blocking"]
 
 log = logging.getLogger(__name__)
 
-_STAGING = 64 << 10
-# at least this many bytes still to come: read them straight into their destination
-_DIRECT = 16 << 10
 _POLL = 0.25
-_SWEEP = 1.0
 # a call that kept every thread busy this long: start another so the rest are read
 _STALL = 0.02
 # CPU seconds a thread may use over one stall check and still count as blocked
 _IDLE_CPU = 0.001
+RETIRE_AFTER = 30.0
+"""Seconds without an event after which an event-loop thread beyond ``min_threads`` exits."""
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
-Dispatch = Callable[["LoopConnection", frames.FrameHead, bytes, memoryview], bool]
+Dispatch = Callable[["Connection", frames.FrameHead, bytes, memoryview], bool]
 
 
 def available() -> bool:
     """Whether this platform has ``epoll`` (Linux), which :class:`EventLoop` waits in.
 
-    Elsewhere (macOS, the BSDs, Windows) the data-plane server serves each
-    connection on a thread of its own, as it does TLS connections everywhere.
+    Elsewhere (macOS, the BSDs, Windows) each connection is served by
+    :func:`serve_blocking` on a thread of its own.
     """
     return hasattr(select, "epoll")
 
 
 class ReplyStream(FrameStream):
-    """The sending side of a loop connection, whose socket stays non-blocking.
+    """The sending side of a connection.
 
-    A reply the kernel takes whole (every small one) costs one ``sendmsg``;
-    only when the socket's buffer fills does the rest go out blocking, bounded
-    by ``io_timeout`` per operation (``TimeoutError`` past it), and the socket
-    is then made non-blocking again.  Switching the socket to blocking and
-    back around every reply cost three system calls per call.
+    On a non-blocking plain socket a reply the kernel takes whole (every small
+    one) costs one ``sendmsg``; only when the socket's buffer fills does the
+    rest go out blocking, bounded by ``io_timeout`` per operation, and the
+    socket is then made non-blocking again (switching around every reply cost
+    three system calls per call).  A TLS socket (no ``sendmsg``; a record may
+    be half written) or a blocking one sends whole, bounded the same way.
 
     Args:
-        sock: the connection's (non-blocking, plain TCP) socket.
+        sock: the connection's socket.
         io_timeout: seconds one blocked send may wait.
+        nonblocking: the socket is left non-blocking between sends.
     """
 
-    def __init__(self, sock: socket.socket, io_timeout: float) -> None:
+    def __init__(self, sock: socket.socket, io_timeout: float, *, nonblocking: bool) -> None:
         super().__init__(sock, max_header=0, max_payload=0)
         self.io_timeout = io_timeout
+        self.nonblocking = nonblocking
+        self._fast = nonblocking and self._gather
 
     def _send(self, pieces: list[Any], release: Callable[[], None] | None = None) -> None:
+        if not self._fast:
+            self.sock.settimeout(self.io_timeout)
+            try:
+                super()._send(pieces)
+            finally:
+                self.sock.setblocking(not self.nonblocking)
+            return
         views = [memoryview(p).cast("B") for p in pieces]
         blocking = False
         try:
@@ -107,48 +122,23 @@ class ReplyStream(FrameStream):
                 self.sock.setblocking(False)
 
     def _send_releasing(self, pieces: list[Any], release: Callable[[], None]) -> None:
-        self._send(pieces, release)
+        if self._fast:
+            self._send(pieces, release)
+        else:
+            super()._send_releasing(pieces, release)
 
 
-def _own_cpu_clock() -> int | None:
-    """The calling thread's CPU clock id (taken by the thread itself, while it
-    surely lives), None where the platform has none."""
-    try:
-        return time.pthread_getcpuclockid(threading.get_ident())
-    except (AttributeError, OSError):
-        return None
-
-
-def _all_idle(clock_ids: list[int | None], clocks: dict[int, float]) -> bool:
-    """Whether no thread (by CPU clock id) used the CPU since the last call,
-    which recorded their clocks in ``clocks``.  A thread descheduled by a busy
-    host or computing is not idle; one waiting on a lock or condition is.
-    Without per-thread clocks every thread counts as idle (the timer decides)."""
-    idle = True
-    for clock_id in clock_ids:
-        if clock_id is None:
-            continue
-        try:
-            now = time.clock_gettime(clock_id)
-        except OSError:  # the thread ended
-            continue
-        before = clocks.get(clock_id)
-        clocks[clock_id] = now
-        if before is None or now - before > _IDLE_CPU:
-            idle = False
-    return idle
-
-
-class LoopConnection:
-    """One connection's receive state: the frame being read and its buffers.
+class Connection:
+    """One welcomed connection: the frame being read, its buffers, its reply stream.
 
     Args:
-        sock: the connected (plain TCP) socket; made non-blocking.
+        sock: the connected socket (plain or TLS), past its HELLO.
         peer: the peer's name.
-        leftover: bytes read past the HELLO before the loop took over.
+        nonblocking: read by an :class:`EventLoop` (else by :func:`serve_blocking`).
         max_header: the largest protobuf header accepted.
         max_payload: the largest payload accepted.
         retain_bytes: the payload buffer kept across calls up to this size.
+        io_timeout: seconds one blocked send of a reply may wait.
     """
 
     __slots__ = (
@@ -159,9 +149,12 @@ class LoopConnection:
         "_parts",
         "_payload",
         "_pos",
-        "_staging",
         "_start",
+        "_tls",
         "_view",
+        "authenticated",
+        "began",
+        "busy",
         "closed",
         "frame_start",
         "last",
@@ -171,59 +164,89 @@ class LoopConnection:
         "retain_bytes",
         "sock",
         "stream",
-        "tag",
+        "thread",
     )
 
     def __init__(
         self,
         sock: socket.socket,
         peer: str,
-        leftover: bytes,
         *,
+        nonblocking: bool,
         max_header: int,
         max_payload: int,
         retain_bytes: int,
+        io_timeout: float,
     ) -> None:
         self.sock = sock
         self.peer = peer
         self.max_header = max_header
         self.max_payload = max_payload
         self.retain_bytes = retain_bytes
-        self._staging = bytearray(max(_STAGING, len(leftover)))
-        self._view = memoryview(self._staging)
-        self._view[: len(leftover)] = leftover
-        self._start, self._end = 0, len(leftover)
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._view = memoryview(bytearray(STAGING_BYTES))
+        self._start = self._end = 0
         self._buffer = np.empty(0, np.uint8)
         self._head: frames.FrameHead | None = None
         self._header = bytearray(frames.FIXED.size)
         self._payload = memoryview(b"")
         self._parts: list[memoryview] = [memoryview(self._header)]
         self._pos = 0
-        self.last = time.monotonic()
+        self.last = time.monotonic()  # when bytes last arrived or a call ended
         # when the first bytes of the frame being read arrived (None between frames):
-        # a frame's deadline runs from there, however its bytes trickle in
-        self.frame_start: float | None = self.last if leftover else None
+        # its io deadline runs from there, however its bytes trickle in
+        self.frame_start: float | None = None
+        self.began = self.last  # when the request last returned by receive() began
+        self.busy = False  # being read or served (not to be swept or evicted)
+        self.authenticated = True  # counted against the server's max_connections
         self.closed = False
-        self.stream: Any = None  # the owner's sending side
-        self.tag: Any = None  # the owner's record of this connection
-        sock.setblocking(False)
+        self.thread: threading.Thread | None = None
+        self.stream = ReplyStream(sock, io_timeout, nonblocking=nonblocking)
+        sock.setblocking(not nonblocking)
 
     def mid_frame(self) -> bool:
         """Whether part of a frame has arrived and the rest has not."""
         return self._head is not None or self._pos > 0 or self._start < self._end
 
     def pending(self) -> bool:
-        """Whether bytes already received wait to be parsed."""
-        return self._start < self._end
+        """Whether bytes already received (or decrypted by TLS) wait to be parsed."""
+        return self._start < self._end or (self._tls and self.sock.pending() > 0)
+
+    def peer_gone(self) -> bool:
+        """Whether the client of a call in progress has left (closed or reset).
+
+        A client sends nothing while its call runs, so a readable socket means
+        an end of file, an error, or a peer out of step: the answer has nobody
+        to go to.  One system call; cheap, not free.
+        """
+        try:
+            return readable_now(self.sock)
+        except (OSError, ValueError):  # closed under us
+            return True
+
+    def shutdown(self) -> None:
+        """Ends the connection from any thread: whatever waits for its bytes wakes to
+        an end of file and closes it (the socket itself is closed by its reader)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> bool:
+        """Shuts the socket down and closes it; False if it was closed already."""
+        if self.closed:
+            return False
+        self.closed = True
+        self.shutdown()
+        self.sock.close()
+        return True
 
     def receive(self) -> tuple[frames.FrameHead, bytes, memoryview] | None:
         """Reads what the socket holds; returns the request it completes, or None
-        (the socket would block first).
+        (a non-blocking socket would block first).
 
         Raises:
             FrameError: a frame breaks the format or the limits.
             ConnectionError: the peer closed the connection.
-            OSError: the socket failed.
+            OSError: the socket failed (``ssl.SSLError`` included).
         """
         while True:
             if self._fill_parts():
@@ -233,16 +256,14 @@ class LoopConnection:
                 continue
             # everything staged is consumed and the current part is not full
             part = self._parts[0]
-            left = len(part) - self._pos
             try:
-                if left >= _DIRECT:
+                if len(part) - self._pos >= DIRECT_BYTES:
                     n = self.sock.recv_into(part[self._pos :])
-                    if n:
-                        self._pos += n
+                    self._pos += n
                 else:
                     n = self.sock.recv_into(self._view)
                     self._start, self._end = 0, n
-            except (BlockingIOError, InterruptedError):
+            except _WOULD_BLOCK:
                 return None
             if n == 0:
                 raise ConnectionError("the data-plane connection was closed by its peer")
@@ -253,8 +274,7 @@ class LoopConnection:
     def _fill_parts(self) -> bool:
         """Copies staged bytes into the current part; True once it is full."""
         part = self._parts[0]
-        want = len(part) - self._pos
-        have = min(want, self._end - self._start)
+        have = min(len(part) - self._pos, self._end - self._start)
         if have:
             part[self._pos : self._pos + have] = self._view[self._start : self._start + have]
             self._start += have
@@ -287,6 +307,7 @@ class LoopConnection:
             if self._parts:
                 return None
         head, header, payload = self._head, bytes(self._header), self._payload
+        self.began = self.last if self.frame_start is None else self.frame_start
         # the next frame's clock starts with its first bytes (already here if pipelined)
         self.frame_start = self.last if self._start < self._end else None
         self._head = None
@@ -296,25 +317,70 @@ class LoopConnection:
         return head, header, payload
 
 
+def serve_blocking(
+    conn: Connection,
+    dispatch: Dispatch,
+    on_error: Callable[[Connection, BaseException], None],
+    stopping: threading.Event,
+) -> None:
+    """Serves ``conn`` on the calling thread (blocking reads) until it ends; closes it."""
+    try:
+        while not stopping.is_set():
+            request = conn.receive()
+            if request is None:  # a blocking socket does not report "would block"
+                continue
+            conn.busy = True
+            keep = dispatch(conn, *request)
+            conn.busy = False
+            if not keep:
+                break
+    except BaseException as e:  # FrameError, ConnectionError, OSError
+        on_error(conn, e)
+        log.debug("data plane connection from %s ended: %s", conn.peer, e)
+    finally:
+        conn.close()
+
+
+def _own_cpu_clock() -> int | None:
+    """The calling thread's CPU clock id (taken by the thread itself, while it
+    surely lives), None where the platform has none."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def _all_idle(clock_ids: list[int | None], clocks: dict[int, float]) -> bool:
+    """Whether no thread (by CPU clock id) used the CPU since the last call,
+    which recorded their clocks in ``clocks``.  A thread descheduled by a busy
+    host or computing is not idle; one waiting on a lock or condition is.
+    Without per-thread clocks every thread counts as idle (the timer decides)."""
+    idle = True
+    for clock_id in clock_ids:
+        if clock_id is None:
+            continue
+        try:
+            now = time.clock_gettime(clock_id)
+        except OSError:  # the thread ended
+            continue
+        before = clocks.get(clock_id)
+        clocks[clock_id] = now
+        if before is None or now - before > _IDLE_CPU:
+            idle = False
+    return idle
+
+
 class EventLoop:
     """Serves registered connections from a few threads sharing one ``epoll``.
-
-    Every thread waits in ``epoll`` for one ready connection, reads it and, when a
-    request is complete, runs it itself (``dispatch``: the handler and the
-    reply), re-arms the connection and waits again: no hand-off between a
-    reading thread and a working one.  Before a thread runs a call it makes
-    sure another one is waiting (one more is started when none is), so a call
-    that blocks (a synchronous push waiting for the others) never stops the
-    rest from being read; the threads stay few (those computing, plus one).
 
     Args:
         name: names the threads.
         dispatch: runs one request and sends its reply; False when the
             connection is to be closed.
         max_threads: the bound on threads (blocked handlers hold theirs).
-        min_threads: threads started at once (at most ``max_threads``).
-        idle_timeout: seconds a connection may wait for its next call.
-        io_timeout: seconds a frame may take to arrive once it started.
+        min_threads: threads started at once and never retired (at most ``max_threads``).
+        retire_after: seconds without an event after which a thread beyond
+            ``min_threads`` exits.
         on_error: called with (connection, exception) when reading fails;
             the loop then closes the connection.
         on_close: called with each connection the loop closes.
@@ -327,29 +393,25 @@ class EventLoop:
         *,
         max_threads: int,
         min_threads: int = 2,
-        idle_timeout: float,
-        io_timeout: float,
-        on_error: Callable[[LoopConnection, BaseException], None],
-        on_close: Callable[[LoopConnection], None],
+        retire_after: float = RETIRE_AFTER,
+        on_error: Callable[[Connection, BaseException], None],
+        on_close: Callable[[Connection], None],
     ) -> None:
         self.name = name
         self._dispatch = dispatch
         self.max_threads = max(1, max_threads)
         self.min_threads = min(max(1, min_threads), self.max_threads)
-        self.idle_timeout = idle_timeout
-        self.io_timeout = io_timeout
+        self.retire_after = retire_after
         self._on_error = on_error
         self._on_close = on_close
         self._epoll = select.epoll()
-        self._conns: dict[int, LoopConnection] = {}
-        self._busy: set[int] = set()
+        self._conns: dict[int, Connection] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._clock_ids: list[int | None] = []  # each started thread's CPU clock
+        self._clock_ids: dict[threading.Thread, int | None] = {}  # each thread's CPU clock
         self._waiting = 0  # threads in (or on their way back to) epoll
         self._starved_since: float | None = None  # since when none waits
-        self._next_sweep = time.monotonic() + _SWEEP
         self._monitor = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
 
     def start(self) -> None:
@@ -359,33 +421,29 @@ class EventLoop:
                 self._spawn()
         self._monitor.start()
 
-    def add(self, conn: LoopConnection) -> None:
-        """Takes over a connection whose handshake is done (the caller's thread
-        serves the bytes that already followed the HELLO, if any)."""
+    def add(self, conn: Connection) -> None:
+        """Takes over a welcomed connection (the caller's thread serves what already
+        followed the HELLO, if anything)."""
         fd = conn.sock.fileno()
+        conn.busy = True
         with self._lock:
             self._conns[fd] = conn
-            self._busy.add(fd)
         if conn.pending():
             self._serve(conn)
         else:
             self._arm(conn)
 
-    def close(self, conn: LoopConnection, why: BaseException | None = None) -> None:
+    def close(self, conn: Connection, why: BaseException | None = None) -> None:
         """Closes a connection (idempotent)."""
         with self._lock:
             if conn.closed:
                 return
-            conn.closed = True
             fd = conn.sock.fileno()
             if self._conns.get(fd) is conn:
                 del self._conns[fd]
-            self._busy.discard(fd)
-        with contextlib.suppress(OSError, ValueError):
-            self._epoll.unregister(fd)
-        with contextlib.suppress(OSError):
-            conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.sock.close()
+            with contextlib.suppress(OSError, ValueError):
+                self._epoll.unregister(fd)
+            conn.close()  # under the lock: the fd number is not reused before it is gone
         if why is not None:
             log.debug("data plane connection from %s ended: %s", conn.peer, why)
         self._on_close(conn)
@@ -407,7 +465,7 @@ class EventLoop:
 
     @property
     def threads(self) -> int:
-        """Threads started so far."""
+        """Threads serving now (retired ones not counted)."""
         with self._lock:
             return len(self._threads)
 
@@ -416,9 +474,22 @@ class EventLoop:
         """Starts one more thread (under the lock)."""
         thread = threading.Thread(target=self._run, name=f"{self.name}-io", daemon=True)
         self._threads.append(thread)
+        self._clock_ids[thread] = None
         self._waiting += 1
         self._starved_since = None
         thread.start()
+
+    def _retire(self) -> bool:
+        """Whether the calling thread, idle ``retire_after`` s, may exit (then forgotten)."""
+        with self._lock:
+            if len(self._threads) <= self.min_threads or self._waiting <= 1:
+                return False
+            me = threading.current_thread()
+            self._threads.remove(me)
+            del self._clock_ids[me]
+            self._waiting -= 1
+        log.debug("%s: a thread idle %.0f s retired", self.name, self.retire_after)
+        return True
 
     def _watch(self) -> None:
         """Starts a thread when every one has been blocked inside a call for ``_STALL`` s.
@@ -432,7 +503,7 @@ class EventLoop:
             with self._lock:
                 since = self._starved_since
                 started = len(self._threads)
-                clock_ids = list(self._clock_ids)
+                clock_ids = list(self._clock_ids.values())
             if since is None or time.monotonic() - since < _STALL or started >= self.max_threads:
                 clocks.clear()
                 continue
@@ -443,13 +514,13 @@ class EventLoop:
                     self._spawn()
             clocks.clear()
 
-    def _arm(self, conn: LoopConnection) -> None:
+    def _arm(self, conn: Connection) -> None:
         flags = select.EPOLLIN | select.EPOLLONESHOT | select.EPOLLRDHUP
         with self._lock:  # not after a close: the fd number may already be another's
             if conn.closed:
                 return
+            conn.busy = False
             fd = conn.sock.fileno()
-            self._busy.discard(fd)
             try:
                 try:
                     self._epoll.modify(fd, flags)
@@ -461,9 +532,9 @@ class EventLoop:
         self.close(conn, error)
 
     def _run(self) -> None:
-        clock_id = _own_cpu_clock()
         with self._lock:
-            self._clock_ids.append(clock_id)
+            self._clock_ids[threading.current_thread()] = _own_cpu_clock()
+        idle_since = time.monotonic()
         while not self._stopping.is_set():
             try:
                 events = self._epoll.poll(_POLL, 1)
@@ -473,24 +544,22 @@ class EventLoop:
                 log.warning("data plane event loop: %s", e)
                 time.sleep(_POLL)
                 continue
-            now = time.monotonic()
-            with self._lock:
-                sweep = now >= self._next_sweep
-                if sweep:
-                    self._next_sweep = now + _SWEEP
-            if sweep:
-                self._sweep(now)
+            if not events:
+                if time.monotonic() - idle_since > self.retire_after and self._retire():
+                    return
+                continue
+            idle_since = time.monotonic()
             for fd, _ in events:
                 with self._lock:
                     conn = self._conns.get(fd)
-                    if conn is not None and fd in self._busy:
+                    if conn is not None and conn.busy:
                         conn = None  # being served already (a stale event)
                     if conn is not None:
-                        self._busy.add(fd)
+                        conn.busy = True
                 if conn is not None:
                     self._serve(conn)
 
-    def _serve(self, conn: LoopConnection) -> None:
+    def _serve(self, conn: Connection) -> None:
         """Reads a ready connection; runs each request it completes; re-arms it."""
         while not self._stopping.is_set():
             try:
@@ -524,32 +593,3 @@ class EventLoop:
             self.close(conn)
             return
         self._arm(conn)
-
-    def _sweep(self, now: float) -> None:
-        """Closes the connections idle or stalled too long (not those being served)."""
-        with self._lock:
-            waiting = [c for fd, c in self._conns.items() if fd not in self._busy]
-        for conn in waiting:
-            if conn.mid_frame():
-                started = conn.last if conn.frame_start is None else conn.frame_start
-                if now - started > self.io_timeout:
-                    why = f"a frame still incomplete {now - started:.1f} s after it began"
-                    self.close(conn, TimeoutError(why))
-            elif now - conn.last > self.idle_timeout:
-                self.close(conn, TimeoutError(f"no call for {now - conn.last:.1f} s"))
-
-    def close_idlest(self, min_idle: float) -> LoopConnection | None:
-        """Closes the connection waiting longest for its next call, if it has waited
-        ``min_idle`` seconds at least (not one being served or mid-frame); returns it."""
-        now = time.monotonic()
-        with self._lock:
-            waiting = [
-                c
-                for fd, c in self._conns.items()
-                if fd not in self._busy and not c.mid_frame() and now - c.last >= min_idle
-            ]
-        if not waiting:
-            return None
-        conn = min(waiting, key=lambda c: c.last)
-        self.close(conn, TimeoutError(f"idle {now - conn.last:.1f} s: made room for another"))
-        return conn

@@ -2,30 +2,31 @@
 
 A connection starts with a HELLO carrying the shared token (see
 :mod:`.auth`; TLS first when configured), read by a short-lived thread of its
-own; a refused one gets an UNAUTHENTICATED ERROR frame and is closed.  A
-welcomed plain connection then joins the event loop (:mod:`.loop`: a few
-threads for every connection, calls run on the thread that read them); a TLS
-one keeps its thread, and so does every connection on a platform without
-``epoll`` (macOS, the BSDs, Windows: one log line says so).  It carries calls one at a time: a REQUEST frame whose
-payload is received with ``recv_into`` into the
-connection's own reusable buffer (no joins, the GIL released while the kernel
-copies), the handler named by its method id, and a REPLY frame whose buffers go
-out with one ``sendmsg``.  A handler that raises a psflow :class:`OpError`
-answers an ERROR frame with the status gRPC would have carried: the code name,
-the message and the trailing metadata (a :class:`MovedError`'s redirect).
+own within ``hello_timeout`` (see :mod:`.door`); a refused one gets an
+UNAUTHENTICATED ERROR frame and is closed.  A welcomed connection, plain or
+TLS, then has one request path (:mod:`.loop`): its frames are read into its
+own reusable buffers by the threads of the event loop (or, without
+``epoll``, by its own thread), and each REQUEST runs the handler its method
+id names and is answered with a REPLY whose buffers go out with one
+``sendmsg``.  A handler that raises a psflow :class:`OpError` answers an
+ERROR frame with the status gRPC would have carried
+(:func:`~psflow.errors.status_of`: the code, the message and a
+:class:`MovedError`'s redirect); so do an unknown method (UNIMPLEMENTED) and a
+call whose deadline passed before it ran (DEADLINE_EXCEEDED, counted from the
+frame's first byte).
 
 A frame that breaks the format or the limits closes its connection with a
 logged reason before any handler runs; other connections are not affected.
-Connections are bounded in number, closed after ``idle_timeout`` seconds
-without a call, and :meth:`DataPlaneServer.stop` stops accepting, shuts every
-connection down and joins the threads within a timeout.
+Connections are bounded in number; one idle ``idle_timeout`` seconds, or
+mid-frame longer than ``io_timeout``, is closed by the accepting thread's
+sweep; :meth:`DataPlaneServer.stop` stops accepting, shuts every connection
+down and joins the threads within a timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import socket
 import ssl
@@ -35,21 +36,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from psflow.errors import (
     Code,
+    DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
-    MovedError,
     OpError,
     UnavailableError,
+    UnimplementedError,
+    error_class,
+    status_of,
 )
 from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
 from . import auth, door, frames, loop
-from .loop import EventLoop, LoopConnection, ReplyStream
-from .stream import FrameStream, readable_now, tune
+from .loop import RETIRE_AFTER, Connection, EventLoop
+from .stream import tune
 
 __all__ = ["DataPlaneServer", "Handler", "Reply", "Request"]
 
@@ -57,7 +60,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PAYLOAD = 1 << 30
 _ACCEPT_POLL = 0.2
-_MAX_DETAILS = 4096
+_SWEEP = 0.5
 # an authenticated connection idle this long may be closed to make room for a new one
 # (clients check a pooled connection idle over a second before they reuse it)
 _EVICTABLE_IDLE = 2.0
@@ -103,20 +106,15 @@ class Reply(NamedTuple):
 Handler = Callable[[Request], Reply]
 
 
-class _Connection:
-    """One accepted connection, from its handshake on (a thread of its own) to its
-    end, served by that thread (TLS, or no epoll) or on the event loop."""
+class _Accepted:
+    """A connection from accept until its handshake ends (its thread's)."""
 
-    __slots__ = ("authenticated", "busy", "last", "looped", "peer", "sock", "thread")
+    __slots__ = ("peer", "sock", "thread")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
         self.thread: threading.Thread | None = None
-        self.authenticated = False  # counted against ``max_connections``
-        self.busy = False  # a call being read or run (the threaded path)
-        self.last = time.monotonic()  # when its last call ended
-        self.looped: LoopConnection | None = None
 
 
 class DataPlaneServer:
@@ -148,6 +146,8 @@ class DataPlaneServer:
             see :mod:`psflow.memory`, reuses the freed ones anyway).
         on_reject: called with a reason for every refused connection or frame
             (``"unauthenticated"``, ``"malformed_frame"``, ``"too_many_connections"``).
+        thread_idle_timeout: seconds without an event after which an event-loop
+            thread beyond the first two exits.
 
     Raises:
         InvalidArgumentError: two handler names share a wire id.
@@ -171,6 +171,7 @@ class DataPlaneServer:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         retain_bytes: int = 4 << 20,
         on_reject: Callable[[str], None] | None = None,
+        thread_idle_timeout: float = RETIRE_AFTER,
     ) -> None:
         self.host = host
         self.security = security
@@ -189,7 +190,8 @@ class DataPlaneServer:
         self.port = self._listener.getsockname()[1]
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._connections: set[_Connection] = set()
+        self._handshaking: set[_Accepted] = set()
+        self._served: set[Connection] = set()
         self._door = door.Door(
             max_pending=max_pending,
             max_pending_per_host=max_pending_per_host,
@@ -197,19 +199,18 @@ class DataPlaneServer:
         )
         self._refusals = door.Refusals(log)
         self._accept_thread: threading.Thread | None = None
-        # plain-TCP connections are read by one event-loop thread after their HELLO
-        # (see :mod:`.loop`); TLS ones keep a thread each (ssl has no cheap non-blocking
-        # reads of partial records), and so does every connection where there is no epoll
+        self._next_sweep = 0.0
+        # welcomed connections, plain and TLS, are read by the event loop's threads
+        # (see :mod:`.loop`); where there is no epoll, each by a thread of its own
         self._loop: EventLoop | None = None
         if loop.available():
             self._loop = EventLoop(
                 f"dataplane-{self.port}",
-                self._loop_call,
+                self._call,
                 max_threads=max_connections,
-                idle_timeout=idle_timeout,
-                io_timeout=io_timeout,
-                on_error=self._loop_failed,
-                on_close=self._loop_closed,
+                retire_after=thread_idle_timeout,
+                on_error=self._read_failed,
+                on_close=self._closed,
             )
         else:
             log.info(
@@ -225,8 +226,9 @@ class DataPlaneServer:
 
     @property
     def loop_threads(self) -> int:
-        """Threads the event loop started for plain connections (two until calls block;
-        0 where there is no epoll and each connection has a thread of its own)."""
+        """Threads of the event loop serving now (two, more while calls block, fewer
+        again once those idle; 0 where there is no epoll and each connection has a
+        thread of its own)."""
         return 0 if self._loop is None else self._loop.threads
 
     @staticmethod
@@ -283,10 +285,10 @@ class DataPlaneServer:
         if self._loop is not None:
             self._loop.stop(deadline)
         with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
+            open_now = [*self._handshaking, *self._served]
+        for conn in open_now:
             _shutdown(conn.sock)
-        for conn in connections:
+        for conn in open_now:
             if conn.thread is not None:
                 conn.thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -294,7 +296,7 @@ class DataPlaneServer:
     def connections(self) -> int:
         """Connections open now (handshakes under way included)."""
         with self._lock:
-            return len(self._connections)
+            return len(self._handshaking) + len(self._served)
 
     @property
     def pending_handshakes(self) -> int:
@@ -315,47 +317,66 @@ class DataPlaneServer:
                 log.warning("data plane accept failed: %s", e)
                 time.sleep(_ACCEPT_POLL)
                 continue
-            conn = _Connection(sock, _peer_name(addr))
-            deadline, evicted = self._door.enter(conn, addr[0])
+            accepted = _Accepted(sock, _peer_name(addr))
+            deadline, evicted = self._door.enter(accepted, addr[0])
             for old in evicted:
                 self._refused(old.peer, "closed before its handshake ended: a newer one came")
                 _shutdown(old.sock)
             with self._lock:
-                self._connections.add(conn)
-            conn.thread = threading.Thread(
-                target=self._serve, args=(conn, deadline), name=f"dataplane-{conn.peer}"
+                self._handshaking.add(accepted)
+            accepted.thread = threading.Thread(
+                target=self._serve,
+                args=(accepted, deadline),
+                name=f"dataplane-{accepted.peer}",
+                daemon=True,
             )
-            conn.thread.daemon = True
-            conn.thread.start()
+            accepted.thread.start()
 
     def _reap(self) -> None:
-        """Closes the handshakes past their deadline; reports counted refusals."""
+        """Closes the handshakes past their deadline and the connections idle or
+        stalled too long; reports counted refusals."""
         for conn in self._door.expired():
             self._refused(conn.peer, f"no handshake within {self._door.hello_timeout:g} s")
             _shutdown(conn.sock)
         self._refusals.flush()
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + _SWEEP
+        with self._lock:
+            waiting = [c for c in self._served if not c.busy]
+        for conn in waiting:  # shut down: whatever waits for its bytes wakes and closes it
+            if conn.mid_frame():
+                began = conn.last if conn.frame_start is None else conn.frame_start
+                if now - began > self.io_timeout:
+                    log.debug("data plane: a frame from %s still incomplete: closed", conn.peer)
+                    conn.shutdown()
+            elif now - conn.last > self.idle_timeout:
+                log.debug(
+                    "data plane: no call from %s for %.1f s: closed", conn.peer, now - conn.last
+                )
+                conn.shutdown()
 
     def _refused(self, peer: str, why: str, reason: str = "handshake_incomplete") -> None:
         """Counts a refused connection (metrics) and logs it, rate-limited."""
         self._rejected(reason)
         self._refusals.refused(peer, why, reason)
 
-    def _admit(self, conn: _Connection) -> bool:
-        """Counts an authenticated ``conn`` against ``max_connections``; at the limit
-        the connection idle longest gives way, or ``conn`` is refused (False)."""
+    def _admit(self, accepted: _Accepted) -> bool:
+        """Whether an authenticated connection fits ``max_connections``; at the limit the
+        connection idle longest gives way, or ``accepted`` is refused (False)."""
         for _ in range(3):  # each round admits, or closes one idle connection
             with self._lock:
-                open_now = sum(1 for c in self._connections if c.authenticated)
+                open_now = sum(1 for c in self._served if c.authenticated)
                 if open_now < self.max_connections:
-                    conn.authenticated = True
                     return True
             if not self._close_idlest():
                 break
         why = f"{self.max_connections} connections open (the limit), none idle"
-        self._refused(conn.peer, why, "too_many_connections")
+        self._refused(accepted.peer, why, "too_many_connections")
         with contextlib.suppress(OSError):
             _send_raw_status(
-                conn.sock,
+                accepted.sock,
                 Code.RESOURCE_EXHAUSTED,
                 f"the data plane serves at most {self.max_connections} connections",
             )
@@ -364,123 +385,92 @@ class DataPlaneServer:
     def _close_idlest(self) -> bool:
         """Closes the authenticated connection idle longest, if it has been idle
         :data:`_EVICTABLE_IDLE` s at least (a client reuses a fresher one unchecked)."""
-        if self._loop is not None:
-            closed = self._loop.close_idlest(_EVICTABLE_IDLE)
-            if closed is not None:
-                self._made_room(closed.peer)
-                return True
         now = time.monotonic()
         with self._lock:
             idle = [
                 c
-                for c in self._connections
+                for c in self._served
                 if c.authenticated
-                and c.looped is None
                 and not c.busy
+                and not c.mid_frame()
                 and now - c.last >= _EVICTABLE_IDLE
             ]
             if not idle:
                 return False
             victim = min(idle, key=lambda c: c.last)
             victim.authenticated = False
-        _shutdown(victim.sock)
-        self._made_room(victim.peer)
-        return True
-
-    def _made_room(self, peer: str) -> None:
+        victim.shutdown()
         log.info(
             "data plane: closed the idle connection from %s for a new one (%d open, the limit)",
-            peer,
+            victim.peer,
             self.max_connections,
         )
+        return True
 
     def _rejected(self, reason: str) -> None:
         if self._on_reject is not None:
             self._on_reject(reason)
 
     # -- one connection ---------------------------------------------------------------
-    def _serve(self, conn: _Connection, deadline: float) -> None:
-        """A connection's thread: the handshake by ``deadline``, then its calls (or
-        the hand-over to the event loop)."""
-        sock, peer = conn.sock, conn.peer
-        handed_over = False
+    def _serve(self, accepted: _Accepted, deadline: float) -> None:
+        """A connection's thread: the handshake by ``deadline``, then the hand-over to
+        the event loop (or, without epoll, its calls)."""
+        sock, peer = accepted.sock, accepted.peer
+        conn = None
         try:
             tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_side=True)
-                conn.sock = sock
             authenticated = self._authenticate(sock, peer, deadline)
-            if not self._door.leave(conn):
+            if not self._door.leave(accepted):
                 return  # past its deadline or evicted meanwhile: already shut down
-            if not authenticated or not self._admit(conn):
+            if not authenticated or not self._admit(accepted) or self._stopping.is_set():
                 return
             sock.sendall(frames.pack(frames.Kind.WELCOME))
-            conn.last = time.monotonic()
-            if self._loop is not None and self._tls is None and not self._stopping.is_set():
-                self._hand_over(conn, self._loop)
-                handed_over = True
-                return
-            # authenticated: only now is a stream's buffer allocated for this peer
-            stream = FrameStream(sock, max_header=self.max_header, max_payload=self.max_payload)
-            self._calls(conn, stream)
-        except frames.FrameError as e:
-            if conn.authenticated:
-                self._rejected("malformed_frame")
-                log.warning("data plane closed the connection from %s: %s", peer, e)
+            # authenticated: only now are a connection's buffers allocated for this peer
+            conn = Connection(
+                sock,
+                peer,
+                nonblocking=self._loop is not None,
+                max_header=self.max_header,
+                max_payload=self.max_payload,
+                retain_bytes=self.retain_bytes,
+                io_timeout=self.io_timeout,
+            )
+            with self._lock:
+                self._handshaking.discard(accepted)
+                self._served.add(conn)
+            if self._loop is not None:
+                self._loop.add(conn)
             else:
-                self._refused(peer, str(e), "malformed_frame")
+                conn.thread = accepted.thread
+                loop.serve_blocking(conn, self._call, self._read_failed, self._stopping)
+                self._closed(conn)
+        except frames.FrameError as e:
+            self._refused(peer, str(e), "malformed_frame")
         except ssl.SSLError as e:
             self._refused(peer, f"TLS failed: {e}", "unauthenticated")
         except TimeoutError:
-            log.debug("data plane connection from %s idle or stalled: closed", peer)
+            log.debug("data plane handshake from %s stalled: closed", peer)
         except (ConnectionError, OSError) as e:
             log.debug("data plane connection from %s ended: %s", peer, e)
         finally:
-            self._door.leave(conn)
-            if not handed_over:
+            self._door.leave(accepted)
+            if conn is None:
                 _shutdown(sock)
                 sock.close()
                 with self._lock:
-                    self._connections.discard(conn)
+                    self._handshaking.discard(accepted)
 
-    # -- connections on the event loop ------------------------------------------------
-    def _hand_over(self, conn: _Connection, event_loop: EventLoop) -> None:
-        """Gives a welcomed plain connection to the event loop (the HELLO was read
-        exactly: nothing of the next frame is held here)."""
-        looped = LoopConnection(
-            conn.sock,
-            conn.peer,
-            b"",
-            max_header=self.max_header,
-            max_payload=self.max_payload,
-            retain_bytes=self.retain_bytes,
-        )
-        looped.stream = ReplyStream(conn.sock, self.io_timeout)
-        looped.tag = conn
-        conn.looped = looped
-        event_loop.add(looped)
-
-    def _loop_call(
-        self, conn: LoopConnection, head: frames.FrameHead, header: bytes, payload: memoryview
-    ) -> bool:
-        """Runs one call of a loop connection; False when the connection is done."""
-        try:
-            self._dispatch(conn.stream, conn.sock, head, header, payload, conn.peer)
-        except (OSError, ValueError) as e:  # ConnectionError, TimeoutError: the peer is gone
-            log.debug("data plane connection from %s ended: %s", conn.peer, e)
-            return False
-        conn.last = time.monotonic()
-        return not self._stopping.is_set()
-
-    def _loop_failed(self, conn: LoopConnection, error: BaseException) -> None:
+    def _read_failed(self, conn: Connection, error: BaseException) -> None:
         if isinstance(error, frames.FrameError):
             self._rejected("malformed_frame")
             log.warning("data plane closed the connection from %s: %s", conn.peer, error)
 
-    def _loop_closed(self, conn: LoopConnection) -> None:
+    def _closed(self, conn: Connection) -> None:
         with self._lock:
-            self._connections.discard(conn.tag)
+            self._served.discard(conn)
 
     # -- the handshake ----------------------------------------------------------------
     def _authenticate(self, sock: socket.socket, peer: str, deadline: float) -> bool:
@@ -499,83 +489,51 @@ class DataPlaneServer:
             return False
         return True
 
-    # -- connections on a thread of their own ------------------------------------------
-    def _calls(self, conn: _Connection, stream: FrameStream) -> None:
-        """Serves calls until the peer leaves, stays idle ``idle_timeout`` s, or takes
-        more than ``io_timeout`` s to send one frame."""
-        buffer = np.empty(0, np.uint8)
-        while not self._stopping.is_set():
-            stream.deadline = None
-            stream.settimeout(self.idle_timeout)
-            stream.wait_for_bytes()
-            conn.busy = True
-            stream.deadline = time.monotonic() + self.io_timeout  # the whole frame's
-            head = stream.read_head()
-            if head.kind is not frames.Kind.REQUEST:
-                raise frames.FrameError(f"a {head.kind.name} frame where a REQUEST was expected")
-            header = stream.read_bytes(head.header_len)
-            n = head.payload_len
-            if n > buffer.size:
-                held = np.empty(n, np.uint8)
-                if n <= self.retain_bytes:
-                    buffer = held
-            else:
-                held = buffer
-            payload = memoryview(held)[:n]
-            stream.read_into(payload)
-            stream.deadline = None
-            stream.settimeout(self.io_timeout)  # each send of the reply
-            self._dispatch(stream, stream.sock, head, header, payload, conn.peer)
-            conn.busy = False
-            conn.last = time.monotonic()
-
-    # -- one call, either path ------------------------------------------------------
-    def _dispatch(
-        self,
-        stream: FrameStream,
-        sock: socket.socket,
-        head: frames.FrameHead,
-        header: bytes,
-        payload: memoryview,
-        peer: str,
-    ) -> None:
-        """Runs one request with its handler and sends the reply or the error."""
-        known = self._handlers.get(head.method)
-        if known is None:
-            _send_status(
-                stream,
-                head.call_id,
-                Code.UNIMPLEMENTED,
-                f"data plane: no method with id {head.method}",
-            )
-            return
+    # -- one call: every connection's --------------------------------------------------
+    def _call(
+        self, conn: Connection, head: frames.FrameHead, header: bytes, payload: memoryview
+    ) -> bool:
+        """Runs one request with its handler and sends the reply or the error's status;
+        False when the connection is to be closed (its peer is gone, or the server stops)."""
         deadline = None
-        if head.timeout_ms:
-            deadline = time.monotonic() + head.timeout_ms / 1000.0
-        name, handler = known
-        request = Request(
-            name, header, payload, peer, deadline, functools.partial(_peer_gone, sock)
-        )
+        if head.timeout_ms:  # the client's time left when it sent the frame's first byte
+            deadline = conn.began + head.timeout_ms / 1000.0
+        known = self._handlers.get(head.method)
         try:
-            reply = Reply(*handler(request))
-        except OpError as e:
-            metadata = e.metadata() if isinstance(e, MovedError) else ()
-            _send_status(stream, head.call_id, e.code, e.message, metadata)
-            return
-        except Exception as e:
-            log.exception("data plane %s failed", request.method)
-            _send_status(
-                stream, head.call_id, Code.INTERNAL, f"{request.method}: {type(e).__name__}: {e}"
-            )
-            return
-        stream.send_frame(
-            frames.Kind.REPLY,
-            method=head.method,
-            call_id=head.call_id,
-            header=reply.header,
-            buffers=reply.buffers,
-            release=reply.release,
-        )
+            try:
+                if known is None:
+                    raise UnimplementedError(f"data plane: no method with id {head.method}")
+                name, handler = known
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlineExceededError(
+                        f"data plane: {name}'s deadline of {head.timeout_ms} ms passed "
+                        "before it ran"
+                    )
+                request = Request(name, header, payload, conn.peer, deadline, conn.peer_gone)
+                reply = Reply(*handler(request))
+            except OpError as e:
+                status = status_of(e)
+            except Exception as e:
+                log.exception("data plane %s failed", known[0] if known else head.method)
+                status = status_of(InternalError(f"{known[0]}: {type(e).__name__}: {e}"))
+            else:
+                conn.stream.send_frame(
+                    frames.Kind.REPLY,
+                    method=head.method,
+                    call_id=head.call_id,
+                    header=reply.header,
+                    buffers=reply.buffers,
+                    release=reply.release,
+                )
+                status = None
+            if status is not None:
+                header = _status_header(status.code, status.details, status.metadata)
+                conn.stream.send_frame(frames.Kind.ERROR, call_id=head.call_id, header=header)
+        except (OSError, ValueError) as e:  # ConnectionError, TimeoutError: the peer is gone
+            log.debug("data plane connection from %s ended: %s", conn.peer, e)
+            return False
+        conn.last = time.monotonic()
+        return not self._stopping.is_set()
 
 
 def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
@@ -601,21 +559,7 @@ def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def _peer_gone(sock: socket.socket) -> bool:
-    """Whether the client of a call in progress has left (closed or reset).
-
-    A client sends nothing while its call runs, so a readable socket means an end
-    of file, an error, or a peer out of step: the answer has nobody to go to.
-    """
-    try:
-        return readable_now(sock)
-    except (OSError, ValueError):  # closed under us
-        return True
-
-
 def _status_header(code: Code, message: str, metadata: Sequence[tuple[str, str]] = ()) -> bytes:
-    if len(message) > _MAX_DETAILS:
-        message = f"{message[:_MAX_DETAILS]}... ({len(message)} chars)"
     return dataplane_pb2.DataPlaneStatus(
         code=Code(code).name,
         message=message,
@@ -623,20 +567,9 @@ def _status_header(code: Code, message: str, metadata: Sequence[tuple[str, str]]
     ).SerializeToString()
 
 
-def _send_status(
-    stream: FrameStream,
-    call_id: int,
-    code: Code,
-    message: str,
-    metadata: Sequence[tuple[str, str]] = (),
-) -> None:
-    header = _status_header(code, message, metadata)
-    stream.send_frame(frames.Kind.ERROR, call_id=call_id, header=header)
-
-
 def _send_raw_status(sock: socket.socket, code: Code, message: str) -> None:
     """An ERROR frame sent before (or instead of) a connection's stream exists."""
-    header = _status_header(code, message)
+    header = _status_header(*status_of(error_class(code)(message)))
     sock.sendall(frames.pack(frames.Kind.ERROR, header_len=len(header)) + header)
 
 

@@ -17,18 +17,28 @@ import contextlib
 import select
 import socket
 import ssl
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import frames
 
-__all__ = ["IOV_MAX", "SOCKET_BUFFER_BYTES", "FrameStream", "drop_sent", "readable_now", "tune"]
+__all__ = [
+    "DIRECT_BYTES",
+    "IOV_MAX",
+    "SOCKET_BUFFER_BYTES",
+    "STAGING_BYTES",
+    "FrameStream",
+    "drop_sent",
+    "readable_now",
+    "tune",
+]
 
-_STAGING = 64 << 10
-# below this many bytes still to read, refill the staging buffer rather than
-# reading into the destination: one syscall may then also bring the next frame
-_DIRECT = 16 << 10
+STAGING_BYTES = 64 << 10
+"""The buffer a reader receives small frames into (several arrive in one ``recv``)."""
+DIRECT_BYTES = 16 << 10
+"""At least this many bytes still to read go straight into their destination; fewer
+refill the staging buffer, so that one system call may also bring the next frame.
+A payload up to this size also rides in one piece with its frame's headers."""
 IOV_MAX = 512
 """Buffers one ``sendmsg`` takes at most (the kernel's ``UIO_MAXIOV`` is 1024)."""
 SOCKET_BUFFER_BYTES = 8 << 20
@@ -108,14 +118,10 @@ class FrameStream:
         self.max_payload = max_payload
         # TLS sockets have no sendmsg: their pieces go through sendall
         self._gather = hasattr(sock, "sendmsg") and not isinstance(sock, ssl.SSLSocket)
-        self._staging = bytearray(_STAGING)
+        self._staging = bytearray(STAGING_BYTES)
         self._view = memoryview(self._staging)
         self._start = 0
         self._end = 0
-        self.deadline: float | None = None
-        """``time.monotonic()`` by which every read must be done (None: each read
-        waits up to the socket's timeout): a frame's absolute deadline, which a
-        peer dripping its bytes cannot extend."""
 
     def close(self) -> None:
         """Closes the socket (idempotent)."""
@@ -131,30 +137,12 @@ class FrameStream:
         return self._end - self._start
 
     # -- reading -------------------------------------------------------------------
-    def _recv_into(self, view: memoryview) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the rest of the frame did not arrive in time")
-            self.sock.settimeout(left)
-        return self.sock.recv_into(view)
-
     def _fill(self) -> None:
         """Receives into the staging buffer (which holds nothing unread)."""
-        n = self._recv_into(self._view)
+        n = self.sock.recv_into(self._view)
         if n == 0:
             raise ConnectionError("the data-plane connection was closed by its peer")
         self._start, self._end = 0, n
-
-    def wait_for_bytes(self) -> None:
-        """Returns once a next frame's first bytes are here (within the socket's timeout).
-
-        Raises:
-            TimeoutError: none came in time.
-            ConnectionError: the peer closed the connection.
-        """
-        if self._start == self._end:
-            self._fill()
 
     def read_into(self, dest: memoryview) -> None:
         """Fills ``dest`` (a writable byte view) with the next ``len(dest)`` bytes."""
@@ -166,8 +154,8 @@ class FrameStream:
         pos = have
         while pos < n:
             left = n - pos
-            if left >= _DIRECT:
-                got = self._recv_into(dest[pos:])
+            if left >= DIRECT_BYTES:
+                got = self.sock.recv_into(dest[pos:])
                 if got == 0:
                     raise ConnectionError("the data-plane connection was closed by its peer")
                 pos += got
@@ -235,7 +223,7 @@ class FrameStream:
             payload_len=sum(len(v) for v in views),
         )
         small = [fixed, header] if header else [fixed]
-        if views and len(views[0]) <= _DIRECT:
+        if views and len(views[0]) <= DIRECT_BYTES:
             small.append(views.pop(0))  # a small payload rides in the same piece
         pieces = [b"".join(small), *views]
         if release is None:
