@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from psflow import errors
-from psflow.keras.callbacks import Callback
+from psflow.keras.callbacks_base import Callback
 
 
 class ReduceLROnPlateau(Callback):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from psflow import errors
-from psflow.keras.callbacks import Callback
+from psflow.keras.callbacks_base import Callback
 from psflow.summary import event_writer
 
 

@@ -43,6 +43,7 @@ import shutil
 from typing import Any
 
 from psflow import errors
+from psflow.train.trackable import Kind, Trackable
 from psflow.train.writer import file_sha256
 
 FORMAT = "psflow.checkpoint.v2"  # v2: values keyed by object path
@@ -50,10 +51,12 @@ _FORMAT_V1 = "psflow.checkpoint.v1"  # keyed by variable name: still restored (l
 MANIFEST = "checkpoint.json"
 
 
-class ExternalState:
+class ExternalState(Trackable):
     """A tracked object whose state is no array this process holds (a dynamic
     embedding table on the parameter servers): it writes and reads its own
     files in the directory a checkpoint gives it, before the checkpoint commits."""
+
+    checkpoint_kind = Kind.EXTERNAL
 
     def save_external(self, directory: str) -> None:
         """Writes the state under ``directory`` (which may not exist yet)."""
@@ -69,7 +72,7 @@ class ExternalState:
         return None
 
 
-class Checkpoint:
+class Checkpoint(Trackable):
     """Groups objects to save and restore together (TensorFlow's ``tf.train.Checkpoint``).
 
     Values are matched by object path (``model/layer_with_weights-0/kernel``,
@@ -97,12 +100,13 @@ class Checkpoint:
             if object_graph.kind_of(obj) is None:
                 raise errors.InvalidArgumentError(
                     f"Checkpoint cannot track {attr}={type(obj).__name__}: give models, layers, "
-                    "optimizers, variables, iterators or plain numbers"
+                    "optimizers, variables, iterators, plain numbers or a "
+                    "psflow.train.trackable.Trackable"
                 )
         # never a strategy's variable (a PS variable under ParameterServerStrategy)
         self._save_counter = local_variable(0, name="save_counter", dtype="int64")
 
-    def _tracked(self) -> dict[str, Any]:
+    def checkpoint_children(self) -> dict[str, Any]:
         """The objects given, by name (the checkpoint's edges)."""
         return dict(self._objects)
 

@@ -21,28 +21,28 @@ FORMAT_V1 = "psflow.checkpoint.v1"
 
 def _flatten(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(variables, optimizers, scalars)`` keyed as the first format keyed them."""
-    from psflow.framework.variable import Variable
-    from psflow.keras.layers.base import Layer
-    from psflow.keras.optimizers.optimizer import Optimizer
+    from psflow.distribute.ps.values import ShardedVariable
+    from psflow.train.object_graph import Kind, kind_of
 
     variables: dict[str, Any] = {}
     optimizers: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
     for attr, obj in objects.items():
-        if isinstance(obj, Layer):
+        kind = kind_of(obj)
+        if kind is Kind.OBJECT and obj.checkpoint_grows:  # a layer or model: its weights
             for v in obj.weights:
                 variables[f"{attr}/{v.name}"] = v
             opt = getattr(obj, "optimizer", None)
-            if isinstance(opt, Optimizer):
+            if kind_of(opt) is Kind.OPTIMIZER:
                 optimizers[f"{attr}/optimizer"] = opt
-        elif isinstance(obj, Optimizer):
+        elif kind is Kind.OPTIMIZER:
             optimizers[attr] = obj
-        elif isinstance(obj, Variable) or _is_ps(obj):
-            variables[attr] = obj
-        elif hasattr(obj, "_shard_variables"):
+        elif isinstance(obj, ShardedVariable):
             for i, shard in enumerate(obj.variables):
                 variables[f"{attr}/part_{i}"] = shard
-        elif isinstance(obj, (int, float, str, bool)):
+        elif kind in (Kind.VARIABLE, Kind.PS_VARIABLE):
+            variables[attr] = obj
+        elif kind is Kind.SCALAR:
             scalars[attr] = obj
     return variables, optimizers, scalars
 

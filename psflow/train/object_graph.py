@@ -5,7 +5,8 @@ attribute names from the :class:`~psflow.train.Checkpoint` to it, not by the
 variable's own name.  A second model built in the same process (whose layers
 are ``dense_2``, ``dense_3``...) therefore restores the first one's checkpoint.
 
-The edges out of an object:
+The edges out of an object are what it names as a
+:class:`~psflow.train.trackable.Trackable` (this module imports no Keras):
 
 * a :class:`~psflow.train.Checkpoint`: the objects it was given, by keyword;
 * a ``Sequential`` or functional model: ``layer-<i>`` for every layer and
@@ -22,28 +23,13 @@ first path (breadth first).
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from psflow.train.trackable import VALUE_KINDS, Kind, Trackable
 
-class Kind(enum.Enum):
-    """What a node of the graph holds."""
-
-    OBJECT = "object"  # a container: its children are its state
-    VARIABLE = "variable"  # a value in this process (plain, mirrored, sync-on-read)
-    PS_VARIABLE = "ps"  # a value (or its shards) on parameter servers
-    EXTERNAL = "external"  # state that writes its own files (a dynamic embedding table)
-    OPTIMIZER = "optimizer"  # a step count, a learning rate and slots of variables
-    ITERATOR = "iterator"  # a position in a dataset
-    SCALAR = "scalar"  # a plain number given to the Checkpoint
-
-
-VALUE_KINDS = frozenset(
-    {Kind.VARIABLE, Kind.PS_VARIABLE, Kind.EXTERNAL, Kind.OPTIMIZER, Kind.ITERATOR}
-)
-"""Kinds whose nodes carry state that a restore must consume."""
+__all__ = ["VALUE_KINDS", "Kind", "Node", "build", "children", "kind_of", "trackable_attr"]
 
 
 _MODEL_EDGE = re.compile(r"^layer(_with_weights)?-\d+$")
@@ -60,62 +46,36 @@ def kind_of(obj: Any) -> Kind | None:
     from psflow.data.iterator import Iterator
     from psflow.distribute.ps.values import PSVariable, ShardedVariable
     from psflow.framework.variable import Variable
-    from psflow.keras.layers.base import Layer
-    from psflow.keras.optimizers.optimizer import Optimizer
-    from psflow.train.checkpoint import Checkpoint, ExternalState
 
-    if isinstance(obj, ExternalState):
-        return Kind.EXTERNAL
+    if isinstance(obj, Trackable):
+        return obj.checkpoint_kind
     if isinstance(obj, (PSVariable, ShardedVariable)):
         return Kind.PS_VARIABLE
     if isinstance(obj, Variable):
         return Kind.VARIABLE
-    if isinstance(obj, Optimizer):
-        return Kind.OPTIMIZER
     if isinstance(obj, Iterator):
         return Kind.ITERATOR
-    if isinstance(obj, (Layer, Checkpoint)):
-        return Kind.OBJECT
-    if isinstance(obj, (list, tuple)) and any(_trackable_attr(x) for x in obj):
+    if isinstance(obj, (list, tuple)) and any(trackable_attr(x) for x in obj):
         return Kind.OBJECT
     if isinstance(obj, (int, float, str, bool)):
         return Kind.SCALAR
     return None
 
 
-def _trackable_attr(value: Any) -> bool:
-    """Whether a layer's attribute is an edge (plain numbers of a layer are config, not state)."""
+def trackable_attr(value: Any) -> bool:
+    """Whether an object's attribute is an edge (plain numbers of a layer are config,
+    not state)."""
     kind = kind_of(value)
     return kind is not None and kind is not Kind.SCALAR
 
 
 def children(obj: Any) -> dict[str, Any]:
     """The named edges out of ``obj``, in a stable order."""
-    from psflow.keras.engine.functional import Functional
-    from psflow.keras.engine.sequential import Sequential
-    from psflow.keras.layers.base import Layer
-    from psflow.train.checkpoint import Checkpoint
-
-    if isinstance(obj, Checkpoint):
-        return obj._tracked()
+    if isinstance(obj, Trackable):
+        return obj.checkpoint_children()
     if isinstance(obj, (list, tuple)):
-        return {str(i): x for i, x in enumerate(obj) if _trackable_attr(x)}
-    if not isinstance(obj, Layer):
-        return {}
-    out: dict[str, Any] = {}
-    if isinstance(obj, (Sequential, Functional)):
-        with_weights = 0
-        for i, layer in enumerate(obj.layers):  # TensorFlow's order: its paths are these
-            if layer.weights:
-                out[f"layer_with_weights-{with_weights}"] = layer
-                with_weights += 1
-            out[f"layer-{i}"] = layer
-    for name, weight in obj._named_weights():
-        out.setdefault(name, weight)
-    for name, value in vars(obj).items():
-        if not name.startswith("_") and _trackable_attr(value):
-            out.setdefault(name, value)
-    return out
+        return {str(i): x for i, x in enumerate(obj) if trackable_attr(x)}
+    return {}
 
 
 @dataclass

@@ -33,6 +33,7 @@ from psflow.framework.variable import VariableAggregation, VariableSynchronizati
 from psflow.io.safetensors import load_file
 from psflow.train import deferred, object_graph
 from psflow.train.object_graph import VALUE_KINDS, Kind
+from psflow.train.trackable import Trackable
 
 _SHOWN = 20  # paths listed in a mismatch error
 
@@ -92,8 +93,6 @@ class Restoration:
 
         Saved edges a live layer lacks are left waiting for it.
         """
-        from psflow.keras.layers.base import Layer
-
         pairs = []
         queue = [(obj, node_id)]
         seen = {id(o) for o in self._matched.values()}
@@ -117,7 +116,7 @@ class Restoration:
                     queue.append((edges[name], child))
                 elif not object_graph.is_model_edge(name):
                     waiting = True
-            if waiting and isinstance(live, Layer):
+            if waiting and isinstance(live, Trackable) and live.checkpoint_grows:
                 deferred.defer(live, self, nid)
                 self._waiting_owners.append(live)
         return pairs

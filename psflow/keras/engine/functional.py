@@ -130,6 +130,9 @@ class Functional(Model):
         self.built = True
 
     # -- structure -----------------------------------------------------------------------
+    def _tracked_layers(self) -> list[Layer]:
+        return self.layers
+
     @property
     def layers(self) -> list[Layer]:
         """Every layer of the graph, inputs first, then in call order (as Keras lists them)."""

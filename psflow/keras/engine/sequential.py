@@ -38,6 +38,9 @@ class Sequential(Model):
         for layer in layers or []:
             self.add(layer)
 
+    def _tracked_layers(self) -> list[Layer]:
+        return self.layers
+
     @property
     def layers(self) -> list[Layer]:
         """The layers in order (an ``Input`` is not listed)."""

@@ -25,6 +25,7 @@ from psflow.framework.variable import Variable
 from psflow.keras import initializers
 from psflow.keras.engine import keras_tensor
 from psflow.train import deferred
+from psflow.train.trackable import Trackable
 
 _name_lock = threading.Lock()
 _track_lock = threading.Lock()  # layers' weight lists, appended to from replica threads
@@ -62,8 +63,13 @@ def _takes_training(cls: type) -> bool:
     return found
 
 
-class Layer:
+class Layer(Trackable):
     """Base class of layers (Keras's ``keras.layers.Layer``).
+
+    A checkpoint tracks a layer through its children: its weights by the names
+    they were made with, and its public attributes that hold layers, variables,
+    optimizers or iterators (see :mod:`psflow.train.object_graph`); a layer
+    builds them later, so their values wait for it (``checkpoint_grows``).
 
     Args:
         trainable: whether the layer's weights are trained.
@@ -268,6 +274,30 @@ class Layer:
             self._weight_names[id(value)] = name
             deferred.child_created(self, name, value)
         return True
+
+    checkpoint_grows = True
+
+    def _tracked_layers(self) -> list[Layer]:
+        """Layers a checkpoint names ``layer-<i>`` (a model's; none for a layer)."""
+        return []
+
+    def checkpoint_children(self) -> dict[str, Any]:
+        """The named edges a checkpoint follows out of this layer, in a stable order."""
+        from psflow.train.object_graph import trackable_attr
+
+        out: dict[str, Any] = {}
+        with_weights = 0
+        for i, layer in enumerate(self._tracked_layers()):  # TensorFlow's order and paths
+            if layer.weights:
+                out[f"layer_with_weights-{with_weights}"] = layer
+                with_weights += 1
+            out[f"layer-{i}"] = layer
+        for name, weight in self._named_weights():
+            out.setdefault(name, weight)
+        for name, value in vars(self).items():
+            if not name.startswith("_") and trackable_attr(value):
+                out.setdefault(name, value)
+        return out
 
     def _named_weights(self) -> list[tuple[str, Any]]:
         """``(name, weight)`` for this layer's own weights, by the names they were made with."""

@@ -23,10 +23,14 @@ from psflow.framework.variable import Variable
 from psflow.keras.optimizers.learning_rate import LearningRate
 from psflow.keras.optimizers.schedules import LearningRateSchedule
 from psflow.ops import clip_ops
+from psflow.train.trackable import Kind, Trackable
 
 
-class Optimizer:
+class Optimizer(Trackable):
     """Base optimizer (Keras 3's ``keras.optimizers.Optimizer``).
+
+    A checkpoint saves it as one value (``checkpoint_kind``): its step count,
+    learning rate and the slots of the variables it updates.
 
     Args:
         learning_rate: a float or a :class:`LearningRateSchedule`.
@@ -37,6 +41,7 @@ class Optimizer:
     """
 
     _rule_cls: type[update_rules.UpdateRule] | None = None
+    checkpoint_kind = Kind.OPTIMIZER
 
     def __init__(
         self,
