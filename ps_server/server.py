@@ -29,6 +29,7 @@ from psflow.transport.dataplane import DataPlaneServer
 from psflow.transport.options import server_options
 from psflow.transport.service import SERVICE
 
+from .edge import Edge
 from .embedding_servicer import EmbeddingServicer
 from .options import DataPlaneOptions, ServerOptions
 from .servicer import ParameterServerServicer
@@ -82,21 +83,23 @@ def _build(
 ) -> tuple[ParameterServerServicer, EmbeddingServicer, grpc.Server, int]:
     """:func:`create_server`, also returning the servicers (the data plane calls them)."""
     limits = options.limits
-    servicer = ParameterServerServicer(
-        store,
-        chunk_bytes=options.chunk_bytes,
-        max_message_bytes=options.max_message_bytes,
+    edge = Edge(  # one for both services and both transports
+        store.task,
         max_streams=limits.max_streams,
         max_streams_per_client=limits.max_streams_per_client,
         stream_idle_timeout=limits.stream_idle_timeout,
         metrics=metrics,
     )
-    if metrics is not None and servicer.edge.gate is not None:
-        gate = servicer.edge.gate
+    if metrics is not None and edge.gate is not None:
+        gate = edge.gate
         metrics.watch_streams(lambda: gate.active)
-    embedding = EmbeddingServicer(
-        tables or TableRegistry(store.task), store.max_tensor_bytes, servicer.edge
+    servicer = ParameterServerServicer(
+        store,
+        chunk_bytes=options.chunk_bytes,
+        max_message_bytes=options.max_message_bytes,
+        edge=edge,
     )
+    embedding = EmbeddingServicer(tables or TableRegistry(store.task), store.max_tensor_bytes, edge)
     threads = options.threads
     server, bound = serving.build_server(
         (servicer.generic_handler(), embedding.generic_handler()),

@@ -25,7 +25,6 @@ from psflow.errors import (
     ResourceExhaustedError,
 )
 from psflow.observability.logs import set_log_context
-from psflow.observability.services import PSMetrics
 from psflow.proto import ps_pb2
 from psflow.ps import write_ops
 from psflow.ps.checkpoint import restore_shard, save_shard
@@ -108,12 +107,9 @@ class ParameterServerServicer:
         store: the variables.
         chunk_bytes: payload bytes per message of a streamed reply.
         max_message_bytes: the server's message size limit (bounds unary replies).
-        max_streams: calls served at once; one more is refused with
-            RESOURCE_EXHAUSTED (None: no limit beyond the thread pool).
-        max_streams_per_client: of those, calls one client connection may have.
-        stream_idle_timeout: seconds a streaming call may go without a message
-            before it is cancelled (None: never).
-        metrics: where to record calls, bytes, latencies and rejections.
+        edge: where its calls enter: admission, idleness, metrics (its
+            ``metrics`` also get the bytes pushed and pulled); None: an edge
+            with no limits and no metrics.
     """
 
     def __init__(
@@ -122,23 +118,14 @@ class ParameterServerServicer:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_streams: int | None = None,
-        max_streams_per_client: int | None = None,
-        stream_idle_timeout: float | None = None,
-        metrics: PSMetrics | None = None,
+        edge: Edge | None = None,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
         self.max_unary_payload = max_message_bytes - _HEADER_SLACK
-        self.metrics = metrics
-        self.edge = Edge(
-            store.task,
-            max_streams=max_streams,
-            max_streams_per_client=max_streams_per_client,
-            stream_idle_timeout=stream_idle_timeout,
-            metrics=metrics,
-        )
+        self.edge = edge or Edge(store.task)
+        self.metrics = self.edge.metrics
         self._shm_payloads = shm.SegmentCache()
         # (dtype code, shape) -> checked (dtype, shape, nbytes): a worker pushes the same
         # few specs every step, and checking one costs more than the rest of a small push

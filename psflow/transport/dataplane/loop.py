@@ -34,6 +34,7 @@ shutdown wakes either kind of wait), not here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import select
 import socket
@@ -48,7 +49,7 @@ import numpy as np
 from . import frames
 from .stream import DIRECT_BYTES, IOV_MAX, STAGING_BYTES, FrameStream, drop_sent, readable_now
 
-__all__ = ["Connection", "EventLoop", "ReplyStream", "available", "serve_blocking"]
+__all__ = ["Connection", "EventLoop", "Limits", "ReplyStream", "available", "serve_blocking"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,23 @@ class ReplyStream(FrameStream):
             super()._send_releasing(pieces, release)
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a welcomed connection may send and hold (the server's, for all of them).
+
+    Attributes:
+        max_header: the largest protobuf header accepted.
+        max_payload: the largest payload accepted.
+        retain_bytes: the payload buffer kept across calls up to this size.
+        io_timeout: seconds one blocked send of a reply may wait.
+    """
+
+    max_header: int
+    max_payload: int
+    retain_bytes: int
+    io_timeout: float
+
+
 class Connection:
     """One welcomed connection: the frame being read, its buffers, its reply stream.
 
@@ -135,10 +153,7 @@ class Connection:
         sock: the connected socket (plain or TLS), past its HELLO.
         peer: the peer's name.
         nonblocking: read by an :class:`EventLoop` (else by :func:`serve_blocking`).
-        max_header: the largest protobuf header accepted.
-        max_payload: the largest payload accepted.
-        retain_bytes: the payload buffer kept across calls up to this size.
-        io_timeout: seconds one blocked send of a reply may wait.
+        limits: what it may send and hold.
     """
 
     __slots__ = (
@@ -158,10 +173,8 @@ class Connection:
         "closed",
         "frame_start",
         "last",
-        "max_header",
-        "max_payload",
+        "limits",
         "peer",
-        "retain_bytes",
         "sock",
         "stream",
         "thread",
@@ -173,16 +186,11 @@ class Connection:
         peer: str,
         *,
         nonblocking: bool,
-        max_header: int,
-        max_payload: int,
-        retain_bytes: int,
-        io_timeout: float,
+        limits: Limits,
     ) -> None:
         self.sock = sock
         self.peer = peer
-        self.max_header = max_header
-        self.max_payload = max_payload
-        self.retain_bytes = retain_bytes
+        self.limits = limits
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._view = memoryview(bytearray(STAGING_BYTES))
         self._start = self._end = 0
@@ -201,7 +209,7 @@ class Connection:
         self.authenticated = True  # counted against the server's max_connections
         self.closed = False
         self.thread: threading.Thread | None = None
-        self.stream = ReplyStream(sock, io_timeout, nonblocking=nonblocking)
+        self.stream = ReplyStream(sock, limits.io_timeout, nonblocking=nonblocking)
         sock.setblocking(not nonblocking)
 
     def mid_frame(self) -> bool:
@@ -288,8 +296,9 @@ class Connection:
         if self._parts:
             return None
         if self._head is None:
+            limits = self.limits
             head = frames.unpack(
-                bytes(self._header), max_header=self.max_header, max_payload=self.max_payload
+                bytes(self._header), max_header=limits.max_header, max_payload=limits.max_payload
             )
             if head.kind is not frames.Kind.REQUEST:
                 raise frames.FrameError(f"a {head.kind.name} frame where a REQUEST was expected")
@@ -298,7 +307,7 @@ class Connection:
             n = head.payload_len
             if n > self._buffer.size:
                 held = np.empty(n, np.uint8)
-                if n <= self.retain_bytes:
+                if n <= limits.retain_bytes:
                     self._buffer = held
             else:
                 held = self._buffer

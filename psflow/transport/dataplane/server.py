@@ -51,7 +51,7 @@ from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
 from . import auth, door, frames, loop
-from .loop import RETIRE_AFTER, Connection, EventLoop
+from .loop import RETIRE_AFTER, Connection, EventLoop, Limits
 from .stream import tune
 
 __all__ = ["DataPlaneServer", "Handler", "Reply", "Request"]
@@ -178,9 +178,7 @@ class DataPlaneServer:
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.io_timeout = io_timeout
-        self.max_header = max_header
-        self.max_payload = max_payload
-        self.retain_bytes = retain_bytes
+        self._limits = Limits(max_header, max_payload, retain_bytes, io_timeout)
         self._on_reject = on_reject
         self._handlers: dict[int, tuple[str, Handler]] = {}
         for name, handler in handlers.items():
@@ -433,10 +431,7 @@ class DataPlaneServer:
                 sock,
                 peer,
                 nonblocking=self._loop is not None,
-                max_header=self.max_header,
-                max_payload=self.max_payload,
-                retain_bytes=self.retain_bytes,
-                io_timeout=self.io_timeout,
+                limits=self._limits,
             )
             with self._lock:
                 self._handshaking.discard(accepted)
