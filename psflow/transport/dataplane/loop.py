@@ -1,34 +1,30 @@
-"""How the data-plane server reads its connections: one request path, two ways to wait.
+"""How the data-plane server reads a welcomed connection: one request path, two ways to wait.
 
-A welcomed connection, plain or TLS, becomes a :class:`Connection`: it reads
-frames into its own buffers (a small frame in one ``recv``; a large payload
-straight into a buffer kept across calls up to ``retain_bytes``) and answers
-through a :class:`ReplyStream`.  What waits for its bytes differs by platform,
-nothing else does:
+A :class:`Connection`, plain or TLS, reads frames into its own buffers (a
+small frame in one ``recv``; a large payload straight into a buffer kept
+across calls up to ``retain_bytes``) and answers through a :class:`ReplyStream`.
+What waits for its bytes depends on the platform, nothing else does:
 
-* :class:`EventLoop` (Linux): a few threads share one ``epoll``.  With one
-  thread per connection, every call woke its own thread, and a thread back
-  from ``recv`` waited for the GIL while another one computed (16 client
-  processes pushing small gradients: p50 10.6 ms at 25% of a core).  Here the
-  thread woken reads the ready connection, runs the call it completes, sends
-  the reply, re-arms the connection and waits again: no hand-off between a
-  reading and a working thread.  Two threads wait from the start: on a busy
-  host the one serving a call is often descheduled, or inside the ``sendmsg``
-  that wakes a client, and the other serves the next connection meanwhile
-  (+12% pushes/s for 16 processes pushing 4 KB on a shared 2-core host).  A
-  watcher adds a thread only when every one has been inside a call for a while
-  without using the CPU (synchronous pushes waiting for the others), so blocked
-  calls never stop the rest from being read; a thread beyond the first two that
-  sees no event for ``retire_after`` seconds exits.  Connections are
-  registered ``EPOLLONESHOT``: while a call runs nothing more is read from its
-  connection, so the payload view handed to the handler stays valid until it
-  returns.  A TLS socket is read until OpenSSL wants more bytes from the
-  kernel, so ``epoll`` never sleeps on a decrypted record.
+* :class:`EventLoop` (Linux): a few threads share one ``epoll``; the one woken
+  reads the ready connection, runs the call it completes, sends the reply and
+  re-arms the connection, with no hand-off between a reading and a working
+  thread (a thread per connection woke one thread per call, each then waiting
+  for the GIL: p50 10.6 ms for 16 clients pushing small gradients).  Two
+  threads wait from the start: on a busy host the one serving a call is often
+  descheduled, or inside the ``sendmsg`` that wakes a client (+12% pushes/s
+  for 16 processes pushing 4 KB on a shared 2-core host).  A watcher adds a
+  thread only when every one has been inside a call for a while without using
+  the CPU (synchronous pushes waiting for the others); a thread beyond the
+  first two that sees no event for ``retire_after`` seconds exits.
+  Connections are ``EPOLLONESHOT``: nothing more is read from one while its
+  call runs, so the payload view stays valid until the handler returns.  A TLS
+  socket is read until OpenSSL wants bytes from the kernel, so ``epoll`` never
+  sleeps on a record already decrypted.
 * :func:`serve_blocking` (no ``epoll``: macOS, the BSDs, Windows): the
   connection's own thread reads it with blocking calls.
 
-Idle and stalled connections are closed by their owner's sweep (a socket
-shutdown wakes either kind of wait), not here.
+Idle and stalled connections are closed by the server's sweep: a socket
+shutdown wakes either kind of wait.
 """
 
 from __future__ import annotations
