@@ -44,6 +44,8 @@ import sys
 from psflow import serving
 from psflow.errors import InvalidArgumentError, OpError
 from psflow.ps.store import VariableStore
+from psflow.ps.tables import TableRegistry
+from psflow.ps.tiered_table import TierOptions
 from psflow.security.config import is_loopback
 from psflow.security.limits import DEFAULT_MAX_SYNC_CONTRIBUTORS, PSLimits
 from psflow.transport import shm
@@ -136,6 +138,26 @@ def _parser() -> argparse.ArgumentParser:
         default=DataPlaneOptions.io_timeout,
         metavar="SECONDS",
         help="a data-plane frame must arrive whole (a reply be taken) this soon after it began",
+    )
+    p.add_argument(
+        "--table-memory-rows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rows of each dynamic table shard kept in memory, the rest on local disk "
+        "(tables whose config names a budget keep theirs; 0: all in memory)",
+    )
+    p.add_argument(
+        "--table-memory-bytes",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="the same budget in bytes of rows, slots and bookkeeping",
+    )
+    p.add_argument(
+        "--table-dir",
+        metavar="DIR",
+        help="where the disk tier's stores live (default: the system's temporary directory)",
     )
     return p
 
@@ -242,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             metrics_bind=args.metrics_bind,
             data_plane=data_plane,
+            tables=TableRegistry(
+                task,
+                TierOptions(args.table_dir, args.table_memory_rows, args.table_memory_bytes),
+            ),
         )
     except OpError as e:
         log.error("ps_server failed: %s", e)

@@ -53,6 +53,7 @@ from .dedup import DedupWindow, State
 from .dynamic_table import DynamicTable, IdCheck, TableConfig, TableStats, check_ids
 from .key_index import shard_of
 from .row_moves import Outgoing, check_part, merge
+from .tiered_table import TieredTable, TierOptions, safe_name, tier_root
 
 __all__ = ["TableRegistry"]
 
@@ -81,10 +82,15 @@ class TableRegistry:
 
     Args:
         task: this task's name (``"ps:0"``), for file names and errors.
+        tier: the disk tier's options (:mod:`psflow.ps.tiered_table`): a table
+            whose config or these options give a memory budget keeps only that
+            many rows in memory, the rest on local disk.
     """
 
-    def __init__(self, task: str = "ps:0") -> None:
+    def __init__(self, task: str = "ps:0", tier: TierOptions | None = None) -> None:
         self.task = task
+        self.tier = tier or TierOptions()
+        self._tier_root: str | None = None
         self._tables: dict[str, tuple[DynamicTable, int, int]] = {}
         self._lock = threading.Lock()
         self._dedup = DedupWindow()
@@ -119,14 +125,36 @@ class TableRegistry:
                     )
                 return False
             if not move_id:
-                self._tables[config.name] = (DynamicTable(config), shard_index, num_shards)
+                self._tables[config.name] = (self._new_table(config), shard_index, num_shards)
                 return True
         with self._move_lock:
             created = self._move(move_id).created
             if config.name not in created:
-                created[config.name] = (DynamicTable(config), shard_index, num_shards)
+                created[config.name] = (self._new_table(config), shard_index, num_shards)
                 return True
         return False
+
+    def _new_table(self, config: TableConfig, capacity: int | None = None) -> DynamicTable:
+        """An empty shard of ``config``: with a disk tier when its config or the
+        task's tier options give a memory budget."""
+        rows = config.memory_rows or (0 if config.memory_bytes else self.tier.memory_rows)
+        nbytes = config.memory_bytes or (0 if config.memory_rows else self.tier.memory_bytes)
+        if not rows and not nbytes:
+            return DynamicTable(config, capacity)
+        if self._tier_root is None:
+            self._tier_root = tier_root(self.tier.directory, self.task)
+        directory = os.path.join(
+            self._tier_root, f"{safe_name(config.name)}.{uuid.uuid4().hex[:12]}"
+        )
+        return TieredTable(
+            config,
+            capacity,
+            directory=directory,
+            memory_rows=rows,
+            memory_bytes=nbytes,
+            backend=self.tier.backend,
+            queue_rows=self.tier.queue_rows,
+        )
 
     def table(self, name: str) -> DynamicTable:
         """The shard of table ``name``.
@@ -335,7 +363,11 @@ class TableRegistry:
                 own = out.kept(table.export_state())
                 staged = [v for k, v in sorted(move.staged.items()) if k[0] == name]
                 parts = [(table.config, own), *staged]
-                replaced[name] = (merge(table.config, parts), index, num_shards)
+                replaced[name] = (
+                    merge(table.config, parts, make=self._new_table),
+                    index,
+                    num_shards,
+                )
             with self._lock:
                 self._tables.update(replaced)
             del self._moves[move_id]
@@ -448,6 +480,7 @@ class TableRegistry:
                 keep=lambda ids: shard_of(ids, num_shards) == shard_index,
                 counted=counted[name],
                 step=own_step.get(name),
+                make=self._new_table,
             )
             rows += table.stats().rows
             restored[name] = (table, shard_index, num_shards)
