@@ -95,6 +95,10 @@ class RowStore(abc.ABC):
         consistent snapshot (writes during the scan are not seen)."""
 
     @abc.abstractmethod
+    def scan_ids(self, batch: int = 65536) -> Iterator[np.ndarray]:
+        """Every id, ascending, ``batch`` at a time, from one consistent snapshot."""
+
+    @abc.abstractmethod
     def count(self) -> int:
         """Records held."""
 
@@ -165,30 +169,30 @@ class _LmdbStore(RowStore):
         self._write_lock = threading.Lock()
 
     def read(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-        keys = encode_keys(ids)
         order = np.argsort(ids, kind="stable")
+        packed = encode_keys(ids[order]).tobytes()
+        keys = [packed[i : i + 8] for i in range(0, len(packed), 8)]
         found = np.zeros(ids.shape[0], bool)
-        out = np.empty((ids.shape[0], record_bytes), np.uint8)
         try:
-            with self._env.begin(buffers=True) as txn, txn.cursor() as cur:
-                got = cur.getmulti([keys[i].tobytes() for i in order], dupdata=False)
-                if got:
-                    # getmulti returns the found keys in request order (ascending)
-                    hit_keys = np.frombuffer(b"".join(bytes(k) for k, _ in got), np.uint8)
-                    hit_ids = decode_keys(hit_keys.reshape(-1, 8))
-                    pos = np.searchsorted(ids[order], hit_ids)
-                    at = order[pos]
-                    for j, (_, value) in enumerate(got):
-                        if len(value) != record_bytes:
-                            raise DataLossError(
-                                f"disk tier at {self.path!r}: record of id {int(hit_ids[j])} "
-                                f"has {len(value)} bytes, expected {record_bytes}"
-                            )
-                        out[at[j]] = np.frombuffer(value, np.uint8)
-                    found[at] = True
+            with self._env.begin() as txn, txn.cursor() as cur:
+                got = cur.getmulti(keys, dupdata=False)
         except self._lmdb.Error as e:
             raise disk_error(self.path, "read", e) from e
-        return found, out[found]
+        if not got:
+            return found, np.empty((0, record_bytes), np.uint8)
+        # getmulti returns the found keys in request order (ascending ids)
+        hit_ids = decode_keys(np.frombuffer(b"".join(k for k, _ in got), np.uint8).reshape(-1, 8))
+        flat = np.frombuffer(b"".join(v for _, v in got), np.uint8)
+        if flat.size != len(got) * record_bytes:
+            raise DataLossError(
+                f"disk tier at {self.path!r}: records are not {record_bytes} bytes each"
+            )
+        at = order[np.searchsorted(ids[order], hit_ids)]
+        found[at] = True
+        # the records in the order of the found ids
+        records = np.empty((len(got), record_bytes), np.uint8)
+        records[np.argsort(np.argsort(at))] = flat.reshape(len(got), record_bytes)
+        return found, records
 
     def write(
         self,
@@ -201,20 +205,22 @@ class _LmdbStore(RowStore):
                 f"disk tier at {self.path!r}: {ids.shape[0]} ids but {records.shape[0]} records"
             )
         order = np.argsort(ids, kind="stable")
-        keys = encode_keys(ids)
+        packed = encode_keys(ids[order]).tobytes()
+        values = np.ascontiguousarray(records[order]).tobytes()
+        width = records.shape[1] if records.ndim == 2 else 0
+        items = [
+            (packed[8 * i : 8 * i + 8], values[width * i : width * (i + 1)])
+            for i in range(ids.shape[0])
+        ]
         try:
             with self._write_lock, self._env.begin(write=True) as txn:
                 if delete is not None and delete.size:
-                    dkeys = encode_keys(np.sort(delete))
-                    for k in dkeys:
-                        txn.delete(k.tobytes())
-                if ids.size:
+                    dead = encode_keys(np.sort(delete)).tobytes()
+                    for i in range(0, len(dead), 8):
+                        txn.delete(dead[i : i + 8])
+                if items:
                     with txn.cursor() as cur:
-                        cur.putmulti(
-                            [(keys[i].tobytes(), records[i].tobytes()) for i in order],
-                            dupdata=True,
-                            overwrite=True,
-                        )
+                        cur.putmulti(items, dupdata=True, overwrite=True)
         except self._lmdb.Error as e:
             raise disk_error(self.path, "write", e) from e
 
@@ -231,6 +237,20 @@ class _LmdbStore(RowStore):
                         keys, values = [], []
                 if keys:
                     yield self._batch(keys, values, record_bytes)
+        except self._lmdb.Error as e:
+            raise disk_error(self.path, "scan", e) from e
+
+    def scan_ids(self, batch: int = 65536) -> Iterator[np.ndarray]:
+        try:
+            with self._env.begin() as txn, txn.cursor() as cur:
+                keys: list[bytes] = []
+                for key in cur.iternext(keys=True, values=False):
+                    keys.append(key)
+                    if len(keys) == batch:
+                        yield decode_keys(np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 8))
+                        keys = []
+                if keys:
+                    yield decode_keys(np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 8))
         except self._lmdb.Error as e:
             raise disk_error(self.path, "scan", e) from e
 

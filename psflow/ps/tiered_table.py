@@ -54,6 +54,7 @@ from psflow.update_rules import UpdateRule, put_rows, take_rows
 
 from .disk_store import disk_error, open_store
 from .dynamic_table import DynamicTable, TableConfig
+from .id_filter import IdFilter
 from .key_index import unique_ids
 from .write_behind import WriteBehind
 
@@ -271,6 +272,8 @@ class TieredTable(DynamicTable):
         self._codec = self._codec_for(self.rule)
         self._tier = {"memory_hits": 0, "disk_hits": 0, "disk_bytes_read": 0}
         self._next_disk_scan = 0
+        # which ids may be on disk: most misses are new ids, answered without a read
+        self._filter = IdFilter(max(16 * budget, 4096))
         self._finalizer = weakref.finalize(self, _discard, self._writer, directory)
 
     def _codec_for(self, rule: UpdateRule | None) -> RowCodec:
@@ -296,6 +299,13 @@ class TieredTable(DynamicTable):
     def _fetch(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(present, records of the present ids)``: the write-behind queue first,
         then one batched read of the store."""
+        maybe = self._filter.might_contain(ids)
+        if not maybe.all():
+            present = np.zeros(ids.shape[0], bool)
+            if not maybe.any():
+                return present, np.empty((0, self._codec.record_bytes), np.uint8)
+            present[maybe], records = self._fetch(ids[maybe])
+            return present, records
         unique, inverse = unique_ids(ids)
         if unique is not ids:  # peek takes repeated ids
             present, records = self._fetch(unique)
@@ -369,11 +379,29 @@ class TieredTable(DynamicTable):
             self._touched[victims],
             self._traffic[victims],
         )
+        ids = self._index.keys[victims]
         try:
-            self._writer.put(self._index.keys[victims], records)
+            self._writer.put(ids, records)
         except OpError:
             return  # they stay in memory; the next request raises the writer's error
+        self._filter.add(ids)
         self._index.remove(victims)
+        if self._filter.full:
+            self._rebuild_filter()
+
+    def _rebuild_filter(self) -> None:
+        """A filter of the ids on disk now, sized for twice as many (lock held)."""
+        try:
+            self._writer.flush()
+        except OpError:
+            return  # the filter only grows less exact; the next request raises
+        held = list(self._writer.store.scan_ids())
+        count = sum(ids.shape[0] for ids in held)
+        fresh = IdFilter(max(2 * count, 16 * self.budget_rows, 4096))
+        for ids in held:
+            fresh.add(ids)
+        fresh.added = count
+        self._filter = fresh
 
     def _bind(self, rule: UpdateRule | None) -> None:
         if rule is not None and self.rule is None:
