@@ -9,6 +9,7 @@ must give a typed error naming the store's path and change nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import uuid
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from psflow import errors
+from psflow.io.safetensors import load_file
 from psflow.ps.disk_store import open_store
 from psflow.ps.dynamic_table import DynamicTable, TableConfig
 from psflow.ps.key_index import shard_of
@@ -153,6 +155,58 @@ def test_checkpoint_of_a_tiered_registry_restores_in_memory_and_onto_two_tasks(t
         assert reg.lookup("t", mine, read_only=True).tobytes() == (
             plain.lookup("t", mine, read_only=True).tobytes()
         )
+
+
+def test_a_tiered_checkpoint_streams_the_disk_tier_to_segments_and_restores_anywhere(tmp_path):
+    config = TableConfig("t", DIM, optimizer=ADAGRAD, ttl_steps=30)
+    tiered = TableRegistry("ps:0", TierOptions(str(tmp_path / "tier"), memory_rows=25))
+    plain = TableRegistry("ps:0")
+    for reg in (tiered, plain):
+        reg.create(config, 0, 1)
+    for ids, grads, _ in _stream(5, 50):
+        for reg in (tiered, plain):
+            reg.lookup("t", ids)
+            reg.push("t", ids, grads)
+    tiered.save(str(tmp_path / "ckpt"), "ps-0")
+    manifest = json.loads((tmp_path / "ckpt" / "ps-0.tables.json").read_text())
+    segments = manifest["tables"]["t"]["segments"]
+    assert segments  # the disk tier went to its own files, not through memory
+    main = load_file(str(tmp_path / "ckpt" / manifest["data"]))
+    assert main["t\x00ids"].size <= 25 + 64
+    # a second save replaces the first and leaves no stray files
+    tiered.save(str(tmp_path / "ckpt"), "ps-0")
+    files = sorted(os.listdir(tmp_path / "ckpt"))
+    manifest = json.loads((tmp_path / "ckpt" / "ps-0.tables.json").read_text())
+    named = {manifest["data"], *(s["file"] for s in manifest["tables"]["t"]["segments"])}
+    assert set(files) == named | {"ps-0.tables.json"}
+    # restored all in memory (no tier here, none in the config) and onto three tiered tasks
+    flat = TableRegistry("ps:0")
+    flat.restore(str(tmp_path / "ckpt"), 0, 1)
+    assert not isinstance(flat.table("t"), TieredTable)
+    _assert_same_state(plain.table("t"), flat.table("t"))
+    every = plain.table("t").export_state()["ids"]
+    shards = [
+        TableRegistry(f"ps:{i}", TierOptions(str(tmp_path / "t3"), memory_rows=10))
+        for i in range(3)
+    ]
+    for i, reg in enumerate(shards):
+        reg.restore(str(tmp_path / "ckpt"), i, 3)
+        mine = every[shard_of(every, 3) == i]
+        assert reg.stats()["t"].rows == mine.size
+        assert reg.lookup("t", mine, read_only=True).tobytes() == (
+            plain.lookup("t", mine, read_only=True).tobytes()
+        )
+    # a corrupt segment is refused before anything changes
+    seg = tmp_path / "ckpt" / manifest["tables"]["t"]["segments"][0]["file"]
+    raw = bytearray(seg.read_bytes())
+    raw[-1] ^= 0xFF
+    seg.write_bytes(bytes(raw))
+    with pytest.raises(errors.DataLossError):
+        shards[0].restore(str(tmp_path / "ckpt"), 0, 3)
+    mine = every[shard_of(every, 3) == 0]
+    assert shards[0].lookup("t", mine, read_only=True).tobytes() == (
+        plain.lookup("t", mine, read_only=True).tobytes()
+    )
 
 
 def test_a_push_retried_after_its_rows_were_demoted_applies_once(tmp_path):

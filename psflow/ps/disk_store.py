@@ -32,6 +32,7 @@ import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ from psflow.errors import (
     ResourceExhaustedError,
 )
 
-__all__ = ["RowStore", "open_store", "register_store", "store_names"]
+__all__ = ["RowStore", "StoreSnapshot", "open_store", "register_store", "store_names"]
 
 # Ids become big-endian keys with the sign bit flipped: byte order is id order,
 # so a scan returns ids ascending and batched reads walk the B-tree forwards.
@@ -62,6 +63,24 @@ def decode_keys(keys: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(keys).view(_KEY).reshape(-1).astype(np.uint64) ^ _SIGN).view(
         np.int64
     )
+
+
+class StoreSnapshot(abc.ABC):
+    """A read-only, consistent view of a :class:`RowStore` (a context manager)."""
+
+    @abc.abstractmethod
+    def scan(self, record_bytes: int, batch: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every ``(ids, records)`` of the view, ascending by id, ``batch`` at a time."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the view."""
+
+    def __enter__(self) -> StoreSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class RowStore(abc.ABC):
@@ -97,6 +116,11 @@ class RowStore(abc.ABC):
     @abc.abstractmethod
     def scan_ids(self, batch: int = 65536) -> Iterator[np.ndarray]:
         """Every id, ascending, ``batch`` at a time, from one consistent snapshot."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> StoreSnapshot:
+        """A consistent, read-only view of the store as it is now: later writes are
+        not seen through it (close it: it pins the pages it sees)."""
 
     @abc.abstractmethod
     def count(self) -> int:
@@ -225,20 +249,14 @@ class _LmdbStore(RowStore):
             raise disk_error(self.path, "write", e) from e
 
     def scan(self, record_bytes: int, batch: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        with self.snapshot() as snap:
+            yield from snap.scan(record_bytes, batch)
+
+    def snapshot(self) -> StoreSnapshot:
         try:
-            with self._env.begin(buffers=True) as txn, txn.cursor() as cur:
-                keys: list[bytes] = []
-                values: list[bytes] = []
-                for key, value in cur:
-                    keys.append(bytes(key))
-                    values.append(bytes(value))
-                    if len(keys) == batch:
-                        yield self._batch(keys, values, record_bytes)
-                        keys, values = [], []
-                if keys:
-                    yield self._batch(keys, values, record_bytes)
+            return _LmdbSnapshot(self, self._env.begin())
         except self._lmdb.Error as e:
-            raise disk_error(self.path, "scan", e) from e
+            raise disk_error(self.path, "snapshot", e) from e
 
     def scan_ids(self, batch: int = 65536) -> Iterator[np.ndarray]:
         try:
@@ -283,6 +301,34 @@ class _LmdbStore(RowStore):
 
     def close(self) -> None:
         self._env.close()
+
+
+class _LmdbSnapshot(StoreSnapshot):
+    """An LMDB read transaction: MVCC, so writers go on while it is open."""
+
+    def __init__(self, store: _LmdbStore, txn: Any) -> None:
+        self._store = store
+        self._txn = txn
+
+    def scan(self, record_bytes: int, batch: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        store = self._store
+        try:
+            with self._txn.cursor() as cur:
+                keys: list[bytes] = []
+                values: list[bytes] = []
+                for key, value in cur:
+                    keys.append(key)
+                    values.append(value)
+                    if len(keys) == batch:
+                        yield store._batch(keys, values, record_bytes)
+                        keys, values = [], []
+                if keys:
+                    yield store._batch(keys, values, record_bytes)
+        except store._lmdb.Error as e:
+            raise disk_error(store.path, "scan", e) from e
+
+    def close(self) -> None:
+        self._txn.abort()
 
 
 def _lmdb(path: str, **options: object) -> RowStore:

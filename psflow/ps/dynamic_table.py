@@ -651,22 +651,26 @@ class DynamicTable:
         """Every id, row, slot and counter as arrays (a consistent copy)."""
         with self._lock:
             self._evict(full=True)
-            live = self._index.live_slots()
-            cand = self._cand.live_slots()
-            state = {
-                "ids": self._index.keys[live].copy(),
-                "rows": self._rows[live].copy(),
-                "touched": self._touched[live].copy(),
-                "traffic": self._traffic[live].copy(),
-                "candidate_ids": self._cand.keys[cand].copy(),
-                "candidate_counts": self._cand_count[cand].copy(),
-                "candidate_touched": self._cand_touched[cand].copy(),
-                "step": np.array(self.step, np.int64),
-                "counters": np.array([self._counters[k] for k in sorted(self._counters)], np.int64),
-            }
-            for k, v in self._slots.items():
-                state[f"slot/{k}"] = v[live].copy()
-            return self._with_held(state)
+            return self._with_held(self._export_memory())
+
+    def _export_memory(self) -> dict[str, np.ndarray]:
+        """:meth:`export_state` of the rows in memory (lock held)."""
+        live = self._index.live_slots()
+        cand = self._cand.live_slots()
+        state = {
+            "ids": self._index.keys[live].copy(),
+            "rows": self._rows[live].copy(),
+            "touched": self._touched[live].copy(),
+            "traffic": self._traffic[live].copy(),
+            "candidate_ids": self._cand.keys[cand].copy(),
+            "candidate_counts": self._cand_count[cand].copy(),
+            "candidate_touched": self._cand_touched[cand].copy(),
+            "step": np.array(self.step, np.int64),
+            "counters": np.array([self._counters[k] for k in sorted(self._counters)], np.int64),
+        }
+        for k, v in self._slots.items():
+            state[f"slot/{k}"] = v[live].copy()
+        return state
 
     def _with_held(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``state`` (memory's rows) with the rows held below memory (lock held)."""

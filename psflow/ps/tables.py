@@ -134,11 +134,16 @@ class TableRegistry:
                 return True
         return False
 
+    def _budget(self, config: TableConfig) -> tuple[int, int]:
+        """``(memory_rows, memory_bytes)`` of a shard of ``config`` here (both 0: no tier)."""
+        rows = config.memory_rows or (0 if config.memory_bytes else self.tier.memory_rows)
+        nbytes = config.memory_bytes or (0 if config.memory_rows else self.tier.memory_bytes)
+        return rows, nbytes
+
     def _new_table(self, config: TableConfig, capacity: int | None = None) -> DynamicTable:
         """An empty shard of ``config``: with a disk tier when its config or the
         task's tier options give a memory budget."""
-        rows = config.memory_rows or (0 if config.memory_bytes else self.tier.memory_rows)
-        nbytes = config.memory_bytes or (0 if config.memory_rows else self.tier.memory_bytes)
+        rows, nbytes = self._budget(config)
         if not rows and not nbytes:
             return DynamicTable(config, capacity)
         if self._tier_root is None:
@@ -388,11 +393,26 @@ class TableRegistry:
             held = dict(self._tables)
         tensors: dict[str, np.ndarray] = {}
         tables = {}
+        stem = f"{prefix}.tables.{uuid.uuid4().hex}"
+        keep = {f"{stem}.safetensors"}
         for name, (table, index, count) in sorted(held.items()):
-            for key, value in table.export_state().items():
+            entry = {"config": table.config.to_json(), "shard": index, "shards": count}
+            if isinstance(table, TieredTable):
+                # memory's rows here, the disk tier's streamed from its snapshot into
+                # segment files: a checkpoint never holds the whole table in memory
+                state, chunks = table.export_chunks()
+                entry["segments"] = []
+                for i, chunk in enumerate(chunks):
+                    segment = f"{stem}.{safe_name(name)}.{i:06d}.safetensors"
+                    digests = save_file(os.path.join(directory, segment), chunk)
+                    entry["segments"].append({"file": segment, "sha256": digests})
+                    keep.add(segment)
+            else:
+                state = table.export_state()
+            for key, value in state.items():
                 tensors[f"{name}\x00{key}"] = value
-            tables[name] = {"config": table.config.to_json(), "shard": index, "shards": count}
-        data = f"{prefix}.tables.{uuid.uuid4().hex}.safetensors"
+            tables[name] = entry
+        data = f"{stem}.safetensors"
         digests = save_file(os.path.join(directory, data), tensors)
         manifest = {"data": data, "tables": tables, "sha256": digests}
         with atomic_write(os.path.join(directory, prefix + _MANIFEST)) as f:
@@ -400,7 +420,7 @@ class TableRegistry:
         for old in glob.glob(
             os.path.join(directory, glob.escape(prefix) + ".tables.*.safetensors")
         ):
-            if os.path.basename(old) != data:
+            if os.path.basename(old) not in keep:
                 os.remove(old)
         return os.path.join(directory, data), sorted(tables)
 
@@ -436,6 +456,8 @@ class TableRegistry:
         if not manifests:
             raise NotFoundError(f"no table checkpoint in {directory!r}", task=self.task)
         parts: dict[str, list[dict[str, np.ndarray]]] = {}
+        # the disk tiers' segment files: (path, checksums) by table
+        segments: dict[str, list[tuple[str, dict]]] = {}
         counted: dict[str, list[bool]] = {}
         own_step: dict[str, int] = {}
         configs: dict[str, TableConfig] = {}
@@ -471,17 +493,36 @@ class TableRegistry:
                 counted.setdefault(name, []).append(same if layout else shard_index == 0)
                 if same:  # this shard's own optimizer step (Adam's bias correction, ttl clocks)
                     own_step[name] = int(part.get("step", 0))
+                for seg in entry.get("segments", ()):
+                    segments.setdefault(name, []).append(
+                        (os.path.join(directory, seg["file"]), seg["sha256"])
+                    )
         restored = {}
         rows = 0
+
+        def keep(ids: np.ndarray) -> np.ndarray:
+            return shard_of(ids, num_shards) == shard_index
+
         for name, config in configs.items():
+            tiered = self._budget(config) != (0, 0)
+            table_parts, table_counted = list(parts[name]), list(counted[name])
+            if not tiered:  # all in memory: the segments are parts like the others
+                for path, digests in segments.get(name, ()):
+                    table_parts.append(_segment_part(_load_segment(path, digests), parts[name][0]))
+                    table_counted.append(False)
             table = DynamicTable.from_parts(
                 config,
-                parts[name],
-                keep=lambda ids: shard_of(ids, num_shards) == shard_index,
-                counted=counted[name],
+                table_parts,
+                keep=keep,
+                counted=table_counted,
                 step=own_step.get(name),
                 make=self._new_table,
             )
+            if tiered:  # streamed from each segment file straight to the disk tier
+                for path, digests in segments.get(name, ()):
+                    segment = _load_segment(path, digests)
+                    mine = keep(segment["ids"])
+                    table.load_rows({k: v[mine] for k, v in segment.items()})
             rows += table.stats().rows
             restored[name] = (table, shard_index, num_shards)
         with self._lock:
@@ -495,6 +536,31 @@ def _check_shard(index: int, count: int) -> None:
         raise InvalidArgumentError(
             f"shard {index} of {count}: need 0 <= shard < shards, shards >= 1"
         )
+
+
+def _load_segment(path: str, digests: dict) -> dict[str, np.ndarray]:
+    """A disk tier's segment file, verified.
+
+    Raises:
+        DataLossError: missing or corrupt.
+    """
+    try:
+        return load_file(path, checksums=digests)
+    except OSError as e:
+        raise DataLossError(f"table segment {path} cannot be read: {e}") from e
+
+
+def _segment_part(segment: dict[str, np.ndarray], like: dict[str, np.ndarray]) -> dict:
+    """A segment's rows as a part :meth:`DynamicTable.from_parts` takes: no
+    candidates, no counters, the step of its table's part ``like``."""
+    return {
+        **segment,
+        "candidate_ids": like["candidate_ids"][:0],
+        "candidate_counts": like["candidate_counts"][:0],
+        "candidate_touched": like["candidate_touched"][:0],
+        "step": like["step"],
+        "counters": np.zeros_like(like["counters"]),
+    }
 
 
 def _read_manifest(path: str) -> dict:

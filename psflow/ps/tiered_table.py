@@ -45,6 +45,7 @@ import re
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -466,6 +467,71 @@ class TieredTable(DynamicTable):
             for k, v in slots.items():
                 parts[f"slot/{k}"].append(v)
         return {**state, **{k: np.concatenate(v) for k, v in parts.items()}}
+
+    def export_chunks(
+        self, chunk_rows: int = 65536
+    ) -> tuple[dict[str, np.ndarray], Iterator[dict[str, np.ndarray]]]:
+        """A consistent copy without the disk tier in memory: ``(state, chunks)``.
+
+        ``state`` is :meth:`export_state` of the rows in memory (with the
+        candidates, step and counters); ``chunks`` yields the rows on disk
+        (ids, rows, slots, clocks, traffic), ``chunk_rows`` at a time, from the
+        store's snapshot taken with ``state`` under the table's lock: requests
+        go on while the chunks are read, unseen by them.  Exhaust or close
+        ``chunks`` (it holds the snapshot).
+        """
+        with self._lock:
+            self._evict(full=True)
+            self._writer.flush()
+            state = self._export_memory()
+            snapshot = self._writer.store.snapshot()
+            codec = self._codec
+
+        def chunks() -> Iterator[dict[str, np.ndarray]]:
+            with snapshot:
+                for ids, records in snapshot.scan(codec.record_bytes, chunk_rows):
+                    rows, slots, touched, traffic = codec.decode(records)
+                    yield {
+                        "ids": ids,
+                        "rows": rows,
+                        "touched": touched,
+                        "traffic": traffic,
+                        **{f"slot/{k}": v for k, v in slots.items()},
+                    }
+
+        return state, chunks()
+
+    def load_rows(self, part: dict[str, np.ndarray]) -> None:
+        """Writes the rows of ``part`` (ids, rows, slots, clocks, traffic; ids new to
+        this table) straight to the disk tier, as a restore streams them.
+
+        Raises:
+            InvalidArgumentError: ids this table holds already, or missing slots.
+            OpError: the store's typed error.
+        """
+        ids = part["ids"]
+        if not ids.size:
+            return
+        with self._lock:
+            names = self._codec.slot_names
+            missing = [k for k in names if f"slot/{k}" not in part]
+            if missing and self.rule is not None:  # saved before a rule was bound
+                fresh = self.rule.init_slots(part["rows"])
+                part = {**part, **{f"slot/{k}": fresh[k] for k in missing}}
+            if (self._index.find(ids) >= 0).any() or self._fetch(ids)[0].any():
+                raise InvalidArgumentError(
+                    f"table {self.config.name!r}: restored rows hold ids it has already"
+                )
+            records = self._codec.encode(
+                part["rows"],
+                {k: part[f"slot/{k}"] for k in names},
+                part["touched"],
+                part["traffic"],
+            )
+            self._writer.store.write(ids, records)
+            self._filter.add(ids)
+            if self._filter.full:
+                self._rebuild_filter()
 
     @property
     def tier_stats(self) -> dict[str, int]:
