@@ -209,6 +209,73 @@ def test_a_tiered_checkpoint_streams_the_disk_tier_to_segments_and_restores_anyw
     )
 
 
+def test_checkpoints_to_the_same_directory_write_only_the_rows_changed_since(tmp_path):
+    config = TableConfig("t", DIM, optimizer=SGD, ttl_steps=25)
+    tiered = TableRegistry("ps:0", TierOptions(str(tmp_path / "tier"), memory_rows=20))
+    plain = TableRegistry("ps:0")
+    for reg in (tiered, plain):
+        reg.create(config, 0, 1)
+    ckpt = str(tmp_path / "ckpt")
+
+    def train(seed: int, steps: int, space: int) -> None:
+        for ids, grads, _ in _stream(seed, steps, space=space):
+            for reg in (tiered, plain):
+                reg.lookup("t", ids)
+                reg.push("t", ids, grads)
+
+    def segments() -> list[dict]:
+        manifest = json.loads((tmp_path / "ckpt" / "ps-0.tables.json").read_text())
+        return manifest["tables"]["t"]["segments"]
+
+    def restored_equal() -> None:
+        for target in (
+            TableRegistry("ps:0"),
+            TableRegistry("ps:0", TierOptions(str(tmp_path / "r"), 7)),
+        ):
+            target.restore(ckpt, 0, 1)
+            _assert_same_state(plain.table("t"), target.table("t"))
+        every = plain.table("t").export_state()["ids"]
+        for i in range(2):  # onto two tasks, tiered
+            reg = TableRegistry(f"ps:{i}", TierOptions(str(tmp_path / "r2"), 5))
+            reg.restore(ckpt, i, 2)
+            mine = every[shard_of(every, 2) == i]
+            assert reg.stats()["t"].rows == mine.size
+            assert reg.lookup("t", mine, read_only=True).tobytes() == (
+                plain.lookup("t", mine, read_only=True).tobytes()
+            )
+
+    train(7, 20, 4000)
+    tiered.save(ckpt, "ps-0")
+    base = segments()
+    assert base and all(seg["base"] for seg in base)
+    disk_rows = tiered.stats()["t"].disk_rows
+    assert sum(seg["rows"] for seg in base) == disk_rows
+    restored_equal()
+    train(8, 3, 50)  # a few ids: promotions, demotions; ttl evicts others from disk
+    tiered.save(ckpt, "ps-0")
+    chain = segments()
+    assert chain[: len(base)] == base  # the full segments are kept, not rewritten
+    added = chain[len(base) :]
+    assert added and not any(seg["base"] for seg in added)
+    assert sum(seg["rows"] for seg in added if not seg.get("deleted")) < disk_rows / 2
+    assert any(seg.get("deleted") for seg in added)  # rows that left the disk
+    restored_equal()
+    files = set(os.listdir(ckpt))
+    assert files == {seg["file"] for seg in chain} | {
+        json.loads((tmp_path / "ckpt" / "ps-0.tables.json").read_text())["data"],
+        "ps-0.tables.json",
+    }
+    # once the changes outweigh the full segments, the next save is a full one
+    for seed in range(9, 30):
+        train(seed, 4, 6000)
+        tiered.save(ckpt, "ps-0")
+        if all(seg["base"] for seg in segments()):
+            break
+    else:
+        raise AssertionError("the chain never compacted")
+    restored_equal()
+
+
 def test_a_push_retried_after_its_rows_were_demoted_applies_once(tmp_path):
     reg = TableRegistry("ps:0", TierOptions(str(tmp_path), memory_rows=8))
     ref = TableRegistry("ps:0")

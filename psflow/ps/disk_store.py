@@ -73,6 +73,10 @@ class StoreSnapshot(abc.ABC):
         """Every ``(ids, records)`` of the view, ascending by id, ``batch`` at a time."""
 
     @abc.abstractmethod
+    def read(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`RowStore.read` of the view."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Releases the view."""
 
@@ -193,15 +197,22 @@ class _LmdbStore(RowStore):
         self._write_lock = threading.Lock()
 
     def read(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            with self._env.begin() as txn:
+                return self._read_in(txn, ids, record_bytes)
+        except self._lmdb.Error as e:
+            raise disk_error(self.path, "read", e) from e
+
+    def _read_in(
+        self, txn: Any, ids: np.ndarray, record_bytes: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`read` in the transaction ``txn``."""
         order = np.argsort(ids, kind="stable")
         packed = encode_keys(ids[order]).tobytes()
         keys = [packed[i : i + 8] for i in range(0, len(packed), 8)]
         found = np.zeros(ids.shape[0], bool)
-        try:
-            with self._env.begin() as txn, txn.cursor() as cur:
-                got = cur.getmulti(keys, dupdata=False)
-        except self._lmdb.Error as e:
-            raise disk_error(self.path, "read", e) from e
+        with txn.cursor() as cur:
+            got = cur.getmulti(keys, dupdata=False)
         if not got:
             return found, np.empty((0, record_bytes), np.uint8)
         # getmulti returns the found keys in request order (ascending ids)
@@ -326,6 +337,12 @@ class _LmdbSnapshot(StoreSnapshot):
                     yield store._batch(keys, values, record_bytes)
         except store._lmdb.Error as e:
             raise disk_error(store.path, "scan", e) from e
+
+    def read(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            return self._store._read_in(self._txn, ids, record_bytes)
+        except self._store._lmdb.Error as e:
+            raise disk_error(self._store.path, "read", e) from e
 
     def close(self) -> None:
         self._txn.abort()

@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -275,7 +276,20 @@ class TieredTable(DynamicTable):
         self._next_disk_scan = 0
         # which ids may be on disk: most misses are new ids, answered without a read
         self._filter = IdFilter(max(16 * budget, 4096))
+        # ids whose record on disk changed (put or deleted) since the last checkpoint
+        # of this table's chain, and those a checkpoint in progress is writing
+        self._dirty: list[np.ndarray] = []
+        self._saving: np.ndarray | None = None
+        self.chain: str | None = None  # the checkpoint chain the next save may extend
+        self.chain_id = uuid.uuid4().hex[:12]
         self._finalizer = weakref.finalize(self, _discard, self._writer, directory)
+
+    def _mark(self, ids: np.ndarray) -> None:
+        """Remembers that the records of ``ids`` changed on disk (lock held)."""
+        if ids.size:
+            self._dirty.append(np.array(ids, np.int64))
+            if len(self._dirty) > 64:
+                self._dirty = [np.unique(np.concatenate(self._dirty))]
 
     def _codec_for(self, rule: UpdateRule | None) -> RowCodec:
         names = () if rule is None else tuple(rule.slot_names)
@@ -342,6 +356,7 @@ class TieredTable(DynamicTable):
         self._touched[placed] = touched
         self._traffic[placed] = traffic
         self._writer.delete(ids)
+        self._mark(ids)
         self._tier["disk_hits"] += ids.shape[0]
         found = found.copy()  # may be a recent lookup's slots: never change those
         found[miss[present]] = placed
@@ -386,6 +401,7 @@ class TieredTable(DynamicTable):
         except OpError:
             return  # they stay in memory; the next request raises the writer's error
         self._filter.add(ids)
+        self._mark(ids)
         self._index.remove(victims)
         if self._filter.full:
             self._rebuild_filter()
@@ -416,6 +432,7 @@ class TieredTable(DynamicTable):
                 )
             super()._bind(rule)
             self._codec = codec
+            self.chain = None  # every record changed: the next checkpoint is a full one
             return
         super()._bind(rule)
 
@@ -441,6 +458,7 @@ class TieredTable(DynamicTable):
                 stale_ids[:0], np.empty((0, self._codec.record_bytes), np.uint8), stale_ids
             )
             self._counters["evicted_rows"] += int(stale_ids.size)
+            self._mark(stale_ids)
 
     def _tier_stats(self) -> dict[str, int]:
         self._writer.flush()
@@ -469,16 +487,19 @@ class TieredTable(DynamicTable):
         return {**state, **{k: np.concatenate(v) for k, v in parts.items()}}
 
     def export_chunks(
-        self, chunk_rows: int = 65536
-    ) -> tuple[dict[str, np.ndarray], Iterator[dict[str, np.ndarray]]]:
-        """A consistent copy without the disk tier in memory: ``(state, chunks)``.
+        self, chunk_rows: int = 65536, delta: bool = False
+    ) -> tuple[dict[str, np.ndarray], Iterator[dict[str, np.ndarray]], list[np.ndarray]]:
+        """A consistent copy without the disk tier in memory: ``(state, chunks, deleted)``.
 
         ``state`` is :meth:`export_state` of the rows in memory (with the
-        candidates, step and counters); ``chunks`` yields the rows on disk
-        (ids, rows, slots, clocks, traffic), ``chunk_rows`` at a time, from the
-        store's snapshot taken with ``state`` under the table's lock: requests
-        go on while the chunks are read, unseen by them.  Exhaust or close
-        ``chunks`` (it holds the snapshot).
+        candidates, step and counters); ``chunks`` yields rows on disk (ids, rows,
+        slots, clocks, traffic), ``chunk_rows`` at a time, from the store's
+        snapshot taken with ``state`` under the table's lock: requests go on while
+        the chunks are read, unseen by them.  With ``delta`` only the rows whose
+        record changed since the last checkpoint of :attr:`chain` come, and
+        ``deleted`` fills (once ``chunks`` is exhausted) with the ids that left
+        the disk since.  Exhaust or close ``chunks`` (it holds the snapshot);
+        then :meth:`commit_save` or :meth:`abort_save`.
         """
         with self._lock:
             self._evict(full=True)
@@ -486,30 +507,63 @@ class TieredTable(DynamicTable):
             state = self._export_memory()
             snapshot = self._writer.store.snapshot()
             codec = self._codec
+            pending = [self._saving] if self._saving is not None else []
+            changed = np.unique(np.concatenate([*pending, *self._dirty, np.zeros(0, np.int64)]))
+            self._saving, self._dirty = changed, []
+        deleted: list[np.ndarray] = []
+
+        def part(ids: np.ndarray, records: np.ndarray) -> dict[str, np.ndarray]:
+            rows, slots, touched, traffic = codec.decode(records)
+            return {
+                "ids": ids,
+                "rows": rows,
+                "touched": touched,
+                "traffic": traffic,
+                **{f"slot/{k}": v for k, v in slots.items()},
+            }
 
         def chunks() -> Iterator[dict[str, np.ndarray]]:
             with snapshot:
-                for ids, records in snapshot.scan(codec.record_bytes, chunk_rows):
-                    rows, slots, touched, traffic = codec.decode(records)
-                    yield {
-                        "ids": ids,
-                        "rows": rows,
-                        "touched": touched,
-                        "traffic": traffic,
-                        **{f"slot/{k}": v for k, v in slots.items()},
-                    }
+                if not delta:
+                    for ids, records in snapshot.scan(codec.record_bytes, chunk_rows):
+                        yield part(ids, records)
+                    return
+                for lo in range(0, changed.size, chunk_rows):
+                    ids = changed[lo : lo + chunk_rows]
+                    found, records = snapshot.read(ids, codec.record_bytes)
+                    deleted.append(ids[~found])
+                    if found.any():
+                        yield part(ids[found], records)
 
-        return state, chunks()
+        return state, chunks(), deleted
 
-    def load_rows(self, part: dict[str, np.ndarray]) -> None:
-        """Writes the rows of ``part`` (ids, rows, slots, clocks, traffic; ids new to
-        this table) straight to the disk tier, as a restore streams them.
+    def commit_save(self, chain: str) -> None:
+        """The checkpoint :meth:`export_chunks` began is committed as ``chain``."""
+        with self._lock:
+            self._saving = None
+            self.chain = chain
+
+    def abort_save(self) -> None:
+        """The checkpoint :meth:`export_chunks` began failed: its changes stay due."""
+        with self._lock:
+            if self._saving is not None:
+                self._dirty.insert(0, self._saving)
+                self._saving = None
+
+    def load_rows(self, part: dict[str, np.ndarray], skip: np.ndarray | None = None) -> None:
+        """Writes the rows of ``part`` (ids, rows, slots, clocks, traffic) straight to
+        the disk tier, replacing what it holds for them, as a restore streams a
+        checkpoint's segments in order; ids in sorted ``skip`` (rows a later part
+        holds) are left out.
 
         Raises:
-            InvalidArgumentError: ids this table holds already, or missing slots.
             OpError: the store's typed error.
         """
         ids = part["ids"]
+        if skip is not None and skip.size and ids.size:
+            pos = np.minimum(np.searchsorted(skip, ids), skip.size - 1)
+            mine = skip[pos] != ids
+            part, ids = {k: v[mine] for k, v in part.items()}, ids[mine]
         if not ids.size:
             return
         with self._lock:
@@ -518,20 +572,39 @@ class TieredTable(DynamicTable):
             if missing and self.rule is not None:  # saved before a rule was bound
                 fresh = self.rule.init_slots(part["rows"])
                 part = {**part, **{f"slot/{k}": fresh[k] for k in missing}}
-            if (self._index.find(ids) >= 0).any() or self._fetch(ids)[0].any():
-                raise InvalidArgumentError(
-                    f"table {self.config.name!r}: restored rows hold ids it has already"
-                )
             records = self._codec.encode(
                 part["rows"],
                 {k: part[f"slot/{k}"] for k in names},
                 part["touched"],
                 part["traffic"],
             )
+            self._writer.flush()
             self._writer.store.write(ids, records)
             self._filter.add(ids)
+            self._mark(ids)
             if self._filter.full:
                 self._rebuild_filter()
+
+    def drop_rows(self, ids: np.ndarray, skip: np.ndarray | None = None) -> None:
+        """Deletes ``ids`` from the disk tier (a restore applying a checkpoint's
+        deletions; rows in memory stay), less those in sorted ``skip`` (rows a
+        later part holds, wherever they are now).
+
+        Raises:
+            OpError: the store's typed error.
+        """
+        if skip is not None and skip.size and ids.size:
+            pos = np.minimum(np.searchsorted(skip, ids), skip.size - 1)
+            ids = ids[skip[pos] != ids]
+        if not ids.size:
+            return
+        with self._lock:
+            ids = ids[self._index.find(ids) < 0]
+            self._writer.flush()
+            self._writer.store.write(
+                ids[:0], np.empty((0, self._codec.record_bytes), np.uint8), ids
+            )
+            self._mark(ids)
 
     @property
     def tier_stats(self) -> dict[str, int]:
