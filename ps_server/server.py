@@ -24,6 +24,7 @@ from psflow.observability.metrics import Registry
 from psflow.observability.services import PSMetrics
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
+from psflow.ps.table_metrics import watch_tables
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig
 from psflow.transport.dataplane import DataPlaneServer
@@ -252,6 +253,7 @@ def serve(
     metrics = None
     if metrics_port is not None:
         metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
+        watch_tables(metrics.registry, store.task, tables)
     servicer, embedding, server, bound = _build(
         store,
         bind,

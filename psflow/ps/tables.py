@@ -248,6 +248,20 @@ class TableRegistry:
         self._dedup.complete(*request_id, entry, step)
         return step
 
+    def tier_gauges(self) -> dict[str, dict[str, int]]:
+        """Every table's memory rows and, with a disk tier, its disk rows, hits and
+        bytes, by name: cheap (no flush, no eviction scan), for metrics."""
+        with self._lock:
+            held = dict(self._tables)
+        out = {}
+        for name, (table, _, _) in held.items():
+            out[name] = (
+                table.gauges()
+                if isinstance(table, TieredTable)
+                else {"memory_rows": table._index.size}
+            )
+        return out
+
     def stats(self) -> dict[str, TableStats]:
         """Every table's counters, by name."""
         with self._lock:

@@ -606,6 +606,17 @@ class TieredTable(DynamicTable):
             )
             self._mark(ids)
 
+    def gauges(self) -> dict[str, int]:
+        """The tier's counters without a flush (disk rows may lag the queued writes)."""
+        store = self._writer.store
+        return {
+            "memory_rows": self._index.size,
+            "disk_rows": store.count(),
+            "disk_bytes_written": self._writer.bytes_written,
+            "disk_bytes": store.disk_bytes,
+            **self._tier,
+        }
+
     @property
     def tier_stats(self) -> dict[str, int]:
         """The tier's counters now (memory and disk rows, hits, bytes)."""
