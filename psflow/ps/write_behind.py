@@ -38,7 +38,10 @@ from psflow.errors import DeadlineExceededError, OpError
 
 from .disk_store import RowStore
 
-__all__ = ["WriteBehind"]
+__all__ = ["TXN_ROWS", "WriteBehind"]
+
+# ids one write transaction takes (more queued batches wait for the next one)
+TXN_ROWS = 4096
 
 
 class _Batch:
@@ -135,8 +138,17 @@ class WriteBehind:
 
     # -- the writer --------------------------------------------------------------------
     def _take(self) -> list[_Batch]:
-        """The batches to write next (left queued until written). Call with the lock."""
-        return list(self._queue)
+        """The batches to write next (left queued until written), up to
+        ``TXN_ROWS`` ids in all (at least one batch): a store's write transaction
+        holds its dirty pages in memory (LMDB: up to a page per record). Call
+        with the lock."""
+        taken, rows = [], 0
+        for batch in self._queue:
+            if taken and rows + batch.ids.shape[0] > TXN_ROWS:
+                break
+            taken.append(batch)
+            rows += batch.ids.shape[0]
+        return taken
 
     def _write(self, batches: list[_Batch]) -> None:
         """One transaction of ``batches`` (the newest operation on an id wins)."""
