@@ -53,9 +53,17 @@ def _rocksdict(path: str):
             batch.put(keys[8 * i : 8 * i + 8], values[width * i : width * (i + 1)])
         db.write(batch, options)
 
-    def read(ids: np.ndarray, width: int):
-        keys = encode_keys(np.sort(ids)).tobytes()
-        return db[[keys[i : i + 8] for i in range(0, len(keys), 8)]]
+    def read(ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        # the same work as the row store's read: found mask and one record array
+        order = np.argsort(ids)
+        keys = encode_keys(ids[order]).tobytes()
+        got = db[[keys[i : i + 8] for i in range(0, len(keys), 8)]]
+        found = np.zeros(ids.shape[0], bool)
+        found[order] = [v is not None for v in got]
+        flat = np.frombuffer(b"".join(v for v in got if v is not None), np.uint8)
+        records = np.empty((int(found.sum()), width), np.uint8)
+        records[np.argsort(order[found[order]])] = flat.reshape(-1, width)
+        return found, records
 
     return write, read
 

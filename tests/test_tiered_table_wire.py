@@ -21,6 +21,7 @@ import pytest
 from psflow import errors
 from psflow.observability.metrics import parse_exposition
 from psflow.ps.dynamic_table import DynamicTable, TableConfig
+from psflow.ps.hot_rows import HotRowPolicy
 from psflow.ps.key_index import shard_of
 from psflow.transport.client import PSClient
 from psflow.transport.embedding_client import EmbeddingClient
@@ -160,6 +161,28 @@ def test_a_ps_killed_mid_checkpoint_and_mid_write_restarts_from_a_whole_checkpoi
 def _ignore(call) -> None:
     with contextlib.suppress(errors.OpError):  # the PS was killed under it
         call()
+
+
+def test_the_hot_row_cache_serves_a_tiered_table_exactly_and_cuts_pulled_bytes(start_ps, tmp_path):
+    servers = [_tiered(start_ps, tmp_path, i) for i in range(2)]
+    addresses = [s.address for s in servers]
+    config = TableConfig("emb", DIM, optimizer={"name": "sgd", "learning_rate": 0.1})
+    reference = DynamicTable(config)
+    with (
+        EmbeddingClient(addresses, timeout=30) as plain,
+        EmbeddingClient(addresses, timeout=30, hot_rows=HotRowPolicy(16, 1)) as exact,
+        EmbeddingClient(addresses, timeout=30, hot_rows=HotRowPolicy(16, 5)) as lazy,
+    ):
+        plain.create_table(config)
+        for ids, grads in _traffic(9, 30, batch=256):
+            want = reference.lookup(ids)
+            assert plain.lookup("emb", ids).tobytes() == want.tobytes()
+            assert exact.lookup("emb", ids).tobytes() == want.tobytes()
+            lazy.lookup("emb", ids)
+            plain.push("emb", ids, grads)
+            reference.apply_gradients(ids, grads)
+        assert lazy.bytes.pulled < plain.bytes.pulled, (lazy.bytes, plain.bytes)
+        assert sum(s["emb"].disk_rows for s in plain.stats()) > 0
 
 
 def test_rows_move_from_both_tiers_on_a_live_resize(start_ps, tmp_path):
