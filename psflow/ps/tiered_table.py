@@ -224,7 +224,7 @@ def tier_root(directory: str | None, task: str) -> str:
 def _discard(writer: WriteBehind, directory: str) -> None:
     """Closes a table's store and removes its files (the table is gone)."""
     try:
-        writer.close()
+        writer.close(drain=False)  # its rows are going with the directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -75,6 +75,7 @@ class WriteBehind:
         self.error: OpError | None = None
         self.bytes_written = 0
         self._closed = False
+        self._drain = True
         self._thread = threading.Thread(target=self._run, name="psflow-disk-writer", daemon=True)
         self._thread.start()
 
@@ -190,7 +191,7 @@ class WriteBehind:
             with self._cond:
                 while not self._closed and (not self._queue or self.error is not None):
                     self._cond.wait()
-                if self._closed and (not self._queue or self.error is not None):
+                if self._closed and (not self._queue or self.error is not None or not self._drain):
                     return
                 batches = self._take()
                 self._writing = len(batches)
@@ -250,11 +251,12 @@ class WriteBehind:
         """Records waiting to be written."""
         return self._queued_rows
 
-    def close(self) -> None:
-        """Writes what is queued (unless the writer failed), stops the thread and
-        closes the store."""
+    def close(self, drain: bool = True) -> None:
+        """Writes what is queued (unless the writer failed, or not ``drain``: the
+        store is being discarded), stops the thread and closes the store."""
         with self._cond:
             self._closed = True
+            self._drain = drain
             self._cond.notify_all()
         self._thread.join(self.wait_s)
         self.store.close()
