@@ -31,6 +31,11 @@ table's:
   path) before it changes anything, rows queued for writing stay readable,
   and the first request after the disk recovers writes them and goes on.
 
+The worker's hot-row cache asks :meth:`~DynamicTable.hot_ids`, which ranks the
+rows in memory (the busiest are there by the demotion order).  A live resize
+exports a shard through :meth:`~DynamicTable.export_state`, which reads its
+rows on disk into memory for the move (checkpoints stream instead).
+
 The store is scratch, not a checkpoint: it is wiped when the table is made,
 and a restarted PS rebuilds the table from its checkpoint.
 """
