@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from psflow import serving, settings
 from psflow.errors import InvalidArgumentError, OpError
+from psflow.ps.tiered_table import TierOptions
 from psflow.security.limits import DEFAULT_MAX_SYNC_CONTRIBUTORS, PSLimits
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.shm import MIRROR_IDLE_SECONDS
@@ -98,6 +99,7 @@ class ServerOptions:
         shm: whether dense values are mirrored into shared memory.
         shm_idle: seconds a mirror nobody reads keeps following its variable.
         data_plane: the raw TCP data plane (None: off).
+        tier: the dynamic tables' disk tier (its default budget 0: all in memory).
     """
 
     bind: str = "127.0.0.1"
@@ -116,6 +118,7 @@ class ServerOptions:
     shm: ShmMode = ShmMode.AUTO
     shm_idle: float = MIRROR_IDLE_SECONDS
     data_plane: DataPlaneOptions | None = dataclasses.field(default_factory=DataPlaneOptions)
+    tier: TierOptions = dataclasses.field(default_factory=TierOptions)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -191,6 +194,26 @@ def parser(doc: str) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a data-plane frame must arrive whole (a reply be taken) this soon after it began",
     )
+    p.add_argument(
+        "--table-memory-rows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rows of each dynamic table shard kept in memory, the rest on local disk "
+        "(tables whose config names a budget keep theirs; 0: all in memory)",
+    )
+    p.add_argument(
+        "--table-memory-bytes",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="the same budget in bytes of rows, slots and bookkeeping",
+    )
+    p.add_argument(
+        "--table-dir",
+        metavar="DIR",
+        help="where the disk tier's stores live (default: the system's temporary directory)",
+    )
     return p
 
 
@@ -246,6 +269,7 @@ def parse(args: argparse.Namespace, environ: Mapping[str, str] | None = None) ->
         shm=ShmMode(args.shm),
         shm_idle=args.shm_idle,
         data_plane=data_plane,
+        tier=TierOptions(args.table_dir, args.table_memory_rows, args.table_memory_bytes),
     )
 
 

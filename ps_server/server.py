@@ -23,6 +23,7 @@ from psflow.observability.metrics import Registry
 from psflow.observability.services import PSMetrics
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.store import VariableStore
+from psflow.ps.table_metrics import watch_tables
 from psflow.ps.tables import TableRegistry
 from psflow.security.config import SecurityConfig
 from psflow.transport.dataplane import DataPlaneServer
@@ -99,7 +100,9 @@ def _build(
         max_message_bytes=options.max_message_bytes,
         edge=edge,
     )
-    embedding = EmbeddingServicer(tables or TableRegistry(store.task), store.max_tensor_bytes, edge)
+    embedding = EmbeddingServicer(
+        tables or TableRegistry(store.task, options.tier), store.max_tensor_bytes, edge
+    )
     threads = options.threads
     server, bound = serving.build_server(
         (servicer.generic_handler(), embedding.generic_handler()),
@@ -185,10 +188,11 @@ def serve(
     bind, grace = options.bind, options.grace
     restore_dir, checkpoint_dir = options.restore_dir, options.checkpoint_dir
     health_servicer = health.HealthServicer()
-    tables = tables or TableRegistry(store.task)
+    tables = tables or TableRegistry(store.task, options.tier)
     metrics = None
     if options.metrics_port is not None:
         metrics = PSMetrics(Registry(), store.task, store_stats=lambda: _store_stats(store))
+        watch_tables(metrics.registry, store.task, tables)
     servicer, embedding, server, bound = _build(
         store, options, security, health_servicer, metrics, tables
     )

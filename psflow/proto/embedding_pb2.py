@@ -26,7 +26,7 @@ from . import ps_pb2 as psflow_dot_v1_dot_ps__pb2
 from . import tensor_pb2 as psflow_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19psflow/v1/embedding.proto\x12\tpsflow.v1\x1a\x12psflow/v1/ps.proto\x1a\x16psflow/v1/tensor.proto\"c\n\x12\x43reateTableRequest\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x0f\n\x07move_id\x18\x04 \x01(\t\"&\n\x13\x43reateTableResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"Q\n\rLookupRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x11\n\tread_only\x18\x03 \x01(\x08\"1\n\x0eLookupResponse\x12\x1f\n\x04rows\x18\x01 \x01(\x0b\x32\x11.psflow.v1.Tensor\"\xa9\x01\n\x14PushGradientsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12 \n\x05grads\x18\x03 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12(\n\nrequest_id\x18\x04 \x01(\x0b\x32\x14.psflow.v1.RequestId\x12\x16\n\x0eoptimizer_json\x18\x05 \x01(\t\"%\n\x15PushGradientsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\".\n\x0eHotRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"v\n\x0fHotRowsResponse\x12\x1e\n\x03ids\x18\x01 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\"\n\x07traffic\x18\x03 \x01(\x0b\x32\x11.psflow.v1.Tensor\"\x16\n\x14GetTableStatsRequest\"\xdc\x01\n\nTableStats\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x12\n\ncandidates\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x03\x12\x14\n\x0c\x65victed_rows\x18\x07 \x01(\x03\x12\x1a\n\x12\x65victed_candidates\x18\x08 \x01(\x03\x12\x19\n\x11\x64ropped_gradients\x18\t \x01(\x03\x12\x0f\n\x07lookups\x18\n \x01(\x03\x12\x0e\n\x06nbytes\x18\x0b \x01(\x03\"c\n\x15GetTableStatsResponse\x12%\n\x06tables\x18\x01 \x03(\x0b\x32\x15.psflow.v1.TableStats\x12\x10\n\x08\x62ytes_in\x18\x02 \x01(\x03\x12\x11\n\tbytes_out\x18\x03 \x01(\x03\"&\n\x11SaveTablesRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"2\n\x12SaveTablesResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06tables\x18\x02 \x03(\t\"R\n\x14RestoreTablesRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\"5\n\x15RestoreTablesResponse\x12\x0e\n\x06tables\x18\x01 \x03(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\"\xcc\x03\n\x08RowChunk\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x1e\n\x03ids\x18\x03 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12-\n\x05slots\x18\x05 \x03(\x0b\x32\x1e.psflow.v1.RowChunk.SlotsEntry\x12\"\n\x07touched\x18\x06 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\"\n\x07traffic\x18\x07 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12(\n\rcandidate_ids\x18\x08 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12+\n\x10\x63\x61ndidate_counts\x18\t \x01(\x0b\x32\x11.psflow.v1.Tensor\x12,\n\x11\x63\x61ndidate_touched\x18\n \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x0c\n\x04step\x18\x0b \x01(\x03\x12\x10\n\x08\x63ounters\x18\x0c \x03(\x03\x1a?\n\nSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor:\x02\x38\x01\"\x85\x01\n\x11\x45xportRowsRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x14\n\x0ctarget_shard\x18\x04 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\x05\x12\x11\n\tmax_bytes\x18\x06 \x01(\x03\"F\n\x12\x45xportRowsResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.psflow.v1.RowChunk\x12\x0c\n\x04more\x18\x02 \x01(\x08\"\x9c\x01\n\x11ImportRowsRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\x12\x14\n\x0csource_shard\x18\x02 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\x05\x12\x13\n\x0bshard_index\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\"\n\x05\x63hunk\x18\x06 \x01(\x0b\x32\x13.psflow.v1.RowChunk\"7\n\x12ImportRowsResponse\x12\x0e\n\x06staged\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"M\n\x11\x43ommitMoveRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\"\"\n\x12\x43ommitMoveResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"#\n\x10\x41\x62ortMoveRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\"\x13\n\x11\x41\x62ortMoveResponse2\xd1\x06\n\x10\x45mbeddingService\x12L\n\x0b\x43reateTable\x12\x1d.psflow.v1.CreateTableRequest\x1a\x1e.psflow.v1.CreateTableResponse\x12=\n\x06Lookup\x12\x18.psflow.v1.LookupRequest\x1a\x19.psflow.v1.LookupResponse\x12R\n\rPushGradients\x12\x1f.psflow.v1.PushGradientsRequest\x1a .psflow.v1.PushGradientsResponse\x12@\n\x07HotRows\x12\x19.psflow.v1.HotRowsRequest\x1a\x1a.psflow.v1.HotRowsResponse\x12R\n\rGetTableStats\x12\x1f.psflow.v1.GetTableStatsRequest\x1a .psflow.v1.GetTableStatsResponse\x12I\n\nSaveTables\x12\x1c.psflow.v1.SaveTablesRequest\x1a\x1d.psflow.v1.SaveTablesResponse\x12R\n\rRestoreTables\x12\x1f.psflow.v1.RestoreTablesRequest\x1a .psflow.v1.RestoreTablesResponse\x12I\n\nExportRows\x12\x1c.psflow.v1.ExportRowsRequest\x1a\x1d.psflow.v1.ExportRowsResponse\x12I\n\nImportRows\x12\x1c.psflow.v1.ImportRowsRequest\x1a\x1d.psflow.v1.ImportRowsResponse\x12I\n\nCommitMove\x12\x1c.psflow.v1.CommitMoveRequest\x1a\x1d.psflow.v1.CommitMoveResponse\x12\x46\n\tAbortMove\x12\x1b.psflow.v1.AbortMoveRequest\x1a\x1c.psflow.v1.AbortMoveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19psflow/v1/embedding.proto\x12\tpsflow.v1\x1a\x12psflow/v1/ps.proto\x1a\x16psflow/v1/tensor.proto\"c\n\x12\x43reateTableRequest\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x0f\n\x07move_id\x18\x04 \x01(\t\"&\n\x13\x43reateTableResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"Q\n\rLookupRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x11\n\tread_only\x18\x03 \x01(\x08\"1\n\x0eLookupResponse\x12\x1f\n\x04rows\x18\x01 \x01(\x0b\x32\x11.psflow.v1.Tensor\"\xa9\x01\n\x14PushGradientsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12 \n\x05grads\x18\x03 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12(\n\nrequest_id\x18\x04 \x01(\x0b\x32\x14.psflow.v1.RequestId\x12\x16\n\x0eoptimizer_json\x18\x05 \x01(\t\"%\n\x15PushGradientsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\".\n\x0eHotRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"v\n\x0fHotRowsResponse\x12\x1e\n\x03ids\x18\x01 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\"\n\x07traffic\x18\x03 \x01(\x0b\x32\x11.psflow.v1.Tensor\"\x16\n\x14GetTableStatsRequest\"\xf5\x02\n\nTableStats\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x12\n\ncandidates\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x03\x12\x14\n\x0c\x65victed_rows\x18\x07 \x01(\x03\x12\x1a\n\x12\x65victed_candidates\x18\x08 \x01(\x03\x12\x19\n\x11\x64ropped_gradients\x18\t \x01(\x03\x12\x0f\n\x07lookups\x18\n \x01(\x03\x12\x0e\n\x06nbytes\x18\x0b \x01(\x03\x12\x13\n\x0bmemory_rows\x18\x0c \x01(\x03\x12\x11\n\tdisk_rows\x18\r \x01(\x03\x12\x13\n\x0bmemory_hits\x18\x0e \x01(\x03\x12\x11\n\tdisk_hits\x18\x0f \x01(\x03\x12\x17\n\x0f\x64isk_bytes_read\x18\x10 \x01(\x03\x12\x1a\n\x12\x64isk_bytes_written\x18\x11 \x01(\x03\x12\x12\n\ndisk_bytes\x18\x12 \x01(\x03\"c\n\x15GetTableStatsResponse\x12%\n\x06tables\x18\x01 \x03(\x0b\x32\x15.psflow.v1.TableStats\x12\x10\n\x08\x62ytes_in\x18\x02 \x01(\x03\x12\x11\n\tbytes_out\x18\x03 \x01(\x03\"&\n\x11SaveTablesRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"2\n\x12SaveTablesResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06tables\x18\x02 \x03(\t\"R\n\x14RestoreTablesRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\"5\n\x15RestoreTablesResponse\x12\x0e\n\x06tables\x18\x01 \x03(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\"\xcc\x03\n\x08RowChunk\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x1e\n\x03ids\x18\x03 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12-\n\x05slots\x18\x05 \x03(\x0b\x32\x1e.psflow.v1.RowChunk.SlotsEntry\x12\"\n\x07touched\x18\x06 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\"\n\x07traffic\x18\x07 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12(\n\rcandidate_ids\x18\x08 \x01(\x0b\x32\x11.psflow.v1.Tensor\x12+\n\x10\x63\x61ndidate_counts\x18\t \x01(\x0b\x32\x11.psflow.v1.Tensor\x12,\n\x11\x63\x61ndidate_touched\x18\n \x01(\x0b\x32\x11.psflow.v1.Tensor\x12\x0c\n\x04step\x18\x0b \x01(\x03\x12\x10\n\x08\x63ounters\x18\x0c \x03(\x03\x1a?\n\nSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.psflow.v1.Tensor:\x02\x38\x01\"\x85\x01\n\x11\x45xportRowsRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x14\n\x0ctarget_shard\x18\x04 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\x05\x12\x11\n\tmax_bytes\x18\x06 \x01(\x03\"F\n\x12\x45xportRowsResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.psflow.v1.RowChunk\x12\x0c\n\x04more\x18\x02 \x01(\x08\"\x9c\x01\n\x11ImportRowsRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\x12\x14\n\x0csource_shard\x18\x02 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\x05\x12\x13\n\x0bshard_index\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\"\n\x05\x63hunk\x18\x06 \x01(\x0b\x32\x13.psflow.v1.RowChunk\"7\n\x12ImportRowsResponse\x12\x0e\n\x06staged\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"M\n\x11\x43ommitMoveRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\"\"\n\x12\x43ommitMoveResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"#\n\x10\x41\x62ortMoveRequest\x12\x0f\n\x07move_id\x18\x01 \x01(\t\"\x13\n\x11\x41\x62ortMoveResponse2\xd1\x06\n\x10\x45mbeddingService\x12L\n\x0b\x43reateTable\x12\x1d.psflow.v1.CreateTableRequest\x1a\x1e.psflow.v1.CreateTableResponse\x12=\n\x06Lookup\x12\x18.psflow.v1.LookupRequest\x1a\x19.psflow.v1.LookupResponse\x12R\n\rPushGradients\x12\x1f.psflow.v1.PushGradientsRequest\x1a .psflow.v1.PushGradientsResponse\x12@\n\x07HotRows\x12\x19.psflow.v1.HotRowsRequest\x1a\x1a.psflow.v1.HotRowsResponse\x12R\n\rGetTableStats\x12\x1f.psflow.v1.GetTableStatsRequest\x1a .psflow.v1.GetTableStatsResponse\x12I\n\nSaveTables\x12\x1c.psflow.v1.SaveTablesRequest\x1a\x1d.psflow.v1.SaveTablesResponse\x12R\n\rRestoreTables\x12\x1f.psflow.v1.RestoreTablesRequest\x1a .psflow.v1.RestoreTablesResponse\x12I\n\nExportRows\x12\x1c.psflow.v1.ExportRowsRequest\x1a\x1d.psflow.v1.ExportRowsResponse\x12I\n\nImportRows\x12\x1c.psflow.v1.ImportRowsRequest\x1a\x1d.psflow.v1.ImportRowsResponse\x12I\n\nCommitMove\x12\x1c.psflow.v1.CommitMoveRequest\x1a\x1d.psflow.v1.CommitMoveResponse\x12\x46\n\tAbortMove\x12\x1b.psflow.v1.AbortMoveRequest\x1a\x1c.psflow.v1.AbortMoveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,37 +54,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTABLESTATSREQUEST']._serialized_start=738
   _globals['_GETTABLESTATSREQUEST']._serialized_end=760
   _globals['_TABLESTATS']._serialized_start=763
-  _globals['_TABLESTATS']._serialized_end=983
-  _globals['_GETTABLESTATSRESPONSE']._serialized_start=985
-  _globals['_GETTABLESTATSRESPONSE']._serialized_end=1084
-  _globals['_SAVETABLESREQUEST']._serialized_start=1086
-  _globals['_SAVETABLESREQUEST']._serialized_end=1124
-  _globals['_SAVETABLESRESPONSE']._serialized_start=1126
-  _globals['_SAVETABLESRESPONSE']._serialized_end=1176
-  _globals['_RESTORETABLESREQUEST']._serialized_start=1178
-  _globals['_RESTORETABLESREQUEST']._serialized_end=1260
-  _globals['_RESTORETABLESRESPONSE']._serialized_start=1262
-  _globals['_RESTORETABLESRESPONSE']._serialized_end=1315
-  _globals['_ROWCHUNK']._serialized_start=1318
-  _globals['_ROWCHUNK']._serialized_end=1778
-  _globals['_ROWCHUNK_SLOTSENTRY']._serialized_start=1715
-  _globals['_ROWCHUNK_SLOTSENTRY']._serialized_end=1778
-  _globals['_EXPORTROWSREQUEST']._serialized_start=1781
-  _globals['_EXPORTROWSREQUEST']._serialized_end=1914
-  _globals['_EXPORTROWSRESPONSE']._serialized_start=1916
-  _globals['_EXPORTROWSRESPONSE']._serialized_end=1986
-  _globals['_IMPORTROWSREQUEST']._serialized_start=1989
-  _globals['_IMPORTROWSREQUEST']._serialized_end=2145
-  _globals['_IMPORTROWSRESPONSE']._serialized_start=2147
-  _globals['_IMPORTROWSRESPONSE']._serialized_end=2202
-  _globals['_COMMITMOVEREQUEST']._serialized_start=2204
-  _globals['_COMMITMOVEREQUEST']._serialized_end=2281
-  _globals['_COMMITMOVERESPONSE']._serialized_start=2283
-  _globals['_COMMITMOVERESPONSE']._serialized_end=2317
-  _globals['_ABORTMOVEREQUEST']._serialized_start=2319
-  _globals['_ABORTMOVEREQUEST']._serialized_end=2354
-  _globals['_ABORTMOVERESPONSE']._serialized_start=2356
-  _globals['_ABORTMOVERESPONSE']._serialized_end=2375
-  _globals['_EMBEDDINGSERVICE']._serialized_start=2378
-  _globals['_EMBEDDINGSERVICE']._serialized_end=3227
+  _globals['_TABLESTATS']._serialized_end=1136
+  _globals['_GETTABLESTATSRESPONSE']._serialized_start=1138
+  _globals['_GETTABLESTATSRESPONSE']._serialized_end=1237
+  _globals['_SAVETABLESREQUEST']._serialized_start=1239
+  _globals['_SAVETABLESREQUEST']._serialized_end=1277
+  _globals['_SAVETABLESRESPONSE']._serialized_start=1279
+  _globals['_SAVETABLESRESPONSE']._serialized_end=1329
+  _globals['_RESTORETABLESREQUEST']._serialized_start=1331
+  _globals['_RESTORETABLESREQUEST']._serialized_end=1413
+  _globals['_RESTORETABLESRESPONSE']._serialized_start=1415
+  _globals['_RESTORETABLESRESPONSE']._serialized_end=1468
+  _globals['_ROWCHUNK']._serialized_start=1471
+  _globals['_ROWCHUNK']._serialized_end=1931
+  _globals['_ROWCHUNK_SLOTSENTRY']._serialized_start=1868
+  _globals['_ROWCHUNK_SLOTSENTRY']._serialized_end=1931
+  _globals['_EXPORTROWSREQUEST']._serialized_start=1934
+  _globals['_EXPORTROWSREQUEST']._serialized_end=2067
+  _globals['_EXPORTROWSRESPONSE']._serialized_start=2069
+  _globals['_EXPORTROWSRESPONSE']._serialized_end=2139
+  _globals['_IMPORTROWSREQUEST']._serialized_start=2142
+  _globals['_IMPORTROWSREQUEST']._serialized_end=2298
+  _globals['_IMPORTROWSRESPONSE']._serialized_start=2300
+  _globals['_IMPORTROWSRESPONSE']._serialized_end=2355
+  _globals['_COMMITMOVEREQUEST']._serialized_start=2357
+  _globals['_COMMITMOVEREQUEST']._serialized_end=2434
+  _globals['_COMMITMOVERESPONSE']._serialized_start=2436
+  _globals['_COMMITMOVERESPONSE']._serialized_end=2470
+  _globals['_ABORTMOVEREQUEST']._serialized_start=2472
+  _globals['_ABORTMOVEREQUEST']._serialized_end=2507
+  _globals['_ABORTMOVERESPONSE']._serialized_start=2509
+  _globals['_ABORTMOVERESPONSE']._serialized_end=2528
+  _globals['_EMBEDDINGSERVICE']._serialized_start=2531
+  _globals['_EMBEDDINGSERVICE']._serialized_end=3380
 # @@protoc_insertion_point(module_scope)

@@ -85,7 +85,7 @@ class GetTableStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("table", "rows", "candidates", "step", "created", "admitted", "evicted_rows", "evicted_candidates", "dropped_gradients", "lookups", "nbytes")
+    __slots__ = ("table", "rows", "candidates", "step", "created", "admitted", "evicted_rows", "evicted_candidates", "dropped_gradients", "lookups", "nbytes", "memory_rows", "disk_rows", "memory_hits", "disk_hits", "disk_bytes_read", "disk_bytes_written", "disk_bytes")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,13 @@ class TableStats(_message.Message):
     DROPPED_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     candidates: int
@@ -108,7 +115,14 @@ class TableStats(_message.Message):
     dropped_gradients: int
     lookups: int
     nbytes: int
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., candidates: _Optional[int] = ..., step: _Optional[int] = ..., created: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., evicted_candidates: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., lookups: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    memory_rows: int
+    disk_rows: int
+    memory_hits: int
+    disk_hits: int
+    disk_bytes_read: int
+    disk_bytes_written: int
+    disk_bytes: int
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., candidates: _Optional[int] = ..., step: _Optional[int] = ..., created: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., evicted_candidates: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., lookups: _Optional[int] = ..., nbytes: _Optional[int] = ..., memory_rows: _Optional[int] = ..., disk_rows: _Optional[int] = ..., memory_hits: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., disk_bytes_written: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTableStatsResponse(_message.Message):
     __slots__ = ("tables", "bytes_in", "bytes_out")

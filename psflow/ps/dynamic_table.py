@@ -116,6 +116,11 @@ class TableConfig:
         min_count: lookups an id needs before it gets its own row (>= 1).
         ttl_steps: pushes a row may go untouched before eviction (0: never).
         capacity: rows to allocate up front (the table grows beyond it).
+        memory_rows: rows each shard keeps in memory, the rest on the PS's local
+            disk (:mod:`psflow.ps.tiered_table`); 0: the PS's default (its
+            ``--table-memory-rows``; none: every row in memory).
+        memory_bytes: the same budget in bytes (rows, slots, bookkeeping); at
+            most one of the two.
     """
 
     name: str
@@ -128,16 +133,30 @@ class TableConfig:
     min_count: int = 1
     ttl_steps: int = 0
     capacity: int = 1024
+    memory_rows: int = 0
+    memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InvalidArgumentError(f"table name must be a non-empty string, got {self.name!r}")
-        for field, low in (("dim", 1), ("min_count", 1), ("ttl_steps", 0), ("capacity", 1)):
+        for field, low in (
+            ("dim", 1),
+            ("min_count", 1),
+            ("ttl_steps", 0),
+            ("capacity", 1),
+            ("memory_rows", 0),
+            ("memory_bytes", 0),
+        ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgumentError(
                     f"table {self.name!r}: {field} must be an integer >= {low}, got {value!r}"
                 )
+        if self.memory_rows and self.memory_bytes:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: give memory_rows or memory_bytes, not both "
+                f"(got {self.memory_rows} and {self.memory_bytes})"
+            )
         try:
             kind = np.dtype(self.dtype).kind
         except TypeError:
@@ -206,6 +225,20 @@ class TableStats:
     dropped_gradients: int
     lookups: int
     nbytes: int
+    # a disk tier's (psflow.ps.tiered_table); without one every row is in memory
+    memory_rows: int = 0
+    disk_rows: int = 0
+    memory_hits: int = 0
+    disk_hits: int = 0
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of looked-up or pushed rows found in memory (1.0 without a tier)."""
+        total = self.memory_hits + self.disk_hits
+        return 1.0 if total == 0 else self.memory_hits / total
 
 
 def check_ids(ids: Any, what: str = "ids") -> np.ndarray:
@@ -289,7 +322,8 @@ class DynamicTable:
             out = self._read(unique, owned)
             return out if unique is ids else out[inverse]
         with self._lock:
-            found = self._index.find(unique)
+            self._check_tier()
+            found = self._bring_in(unique, self._index.find(unique))
             if owned is not None:
                 owned(unique[found < 0])
             self._counters["lookups"] += 1
@@ -312,6 +346,7 @@ class DynamicTable:
                 self._traffic[slots[have]] += 1
                 out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
                 out[have] = take_rows(self._rows, slots[have])
+            self._settle(slots[have])
         return out if unique is ids else out[inverse]
 
     def _read(self, unique: np.ndarray, owned: IdCheck | None) -> np.ndarray:
@@ -323,6 +358,8 @@ class DynamicTable:
             have = slots >= 0
             out = np.empty((unique.shape[0], self.config.dim), self.dtype)
             out[have] = self._rows[slots[have]]
+            if not have.all():  # rows held outside memory (a disk tier)
+                have[~have] = self._read_held(unique[~have], out, np.flatnonzero(~have))
         if not have.all():
             c = self.config
             if c.min_count > 1:  # a first sighting leaves it a candidate: the default row
@@ -341,6 +378,8 @@ class DynamicTable:
             slots = self._live(self._index.find(ids))
             out = np.zeros((ids.shape[0], self.config.dim), self.dtype)
             out[slots >= 0] = self._rows[slots[slots >= 0]]
+            if (slots < 0).any():
+                self._read_held(ids[slots < 0], out, np.flatnonzero(slots < 0))
         return out
 
     def _count_candidates(self, ids: np.ndarray) -> np.ndarray:
@@ -362,13 +401,17 @@ class DynamicTable:
         self._counters["admitted"] += int(admit.sum())
         return admit
 
-    def _create(self, ids: np.ndarray) -> np.ndarray:
-        if self._index.reserve(ids.shape[0]):
+    def _reserve(self, n: int) -> None:
+        """Makes room for ``n`` more rows (growing every per-slot array)."""
+        if self._index.reserve(n):
             cap = self._index.capacity
             self._rows = _grown(self._rows, cap)
             self._slots = {k: _grown(v, cap) for k, v in self._slots.items()}
             self._touched = _grown(self._touched, cap)
             self._traffic = _grown(self._traffic, cap)
+
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        self._reserve(ids.shape[0])
         slots = self._index.insert(ids)
         c = self.config
         rows = initial_rows(c.initializer, c.seed, ids, c.dim, c.init_scale, self.dtype)
@@ -421,10 +464,12 @@ class DynamicTable:
         else:  # unsorted_segment_sum, in order of appearance
             summed = sum_rows(grads, inverse, unique.shape[0])
         with self._lock:
+            self._check_tier()
             found = self._find_pushed(unique)
             if owned is not None:
                 owned(unique[found < 0])
             self._bind(rule)
+            found = self._bring_in(unique, found)
             slots = self._evict_met(found)
             have = slots >= 0
             self._counters["dropped_gradients"] += int((~have).sum())
@@ -439,7 +484,27 @@ class DynamicTable:
                 self._traffic[slots[have]] += 1
             if self.step >= self._next_scan:
                 self._evict()
+            self._settle(slots[have])
             return self.step
+
+    # -- hooks for a tier below memory (psflow.ps.tiered_table); here: no tier ----------
+    def _check_tier(self) -> None:
+        """Raises, before a request changes anything, when the tier below cannot
+        take writes (lock held)."""
+
+    def _bring_in(self, unique: np.ndarray, found: np.ndarray) -> np.ndarray:
+        """``found`` (slots of ``unique``, ``-1``: not in memory) with the rows held
+        below memory brought in (lock held)."""
+        return found
+
+    def _read_held(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """Writes the live rows of ``ids`` held below memory to ``out[at]`` without
+        changing anything; True where one was (lock held)."""
+        return np.zeros(ids.shape[0], bool)
+
+    def _settle(self, keep: np.ndarray) -> None:
+        """Moves rows out of memory once a request is done, never the slots ``keep``
+        it used (lock held)."""
 
     def _rule_of(self, optimizer: dict) -> UpdateRule:
         """``rule_from_config(optimizer)``, parsed once while pushes name the same
@@ -515,8 +580,9 @@ class DynamicTable:
         self._counters["evicted_candidates" if candidates else "evicted_rows"] += int(stale.sum())
         return np.where(stale, -1, slots)
 
-    def _evict(self) -> None:
-        """The scan: removes every row and candidate due for eviction (lock held)."""
+    def _evict(self, full: bool = False) -> None:
+        """The scan: removes every row and candidate due for eviction (lock held);
+        ``full``: also where a tier below memory would scan only now and then."""
         ttl = self.config.ttl_steps
         if not ttl:
             return
@@ -538,14 +604,20 @@ class DynamicTable:
     def stats(self) -> TableStats:
         """The counters, row counts and bytes held, consistently."""
         with self._lock:
-            self._evict()
+            self._evict(full=True)
+            extra = self._tier_stats()
             return TableStats(
-                rows=self._index.size,
+                rows=self._index.size + extra.get("disk_rows", 0),
                 candidates=self._cand.size,
                 step=self.step,
                 nbytes=self.nbytes,
                 **self._counters,
+                **extra,
             )
+
+    def _tier_stats(self) -> dict[str, int]:
+        """The :class:`TableStats` fields of a tier below memory (lock held)."""
+        return {"memory_rows": self._index.size}
 
     @property
     def nbytes(self) -> int:
@@ -578,23 +650,31 @@ class DynamicTable:
     def export_state(self) -> dict[str, np.ndarray]:
         """Every id, row, slot and counter as arrays (a consistent copy)."""
         with self._lock:
-            self._evict()
-            live = self._index.live_slots()
-            cand = self._cand.live_slots()
-            state = {
-                "ids": self._index.keys[live].copy(),
-                "rows": self._rows[live].copy(),
-                "touched": self._touched[live].copy(),
-                "traffic": self._traffic[live].copy(),
-                "candidate_ids": self._cand.keys[cand].copy(),
-                "candidate_counts": self._cand_count[cand].copy(),
-                "candidate_touched": self._cand_touched[cand].copy(),
-                "step": np.array(self.step, np.int64),
-                "counters": np.array([self._counters[k] for k in sorted(self._counters)], np.int64),
-            }
-            for k, v in self._slots.items():
-                state[f"slot/{k}"] = v[live].copy()
-            return state
+            self._evict(full=True)
+            return self._with_held(self._export_memory())
+
+    def _export_memory(self) -> dict[str, np.ndarray]:
+        """:meth:`export_state` of the rows in memory (lock held)."""
+        live = self._index.live_slots()
+        cand = self._cand.live_slots()
+        state = {
+            "ids": self._index.keys[live].copy(),
+            "rows": self._rows[live].copy(),
+            "touched": self._touched[live].copy(),
+            "traffic": self._traffic[live].copy(),
+            "candidate_ids": self._cand.keys[cand].copy(),
+            "candidate_counts": self._cand_count[cand].copy(),
+            "candidate_touched": self._cand_touched[cand].copy(),
+            "step": np.array(self.step, np.int64),
+            "counters": np.array([self._counters[k] for k in sorted(self._counters)], np.int64),
+        }
+        for k, v in self._slots.items():
+            state[f"slot/{k}"] = v[live].copy()
+        return state
+
+    def _with_held(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``state`` (memory's rows) with the rows held below memory (lock held)."""
+        return state
 
     @classmethod
     def from_parts(
@@ -604,6 +684,7 @@ class DynamicTable:
         keep: Any = None,
         counted: list[bool] | None = None,
         step: int | None = None,
+        make: Callable[[TableConfig, int], DynamicTable] | None = None,
     ) -> DynamicTable:
         """A table holding the union of exported ``parts`` (:meth:`export_state` of
         any number of shards), keeping the ids for which ``keep(ids)`` is True.
@@ -614,7 +695,8 @@ class DynamicTable:
         bias correction and the ttl clocks continue from the furthest shard).
         The counters are the sum of the parts ``counted`` marks (default: all;
         a counter cannot be split by id, so of several new shards only one
-        should count a part).
+        should count a part).  ``make(config, capacity)`` makes the empty table
+        (default: this class's).
         """
         ids = np.concatenate([p["ids"] for p in parts]) if parts else np.zeros(0, np.int64)
         mask = np.ones(ids.shape[0], bool) if keep is None else np.asarray(keep(ids), bool)
@@ -623,7 +705,7 @@ class DynamicTable:
             return np.concatenate([p[key] for p in parts])[mask] if parts else like
 
         # sized for its rows, its config unchanged (shards and a later create must agree)
-        fresh = cls(config, capacity=max(int(mask.sum()), 1))
+        fresh = (make or cls)(config, max(int(mask.sum()), 1))
         with fresh._lock:
             new_slots = fresh._create(ids[mask])
             fresh._rows[new_slots] = cat("rows", fresh._rows[:0])
@@ -652,6 +734,7 @@ class DynamicTable:
             fresh.step = (
                 max((int(p["step"]) for p in parts), default=0) if step is None else int(step)
             )
+            fresh._settle(np.zeros(0, np.int64))
         return fresh
 
 

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -204,7 +205,9 @@ def check_part(
 
 
 def merge(
-    config: TableConfig, parts: list[tuple[TableConfig, dict[str, np.ndarray]]]
+    config: TableConfig,
+    parts: list[tuple[TableConfig, dict[str, np.ndarray]]],
+    make: Callable[[TableConfig, int], DynamicTable] | None = None,
 ) -> DynamicTable:
     """One shard holding every part (a kept shard's own first, then the staged ones).
 
@@ -212,6 +215,7 @@ def merge(
     rows without slots get fresh ones). The step becomes the largest part's,
     and every part's clocks shift with it, so a row is as many pushes from
     eviction as it was. Counters sum over the parts that carry them.
+    ``make(config, capacity)`` makes the empty shard (a disk tier's, say).
     """
     for other, _ in parts:
         other = dataclasses.replace(other, capacity=config.capacity)
@@ -233,4 +237,4 @@ def merge(
         if not counted[-1]:
             part["counters"] = np.zeros(COUNTER_COUNT, np.int64)
         ready.append(part)
-    return DynamicTable.from_parts(config, ready, counted=counted)
+    return DynamicTable.from_parts(config, ready, counted=counted, make=make)

@@ -53,6 +53,7 @@ from .dedup import DedupWindow, State
 from .dynamic_table import DynamicTable, IdCheck, TableConfig, TableStats, check_ids
 from .key_index import shard_of
 from .row_moves import Outgoing, check_part, merge
+from .tiered_table import TieredTable, TierOptions, safe_name, tier_root
 
 __all__ = ["TableRegistry"]
 
@@ -81,10 +82,15 @@ class TableRegistry:
 
     Args:
         task: this task's name (``"ps:0"``), for file names and errors.
+        tier: the disk tier's options (:mod:`psflow.ps.tiered_table`): a table
+            whose config or these options give a memory budget keeps only that
+            many rows in memory, the rest on local disk.
     """
 
-    def __init__(self, task: str = "ps:0") -> None:
+    def __init__(self, task: str = "ps:0", tier: TierOptions | None = None) -> None:
         self.task = task
+        self.tier = tier or TierOptions()
+        self._tier_root: str | None = None
         self._tables: dict[str, tuple[DynamicTable, int, int]] = {}
         self._lock = threading.Lock()
         self._dedup = DedupWindow()
@@ -119,14 +125,41 @@ class TableRegistry:
                     )
                 return False
             if not move_id:
-                self._tables[config.name] = (DynamicTable(config), shard_index, num_shards)
+                self._tables[config.name] = (self._new_table(config), shard_index, num_shards)
                 return True
         with self._move_lock:
             created = self._move(move_id).created
             if config.name not in created:
-                created[config.name] = (DynamicTable(config), shard_index, num_shards)
+                created[config.name] = (self._new_table(config), shard_index, num_shards)
                 return True
         return False
+
+    def _budget(self, config: TableConfig) -> tuple[int, int]:
+        """``(memory_rows, memory_bytes)`` of a shard of ``config`` here (both 0: no tier)."""
+        rows = config.memory_rows or (0 if config.memory_bytes else self.tier.memory_rows)
+        nbytes = config.memory_bytes or (0 if config.memory_rows else self.tier.memory_bytes)
+        return rows, nbytes
+
+    def _new_table(self, config: TableConfig, capacity: int | None = None) -> DynamicTable:
+        """An empty shard of ``config``: with a disk tier when its config or the
+        task's tier options give a memory budget."""
+        rows, nbytes = self._budget(config)
+        if not rows and not nbytes:
+            return DynamicTable(config, capacity)
+        if self._tier_root is None:
+            self._tier_root = tier_root(self.tier.directory, self.task)
+        directory = os.path.join(
+            self._tier_root, f"{safe_name(config.name)}.{uuid.uuid4().hex[:12]}"
+        )
+        return TieredTable(
+            config,
+            capacity,
+            directory=directory,
+            memory_rows=rows,
+            memory_bytes=nbytes,
+            backend=self.tier.backend,
+            queue_rows=self.tier.queue_rows,
+        )
 
     def table(self, name: str) -> DynamicTable:
         """The shard of table ``name``.
@@ -214,6 +247,20 @@ class TableRegistry:
             raise
         self._dedup.complete(*request_id, entry, step)
         return step
+
+    def tier_gauges(self) -> dict[str, dict[str, int]]:
+        """Every table's memory rows and, with a disk tier, its disk rows, hits and
+        bytes, by name: cheap (no flush, no eviction scan), for metrics."""
+        with self._lock:
+            held = dict(self._tables)
+        out = {}
+        for name, (table, _, _) in held.items():
+            out[name] = (
+                table.gauges()
+                if isinstance(table, TieredTable)
+                else {"memory_rows": table._index.size}
+            )
+        return out
 
     def stats(self) -> dict[str, TableStats]:
         """Every table's counters, by name."""
@@ -335,7 +382,11 @@ class TableRegistry:
                 own = out.kept(table.export_state())
                 staged = [v for k, v in sorted(move.staged.items()) if k[0] == name]
                 parts = [(table.config, own), *staged]
-                replaced[name] = (merge(table.config, parts), index, num_shards)
+                replaced[name] = (
+                    merge(table.config, parts, make=self._new_table),
+                    index,
+                    num_shards,
+                )
             with self._lock:
                 self._tables.update(replaced)
             del self._moves[move_id]
@@ -350,27 +401,88 @@ class TableRegistry:
     # -- checkpoints ------------------------------------------------------------------
     def save(self, directory: str, prefix: str) -> tuple[str, list[str]]:
         """Writes every table under ``directory/prefix.tables.*``; returns
-        ``(data file, table names)``."""
+        ``(data file, table names)``.
+
+        A shard with a disk tier writes its rows on disk to segment files
+        streamed from the store's snapshot, and incrementally: saved again to
+        the same directory and prefix, only the rows whose record changed since
+        (and the ids that left the disk) are written, and the manifest names
+        the earlier segments too; once the changes outweigh the full segments
+        the next save is a full one again.
+        """
         os.makedirs(directory, exist_ok=True)
         with self._lock:
             held = dict(self._tables)
+        previous = _previous_manifest(os.path.join(directory, prefix + _MANIFEST))
         tensors: dict[str, np.ndarray] = {}
         tables = {}
-        for name, (table, index, count) in sorted(held.items()):
-            for key, value in table.export_state().items():
-                tensors[f"{name}\x00{key}"] = value
-            tables[name] = {"config": table.config.to_json(), "shard": index, "shards": count}
-        data = f"{prefix}.tables.{uuid.uuid4().hex}.safetensors"
-        digests = save_file(os.path.join(directory, data), tensors)
-        manifest = {"data": data, "tables": tables, "sha256": digests}
-        with atomic_write(os.path.join(directory, prefix + _MANIFEST)) as f:
-            f.write(json.dumps(manifest, sort_keys=True).encode())
+        stem = f"{prefix}.tables.{uuid.uuid4().hex}"
+        keep = {f"{stem}.safetensors"}
+        begun: list[TieredTable] = []
+        try:
+            for name, (table, index, count) in sorted(held.items()):
+                entry = {"config": table.config.to_json(), "shard": index, "shards": count}
+                if isinstance(table, TieredTable):
+                    begun.append(table)
+                    state = self._save_tier(directory, stem, name, table, previous, entry)
+                    keep.update(seg["file"] for seg in entry["segments"])
+                else:
+                    state = table.export_state()
+                for key, value in state.items():
+                    tensors[f"{name}\x00{key}"] = value
+                tables[name] = entry
+            data = f"{stem}.safetensors"
+            digests = save_file(os.path.join(directory, data), tensors)
+            manifest = {"data": data, "tables": tables, "sha256": digests}
+            with atomic_write(os.path.join(directory, prefix + _MANIFEST)) as f:
+                f.write(json.dumps(manifest, sort_keys=True).encode())
+        except BaseException:
+            for table in begun:
+                table.abort_save()
+            raise
+        for table in begun:
+            table.commit_save(tables[table.config.name]["chain"])
         for old in glob.glob(
             os.path.join(directory, glob.escape(prefix) + ".tables.*.safetensors")
         ):
-            if os.path.basename(old) != data:
+            if os.path.basename(old) not in keep:
                 os.remove(old)
         return os.path.join(directory, data), sorted(tables)
+
+    def _save_tier(
+        self,
+        directory: str,
+        stem: str,
+        name: str,
+        table: TieredTable,
+        previous: dict | None,
+        entry: dict,
+    ) -> dict[str, np.ndarray]:
+        """Writes a tiered shard's segments (a delta on its previous chain where
+        that is the one in ``directory``); fills ``entry``; returns memory's state."""
+        before = (previous or {}).get("tables", {}).get(name, {})
+        chain = list(before.get("segments", ()))
+        base = sum(seg.get("rows", 0) for seg in chain if seg.get("base"))
+        changes = sum(seg.get("rows", 0) for seg in chain if not seg.get("base"))
+        delta = bool(table.chain) and before.get("chain") == table.chain and changes <= base
+        state, chunks, deleted = table.export_chunks(delta=delta)
+        segments = chain if delta else []
+        for i, chunk in enumerate(chunks):
+            file = f"{stem}.{safe_name(name)}.{i:06d}.safetensors"
+            digests = save_file(os.path.join(directory, file), chunk)
+            rows = int(chunk["ids"].shape[0])
+            segments.append({"file": file, "sha256": digests, "rows": rows, "base": not delta})
+        gone = np.concatenate([*deleted, np.zeros(0, np.int64)])
+        if gone.size:
+            file = f"{stem}.{safe_name(name)}.deleted.safetensors"
+            digests = save_file(os.path.join(directory, file), {"ids": gone})
+            count = int(gone.size)
+            segments.append(
+                {"file": file, "sha256": digests, "rows": count, "base": False, "deleted": True}
+            )
+        entry["segments"] = segments
+        entry["chain"] = f"{table.chain_id}.{uuid.uuid4().hex[:12]}"
+        return state
 
     def saved_shard(self, directory: str, prefix: str) -> tuple[int, int] | None:
         """``(shard_index, num_shards)`` this prefix saved with, None without a checkpoint."""
@@ -404,6 +516,8 @@ class TableRegistry:
         if not manifests:
             raise NotFoundError(f"no table checkpoint in {directory!r}", task=self.task)
         parts: dict[str, list[dict[str, np.ndarray]]] = {}
+        # the disk tiers' segment chains: one list of (entry, path) per saved shard
+        segments: dict[str, list[list[tuple[dict, str]]]] = {}
         counted: dict[str, list[bool]] = {}
         own_step: dict[str, int] = {}
         configs: dict[str, TableConfig] = {}
@@ -439,16 +553,45 @@ class TableRegistry:
                 counted.setdefault(name, []).append(same if layout else shard_index == 0)
                 if same:  # this shard's own optimizer step (Adam's bias correction, ttl clocks)
                     own_step[name] = int(part.get("step", 0))
+                if entry.get("segments"):
+                    segments.setdefault(name, []).append(
+                        [(seg, os.path.join(directory, seg["file"])) for seg in entry["segments"]]
+                    )
         restored = {}
         rows = 0
+
+        def keep(ids: np.ndarray) -> np.ndarray:
+            return shard_of(ids, num_shards) == shard_index
+
         for name, config in configs.items():
+            tiered = self._budget(config) != (0, 0)
+            table_parts, table_counted = list(parts[name]), list(counted[name])
+            # memory's rows were saved last: they hold over any segment's
+            held = [p["ids"][keep(p["ids"])] for p in parts[name]]
+            override = np.sort(np.concatenate([*held, np.zeros(0, np.int64)]))
+            if not tiered:  # all in memory: each task's chain applied, then a part
+                for chain in segments.get(name, ()):
+                    chained = _apply_chain(chain, keep, override)
+                    if chained:
+                        table_parts.append(_segment_part(chained, parts[name][0]))
+                        table_counted.append(False)
             table = DynamicTable.from_parts(
                 config,
-                parts[name],
-                keep=lambda ids: shard_of(ids, num_shards) == shard_index,
-                counted=counted[name],
+                table_parts,
+                keep=keep,
+                counted=table_counted,
                 step=own_step.get(name),
+                make=self._new_table,
             )
+            if tiered:  # streamed, segment by segment, straight to the disk tier
+                for chain in segments.get(name, ()):
+                    for seg, path in chain:
+                        segment = _load_segment(path, seg["sha256"])
+                        mine = keep(segment["ids"])
+                        if seg.get("deleted"):
+                            table.drop_rows(segment["ids"][mine], override)
+                        else:
+                            table.load_rows({k: v[mine] for k, v in segment.items()}, override)
             rows += table.stats().rows
             restored[name] = (table, shard_index, num_shards)
         with self._lock:
@@ -462,6 +605,69 @@ def _check_shard(index: int, count: int) -> None:
         raise InvalidArgumentError(
             f"shard {index} of {count}: need 0 <= shard < shards, shards >= 1"
         )
+
+
+def _load_segment(path: str, digests: dict) -> dict[str, np.ndarray]:
+    """A disk tier's segment file, verified.
+
+    Raises:
+        DataLossError: missing or corrupt.
+    """
+    try:
+        return load_file(path, checksums=digests)
+    except OSError as e:
+        raise DataLossError(f"table segment {path} cannot be read: {e}") from e
+
+
+def _previous_manifest(path: str) -> dict | None:
+    """The manifest at ``path`` if it is readable (an incremental save extends it)."""
+    try:
+        return _read_manifest(path) if os.path.exists(path) else None
+    except DataLossError:
+        return None
+
+
+def _apply_chain(
+    chain: list[tuple[dict, str]], keep: Any, override: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The rows a saved shard's segment chain holds at its end (later segments
+    replace earlier rows, deletions remove them), less the ids in sorted
+    ``override``, keeping the ids ``keep`` accepts."""
+    held: dict[str, np.ndarray] | None = None
+    for seg, path in chain:
+        segment = _load_segment(path, seg["sha256"])
+        mine = keep(segment["ids"])
+        segment = {k: v[mine] for k, v in segment.items()}
+        if held is None:
+            if not seg.get("deleted"):  # nothing to delete from yet
+                held = segment
+            continue
+        if seg.get("deleted"):
+            stay = ~np.isin(held["ids"], segment["ids"])
+            held = {k: v[stay] for k, v in held.items()}
+            continue
+        both = {k: np.concatenate([held[k], segment[k]]) for k in segment}
+        # the last occurrence of each id wins
+        _, first = np.unique(both["ids"][::-1], return_index=True)
+        last = both["ids"].shape[0] - 1 - first
+        held = {k: v[last] for k, v in both.items()}
+    if held is None:
+        return {}
+    stay = ~np.isin(held["ids"], override)
+    return {k: v[stay] for k, v in held.items()}
+
+
+def _segment_part(segment: dict[str, np.ndarray], like: dict[str, np.ndarray]) -> dict:
+    """A segment's rows as a part :meth:`DynamicTable.from_parts` takes: no
+    candidates, no counters, the step of its table's part ``like``."""
+    return {
+        **segment,
+        "candidate_ids": like["candidate_ids"][:0],
+        "candidate_counts": like["candidate_counts"][:0],
+        "candidate_touched": like["candidate_touched"][:0],
+        "step": like["step"],
+        "counters": np.zeros_like(like["counters"]),
+    }
 
 
 def _read_manifest(path: str) -> dict:

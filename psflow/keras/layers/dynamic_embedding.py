@@ -305,6 +305,9 @@ class DynamicEmbedding(Layer):
         min_count: lookups an id needs before it gets its own row.
         ttl_steps: pushes a row may go untouched before it is evicted (0: never).
         capacity: rows each PS allocates up front.
+        memory_rows: rows each PS keeps in memory, the rest on its local disk
+            (a disk tier; 0: the PS's ``--table-memory-rows``, none: all in memory).
+        memory_bytes: the same budget in bytes; at most one of the two.
         table_name: the table's name on the PS (default: the layer's name).
         hot_rows: each worker caches the table's busiest rows with this policy
             (:mod:`psflow.ps.hot_rows`: fewer pulled bytes, reads up to
@@ -322,6 +325,8 @@ class DynamicEmbedding(Layer):
         min_count: int = 1,
         ttl_steps: int = 0,
         capacity: int = 1024,
+        memory_rows: int = 0,
+        memory_bytes: int = 0,
         table_name: str | None = None,
         hot_rows: HotRowPolicy | None = None,
         **kwargs: Any,
@@ -343,6 +348,8 @@ class DynamicEmbedding(Layer):
             min_count=min_count,
             ttl_steps=ttl_steps,
             capacity=capacity,
+            memory_rows=memory_rows,
+            memory_bytes=memory_bytes,
         )
         self.output_dim = output_dim
         self.hot_rows = hot_rows
@@ -380,5 +387,7 @@ class DynamicEmbedding(Layer):
             "min_count": c.min_count,
             "ttl_steps": c.ttl_steps,
             "capacity": c.capacity,
+            "memory_rows": c.memory_rows,
+            "memory_bytes": c.memory_bytes,
             "table_name": c.name,
         }
