@@ -166,6 +166,18 @@ def test_cross_replica_collectives_span_every_worker(tmp_path):
         assert r["reduce_sum"] == 6.0
 
 
+def test_peers_run_with_the_blas_threads_their_launcher_planned(tmp_path):
+    # psflow local hands each peer PSFLOW_BLAS_THREADS; the user's script applies no budget
+    # itself, so the strategy must (two peers on 2 cores with 2 spinning OpenBLAS threads
+    # each trained 4x slower)
+    unset = dict.fromkeys(("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"), "")
+    codes, results, logs = run_workers(
+        tmp_path, "connect", 2, env={**unset, "PSFLOW_BLAS_THREADS": "1"}
+    )
+    _ok(codes, logs)
+    assert [r["blas_threads"] for r in results] == [1, 1]
+
+
 def test_a_wrong_token_is_refused_with_unauthenticated(tmp_path):
     codes, results, logs = run_workers(
         tmp_path,
