@@ -454,6 +454,30 @@ def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
             assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone():
+    # one array of several receive pieces (and a ragged last one) takes the path that reads
+    # the caller's array in place and sums each piece as it arrives: the inputs must come
+    # back unchanged, the sums exact (two workers: one float32 addition per element)
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal(300_007).astype(np.float32) for _ in range(2)]
+    kept = [x.copy() for x in xs]
+    links = _ring_pair(10.0)
+    try:
+        got = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]])[0] for i in (0, 1)])
+        mean = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]], divisor=2)[0] for i in (0, 1)])
+    finally:
+        for lk in links:
+            lk.close()
+    for x, k in zip(xs, kept):
+        assert np.array_equal(x, k)
+    want = xs[0] + xs[1]
+    for g in got:
+        assert g.dtype == np.float32 and np.array_equal(g, want)
+        assert not np.shares_memory(g, xs[0]) and not np.shares_memory(g, xs[1])
+    assert np.array_equal(mean[0], mean[1])
+    assert np.array_equal(mean[0], want / np.float32(2))
+
+
 def test_workers_calling_different_collectives_fail_with_internal_error():
     links = _ring_pair(10.0)
     try:

@@ -33,7 +33,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from psflow import errors
@@ -98,6 +98,23 @@ def _parse_status(raw: bytes) -> tuple[Code, str, str]:
         return code, status.message, failed
     except Exception:  # a malformed status is itself a failure of that peer
         return Code.INTERNAL, "malformed error frame", ""
+
+
+def _read_payload(
+    stream: FrameStream,
+    dest: memoryview,
+    on_segment: Callable[[int, int], None] | None,
+    segment: int,
+) -> None:
+    """Reads ``len(dest)`` payload bytes into ``dest``, calling ``on_segment`` per piece read."""
+    if on_segment is None or segment <= 0:
+        stream.read_into(dest)
+        return
+    size = len(dest)
+    for lo in range(0, size, segment):
+        hi = min(lo + segment, size)
+        stream.read_into(dest[lo:hi])
+        on_segment(lo, hi)
 
 
 class PeerLinks:
@@ -408,8 +425,19 @@ class PeerLinks:
             finally:
                 done.set()
 
-    def receive_into(self, dest: memoryview, deadline: float) -> None:
+    def receive_into(
+        self,
+        dest: memoryview,
+        deadline: float,
+        on_segment: Callable[[int, int], None] | None = None,
+        segment: int = 0,
+    ) -> None:
         """Fills ``dest`` with the left neighbour's next frame (of exactly ``len(dest)`` bytes).
+
+        With ``on_segment`` the payload is read in pieces of ``segment`` bytes
+        and ``on_segment(start, end)`` is called on each byte range as soon as
+        it is in ``dest`` (a reduction then works on data still in the cache
+        while the kernel goes on receiving the rest).
 
         The left neighbour is blamed when it stays silent (no data, no
         heartbeat) for :attr:`silence` seconds.  One that keeps sending
@@ -462,7 +490,7 @@ class PeerLinks:
                     )
                 )
             stream.discard(head.header_len)
-            stream.read_into(dest.cast("B") if dest.nbytes else dest)
+            _read_payload(stream, dest.cast("B") if dest.nbytes else dest, on_segment, segment)
             self._heard = time.monotonic()
         except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
             raise
