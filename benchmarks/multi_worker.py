@@ -20,7 +20,11 @@ every ring link crosses the veth.
 
 Formulas (NCCL's): algorithm bandwidth = S / seconds per all-reduce; bus
 bandwidth = algbw * 2(N-1)/N (the bytes each worker sends); the stream's
-bandwidth = S / seconds; steps/s = timed steps / their wall seconds.  The
+bandwidth = S / seconds; steps/s = timed steps / their wall seconds.  All N
+workers share this one host's cores, which a bare stream has to itself, so
+bus bandwidth cannot pass stream / N here (N workers each send and receive
+2(N-1)/N of S, the stream sends S once): N * busbw / stream is reported too,
+1.0 meaning the ring moves bytes as fast as the bare stream does.  The
 issue's goals: bus bandwidth >= 0.8x the stream and >= 3x TensorFlow's; MLP
 steps/s >= 1.5x TensorFlow's.  psflow's workers get the BLAS threads ``psflow
 local`` gives them; TensorFlow runs with its defaults.  TensorFlow is not a
@@ -298,8 +302,10 @@ def _worker_env(framework: str, n: int) -> dict[str, str]:
     return {**token, **plan.env("worker")}
 
 
-def run_workers(net: Any, framework: str, n: int, args: list[str]) -> dict[str, Any] | None:
-    """One group of ``n`` workers of ``framework`` running ``args``; rank 0's result."""
+def run_workers(
+    net: Any, framework: str, n: int, child: str, args: list[str]
+) -> dict[str, Any] | None:
+    """One group of ``n`` workers of ``framework`` running ``child``; rank 0's result."""
     hosts, ports = _endpoints(net, n)
     cluster = {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]}
     extra = _worker_env(framework, n)
@@ -308,7 +314,7 @@ def run_workers(net: Any, framework: str, n: int, args: list[str]) -> dict[str, 
         task = {"cluster": cluster, "task": {"type": "worker", "index": rank}}
         return _env({**extra, "TF_CONFIG": json.dumps(task)})
 
-    return _group(net, n, ["--child", "allreduce", "--framework", framework, *args], env_of)
+    return _group(net, n, ["--child", child, "--framework", framework, *args], env_of)
 
 
 def run_stream(net: Any, sizes: list[int], repeats: int) -> dict[str, float] | None:
@@ -340,12 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="64,256", help="global batch sizes")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="groups per case (A B A B)")
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
     repeats = args.repeats or (3 if args.quick else 5)
-    steps = args.steps or (20 if args.quick else 60)
+    steps = args.steps or (30 if args.quick else 100)
+    rounds = args.rounds or (1 if args.quick else 2)
+    train_rounds = args.rounds or (2 if args.quick else 3)
 
     if args.child:
         sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -386,21 +395,38 @@ def main(argv: list[str] | None = None) -> int:
             if net_name == "veth":
                 _netns.remove_stale()
                 net = stack.enter_context(_netns.VethPair())
-            _progress(f"{net_name}: bare stream")
-            stream = run_stream(net, sizes, repeats)
+            streams: list[dict[int, float]] = []
             for n in counts:
-                seconds: dict[str, dict[int, float]] = {}
-                for side in sides if n % 4 else sides[::-1]:
-                    _progress(f"{net_name}: {side} all-reduce, {n} workers")
-                    res = run_workers(
-                        net,
-                        side,
-                        n,
-                        ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)],
-                    )
-                    if res is not None:
-                        tf_version["tf_version"] = res.get("version") or tf_version["tf_version"]
-                        seconds[side] = {int(k): v for k, v in res["seconds"].items()}
+                runs: dict[str, list[dict[int, float]]] = {}
+                for rnd in range(rounds):
+                    _progress(f"{net_name}: bare stream")
+                    got = run_stream(net, sizes, repeats)
+                    if got:
+                        streams.append(got)
+                    for side in sides if (rnd + n // 2) % 2 else sides[::-1]:
+                        _progress(f"{net_name}: {side} all-reduce, {n} workers, round {rnd + 1}")
+                        res = run_workers(
+                            net,
+                            side,
+                            n,
+                            "allreduce",
+                            ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)],
+                        )
+                        if res is not None:
+                            tf_version["tf_version"] = (
+                                res.get("version") or tf_version["tf_version"]
+                            )
+                            secs = {int(k): v for k, v in res["seconds"].items()}
+                            runs.setdefault(side, []).append(secs)
+                seconds = {
+                    side: {s: statistics.median(r[s] for r in rs) for s in sizes}
+                    for side, rs in runs.items()
+                }
+                stream = (
+                    {s: statistics.median(r[s] for r in streams) for s in sizes}
+                    if streams
+                    else None
+                )
                 for s in sizes:
                     bus: dict[str, float] = {}
                     for side, secs in seconds.items():
@@ -441,40 +467,39 @@ def main(argv: list[str] | None = None) -> int:
                                     "value": round(num / den, 3),
                                 }
                             )
+                    for side, bw in bus.items():
+                        if stream_bw:  # every worker's bytes cross the one host's cores
+                            _emit(
+                                {
+                                    "case": f"host_share/{net_name}/workers={n}/{s // MB}MB/{side}",
+                                    "metric": "ratio",
+                                    "value": round(n * bw / stream_bw, 3),
+                                    "formula": "N * busbw / stream (1.0: the ring's workers "
+                                    "together move bytes as fast as the bare stream)",
+                                }
+                            )
                     table.append((net_name, n, s // MB, ours, theirs, stream_bw))
 
     train_rows = []
     if not args.no_train:
-        rates: dict[str, dict[int, float]] = {}
-        for side in sides:
-            _progress(f"loopback: {side} MLP training, 2 workers")
-            hosts, ports = _endpoints(None, 2)
-            cluster = {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]}
-            extra = _worker_env(side, 2)
-            res = _group(
-                None,
-                2,
-                [
-                    "--child",
-                    "train",
-                    "--framework",
+        train_runs: dict[str, list[dict[int, float]]] = {}
+        for rnd in range(train_rounds):
+            for side in sides if rnd % 2 == 0 else sides[::-1]:
+                _progress(f"loopback: {side} MLP training, 2 workers, round {rnd + 1}")
+                res = run_workers(
+                    None,
                     side,
-                    "--batches",
-                    args.batches,
-                    "--steps",
-                    str(steps),
-                ],
-                lambda rank, c=cluster, e=extra: _env(
-                    {
-                        **e,
-                        "TF_CONFIG": json.dumps(
-                            {"cluster": c, "task": {"type": "worker", "index": rank}}
-                        ),
-                    }
-                ),
-            )
-            if res is not None:
-                rates[side] = {int(k): v for k, v in res["steps_per_s"].items()}
+                    2,
+                    "train",
+                    ["--batches", args.batches, "--steps", str(steps)],
+                )
+                if res is not None:
+                    got = {int(k): v for k, v in res["steps_per_s"].items()}
+                    train_runs.setdefault(side, []).append(got)
+        rates = {
+            side: {b: statistics.median(r[b] for r in rs) for b in batches}
+            for side, rs in train_runs.items()
+        }
         for b in batches:
             for side, r in rates.items():
                 _emit(
@@ -502,12 +527,13 @@ def main(argv: list[str] | None = None) -> int:
 
     _progress(
         f"{'net':>8} {'workers':>7} {'MB':>4} {'psflow':>8} {'TF':>8} {'stream':>8} "
-        f"{'ps/stream':>9} {'ps/TF':>6}   (bus bandwidth, GB/s)"
+        f"{'ps/stream':>9} {'N*ps/str':>8} {'ps/TF':>6}   (bus bandwidth, GB/s)"
     )
     for net_name, n, mb, ours, theirs, stream_bw in table:
         _progress(
             f"{net_name:>8} {n:>7} {mb:>4} {cell(ours)} {cell(theirs)} {cell(stream_bw)} "
             f"{cell(ours / stream_bw if ours and stream_bw else None, '9.2f')} "
+            f"{cell(n * ours / stream_bw if ours and stream_bw else None, '8.2f')} "
             f"{cell(ours / theirs if ours and theirs else None, '6.2f')}"
         )
     for b, ours, theirs in train_rows:
