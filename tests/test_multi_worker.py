@@ -42,7 +42,7 @@ def _ok(codes: list, logs: list[str]) -> None:
     assert codes == [0] * len(codes), "\n---\n".join(log[-3000:] for log in logs)
 
 
-@pytest.mark.parametrize(("workers", "devices"), [(2, 1), (3, 1), (2, 2)])
+@pytest.mark.parametrize(("workers", "devices"), [(2, 1), (3, 1), (2, 2), (3, 2)])
 def test_custom_loop_trains_like_one_process_on_the_global_batch(
     tmp_path, reference, workers, devices
 ):
