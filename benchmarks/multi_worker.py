@@ -20,7 +20,9 @@ every ring link crosses the veth.
 
 Formulas (NCCL's): algorithm bandwidth = S / seconds per all-reduce; bus
 bandwidth = algbw * 2(N-1)/N (the bytes each worker sends); the stream's
-bandwidth = S / seconds; steps/s = timed steps / their wall seconds.  All N
+bandwidth = S / seconds; steps/s = timed steps / their wall seconds; CPU
+ms/step = a worker's process CPU time (all threads) / timed steps, which a
+host loaded by other work inflates far less than wall time.  All N
 workers share this one host's cores, which a bare stream has to itself, so
 bus bandwidth cannot pass stream / N here (N workers each send and receive
 2(N-1)/N of S, the stream sends S once): N * busbw / stream is reported too,
@@ -149,7 +151,11 @@ def _child_train(framework: str, batches: list[int], steps: int, warmup: int) ->
 
     tf = _import(framework)
     strategy = _strategy(tf)
-    out: dict[str, Any] = {"rank": strategy.cluster_resolver.task_id, "steps_per_s": {}}
+    out: dict[str, Any] = {
+        "rank": strategy.cluster_resolver.task_id,
+        "steps_per_s": {},
+        "cpu_ms_per_step": {},
+    }
     for batch in batches:
         rng = np.random.default_rng(1234)
         x = rng.standard_normal((8 * batch, LAYERS[0]), dtype=np.float32)
@@ -165,11 +171,13 @@ def _child_train(framework: str, batches: list[int], steps: int, warmup: int) ->
         step = _make_step(tf, strategy, batch)
         for _ in range(warmup):
             step(next(dist))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             loss = step(next(dist))
         float(loss)  # waits for the last step
         out["steps_per_s"][str(batch)] = steps / (time.perf_counter() - start)
+        # this worker's CPU (all its threads) per step: what a loaded host cannot inflate
+        out["cpu_ms_per_step"][str(batch)] = (time.process_time() - cpu) / steps * 1e3
     return out
 
 
@@ -483,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     train_rows = []
     if not args.no_train:
         train_runs: dict[str, list[dict[int, float]]] = {}
+        train_cpu: dict[str, list[dict[int, float]]] = {}
         for rnd in range(train_rounds):
             for side in sides if rnd % 2 == 0 else sides[::-1]:
                 _progress(f"loopback: {side} MLP training, 2 workers, round {rnd + 1}")
@@ -496,9 +505,15 @@ def main(argv: list[str] | None = None) -> int:
                 if res is not None:
                     got = {int(k): v for k, v in res["steps_per_s"].items()}
                     train_runs.setdefault(side, []).append(got)
+                    cpu = {int(k): v for k, v in res["cpu_ms_per_step"].items()}
+                    train_cpu.setdefault(side, []).append(cpu)
         rates = {
             side: {b: statistics.median(r[b] for r in rs) for b in batches}
             for side, rs in train_runs.items()
+        }
+        cpu_ms = {
+            side: {b: statistics.median(r[b] for r in rs) for b in batches}
+            for side, rs in train_cpu.items()
         }
         for b in batches:
             for side, r in rates.items():
@@ -509,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                         "value": round(r[b], 2),
                         "unit": "steps/s",
                         "timed_steps": steps,
+                        "cpu_ms_per_step": round(cpu_ms[side][b], 2),
                     }
                 )
             ours, theirs = rates.get("psflow", {}).get(b), rates.get("tensorflow", {}).get(b)
@@ -520,7 +536,19 @@ def main(argv: list[str] | None = None) -> int:
                         "value": round(ours / theirs, 3),
                     }
                 )
-            train_rows.append((b, ours, theirs))
+            cpu_ours = cpu_ms.get("psflow", {}).get(b)
+            cpu_theirs = cpu_ms.get("tensorflow", {}).get(b)
+            if cpu_ours and cpu_theirs:
+                _emit(
+                    {
+                        "case": f"tensorflow_vs_psflow/train_cpu/workers=2/batch={b}",
+                        "metric": "ratio",
+                        "value": round(cpu_theirs / cpu_ours, 3),
+                        "numerator": "tensorflow CPU ms per step per worker",
+                        "denominator": "psflow CPU ms per step per worker",
+                    }
+                )
+            train_rows.append((b, ours, theirs, cpu_ours, cpu_theirs))
 
     def cell(v: float | None, fmt: str = "8.2f") -> str:
         return format(v, fmt) if v else f"{'-':>8}"
@@ -536,9 +564,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{cell(n * ours / stream_bw if ours and stream_bw else None, '8.2f')} "
             f"{cell(ours / theirs if ours and theirs else None, '6.2f')}"
         )
-    for b, ours, theirs in train_rows:
+    for b, ours, theirs, cpu_ours, cpu_theirs in train_rows:
         ratio = cell(ours / theirs if ours and theirs else None, "6.2f")
-        _progress(f"MLP batch {b:>4}: psflow {cell(ours)} TF {cell(theirs)} steps/s, ratio {ratio}")
+        _progress(
+            f"MLP batch {b:>4}: psflow {cell(ours)} TF {cell(theirs)} steps/s, ratio {ratio}; "
+            f"CPU ms/step/worker psflow {cell(cpu_ours)} TF {cell(cpu_theirs)}"
+        )
     _progress(f"done in {time.perf_counter() - started:.0f} s")
     return 0 if table or train_rows else 1
 
