@@ -1,30 +1,50 @@
-"""Cross-process all-reduce of MultiWorkerMirroredStrategy's ring, next to a bare TCP stream.
+"""MultiWorkerMirroredStrategy across processes: psflow vs TensorFlow vs a bare TCP stream.
 
-Each case starts N worker processes on 127.0.0.1 (``TF_CONFIG`` as
-``psflow local --mode multi-worker`` sets it); each builds a
-``MultiWorkerMirroredStrategy`` and times ``CrossHostRing.all_reduce`` of one
-float32 array of S bytes (after warm-up calls).  In the same run a bare
-stream is measured: one process ``sendall``s S bytes to another over
-loopback, which ``recv_into``s them into a preallocated buffer.
+Three measurements, each side by side in one run:
+
+* **all-reduce**: N worker processes (``TF_CONFIG`` as ``psflow local --mode
+  multi-worker`` sets it) each all-reduce one seeded float32 array of S bytes,
+  timed after warm-up calls.  psflow times ``CrossHostRing.all_reduce`` (the
+  strategy's cross-process collective); TensorFlow 2.21's
+  ``MultiWorkerMirroredStrategy`` (``CommunicationOptions(implementation=RING)``)
+  times a ``tf.function`` running ``ReplicaContext.all_reduce("SUM", x)``.
+* **bare stream**: one process ``sendall``s S bytes to another, which
+  ``recv_into``s them into a preallocated buffer, between the same endpoints.
+* **training**: 2 workers train the 784-512-512-10 MLP (the custom loop of
+  ``benchmarks/mirrored_train.py``) at global batch 64 and 256.
+
+Each runs on loopback and (all-reduce and stream, as root) across a veth link
+between two network namespaces made for the run and removed after it
+(:mod:`benchmarks._netns`): even ranks in one namespace, odd in the other, so
+every ring link crosses the veth.
 
 Formulas (NCCL's): algorithm bandwidth = S / seconds per all-reduce; bus
-bandwidth = algbw * 2(N-1)/N (the bytes each worker moves); the stream's
-bandwidth = S / seconds.  The issue's goal: bus bandwidth >= 0.8x the stream.
-TensorFlow's ``MultiWorkerMirroredStrategy`` (RING) runs only where
-TensorFlow is installed; it is not a psflow dependency, so without it the
-rows say so.
+bandwidth = algbw * 2(N-1)/N (the bytes each worker sends); the stream's
+bandwidth = S / seconds; steps/s = timed steps / their wall seconds; CPU
+ms/step = a worker's process CPU time (all threads) / timed steps, which a
+host loaded by other work inflates far less than wall time.  All N
+workers share this one host's cores, which a bare stream has to itself, so
+bus bandwidth cannot pass stream / N here (N workers each send and receive
+2(N-1)/N of S, the stream sends S once): N * busbw / stream is reported too,
+1.0 meaning the ring moves bytes as fast as the bare stream does.  The
+issue's goals: bus bandwidth >= 0.8x the stream and >= 3x TensorFlow's; MLP
+steps/s >= 1.5x TensorFlow's.  psflow's workers get the BLAS threads ``psflow
+local`` gives them; TensorFlow runs with its defaults.  TensorFlow is not a
+psflow dependency: without it one ``skipped`` line says so.
 
 Usage::
 
-    python benchmarks/multi_worker.py            # 1-64 MB, 2 and 4 workers
-    python benchmarks/multi_worker.py --quick    # 1 and 16 MB, 2 workers, < 60 s
+    python benchmarks/multi_worker.py            # 1-64 MB, 2 and 4 workers, batches 64/256
+    python benchmarks/multi_worker.py --quick    # 1 and 16 MB, 2 workers, fewer steps
+    python benchmarks/multi_worker.py --no-tf --no-veth
 
-stdout: one JSON object per measurement; stderr: a table.
+stdout: one JSON object per measurement; stderr: progress and a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -33,165 +53,526 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 BENCH = "multi_worker"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CHILD_TIMEOUT_S = 300.0
+GROUP_TIMEOUT_S = 240.0
+SIDES = ("psflow", "tensorflow")
+MB = 1 << 20
+VETH_PORT = 23411  # a fresh namespace has no other listeners
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps({"bench": BENCH, **record}), flush=True)
 
 
-def _worker(sizes: list[int], repeats: int) -> None:
-    """One worker: times the ring's all-reduce for each size; rank 0 prints the medians."""
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- children ----------------------------------------------------------------------------------
+def _import(framework: str) -> Any:
+    if framework == "tensorflow":
+        import tensorflow as tf
+
+        return tf
+    import psflow as tf
+
+    return tf
+
+
+def _strategy(tf: Any) -> Any:
+    opts = tf.distribute.experimental.CommunicationOptions(implementation="RING")
+    if tf.__name__ == "tensorflow":
+        opts = tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        )
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=opts)
+
+
+def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _tf_all_reduce(tf: Any, strategy: Any, tx: Any) -> Any:
+    """TensorFlow's all-reduce of the captured tensor ``tx`` as one ``tf.function``."""
+
+    @tf.function
+    def reduce_once() -> Any:
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", tx))
+
+    return reduce_once
+
+
+def _child_allreduce(framework: str, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Seconds per all-reduce of each size (the median over ``repeats``)."""
     import numpy as np
 
-    import psflow as pf
+    tf = _import(framework)
+    strategy = _strategy(tf)
+    rng = np.random.default_rng(1234)
+    out: dict[str, Any] = {"rank": None, "seconds": {}, "version": tf.__version__}
+    for size in sizes:
+        x = rng.standard_normal(size // 4, dtype=np.float32)
+        if framework == "tensorflow":
+            reduce_once = _tf_all_reduce(tf, strategy, tf.constant(x))
 
-    strategy = pf.distribute.MultiWorkerMirroredStrategy()
-    ring = strategy._ring  # the cross-process collective itself, without the step around it
+            def call(reduce_once: Any = reduce_once) -> Any:
+                return reduce_once().numpy()
+
+            out["rank"] = strategy.cluster_resolver.task_id
+        else:
+            ring = strategy._ring  # the cross-process collective, without a step around it
+
+            def call(ring: Any = ring, x: Any = x) -> Any:
+                return ring.all_reduce([x])
+
+            out["rank"] = ring.rank
+        out["seconds"][str(size)] = _time(call, 2, repeats)
+    return out
+
+
+def _child_train(framework: str, batches: list[int], steps: int, warmup: int) -> dict[str, Any]:
+    """Steps/s of the MLP's custom loop at each global batch."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.mirrored_train import LAYERS, _make_step
+
+    tf = _import(framework)
+    strategy = _strategy(tf)
+    out: dict[str, Any] = {
+        "rank": strategy.cluster_resolver.task_id,
+        "steps_per_s": {},
+        "cpu_ms_per_step": {},
+    }
+    for batch in batches:
+        rng = np.random.default_rng(1234)
+        x = rng.standard_normal((8 * batch, LAYERS[0]), dtype=np.float32)
+        y = rng.integers(0, LAYERS[-1], size=(8 * batch,)).astype(np.int64)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA
+        )
+        dist = iter(
+            strategy.experimental_distribute_dataset(dataset.repeat().with_options(options))
+        )
+        step = _make_step(tf, strategy, batch)
+        for _ in range(warmup):
+            step(next(dist))
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            loss = step(next(dist))
+        float(loss)  # waits for the last step
+        out["steps_per_s"][str(batch)] = steps / (time.perf_counter() - start)
+        # this worker's CPU (all its threads) per step: what a loaded host cannot inflate
+        out["cpu_ms_per_step"][str(batch)] = (time.process_time() - cpu) / steps * 1e3
+    return out
+
+
+def _child_stream_recv(host: str, port: int, sizes: list[int], repeats: int) -> dict[str, Any]:
+    server = socket.create_server((host, port))
+    server.settimeout(60)
+    conn, _ = server.accept()
+    conn.settimeout(60)
     out = {}
     for size in sizes:
-        x = np.ones(size // 4, np.float32)
-        for _ in range(2):
-            ring.all_reduce([x])
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            ring.all_reduce([x])
-            times.append(time.perf_counter() - start)
-        out[size] = statistics.median(times)
-    if ring.rank == 0:
-        print(json.dumps(out), flush=True)
-
-
-def ring_case(workers: int, sizes: list[int], repeats: int) -> dict[int, float]:
-    """Seconds per all-reduce for each size, median over ``repeats``, with ``workers`` processes."""
-    ports = _free_ports(workers)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    procs = []
-    for i in range(workers):
-        env = {
-            **os.environ,
-            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-        }
-        code = (
-            f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-            f"from benchmarks.multi_worker import _worker\n_worker({sizes!r}, {repeats})\n"
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        first, _ = procs[0].communicate(timeout=CHILD_TIMEOUT_S)
-        for p in procs[1:]:
-            p.wait(CHILD_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    return {int(k): v for k, v in json.loads(first.strip().splitlines()[-1]).items()}
-
-
-def stream_case(size: int, repeats: int) -> float:
-    """Seconds to stream ``size`` bytes over loopback, one socket, median over ``repeats``."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    code = (
-        "import socket, sys\n"
-        f"s = socket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
-        f"data = bytes({size})\n"
-        f"for _ in range({repeats + 1}):\n"
-        "    s.sendall(data)\n"
-        "    s.recv(1)\n"
-    )
-    sender = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        conn, _ = server.accept()
         buf = memoryview(bytearray(size))
         times = []
         for i in range(repeats + 1):
             start = time.perf_counter()
             got = 0
             while got < size:
-                got += conn.recv_into(buf[got:])
-            if i:  # the first transfer warms the connection up
+                n = conn.recv_into(buf[got:])
+                if not n:
+                    raise ConnectionError("the sender closed early")
+                got += n
+            if i:  # the first transfer of each size warms the connection up
                 times.append(time.perf_counter() - start)
             conn.sendall(b"k")
-        conn.close()
+        out[str(size)] = statistics.median(times)
+    conn.close()
+    server.close()
+    return {"rank": 0, "seconds": out}
+
+
+def _child_stream_send(host: str, port: int, sizes: list[int], repeats: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=60)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    for size in sizes:
+        data = os.urandom(size)
+        for _ in range(repeats + 1):
+            sock.sendall(data)
+            if sock.recv(1) != b"k":
+                raise ConnectionError("the receiver closed early")
+    sock.close()
+    return {"rank": 1}
+
+
+# -- the parent: process groups, bounded, every child reaped ------------------------------------
+def _group(
+    net: Any, count: int, args: list[str], env_of: Callable[[int], dict]
+) -> dict[str, Any] | None:
+    """Runs ``count`` children (rank order); returns rank 0's result, or None when one failed."""
+    procs = []
+    for rank in range(count):
+        argv = [sys.executable, str(pathlib.Path(__file__).resolve()), *args]
+        if net is not None:
+            argv = net.exec_in("a" if rank % 2 == 0 else "b", argv)
+        procs.append(
+            subprocess.Popen(
+                argv,
+                env=env_of(rank),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results, failed = [], []
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failed.append(f"rank {rank} timed out after {GROUP_TIMEOUT_S:.0f} s")
+                break
+            if p.returncode != 0:
+                failed.append(f"rank {rank} exit {p.returncode}: {err[-1500:]}")
+                break
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if lines:
+                results.append(json.loads(lines[-1]))
     finally:
-        sender.wait(60)
-        server.close()
-    return statistics.median(times)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.communicate(timeout=30)
+    if failed:
+        _progress("  failed: " + failed[0])
+        return None
+    return next((r for r in results if r.get("rank") == 0), None)
 
 
-def main() -> int:
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.pop("PSFLOW_NUM_CPU_DEVICES", None)
+    env.update(extra)
+    return env
+
+
+def _endpoints(net: Any, n: int) -> tuple[list[str], list[int]]:
+    if net is None:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            return ["127.0.0.1"] * n, [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+    hosts = [net.addresses["a" if r % 2 == 0 else "b"] for r in range(n)]
+    return hosts, [VETH_PORT + r for r in range(n)]
+
+
+def _worker_env(framework: str, n: int) -> dict[str, str]:
+    """What ``psflow local`` adds to a peer's environment (its BLAS threads); nothing for TF."""
+    if framework != "psflow":
+        return {}
+    token = {"PSFLOW_AUTH_TOKEN": os.environ.get("PSFLOW_AUTH_TOKEN") or os.urandom(16).hex()}
+    from chief.thread_plan import plan_threads
+    from psflow.thread_budget import available_cores
+
+    plan = plan_threads(0, n - 1, None, os.environ, cores=available_cores())
+    return {**token, **plan.env("worker")}
+
+
+def run_workers(
+    net: Any, framework: str, n: int, child: str, args: list[str]
+) -> dict[str, Any] | None:
+    """One group of ``n`` workers of ``framework`` running ``child``; rank 0's result."""
+    hosts, ports = _endpoints(net, n)
+    cluster = {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]}
+    extra = _worker_env(framework, n)
+
+    def env_of(rank: int) -> dict[str, str]:
+        task = {"cluster": cluster, "task": {"type": "worker", "index": rank}}
+        return _env({**extra, "TF_CONFIG": json.dumps(task)})
+
+    return _group(net, n, ["--child", child, "--framework", framework, *args], env_of)
+
+
+def run_stream(net: Any, sizes: list[int], repeats: int) -> dict[str, float] | None:
+    """Seconds per bare-stream transfer of each size between two processes."""
+    hosts, ports = _endpoints(net, 2)
+    common = ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+    common += ["--host", hosts[0], "--port", str(ports[0])]
+    res = _group(
+        net,
+        2,
+        ["--child", "stream", *common],
+        lambda rank: _env({"STREAM_ROLE": "recv" if rank == 0 else "send"}),
+    )
+    return None if res is None else {int(k): v for k, v in res["seconds"].items()}
+
+
+# -- main --------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark (or, with ``--child``, one process of it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    mb = 1 << 20
-    sizes = [1 * mb, 16 * mb] if args.quick else [1 * mb, 4 * mb, 16 * mb, 64 * mb]
+    parser.add_argument("--no-tf", action="store_true", help="leave TensorFlow out")
+    parser.add_argument("--no-veth", action="store_true", help="loopback only")
+    parser.add_argument("--no-train", action="store_true", help="leave the MLP out")
+    parser.add_argument("--no-allreduce", action="store_true", help="the MLP only")
+    parser.add_argument("--child", choices=("allreduce", "train", "stream"), help=argparse.SUPPRESS)
+    parser.add_argument("--framework", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--batches", default="64,256", help="global batch sizes")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="groups per case (A B A B)")
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    repeats = args.repeats or (3 if args.quick else 5)
+    steps = args.steps or (30 if args.quick else 100)
+    rounds = args.rounds or (1 if args.quick else 2)
+    train_rounds = args.rounds or (2 if args.quick else 3)
+
+    if args.child:
+        sizes = [int(s) for s in args.sizes.split(",") if s]
+        if args.child == "allreduce":
+            res = _child_allreduce(args.framework, sizes, repeats)
+        elif args.child == "train":
+            res = _child_train(args.framework, batches, steps, max(3, steps // 5))
+        elif os.environ.get("STREAM_ROLE") == "recv":
+            res = _child_stream_recv(args.host, args.port, sizes, repeats)
+        else:
+            res = _child_stream_send(args.host, args.port, sizes, repeats)
+        print(json.dumps(res), flush=True)
+        return 0
+
+    sizes = [1 * MB, 16 * MB] if args.quick else [1 * MB, 4 * MB, 16 * MB, 64 * MB]
     counts = [2] if args.quick else [2, 4]
-    repeats = 3 if args.quick else 5
-    has_tf = importlib.util.find_spec("tensorflow") is not None
-    rows = []
-    streams = {s: stream_case(s, repeats) for s in sizes}
-    for n in counts:
-        seconds = ring_case(n, sizes, repeats)
-        for s in sizes:
-            algbw = s / seconds[s] / 1e9
-            row = {
-                "bench": BENCH,
-                "side": "psflow",
-                "workers": n,
-                "bytes": s,
-                "seconds": seconds[s],
-                "algbw_GBps": algbw,
-                "busbw_GBps": algbw * 2 * (n - 1) / n,
-                "stream_GBps": s / streams[s] / 1e9,
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        print(
-            json.dumps(
-                {
-                    "bench": BENCH,
-                    "side": "tensorflow",
-                    "workers": n,
-                    "skipped": "TensorFlow runs in its own benchmark run"
-                    if has_tf
-                    else "TensorFlow is not installed",
+    with_tf = not args.no_tf and importlib.util.find_spec("tensorflow") is not None
+    if not with_tf:
+        why = "--no-tf" if args.no_tf else "tensorflow is not installed"
+        _emit({"case": "tensorflow", "metric": "skipped", "value": None, "reason": why})
+    sides = list(SIDES) if with_tf else ["psflow"]
+    tf_version = {"tf_version": None}
+    nets: list[str] = ["loopback"]
+    if not args.no_veth:
+        sys.path.insert(0, str(ROOT))
+        from benchmarks import _netns
+
+        why = _netns.unavailable()
+        if why is None:
+            nets.append("veth")
+        else:
+            _emit({"case": "veth", "metric": "skipped", "value": None, "reason": why})
+    started = time.perf_counter()
+    table: list[tuple] = []
+    for net_name in [] if args.no_allreduce else nets:
+        with contextlib.ExitStack() as stack:
+            net = None
+            if net_name == "veth":
+                _netns.remove_stale()
+                net = stack.enter_context(_netns.VethPair())
+            streams: list[dict[int, float]] = []
+            for n in counts:
+                runs: dict[str, list[dict[int, float]]] = {}
+                for rnd in range(rounds):
+                    _progress(f"{net_name}: bare stream")
+                    got = run_stream(net, sizes, repeats)
+                    if got:
+                        streams.append(got)
+                    for side in sides if (rnd + n // 2) % 2 else sides[::-1]:
+                        _progress(f"{net_name}: {side} all-reduce, {n} workers, round {rnd + 1}")
+                        res = run_workers(
+                            net,
+                            side,
+                            n,
+                            "allreduce",
+                            ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)],
+                        )
+                        if res is not None:
+                            tf_version["tf_version"] = (
+                                res.get("version") or tf_version["tf_version"]
+                            )
+                            secs = {int(k): v for k, v in res["seconds"].items()}
+                            runs.setdefault(side, []).append(secs)
+                seconds = {
+                    side: {s: statistics.median(r[s] for r in rs) for s in sizes}
+                    for side, rs in runs.items()
                 }
-            ),
-            flush=True,
-        )
-    sys.stderr.write(
-        f"{'workers':>7} {'MB':>5} {'algbw':>8} {'busbw':>8} {'stream':>8} {'bus/stream':>10}\n"
+                stream = (
+                    {s: statistics.median(r[s] for r in streams) for s in sizes}
+                    if streams
+                    else None
+                )
+                for s in sizes:
+                    bus: dict[str, float] = {}
+                    for side, secs in seconds.items():
+                        algbw = s / secs[s] / 1e9
+                        bus[side] = algbw * 2 * (n - 1) / n
+                        _emit(
+                            {
+                                "case": f"allreduce/{net_name}/workers={n}/{s // MB}MB/{side}",
+                                "metric": "busbw",
+                                "value": round(bus[side], 4),
+                                "unit": "GB/s",
+                                "algbw_GBps": round(algbw, 4),
+                                "seconds": secs[s],
+                                **(tf_version if side == "tensorflow" else {}),
+                            }
+                        )
+                    stream_bw = s / stream[s] / 1e9 if stream else None
+                    if stream_bw:
+                        _emit(
+                            {
+                                "case": f"stream/{net_name}/{s // MB}MB",
+                                "metric": "throughput",
+                                "value": round(stream_bw, 4),
+                                "unit": "GB/s",
+                            }
+                        )
+                    ours, theirs = bus.get("psflow"), bus.get("tensorflow")
+                    for name, num, den in (
+                        ("psflow_vs_stream", ours, stream_bw),
+                        ("psflow_vs_tensorflow", ours, theirs),
+                        ("tensorflow_vs_stream", theirs, stream_bw),
+                    ):
+                        if num and den:
+                            _emit(
+                                {
+                                    "case": f"{name}/{net_name}/workers={n}/{s // MB}MB",
+                                    "metric": "ratio",
+                                    "value": round(num / den, 3),
+                                }
+                            )
+                    for side, bw in bus.items():
+                        if stream_bw:  # every worker's bytes cross the one host's cores
+                            _emit(
+                                {
+                                    "case": f"host_share/{net_name}/workers={n}/{s // MB}MB/{side}",
+                                    "metric": "ratio",
+                                    "value": round(n * bw / stream_bw, 3),
+                                    "formula": "N * busbw / stream (1.0: the ring's workers "
+                                    "together move bytes as fast as the bare stream)",
+                                }
+                            )
+                    table.append((net_name, n, s // MB, ours, theirs, stream_bw))
+
+    train_rows = []
+    if not args.no_train:
+        train_runs: dict[str, list[dict[int, float]]] = {}
+        train_cpu: dict[str, list[dict[int, float]]] = {}
+        for rnd in range(train_rounds):
+            for side in sides if rnd % 2 == 0 else sides[::-1]:
+                _progress(f"loopback: {side} MLP training, 2 workers, round {rnd + 1}")
+                res = run_workers(
+                    None,
+                    side,
+                    2,
+                    "train",
+                    ["--batches", args.batches, "--steps", str(steps)],
+                )
+                if res is not None:
+                    got = {int(k): v for k, v in res["steps_per_s"].items()}
+                    train_runs.setdefault(side, []).append(got)
+                    cpu = {int(k): v for k, v in res["cpu_ms_per_step"].items()}
+                    train_cpu.setdefault(side, []).append(cpu)
+        rates = {
+            side: {b: statistics.median(r[b] for r in rs) for b in batches}
+            for side, rs in train_runs.items()
+        }
+        cpu_ms = {
+            side: {b: statistics.median(r[b] for r in rs) for b in batches}
+            for side, rs in train_cpu.items()
+        }
+        for b in batches:
+            for side, r in rates.items():
+                _emit(
+                    {
+                        "case": f"train/mlp/workers=2/batch={b}/{side}",
+                        "metric": "throughput",
+                        "value": round(r[b], 2),
+                        "unit": "steps/s",
+                        "timed_steps": steps,
+                        "cpu_ms_per_step": round(cpu_ms[side][b], 2),
+                    }
+                )
+            ours, theirs = rates.get("psflow", {}).get(b), rates.get("tensorflow", {}).get(b)
+            if ours and theirs:
+                _emit(
+                    {
+                        "case": f"psflow_vs_tensorflow/train/workers=2/batch={b}",
+                        "metric": "ratio",
+                        "value": round(ours / theirs, 3),
+                    }
+                )
+            cpu_ours = cpu_ms.get("psflow", {}).get(b)
+            cpu_theirs = cpu_ms.get("tensorflow", {}).get(b)
+            if cpu_ours and cpu_theirs:
+                _emit(
+                    {
+                        "case": f"tensorflow_vs_psflow/train_cpu/workers=2/batch={b}",
+                        "metric": "ratio",
+                        "value": round(cpu_theirs / cpu_ours, 3),
+                        "numerator": "tensorflow CPU ms per step per worker",
+                        "denominator": "psflow CPU ms per step per worker",
+                    }
+                )
+            train_rows.append((b, ours, theirs, cpu_ours, cpu_theirs))
+
+    def cell(v: float | None, fmt: str = "8.2f") -> str:
+        return format(v, fmt) if v else f"{'-':>8}"
+
+    _progress(
+        f"{'net':>8} {'workers':>7} {'MB':>4} {'psflow':>8} {'TF':>8} {'stream':>8} "
+        f"{'ps/stream':>9} {'N*ps/str':>8} {'ps/TF':>6}   (bus bandwidth, GB/s)"
     )
-    for r in rows:
-        sys.stderr.write(
-            f"{r['workers']:>7} {r['bytes'] // mb:>5} {r['algbw_GBps']:>7.2f}G {r['busbw_GBps']:>7.2f}G "
-            f"{r['stream_GBps']:>7.2f}G {r['busbw_GBps'] / r['stream_GBps']:>10.2f}\n"
+    for net_name, n, mb, ours, theirs, stream_bw in table:
+        _progress(
+            f"{net_name:>8} {n:>7} {mb:>4} {cell(ours)} {cell(theirs)} {cell(stream_bw)} "
+            f"{cell(ours / stream_bw if ours and stream_bw else None, '9.2f')} "
+            f"{cell(n * ours / stream_bw if ours and stream_bw else None, '8.2f')} "
+            f"{cell(ours / theirs if ours and theirs else None, '6.2f')}"
         )
-    return 0
+    for b, ours, theirs, cpu_ours, cpu_theirs in train_rows:
+        ratio = cell(ours / theirs if ours and theirs else None, "6.2f")
+        _progress(
+            f"MLP batch {b:>4}: psflow {cell(ours)} TF {cell(theirs)} steps/s, ratio {ratio}; "
+            f"CPU ms/step/worker psflow {cell(cpu_ours)} TF {cell(cpu_theirs)}"
+        )
+    _progress(f"done in {time.perf_counter() - started:.0f} s")
+    return 0 if table or train_rows else 1
 
 
 if __name__ == "__main__":
-    threading.current_thread().name = BENCH
     sys.exit(main())

@@ -7,7 +7,8 @@ the StatefulSet naming (``<set>-<i>.<service>.<namespace>.svc:<port>``) and
 this pod's hostname gives its own task.  This wrapper, installed in the images
 as ``/usr/local/bin/psflow-k8s-env``, derives ``TF_CONFIG`` that way with
 :class:`~psflow.distribute.cluster_resolver.KubernetesClusterResolver`, checks
-it is a valid parameter-server cluster, optionally waits until the tasks of
+it is a valid parameter-server cluster (or, without ``ps`` tasks, a
+``MultiWorkerMirroredStrategy`` group of workers), optionally waits until the tasks of
 some jobs answer their gRPC health check, and replaces itself with COMMAND.
 
 Configuration (environment; the manifests fill it from the ``psflow-cluster``
@@ -138,8 +139,12 @@ def layout_from_env(environ: Mapping[str, str]) -> ClusterLayout:
 def tf_config_for(layout: ClusterLayout, hostname: str) -> dict:
     """Returns the ``TF_CONFIG`` (as a dict) of the pod named ``hostname``.
 
+    A layout without ``ps`` tasks is a worker-only job (MultiWorkerMirroredStrategy):
+    checked as the strategy reads it, chief and workers only.
+
     Raises:
-        InvalidArgumentError: the layout is not a valid parameter-server cluster.
+        InvalidArgumentError: the layout is not a valid parameter-server cluster, nor a
+            group of workers (no worker at all, or another task type; named).
         TaskNotFoundError: ``hostname`` is not ``<set>-<ordinal>`` of a set in it.
     """
     resolver = KubernetesClusterResolver(
@@ -151,11 +156,28 @@ def tf_config_for(layout: ClusterLayout, hostname: str) -> dict:
         statefulsets=layout.statefulsets,
     )
     spec = resolver.cluster_spec()
-    validate_ps_cluster(spec, task_type=resolver.task_type, task_id=resolver.task_id)
+    if "ps" in layout.jobs:
+        validate_ps_cluster(spec, task_type=resolver.task_type, task_id=resolver.task_id)
+    else:
+        _check_worker_group(resolver)
     return {
         "cluster": spec.as_dict(),
         "task": {"type": resolver.task_type, "index": resolver.task_id},
     }
+
+
+def _check_worker_group(resolver: KubernetesClusterResolver) -> None:
+    """A worker-only job: chief and worker tasks, at least one worker, this pod among them."""
+    from psflow.distribute.multi_worker_mirrored_strategy import WorkerGroup
+
+    jobs = resolver.cluster_spec().as_dict()
+    others = sorted(set(jobs) - {"chief", "worker"})
+    if others or not jobs.get("worker"):
+        raise InvalidArgumentError(
+            f"PSFLOW_K8S_JOBS: a job without ps tasks is a MultiWorkerMirroredStrategy group "
+            f"of chief and worker tasks with at least one worker; got {jobs}"
+        )
+    WorkerGroup.from_resolver(resolver)
 
 
 def _jobs_for(layout: ClusterLayout, hostname: str) -> dict[str, int]:

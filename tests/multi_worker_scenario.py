@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 import psflow as pf
+from psflow.thread_budget import current_blas_threads
 
 GLOBAL_BATCH = 12
 STEPS_DATA = 36  # 3 global batches
@@ -182,6 +183,7 @@ def main() -> int:
             "task": [resolver.task_type, resolver.task_id],
             "replicas": strategy.num_replicas_in_sync,
             "should_checkpoint": strategy.extended.should_checkpoint,
+            "blas_threads": current_blas_threads(),
         }
         if mode == "train":
             result.update(train(strategy))

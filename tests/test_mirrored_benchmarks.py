@@ -1,4 +1,4 @@
-"""The MirroredStrategy benchmark and the GPU check run and print the shared JSON format."""
+"""The MirroredStrategy and multi-worker benchmarks and the GPU check run and print the shared JSON format."""
 
 from __future__ import annotations
 
@@ -60,3 +60,26 @@ def test_mirrored_train_benchmark_prints_throughput_and_ratios() -> None:
     assert by_case["psflow/devices=1/batch=8"]["final_loss"] == pytest.approx(
         by_case["psflow/devices=2/batch=8"]["final_loss"], rel=1e-4
     )
+
+
+def test_multi_worker_benchmark_prints_bandwidths_and_training_against_the_stream() -> None:
+    # without TensorFlow (this venv) and the veth link: psflow's rows, the bare stream,
+    # and one "skipped" line per side left out
+    code, records, stderr = run_script(
+        "multi_worker.py", "--quick", "--no-tf", "--no-veth", "--steps", "10"
+    )
+    assert code == 0, stderr
+    assert all(r["bench"] == "multi_worker" for r in records)
+    skipped = {r["case"] for r in records if r["metric"] == "skipped"}
+    assert skipped == {"tensorflow"}
+    bus = {r["case"]: r for r in records if r["metric"] == "busbw"}
+    assert set(bus) == {f"allreduce/loopback/workers=2/{mb}MB/psflow" for mb in (1, 16)}
+    for r in bus.values():  # busbw = algbw * 2(N-1)/N, N = 2
+        assert r["value"] > 0 and r["value"] == pytest.approx(r["algbw_GBps"], rel=1e-3)
+    streams = [r for r in records if r["case"].startswith("stream/loopback/")]
+    assert len(streams) == 2 and all(r["value"] > 0 for r in streams)
+    shares = [r for r in records if r["case"].startswith("host_share/")]
+    assert len(shares) == 2 and all(r["value"] > 0 for r in shares)
+    train = {r["case"]: r for r in records if r["case"].startswith("train/")}
+    assert set(train) == {f"train/mlp/workers=2/batch={b}/psflow" for b in (64, 256)}
+    assert all(r["value"] > 0 and r["cpu_ms_per_step"] > 0 for r in train.values())

@@ -42,7 +42,7 @@ def _ok(codes: list, logs: list[str]) -> None:
     assert codes == [0] * len(codes), "\n---\n".join(log[-3000:] for log in logs)
 
 
-@pytest.mark.parametrize(("workers", "devices"), [(2, 1), (3, 1), (2, 2)])
+@pytest.mark.parametrize(("workers", "devices"), [(2, 1), (3, 1), (2, 2), (3, 2)])
 def test_custom_loop_trains_like_one_process_on_the_global_batch(
     tmp_path, reference, workers, devices
 ):
@@ -164,6 +164,18 @@ def test_cross_replica_collectives_span_every_worker(tmp_path):
         assert r["gather"] == [float(i) for i in range(4) for _ in range(i + 1)]
         assert r["reduce_mean_axis0"] == pytest.approx(20 / 10)
         assert r["reduce_sum"] == 6.0
+
+
+def test_peers_run_with_the_blas_threads_their_launcher_planned(tmp_path):
+    # psflow local hands each peer PSFLOW_BLAS_THREADS; the user's script applies no budget
+    # itself, so the strategy must (two peers on 2 cores with 2 spinning OpenBLAS threads
+    # each trained 4x slower)
+    unset = dict.fromkeys(("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"), "")
+    codes, results, logs = run_workers(
+        tmp_path, "connect", 2, env={**unset, "PSFLOW_BLAS_THREADS": "1"}
+    )
+    _ok(codes, logs)
+    assert [r["blas_threads"] for r in results] == [1, 1]
 
 
 def test_a_wrong_token_is_refused_with_unauthenticated(tmp_path):
@@ -440,6 +452,30 @@ def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
         want = xs[0][k] + xs[1][k]  # two workers: one float32 addition per element
         for got in (packed[0][k], packed[1][k], whole[0][k], whole[1][k]):
             assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone():
+    # one array of several receive pieces (and a ragged last one) takes the path that reads
+    # the caller's array in place and sums each piece as it arrives: the inputs must come
+    # back unchanged, the sums exact (two workers: one float32 addition per element)
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal(300_007).astype(np.float32) for _ in range(2)]
+    kept = [x.copy() for x in xs]
+    links = _ring_pair(10.0)
+    try:
+        got = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]])[0] for i in (0, 1)])
+        mean = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]], divisor=2)[0] for i in (0, 1)])
+    finally:
+        for lk in links:
+            lk.close()
+    for x, k in zip(xs, kept):
+        assert np.array_equal(x, k)
+    want = xs[0] + xs[1]
+    for g in got:
+        assert g.dtype == np.float32 and np.array_equal(g, want)
+        assert not np.shares_memory(g, xs[0]) and not np.shares_memory(g, xs[1])
+    assert np.array_equal(mean[0], mean[1])
+    assert np.array_equal(mean[0], want / np.float32(2))
 
 
 def test_workers_calling_different_collectives_fail_with_internal_error():

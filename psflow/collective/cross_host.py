@@ -42,6 +42,11 @@ from psflow.collective.peer_link import PeerLinks
 
 __all__ = ["CrossHostRing"]
 
+# Pieces in which a reduce-scatter step's incoming chunk is summed as it arrives: small
+# enough to be summed while still in a core's L2 cache, large enough that a piece costs
+# far more than the Python call around it.  A multiple of every dtype's item size.
+_SEGMENT_BYTES = 256 << 10
+
 
 def _bounds(length: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ranges covering ``[0, length)``, sizes differing by at most one."""
@@ -110,17 +115,23 @@ class CrossHostRing:
         out: list[Any] = [None] * len(arrays)
         with self._call() as deadline:
             for dtype, members in groups.items():
-                flat = np.concatenate([arrays[i].reshape(-1) for i in members]) if members else None
-                assert flat is not None
-                flat = flat.astype(np.dtype(dtype), copy=False)
-                if self.size > 1 and flat.size:
-                    step = flat.size
+                if len(members) == 1:  # one array: read in place, no packing copy
+                    src = np.ascontiguousarray(arrays[members[0]]).reshape(-1)
+                else:
+                    src = np.concatenate([arrays[i].reshape(-1) for i in members])
+                src = src.astype(np.dtype(dtype), copy=False)
+                if self.size > 1 and src.size:
+                    flat = np.empty_like(src)  # the sums land here; src is only read
+                    step = src.size
                     if bytes_per_pack > 0:
-                        step = max(1, bytes_per_pack // flat.itemsize)
-                    for lo in range(0, flat.size, step):
-                        self._ring_reduce(flat[lo : lo + step], divisor, deadline)
-                elif divisor is not None and divisor != 1:
-                    flat = self._divide(flat, divisor)
+                        step = max(1, bytes_per_pack // src.itemsize)
+                    for lo in range(0, src.size, step):
+                        hi = lo + step
+                        self._ring_reduce(src[lo:hi], flat[lo:hi], divisor, deadline)
+                else:
+                    flat = src.copy() if len(members) == 1 else src  # new arrays, always
+                    if divisor is not None and divisor != 1:
+                        flat = self._divide(flat, divisor)
                 pos = 0
                 for i in members:
                     size = arrays[i].size
@@ -135,32 +146,45 @@ class CrossHostRing:
         np.divide(x, x.dtype.type(divisor), out=x)
         return x
 
-    def _ring_reduce(self, buf: np.ndarray, divisor: int | None, deadline: float) -> None:
+    def _ring_reduce(
+        self, src: np.ndarray, dst: np.ndarray, divisor: int | None, deadline: float
+    ) -> None:
+        """All-reduces ``src`` into ``dst`` (same size, not overlapping)."""
         links = self.links
         assert links is not None
         n, r = self.size, self.rank
-        chunks = [buf[lo:hi] for lo, hi in _bounds(buf.size, n)]
-        scratch = np.empty(max(c.size for c in chunks), buf.dtype)
+        bounds = _bounds(src.size, n)
+        mine = [src[lo:hi] for lo, hi in bounds]
+        sums = [dst[lo:hi] for lo, hi in bounds]
+        item = src.itemsize
 
-        # Phase 1: reduce-scatter.
+        # Phase 1: reduce-scatter.  Each step's chunk is received straight into ``dst``
+        # and this worker's own part added to it piece by piece as it arrives (in the
+        # cache, while the kernel receives the rest).  a + b == b + a bit for bit, and each
+        # chunk is summed by one worker and then copied, so every worker ends with the
+        # same bits.
         for s in range(n - 1):
             send_c, recv_c = (r - s) % n, (r - s - 1) % n
-            sent = links.send([chunks[send_c]], deadline)
-            incoming = scratch[: chunks[recv_c].size]
-            links.receive_into(memoryview(incoming), deadline)
-            np.add(chunks[recv_c], incoming, out=chunks[recv_c])
+            sent = links.send([mine[send_c] if s == 0 else sums[send_c]], deadline)
+            into, own = sums[recv_c], mine[recv_c]
+
+            def add(lo: int, hi: int, into: np.ndarray = into, own: np.ndarray = own) -> None:
+                a, b = lo // item, hi // item
+                np.add(into[a:b], own[a:b], out=into[a:b])
+
+            links.receive_into(memoryview(into), deadline, add, _SEGMENT_BYTES)
             links.wait_sent(sent, deadline)
 
         # The chunk this worker finished: a mean is divided here, once, before it is copied.
-        if divisor is not None and divisor != 1 and buf.dtype.kind not in "iu":
-            mine = chunks[(r + 1) % n]
-            np.divide(mine, buf.dtype.type(divisor), out=mine)
+        if divisor is not None and divisor != 1 and src.dtype.kind not in "iu":
+            done = sums[(r + 1) % n]
+            np.divide(done, src.dtype.type(divisor), out=done)
 
         # Phase 2: all-gather, straight into the buffer.
         for s in range(n - 1):
             send_c, recv_c = (r + 1 - s) % n, (r - s) % n
-            sent = links.send([chunks[send_c]], deadline)
-            links.receive_into(memoryview(chunks[recv_c]), deadline)
+            sent = links.send([sums[send_c]], deadline)
+            links.receive_into(memoryview(sums[recv_c]), deadline)
             links.wait_sent(sent, deadline)
 
     # -- all-gather and broadcast ----------------------------------------------------------

@@ -33,7 +33,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from psflow import errors
@@ -52,6 +52,7 @@ _RETRY_SECONDS = 0.05
 _FORWARD_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
 _LINGER_SECONDS = 2.0  # how long a refused worker still answers its left neighbour
 _HELLO_SECONDS = 5.0  # how long an incoming connection has to authenticate
+_INLINE_BYTES = 64 << 10  # sends up to this size go out from the caller's thread
 
 
 def peer_name(rank: int, address: str) -> str:
@@ -100,6 +101,23 @@ def _parse_status(raw: bytes) -> tuple[Code, str, str]:
         return Code.INTERNAL, "malformed error frame", ""
 
 
+def _read_payload(
+    stream: FrameStream,
+    dest: memoryview,
+    on_segment: Callable[[int, int], None] | None,
+    segment: int,
+) -> None:
+    """Reads ``len(dest)`` payload bytes into ``dest``, calling ``on_segment`` per piece read."""
+    if on_segment is None or segment <= 0:
+        stream.read_into(dest)
+        return
+    size = len(dest)
+    for lo in range(0, size, segment):
+        hi = min(lo + segment, size)
+        stream.read_into(dest[lo:hi])
+        on_segment(lo, hi)
+
+
 class PeerLinks:
     """This worker's two ring links, their handshake, and framed sends and receives.
 
@@ -140,6 +158,9 @@ class PeerLinks:
         self._sent = self._received = 0  # frame counters of the two links
         self._broken: errors.OpError | None = None
         self._sends: queue.Queue[Any] = queue.Queue()
+        self._writing = threading.Lock()  # one writer at a time on the right socket
+        self._queued = 0  # sends handed to the sender thread and not done yet
+        self._counting = threading.Lock()  # guards _queued (two threads change it)
         self._sender: threading.Thread | None = None
         self.silence = float(silence_seconds)
         self.heartbeat = min(1.0, self.silence / 4)
@@ -345,8 +366,36 @@ class PeerLinks:
         self.check()
         done = threading.Event()
         self._sent += 1
+        if self._queued == 0 and sum(memoryview(b).nbytes for b in buffers) <= _INLINE_BYTES:
+            # small (a flag, a count): written from this thread, which saves a wake-up of the
+            # sender thread per hop; the kernel takes it whole at once, so it cannot block
+            # on a neighbour that is itself sending
+            self._send_inline(buffers, deadline)
+            done.set()
+            return done
+        with self._counting:
+            self._queued += 1
         self._sends.put((frames.Kind.REQUEST, self._sent, b"", list(buffers), deadline, done))
         return done
+
+    def _send_inline(self, buffers: Sequence[Any], deadline: float) -> None:
+        right = self._right
+        assert right is not None
+        try:
+            with self._writing:
+                right.settimeout(max(deadline - time.monotonic(), 0.001))
+                right.send_frame(
+                    frames.Kind.REQUEST, method=_METHOD, call_id=self._sent, buffers=buffers
+                )
+        except OSError as e:
+            cls = errors.DeadlineExceededError if isinstance(e, TimeoutError) else None
+            self.fail(
+                (cls or errors.UnavailableError)(
+                    f"collective: {self.right_name} is unavailable: {e}",
+                    task=f"worker:{self.right_rank}",
+                ),
+                forward=False,
+            )
 
     def wait_sent(self, done: threading.Event, deadline: float) -> None:
         """Waits for a queued send (by ``deadline``).
@@ -382,7 +431,7 @@ class PeerLinks:
                 item = self._sends.get(timeout=self.heartbeat)
             except queue.Empty:
                 if self._active.is_set() and self._broken is None and _writable(right.sock):
-                    with contextlib.suppress(OSError):  # a real failure shows on the next send
+                    with contextlib.suppress(OSError), self._writing:  # failures show on next send
                         right.settimeout(self.heartbeat)
                         right.send_frame(frames.Kind.REQUEST, method=_HEARTBEAT)
                 continue
@@ -390,10 +439,11 @@ class PeerLinks:
                 return
             kind, call_id, header, buffers, deadline, done = item
             try:
-                right.settimeout(max(deadline - time.monotonic(), 0.001))
-                right.send_frame(
-                    kind, method=_METHOD, call_id=call_id, header=header, buffers=buffers
-                )
+                with self._writing:
+                    right.settimeout(max(deadline - time.monotonic(), 0.001))
+                    right.send_frame(
+                        kind, method=_METHOD, call_id=call_id, header=header, buffers=buffers
+                    )
             except OSError as e:
                 if kind is frames.Kind.REQUEST:
                     gone = isinstance(e, TimeoutError)
@@ -406,10 +456,24 @@ class PeerLinks:
                         forward=False,
                     )
             finally:
+                if kind is frames.Kind.REQUEST:
+                    with self._counting:
+                        self._queued -= 1
                 done.set()
 
-    def receive_into(self, dest: memoryview, deadline: float) -> None:
+    def receive_into(
+        self,
+        dest: memoryview,
+        deadline: float,
+        on_segment: Callable[[int, int], None] | None = None,
+        segment: int = 0,
+    ) -> None:
         """Fills ``dest`` with the left neighbour's next frame (of exactly ``len(dest)`` bytes).
+
+        With ``on_segment`` the payload is read in pieces of ``segment`` bytes
+        and ``on_segment(start, end)`` is called on each byte range as soon as
+        it is in ``dest`` (a reduction then works on data still in the cache
+        while the kernel goes on receiving the rest).
 
         The left neighbour is blamed when it stays silent (no data, no
         heartbeat) for :attr:`silence` seconds.  One that keeps sending
@@ -462,7 +526,7 @@ class PeerLinks:
                     )
                 )
             stream.discard(head.header_len)
-            stream.read_into(dest.cast("B") if dest.nbytes else dest)
+            _read_payload(stream, dest.cast("B") if dest.nbytes else dest, on_segment, segment)
             self._heard = time.monotonic()
         except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
             raise
