@@ -30,6 +30,16 @@ class MultiWorkerRunner(MirroredRunner):
 
         if data_adapter.is_distributed(getattr(source, "dataset", None)):
             return source
+        if self.strategy.elastic is not None:
+            from psflow.distribute.elastic.input import ElasticDataset
+
+            self._prepared = ElasticDataset(
+                source,
+                list(self.strategy._devices),
+                self.strategy.elastic,
+                policy_of=getattr(source, "dataset", None),
+            )
+            return self._prepared
         self._prepared = multi_worker_input.MultiWorkerDataset(
             source,
             list(self.strategy._devices),

@@ -1,0 +1,264 @@
+"""Elastic MultiWorkerMirroredStrategy: real worker processes lose, freeze and drain a member.
+
+Each case starts 3 processes of ``tests/elastic_scenario.py`` on 127.0.0.1,
+hits one of them (SIGKILL in the forward pass, in the middle of the
+all-reduce, or after the update while the others reduce the loss; SIGSTOP
+past the silence timeout; SIGTERM to drain), and checks that the survivors
+
+* finish in the same processes (each writes its result and exits 0);
+* trained every example of every epoch exactly once (the gathered ids of
+  each step the group committed);
+* hold the weights of one process that replays the same per-step global
+  batches: ``atol=1e-6, rtol=1e-5``, because the group sums each step's
+  gradient over replicas in another order than one process (a few float32
+  ulps per step; 10 Adam steps of a 5-4-1 model stay well inside).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from psflow.collective import door as door_lib
+from psflow.collective.membership import Position, StaleGenerationError, View, agree
+from psflow.security.config import SecurityConfig
+from tests.conftest import ROOT, child_env, pick_free_port
+from tests.multi_worker_util import TOKEN, tf_config
+
+SCENARIO = ROOT / "tests" / "elastic_scenario.py"
+ATOL, RTOL = 1e-6, 1e-5
+SAMPLES = 48
+
+
+def _start(tmp: pathlib.Path, workers: int, env: dict[str, str]) -> tuple[list, list, list]:
+    ports = [pick_free_port() for _ in range(workers)]
+    procs, outs, logs = [], [], []
+    for i in range(workers):
+        out, log = tmp / f"w{i}.json", tmp / f"w{i}.log"
+        extra = {
+            "TF_CONFIG": tf_config(ports, i),
+            "PSFLOW_AUTH_TOKEN": TOKEN,
+            "PSFLOW_NUM_CPU_DEVICES": env.get("DEVICES", "1"),
+            "SCENARIO_SEED": str(1 + i),
+            **env,
+        }
+        with open(log, "wb") as f:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCENARIO), "train", str(out)],
+                    env=child_env(extra),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
+            )
+        outs.append(out)
+        logs.append(log)
+    return procs, outs, logs
+
+
+def _wait(procs: list, ranks: set[int], deadline: float) -> dict[int, int | None]:
+    codes: dict[int, int | None] = {}
+    for i in sorted(ranks):
+        try:
+            codes[i] = procs[i].wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[i] = None
+    return codes
+
+
+def _reap(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)  # a stopped process must wake up to die
+                p.kill()
+        p.wait()
+
+
+def _results(outs: list, logs: list) -> tuple[list[dict], list[str]]:
+    results = [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    return results, [log.read_text(errors="replace") for log in logs]
+
+
+def _reference(tmp: pathlib.Path, epochs: list) -> dict:
+    schedule, out = tmp / "schedule.json", tmp / "reference.json"
+    schedule.write_text(json.dumps(epochs))
+    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule)})
+    env.pop("TF_CONFIG", None)
+    subprocess.run(
+        [sys.executable, str(SCENARIO), "reference", str(out)],
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
+
+
+def _check_training(tmp: pathlib.Path, survivors: list[dict], logs: str) -> dict:
+    first = survivors[0]
+    for r in survivors[1:]:
+        assert r["weights"] == first["weights"], "survivors hold different weights"
+        assert r["epochs"] == first["epochs"]
+    for epoch in first["epochs"]:
+        seen = sorted(i for step in epoch for i in step)
+        assert seen == list(range(SAMPLES)), (epoch, logs)
+    reference = _reference(tmp, first["epochs"])
+    for got, want in zip(first["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    assert first["iterations"] == reference["iterations"] == sum(len(e) for e in first["epochs"])
+    return reference
+
+
+@pytest.mark.parametrize("fault", ["forward", "allreduce", "reduce"])
+def test_survivors_of_a_killed_worker_finish_the_epochs_like_one_process(tmp_path, fault):
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {"FAULT": fault, "FAULT_RANK": "1", "FAULT_STEP": "2", "SCENARIO_TIMEOUT": "10"},
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[1] == -signal.SIGKILL, texts[1][-2000:]
+    assert codes[0] == codes[2] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    survivors = [results[0], results[2]]
+    _check_training(tmp_path, survivors, texts[0][-3000:])
+    for r in survivors:
+        (change,) = r["changes"]
+        assert change["members"] == [0, 2] and change["previous_members"] == [0, 1, 2]
+        assert change["reason"] == "lost" and change["generation"] == 1
+        assert change["resumed_step"] == 2  # the interrupted step was done again, by 2
+        assert change["global_batch_scale"] == pytest.approx(2 / 3)
+        assert r["replicas"] == 2
+    # steps 0-1 of 12 examples, then the epoch's other 24 in steps of 8 (the per-replica 4 kept)
+    assert [len(s) for s in survivors[0]["epochs"][0]] == [12, 12, 8, 8, 8]
+    assert [len(s) for s in survivors[0]["epochs"][1]] == [8] * 6
+
+
+def test_a_frozen_worker_is_dropped_and_later_refused_as_stale(tmp_path):
+    timeout = 3.0
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {
+            "FAULT": "sigstop",
+            "FAULT_RANK": "1",
+            "FAULT_STEP": "3",
+            "SCENARIO_TIMEOUT": str(timeout),
+            "STEP_SLEEP": "0.5",  # the group still trains when the frozen worker wakes up
+        },
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "generation 1: members [0, 2]" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGCONT)  # it wakes up in a group that went on without it
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[0] == codes[2] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    _check_training(tmp_path, [results[0], results[2]], texts[0][-3000:])
+    assert results[0]["changes"][0]["members"] == [0, 2]
+    assert codes[1] == 3, texts[1][-3000:]
+    assert results[1]["error"] == "StaleGenerationError", results[1]
+    assert "generation" in results[1]["message"]
+
+
+def test_a_drained_worker_leaves_at_a_step_boundary_and_no_step_is_lost(tmp_path):
+    procs, outs, logs = _start(
+        tmp_path, 3, {"FAULT": "drain", "FAULT_RANK": "2", "FAULT_STEP": "1"}
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes == {0: 0, 1: 0, 2: 0}, "\n---\n".join(t[-3000:] for t in texts)
+    assert "worker:2 drained after step 2" in texts[2]
+    _check_training(tmp_path, [results[0], results[1]], texts[0][-3000:])
+    for r in (results[0], results[1]):
+        (change,) = r["changes"]
+        assert change["reason"] == "drained" and change["members"] == [0, 1]
+        assert change["resumed_step"] == 2
+    # no step done twice: steps 0 and 1 whole, then 8 at a time
+    assert [len(s) for s in results[0]["epochs"][0]] == [12, 12, 8, 8, 8]
+
+
+# -- the agreement and the door, in one process --------------------------------------------
+
+
+def _doors(n: int) -> tuple[list[door_lib.Door], tuple[str, ...]]:
+    security = SecurityConfig(token="t" * 20)
+    ports = [pick_free_port() for _ in range(n)]
+    addresses = tuple(f"127.0.0.1:{p}" for p in ports)
+    return [door_lib.Door(a, security, f"worker:{i}") for i, a in enumerate(addresses)], addresses
+
+
+def test_a_request_of_an_older_generation_is_refused_with_a_typed_error():
+    doors, addresses = _doors(2)
+    try:
+        doors[0].set_generation(3)
+        view = View(2, (0, 1), addresses)
+        with pytest.raises(StaleGenerationError, match="generation 3"):
+            agree(doors[1], view, 1, Position(5), window=1.0)
+    finally:
+        for d in doors:
+            d.close()
+
+
+def test_a_ring_link_of_an_older_generation_is_refused():
+    from psflow.collective.peer_link import PeerLinks
+
+    doors, addresses = _doors(2)
+    try:
+        doors[1].set_generation(1)
+        links = PeerLinks(
+            0, addresses, doors[0].security, generation=0, incoming=doors[0].take_ring
+        )
+        with pytest.raises(pf.errors.AbortedError, match="generation 0"):
+            links._dial_right(time.monotonic() + 5)
+        links.close()
+    finally:
+        for d in doors:
+            d.close()
+
+
+def test_an_unauthenticated_join_is_refused_and_queues_nothing():
+    import socket
+
+    from psflow.transport.dataplane import auth, frames
+
+    doors, _ = _doors(1)
+    try:
+        host, port = "127.0.0.1", int(doors[0]._listener.getsockname()[1])
+        with socket.create_connection((host, port), timeout=5) as s:
+            hello = auth.hello(SecurityConfig(token="w" * 20), "join:1/gen:0")
+            s.sendall(frames.pack(frames.Kind.HELLO, header_len=len(hello)) + hello)
+            head = frames.unpack(s.recv(frames.FIXED.size), max_header=4096, max_payload=0)
+            assert head.kind is frames.Kind.ERROR
+        assert doors[0].take_joins(0.5) == []
+    finally:
+        doors[0].close()
+
+
+def test_elastic_options_are_validated_naming_the_bad_value():
+    with pytest.raises(pf.errors.InvalidArgumentError, match="min_workers"):
+        pf.distribute.experimental.ElasticOptions(min_workers=0)
+    with pytest.raises(pf.errors.InvalidArgumentError, match="batch_policy"):
+        pf.distribute.experimental.ElasticOptions(batch_policy="sometimes")
