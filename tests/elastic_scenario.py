@@ -62,11 +62,21 @@ def reference(schedule_path: str) -> dict:
         schedule = json.load(f)
     model = make_model()
     opt = pf.keras.optimizers.Adam(0.01)
+    change = os.environ.get("LR_CHANGE")  # "STEP:LR": the rate a callback set from that step
+    step = 0
     for epoch in schedule:
         for ids in epoch:
+            if change and step == int(change.split(":")[0]):
+                opt.learning_rate = float(change.split(":")[1])
+            step += 1
             idx = np.asarray(ids, np.int64)
             with pf.GradientTape() as tape:
-                loss = _loss(model, pf.constant(x[idx]), pf.constant(y[idx]))
+                if os.environ.get("REFERENCE_LOSS") == "mean":  # Keras fit: the batch's mean
+                    loss = pf.keras.losses.MeanSquaredError()(
+                        pf.constant(y[idx]), model(pf.constant(x[idx]), training=True)
+                    )
+                else:
+                    loss = _loss(model, pf.constant(x[idx]), pf.constant(y[idx]))
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
     return {"weights": [w.tolist() for w in model.get_weights()], "iterations": int(opt.iterations)}
@@ -162,6 +172,45 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
     }
 
 
+class _Recorder(pf.keras.callbacks.Callback):
+    """Kills this worker at a step (when it is the fault's target); logs membership changes."""
+
+    def __init__(self, fault: _Fault) -> None:
+        super().__init__()
+        self.fault = fault
+        self.changes: list[dict] = []
+        self.step = 0
+        self.lr_seen: list[float] = []
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.fault.hit("forward", self.step)
+        self.step += 1
+
+    def on_membership_change(self, logs: dict | None = None) -> None:
+        self.changes.append(dict(logs or {}))
+        # the documented use: the learning rate follows the global batch
+        lr = float(self.model.optimizer.learning_rate) * logs["global_batch_scale"]
+        self.model.optimizer.learning_rate = lr
+        self.lr_seen.append(lr)
+
+
+def fit(strategy: pf.distribute.Strategy, rank: int) -> dict:
+    x, y, _ = data()
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=pf.keras.optimizers.Adam(0.01), loss="mse")
+    recorder = _Recorder(_Fault(rank))
+    dataset = pf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    history = model.fit(dataset, epochs=EPOCHS, verbose=0, callbacks=[recorder])
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "iterations": int(model.optimizer.iterations),
+        "changes": recorder.changes,
+        "lr_seen": recorder.lr_seen,
+        "loss": history.history["loss"],
+    }
+
+
 def main() -> int:
     mode, out_path = sys.argv[1], sys.argv[2]
     if mode == "reference":
@@ -178,7 +227,7 @@ def main() -> int:
         strategy = pf.distribute.MultiWorkerMirroredStrategy(
             communication_options=options, elastic=elastic
         )
-        result = train(strategy, rank)
+        result = (fit if mode == "fit" else train)(strategy, rank)
     except pf.errors.OpError as e:
         result = {"error": type(e).__name__, "message": str(e)}
         with open(out_path, "w") as f:

@@ -39,7 +39,9 @@ ATOL, RTOL = 1e-6, 1e-5
 SAMPLES = 48
 
 
-def _start(tmp: pathlib.Path, workers: int, env: dict[str, str]) -> tuple[list, list, list]:
+def _start(
+    tmp: pathlib.Path, workers: int, env: dict[str, str], mode: str = "train"
+) -> tuple[list, list, list]:
     ports = [pick_free_port() for _ in range(workers)]
     procs, outs, logs = [], [], []
     for i in range(workers):
@@ -54,7 +56,7 @@ def _start(tmp: pathlib.Path, workers: int, env: dict[str, str]) -> tuple[list, 
         with open(log, "wb") as f:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(SCENARIO), "train", str(out)],
+                    [sys.executable, str(SCENARIO), mode, str(out)],
                     env=child_env(extra),
                     stdout=f,
                     stderr=subprocess.STDOUT,
@@ -90,10 +92,10 @@ def _results(outs: list, logs: list) -> tuple[list[dict], list[str]]:
     return results, [log.read_text(errors="replace") for log in logs]
 
 
-def _reference(tmp: pathlib.Path, epochs: list) -> dict:
+def _reference(tmp: pathlib.Path, epochs: list, env: dict[str, str] | None = None) -> dict:
     schedule, out = tmp / "schedule.json", tmp / "reference.json"
     schedule.write_text(json.dumps(epochs))
-    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule)})
+    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule), **(env or {})})
     env.pop("TF_CONFIG", None)
     subprocess.run(
         [sys.executable, str(SCENARIO), "reference", str(out)],
@@ -198,6 +200,38 @@ def test_a_drained_worker_leaves_at_a_step_boundary_and_no_step_is_lost(tmp_path
         assert change["resumed_step"] == 2
     # no step done twice: steps 0 and 1 whole, then 8 at a time
     assert [len(s) for s in results[0]["epochs"][0]] == [12, 12, 8, 8, 8]
+
+
+def test_keras_fit_goes_on_without_a_killed_worker_and_callbacks_see_the_change(tmp_path):
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {"FAULT": "forward", "FAULT_RANK": "2", "FAULT_STEP": "2", "SCENARIO_TIMEOUT": "10"},
+        mode="fit",
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[2] == -signal.SIGKILL, texts[2][-2000:]
+    assert codes[0] == codes[1] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    first, second = results[0], results[1]
+    assert first["weights"] == second["weights"] and first["changes"] == second["changes"]
+    (change,) = first["changes"]
+    assert change["members"] == [0, 1] and change["resumed_step"] == 2
+    assert change["global_batch_scale"] == pytest.approx(2 / 3)
+    assert first["lr_seen"] == [pytest.approx(0.01 * 2 / 3)]
+    # the steps fit took: 2 of 12 examples, then the epochs' rest 8 at a time (4 per replica)
+    rows = [list(range(0, 12)), list(range(12, 24))]
+    rows += [list(range(k, k + 8)) for k in range(24, SAMPLES, 8)]
+    epochs = [rows, [list(range(k, k + 8)) for k in range(0, SAMPLES, 8)]]
+    reference = _reference(
+        tmp_path, epochs, {"REFERENCE_LOSS": "mean", "LR_CHANGE": f"2:{0.01 * 2 / 3!r}"}
+    )
+    assert first["iterations"] == reference["iterations"] == 11
+    for got, want in zip(first["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
 # -- the agreement and the door, in one process --------------------------------------------
