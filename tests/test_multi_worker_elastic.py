@@ -296,3 +296,32 @@ def test_elastic_options_are_validated_naming_the_bad_value():
         pf.distribute.experimental.ElasticOptions(min_workers=0)
     with pytest.raises(pf.errors.InvalidArgumentError, match="batch_policy"):
         pf.distribute.experimental.ElasticOptions(batch_policy="sometimes")
+
+
+def test_psflow_local_elastic_keeps_the_survivors_of_a_killed_worker(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "chief.local", "--mode", "multi-worker", "--workers", "3",
+            "--elastic", str(ROOT / "examples" / "multi_worker_elastic.py"),
+            "--kill-rank", "1", "--kill-step", "5",
+        ],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "worker:1 was lost (status 137); the others go on" in out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 2):
+        assert (
+            f"[worker:{rank}] worker {rank}: generation 1: members [0, 2] (lost), 2 replicas, "
+            "resuming at step 5" in lines
+        )
+    # 5 steps of 24 examples, the epoch's other 120 in steps of 16; then 15 steps of 16
+    assert (
+        "[worker:0] worker 0: epoch 1: loss sum" in out.stdout and "28 steps so far" in out.stdout
+    )
+    sums = {ln.split("weights checksum ")[1] for ln in lines if "weights checksum" in ln}
+    assert len(sums) == 1, lines
