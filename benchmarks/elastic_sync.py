@@ -194,7 +194,8 @@ class _Group:
         cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
         self.lines: queue.Queue[tuple[int, dict]] = queue.Queue()
         self.procs = []
-        self.stderr = [tempfile.TemporaryFile("w+") for _ in range(WORKERS)]
+        # closed with the group (stop)
+        self.stderr = [tempfile.TemporaryFile("w+") for _ in range(WORKERS)]  # noqa: SIM115
         for i in range(WORKERS):
             worker_env = {
                 **os.environ,
@@ -245,6 +246,10 @@ class _Group:
                 p.kill()
             p.wait()
 
+    def close(self) -> None:
+        for f in self.stderr:
+            f.close()
+
 
 def psflow_run(kill_step: int, epochs: int, bound: float) -> dict[str, Any]:
     """One run of the elastic group: kill worker 1 after step ``kill_step``."""
@@ -284,6 +289,7 @@ def psflow_run(kill_step: int, epochs: int, bound: float) -> dict[str, Any]:
                 break
     finally:
         group.stop()
+        group.close()
     return out
 
 
@@ -322,6 +328,7 @@ def tf_run(kill_step: int, epochs: int, bound: float, ckpt_every: int) -> dict[s
             out["survivor_error"] = group.last_error(min(exits))
     finally:
         group.stop()
+        group.close()
     if killed_at is None:
         out["error"] = "TensorFlow did not reach the kill step"
         return out
@@ -341,6 +348,7 @@ def tf_run(kill_step: int, epochs: int, bound: float, ckpt_every: int) -> dict[s
                 break
     finally:
         restart.stop()
+        restart.close()
     return out
 
 
@@ -375,7 +383,9 @@ def main() -> int:
         results["psflow"].append(psflow_run(args.kill_step, args.epochs, 120.0))
     tf_python = None if args.no_tf else _tf_python()
     if tf_python is None:
-        emit(BENCH, "tensorflow", "skipped", 0, "", reason="TensorFlow is not installed (or --no-tf)")
+        emit(
+            BENCH, "tensorflow", "skipped", 0, "", reason="TensorFlow is not installed (or --no-tf)"
+        )
     else:
         os.environ["TF_PYTHON"] = tf_python
         for k in range(runs):
