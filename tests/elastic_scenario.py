@@ -146,12 +146,23 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
 
     dataset = pf.data.Dataset.from_tensor_slices((x, y, ids)).batch(GLOBAL_BATCH)
     dist = strategy.experimental_distribute_dataset(dataset)
+    handler = None
+    if os.environ.get("PREEMPTION_DIR"):  # TensorFlow's API: save when a worker is preempted
+        with strategy.scope():  # where TensorFlow's guide creates it
+            handler = pf.distribute.experimental.PreemptionCheckpointHandler(
+                strategy.cluster_resolver,
+                pf.train.Checkpoint(model=model, optimizer=opt),
+                os.environ["PREEMPTION_DIR"],
+            )
     epochs: list[dict[str, list[int]]] = []
     step_times: list[float] = []
     for _ in range(EPOCHS):
         steps: dict[str, list[int]] = {}
         for batch in dist:
-            losses = strategy.run(train_step, args=(batch,))
+            if handler is not None:
+                losses = handler.run(strategy.run, train_step, args=(batch,))
+            else:
+                losses = strategy.run(train_step, args=(batch,))
             fault.hit("reduce", strategy.elastic.completed)
             fault.hit("sigstop", strategy.elastic.completed)
             fault.hit("drain", strategy.elastic.completed)
@@ -169,6 +180,8 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "changes": [c.as_logs() for c in strategy.elastic.changes],
         "step_times": step_times,
         "replicas": strategy.num_replicas_in_sync,
+        "preemption_saves": None if handler is None else handler.saves,
+        "run_calls": None if handler is None else handler.total_run_calls,
     }
 
 

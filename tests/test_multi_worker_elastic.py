@@ -183,8 +183,13 @@ def test_a_frozen_worker_is_dropped_and_later_refused_as_stale(tmp_path):
 
 
 def test_a_drained_worker_leaves_at_a_step_boundary_and_no_step_is_lost(tmp_path):
+    # the scenario wraps each step in PreemptionCheckpointHandler.run (TensorFlow's API): the
+    # group saves at the boundary where worker 2 leaves, and goes on instead of exiting
+    saved = tmp_path / "preemption"
     procs, outs, logs = _start(
-        tmp_path, 3, {"FAULT": "drain", "FAULT_RANK": "2", "FAULT_STEP": "1"}
+        tmp_path,
+        3,
+        {"FAULT": "drain", "FAULT_RANK": "2", "FAULT_STEP": "1", "PREEMPTION_DIR": str(saved)},
     )
     try:
         codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
@@ -200,6 +205,17 @@ def test_a_drained_worker_leaves_at_a_step_boundary_and_no_step_is_lost(tmp_path
         assert change["resumed_step"] == 2
     # no step done twice: steps 0 and 1 whole, then 8 at a time
     assert [len(s) for s in results[0]["epochs"][0]] == [12, 12, 8, 8, 8]
+    assert results[0]["preemption_saves"] == results[1]["preemption_saves"] == 1
+    assert results[0]["run_calls"] == 11
+    # the chief wrote the checkpoint of the boundary: 2 steps done
+    opt = pf.keras.optimizers.Adam(0.01)
+    model = pf.keras.Sequential(
+        [pf.keras.layers.Dense(4, activation="tanh"), pf.keras.layers.Dense(1)]
+    )
+    model.build((None, 5))
+    checkpoint = pf.train.Checkpoint(model=model, optimizer=opt)
+    checkpoint.restore(pf.train.latest_checkpoint(str(saved))).expect_partial()
+    assert int(opt.iterations) == 2
 
 
 def test_keras_fit_goes_on_without_a_killed_worker_and_callbacks_see_the_change(tmp_path):

@@ -105,6 +105,7 @@ class ElasticController:
         self.per_replica_batch = 0
         self.changes: list[MembershipChange] = []
         self._listeners: list[Callable[[MembershipChange], None]] = []
+        self._drain_listeners: list[Callable[[list[int]], None]] = []
         self._stepped = False
         self._snapshot: dict[str, Any] | None = None
         self._position = Position(0)
@@ -141,6 +142,11 @@ class ElasticController:
         """Calls ``listener(change)`` after each change; returns a function that removes it."""
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def add_drain_listener(self, listener: Callable[[list[int]], None]) -> None:
+        """Calls ``listener(leaving ids)`` on every member when workers drain, before they leave
+        (the group's state is the same everywhere then: a checkpoint can be written)."""
+        self._drain_listeners.append(listener)
 
     # -- draining ----------------------------------------------------------------------
     def _install_drain_handler(self) -> None:
@@ -328,6 +334,8 @@ class ElasticController:
         previous = self.view
         old_replicas = self.num_replicas
         members = tuple(m for m in self.view.members if m not in leaving)
+        for listener in list(self._drain_listeners):
+            listener(leaving)
         self._strategy._ring.close()
         if self.me in leaving:
             log.warning("worker:%d drained after step %d", self.me, self.completed)
