@@ -180,6 +180,7 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "changes": [c.as_logs() for c in strategy.elastic.changes],
         "step_times": step_times,
         "replicas": strategy.num_replicas_in_sync,
+        "pid": os.getpid(),
         "preemption_saves": None if handler is None else handler.saves,
         "run_calls": None if handler is None else handler.total_run_calls,
     }
@@ -220,6 +221,7 @@ def fit(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "iterations": int(model.optimizer.iterations),
         "changes": recorder.changes,
         "lr_seen": recorder.lr_seen,
+        "pid": os.getpid(),
         "loss": history.history["loss"],
     }
 

@@ -138,6 +138,8 @@ def test_survivors_of_a_killed_worker_finish_the_epochs_like_one_process(tmp_pat
     assert codes[1] == -signal.SIGKILL, texts[1][-2000:]
     assert codes[0] == codes[2] == 0, "\n---\n".join(t[-3000:] for t in texts)
     survivors = [results[0], results[2]]
+    # the processes that started are the ones that finished: nothing was restarted
+    assert [results[0]["pid"], results[2]["pid"]] == [procs[0].pid, procs[2].pid]
     _check_training(tmp_path, survivors, texts[0][-3000:])
     for r in survivors:
         (change,) = r["changes"]
@@ -233,6 +235,7 @@ def test_keras_fit_goes_on_without_a_killed_worker_and_callbacks_see_the_change(
     assert codes[2] == -signal.SIGKILL, texts[2][-2000:]
     assert codes[0] == codes[1] == 0, "\n---\n".join(t[-3000:] for t in texts)
     first, second = results[0], results[1]
+    assert [first["pid"], second["pid"]] == [procs[0].pid, procs[1].pid]
     assert first["weights"] == second["weights"] and first["changes"] == second["changes"]
     (change,) = first["changes"]
     assert change["members"] == [0, 1] and change["resumed_step"] == 2

@@ -448,13 +448,16 @@ class PeerLinks:
                 if kind is frames.Kind.REQUEST:
                     gone = isinstance(e, TimeoutError)
                     cls = errors.DeadlineExceededError if gone else errors.UnavailableError
-                    self.fail(
-                        cls(
-                            f"collective: {self.right_name} is unavailable: {e}",
-                            task=f"worker:{self.right_id}",
-                        ),
-                        forward=False,
-                    )
+                    # recorded for the caller, which raises it; this thread goes on serving the
+                    # queue (a failure forwarded meanwhile must not wait for a dead sender)
+                    with contextlib.suppress(errors.OpError):
+                        self.fail(
+                            cls(
+                                f"collective: {self.right_name} is unavailable: {e}",
+                                task=f"worker:{self.right_id}",
+                            ),
+                            forward=False,
+                        )
             finally:
                 done.set()
 
