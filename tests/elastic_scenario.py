@@ -236,7 +236,9 @@ def main() -> int:
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     options = pf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
     elastic = pf.distribute.experimental.ElasticOptions(
-        min_workers=int(os.environ.get("MIN_WORKERS", "1")), rendezvous_seconds=5.0
+        min_workers=int(os.environ.get("MIN_WORKERS", "1")),
+        rendezvous_seconds=5.0,
+        batch_policy=os.environ.get("BATCH_POLICY", "keep_per_replica"),
     )
     try:
         strategy = pf.distribute.MultiWorkerMirroredStrategy(

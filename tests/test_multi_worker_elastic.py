@@ -153,6 +153,27 @@ def test_survivors_of_a_killed_worker_finish_the_epochs_like_one_process(tmp_pat
     assert [len(s) for s in survivors[0]["epochs"][1]] == [8] * 6
 
 
+def test_keep_global_cuts_the_same_global_batches_over_the_survivors(tmp_path):
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {"FAULT": "forward", "FAULT_RANK": "0", "FAULT_STEP": "5", "BATCH_POLICY": "keep_global"},
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes == {0: -signal.SIGKILL, 1: 0, 2: 0}, "\n---\n".join(t[-3000:] for t in texts)
+    # worker 0 (the first leader, the chief) is gone: worker 1 leads and becomes rank 0
+    _check_training(tmp_path, [results[1], results[2]], texts[1][-3000:])
+    (change,) = results[1]["changes"]
+    assert change["members"] == [1, 2] and change["resumed_step"] == 5
+    assert change["global_batch_scale"] == 1.0
+    for epoch in results[1]["epochs"]:  # the dataset's batches, whole, before and after
+        assert epoch == [list(range(k, k + 12)) for k in range(0, SAMPLES, 12)]
+
+
 def test_a_frozen_worker_is_dropped_and_later_refused_as_stale(tmp_path):
     timeout = 3.0
     procs, outs, logs = _start(

@@ -259,7 +259,8 @@ class ElasticController:
         """Puts the snapshot back, agrees on the group, forms its ring, takes the source's state."""
         previous = self.view
         old_replicas = self.num_replicas
-        suspects = {int(m) for m in _TASK.findall(str(getattr(error, "task", "") or ""))}
+        task = error.task if isinstance(error, errors.OpError) else None
+        suspects = {int(m) for m in _TASK.findall(task or "")}
         log.warning(
             "worker:%d: the ring of generation %d broke (%s); re-forming",
             self.me,
