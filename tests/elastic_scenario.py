@@ -171,6 +171,8 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             # a step the group took again (after a change) replaces the first record
             steps[str(strategy.elastic.completed)] = np.asarray(seen).tolist()
             step_times.append(time.time())
+            if os.environ.get("PRINT_STEPS"):
+                print(f"step {strategy.elastic.completed + 1} done", flush=True)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
         epochs.append(steps)
     return {

@@ -3,7 +3,8 @@
 Each case starts 3 processes of ``tests/elastic_scenario.py`` on 127.0.0.1,
 hits one of them (SIGKILL in the forward pass, in the middle of the
 all-reduce, or after the update while the others reduce the loss; SIGSTOP
-past the silence timeout; SIGTERM to drain), and checks that the survivors
+past the silence timeout; its veth link down in a network namespace, where
+root and ``ip`` allow; SIGTERM to drain), and checks that the survivors
 
 * finish in the same processes (each writes its result and exits 0);
 * trained every example of every epoch exactly once (the gathered ids of
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,20 +36,30 @@ from psflow.security.config import SecurityConfig
 from tests.conftest import ROOT, child_env, pick_free_port
 from tests.multi_worker_util import TOKEN, tf_config
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _netns
+
 SCENARIO = ROOT / "tests" / "elastic_scenario.py"
 ATOL, RTOL = 1e-6, 1e-5
 SAMPLES = 48
 
 
 def _start(
-    tmp: pathlib.Path, workers: int, env: dict[str, str], mode: str = "train"
+    tmp: pathlib.Path,
+    workers: int,
+    env: dict[str, str],
+    mode: str = "train",
+    *,
+    hosts: list[str] | None = None,
+    wrap: Any = None,
 ) -> tuple[list, list, list]:
+    """Starts the workers (on ``hosts[i]``, through ``wrap(i, argv)``: a network namespace)."""
     ports = [pick_free_port() for _ in range(workers)]
     procs, outs, logs = [], [], []
     for i in range(workers):
         out, log = tmp / f"w{i}.json", tmp / f"w{i}.log"
         extra = {
-            "TF_CONFIG": tf_config(ports, i),
+            "TF_CONFIG": _tf_config(ports, i, hosts),
             "PSFLOW_AUTH_TOKEN": TOKEN,
             "PSFLOW_NUM_CPU_DEVICES": env.get("DEVICES", "1"),
             "SCENARIO_SEED": str(1 + i),
@@ -56,7 +68,7 @@ def _start(
         with open(log, "wb") as f:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(SCENARIO), mode, str(out)],
+                    (wrap or (lambda _i, a: a))(i, [sys.executable, str(SCENARIO), mode, str(out)]),
                     env=child_env(extra),
                     stdout=f,
                     stderr=subprocess.STDOUT,
@@ -66,6 +78,13 @@ def _start(
         outs.append(out)
         logs.append(log)
     return procs, outs, logs
+
+
+def _tf_config(ports: list[int], index: int, hosts: list[str] | None) -> str:
+    if hosts is None:
+        return tf_config(ports, index)
+    cluster = {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
 def _wait(procs: list, ranks: set[int], deadline: float) -> dict[int, int | None]:
@@ -203,6 +222,38 @@ def test_a_frozen_worker_is_dropped_and_later_refused_as_stale(tmp_path):
     assert codes[1] == 3, texts[1][-3000:]
     assert results[1]["error"] == "StaleGenerationError", results[1]
     assert "generation" in results[1]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_netns.unavailable() is not None, reason=f"{_netns.unavailable()}")
+def test_a_partitioned_worker_is_dropped_and_the_minority_side_stops(tmp_path):
+    # workers 0 and 2 in namespace "a", worker 1 alone in "b": its veth end goes down for good
+    with _netns.VethPair(tag=7) as net:
+        a, b = _netns.SERVER_ADDR, _netns.CLIENT_ADDR
+        procs, outs, logs = _start(
+            tmp_path,
+            3,
+            {"SCENARIO_TIMEOUT": "3", "MIN_WORKERS": "2", "STEP_SLEEP": "0.2", "PRINT_STEPS": "1"},
+            hosts=[a, b, a],
+            wrap=lambda i, argv: net.exec_in("b" if i == 1 else "a", argv),
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while "step 3 done" not in logs[0].read_text(errors="replace"):
+                assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+                time.sleep(0.05)
+            net.set_link("b", up=False)
+            codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+        finally:
+            _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[0] == codes[2] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    _check_training(tmp_path, [results[0], results[2]], texts[0][-3000:])
+    assert results[0]["changes"][0]["members"] == [0, 2]
+    # alone on its side, worker 1 cannot make min_workers=2: it stops instead of training alone
+    assert codes[1] == 3, texts[1][-3000:]
+    assert results[1]["error"] == "UnavailableError", results[1]
+    assert "min_workers is 2" in results[1]["message"]
 
 
 def test_a_drained_worker_leaves_at_a_step_boundary_and_no_step_is_lost(tmp_path):
