@@ -156,7 +156,8 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             )
     epochs: list[dict[str, list[int]]] = []
     step_times: list[float] = []
-    for _ in range(EPOCHS):
+    # a worker that joined a running group starts in the group's epoch
+    for _ in range(strategy.elastic.initial_epoch, EPOCHS):
         steps: dict[str, list[int]] = {}
         for batch in dist:
             if handler is not None:

@@ -65,6 +65,7 @@ def _start(
             "SCENARIO_SEED": str(1 + i),
             **env,
         }
+        (tmp / f"w{i}.tf_config").write_text(extra["TF_CONFIG"])  # to start it again
         with open(log, "wb") as f:
             procs.append(
                 subprocess.Popen(
@@ -222,6 +223,67 @@ def test_a_frozen_worker_is_dropped_and_later_refused_as_stale(tmp_path):
     assert codes[1] == 3, texts[1][-3000:]
     assert results[1]["error"] == "StaleGenerationError", results[1]
     assert "generation" in results[1]["message"]
+
+
+def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_path):
+    env = {
+        "FAULT": "forward",
+        "FAULT_RANK": "1",
+        "FAULT_STEP": "2",
+        "SCENARIO_TIMEOUT": "10",
+        "STEP_SLEEP": "0.5",  # the group still trains when the restarted worker is up
+    }
+    procs, outs, logs = _start(tmp_path, 3, env)
+    rejoined = None
+    try:
+        assert procs[1].wait(60) == -signal.SIGKILL
+        deadline = time.monotonic() + 60
+        while "generation 1: members [0, 2]" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        # worker 1 again, in its slot (same TF_CONFIG, port and token), as a pod restarted
+        config = (tmp_path / "w1.tf_config").read_text()
+        out, log = tmp_path / "w1-again.json", tmp_path / "w1-again.log"
+        extra = {
+            "TF_CONFIG": config,
+            "PSFLOW_AUTH_TOKEN": TOKEN,
+            "PSFLOW_NUM_CPU_DEVICES": "1",
+            "SCENARIO_SEED": "99",  # its own initial weights: the group's state must replace them
+            "SCENARIO_TIMEOUT": "10",
+            "STEP_SLEEP": "0.5",
+        }
+        with open(log, "wb") as f:
+            rejoined = subprocess.Popen(
+                [sys.executable, str(SCENARIO), "train", str(out)],
+                env=child_env(extra),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        codes = _wait([*procs, rejoined], {0, 2, 3}, time.monotonic() + 120)
+    finally:
+        _reap([*procs, *([rejoined] if rejoined else [])])
+    results, texts = _results(outs, logs)
+    texts.append(log.read_text(errors="replace"))
+    again = json.loads(out.read_text()) if out.exists() else {}
+    assert codes[0] == codes[2] == codes[3] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    _check_training(tmp_path, [results[0], results[2]], texts[0][-3000:])
+    assert [c["members"] for c in results[0]["changes"]] == [[0, 2], [0, 1, 2]]
+    assert [c["reason"] for c in results[0]["changes"]] == ["lost", "joined"]
+    joined_at = results[0]["changes"][1]["resumed_step"]
+    (mine,) = again["changes"]
+    assert mine["reason"] == "joined" and mine["resumed_step"] == joined_at
+    # the joiner holds the group's bits, and trained the group's steps from its admission
+    assert again["weights"] == results[0]["weights"]
+    assert again["iterations"] == results[0]["iterations"]
+    # after the admission the global batch is 12 again (3 workers x 4), but for what an
+    # epoch has left at its end
+    step = 0
+    for epoch in results[0]["epochs"]:
+        for k, ids in enumerate(epoch):
+            if step >= joined_at and k < len(epoch) - 1:
+                assert len(ids) == 12, results[0]["epochs"]
+            step += 1
 
 
 @pytest.mark.slow

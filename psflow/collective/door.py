@@ -13,7 +13,13 @@ the HELLO's ``client``:
   to re-form; its one JSON request is queued for the membership agreement
   (:mod:`psflow.collective.membership`, :meth:`Door.take_joins`);
 * ``probe:ID/gen:G``: answered (WELCOME, or the refusal below) and closed: a
-  worker that finds nobody to follow asks whether the group went on without it.
+  worker that finds nobody to follow asks whether the group went on without it;
+* ``view:ID/gen:0``: answered with the door's generation and members (JSON),
+  whatever the caller's generation: a starting worker asks whether a group
+  already trains;
+* ``admit:ID/gen:G``: a worker asking to join generation ``G`` at its next
+  step boundary; queued (:meth:`Door.take_admits`) until the group's rank 0
+  answers it with the decision.
 
 A connection of a generation older than the door's is refused with an ERROR
 frame (ABORTED) saying so: a worker the group went on without learns it
@@ -42,7 +48,7 @@ from psflow.transport.dataplane.stream import FrameStream, tune
 __all__ = ["HELLO_SECONDS", "Door", "RemoteError", "error_frame", "read_json", "send_json"]
 
 HELLO_SECONDS = 5.0
-_CLIENT = re.compile(r"^(worker|join|probe):(\d{1,9})/gen:(\d{1,12})$")
+_CLIENT = re.compile(r"^(worker|join|probe|view|admit):(\d{1,9})/gen:(\d{1,12})$")
 _MAX_JSON = 64 << 10  # a re-form request or decision is a few hundred bytes
 _MAX_PAYLOAD = 1 << 40
 
@@ -131,6 +137,8 @@ class Door:
         self._generation = 0
         self._rings: list[tuple[str, int, FrameStream]] = []
         self._joins: list[tuple[FrameStream, dict[str, Any]]] = []
+        self._admits: list[tuple[FrameStream, dict[str, Any]]] = []
+        self.members: tuple[int, ...] = ()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="psflow-door", daemon=True)
         self._thread.start()
@@ -140,14 +148,16 @@ class Door:
         """The generation this worker belongs to; older connections are refused."""
         return self._generation
 
-    def set_generation(self, generation: int) -> None:
+    def set_generation(self, generation: int, members: tuple[int, ...] = ()) -> None:
         """Moves to ``generation``: queued links and requests of older ones are refused."""
         with self._cond:
             self._generation = generation
+            self.members = tuple(members)
             stale = [s for c, g, s in self._rings if g < generation]
             self._rings = [(c, g, s) for c, g, s in self._rings if g >= generation]
-            old = [s for s, m in self._joins if m["generation"] < generation]
+            old = [s for s, m in self._joins + self._admits if m["generation"] < generation]
             self._joins = [(s, m) for s, m in self._joins if m["generation"] >= generation]
+            self._admits = [(s, m) for s, m in self._admits if m["generation"] >= generation]
         for stream in stale + old:
             error_frame(stream, Code.ABORTED, self._stale_message())
             stream.close()
@@ -168,6 +178,12 @@ class Door:
                 if left <= 0 or self._closed:
                     return None
                 self._cond.wait(min(left, 0.5))
+
+    def take_admits(self) -> list[tuple[FrameStream, dict[str, Any]]]:
+        """The queued requests to join (the caller answers and closes them)."""
+        with self._cond:
+            admits, self._admits = self._admits, []
+            return admits
 
     def take_joins(self, timeout: float = 0.0) -> list[tuple[FrameStream, dict[str, Any]]]:
         """The queued re-form requests (waiting up to ``timeout`` for a first one)."""
@@ -218,6 +234,12 @@ class Door:
                 )
                 raise frames.FrameError(client)
             kind, generation = match.group(1), int(match.group(3))
+            if kind == "view":
+                stream.send_frame(frames.Kind.WELCOME)
+                stream.max_header = frames.MAX_HEADER_BYTES
+                send_json(stream, {"generation": self._generation, "members": list(self.members)})
+                stream.close()
+                return
             if generation < self._generation:
                 error_frame(
                     stream,
@@ -241,8 +263,10 @@ class Door:
             message = read_json(stream, deadline, client)
             message["generation"] = generation
             message["id"] = int(match.group(2))
+            stream.deadline = None
+            sock.settimeout(None)
             with self._cond:
-                self._joins.append((stream, message))
+                (self._admits if kind == "admit" else self._joins).append((stream, message))
                 self._cond.notify_all()
         except (OSError, ssl.SSLError, frames.FrameError, errors.OpError, RemoteError, ValueError):
             if stream is not None:
@@ -255,8 +279,8 @@ class Door:
         """Stops listening and drops whatever is queued (idempotent)."""
         with self._cond:
             self._closed = True
-            queued = [s for _, _, s in self._rings] + [s for s, _ in self._joins]
-            self._rings, self._joins = [], []
+            queued = [s for _, _, s in self._rings] + [s for s, _ in self._joins + self._admits]
+            self._rings, self._joins, self._admits = [], [], []
             self._cond.notify_all()
         with contextlib.suppress(OSError):
             self._listener.close()

@@ -52,7 +52,16 @@ from psflow.errors import Code
 from psflow.transport.dataplane import auth, frames
 from psflow.transport.dataplane.stream import FrameStream, tune
 
-__all__ = ["Decision", "Position", "StaleGenerationError", "View", "agree"]
+__all__ = [
+    "Decision",
+    "Position",
+    "StaleGenerationError",
+    "View",
+    "agree",
+    "ask_to_join",
+    "decision_message",
+    "running_view",
+]
 
 
 class StaleGenerationError(errors.AbortedError):
@@ -328,3 +337,72 @@ def agree(
         except errors.OpError:
             suspected.add(leader)
     return _lead(door, view, me, position, suspected, window, min_workers)
+
+
+# -- a worker (re)joining a running group ---------------------------------------------------
+def running_view(door: Door, addresses: tuple[str, ...], me: int) -> View | None:
+    """The view of a group that already trains (generation > 0), or None at a fresh start.
+
+    Every other worker's door is asked (``view``); one that answers at
+    generation 0, or none answering, means the group is starting.
+    """
+    for other in range(len(addresses)):
+        if other == me:
+            continue
+        who = f"worker:{other} at {addresses[other]}"
+        try:
+            stream = _dial(door, addresses[other], f"view:{me}/gen:0", time.monotonic() + 1.0, who)
+        except errors.OpError:
+            continue
+        try:
+            message = read_json(stream, time.monotonic() + 2.0, who)
+        except (errors.OpError, RemoteError):
+            continue
+        finally:
+            stream.close()
+        generation = _int(message, "generation")
+        members = tuple(m for m in message.get("members", ()) if isinstance(m, int))
+        if generation > 0 and members:
+            return View(generation, members, addresses)
+    return None
+
+
+def decision_message(decision: Decision) -> dict[str, Any]:
+    """The JSON form of a decision (what the leader sends each joiner)."""
+    return {
+        "generation": decision.view.generation,
+        "members": list(decision.view.members),
+        "resume": decision.resume.as_dict(),
+        "source": decision.source,
+    }
+
+
+def ask_to_join(door: Door, view: View, me: int, wait: float) -> Decision:
+    """Asks ``view``'s rank 0 to admit this worker at its next step boundary; its decision.
+
+    Raises:
+        StaleGenerationError: the group changed meanwhile (read its view again).
+        UnavailableError / DeadlineExceededError: rank 0 is gone, or did not admit in time.
+    """
+    leader = view.members[0]
+    who = f"worker:{leader} at {view.addresses[leader]}"
+    client = f"admit:{me}/gen:{view.generation}"
+    stream = _dial(door, view.addresses[leader], client, time.monotonic() + 2.0, who)
+    try:
+        send_json(stream, {})
+        try:
+            message = read_json(stream, time.monotonic() + wait, who)
+        except RemoteError as refused:
+            if isinstance(refused.error, errors.AbortedError):
+                raise StaleGenerationError(str(refused.error)) from None
+            raise refused.error from None
+    finally:
+        stream.close()
+    members = tuple(message.get("members", ()))
+    if me not in members:
+        raise errors.InvalidArgumentError(f"{who} sent a malformed admission: {message!r}")
+    return Decision(
+        View(_int(message, "generation"), members, view.addresses),
+        _position(message["resume"]),
+        _int(message, "source"),
+    )

@@ -182,10 +182,12 @@ class MultiWorkerExtended(MirroredExtended):
     def _create_mirrored(self, next_creator: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         variable = super()._create_mirrored(next_creator, kwargs)
         strategy: MultiWorkerMirroredStrategy = self._container_strategy()  # type: ignore[assignment]
-        if strategy._elastic is not None:
-            strategy._elastic.state.track_variable(variable)
+        # a worker that joined a running group takes the value it received instead
+        received = strategy._elastic is not None and strategy._elastic.state.track_variable(
+            variable
+        )
         ring = strategy._ring
-        if ring.size > 1:  # every worker starts from worker 0's bits
+        if ring.size > 1 and not received:  # every worker starts from worker 0's bits
             first = variable.values[0]._value
             host = np.ascontiguousarray(backend.to_numpy(first))
             (value,) = ring.broadcast([host], root=0)
@@ -196,19 +198,11 @@ class MultiWorkerExtended(MirroredExtended):
                     copy._value = backend.place(value.copy(), backend.device_of(copy._value))
         return variable
 
-    def apply_update(
-        self,
-        optimizer: Any,
-        step: int,
-        grads_and_vars: Any,
-        *,
-        aggregate: bool = True,
-    ) -> bool:
-        """As :class:`MirroredExtended`; an elastic group also records the optimizer's state."""
+    def prepare_optimizer(self, optimizer: Any) -> None:
+        """An elastic group records the optimizer (its step and slots are training state)."""
         controller = self._container_strategy()._elastic  # type: ignore[attr-defined]
         if controller is not None:
             controller.state.track_optimizer(optimizer)
-        return super().apply_update(optimizer, step, grads_and_vars, aggregate=aggregate)
 
     def _group(self) -> WorkerGroup:
         return self._container_strategy()._group  # type: ignore[attr-defined]
@@ -335,14 +329,20 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         group = WorkerGroup.from_resolver(cluster_resolver)
         links = None
         door = None
+        running = None  # the view of a group that already trains: this worker joins it
         if group.size > 1:
             from psflow.security.config import default_security
 
             security = default_security()
             if elastic is not None:
                 from psflow.collective.door import Door
+                from psflow.collective.membership import running_view
 
                 door = Door(group.addresses[group.rank], security, f"worker:{group.rank}")
+                running = running_view(door, group.addresses, group.rank)
+            if running is not None:
+                pass  # a group of one until it is admitted (below)
+            elif door is not None:
                 links = PeerLinks(
                     group.rank,
                     group.addresses,
@@ -354,9 +354,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             else:
                 links = PeerLinks(group.rank, group.addresses, security)
             try:
-                links.connect(options.timeout)
+                if links is not None:
+                    links.connect(options.timeout)
             except BaseException:
-                links.close()
+                if links is not None:
+                    links.close()
                 if door is not None:
                     door.close()
                 raise
@@ -384,6 +386,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 options.timeout,
             )
             weakref.finalize(self, door.close)
+            if running is not None:
+                self._elastic.join(running)
 
     @property
     def elastic(self) -> Any:

@@ -22,10 +22,18 @@ A worker that had finished the step the group resumes at (it was waiting at
 the next barrier) takes that step again: its loop body sees it twice, its
 state does not.  A worker whose drain signal arrived leaves after the next
 barrier: the others go on without it, with no step lost and no state moved.
+
+A worker that starts while its group already trains (a restarted one) asks
+the group's rank 0 to admit it (:func:`~psflow.collective.membership.ask_to_join`);
+rank 0 says so in the next barrier, every member adds it to the next
+generation, and the joiner receives the state before its program creates
+its variables (:class:`.state.TrainingState` keeps it pending), then takes
+the next step with the others (:attr:`initial_epoch` says which epoch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -37,8 +45,17 @@ import numpy as np
 
 from psflow import errors
 from psflow.collective.cross_host import CrossHostRing
-from psflow.collective.door import Door
-from psflow.collective.membership import Decision, Position, View, agree
+from psflow.collective.door import Door, error_frame, send_json
+from psflow.collective.membership import (
+    Decision,
+    Position,
+    StaleGenerationError,
+    View,
+    agree,
+    ask_to_join,
+    decision_message,
+    running_view,
+)
 from psflow.collective.peer_link import PeerLinks
 from psflow.distribute.elastic.options import BatchPolicy, ElasticOptions, MembershipChange
 from psflow.distribute.elastic.state import TrainingState
@@ -115,6 +132,9 @@ class ElasticController:
         # the step's inputs and earlier results, old -> new, once the step was redone
         self._substitute: Callable[[Any], Any] = _same
         self.draining = False
+        self.initial_epoch = 0
+        self._start: Position | None = None  # a joiner's first position, for its first iterator
+        self.door.set_generation(view.generation, view.members)
         self._install_drain_handler()
 
     # -- what the input needs ---------------------------------------------------------
@@ -132,6 +152,11 @@ class ElasticController:
     def num_replicas(self) -> int:
         """Replicas of the current group."""
         return self._strategy.num_replicas_in_sync
+
+    @property
+    def initial_replicas(self) -> int:
+        """Replicas of the group as ``TF_CONFIG`` lists it (the per-replica batch is fixed by it)."""
+        return len(self.view.addresses) * len(self._strategy._devices)
 
     @property
     def rank(self) -> int:
@@ -185,9 +210,13 @@ class ElasticController:
         if self._skip_barrier:  # the group re-formed at an epoch's end: it passed this one
             self._skip_barrier = False
             return True
-        flags = np.zeros(len(self.view.members), np.int64)
+        n = len(self.view.addresses)
+        flags = np.zeros(2 * n, np.int64)  # [drains by worker id, admissions by worker id]
         if self.draining:
-            flags[self.rank] = 1
+            flags[self.me] = 1
+        admits = self._admissions() if self.rank == 0 else {}
+        for member in admits:
+            flags[n + member] = 1
         try:
             (flags,) = self._strategy._ring.all_reduce([flags])
         except BaseException as e:
@@ -197,10 +226,36 @@ class ElasticController:
             going_on = iterator.resume_at(decision.resume)
             self._skip_barrier = not going_on  # the next epoch's first barrier is passed too
             return going_on
-        leaving = [m for m, f in zip(self.view.members, flags) if f > 0]
-        if leaving:
-            self._drain(leaving)
+        leaving = [m for m in range(n) if flags[m] > 0]
+        joining = [m for m in range(n) if flags[n + m] > 0]
+        if leaving or joining:
+            self._change(leaving, joining, admits)
         return True
+
+    def _admissions(self) -> dict[int, Any]:
+        """Rank 0: the queued requests to join this generation that fit under max_workers."""
+        room = (self.options.max_workers or len(self.view.addresses)) - len(self.view.members)
+        admitted: dict[int, Any] = {}
+        for stream, message in self.door.take_admits():
+            member = message["id"]
+            if message["generation"] != self.view.generation:
+                error_frame(
+                    stream,
+                    errors.Code.ABORTED,
+                    f"the group is at generation {self.view.generation}",
+                )
+            elif member in self.view.members or member in admitted or len(admitted) >= room:
+                error_frame(
+                    stream,
+                    errors.Code.RESOURCE_EXHAUSTED,
+                    f"worker:{member} cannot join: members {list(self.view.members)}, "
+                    f"max_workers {self.options.max_workers or len(self.view.addresses)}",
+                )
+            else:
+                admitted[member] = stream
+                continue
+            stream.close()
+        return admitted
 
     # -- collectives ---------------------------------------------------------------------
     def _broken(self) -> bool:
@@ -280,7 +335,7 @@ class ElasticController:
                 window=self.options.rendezvous_seconds,
                 min_workers=self.options.min_workers,
             )
-            self.door.set_generation(decision.view.generation)
+            self.door.set_generation(decision.view.generation, decision.view.members)
             self.view = decision.view
             try:
                 self._form()
@@ -330,13 +385,21 @@ class ElasticController:
         )
         strategy._reset_collectives()
 
-    def _drain(self, leaving: list[int]) -> None:
-        """Everyone passed the barrier: the group goes on without ``leaving``."""
+    def _change(self, leaving: list[int], joining: list[int], admits: dict[int, Any]) -> None:
+        """Everyone passed the barrier: the group goes on without ``leaving``, with ``joining``."""
         previous = self.view
         old_replicas = self.num_replicas
-        members = tuple(m for m in self.view.members if m not in leaving)
-        for listener in list(self._drain_listeners):
-            listener(leaving)
+        stay = [m for m in previous.members if m not in leaving]
+        members = tuple(sorted({*stay, *joining}))
+        view = View(previous.generation + 1, members, previous.addresses)
+        decision = Decision(view, self._position, stay[0] if stay else members[0])
+        for stream in admits.values():  # rank 0 tells the joiners (before it may leave)
+            with contextlib.suppress(OSError):  # gone: the new ring fails and the others re-form
+                send_json(stream, decision_message(decision))
+            stream.close()
+        if leaving:
+            for listener in list(self._drain_listeners):
+                listener(leaving)
         self._strategy._ring.close()
         if self.me in leaving:
             log.warning("worker:%d drained after step %d", self.me, self.completed)
@@ -347,10 +410,49 @@ class ElasticController:
                 f"workers {leaving} drained: {len(members)} are left, min_workers is "
                 f"{self.options.min_workers}"
             )
-        self.view = View(self.view.generation + 1, members, self.view.addresses)
-        self.door.set_generation(self.view.generation)
+        self.view = view
+        self.door.set_generation(view.generation, view.members)
         self._form()
-        self._announce(previous, "drained", old_replicas)
+        if joining:
+            self.state.broadcast(self._strategy._ring, view.rank_of(decision.source))
+        self._announce(previous, "joined" if joining and not leaving else "drained", old_replicas)
+
+    def join(self, view: View) -> None:
+        """This worker started while ``view``'s group trains: it asks to join and is admitted.
+
+        Raises:
+            StaleGenerationError / UnavailableError: the group could not take it.
+        """
+        wait = self.timeout + 2 * self.options.rendezvous_seconds
+        for _ in range(_MAX_REFORMS):
+            try:
+                decision = ask_to_join(self.door, view, self.me, wait)
+                break
+            except StaleGenerationError:  # the group changed meanwhile: ask its new rank 0
+                newer = running_view(self.door, view.addresses, self.me)
+                if newer is None:
+                    raise
+                view = newer
+        else:
+            raise errors.AbortedError(f"elastic: {_MAX_REFORMS} tries to join in a row")
+        previous = View(0, (self.me,), view.addresses)
+        self.view = decision.view
+        self.door.set_generation(decision.view.generation, decision.view.members)
+        self._form()
+        self.state.broadcast(
+            self._strategy._ring, decision.view.rank_of(decision.source), pending=True
+        )
+        self.completed = decision.resume.completed
+        self._position = decision.resume
+        self._start = decision.resume
+        self.initial_epoch = max(decision.resume.epoch, 0)
+        self._skip_barrier = True  # the members passed the barrier that admitted it
+        self._announce(previous, "joined", 1 * len(self._strategy._devices))
+
+    def take_start(self) -> Position | None:
+        """A joiner's first position (once): where its first epoch's iterator starts."""
+        start, self._start = self._start, None
+        return start
 
     def _announce(self, previous: View, reason: str, old_replicas: int) -> None:
         new_replicas = self.num_replicas

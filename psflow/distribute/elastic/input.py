@@ -164,6 +164,9 @@ class _ElasticIterator:
             return 0
         if ctl.batch_policy is BatchPolicy.KEEP_GLOBAL or ctl.unchanged:
             return natural
+        if ctl.per_replica_batch == 0:  # the dataset's first batch over the starting replicas
+            first = _Rows(self._ds._dataset).next_batch_rows()
+            ctl.per_replica_batch = math.ceil(first / ctl.initial_replicas)
         return ctl.per_replica_batch * ctl.num_replicas
 
     def _step(self) -> Any:
@@ -173,8 +176,6 @@ class _ElasticIterator:
         element = self._rows.take(size) if size else None
         if element is None:
             return None
-        if ctl.per_replica_batch == 0:
-            ctl.per_replica_batch = math.ceil(size / ctl.num_replicas)
         rows = input_lib._leading(element)
         self._ds.global_batch_size = rows
         n_local = len(self._ds._devices)
@@ -254,8 +255,14 @@ class ElasticDataset:
         self.global_batch_size: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
+        start = self._controller.take_start()  # a worker that joined: the group's epoch, offset
+        if start is not None and start.epoch >= 0:
+            self._epochs = start.epoch
         self._epochs += 1
-        return DistributedIterator(_ElasticIterator(self, self._epochs - 1))
+        iterator = _ElasticIterator(self, self._epochs - 1)
+        if start is not None and start.epoch >= 0:
+            iterator.resume_at(start)
+        return DistributedIterator(iterator)
 
     @property
     def steps(self) -> int | None:

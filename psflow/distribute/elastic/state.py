@@ -10,6 +10,11 @@ new ring, so every member continues from the same bits.
 
 Sync-on-read variables (local metric states) are snapshotted and restored
 but never broadcast: each worker's own counts stay its own.
+
+A worker that joins a running group receives the state before its program
+has created its variables: the arrays wait (``pending``) and each variable,
+optimizer step and slot takes its value when it is created, in the order
+the program creates them (the same on every worker).
 """
 
 from __future__ import annotations
@@ -44,15 +49,37 @@ class TrainingState:
     def __init__(self) -> None:
         self._variables: list[weakref.ref[Any]] = []
         self._optimizers: list[weakref.ref[Any]] = []
+        self._pending_variables: list[np.ndarray] = []
+        self._pending_optimizers: list[tuple[int, dict[int, dict[str, np.ndarray]]]] = []
+        self._mirrored_seen = 0
 
-    def track_variable(self, variable: Any) -> None:
-        """Records a variable created in scope (a mirrored or sync-on-read one)."""
+    def track_variable(self, variable: Any) -> bool:
+        """Records a variable created in scope; True when it took a received (pending) value."""
         self._variables.append(weakref.ref(variable))
+        if not self._mirrored(variable):
+            return False
+        index = self._mirrored_seen
+        self._mirrored_seen += 1
+        if index >= len(self._pending_variables):
+            return False
+        value = self._pending_variables[index]
+        for copy in variable.values:
+            _write(copy, value)
+        return True
 
     def track_optimizer(self, optimizer: Any) -> None:
-        """Records an optimizer when it first applies gradients."""
-        if not any(ref() is optimizer for ref in self._optimizers):
-            self._optimizers.append(weakref.ref(optimizer))
+        """Records an optimizer when it first applies gradients (a received state applies)."""
+        if any(ref() is optimizer for ref in self._optimizers):
+            return
+        index = len(self._optimizers)
+        self._optimizers.append(weakref.ref(optimizer))
+        if index < len(self._pending_optimizers):
+            iterations, slots = self._pending_optimizers[index]
+            optimizer._iterations = iterations
+            variables = [v for v in self._live() if self._mirrored(v)]
+            for var_index, saved in slots.items():
+                # the optimizer fills them in when it creates the slots, at its first update
+                optimizer._restore_slots(variables[var_index], saved, lambda: None)
 
     def _live(self) -> list[Any]:
         return [v for v in (ref() for ref in self._variables) if v is not None]
@@ -101,8 +128,11 @@ class TrainingState:
                         current[name] = backend.place(saved.copy(), backend.device_of(array))
 
     # -- hand-over -----------------------------------------------------------------------
-    def broadcast(self, ring: Any, root: int) -> None:
+    def broadcast(self, ring: Any, root: int, *, pending: bool = False) -> None:
         """Every member gets ``root``'s mirrored variables and optimizer state (bit for bit).
+
+        ``pending``: this worker (a joiner) has not created its variables yet; the
+        received arrays wait for them.
 
         Raises:
             InternalError: the members track different numbers of variables or optimizers.
@@ -114,6 +144,7 @@ class TrainingState:
         arrays: list[np.ndarray] = []
         if ring.rank == root:
             arrays = [_host(v.values[0]._value) for v in variables]
+            manifest["specs"] = [[str(a.dtype), list(a.shape)] for a in arrays]
             for opt in opts:
                 entry: dict[str, Any] = {"iterations": int(opt._iterations), "slots": []}
                 for (vid, replica), slots in sorted(opt._slots.items(), key=lambda kv: kv[0][1]):
@@ -135,6 +166,21 @@ class TrainingState:
             [raw if ring.rank == root else np.empty(int(length[0]), np.uint8)], root
         )
         manifest = json.loads(bytes(raw))
+        if pending:
+            arrays = [np.empty(shape, np.dtype(dt)) for dt, shape in manifest["specs"]]
+            for entry in manifest["optimizers"]:
+                for _, _names, specs in entry["slots"]:
+                    arrays.extend(np.empty(shape, np.dtype(dt)) for dt, shape in specs)
+            it = iter(ring.broadcast(arrays, root))
+            self._pending_variables = [next(it) for _ in manifest["specs"]]
+            self._pending_optimizers = [
+                (
+                    entry["iterations"],
+                    {k: {n: next(it) for n in names} for k, names, _ in entry["slots"]},
+                )
+                for entry in manifest["optimizers"]
+            ]
+            return
         if manifest["variables"] != len(variables) or len(manifest["optimizers"]) != len(opts):
             raise errors.InternalError(
                 f"elastic hand-over: worker {root} has {manifest['variables']} variables and "
