@@ -203,6 +203,9 @@ class _Recorder(pf.keras.callbacks.Callback):
         self.fault.hit("forward", self.step)
         self.step += 1
 
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+
     def on_membership_change(self, logs: dict | None = None) -> None:
         self.changes.append(dict(logs or {}))
         # the documented use: the learning rate follows the global batch
@@ -224,6 +227,7 @@ def fit(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "iterations": int(model.optimizer.iterations),
         "changes": recorder.changes,
         "lr_seen": recorder.lr_seen,
+        "steps_run": recorder.step,
         "pid": os.getpid(),
         "loss": history.history["loss"],
     }

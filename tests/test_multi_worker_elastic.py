@@ -225,15 +225,16 @@ def test_a_frozen_worker_is_dropped_and_later_refused_as_stale(tmp_path):
     assert "generation" in results[1]["message"]
 
 
-def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_path):
+@pytest.mark.parametrize("mode", ["train", "fit"])
+def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_path, mode):
     env = {
         "FAULT": "forward",
         "FAULT_RANK": "1",
         "FAULT_STEP": "2",
         "SCENARIO_TIMEOUT": "10",
-        "STEP_SLEEP": "0.5",  # the group still trains when the restarted worker is up
+        "STEP_SLEEP": "1.0",  # the group still trains when the restarted worker is up
     }
-    procs, outs, logs = _start(tmp_path, 3, env)
+    procs, outs, logs = _start(tmp_path, 3, env, mode=mode)
     rejoined = None
     try:
         assert procs[1].wait(60) == -signal.SIGKILL
@@ -250,11 +251,11 @@ def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_
             "PSFLOW_NUM_CPU_DEVICES": "1",
             "SCENARIO_SEED": "99",  # its own initial weights: the group's state must replace them
             "SCENARIO_TIMEOUT": "10",
-            "STEP_SLEEP": "0.5",
+            "STEP_SLEEP": "1.0",
         }
         with open(log, "wb") as f:
             rejoined = subprocess.Popen(
-                [sys.executable, str(SCENARIO), "train", str(out)],
+                [sys.executable, str(SCENARIO), mode, str(out)],
                 env=child_env(extra),
                 stdout=f,
                 stderr=subprocess.STDOUT,
@@ -267,6 +268,12 @@ def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_
     texts.append(log.read_text(errors="replace"))
     again = json.loads(out.read_text()) if out.exists() else {}
     assert codes[0] == codes[2] == codes[3] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    if mode == "fit":  # Keras: the joiner's fit starts in the group's epoch, at its step
+        assert [c["members"] for c in results[0]["changes"]] == [[0, 2], [0, 1, 2]]
+        assert again["weights"] == results[0]["weights"] == results[2]["weights"]
+        assert again["iterations"] == results[0]["iterations"]
+        assert again["steps_run"] >= 1  # it trained with the group, not only received its end
+        return
     _check_training(tmp_path, [results[0], results[2]], texts[0][-3000:])
     assert [c["members"] for c in results[0]["changes"]] == [[0, 2], [0, 1, 2]]
     assert [c["reason"] for c in results[0]["changes"]] == ["lost", "joined"]
@@ -276,6 +283,7 @@ def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_
     # the joiner holds the group's bits, and trained the group's steps from its admission
     assert again["weights"] == results[0]["weights"]
     assert again["iterations"] == results[0]["iterations"]
+    assert sum(len(e) for e in again["epochs"]) >= 1  # it trained steps with the group
     # after the admission the global batch is 12 again (3 workers x 4), but for what an
     # epoch has left at its end
     step = 0

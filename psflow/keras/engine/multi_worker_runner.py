@@ -50,6 +50,15 @@ class MultiWorkerRunner(MirroredRunner):
         )
         return self._prepared
 
+    def first_epoch(self, initial_epoch: int) -> int:
+        """A worker that joined a running elastic group starts in the group's epoch."""
+        controller = self.strategy.elastic
+        if controller is None:
+            return initial_epoch
+        # its optimizer takes the group's step and slots now, even if no step is left for it
+        self.strategy.extended.prepare_optimizer(self.model.optimizer)
+        return max(initial_epoch, controller.initial_epoch)
+
     def _run(self, fn: Any, batch: Any) -> Any:
         prepared = self._prepared
 
