@@ -464,12 +464,13 @@ def main() -> int:
         emit(BENCH, f"{side}/kill-worker-1", "steps_lost", lost, "steps", **extra)
         emit(BENCH, f"{side}/normal", "step_time", step, "s", workers=WORKERS)
         rows.append([side, recovered, lost, step * 1e3, extra["recovery"]])
-    if len(rows) == 2:
+    times = {row[0]: row[1] for row in rows}
+    if "psflow" in times and "tensorflow" in times:
         emit(
             BENCH,
             "kill-worker-1",
             "ratio",
-            rows[1][1] / rows[0][1],
+            times["tensorflow"] / times["psflow"],
             "x",
             baseline="tensorflow time_to_next_step / psflow time_to_next_step",
         )
