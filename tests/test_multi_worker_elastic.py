@@ -395,6 +395,25 @@ def test_keras_fit_goes_on_without_a_killed_worker_and_callbacks_see_the_change(
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
+def test_every_worker_drained_at_once_ends_the_job_cleanly(tmp_path):
+    # a launcher (or Kubernetes) stopping the whole job sends every worker SIGTERM
+    procs, _outs, logs = _start(tmp_path, 3, {"STEP_SLEEP": "0.3", "PRINT_STEPS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while "step 2 done" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 30)
+    finally:
+        _reap(procs)
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert codes == {0: 0, 1: 0, 2: 0}, "\n---\n".join(t[-3000:] for t in texts)
+    for rank, text in enumerate(texts):
+        assert f"worker:{rank} drained after step" in text
+
+
 # -- the agreement and the door, in one process --------------------------------------------
 
 

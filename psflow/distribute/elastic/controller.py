@@ -390,9 +390,15 @@ class ElasticController:
         previous = self.view
         old_replicas = self.num_replicas
         stay = [m for m in previous.members if m not in leaving]
+        if not stay:  # every member drains (the whole job is being stopped): nobody to join
+            joining = []
+            for stream in admits.values():
+                error_frame(stream, errors.Code.UNAVAILABLE, "every member of the group drains")
+                stream.close()
+            admits = {}
         members = tuple(sorted({*stay, *joining}))
         view = View(previous.generation + 1, members, previous.addresses)
-        decision = Decision(view, self._position, stay[0] if stay else members[0])
+        decision = Decision(view, self._position, stay[0] if stay else self.me)
         for stream in admits.values():  # rank 0 tells the joiners (before it may leave)
             with contextlib.suppress(OSError):  # gone: the new ring fails and the others re-form
                 send_json(stream, decision_message(decision))
