@@ -963,6 +963,12 @@ def _parser() -> argparse.ArgumentParser:
         "(same task, port and credentials), as Kubernetes restarts a pod (default: never)",
     )
     p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="with --mode multi-worker: a worker that fails or drains is left behind and the "
+        "others go on (the script's strategy needs ElasticOptions)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=DEFAULT_MAX_RESTARTS,
@@ -1133,6 +1139,7 @@ def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, targe
             port_base=args.port_base,
             grace=args.grace,
             restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
+            elastic=args.elastic,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

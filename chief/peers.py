@@ -19,6 +19,10 @@ it); after ``--grace`` seconds more the launcher stops them.  With
 ``--restart on-failure`` the whole group is then started again in its slots,
 up to ``--max-restarts`` times.  SIGINT, SIGTERM or SIGHUP stop every worker
 and the launcher exits ``128 + signal``.
+
+With ``--elastic`` (scripts whose strategy has ``ElasticOptions``) a worker
+that fails or drains is only reported: the others go on without it, and the
+launcher's status is that of the last worker to exit.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def run_peers(
     grace: float = 15.0,
     restart: RestartPolicy | None = None,
     environ: Mapping[str, str] | None = None,
+    elastic: bool = False,
 ) -> int:
     """Runs ``num_workers`` peers of ``target``; returns the launcher's exit status.
 
@@ -124,7 +129,7 @@ def run_peers(
     with _signals_noted(received):
         log.info("%d workers of %s on %s", num_workers, target, ", ".join(cluster["worker"]))
         while True:
-            status = _run_group(argv, envs, grace, received)
+            status = _run_group(argv, envs, grace, received, elastic)
             if received:
                 return 128 + received[0]
             delay = book.next_delay("group", status, is_chief=False)
@@ -146,12 +151,20 @@ def run_peers(
 
 
 def _run_group(
-    argv: list[str], envs: list[dict[str, str]], grace: float, received: list[int]
+    argv: list[str],
+    envs: list[dict[str, str]],
+    grace: float,
+    received: list[int],
+    elastic: bool = False,
 ) -> int:
-    """Runs one generation of the workers; returns the first failure's status (0: none)."""
+    """Runs one generation of the workers; returns the first failure's status (0: none).
+
+    ``elastic``: a failed worker is left behind; the status is the last exit's.
+    """
     supervisor = Supervisor()
     first_failure: RoleProcess | None = None
     failed_at = 0.0
+    last_status = 0
     try:
         for i, env in enumerate(envs):
             supervisor.start(f"worker:{i}", argv, env)
@@ -164,6 +177,10 @@ def _run_group(
             for role in supervisor.poll():
                 status = shell_status(role.returncode or 0)
                 log.info("%s exited with status %d", role.name, status)
+                last_status = status
+                if status and elastic:
+                    log.warning("%s was lost (status %d); the others go on", role.name, status)
+                    continue
                 if status and first_failure is None:
                     first_failure, failed_at = role, time.monotonic()
             if first_failure is not None and time.monotonic() - failed_at > grace:
@@ -171,4 +188,6 @@ def _run_group(
                 break
     finally:
         supervisor.stop(grace)
+    if elastic:
+        return last_status
     return 0 if first_failure is None else shell_status(first_failure.returncode or 1)

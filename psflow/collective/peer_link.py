@@ -14,7 +14,11 @@ Both links speak the data plane's frames (:mod:`psflow.transport.dataplane.frame
   expects, then answers WELCOME, or an ERROR (UNAUTHENTICATED,
   INVALID_ARGUMENT) and closes;
 * a collective's payloads are REQUEST frames numbered by a per-link counter
-  (a frame out of step is an ``InternalError``);
+  whose upper 32 bits are the ring's membership *generation* (a frame out of
+  step is an ``InternalError``, one of another generation an ``AbortedError``);
+* an elastic ring (``incoming`` given) takes its left neighbour from the
+  worker's :class:`~psflow.collective.door.Door` instead of its own listener,
+  and its HELLO says ``worker:ID/gen:G``: the door refuses a stale generation;
 * a worker that fails forwards one ERROR frame naming the failed peer to its
   right, so the failure travels round the ring and every survivor reports
   the same peer instead of the neighbour that merely went quiet.
@@ -43,7 +47,7 @@ from psflow.security.config import SecurityConfig, check_bind, is_loopback
 from psflow.transport.dataplane import auth, frames
 from psflow.transport.dataplane.stream import FrameStream, tune
 
-__all__ = ["PeerLinks", "peer_name"]
+__all__ = ["PeerLinks", "listen", "peer_name", "split_address"]
 
 _METHOD = frames.method_id("psflow.collective.ring")
 _HEARTBEAT = frames.method_id("psflow.collective.heartbeat")
@@ -70,6 +74,28 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise errors.InvalidArgumentError(f"peer address {address!r} has no numeric port")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def listen(address: str, security: SecurityConfig, who: str) -> socket.socket:
+    """A listening socket on ``address``'s port (loopback stays loopback, else all interfaces).
+
+    Raises:
+        UnavailableError: the port cannot be bound (names ``who`` and the address).
+    """
+    host, port = split_address(address)
+    bind = host if is_loopback(host) else "0.0.0.0"
+    check_bind(bind, security)
+    sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind, port))
+    except OSError as e:
+        sock.close()
+        raise errors.UnavailableError(
+            f"collective: cannot listen on {bind}:{port} for {who} at {address}: {e.strerror or e}"
+        ) from None
+    sock.listen(8)
+    return sock
 
 
 def _writable(sock: socket.socket) -> bool:
@@ -129,6 +155,10 @@ class PeerLinks:
             by default one is bound on this worker's port.
         silence_seconds: how long the left neighbour may stay silent (no data,
             no heartbeat) inside a collective before it is blamed.
+        generation: the membership generation this ring belongs to (elastic training).
+        ids: every worker's stable id, in ring order (default: its rank); errors name it.
+        incoming: where the left neighbour's authenticated stream comes from
+            (``incoming(expected_client, deadline)``), instead of a listener.
 
     Raises:
         InvalidArgumentError: a bad rank or address.
@@ -142,6 +172,10 @@ class PeerLinks:
         security: SecurityConfig,
         listener: socket.socket | None = None,
         silence_seconds: float = 300.0,
+        *,
+        generation: int = 0,
+        ids: Sequence[int] | None = None,
+        incoming: Callable[[str, float], FrameStream | None] | None = None,
     ) -> None:
         n = len(addresses)
         if not 0 <= rank < n:
@@ -149,10 +183,16 @@ class PeerLinks:
         self.rank, self.size = rank, n
         self.addresses = list(addresses)
         self.security = security
+        self.generation = int(generation)
+        self.ids = list(ids) if ids is not None else list(range(n))
         self.left_rank, self.right_rank = (rank - 1) % n, (rank + 1) % n
-        self.left_name = peer_name(self.left_rank, self.addresses[self.left_rank])
-        self.right_name = peer_name(self.right_rank, self.addresses[self.right_rank])
-        self._listener = listener if listener is not None else self._bind()
+        self.left_id, self.right_id = self.ids[self.left_rank], self.ids[self.right_rank]
+        self.left_name = peer_name(self.left_id, self.addresses[self.left_rank])
+        self.right_name = peer_name(self.right_id, self.addresses[self.right_rank])
+        self._incoming = incoming
+        self._listener = (
+            None if incoming is not None else listener if listener is not None else self._bind()
+        )
         self._left: FrameStream | None = None
         self._right: FrameStream | None = None
         self._sent = self._received = 0  # frame counters of the two links
@@ -170,24 +210,19 @@ class PeerLinks:
     @property
     def port(self) -> int:
         """The port this worker listens on."""
+        assert self._listener is not None
         return self._listener.getsockname()[1]
 
+    def client_name(self, rank: int) -> str:
+        """What worker ``rank`` says in its HELLO (with the generation on an elastic ring)."""
+        name = f"worker:{self.ids[rank]}"
+        return f"{name}/gen:{self.generation}" if self._incoming is not None else name
+
+    def _call_id(self, counter: int) -> int:
+        return (self.generation << 32) | (counter & 0xFFFFFFFF)
+
     def _bind(self) -> socket.socket:
-        host, port = split_address(self.addresses[self.rank])
-        bind = host if is_loopback(host) else "0.0.0.0"
-        check_bind(bind, self.security)
-        sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((bind, port))
-        except OSError as e:
-            sock.close()
-            raise errors.UnavailableError(
-                f"collective: cannot listen on {bind}:{port} for "
-                f"{peer_name(self.rank, self.addresses[self.rank])}: {e.strerror or e}"
-            ) from None
-        sock.listen(8)
-        return sock
+        return listen(self.addresses[self.rank], self.security, f"worker:{self.ids[self.rank]}")
 
     # -- handshake ---------------------------------------------------------------------
     def connect(self, timeout: float) -> None:
@@ -200,8 +235,14 @@ class PeerLinks:
         """
         deadline = time.monotonic() + timeout
         accepted: list[Any] = []
+        incoming = self._incoming
+        take = (
+            (lambda: incoming(self.client_name(self.left_rank), deadline))
+            if incoming is not None
+            else (lambda: self._accept_left(deadline))
+        )
         acceptor = threading.Thread(
-            target=lambda: accepted.append(self._accept_left(deadline)),
+            target=lambda: accepted.append(take()),
             name="psflow-ring-accept",
             daemon=True,
         )
@@ -220,11 +261,12 @@ class PeerLinks:
         if outcome is None:
             raise errors.DeadlineExceededError(
                 f"collective: {self.left_name} did not connect within {timeout:g}s",
-                task=f"worker:{self.left_rank}",
+                task=f"worker:{self.left_id}",
             )
         self._left = outcome
-        with contextlib.suppress(OSError):  # both links are up: nobody else may connect
-            self._listener.close()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):  # both links are up: nobody else may connect
+                self._listener.close()
         self._sender = threading.Thread(
             target=self._send_loop, name="psflow-ring-send", daemon=True
         )
@@ -240,7 +282,7 @@ class PeerLinks:
 
     def _dial_right(self, deadline: float) -> FrameStream:
         host, port = split_address(self.addresses[self.right_rank])
-        who, task = self.right_name, f"worker:{self.right_rank}"
+        who, task = self.right_name, f"worker:{self.right_id}"
         last: BaseException | None = None
         while True:
             left = deadline - time.monotonic()
@@ -266,7 +308,7 @@ class PeerLinks:
                 ) from None
             stream = FrameStream(sock, max_header=auth.HELLO_LIMIT, max_payload=_MAX_PAYLOAD)
             stream.send_frame(
-                frames.Kind.HELLO, header=auth.hello(self.security, f"worker:{self.rank}")
+                frames.Kind.HELLO, header=auth.hello(self.security, self.client_name(self.rank))
             )
             stream.deadline = deadline
             head = stream.read_head()
@@ -298,6 +340,7 @@ class PeerLinks:
 
     def _accept_left(self, deadline: float) -> FrameStream | BaseException | None:
         """The left neighbour's authenticated stream (None when it did not come in time)."""
+        assert self._listener is not None
         expected = f"worker:{self.left_rank}"
         while True:
             left = deadline - time.monotonic()
@@ -353,6 +396,11 @@ class PeerLinks:
         return stream
 
     # -- framed traffic -----------------------------------------------------------------
+    @property
+    def failure(self) -> errors.OpError | None:
+        """The error that broke these links (None while they work)."""
+        return self._broken
+
     def check(self) -> None:
         """Raises the error that broke these links, if any."""
         if self._broken is not None:
@@ -375,7 +423,9 @@ class PeerLinks:
             return done
         with self._counting:
             self._queued += 1
-        self._sends.put((frames.Kind.REQUEST, self._sent, b"", list(buffers), deadline, done))
+        self._sends.put(
+            (frames.Kind.REQUEST, self._call_id(self._sent), b"", list(buffers), deadline, done)
+        )
         return done
 
     def _send_inline(self, buffers: Sequence[Any], deadline: float) -> None:
@@ -385,14 +435,17 @@ class PeerLinks:
             with self._writing:
                 right.settimeout(max(deadline - time.monotonic(), 0.001))
                 right.send_frame(
-                    frames.Kind.REQUEST, method=_METHOD, call_id=self._sent, buffers=buffers
+                    frames.Kind.REQUEST,
+                    method=_METHOD,
+                    call_id=self._call_id(self._sent),
+                    buffers=buffers,
                 )
         except OSError as e:
             cls = errors.DeadlineExceededError if isinstance(e, TimeoutError) else None
             self.fail(
                 (cls or errors.UnavailableError)(
                     f"collective: {self.right_name} is unavailable: {e}",
-                    task=f"worker:{self.right_rank}",
+                    task=f"worker:{self.right_id}",
                 ),
                 forward=False,
             )
@@ -409,7 +462,7 @@ class PeerLinks:
                 self.fail(
                     errors.DeadlineExceededError(
                         f"collective: {self.right_name} did not take data in time",
-                        task=f"worker:{self.right_rank}",
+                        task=f"worker:{self.right_id}",
                     )
                 )
         self.check()
@@ -448,13 +501,16 @@ class PeerLinks:
                 if kind is frames.Kind.REQUEST:
                     gone = isinstance(e, TimeoutError)
                     cls = errors.DeadlineExceededError if gone else errors.UnavailableError
-                    self.fail(
-                        cls(
-                            f"collective: {self.right_name} is unavailable: {e}",
-                            task=f"worker:{self.right_rank}",
-                        ),
-                        forward=False,
-                    )
+                    # recorded for the caller, which raises it; this thread goes on serving the
+                    # queue (a failure forwarded meanwhile must not wait for a dead sender)
+                    with contextlib.suppress(errors.OpError):
+                        self.fail(
+                            cls(
+                                f"collective: {self.right_name} is unavailable: {e}",
+                                task=f"worker:{self.right_id}",
+                            ),
+                            forward=False,
+                        )
             finally:
                 if kind is frames.Kind.REQUEST:
                     with self._counting:
@@ -489,7 +545,7 @@ class PeerLinks:
         self.check()
         stream = self._left
         assert stream is not None
-        who, task = self.left_name, f"worker:{self.left_rank}"
+        who, task = self.left_name, f"worker:{self.left_id}"
         try:
             while True:
                 stream.deadline = min(deadline, self._heard + self.silence)
@@ -512,14 +568,22 @@ class PeerLinks:
                 code, message, failed = _parse_status(stream.read_bytes(head.header_len))
                 self.fail(errors.error_class(code)(message, failed or task))
             self._received += 1
+            if head.kind is frames.Kind.REQUEST and head.call_id >> 32 != self.generation:
+                self.fail(
+                    errors.AbortedError(
+                        f"collective: {who} sent a frame of generation {head.call_id >> 32}; "
+                        f"this ring is generation {self.generation}",
+                        task=task,
+                    )
+                )
             if (
                 head.kind is not frames.Kind.REQUEST
-                or head.call_id != self._received
+                or head.call_id != self._call_id(self._received)
                 or head.payload_len != dest.nbytes
             ):
                 self.fail(
                     errors.InternalError(
-                        f"collective: frame {head.call_id} of {head.payload_len} bytes from {who}, "
+                        f"collective: frame {head.call_id & 0xFFFFFFFF} of {head.payload_len} bytes from {who}, "
                         f"expected frame {self._received} of {dest.nbytes} bytes: the workers "
                         "are running different collectives",
                         task=task,
@@ -564,5 +628,6 @@ class PeerLinks:
         for stream in (self._left, self._right):
             if stream is not None:
                 stream.close()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()

@@ -255,6 +255,13 @@ class StrategyExtended:
         """Whether this process writes summaries."""
         return True
 
+    def prepare_optimizer(self, optimizer: Any) -> None:
+        """Called by an optimizer just before it reads its step count for an update.
+
+        Nothing here; an elastic group records the optimizer (and a worker that
+        joined a running group gives it the group's step and slots first).
+        """
+
     def apply_update(
         self,
         optimizer: Any,

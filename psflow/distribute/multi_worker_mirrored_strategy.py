@@ -14,6 +14,10 @@ or stalled worker gives every survivor an error naming it, never a hang.
 Without ``TF_CONFIG`` (or for an ``evaluator`` task) it is a single-worker
 strategy over the local devices, as in TensorFlow.
 
+With ``elastic=ElasticOptions(...)`` (a psflow extension) a lost or drained
+worker does not stop the group: the survivors re-form and go on from the
+last completed step (:mod:`psflow.distribute.elastic`).
+
 Example:
     >>> import psflow as tf
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -178,8 +182,12 @@ class MultiWorkerExtended(MirroredExtended):
     def _create_mirrored(self, next_creator: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         variable = super()._create_mirrored(next_creator, kwargs)
         strategy: MultiWorkerMirroredStrategy = self._container_strategy()  # type: ignore[assignment]
+        # a worker that joined a running group takes the value it received instead
+        received = strategy._elastic is not None and strategy._elastic.state.track_variable(
+            variable
+        )
         ring = strategy._ring
-        if ring.size > 1:  # every worker starts from worker 0's bits
+        if ring.size > 1 and not received:  # every worker starts from worker 0's bits
             first = variable.values[0]._value
             host = np.ascontiguousarray(backend.to_numpy(first))
             (value,) = ring.broadcast([host], root=0)
@@ -189,6 +197,12 @@ class MultiWorkerExtended(MirroredExtended):
                 else:
                     copy._value = backend.place(value.copy(), backend.device_of(copy._value))
         return variable
+
+    def prepare_optimizer(self, optimizer: Any) -> None:
+        """An elastic group records the optimizer (its step and slots are training state)."""
+        controller = self._container_strategy()._elastic  # type: ignore[attr-defined]
+        if controller is not None:
+            controller.state.track_optimizer(optimizer)
 
     def _group(self) -> WorkerGroup:
         return self._container_strategy()._group  # type: ignore[attr-defined]
@@ -219,6 +233,12 @@ class MultiWorkerExtended(MirroredExtended):
         Every worker must ask at the same points (``fit`` does, after each step).
         Metrics that keep no summable state report this worker's own result.
         """
+        strategy: MultiWorkerMirroredStrategy = self._container_strategy()  # type: ignore[assignment]
+        if strategy._elastic is not None:
+            return strategy._elastic.call(lambda _: self._metric_results(metrics))
+        return self._metric_results(metrics)
+
+    def _metric_results(self, metrics: Any) -> dict[str, float]:
         ring: CrossHostRing = self._container_strategy()._ring  # type: ignore[attr-defined]
         states, sizes = [], []
         for m in metrics:
@@ -278,6 +298,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         communication_options: ``CommunicationOptions(bytes_per_pack,
             timeout_seconds, implementation)``; ``timeout_seconds`` bounds every
             collective and the initial connection to the neighbours.
+        elastic: ``ElasticOptions``: the group survives lost and drained workers
+            (psflow only; without it a lost worker is an error, as in TensorFlow).
 
     Raises:
         InvalidArgumentError: a bad cluster or task (see :meth:`WorkerGroup.from_resolver`).
@@ -300,7 +322,13 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self,
         cluster_resolver: Any = None,
         communication_options: CommunicationOptions | None = None,
+        elastic: Any = None,
     ) -> None:
+        from psflow.distribute.elastic.options import ElasticOptions
+
+        if elastic is not None and not isinstance(elastic, ElasticOptions):
+            raise errors.InvalidArgumentError(f"elastic must be an ElasticOptions, got {elastic!r}")
+        self._elastic: Any = None
         if cluster_resolver is None:
             from psflow.distribute.cluster_resolver import TFConfigClusterResolver
 
@@ -312,15 +340,40 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             )
         group = WorkerGroup.from_resolver(cluster_resolver)
         links = None
+        door = None
+        running = None  # the view of a group that already trains: this worker joins it
         if group.size > 1:
             _apply_thread_budget()
             from psflow.security.config import default_security
 
-            links = PeerLinks(group.rank, group.addresses, default_security())
+            security = default_security()
+            if elastic is not None:
+                from psflow.collective.door import Door
+                from psflow.collective.membership import running_view
+
+                door = Door(group.addresses[group.rank], security, f"worker:{group.rank}")
+                running = running_view(door, group.addresses, group.rank)
+            if running is not None:
+                pass  # a group of one until it is admitted (below)
+            elif door is not None:
+                links = PeerLinks(
+                    group.rank,
+                    group.addresses,
+                    security,
+                    generation=0,
+                    ids=range(group.size),
+                    incoming=door.take_ring,
+                )
+            else:
+                links = PeerLinks(group.rank, group.addresses, security)
             try:
-                links.connect(options.timeout)
+                if links is not None:
+                    links.connect(options.timeout)
             except BaseException:
-                links.close()
+                if links is not None:
+                    links.close()
+                if door is not None:
+                    door.close()
                 raise
         self._resolver = cluster_resolver
         self._group = group
@@ -333,6 +386,41 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._ring.close()
             raise
         self._fused_update = False  # the fused ring is in-process only
+        if elastic is not None and door is not None:
+            from psflow.collective.membership import View
+            from psflow.distribute.elastic.controller import ElasticController
+
+            self._elastic = ElasticController(
+                self,
+                elastic,
+                door,
+                View(0, tuple(range(group.size)), group.addresses),
+                group.rank,
+                options.timeout,
+            )
+            weakref.finalize(self, door.close)
+            if running is not None:
+                self._elastic.join(running)
+
+    @property
+    def elastic(self) -> Any:
+        """The elastic controller (membership changes in ``.changes``), or None when not elastic."""
+        return self._elastic
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        options: Any = None,
+    ) -> Any:
+        """As :meth:`MirroredStrategy.run`; an elastic group redoes it on the re-formed group."""
+        controller = self._elastic
+        if controller is None:
+            return super().run(fn, args, kwargs, options)
+        return controller.call(
+            lambda sub: MirroredStrategy.run(self, fn, sub(args), sub(kwargs or {}), options)
+        )
 
     def _reset_collectives(self) -> None:
         local = Communicator(len(self._devices), self._cross_device_ops, self._options)
@@ -363,6 +451,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             InvalidArgumentError: SUM of a non-distributed value with several local replicas.
             UnavailableError / DeadlineExceededError: a worker died or stalled (named).
         """
+        if self._elastic is not None:
+            return self._elastic.call(lambda sub: self._reduce(reduce_op, sub(value), axis))
+        return self._reduce(reduce_op, value, axis)
+
+    def _reduce(self, reduce_op: Any, value: Any, axis: int | None) -> Any:
         op = ReduceOp.from_value(reduce_op)
         n_local = len(self._devices)
 
@@ -405,6 +498,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's value of every worker along ``axis``, in replica order."""
+        if self._elastic is not None:
+            return self._elastic.call(lambda sub: self._gather(sub(value), axis))
+        return self._gather(value, axis)
+
+    def _gather(self, value: Any, axis: int) -> Any:
 
         def gather_leaf(v: Any) -> Any:
             parts = [
@@ -422,8 +520,13 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Shards ``dataset`` by worker (its ``auto_shard_policy``) and splits each global batch.
 
-        See :mod:`psflow.distribute.multi_worker_input` for the policies.
+        See :mod:`psflow.distribute.multi_worker_input` for the policies (an
+        elastic group: :mod:`psflow.distribute.elastic.input`).
         """
+        if self._elastic is not None:
+            from psflow.distribute.elastic.input import ElasticDataset
+
+            return ElasticDataset(dataset, list(self._devices), self._elastic)
         return multi_worker_input.MultiWorkerDataset(
             dataset, list(self._devices), self._group.size, self._group.rank, self._ring
         )
@@ -431,7 +534,16 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[Any], Any], options: Any = None
     ) -> Any:
-        """Calls ``dataset_fn(InputContext(workers, this worker, replicas))`` on this worker."""
+        """Calls ``dataset_fn(InputContext(workers, this worker, replicas))`` on this worker.
+
+        Raises:
+            UnimplementedError: in an elastic group (its shards would change with it).
+        """
+        if self._elastic is not None:
+            raise errors.UnimplementedError(
+                "distribute_datasets_from_function: an elastic group re-shards the epoch "
+                "itself; use experimental_distribute_dataset"
+            )
         ctx = distribute_lib.InputContext(
             self._group.size, self._group.rank, self.num_replicas_in_sync
         )

@@ -69,6 +69,11 @@ class Callback:
     def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Called after each prediction step."""
 
+    def on_membership_change(self, logs: dict | None = None) -> None:
+        """Called when an elastic group changed (``logs``: generation, members, reason,
+        ``resumed_step``, ``num_replicas_in_sync``, ``global_batch_scale``): e.g. to scale
+        the learning rate with the global batch."""
+
     def settle_after(self, batch: int) -> bool:
         """Whether ``on_train_batch_end(batch)`` needs the model settled: every
         step up to ``batch`` applied and none after it started (a backup taken

@@ -19,6 +19,14 @@ def __getattr__(name: str):
         from psflow.distribute.parameter_server_strategy import ParameterServerStrategy
 
         return ParameterServerStrategy
+    if name == "PreemptionCheckpointHandler":
+        from psflow.distribute.elastic.preemption import PreemptionCheckpointHandler
+
+        return PreemptionCheckpointHandler
+    if name in ("ElasticOptions", "BatchPolicy", "MembershipChange"):
+        from psflow.distribute import elastic
+
+        return getattr(elastic, name)
     if name == "MultiWorkerMirroredStrategy":
         from psflow.distribute.multi_worker_mirrored_strategy import MultiWorkerMirroredStrategy
 

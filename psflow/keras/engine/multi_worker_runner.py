@@ -30,6 +30,16 @@ class MultiWorkerRunner(MirroredRunner):
 
         if data_adapter.is_distributed(getattr(source, "dataset", None)):
             return source
+        if self.strategy.elastic is not None:
+            from psflow.distribute.elastic.input import ElasticDataset
+
+            self._prepared = ElasticDataset(
+                source,
+                list(self.strategy._devices),
+                self.strategy.elastic,
+                policy_of=getattr(source, "dataset", None),
+            )
+            return self._prepared
         self._prepared = multi_worker_input.MultiWorkerDataset(
             source,
             list(self.strategy._devices),
@@ -40,14 +50,48 @@ class MultiWorkerRunner(MirroredRunner):
         )
         return self._prepared
 
+    def first_epoch(self, initial_epoch: int) -> int:
+        """A worker that joined a running elastic group starts in the group's epoch."""
+        controller = self.strategy.elastic
+        if controller is None:
+            return initial_epoch
+        # its optimizer takes the group's step and slots now, even if no step is left for it
+        self.strategy.extended.prepare_optimizer(self.model.optimizer)
+        return max(initial_epoch, controller.initial_epoch)
+
     def _run(self, fn: Any, batch: Any) -> Any:
         prepared = self._prepared
-        # the loss of each replica is scaled by its share of the global batch, of every worker
-        self.model._global_batch_size = prepared.global_batch_size if prepared else None
+
+        def scaled(*args: Any) -> Any:
+            # the loss of each replica is scaled by its share of the global batch, of every
+            # worker: read when the step runs (an elastic group may cut the step again)
+            self.model._global_batch_size = prepared.global_batch_size if prepared else None
+            return fn(*args)
+
         try:
-            return self.strategy.run(fn, args=(batch,))
+            return self.strategy.run(scaled, args=(batch,))
         finally:
             self.model._global_batch_size = None
+
+    def train_epoch(
+        self,
+        source: Any,
+        steps: int | None,
+        callbacks: Any,
+        epoch: int | None = None,
+        first_step: int = 0,
+    ) -> int:
+        """As :class:`MirroredRunner`; callbacks' ``on_membership_change`` sees each change."""
+        controller = self.strategy.elastic
+        if controller is None:
+            return super().train_epoch(source, steps, callbacks, epoch, first_step)
+        remove = controller.add_listener(
+            lambda change: callbacks.on_membership_change(change.as_logs())
+        )
+        try:
+            return super().train_epoch(source, steps, callbacks, epoch, first_step)
+        finally:
+            remove()
 
     def predict(self, source: Any, steps: int | None, callbacks: Any) -> list[Any]:
         """Every worker's predictions of each global batch, in order, on every worker."""

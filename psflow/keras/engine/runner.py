@@ -30,6 +30,10 @@ class Runner(abc.ABC):
         """Steps of an epoch, when known (for the progress bar)."""
         return getattr(source, "steps", None)  # a public attribute some sources have
 
+    def first_epoch(self, initial_epoch: int) -> int:
+        """The epoch ``fit`` starts at (``initial_epoch``, unless the strategy knows better)."""
+        return initial_epoch
+
     @abc.abstractmethod
     def train_epoch(
         self,

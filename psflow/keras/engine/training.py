@@ -344,7 +344,7 @@ class Model(Layer):
         logs: dict[str, Any] = {}
         backups = [cb for cb in cb_list if isinstance(cb, callbacks_lib.BackupAndRestore)]
         cbs.on_train_begin()
-        epoch = initial_epoch
+        epoch = runner.first_epoch(initial_epoch)
         first_step = 0  # batches of the first epoch a backup holds done already
         for cb in backups:  # a restarted chief continues where the backup left off
             resumed = cb.restore()

@@ -287,8 +287,9 @@ class Optimizer(Trackable):
             pairs = [(g, v) for g, v in all_pairs if g is not None]
             if pairs:
                 grads = self._clip([g for g, _ in pairs])
-                step = self._iterations + 1
                 extended = distribute_lib.get_strategy().extended
+                extended.prepare_optimizer(self)
+                step = self._iterations + 1
                 if extended.apply_update(self, step, list(zip(grads, [v for _, v in pairs]))):
                     self._iterations = step
             return self.iterations
@@ -304,6 +305,7 @@ class Optimizer(Trackable):
         )
         # Read before the strategy's collectives: no replica can update the count until
         # every replica has arrived there, so all of them apply the same step.
+        ctx.strategy.extended.prepare_optimizer(self)
         step = self._iterations + 1
         if ctx.strategy.extended.apply_update(
             self, step, list(zip(grads, variables)), aggregate=aggregate

@@ -1,0 +1,507 @@
+"""Elastic MultiWorkerMirroredStrategy: real worker processes lose, freeze and drain a member.
+
+Each case starts 3 processes of ``tests/elastic_scenario.py`` on 127.0.0.1,
+hits one of them (SIGKILL in the forward pass, in the middle of the
+all-reduce, or after the update while the others reduce the loss; SIGSTOP
+past the silence timeout; its veth link down in a network namespace, where
+root and ``ip`` allow; SIGTERM to drain), and checks that the survivors
+
+* finish in the same processes (each writes its result and exits 0);
+* trained every example of every epoch exactly once (the gathered ids of
+  each step the group committed);
+* hold the weights of one process that replays the same per-step global
+  batches: ``atol=1e-6, rtol=1e-5``, because the group sums each step's
+  gradient over replicas in another order than one process (a few float32
+  ulps per step; 10 Adam steps of a 5-4-1 model stay well inside).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from psflow.collective import door as door_lib
+from psflow.collective.membership import Position, StaleGenerationError, View, agree
+from psflow.security.config import SecurityConfig
+from tests.conftest import ROOT, child_env, pick_free_port
+from tests.multi_worker_util import TOKEN, tf_config
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _netns
+
+SCENARIO = ROOT / "tests" / "elastic_scenario.py"
+ATOL, RTOL = 1e-6, 1e-5
+SAMPLES = 48
+
+
+def _start(
+    tmp: pathlib.Path,
+    workers: int,
+    env: dict[str, str],
+    mode: str = "train",
+    *,
+    hosts: list[str] | None = None,
+    wrap: Any = None,
+) -> tuple[list, list, list]:
+    """Starts the workers (on ``hosts[i]``, through ``wrap(i, argv)``: a network namespace)."""
+    ports = [pick_free_port() for _ in range(workers)]
+    procs, outs, logs = [], [], []
+    for i in range(workers):
+        out, log = tmp / f"w{i}.json", tmp / f"w{i}.log"
+        extra = {
+            "TF_CONFIG": _tf_config(ports, i, hosts),
+            "PSFLOW_AUTH_TOKEN": TOKEN,
+            "PSFLOW_NUM_CPU_DEVICES": env.get("DEVICES", "1"),
+            "SCENARIO_SEED": str(1 + i),
+            **env,
+        }
+        (tmp / f"w{i}.tf_config").write_text(extra["TF_CONFIG"])  # to start it again
+        with open(log, "wb") as f:
+            procs.append(
+                subprocess.Popen(
+                    (wrap or (lambda _i, a: a))(i, [sys.executable, str(SCENARIO), mode, str(out)]),
+                    env=child_env(extra),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
+            )
+        outs.append(out)
+        logs.append(log)
+    return procs, outs, logs
+
+
+def _tf_config(ports: list[int], index: int, hosts: list[str] | None) -> str:
+    if hosts is None:
+        return tf_config(ports, index)
+    cluster = {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+def _wait(procs: list, ranks: set[int], deadline: float) -> dict[int, int | None]:
+    codes: dict[int, int | None] = {}
+    for i in sorted(ranks):
+        try:
+            codes[i] = procs[i].wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[i] = None
+    return codes
+
+
+def _reap(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)  # a stopped process must wake up to die
+                p.kill()
+        p.wait()
+
+
+def _results(outs: list, logs: list) -> tuple[list[dict], list[str]]:
+    results = [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    return results, [log.read_text(errors="replace") for log in logs]
+
+
+def _reference(tmp: pathlib.Path, epochs: list, env: dict[str, str] | None = None) -> dict:
+    schedule, out = tmp / "schedule.json", tmp / "reference.json"
+    schedule.write_text(json.dumps(epochs))
+    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule), **(env or {})})
+    env.pop("TF_CONFIG", None)
+    subprocess.run(
+        [sys.executable, str(SCENARIO), "reference", str(out)],
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
+
+
+def _check_training(tmp: pathlib.Path, survivors: list[dict], logs: str) -> dict:
+    first = survivors[0]
+    for r in survivors[1:]:
+        assert r["weights"] == first["weights"], "survivors hold different weights"
+        assert r["epochs"] == first["epochs"]
+    for epoch in first["epochs"]:
+        seen = sorted(i for step in epoch for i in step)
+        assert seen == list(range(SAMPLES)), (epoch, logs)
+    reference = _reference(tmp, first["epochs"])
+    for got, want in zip(first["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    assert first["iterations"] == reference["iterations"] == sum(len(e) for e in first["epochs"])
+    return reference
+
+
+@pytest.mark.parametrize("fault", ["forward", "allreduce", "reduce"])
+def test_survivors_of_a_killed_worker_finish_the_epochs_like_one_process(tmp_path, fault):
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {"FAULT": fault, "FAULT_RANK": "1", "FAULT_STEP": "2", "SCENARIO_TIMEOUT": "10"},
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[1] == -signal.SIGKILL, texts[1][-2000:]
+    assert codes[0] == codes[2] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    survivors = [results[0], results[2]]
+    # the processes that started are the ones that finished: nothing was restarted
+    assert [results[0]["pid"], results[2]["pid"]] == [procs[0].pid, procs[2].pid]
+    _check_training(tmp_path, survivors, texts[0][-3000:])
+    for r in survivors:
+        (change,) = r["changes"]
+        assert change["members"] == [0, 2] and change["previous_members"] == [0, 1, 2]
+        assert change["reason"] == "lost" and change["generation"] == 1
+        assert change["resumed_step"] == 2  # the interrupted step was done again, by 2
+        assert change["global_batch_scale"] == pytest.approx(2 / 3)
+        assert r["replicas"] == 2
+    # steps 0-1 of 12 examples, then the epoch's other 24 in steps of 8 (the per-replica 4 kept)
+    assert [len(s) for s in survivors[0]["epochs"][0]] == [12, 12, 8, 8, 8]
+    assert [len(s) for s in survivors[0]["epochs"][1]] == [8] * 6
+
+
+def test_keep_global_cuts_the_same_global_batches_over_the_survivors(tmp_path):
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {"FAULT": "forward", "FAULT_RANK": "0", "FAULT_STEP": "5", "BATCH_POLICY": "keep_global"},
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes == {0: -signal.SIGKILL, 1: 0, 2: 0}, "\n---\n".join(t[-3000:] for t in texts)
+    # worker 0 (the first leader, the chief) is gone: worker 1 leads and becomes rank 0
+    _check_training(tmp_path, [results[1], results[2]], texts[1][-3000:])
+    (change,) = results[1]["changes"]
+    assert change["members"] == [1, 2] and change["resumed_step"] == 5
+    assert change["global_batch_scale"] == 1.0
+    for epoch in results[1]["epochs"]:  # the dataset's batches, whole, before and after
+        assert epoch == [list(range(k, k + 12)) for k in range(0, SAMPLES, 12)]
+
+
+def test_a_frozen_worker_is_dropped_and_later_refused_as_stale(tmp_path):
+    timeout = 3.0
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {
+            "FAULT": "sigstop",
+            "FAULT_RANK": "1",
+            "FAULT_STEP": "3",
+            "SCENARIO_TIMEOUT": str(timeout),
+            "STEP_SLEEP": "0.5",  # the group still trains when the frozen worker wakes up
+        },
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "generation 1: members [0, 2]" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGCONT)  # it wakes up in a group that went on without it
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[0] == codes[2] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    _check_training(tmp_path, [results[0], results[2]], texts[0][-3000:])
+    assert results[0]["changes"][0]["members"] == [0, 2]
+    assert codes[1] == 3, texts[1][-3000:]
+    assert results[1]["error"] == "StaleGenerationError", results[1]
+    assert "generation" in results[1]["message"]
+
+
+@pytest.mark.parametrize("mode", ["train", "fit"])
+def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_path, mode):
+    env = {
+        "FAULT": "forward",
+        "FAULT_RANK": "1",
+        "FAULT_STEP": "2",
+        "SCENARIO_TIMEOUT": "10",
+        "STEP_SLEEP": "1.0",  # the group still trains when the restarted worker is up
+    }
+    procs, outs, logs = _start(tmp_path, 3, env, mode=mode)
+    rejoined = None
+    try:
+        assert procs[1].wait(60) == -signal.SIGKILL
+        deadline = time.monotonic() + 60
+        while "generation 1: members [0, 2]" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        # worker 1 again, in its slot (same TF_CONFIG, port and token), as a pod restarted
+        config = (tmp_path / "w1.tf_config").read_text()
+        out, log = tmp_path / "w1-again.json", tmp_path / "w1-again.log"
+        extra = {
+            "TF_CONFIG": config,
+            "PSFLOW_AUTH_TOKEN": TOKEN,
+            "PSFLOW_NUM_CPU_DEVICES": "1",
+            "SCENARIO_SEED": "99",  # its own initial weights: the group's state must replace them
+            "SCENARIO_TIMEOUT": "10",
+            "STEP_SLEEP": "1.0",
+        }
+        with open(log, "wb") as f:
+            rejoined = subprocess.Popen(
+                [sys.executable, str(SCENARIO), mode, str(out)],
+                env=child_env(extra),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        codes = _wait([*procs, rejoined], {0, 2, 3}, time.monotonic() + 120)
+    finally:
+        _reap([*procs, *([rejoined] if rejoined else [])])
+    results, texts = _results(outs, logs)
+    texts.append(log.read_text(errors="replace"))
+    again = json.loads(out.read_text()) if out.exists() else {}
+    assert codes[0] == codes[2] == codes[3] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    if mode == "fit":  # Keras: the joiner's fit starts in the group's epoch, at its step
+        assert [c["members"] for c in results[0]["changes"]] == [[0, 2], [0, 1, 2]]
+        assert again["weights"] == results[0]["weights"] == results[2]["weights"]
+        assert again["iterations"] == results[0]["iterations"]
+        assert again["steps_run"] >= 1  # it trained with the group, not only received its end
+        return
+    _check_training(tmp_path, [results[0], results[2]], texts[0][-3000:])
+    assert [c["members"] for c in results[0]["changes"]] == [[0, 2], [0, 1, 2]]
+    assert [c["reason"] for c in results[0]["changes"]] == ["lost", "joined"]
+    joined_at = results[0]["changes"][1]["resumed_step"]
+    (mine,) = again["changes"]
+    assert mine["reason"] == "joined" and mine["resumed_step"] == joined_at
+    # the joiner holds the group's bits, and trained the group's steps from its admission
+    assert again["weights"] == results[0]["weights"]
+    assert again["iterations"] == results[0]["iterations"]
+    assert sum(len(e) for e in again["epochs"]) >= 1  # it trained steps with the group
+    # after the admission the global batch is 12 again (3 workers x 4), but for what an
+    # epoch has left at its end
+    step = 0
+    for epoch in results[0]["epochs"]:
+        for k, ids in enumerate(epoch):
+            if step >= joined_at and k < len(epoch) - 1:
+                assert len(ids) == 12, results[0]["epochs"]
+            step += 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_netns.unavailable() is not None, reason=f"{_netns.unavailable()}")
+def test_a_partitioned_worker_is_dropped_and_the_minority_side_stops(tmp_path):
+    # workers 0 and 2 in namespace "a", worker 1 alone in "b": its veth end goes down for good
+    with _netns.VethPair(tag=7) as net:
+        a, b = _netns.SERVER_ADDR, _netns.CLIENT_ADDR
+        procs, outs, logs = _start(
+            tmp_path,
+            3,
+            {"SCENARIO_TIMEOUT": "3", "MIN_WORKERS": "2", "STEP_SLEEP": "0.2", "PRINT_STEPS": "1"},
+            hosts=[a, b, a],
+            wrap=lambda i, argv: net.exec_in("b" if i == 1 else "a", argv),
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while "step 3 done" not in logs[0].read_text(errors="replace"):
+                assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+                time.sleep(0.05)
+            net.set_link("b", up=False)
+            codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+        finally:
+            _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[0] == codes[2] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    _check_training(tmp_path, [results[0], results[2]], texts[0][-3000:])
+    assert results[0]["changes"][0]["members"] == [0, 2]
+    # alone on its side, worker 1 cannot make min_workers=2: it stops instead of training alone
+    assert codes[1] == 3, texts[1][-3000:]
+    assert results[1]["error"] == "UnavailableError", results[1]
+    assert "min_workers is 2" in results[1]["message"]
+
+
+def test_a_drained_worker_leaves_at_a_step_boundary_and_no_step_is_lost(tmp_path):
+    # the scenario wraps each step in PreemptionCheckpointHandler.run (TensorFlow's API): the
+    # group saves at the boundary where worker 2 leaves, and goes on instead of exiting
+    saved = tmp_path / "preemption"
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {"FAULT": "drain", "FAULT_RANK": "2", "FAULT_STEP": "1", "PREEMPTION_DIR": str(saved)},
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes == {0: 0, 1: 0, 2: 0}, "\n---\n".join(t[-3000:] for t in texts)
+    assert "worker:2 drained after step 2" in texts[2]
+    _check_training(tmp_path, [results[0], results[1]], texts[0][-3000:])
+    for r in (results[0], results[1]):
+        (change,) = r["changes"]
+        assert change["reason"] == "drained" and change["members"] == [0, 1]
+        assert change["resumed_step"] == 2
+    # no step done twice: steps 0 and 1 whole, then 8 at a time
+    assert [len(s) for s in results[0]["epochs"][0]] == [12, 12, 8, 8, 8]
+    assert results[0]["preemption_saves"] == results[1]["preemption_saves"] == 1
+    assert results[0]["run_calls"] == 11
+    # the chief wrote the checkpoint of the boundary: 2 steps done
+    opt = pf.keras.optimizers.Adam(0.01)
+    model = pf.keras.Sequential(
+        [pf.keras.layers.Dense(4, activation="tanh"), pf.keras.layers.Dense(1)]
+    )
+    model.build((None, 5))
+    checkpoint = pf.train.Checkpoint(model=model, optimizer=opt)
+    checkpoint.restore(pf.train.latest_checkpoint(str(saved))).expect_partial()
+    assert int(opt.iterations) == 2
+
+
+def test_keras_fit_goes_on_without_a_killed_worker_and_callbacks_see_the_change(tmp_path):
+    procs, outs, logs = _start(
+        tmp_path,
+        3,
+        {"FAULT": "forward", "FAULT_RANK": "2", "FAULT_STEP": "2", "SCENARIO_TIMEOUT": "10"},
+        mode="fit",
+    )
+    try:
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes[2] == -signal.SIGKILL, texts[2][-2000:]
+    assert codes[0] == codes[1] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    first, second = results[0], results[1]
+    assert [first["pid"], second["pid"]] == [procs[0].pid, procs[1].pid]
+    assert first["weights"] == second["weights"] and first["changes"] == second["changes"]
+    (change,) = first["changes"]
+    assert change["members"] == [0, 1] and change["resumed_step"] == 2
+    assert change["global_batch_scale"] == pytest.approx(2 / 3)
+    assert first["lr_seen"] == [pytest.approx(0.01 * 2 / 3)]
+    # the steps fit took: 2 of 12 examples, then the epochs' rest 8 at a time (4 per replica)
+    rows = [list(range(0, 12)), list(range(12, 24))]
+    rows += [list(range(k, k + 8)) for k in range(24, SAMPLES, 8)]
+    epochs = [rows, [list(range(k, k + 8)) for k in range(0, SAMPLES, 8)]]
+    reference = _reference(
+        tmp_path, epochs, {"REFERENCE_LOSS": "mean", "LR_CHANGE": f"2:{0.01 * 2 / 3!r}"}
+    )
+    assert first["iterations"] == reference["iterations"] == 11
+    for got, want in zip(first["weights"], reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_every_worker_drained_at_once_ends_the_job_cleanly(tmp_path):
+    # a launcher (or Kubernetes) stopping the whole job sends every worker SIGTERM
+    procs, _outs, logs = _start(tmp_path, 3, {"STEP_SLEEP": "0.3", "PRINT_STEPS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while "step 2 done" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = _wait(procs, {0, 1, 2}, time.monotonic() + 30)
+    finally:
+        _reap(procs)
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert codes == {0: 0, 1: 0, 2: 0}, "\n---\n".join(t[-3000:] for t in texts)
+    for rank, text in enumerate(texts):
+        assert f"worker:{rank} drained after step" in text
+
+
+# -- the agreement and the door, in one process --------------------------------------------
+
+
+def _doors(n: int) -> tuple[list[door_lib.Door], tuple[str, ...]]:
+    security = SecurityConfig(token="t" * 20)
+    ports = [pick_free_port() for _ in range(n)]
+    addresses = tuple(f"127.0.0.1:{p}" for p in ports)
+    return [door_lib.Door(a, security, f"worker:{i}") for i, a in enumerate(addresses)], addresses
+
+
+def test_a_request_of_an_older_generation_is_refused_with_a_typed_error():
+    doors, addresses = _doors(2)
+    try:
+        doors[0].set_generation(3)
+        view = View(2, (0, 1), addresses)
+        with pytest.raises(StaleGenerationError, match="generation 3"):
+            agree(doors[1], view, 1, Position(5), window=1.0)
+    finally:
+        for d in doors:
+            d.close()
+
+
+def test_a_ring_link_of_an_older_generation_is_refused():
+    from psflow.collective.peer_link import PeerLinks
+
+    doors, addresses = _doors(2)
+    try:
+        doors[1].set_generation(1)
+        links = PeerLinks(
+            0, addresses, doors[0].security, generation=0, incoming=doors[0].take_ring
+        )
+        with pytest.raises(pf.errors.AbortedError, match="generation 0"):
+            links._dial_right(time.monotonic() + 5)
+        links.close()
+    finally:
+        for d in doors:
+            d.close()
+
+
+def test_an_unauthenticated_join_is_refused_and_queues_nothing():
+    import socket
+
+    from psflow.transport.dataplane import auth, frames
+
+    doors, _ = _doors(1)
+    try:
+        host, port = "127.0.0.1", int(doors[0]._listener.getsockname()[1])
+        with socket.create_connection((host, port), timeout=5) as s:
+            hello = auth.hello(SecurityConfig(token="w" * 20), "join:1/gen:0")
+            s.sendall(frames.pack(frames.Kind.HELLO, header_len=len(hello)) + hello)
+            head = frames.unpack(s.recv(frames.FIXED.size), max_header=4096, max_payload=0)
+            assert head.kind is frames.Kind.ERROR
+        assert doors[0].take_joins(0.5) == []
+    finally:
+        doors[0].close()
+
+
+def test_elastic_options_are_validated_naming_the_bad_value():
+    with pytest.raises(pf.errors.InvalidArgumentError, match="min_workers"):
+        pf.distribute.experimental.ElasticOptions(min_workers=0)
+    with pytest.raises(pf.errors.InvalidArgumentError, match="batch_policy"):
+        pf.distribute.experimental.ElasticOptions(batch_policy="sometimes")
+
+
+def test_psflow_local_elastic_keeps_the_survivors_of_a_killed_worker(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "chief.local", "--mode", "multi-worker", "--workers", "3",
+            "--elastic", str(ROOT / "examples" / "multi_worker_elastic.py"),
+            "--kill-rank", "1", "--kill-step", "5",
+        ],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "worker:1 was lost (status 137); the others go on" in out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 2):
+        assert (
+            f"[worker:{rank}] worker {rank}: generation 1: members [0, 2] (lost), 2 replicas, "
+            "resuming at step 5" in lines
+        )
+    # 5 steps of 24 examples, the epoch's other 120 in steps of 16; then 15 steps of 16
+    assert (
+        "[worker:0] worker 0: epoch 1: loss sum" in out.stdout and "28 steps so far" in out.stdout
+    )
+    sums = {ln.split("weights checksum ")[1] for ln in lines if "weights checksum" in ln}
+    assert len(sums) == 1, lines
