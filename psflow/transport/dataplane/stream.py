@@ -17,6 +17,7 @@ import contextlib
 import select
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,6 +123,10 @@ class FrameStream:
         self._view = memoryview(self._staging)
         self._start = 0
         self._end = 0
+        self.deadline: float | None = None
+        """``time.monotonic()`` by which every read must be done (None: each read
+        waits up to the socket's timeout): a frame's absolute deadline, which a
+        peer dripping its bytes cannot extend."""
 
     def close(self) -> None:
         """Closes the socket (idempotent)."""
@@ -137,12 +142,30 @@ class FrameStream:
         return self._end - self._start
 
     # -- reading -------------------------------------------------------------------
+    def _recv_into(self, view: memoryview) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the rest of the frame did not arrive in time")
+            self.sock.settimeout(left)
+        return self.sock.recv_into(view)
+
     def _fill(self) -> None:
         """Receives into the staging buffer (which holds nothing unread)."""
-        n = self.sock.recv_into(self._view)
+        n = self._recv_into(self._view)
         if n == 0:
             raise ConnectionError("the data-plane connection was closed by its peer")
         self._start, self._end = 0, n
+
+    def wait_for_bytes(self) -> None:
+        """Returns once a next frame's first bytes are here (within the socket's timeout).
+
+        Raises:
+            TimeoutError: none came in time.
+            ConnectionError: the peer closed the connection.
+        """
+        if self._start == self._end:
+            self._fill()
 
     def read_into(self, dest: memoryview) -> None:
         """Fills ``dest`` (a writable byte view) with the next ``len(dest)`` bytes."""
@@ -155,7 +178,7 @@ class FrameStream:
         while pos < n:
             left = n - pos
             if left >= DIRECT_BYTES:
-                got = self.sock.recv_into(dest[pos:])
+                got = self._recv_into(dest[pos:])
                 if got == 0:
                     raise ConnectionError("the data-plane connection was closed by its peer")
                 pos += got
