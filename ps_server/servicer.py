@@ -508,9 +508,7 @@ class ParameterServerServicer:
                 rows[i] = codec.decode_tensor(idx, max_bytes=_NO_LIMIT)
         return names, rows
 
-    @staticmethod
-    def _pull_header(tensors) -> bytes:
-        return messages.pull_header(tensors)
+    _pull_header = staticmethod(messages.pull_header)
 
     def _pulled(self, tensors: list, start: float) -> None:
         if self.metrics is not None:

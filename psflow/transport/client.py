@@ -292,35 +292,6 @@ class PSClient:
             self._link.failed(plane, e)
             raise
 
-    def _started(
-        self,
-        method: str,
-        header: bytes,
-        payload: Sequence[Any],
-        nbytes: int,
-        timeout: float | None,
-        read: Callable[[tuple[bytes, memoryview]], Any],
-        again: Callable[[float], Any],
-        retried: tuple[type[OpError], ...],
-        sink: Any = None,
-    ) -> Started | None:
-        """``method`` sent on the data plane now (None: not known, or too large)."""
-        budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-
-        def anew() -> Any:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceededError(
-                    f"{method} to {self.task} at {self.address}: Deadline Exceeded",
-                    task=self.task,
-                )
-            return again(left)
-
-        return self._link.start(
-            method, header, payload, nbytes, budget, read, anew, retried, sink=sink
-        )
-
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """Runs ``fn(*args, **kwargs)`` (e.g. ``client.pull``) on the client's thread pool."""
         with self._lock:
@@ -560,12 +531,12 @@ class PSClient:
         if expected is None:
             return None
         one = messages.PullDecoder(None, False, self._seen)
-        return self._started(
+        return self._link.start(
             "Pull",
             request.SerializeToString(),
             (),
             expected,
-            timeout,
+            self.timeout if timeout is None else timeout,
             one.frame,
             lambda left: self._pull(request, None, False, left),
             # a reply above the frame limit streams over gRPC, as pull() does
@@ -678,26 +649,8 @@ class PSClient:
     ) -> PushReply:
         """:meth:`push` of ``items`` with ``context`` as the caller built it
         (``context.timeout``: the call's deadline, and how long the PS may hold it)."""
-        header, arrays = self._push_message(items, context, shm_buffer, compression)
+        header, arrays = messages.encode_push(items, context, compression, shm_buffer)
         return self._push_invoke(header, arrays, context.timeout)
-
-    @staticmethod
-    def _push_message(
-        items: Sequence[Gradient],
-        context: PushContext,
-        shm_buffer: Any,
-        compression: str | Mapping[str, str] | None,
-    ) -> tuple[bytes, list[np.ndarray]]:
-        """A push's header bytes and its payload's arrays (none when they went
-        into ``shm_buffer``)."""
-        codecs = None
-        if compression is not None:
-            codecs = messages.push_codecs([g.name for g in items], compression)
-        header, arrays = messages.encode_push(items, context, codecs)
-        if shm_buffer is not None:
-            header.shm_payload = shm_buffer.write(arrays)
-            arrays = []
-        return header.SerializeToString(), arrays
 
     def _push_invoke(
         self, header_bytes: bytes, arrays: list[np.ndarray], timeout: float | None
@@ -758,13 +711,13 @@ class PSClient:
         """:meth:`start_push` of ``items`` with ``context`` as the caller built it."""
         if self._link.known is None or self._closed:
             return None
-        header, arrays = self._push_message(items, context, shm_buffer, None)
-        return self._started(
+        header, arrays = messages.encode_push(items, context, None, shm_buffer)
+        return self._link.start(
             "Push",
             header,
             [framing.byte_view(a) for a in arrays],
             sum(a.nbytes for a in arrays),
-            context.timeout,
+            self.timeout if context.timeout is None else context.timeout,
             lambda reply: _push_reply(ps_pb2.PushResponse.FromString(reply[0])),
             lambda left: self._push_invoke(header, arrays, left),
             (UnavailableError, DeadlineExceededError),

@@ -240,32 +240,45 @@ class PlaneLink:
         nbytes: int,
         timeout: float,
         read: Callable[[tuple[bytes, memoryview]], Any],
-        again: Callable[[], Any],
+        again: Callable[[float], Any],
         retried: tuple[type[OpError], ...],
         *,
         sink: Any = None,
+        budget: float | None = None,
     ) -> Started | None:
         """``method`` sent on the plane now, its reply read by the result's
         ``result()`` (``read(reply)``); where sending or that reply failed with
-        one of ``retried``, ``again()`` makes the call anew (the same request,
-        exactly-once id included).  None, having sent nothing, where the plane
-        is not known yet (or there is none) or ``nbytes`` is above its limit.
+        one of ``retried``, ``again(time_left)`` makes the call anew (the same
+        request, exactly-once id included) within ``budget`` seconds from now
+        (default ``timeout``).  None, having sent nothing, where the plane is
+        not known yet (or there is none) or ``nbytes`` is above its limit.
         """
         plane = self.known
         if plane is None or nbytes > self.max_payload:
             return None
+        deadline = time.monotonic() + (timeout if budget is None else budget)
+
+        def anew() -> Any:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    f"{method} to {self.task} at {self.address}: Deadline Exceeded",
+                    task=self.task,
+                )
+            return again(left)
+
         try:
             sent = plane.send(method, header, payload, timeout, sink=sink)
         except retried as e:
             self.failed(plane, e)
-            return Started(again, what=method)
+            return Started(anew, what=method)
 
         def finish() -> Any:
             try:
                 reply = sent.result()
             except retried as e:
                 self.failed(plane, e)
-                return again()
+                return anew()
             return read(reply)
 
         return Started(finish, sent.cancel, method)

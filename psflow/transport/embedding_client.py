@@ -337,8 +337,9 @@ class EmbeddingClient:
                 call.nbytes,
                 self.timeout,
                 lambda reply: call.parse(*reply),
-                functools.partial(self._exchange, call, 0),
+                lambda _left: self._exchange(call, 0),  # with a deadline of its own
                 _PLANE_RETRIED,
+                budget=2 * self.timeout,
             )
             if started is not None:
                 return started

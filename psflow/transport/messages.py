@@ -106,13 +106,19 @@ def push_codecs(
 def encode_push(
     items: Sequence[Gradient],
     context: PushContext,
-    codecs: Mapping[str, compression.Codec | None] | None = None,
-) -> tuple[ps_pb2.PushHeader, list[np.ndarray]]:
-    """A push's header and its payload's arrays, in order.
+    codecs: str | Mapping[str, str] | None = None,
+    shm_buffer: Any = None,
+) -> tuple[bytes, list[np.ndarray]]:
+    """A push's header bytes and its payload's arrays, in order.
+
+    ``codecs``: see :func:`push_codecs`; ``shm_buffer``: a
+    :class:`psflow.transport.shm.PayloadBuffer` the payload is written into
+    (the header names it, no array is returned).
 
     Raises:
-        InvalidArgumentError: a codec for a sparse gradient.
+        InvalidArgumentError: an unknown codec, or one for a sparse gradient.
     """
+    chosen_codecs = None if codecs is None else push_codecs([g.name for g in items], codecs)
     header = ps_pb2.PushHeader(wait_applied=context.wait_applied, rule_json=context.rule_json)
     header.id.client_id, header.id.sequence = context.push_id
     if context.step is not None:
@@ -123,7 +129,7 @@ def encode_push(
     arrays: list[np.ndarray] = []
     for item in items:
         name, base, g = item.name, item.base_version, item.values
-        chosen = None if codecs is None else codecs.get(name)
+        chosen = None if chosen_codecs is None else chosen_codecs[name]
         if chosen is not None and not isinstance(g, compression.Encoded):
             if item.indices is not None:
                 raise InvalidArgumentError(f"compression of sparse gradient {name!r}")
@@ -152,7 +158,10 @@ def encode_push(
                 name=name, values=codec.spec_to_proto(arr.dtype, arr.shape), base_version=base
             )
             arrays.append(arr)
-    return header, arrays
+    if shm_buffer is not None:
+        header.shm_payload = shm_buffer.write(arrays)
+        arrays = []
+    return header.SerializeToString(), arrays
 
 
 def push_context(header: ps_pb2.PushHeader, timeout: float | None) -> PushContext:
