@@ -402,10 +402,6 @@ class PullDecoder:
             arrays.append(target)
         return arrays
 
-    def _result(self) -> tuple[list[np.ndarray], list[int]]:
-        assert self.header is not None and self.arrays is not None
-        return self.arrays, [t.version for t in self.header.tensors]
-
     def messages(self, messages: Iterable[bytes]) -> tuple[list[np.ndarray], list[int]]:
         """``(arrays, versions)`` of a reply in gRPC messages (unary or streamed).
 
@@ -426,7 +422,7 @@ class PullDecoder:
                 raise InvalidArgumentError("pull reply with a second header")
             filler.feed(payload)
         filler.finish()
-        return self._result()
+        return self.arrays, [t.version for t in self.header.tensors]
 
     def sink(self, header_bytes: bytes, n: int) -> memoryview | None:
         """A data-plane sink: one tensor's payload lands straight in its array."""
@@ -453,4 +449,4 @@ class PullDecoder:
                 filler.finish()
             else:
                 self.arrays = _views(payload, self._specs(self.header))
-        return self._result()
+        return self.arrays, [t.version for t in self.header.tensors]

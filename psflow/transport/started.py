@@ -72,20 +72,31 @@ class Started:
         if on_cancel is not None:
             on_cancel()
 
+    def _take(self) -> tuple[Callable[[], Any], Callable[[], None] | None]:
+        """This call's read and cancel hooks, handed over: it is spent."""
+        read, on_cancel = self._read, self._on_cancel
+        if read is None:
+            raise InvalidArgumentError(f"the reply of {self._what} was read or given up already")
+        self._read, self._on_cancel = None, None
+        return read, on_cancel
+
     def then(self, fn: Callable[[Any], Any]) -> Started:
-        """A started call whose result is ``fn`` of this one's."""
-        return Started(lambda: fn(self.result()), self.cancel, self._what)
+        """This call as one whose result is ``fn`` of its value (this one is spent)."""
+        read, on_cancel = self._take()
+        return Started(lambda: fn(read()), on_cancel, self._what)
 
     def recover(self, errors: type | tuple[type, ...], fn: Callable[[Any], Any]) -> Started:
-        """A started call whose result is ``fn(error)`` where this one raised one of ``errors``."""
+        """This call as one whose result is ``fn(error)`` where it raised one of
+        ``errors`` (this one is spent)."""
+        read, on_cancel = self._take()
 
-        def read() -> Any:
+        def recovering() -> Any:
             try:
-                return self.result()
+                return read()
             except errors as e:
                 return fn(e)
 
-        return Started(read, self.cancel, self._what)
+        return Started(recovering, on_cancel, self._what)
 
 
 def gather(calls: Mapping[K, Started]) -> dict[K, Any]:
