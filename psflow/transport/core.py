@@ -29,12 +29,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from psflow.errors import (
-    DeadlineExceededError,
-    OpError,
-    UnavailableError,
-    to_grpc_code,
-)
+from psflow.errors import DeadlineExceededError, OpError, UnavailableError, to_grpc_code
 from psflow.proto import ps_pb2
 from psflow.security.config import SecurityConfig
 
@@ -42,7 +37,7 @@ from .dataplane import DataPlaneClient
 from .started import Started
 from .status import status_error
 
-__all__ = ["NO_RETRY", "PlaneLink", "RetryPolicy", "rpc_error"]
+__all__ = ["PlaneLink", "RetryPolicy", "rpc_error"]
 
 T = TypeVar("T")
 
@@ -138,9 +133,6 @@ class RetryPolicy:
                 raise error from None
             time.sleep(backoff * random.uniform(0.5, 1.0))
         raise AssertionError("unreachable")  # pragma: no cover
-
-
-NO_RETRY = RetryPolicy(max_attempts=1)
 
 
 class PlaneLink:

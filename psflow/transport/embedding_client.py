@@ -55,7 +55,7 @@ from .options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from .service import SERVICE as PS_SERVICE
 from .started import Started, gather, settle
 
-__all__ = ["EmbeddingClient", "WireBytes"]
+__all__ = ["EmbeddingClient", "TableClient", "WireBytes"]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,27 @@ def _push_step(reply: bytes, payload: memoryview) -> int:
     return embedding_plane.parse(reply, embedding_pb2.PushGradientsResponse).step
 
 
-class EmbeddingClient:
+class TableClient:
+    """What both table clients (this module's, and the in-process one of
+    :mod:`psflow.distribute.ps.inprocess`) share: a push is a started push waited for."""
+
+    def start_push(self, *args: Any, **kwargs: Any) -> Callable[[], list[int]]:
+        """Sends gradient rows; calling the result waits and returns each shard's step."""
+        raise NotImplementedError
+
+    def push(self, *args: Any, **kwargs: Any) -> list[int]:
+        """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
+        each shard's step (-1 where it got no ids): :meth:`start_push`'s
+        arguments, then waiting for it.
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: ids not integers, grads of the wrong shape.
+        """
+        return self.start_push(*args, **kwargs)()
+
+
+class EmbeddingClient(TableClient):
     """The dynamic tables of a cluster's PS tasks, addressed as one.
 
     Args:
@@ -481,24 +501,6 @@ class EmbeddingClient:
         if table not in self._configs:
             raise InvalidArgumentError(f"the width of table {table!r} is unknown to this client")
         return self._configs[table].dim
-
-    def push(
-        self,
-        table: str,
-        ids: Any,
-        grads: Any,
-        optimizer: dict | None = None,
-        request_ids: Callable[[int], tuple[str, int]] | None = None,
-    ) -> list[int]:
-        """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
-        each shard's step (-1 where it got no ids).  :meth:`start_push`, then
-        waiting for it.
-
-        Raises:
-            NotFoundError: unknown table.
-            InvalidArgumentError: ids not integers, grads of the wrong shape.
-        """
-        return self.start_push(table, ids, grads, optimizer, request_ids)()
 
     def start_push(
         self,

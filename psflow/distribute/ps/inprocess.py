@@ -17,7 +17,7 @@ from psflow.ps.key_index import as_ids, gradient_rows
 from psflow.ps.push_types import Gradient, PushContext, PushReply
 from psflow.ps.store import VariableMeta, VariableStore
 from psflow.ps.tables import TableRegistry
-from psflow.transport.embedding_client import WireBytes
+from psflow.transport.embedding_client import TableClient, WireBytes
 
 
 class InProcessPSConnection(PSConnection):
@@ -115,7 +115,7 @@ class InProcessPSConnection(PSConnection):
         return out
 
 
-class InProcessEmbeddingClient:
+class InProcessEmbeddingClient(TableClient):
     """The same interface as :class:`EmbeddingClient` over a :class:`TableRegistry`
     in this process (the embedded parameter server, or local training): the
     same tables and arithmetic, no RPC.
@@ -144,17 +144,6 @@ class InProcessEmbeddingClient:
         ids = np.asarray(ids)
         rows = self.registry.lookup(table, as_ids(ids), not training)
         return rows.reshape(*ids.shape, rows.shape[-1])
-
-    def push(
-        self,
-        table: str,
-        ids: Any,
-        grads: Any,
-        optimizer: dict | None = None,
-        request_ids: Callable[[int], tuple[str, int]] | None = None,
-    ) -> list[int]:
-        """Applies gradient rows (see :meth:`EmbeddingClient.push`)."""
-        return self.start_push(table, ids, grads, optimizer, request_ids)()
 
     def start_push(
         self,
