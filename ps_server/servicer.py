@@ -19,7 +19,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psflow import compression
 from psflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -29,10 +28,10 @@ from psflow.proto import ps_pb2
 from psflow.ps import write_ops
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.names import quote
-from psflow.ps.store import Gradient, VariableMeta, VariableStore
+from psflow.ps.store import VariableMeta, VariableStore
 from psflow.ps.tensors import check_extent, segments_from_pieces
 from psflow.security.limits import limit_exceeded
-from psflow.transport import codec, framing, shm
+from psflow.transport import codec, framing, messages, shm
 from psflow.transport.dataplane import Handler, Reply, Request
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
@@ -307,18 +306,7 @@ class ParameterServerServicer:
                 rows[i] = codec.decode_tensor(idx, max_bytes=_NO_LIMIT)
         return names, rows
 
-    @staticmethod
-    def _pull_header(tensors) -> bytes:
-        return ps_pb2.PullHeader(
-            tensors=[
-                ps_pb2.PulledTensor(
-                    name=t.name,
-                    spec=codec.spec_to_proto(t.value.dtype, t.value.shape),
-                    version=t.version,
-                )
-                for t in tensors
-            ]
-        ).SerializeToString()
+    _pull_header = staticmethod(messages.pull_header)
 
     def _pulled(self, tensors: list, start: float) -> None:
         if self.metrics is not None:
@@ -383,82 +371,24 @@ class ParameterServerServicer:
         caller reuses once this returns (the data plane's); ``client_gone``: whether
         the caller has left (a synchronous push stops waiting for nobody)."""
         start = time.perf_counter()
-        if not header.HasField("id") or not header.id.client_id:
-            raise InvalidArgumentError("a push needs a request id (client_id, sequence)")
-        step = header.step if header.HasField("step") else None
-        set_log_context(step=step, request_id=f"{header.id.client_id[:64]}:{header.id.sequence}")
-        layout, sizes = [], []
-        for item in header.items:
-            dtype, shape, nbytes = self._gradient_spec(item.values, item.name)
-            if item.sparse:
-                if not shape:
-                    raise InvalidArgumentError(
-                        f"sparse gradient for {quote(item.name)} has no rows"
-                    )
-                sizes.append(shape[0] * 8)
-            wire = dtype
-            if item.compression:
-                wire = compression.wire_dtype(
-                    item.compression, dtype, f"gradient for {quote(item.name)}"
-                )
-            layout.append((item, dtype, shape, wire, len(sizes)))
-            sizes.append(nbytes // dtype.itemsize * wire.itemsize)
-        assembler = framing.PayloadAssembler(sizes)
-        view = borrowed
-        if header.shm_payload:
-            if borrowed is not None and len(borrowed):
-                raise InvalidArgumentError(
-                    f"a push with {len(borrowed)} payload bytes names a shared-memory payload too"
-                )
-            # the bytes wait in the client's shared-memory segment (same host)
-            view = self._shm_payloads.view(header.shm_payload, sum(sizes))
-        if view is not None:
-            if step is not None:  # a sync contribution outlives this call: own its bytes
-                view = memoryview(bytes(view))
-            # in chunks, as if streamed: the optimizer then updates cache-sized blocks
-            # (a 64 MB SGD step: 17 ms in one piece, 13 ms in 1 MB pieces)
-            chunk = self.chunk_bytes
-            payloads = (view[i : i + chunk] for i in range(0, len(view), chunk))
-        _receive(assembler, payloads)
-        grads = []
-        for item, dtype, shape, wire, k in layout:
-            # the sizes were checked against the header above: only a bool payload can
-            # still be refused here, so its message is built only then
-            what = _GradientWhat(item.name)
-            values = segments_from_pieces(wire, shape, assembler.pieces(k), what=what)
-            if item.compression:
-                values = compression.decode_segments(item.compression, values, dtype)
-            indices = None
-            if item.sparse:
-                indices = codec.tensor_from_buffer(
-                    np.dtype("<i8"),
-                    (shape[0],),
-                    framing.join_pieces(assembler.pieces(k - 1)),
-                    what=f"indices of {what}",
-                )
-                values = values.to_array()
-            grads.append(Gradient(item.name, values, indices, item.base_version))
-        result = self.store.push(
-            grads,
-            push_id=(header.id.client_id, header.id.sequence),
-            step=header.step if header.HasField("step") else None,
-            num_required=header.num_required,
-            wait_applied=header.wait_applied,
-            max_staleness=header.max_staleness if header.HasField("max_staleness") else None,
-            timeout=timeout,
-            rule_json=header.rule_json,
-            client_gone=client_gone,
+        context = messages.push_context(header, timeout)
+        push_id = context.push_id
+        set_log_context(step=context.step, request_id=f"{push_id[0][:64]}:{push_id[1]}")
+        decoded = messages.decode_push(
+            header,
+            payloads,
+            spec=self._gradient_spec,
+            shm_view=self._shm_payloads.view,
+            chunk_bytes=self.chunk_bytes,
+            borrowed=borrowed,
+            owned=context.step is not None,  # a sync contribution outlives this call
         )
+        result = self.store.push(decoded.grads, context, client_gone=client_gone)
         if self.metrics is not None:  # only now: a rejected push leaves no series behind
-            self.metrics.record_push_seen(header.id.client_id, step)
+            self.metrics.record_push_seen(push_id[0], context.step)
         if self.metrics is not None and not result.duplicate:
             self.metrics.record_push(
-                [
-                    (item.name, sizes[k] + (sizes[k - 1] if item.sparse else 0))
-                    for item, _, _, _, k in layout
-                ],
-                time.perf_counter() - start,
-                result.staleness,
+                decoded.item_bytes, time.perf_counter() - start, result.staleness
             )
         return ps_pb2.PushResponse(
             versions=result.versions,
@@ -593,16 +523,6 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-class _GradientWhat:
-    """``gradient for 'name'``, formatted only when an error message needs it."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __str__(self) -> str:
-        return f"gradient for {quote(self.name)}"
 
 
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:

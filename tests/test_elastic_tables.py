@@ -14,8 +14,9 @@ import pytest
 
 import psflow as pf
 from psflow import errors
+from psflow.distribute.ps.inprocess import InProcessEmbeddingClient
+from psflow.distribute.ps.table_moves import move_tables
 from psflow.ps.key_index import shard_of
-from psflow.transport.embedding_client import InProcessEmbeddingClient
 from tests.test_elastic_cluster import NOWHERE, _drained, _Listing
 
 pytestmark = pytest.mark.slow
@@ -188,14 +189,14 @@ def test_every_row_slot_and_counter_reads_the_same_after_2_3_1_over_the_wire(sta
         assert len(before[0]) == VOCAB.size - 10 and len(before[1]) == LATE.size
 
         # tiny chunks (3 rows each): every table moves in many
-        assert client.move_to(addresses, chunk_bytes=200) == VOCAB.size - 10
+        assert move_tables(client, addresses, chunk_bytes=200) == VOCAB.size - 10
         assert client.num_shards == 3
         owners = shard_of(VOCAB[10:], 3)
         assert [s["t"].rows for s in client.stats()] == [int((owners == i).sum()) for i in range(3)]
         assert _state(client, "t", tmp_path / "b")[:2] == before[:2]
         np.testing.assert_array_equal(_state(client, "t", tmp_path / "b2")[2], before[2])
 
-        assert client.move_to(addresses[:1], chunk_bytes=200) == VOCAB.size - 10
+        assert move_tables(client, addresses[:1], chunk_bytes=200) == VOCAB.size - 10
         after = _state(client, "t", tmp_path / "c")
         assert after[:2] == before[:2]
         np.testing.assert_array_equal(after[2], before[2])
@@ -239,13 +240,13 @@ def test_a_target_killed_during_the_move_leaves_the_old_layout_and_a_retry_compl
         # ps:0's rows for ps:1 are staged there before ps:0 meets the dead ps:2
         servers[2].stop(signal.SIGKILL)
         with pytest.raises(errors.UnavailableError, match=r"table 't' from ps:0 to ps:2"):
-            client.move_to(addresses)
+            move_tables(client, addresses)
         assert client.num_shards == 2  # still routes by the old layout
         assert [s["t"].rows for s in client.stats()] == held  # nothing dropped, nothing merged
         np.testing.assert_array_equal(client.lookup("t", VOCAB, training=False), before)
 
         restarted = start_ps("--task", "ps:2")
-        assert client.move_to([*addresses[:2], restarted.address]) == VOCAB.size
+        assert move_tables(client, [*addresses[:2], restarted.address]) == VOCAB.size
         np.testing.assert_array_equal(client.lookup("t", VOCAB, training=False), before)
         owners = shard_of(VOCAB, 3)
         assert [s["t"].rows for s in client.stats()] == [int((owners == i).sum()) for i in range(3)]
@@ -306,7 +307,7 @@ def test_bad_import_chunks_are_refused_and_a_retried_chunk_counts_once(start_ps)
         source.lookup("t", VOCAB[10:])
         source.lookup("t", VOCAB[10:])
         source.lookup("t", LATE)
-        target._call(
+        target.call(
             0,
             "CreateTable",
             embedding_pb2.CreateTableRequest(
@@ -319,13 +320,13 @@ def test_bad_import_chunks_are_refused_and_a_retried_chunk_counts_once(start_ps)
         export = embedding_pb2.ExportRowsRequest(
             move_id="m", table="t", num_shards=2, target_shard=1, max_bytes=1 << 20
         )
-        chunk = source._call(0, "ExportRows", export).chunk
+        chunk = source.call(0, "ExportRows", export).chunk
 
         def imported(chunk, shard_index=1):
             request = embedding_pb2.ImportRowsRequest(
                 move_id="m", source_shard=0, shard_index=shard_index, num_shards=2, chunk=chunk
             )
-            return target._call(0, "ImportRows", request)
+            return target.call(0, "ImportRows", request)
 
         wide = embedding_pb2.RowChunk()
         wide.CopyFrom(chunk)
@@ -343,7 +344,7 @@ def test_bad_import_chunks_are_refused_and_a_retried_chunk_counts_once(start_ps)
         assert target.stats() == [{}]  # nothing changed
         # a switch of rows never exported (another move) is refused: nothing dropped
         with pytest.raises(errors.FailedPreconditionError, match="never exported"):
-            source._call(
+            source.call(
                 0, "CommitMove", embedding_pb2.CommitMoveRequest(move_id="m2", num_shards=2)
             )
         assert source.stats()[0]["t"].rows == VOCAB.size - 10
@@ -351,13 +352,13 @@ def test_bad_import_chunks_are_refused_and_a_retried_chunk_counts_once(start_ps)
         first, again = imported(chunk), imported(chunk)
         assert first.staged == int((shard_of(VOCAB, 2) == 1).sum()) and again.duplicate
         commit = embedding_pb2.CommitMoveRequest(move_id="m", shard_index=1, num_shards=2)
-        switched = target._call(0, "CommitMove", commit).rows
+        switched = target.call(0, "CommitMove", commit).rows
         assert switched == first.staged - int((shard_of(LATE, 2) == 1).sum())
-        assert target._call(0, "CommitMove", commit).rows == switched  # a retry: no change
+        assert target.call(0, "CommitMove", commit).rows == switched  # a retry: no change
         with pytest.raises(errors.FailedPreconditionError, match="committed"):
             imported(chunk)
         # the source switches too; the rows are where shard_of says, each once
-        source._call(0, "CommitMove", embedding_pb2.CommitMoveRequest(move_id="m", num_shards=2))
+        source.call(0, "CommitMove", embedding_pb2.CommitMoveRequest(move_id="m", num_shards=2))
         both = EmbeddingClient([s.address for s in servers])
         try:
             stats = [s["t"] for s in both.stats()]

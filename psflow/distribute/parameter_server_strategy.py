@@ -562,7 +562,7 @@ class ParameterServerStrategy(distribute_lib.Strategy):
                 ``ps`` tasks than ``num_ps`` (both counts named).
             UnimplementedError: something in use cannot move (the session's
                 ``refuse_resize``); dynamic embedding tables do move (see
-                ``EmbeddingClient.move_to``), at a step boundary.
+                ``psflow.distribute.ps.table_moves.move_tables``), at a step boundary.
             UnavailableError, DeadlineExceededError: a task involved was lost
                 or slow; the placement map holds every move completed.
         """

@@ -23,7 +23,12 @@ Example:
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
+
+from psflow.errors import InvalidArgumentError
 
 __all__ = [
     "EMPTY",
@@ -31,6 +36,8 @@ __all__ = [
     "TOMBSTONE",
     "WINDOW",
     "KeyIndex",
+    "as_ids",
+    "gradient_rows",
     "mix64",
     "shard_of",
     "sum_rows",
@@ -47,6 +54,34 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def as_ids(ids: Any) -> np.ndarray:
+    """``ids`` (any shape of integers) as a flat ``int64`` array.
+
+    Raises:
+        InvalidArgumentError: not integers, or a ``uint64`` id beyond ``int64``.
+    """
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"ids must be integers, got dtype {ids.dtype}")
+    if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 2**63:
+        raise InvalidArgumentError(f"id {int(ids.max())} does not fit in int64")
+    return ids.reshape(-1).astype(np.int64, copy=False)
+
+
+def gradient_rows(ids: Any, grads: Any) -> np.ndarray:
+    """Gradient rows ``grads`` (``ids.shape + (dim,)``) as one row per id.
+
+    Raises:
+        InvalidArgumentError: a shape that does not match ``ids``.
+    """
+    grads = np.asarray(grads)
+    if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
+        raise InvalidArgumentError(
+            f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
+        )
+    return grads.reshape(math.prod(np.shape(ids)), grads.shape[-1])
 
 
 def mix64(keys: np.ndarray) -> np.ndarray:

@@ -52,6 +52,7 @@ class PushContext:
             canonical JSON, learning rate at this step included: the PS
             installs it for these variables and applies the gradients with it
             (``""``: whatever rule the variables have).
+        max_staleness: the PS rejects gradients staler than this (None: any).
     """
 
     push_id: tuple[str, int]
@@ -60,6 +61,7 @@ class PushContext:
     wait_applied: bool = False
     timeout: float | None = None
     rule_json: str = ""
+    max_staleness: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

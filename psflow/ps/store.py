@@ -60,14 +60,14 @@ from psflow.errors import (
     UnavailableError,
 )
 from psflow.security.limits import limit_exceeded
-from psflow.transport.codec import default_max_tensor_bytes, dtype_to_wire
 from psflow.update_rules import UpdateRule, dedupe_rows, rule_from_config
+from psflow.wire.codec import default_max_tensor_bytes, dtype_to_wire
 
 from . import write_ops
 from .dedup import DedupWindow, State, TouchLog
 from .migration import PushRecord, decode_shard, encode_shard
 from .names import check_name, quote
-from .push_types import Gradient, PushReply
+from .push_types import Gradient, PushContext, PushReply
 from .rule_cache import RuleCache
 from .stats import PushLogEntry, Stats
 from .tensors import Segments, as_segments, check_extent
@@ -565,30 +565,26 @@ class VariableStore:
     def push(
         self,
         grads: Sequence[Gradient],
+        context: PushContext | None = None,
         *,
-        push_id: tuple[str, int],
-        step: int | None = None,
-        num_required: int = 0,
-        wait_applied: bool = False,
-        max_staleness: int | None = None,
-        timeout: float | None = None,
-        rule_json: str = "",
         client_gone: Callable[[], bool] | None = None,
+        **fields: Any,
     ) -> PushReply:
         """Applies (or, for a sync step, contributes) gradients, exactly once per id.
 
         Args:
             grads: one per variable; all validated before any is applied.
-            push_id: ``(client_id, sequence)``.
-            step, num_required: synchronous aggregation (see module doc).
-            wait_applied: return only once the sync step is applied.
-            max_staleness: reject gradients staler than this.
-            timeout: seconds to wait with ``wait_applied``.
-            rule_json: the update rule's config as JSON (the pusher's rate at
-                its step): installed for these variables before they are
-                updated, slots created on first use; ``""``: each variable's
-                current rule.  A rule with another slot layout than a
-                variable's is rejected.
+            context: the request's context, as the session built it (or its
+                fields as keywords: ``push_id=(client_id, sequence)``, ...):
+                ``push_id`` the exactly-once id; ``step``, ``num_required``
+                synchronous aggregation (see module doc); ``wait_applied``
+                return only once the sync step is applied; ``max_staleness``
+                reject gradients staler than this; ``timeout`` seconds to wait
+                with ``wait_applied``; ``rule_json`` the update rule's config
+                as JSON (the pusher's rate at its step): installed for these
+                variables before they are updated, slots created on first
+                use; ``""``: each variable's current rule.  A rule with
+                another slot layout than a variable's is rejected.
             client_gone: asked now and then while ``wait_applied`` waits: True
                 ends the wait (the contribution still counts).
 
@@ -601,6 +597,10 @@ class VariableStore:
             CancelledError: the client left while ``wait_applied`` waited (the
                 contribution still counts).
         """
+        if context is None:
+            context = PushContext(**fields)
+        push_id, step, num_required = context.push_id, context.step, context.num_required
+        rule_json, timeout = context.rule_json, context.timeout
         with self._rejecting():
             rule = self._pushed_rules.get(rule_json) if rule_json else None
             checked = self._validate_push(grads, step, num_required, rule)
@@ -619,14 +619,14 @@ class VariableStore:
             with self._rejecting(), self._locked([c[0] for c in checked]):
                 self._check_held([c[0] for c in checked])
                 if step is None:
-                    reply = self._apply_async(checked, client_id, max_staleness, rule)
+                    reply = self._apply_async(checked, client_id, context.max_staleness, rule)
                 else:
                     reply = self._contribute(checked, push_id, int(step), int(num_required), rule)
                 self._touched.record(push_id, [c[0].meta.name for c in checked])
                 return reply
 
         result = self._once(push_id, run, lambda r: dataclasses.replace(r, duplicate=True), timeout)
-        if wait_applied and step is not None and not result.applied:
+        if context.wait_applied and step is not None and not result.applied:
             self._wait_step([c[0] for c in checked], int(step), timeout, client_gone)
             result = dataclasses.replace(
                 result, applied=True, versions=tuple(c[0].version for c in checked)

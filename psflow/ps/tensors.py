@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from psflow.errors import InvalidArgumentError
-from psflow.transport.codec import c_contiguous
+from psflow.wire.codec import c_contiguous
 
 __all__ = ["Segments", "as_segments", "check_extent", "segments_from_pieces"]
 

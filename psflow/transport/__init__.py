@@ -1,6 +1,10 @@
 """psflow's wire: tensor codec, chunk framing, channel options and the PS client.
 
-* :mod:`.codec` — dtypes, shapes, raw little-endian bytes, ``np.frombuffer`` decoding.
+* ``codec`` — :mod:`psflow.wire.codec` (dtypes, shapes, raw little-endian bytes),
+  a layer below both this package and :mod:`psflow.ps`, named here as well.
+* :mod:`.messages` — the PS message format: each encoder beside its decoder.
+* :mod:`.started` — a call started without waiting for it; the fan-out's rule.
+* :mod:`.core` — the clients' retry policy and data-plane discovery.
 * :mod:`.framing` — header + chunk messages built and split without protobuf copies.
 * :mod:`.options` — explicit gRPC channel/server options and chunk sizes.
 * :mod:`.service` — the ParameterServer methods, shared by client and server.
@@ -11,3 +15,7 @@
 Importing this package imports neither gRPC nor the client; use
 ``from psflow.transport.client import PSClient``.
 """
+
+from psflow.wire import codec
+
+__all__ = ["codec"]

@@ -49,19 +49,16 @@ import dataclasses
 import functools
 import itertools
 import json
-import logging
 import math
-import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from psflow import compression as _compression
 from psflow import settings
 from psflow.errors import (
     DeadlineExceededError,
@@ -70,16 +67,16 @@ from psflow.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
-    to_grpc_code,
 )
 from psflow.proto import ps_pb2
-from psflow.ps.push_types import Gradient, PushReply
+from psflow.ps.push_types import Gradient, PushContext, PushReply
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
 from psflow.security.probe import diagnose_unavailable
+from psflow.wire import codec
 
-from . import codec, framing
-from .dataplane import DataPlaneClient
+from . import framing, messages
+from .core import PlaneLink, RetryPolicy
 from .options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -87,28 +84,11 @@ from .options import (
     channel_options,
 )
 from .service import METHODS, method_path
-from .status import status_error
+from .started import Started
 
 __all__ = ["PSClient", "PushReply", "RetryPolicy", "VariableDescription"]
 
 T = TypeVar("T")
-
-log = logging.getLogger(__name__)
-
-# how long the first connection to an announced data plane may take before the
-# client settles for gRPC
-_PLANE_CONNECT_TIMEOUT = 5.0
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """When and how often a retry-safe call is repeated (always within its deadline)."""
-
-    max_attempts: int = 10
-    initial_backoff: float = 0.05
-    max_backoff: float = 2.0
-    multiplier: float = 2.0
-    retry_codes: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,42 +108,6 @@ class VariableDescription:
     shm_name: str = dataclasses.field(default="", compare=False)
 
 
-def _as_gradients(
-    grads: Mapping[str, Any] | Sequence[Gradient],
-    base_versions: Mapping[str, int] | Sequence[int] | None,
-) -> list[Gradient]:
-    """A push's gradients in their one shape; the mapping short form converted here.
-
-    Raises:
-        InvalidArgumentError: base versions given twice (items carry their own)
-            or a list of them whose length differs from the gradients'.
-    """
-    if not isinstance(grads, Mapping):
-        items = list(grads)
-        if base_versions is not None:
-            raise InvalidArgumentError(
-                "base_versions given with Gradient items, which carry their own base version"
-            )
-        return items
-    names = list(grads)
-    if isinstance(base_versions, Mapping):
-        bases = [int(base_versions.get(n, -1)) for n in names]
-    elif base_versions is not None:
-        bases = [int(b) for b in base_versions]
-        if len(bases) != len(names):
-            raise InvalidArgumentError(f"{len(bases)} base versions for {len(names)} grads")
-    else:
-        bases = [-1] * len(names)
-    out = []
-    for name, base in zip(names, bases):
-        g = grads[name]
-        if isinstance(g, tuple):
-            out.append(Gradient(name, g[1], g[0], base))
-        else:
-            out.append(Gradient(name, g, None, base))
-    return out
-
-
 def _identity(b: bytes) -> bytes:
     return b
 
@@ -172,71 +116,28 @@ def _serialize(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-class _Filler:
-    """Copies a pull's streamed payload into the output arrays, in order."""
+def _assigner(op: int, doc: str) -> Callable[..., dict[str, int]]:
+    """A public write method of ``op`` (assign, assign_add, assign_sub): one signature."""
 
-    def __init__(self, views: list[np.ndarray]) -> None:
-        self._views = views
-        self._index = 0
-        self._offset = 0
-        self._skip()
+    def method(
+        self: PSClient,
+        name_or_values: str | Mapping[str, Any],
+        value: Any = None,
+        *,
+        timeout: float | None = None,
+        request_id: tuple[str, int] | None = None,
+    ) -> dict[str, int]:
+        values = {name_or_values: value} if isinstance(name_or_values, str) else name_or_values
+        return self._assign(op, values, timeout, request_id)
 
-    def _skip(self) -> None:
-        while self._index < len(self._views) and self._offset == self._views[self._index].size:
-            self._index += 1
-            self._offset = 0
-
-    def feed(self, data: memoryview | None) -> None:
-        if data is None:
-            return
-        one = len(self._views) == 1 and self._index == 0 and self._offset == 0
-        if one and len(data) == self._views[0].size:
-            # the usual unary reply: one tensor, all of it in one message
-            self._views[0][:] = np.frombuffer(data, np.uint8)
-            self._offset = len(data)
-            self._skip()
-            return
-        pos = 0
-        while pos < len(data):
-            if self._index >= len(self._views):
-                raise InvalidArgumentError("pull reply holds more bytes than its header announced")
-            view = self._views[self._index]
-            take = min(len(data) - pos, view.size - self._offset)
-            view[self._offset : self._offset + take] = np.frombuffer(
-                data[pos : pos + take], np.uint8
-            )
-            pos += take
-            self._offset += take
-            self._skip()
-
-    def finish(self) -> None:
-        if self._index < len(self._views):
-            raise InvalidArgumentError(
-                "pull reply truncated: fewer bytes than its header announced"
-            )
-
-
-def _views(payload: memoryview, specs: list[tuple[np.dtype, tuple[int, ...]]]) -> list[np.ndarray]:
-    """Arrays of ``specs`` over consecutive slices of ``payload`` (a copy where a
-    slice would be misaligned for its dtype).
-
-    Raises:
-        InvalidArgumentError: the payload's size differs from the specs' total.
-    """
-    need = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
-    if len(payload) != need:
-        raise InvalidArgumentError(f"pull reply of {len(payload)} bytes for {need} announced")
-    arrays, pos = [], 0
-    for dtype, shape in specs:
-        n = math.prod(shape) * dtype.itemsize
-        arr = np.frombuffer(payload, dtype, math.prod(shape), pos).reshape(shape)
-        arrays.append(arr if pos % dtype.itemsize == 0 else arr.copy())
-        pos += n
-    return arrays
+    method.__doc__ = doc
+    return method
 
 
 class PSClient:
-    """A client of one parameter-server task.
+    """A client of one parameter-server task: a typed facade over the client
+    core (:mod:`psflow.transport.core`: retries, data-plane discovery) and the
+    message format (:mod:`psflow.transport.messages`).
 
     Args:
         address: ``host:port`` of the task.
@@ -300,14 +201,16 @@ class PSClient:
                 stub if metadata is None else functools.partial(stub, metadata=metadata)
             )
         self._closed = False
-        # the data plane: None until asked (first push or pull), then a client or False
         process = settings.current()
-        self._want_plane = process.data_plane if data_plane is None else data_plane
-        self._plane_route = dict(process.data_plane_routes).get(address, "")
-        self._plane: DataPlaneClient | bool | None = None if self._want_plane else False
-        self._plane_max_payload = 0
-        self._plane_lock = threading.Lock()
-        self._plane_worked = False  # once it did, a failure to connect is an error
+        self._link = PlaneLink(
+            address,
+            task,
+            self.security,
+            self.client_id,
+            lambda left: self._stubs["DataPlaneInfo"](ps_pb2.DataPlaneInfoRequest(), timeout=left),
+            enabled=process.data_plane if data_plane is None else data_plane,
+            route=dict(process.data_plane_routes).get(address, ""),
+        )
 
     # -- plumbing ---------------------------------------------------------------
     def __repr__(self) -> str:
@@ -324,90 +227,21 @@ class PSClient:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        with self._plane_lock:
-            plane, self._plane = self._plane, False
-        if isinstance(plane, DataPlaneClient):
-            plane.close()
+        self._link.close()
         self._channel.close()
 
     @property
     def data_plane_address(self) -> str | None:
         """The data plane pushes and pulls go to, once known (None: gRPC, or not asked yet)."""
-        plane = self._plane
-        return plane.address if isinstance(plane, DataPlaneClient) else None
-
-    def _data_plane(self, left: float) -> DataPlaneClient | None:
-        """The PS's data plane, asked for over gRPC on first use (None: use gRPC).
-
-        Raises:
-            grpc.RpcError: the question failed (the caller's attempt fails as any
-                gRPC call would; the next one asks again).
-        """
-        plane = self._plane
-        if plane is not None:
-            return plane or None
-        with self._plane_lock:
-            if self._plane is None:
-                self._plane = self._ask_data_plane(left)
-            return self._plane or None
-
-    def _ask_data_plane(self, left: float) -> DataPlaneClient | bool:
-        try:
-            info = self._stubs["DataPlaneInfo"](ps_pb2.DataPlaneInfoRequest(), timeout=left)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a PS from before the data plane
-                return False
-            raise
-        if not info.port and not info.address:
-            return False
-        address = (
-            self._plane_route or info.address or f"{self.address.rpartition(':')[0]}:{info.port}"
-        )
-        plane = DataPlaneClient(address, self.security, task=self.task, client_name=self.client_id)
-        try:
-            plane.connect(min(left, _PLANE_CONNECT_TIMEOUT))
-        except OpError as e:
-            plane.close()
-            if self._plane_worked:  # not the first use: an ordinary transport failure
-                raise
-            log.warning(
-                "%s announces a data plane at %s, which cannot be used (%s): pushes and "
-                "pulls to it go over gRPC",
-                self.task,
-                address,
-                e,
-            )
-            return False
-        self._plane_max_payload = info.max_payload_bytes
-        self._plane_worked = True
-        return plane
-
-    def _plane_call(self, plane: DataPlaneClient, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``plane.call``; after an UNAVAILABLE failure the next attempt asks the PS
-        again where its data plane is (a restarted PS listens on a new port)."""
-        try:
-            return plane.call(method, *args, **kwargs)
-        except UnavailableError as e:
-            self._drop_plane(plane, e)
-            raise
-
-    def _drop_plane(self, plane: DataPlaneClient, error: OpError) -> None:
-        """After an UNAVAILABLE failure on ``plane`` the next attempt asks the PS again."""
-        if not isinstance(error, UnavailableError):
-            return
-        with self._plane_lock:
-            if self._plane is plane:
-                self._plane = None
-        plane.close()
-
-    # -- plumbing: ids, errors, retries
+        plane = self._link.known
+        return None if plane is None else plane.address
 
     def next_request_id(self) -> tuple[str, int]:
         """A fresh ``(client_id, sequence)`` for an exactly-once request."""
         with self._lock:
             return self.client_id, next(self._sequence)
 
-    def _credentials_problem(self, method: str, e: grpc.RpcError, left: float) -> OpError | None:
+    def _diagnose(self, method: str, e: grpc.RpcError, left: float) -> OpError | None:
         """An ``UnauthenticatedError`` when an UNAVAILABLE ``e`` is the TLS handshake refusing us."""
         if e.code() != grpc.StatusCode.UNAVAILABLE:
             return None
@@ -420,66 +254,43 @@ class PSClient:
             f"{method} to {self.task} at {self.address} failed: {reason}", task=self.task
         )
 
-    def _error(self, method: str, e: grpc.RpcError) -> OpError:
-        code = e.code()
-        return status_error(
+    def _invoke(self, method: str, attempt: Callable[[float], T], timeout: float | None) -> T:
+        """``attempt(time_left)`` under the client's retry policy, within the deadline."""
+        if self._closed:
+            raise InvalidArgumentError(f"{self!r} is closed")
+        budget = self.timeout if timeout is None else timeout
+        return self.retry.run(
             method,
             self.task,
             self.address,
-            code.value[0] if code is not None else None,
-            e.details() or "",
-            e.trailing_metadata() if isinstance(e, grpc.Call) else (),
+            attempt,
+            budget,
+            diagnose=functools.partial(self._diagnose, method),
         )
 
-    def _invoke(
-        self, method: str, attempt: Callable[[float], T], *, retry: bool, timeout: float | None
-    ) -> T:
-        """Runs ``attempt(time_left)`` until success, a final error, or the deadline."""
-        if self._closed:
-            raise InvalidArgumentError(f"{self!r} is closed")
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        backoff = self.retry.initial_backoff
-        for n in itertools.count(1):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceededError(
-                    f"{method} to {self.task} at {self.address}: deadline passed before "
-                    f"attempt {n}",
-                    task=self.task,
-                )
-            try:
-                return attempt(left)
-            except grpc.RpcError as e:
-                left = deadline - time.monotonic()
-                if n == 1:  # one diagnosis per call, not one per retry
-                    problem = self._credentials_problem(method, e, max(left, 0.05))
-                    if problem is not None:
-                        raise problem from None
-                if (
-                    retry
-                    and e.code() in self.retry.retry_codes
-                    and n < self.retry.max_attempts
-                    and left > backoff
-                ):
-                    time.sleep(backoff * random.uniform(0.5, 1.0))
-                    backoff = min(backoff * self.retry.multiplier, self.retry.max_backoff)
-                    continue
-                raise self._error(method, e) from None
-            except OpError as e:
-                # the data plane raises typed errors itself; retried as their gRPC twins
-                left = deadline - time.monotonic()
-                if (
-                    retry
-                    and to_grpc_code(e) in self.retry.retry_codes
-                    and n < self.retry.max_attempts
-                    and left > backoff
-                ):
-                    time.sleep(backoff * random.uniform(0.5, 1.0))
-                    backoff = min(backoff * self.retry.multiplier, self.retry.max_backoff)
-                    continue
-                e.task = e.task or self.task
-                raise
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
+        return self._invoke(
+            method, lambda left: self._stubs[method](request, timeout=left), timeout
+        )
+
+    def _on_plane(
+        self,
+        method: str,
+        header: bytes,
+        payload: Sequence[Any],
+        nbytes: int | None,
+        left: float,
+        **kwargs: Any,
+    ) -> tuple[bytes, memoryview] | None:
+        """``method`` on the data plane (None: none, or ``nbytes`` above its limit: use gRPC)."""
+        plane = self._link.get(left)
+        if plane is None or (nbytes is not None and nbytes > self._link.max_payload):
+            return None
+        try:
+            return plane.call(method, header, payload, left, **kwargs)
+        except UnavailableError as e:
+            self._link.failed(plane, e)
+            raise
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """Runs ``fn(*args, **kwargs)`` (e.g. ``client.pull``) on the client's thread pool."""
@@ -498,7 +309,6 @@ class PSClient:
         arrays: list[np.ndarray],
         *,
         request_id: tuple[str, int] | None,
-        retry: bool,
         timeout: float | None,
     ) -> ps_pb2.WriteResponse:
         header = ps_pb2.WriteHeader(op=op, variables=specs)
@@ -518,7 +328,7 @@ class PSClient:
                 messages = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
                 return self._stubs["WriteStream"](messages, timeout=left)
 
-        return self._invoke("Write", attempt, retry=retry, timeout=timeout)
+        return self._invoke("Write", attempt, timeout)
 
     def create_variables(
         self,
@@ -549,9 +359,7 @@ class PSClient:
                 )
             )
             arrays.append(arr)
-        reply = self._write(
-            ps_pb2.WRITE_OP_CREATE, specs, arrays, request_id=None, retry=True, timeout=timeout
-        )
+        reply = self._write(ps_pb2.WRITE_OP_CREATE, specs, arrays, request_id=None, timeout=timeout)
         for spec, arr in zip(specs, arrays, strict=True):
             self._remember(spec.name, arr.dtype, arr.shape)
         return {s.name: bool(c) for s, c in zip(specs, reply.created, strict=True)}
@@ -589,64 +397,32 @@ class PSClient:
         # closure's writes are deduplicated by the PS, not only this call's retries.
         if request_id is None and op != ps_pb2.WRITE_OP_ASSIGN:
             request_id = self.next_request_id()
-        reply = self._write(op, specs, arrays, request_id=request_id, retry=True, timeout=timeout)
+        reply = self._write(op, specs, arrays, request_id=request_id, timeout=timeout)
         return {s.name: v for s, v in zip(specs, reply.versions, strict=True)}
 
-    @staticmethod
-    def _values(name_or_values: str | Mapping[str, Any], value: Any) -> Mapping[str, Any]:
-        if isinstance(name_or_values, str):
-            return {name_or_values: value}
-        return name_or_values
-
-    def assign(
-        self,
-        name_or_values: str | Mapping[str, Any],
-        value: Any = None,
-        *,
-        timeout: float | None = None,
-        request_id: tuple[str, int] | None = None,
-    ) -> dict[str, int]:
+    assign = _assigner(
+        ps_pb2.WRITE_OP_ASSIGN,
         """Replaces values: ``assign("w", x)`` or ``assign({"w": x, ...})``; returns versions.
 
         ``request_id`` (``(client_id, sequence)``): a second request with the same
         id is answered from the PS's record instead of being applied again.
-        """
-        return self._assign(
-            ps_pb2.WRITE_OP_ASSIGN, self._values(name_or_values, value), timeout, request_id
-        )
-
-    def assign_add(
-        self,
-        name_or_values: str | Mapping[str, Any],
-        value: Any = None,
-        *,
-        timeout: float | None = None,
-        request_id: tuple[str, int] | None = None,
-    ) -> dict[str, int]:
+        """,
+    )
+    assign_add = _assigner(
+        ps_pb2.WRITE_OP_ASSIGN_ADD,
         """Adds to values (exactly once, even if retried); returns versions.
 
         ``request_id``: the caller's id (default a fresh one of this client); every
         request carrying the same id is applied once.
-        """
-        return self._assign(
-            ps_pb2.WRITE_OP_ASSIGN_ADD, self._values(name_or_values, value), timeout, request_id
-        )
-
-    def assign_sub(
-        self,
-        name_or_values: str | Mapping[str, Any],
-        value: Any = None,
-        *,
-        timeout: float | None = None,
-        request_id: tuple[str, int] | None = None,
-    ) -> dict[str, int]:
+        """,
+    )
+    assign_sub = _assigner(
+        ps_pb2.WRITE_OP_ASSIGN_SUB,
         """Subtracts from values (exactly once, even if retried); returns versions.
 
         ``request_id``: as for :meth:`assign_add`.
-        """
-        return self._assign(
-            ps_pb2.WRITE_OP_ASSIGN_SUB, self._values(name_or_values, value), timeout, request_id
-        )
+        """,
+    )
 
     def configure_optimizer(
         self, names: Sequence[str], rule_config: dict[str, Any], *, timeout: float | None = None
@@ -655,17 +431,17 @@ class PSClient:
         request = ps_pb2.ConfigureOptimizerRequest(
             names=list(names), optimizer_json=json.dumps(rule_config)
         )
-        reply = self._invoke(
-            "ConfigureOptimizer",
-            lambda left: self._stubs["ConfigureOptimizer"](request, timeout=left),
-            retry=True,
-            timeout=timeout,
-        )
+        reply = self._unary("ConfigureOptimizer", request, timeout)
         return tuple(reply.slot_names)
 
     # -- pulls ----------------------------------------------------------------------
     def _remember(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         self._specs[name] = (dtype, shape, math.prod(shape[1:]) * dtype.itemsize, shape[:1])
+
+    def _seen(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        known = self._specs.get(name)
+        if known is None or known[1] != shape:
+            self._remember(name, dtype, shape)
 
     def _expected_bytes(self, request: ps_pb2.PullRequest) -> int | None:
         """The reply's payload size if every variable's spec is known, else None."""
@@ -681,129 +457,39 @@ class PSClient:
                 total += (first[0] if first else 1) * row_bytes
         return total
 
-    def _pull_specs(self, header: Any, rows: bool) -> list[tuple[np.dtype, tuple[int, ...]]]:
-        """Each pulled tensor's dtype and shape (remembered for sizing later pulls)."""
-        specs = []
-        for t in header.tensors:
-            dtype = codec.dtype_from_wire(t.spec.dtype)
-            shape = tuple(t.spec.shape)
-            specs.append((dtype, shape))
-            if not rows:
-                known = self._specs.get(t.name)
-                if known is None or known[1] != shape:
-                    self._remember(t.name, dtype, shape)
-        return specs
-
-    def _pull_targets(
-        self, header: Any, out: Sequence[np.ndarray | None] | None, rows: bool
-    ) -> list[np.ndarray]:
-        """The arrays a pull reply fills: ``out``'s (checked) or new ones."""
-        arrays = []
-        for k, (dtype, shape) in enumerate(self._pull_specs(header, rows)):
-            target = out[k] if out is not None else None
-            if target is None:
-                target = np.empty(shape, dtype)
-            elif target.dtype != dtype or target.shape != shape or not target.flags.c_contiguous:
-                name = header.tensors[k].name
-                raise InvalidArgumentError(
-                    f"out[{k}] is {target.dtype}{list(target.shape)}, the pulled {name!r} is "
-                    f"{dtype.name}{list(shape)} (C-contiguous needed)"
-                )
-            arrays.append(target)
-        return arrays
-
-    def _decode_pull(
-        self, messages: Iterable[bytes], out: Sequence[np.ndarray | None] | None, rows: bool
-    ) -> tuple[list[np.ndarray], list[int]]:
-        it = iter(messages)
-        header_bytes, payload = framing.split_message(next(it))
-        if header_bytes is None:
-            raise InvalidArgumentError("pull reply without a header")
-        header = ps_pb2.PullHeader.FromString(header_bytes)
-        arrays = self._pull_targets(header, out, rows)
-        filler = _Filler([framing.byte_view(a) for a in arrays])
-        filler.feed(payload)
-        for message in it:
-            hdr, payload = framing.split_message(message)
-            if hdr is not None:
-                raise InvalidArgumentError("pull reply with a second header")
-            filler.feed(payload)
-        filler.finish()
-        return arrays, [t.version for t in header.tensors]
-
-    def _pull_plane(
-        self,
-        plane: DataPlaneClient,
-        raw: bytes,
-        out: Sequence[np.ndarray | None] | None,
-        rows: bool,
-        left: float,
-    ) -> tuple[list[np.ndarray], list[int]]:
-        """A pull over the data plane (see :meth:`_pull_reply`)."""
-        try:
-            sent = plane.send("Pull", raw, (), left)
-            return self._pull_reply(sent, out, rows)
-        except UnavailableError as e:
-            self._drop_plane(plane, e)
-            raise
-
-    def _pull_reply(
-        self, sent: Any, out: Sequence[np.ndarray | None] | None, rows: bool
-    ) -> tuple[list[np.ndarray], list[int]]:
-        """Reads a data-plane pull's reply: one tensor straight into its array,
-        several into one buffer the new arrays view (``out``'s are filled)."""
-        got: dict[str, Any] = {}
-
-        def sink(header_bytes: bytes, n: int) -> memoryview | None:
-            header = got["header"] = ps_pb2.PullHeader.FromString(header_bytes)
-            if len(header.tensors) != 1:
-                return None
-            got["arrays"] = arrays = self._pull_targets(header, out, rows)
-            if arrays[0].nbytes != n:
-                raise InvalidArgumentError(
-                    f"pull reply of {n} bytes for {arrays[0].nbytes} announced"
-                )
-            return memoryview(framing.byte_view(arrays[0]))
-
-        _, payload = sent.result(sink)
-        header = got["header"]
-        arrays = got.get("arrays")
-        if arrays is None:
-            if out is not None:
-                arrays = self._pull_targets(header, out, rows)
-                filler = _Filler([framing.byte_view(a) for a in arrays])
-                filler.feed(payload)
-                filler.finish()
-            else:
-                arrays = _views(payload, self._pull_specs(header, rows))
-        return arrays, [t.version for t in header.tensors]
-
     def _pull(self, request: ps_pb2.PullRequest, out, rows: bool, timeout: float | None):
         expected = self._expected_bytes(request)
         stream = expected is None or expected > self.stream_threshold
         raw = request.SerializeToString()
 
+        def decoder() -> messages.PullDecoder:
+            return messages.PullDecoder(out, rows, self._seen)
+
         def attempt(left: float):
             deadline = time.monotonic() + left
-            plane = self._data_plane(left)
-            if plane is not None and (expected is None or expected <= self._plane_max_payload):
-                try:
-                    return self._pull_plane(plane, raw, out, rows, left)
-                except ResourceExhaustedError:
-                    # larger than a data-plane frame: stream it over gRPC
-                    left = max(deadline - time.monotonic(), 0.001)
-                    return self._decode_pull(
-                        self._stubs["PullStream"](raw, timeout=left), out, rows
-                    )
+            one = decoder()
+            try:
+                reply = self._on_plane("Pull", raw, (), expected, left, sink=one.sink)
+            except ResourceExhaustedError:
+                # larger than a data-plane frame: stream it over gRPC
+                left = max(deadline - time.monotonic(), 0.001)
+                return decoder().messages(self._stubs["PullStream"](raw, timeout=left))
+            if reply is not None:
+                return one.frame(reply)
             if not stream:
                 try:
-                    return self._decode_pull([self._stubs["Pull"](raw, timeout=left)], out, rows)
+                    return decoder().messages([self._stubs["Pull"](raw, timeout=left)])
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise  # else: sizes changed behind our back; stream it
-            return self._decode_pull(self._stubs["PullStream"](raw, timeout=left), out, rows)
+            return decoder().messages(self._stubs["PullStream"](raw, timeout=left))
 
-        return self._invoke("Pull", attempt, retry=True, timeout=timeout)
+        return self._invoke("Pull", attempt, timeout)
+
+    def _pull_request(self, names: Sequence[str]) -> ps_pb2.PullRequest:
+        return ps_pb2.PullRequest(
+            items=[ps_pb2.PullItem(name=n) for n in names], chunk_bytes=self.chunk_bytes
+        )
 
     def pull(
         self,
@@ -827,48 +513,35 @@ class PSClient:
         name_list = [names] if single else list(names)
         if out is not None and len(out) != len(name_list):
             raise InvalidArgumentError(f"{len(out)} out arrays for {len(name_list)} names")
-        request = ps_pb2.PullRequest(
-            items=[ps_pb2.PullItem(name=n) for n in name_list], chunk_bytes=self.chunk_bytes
-        )
-        arrays, versions = self._pull(request, out, False, timeout)
+        arrays, versions = self._pull(self._pull_request(name_list), out, False, timeout)
         if single:
             return (arrays[0], versions[0]) if return_versions else arrays[0]
         return (arrays, versions) if return_versions else arrays
 
-    def start_pull(
-        self, names: Sequence[str], *, timeout: float | None = None
-    ) -> StartedCall | None:
+    def start_pull(self, names: Sequence[str], *, timeout: float | None = None) -> Started | None:
         """Sends :meth:`pull`'s request for ``names`` on the data plane now and
-        returns without reading the reply: :meth:`StartedCall.result` reads it
-        as ``(arrays, versions)`` (and pulls again where that attempt failed).
+        returns without reading the reply: its ``result()`` reads it as
+        ``(arrays, versions)`` (and pulls again where that attempt failed).
         None, having sent nothing, where the pull cannot go that way (no data
         plane known yet, or none, or a reply above its limit)."""
-        plane = self._plane
-        if not isinstance(plane, DataPlaneClient) or self._closed:
+        if self._closed:
             return None
-        request = ps_pb2.PullRequest(
-            items=[ps_pb2.PullItem(name=n) for n in names], chunk_bytes=self.chunk_bytes
-        )
+        request = self._pull_request(names)
         expected = self._expected_bytes(request)
-        if expected is None or expected > self._plane_max_payload:
+        if expected is None:
             return None
-        budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        try:
-            sent = plane.send("Pull", request.SerializeToString(), (), budget)
-        except (UnavailableError, DeadlineExceededError) as e:
-            self._drop_plane(plane, e)
-            sent = None
-        return StartedCall(
-            self,
+        one = messages.PullDecoder(None, False, self._seen)
+        return self._link.start(
             "Pull",
-            plane,
-            sent,
-            lambda sent: self._pull_reply(sent, None, False),
+            request.SerializeToString(),
+            (),
+            expected,
+            self.timeout if timeout is None else timeout,
+            one.frame,
             lambda left: self._pull(request, None, False, left),
             # a reply above the frame limit streams over gRPC, as pull() does
             (UnavailableError, DeadlineExceededError, ResourceExhaustedError),
-            deadline,
+            sink=one.sink,
         )
 
     def pull_rows(
@@ -939,15 +612,67 @@ class PSClient:
         Raises:
             InvalidArgumentError: an unknown codec name, or a codec for a
                 non-float or sparse gradient (nothing is sent).
-
-        Raises:
             AbortedError: a contribution to a step already applied, or too stale.
         """
-        header_bytes, arrays = self._push_message(
-            grads, push_id, base_versions, step, num_required, wait_applied, max_staleness,
-            shm_buffer, compression, rule_json,
-        )  # fmt: skip
-        return self._push_invoke(header_bytes, arrays, timeout)
+        context = self.push_context(
+            push_id, step, num_required, wait_applied, max_staleness, timeout, rule_json
+        )
+        items = messages.as_gradients(grads, base_versions)
+        return self.push_gradients(items, context, shm_buffer=shm_buffer, compression=compression)
+
+    def push_context(
+        self,
+        push_id: tuple[str, int] | int | None = None,
+        step: int | None = None,
+        num_required: int | None = None,
+        wait_applied: bool = False,
+        max_staleness: int | None = None,
+        timeout: float | None = None,
+        rule_json: str = "",
+    ) -> PushContext:
+        """:meth:`push`'s keyword arguments as the one request-context type."""
+        if push_id is None:
+            push_id = self.next_request_id()
+        elif isinstance(push_id, int):
+            push_id = (self.client_id, push_id)
+        return PushContext(
+            push_id, step, int(num_required or 0), wait_applied, timeout, rule_json, max_staleness
+        )
+
+    def push_gradients(
+        self,
+        items: Sequence[Gradient],
+        context: PushContext,
+        *,
+        shm_buffer: Any = None,
+        compression: str | Mapping[str, str] | None = None,
+    ) -> PushReply:
+        """:meth:`push` of ``items`` with ``context`` as the caller built it
+        (``context.timeout``: the call's deadline, and how long the PS may hold it)."""
+        header, arrays = messages.encode_push(items, context, compression, shm_buffer)
+        return self._push_invoke(header, arrays, context.timeout)
+
+    def _push_invoke(
+        self, header_bytes: bytes, arrays: list[np.ndarray], timeout: float | None
+    ) -> PushReply:
+        """Sends a push's message with retries (the data plane, a stream or one unary call)."""
+        views = [framing.byte_view(a) for a in arrays]
+        total = sum(a.nbytes for a in arrays)
+        message = None  # the unary gRPC message, built only if gRPC carries the push
+
+        def attempt(left: float) -> Any:
+            nonlocal message
+            reply = self._on_plane("Push", header_bytes, views, total, left)
+            if reply is not None:
+                return ps_pb2.PushResponse.FromString(reply[0])
+            if total > self.stream_threshold:
+                chunks = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
+                return self._stubs["PushStream"](chunks, timeout=left)
+            if message is None:
+                message = framing.encode_message(header_bytes, views)
+            return self._stubs["Push"](message, timeout=left)
+
+        return _push_reply(self._invoke("Push", attempt, timeout))
 
     def start_push(
         self,
@@ -960,11 +685,11 @@ class PSClient:
         timeout: float | None = None,
         shm_buffer: Any = None,
         rule_json: str = "",
-    ) -> StartedCall | None:
+    ) -> Started | None:
         """Sends :meth:`push`'s request on the data plane now and returns without
-        reading the reply: :meth:`StartedCall.result` reads it (and makes the
-        push again, with the same id, where that attempt failed).  A caller that
-        starts pushes to several tasks before it reads any reply has them apply at
+        reading the reply: its ``result()`` reads it (and makes the push again,
+        with the same id, where that attempt failed).  A caller that starts
+        pushes to several tasks before it reads any reply has them apply at
         once with no thread of its own per push.  The arguments are :meth:`push`'s.
 
         Returns None, having sent nothing, where the push cannot go that way: no
@@ -974,134 +699,29 @@ class PSClient:
         Raises:
             InvalidArgumentError: as :meth:`push` (nothing is sent).
         """
-        plane = self._plane
-        if not isinstance(plane, DataPlaneClient) or self._closed:
-            return None
-        header_bytes, arrays = self._push_message(
-            grads, push_id, None, step, num_required, wait_applied, None, shm_buffer, None,
-            rule_json,
-        )  # fmt: skip
-        if sum(a.nbytes for a in arrays) > self._plane_max_payload:
-            return None  # (the rare case: built for nothing, as push builds it again)
-        budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        try:
-            sent = plane.send("Push", header_bytes, [framing.byte_view(a) for a in arrays], budget)
-        except (UnavailableError, DeadlineExceededError) as e:
-            self._drop_plane(plane, e)
-            sent = None
-        return StartedCall(
-            self,
-            "Push",
-            plane,
-            sent,
-            lambda sent: _push_reply(ps_pb2.PushResponse.FromString(sent.result()[0])),
-            lambda left: self._push_invoke(header_bytes, arrays, left),
-            (UnavailableError, DeadlineExceededError),
-            deadline,
+        context = self.push_context(push_id, step, num_required, wait_applied, None, timeout,
+                                    rule_json)  # fmt: skip
+        return self.start_push_gradients(
+            messages.as_gradients(grads, None), context, shm_buffer=shm_buffer
         )
 
-    def _push_message(
-        self,
-        grads: Mapping[str, Any] | Sequence[Gradient],
-        push_id: tuple[str, int] | int | None,
-        base_versions: Mapping[str, int] | Sequence[int] | None,
-        step: int | None,
-        num_required: int | None,
-        wait_applied: bool,
-        max_staleness: int | None,
-        shm_buffer: Any,
-        compression: str | Mapping[str, str] | None,
-        rule_json: str,
-    ) -> tuple[bytes, list[np.ndarray]]:
-        """A push's header bytes and the arrays of its payload (none when they went
-        into ``shm_buffer``)."""
-        if push_id is None:
-            push_id = self.next_request_id()
-        elif isinstance(push_id, int):
-            push_id = (self.client_id, push_id)
-        items = _as_gradients(grads, base_versions)
-        names = [g.name for g in items]
-        codecs = self._push_codecs(names, compression)
-        header = ps_pb2.PushHeader(wait_applied=wait_applied, rule_json=rule_json)
-        header.id.client_id, header.id.sequence = push_id
-        if step is not None:
-            header.step = int(step)
-            header.num_required = int(num_required or 0)
-        if max_staleness is not None:
-            header.max_staleness = int(max_staleness)
-        arrays: list[np.ndarray] = []
-        for item in items:
-            name, base = item.name, item.base_version
-            g = item.values if item.indices is None else (item.indices, item.values)
-            if codecs[name] is not None and not isinstance(g, _compression.Encoded):
-                if isinstance(g, tuple):
-                    raise InvalidArgumentError(f"compression of sparse gradient {name!r}")
-                g = codecs[name].encode(codec.to_host(g))
-            if isinstance(g, _compression.Encoded):
-                header.items.add(
-                    name=name,
-                    values=codec.spec_to_proto(g.dtype, g.shape),
-                    base_version=base,
-                    compression=g.codec.wire_code,
-                )
-                arrays.append(np.ascontiguousarray(g.wire))
-            elif isinstance(g, tuple):
-                indices, values = g
-                idx = codec.to_host(indices).astype("<i8", copy=False).reshape(-1)
-                vals = codec.to_host(values)
-                header.items.add(
-                    name=name,
-                    values=codec.spec_to_proto(vals.dtype, vals.shape),
-                    sparse=True,
-                    base_version=base,
-                )
-                arrays += [idx, vals]
-            else:
-                arr = codec.to_host(g)
-                header.items.add(
-                    name=name, values=codec.spec_to_proto(arr.dtype, arr.shape), base_version=base
-                )
-                arrays.append(arr)
-        if shm_buffer is not None:
-            header.shm_payload = shm_buffer.write(arrays)
-            arrays = []
-        return header.SerializeToString(), arrays
-
-    def _push_invoke(
-        self, header_bytes: bytes, arrays: list[np.ndarray], timeout: float | None
-    ) -> PushReply:
-        """Sends a push's message with retries (the data plane, a stream or one unary call)."""
-        views = [framing.byte_view(a) for a in arrays]
-        total = sum(a.nbytes for a in arrays)
-        message = None  # the unary gRPC message, built only if gRPC carries the push
-
-        def attempt(left: float) -> Any:
-            nonlocal message
-            plane = self._data_plane(left)
-            if plane is not None and total <= self._plane_max_payload:
-                raw, _ = self._plane_call(plane, "Push", header_bytes, views, timeout=left)
-                return ps_pb2.PushResponse.FromString(raw)
-            if total > self.stream_threshold:
-                messages = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
-                return self._stubs["PushStream"](messages, timeout=left)
-            if message is None:
-                message = framing.encode_message(header_bytes, views)
-            return self._stubs["Push"](message, timeout=left)
-
-        return _push_reply(self._invoke("Push", attempt, retry=True, timeout=timeout))
-
-    @staticmethod
-    def _push_codecs(
-        names: Sequence[str], compression: str | Mapping[str, str] | None
-    ) -> dict[str, _compression.Codec | None]:
-        """Each gradient's codec, every name checked before anything is sent."""
-        if compression is None:
-            return dict.fromkeys(names)
-        if isinstance(compression, str):
-            one = _compression.get_codec(compression)
-            return dict.fromkeys(names, one)
-        return {n: _compression.get_codec(compression.get(n, "none")) for n in names}
+    def start_push_gradients(
+        self, items: Sequence[Gradient], context: PushContext, *, shm_buffer: Any = None
+    ) -> Started | None:
+        """:meth:`start_push` of ``items`` with ``context`` as the caller built it."""
+        if self._link.known is None or self._closed:
+            return None
+        header, arrays = messages.encode_push(items, context, None, shm_buffer)
+        return self._link.start(
+            "Push",
+            header,
+            [framing.byte_view(a) for a in arrays],
+            sum(a.nbytes for a in arrays),
+            self.timeout if context.timeout is None else context.timeout,
+            lambda reply: _push_reply(ps_pb2.PushResponse.FromString(reply[0])),
+            lambda left: self._push_invoke(header, arrays, left),
+            (UnavailableError, DeadlineExceededError),
+        )
 
     def push_async(self, grads: Mapping[str, Any], **kwargs: Any) -> concurrent.futures.Future:
         """:meth:`push` on the client's thread pool; returns a future.
@@ -1111,15 +731,6 @@ class PSClient:
         kwargs.setdefault("push_id", self.next_request_id())
         return self.submit(self.push, grads, **kwargs)
 
-    # -- the rest -------------------------------------------------------------------------
-    def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
-        return self._invoke(
-            method,
-            lambda left: self._stubs[method](request, timeout=left),
-            retry=True,
-            timeout=timeout,
-        )
-
     # -- resizing ------------------------------------------------------------------------
     def export_shard(self, names: Sequence[str], *, timeout: float | None = None) -> bytes:
         """A copy of variables with slots, versions and push records (changes nothing)."""
@@ -1128,7 +739,7 @@ class PSClient:
         def attempt(left: float) -> bytes:
             return b"".join(m.state for m in self._stubs["ExportShard"](request, timeout=left))
 
-        return self._invoke("ExportShard", attempt, retry=True, timeout=timeout)
+        return self._invoke("ExportShard", attempt, timeout)
 
     def import_shard(
         self, state: bytes, placement_version: int, *, timeout: float | None = None
@@ -1144,7 +755,7 @@ class PSClient:
         def attempt(left: float) -> Any:
             return self._stubs["ImportShard"](messages(), timeout=left)
 
-        return list(self._invoke("ImportShard", attempt, retry=True, timeout=timeout).names)
+        return list(self._invoke("ImportShard", attempt, timeout).names)
 
     def release_shard(
         self,
@@ -1251,8 +862,7 @@ class PSClient:
         reply = self._invoke(
             "Health.Check",
             lambda left: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=left),
-            retry=True,
-            timeout=timeout,
+            timeout,
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
@@ -1281,68 +891,3 @@ class PSClient:
 def _push_reply(reply: Any) -> PushReply:
     """A ``PushResponse``'s :class:`PushReply`."""
     return PushReply(tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness))
-
-
-class StartedCall:
-    """A push or pull sent by :meth:`PSClient.start_push` / :meth:`PSClient.start_pull`
-    whose reply is not read yet.
-
-    ``read(sent)`` turns the sent call's reply into the value; where that
-    attempt failed with one of ``retried``, ``again(time_left)`` makes the call
-    anew, as the blocking method with its retries (a push with the same id).
-    """
-
-    __slots__ = (
-        "_again",
-        "_client",
-        "_deadline",
-        "_method",
-        "_plane",
-        "_read",
-        "_retried",
-        "_sent",
-    )
-
-    def __init__(
-        self,
-        client: PSClient,
-        method: str,
-        plane: DataPlaneClient,
-        sent: Any,
-        read: Callable[[Any], Any],
-        again: Callable[[float], Any],
-        retried: tuple[type[OpError], ...],
-        deadline: float,
-    ) -> None:
-        self._client, self._method, self._plane, self._sent = client, method, plane, sent
-        self._read, self._again, self._retried, self._deadline = read, again, retried, deadline
-
-    def result(self) -> Any:
-        """The value (once).
-
-        Raises:
-            OpError: the call failed (as the blocking method).
-        """
-        sent, self._sent = self._sent, None
-        read, self._read = self._read, None
-        client = self._client
-        if read is None:
-            raise InvalidArgumentError(f"the reply of {self._method} was read or given up already")
-        if sent is not None:
-            try:
-                return read(sent)
-            except self._retried as e:
-                client._drop_plane(self._plane, e)
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceededError(
-                f"{self._method} to {client.task} at {client.address}: Deadline Exceeded",
-                task=client.task,
-            )
-        return self._again(left)
-
-    def cancel(self) -> None:
-        """Gives up on the reply (a push may still be applied)."""
-        sent, self._sent, self._read = self._sent, None, None
-        if sent is not None:
-            sent.cancel()

@@ -21,7 +21,6 @@ Example (a running cluster's PS addresses)::
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -29,7 +28,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -39,32 +38,35 @@ from psflow import settings
 from psflow.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
-    OpError,
     UnavailableError,
-    error_class,
-    from_grpc,
 )
 from psflow.proto import embedding_pb2, ps_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
-from psflow.ps.key_index import shard_of, sum_rows, unique_ids
-from psflow.ps.tables import TableRegistry
+from psflow.ps.key_index import as_ids, gradient_rows, shard_of, sum_rows, unique_ids
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
 from psflow.update_rules import put_rows, take_rows
+from psflow.wire import codec
 
-from . import codec, embedding_plane
-from .dataplane import DataPlaneClient
+from . import embedding_plane
+from .core import PlaneLink, RetryPolicy
 from .options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from .service import SERVICE as PS_SERVICE
+from .started import Started, gather, settle
 
-__all__ = ["EmbeddingClient", "InProcessEmbeddingClient", "WireBytes"]
+__all__ = ["EmbeddingClient", "TableClient", "WireBytes"]
 
 log = logging.getLogger(__name__)
 
 _SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
-# seconds to open the first data-plane connection before falling back to gRPC
-_PLANE_CONNECT_TIMEOUT = 5.0
+# a table call is repeated once, at once, where it was UNAVAILABLE or timed out (each
+# attempt with the whole timeout): pushes carry their request id, applied once
+_RETRY = RetryPolicy(
+    initial_backoff=0.0,
+    retry_codes=frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}),
+)
+_PLANE_RETRIED = (UnavailableError, DeadlineExceededError)
 
 
 @dataclasses.dataclass
@@ -77,22 +79,13 @@ class WireBytes:
     pushes: int = 0
 
 
-def _as_ids(ids: Any) -> np.ndarray:
-    ids = np.asarray(ids)
-    if ids.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"ids must be integers, got dtype {ids.dtype}")
-    if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 2**63:
-        raise InvalidArgumentError(f"id {int(ids.max())} does not fit in int64")
-    return ids.reshape(-1).astype(np.int64, copy=False)
-
-
 @dataclasses.dataclass(frozen=True)
 class _ShardCall:
     """A Lookup or PushGradients call to one task, either way it can travel.
 
     ``request()`` gives the data-plane header and payload buffers of ``method``
     (``nbytes`` of payload) and ``parse(header, payload)`` its reply's value;
-    ``over_grpc()`` makes the whole call over gRPC instead.
+    ``over_grpc(time_left)`` makes one attempt of the whole call over gRPC instead.
     """
 
     shard: int
@@ -100,76 +93,7 @@ class _ShardCall:
     nbytes: int
     request: Callable[[], tuple[bytes, Sequence[Any]]]
     parse: Callable[[bytes, memoryview], Any]
-    over_grpc: Callable[[], Any]
-
-
-def _close_planes(planes: Sequence[Any]) -> None:
-    for plane in planes:
-        if plane:
-            plane[0].close()
-
-
-class _Pending:
-    """A call to one shard in flight on the client's pool, already done (the
-    calling thread made it itself), deferred (the thread that waits for it
-    makes it then), or sent on the data plane with its reply read then:
-    :meth:`result` waits for the reply or raises its typed error."""
-
-    __slots__ = ("_deferred", "_future", "_on_cancel", "_reply")
-
-    def __init__(
-        self,
-        future: concurrent.futures.Future | None,
-        reply: Any = None,
-        deferred: Callable[[], Any] | None = None,
-        on_cancel: Callable[[], None] | None = None,
-    ) -> None:
-        self._future, self._reply, self._deferred = future, reply, deferred
-        self._on_cancel = on_cancel
-
-    def result(self) -> Any:
-        """The reply.
-
-        Raises:
-            OpError: the call failed (its typed error, naming ``ps:<shard>``).
-        """
-        if self._deferred is not None:
-            call, self._deferred, self._on_cancel = self._deferred, None, None
-            self._reply = call()
-        return self._reply if self._future is None else self._future.result()
-
-    def cancel(self) -> None:
-        """Gives up on a call not started yet (or sent and not answered yet)."""
-        self._deferred = None
-        if self._future is not None:
-            self._future.cancel()
-        if self._on_cancel is not None:
-            on_cancel, self._on_cancel = self._on_cancel, None
-            on_cancel()
-
-
-def _gather(pending: dict[int, _Pending]) -> dict[int, Any]:
-    """Every shard's reply; on the first failure the others are cancelled and it raises."""
-    replies = {}
-    try:
-        for shard, call in pending.items():
-            replies[shard] = call.result()
-    except BaseException:
-        for call in pending.values():
-            call.cancel()
-        raise
-    return replies
-
-
-@contextlib.contextmanager
-def _cancelled_on_error(pending: dict[int, _Pending]) -> Iterator[None]:
-    """Cancels the calls started so far when starting the next one raises."""
-    try:
-        yield
-    except BaseException:
-        for call in pending.values():
-            call.cancel()
-        raise
+    over_grpc: Callable[[float], Any]
 
 
 def _push_step(reply: bytes, payload: memoryview) -> int:
@@ -177,7 +101,27 @@ def _push_step(reply: bytes, payload: memoryview) -> int:
     return embedding_plane.parse(reply, embedding_pb2.PushGradientsResponse).step
 
 
-class EmbeddingClient:
+class TableClient:
+    """What both table clients (this module's, and the in-process one of
+    :mod:`psflow.distribute.ps.inprocess`) share: a push is a started push waited for."""
+
+    def start_push(self, *args: Any, **kwargs: Any) -> Callable[[], list[int]]:
+        """Sends gradient rows; calling the result waits and returns each shard's step."""
+        raise NotImplementedError
+
+    def push(self, *args: Any, **kwargs: Any) -> list[int]:
+        """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
+        each shard's step (-1 where it got no ids): :meth:`start_push`'s
+        arguments, then waiting for it.
+
+        Raises:
+            NotFoundError: unknown table.
+            InvalidArgumentError: ids not integers, grads of the wrong shape.
+        """
+        return self.start_push(*args, **kwargs)()
+
+
+class EmbeddingClient(TableClient):
     """The dynamic tables of a cluster's PS tasks, addressed as one.
 
     Args:
@@ -216,7 +160,6 @@ class EmbeddingClient:
         process = settings.current()
         self._want_plane = process.data_plane if data_plane is None else data_plane
         self._plane_routes = dict(process.data_plane_routes)
-        self._plane_lock = threading.Lock()
         self.addresses = list(addresses)
         self.timeout = timeout
         self.security = default_security() if security is None else security
@@ -228,7 +171,7 @@ class EmbeddingClient:
         self.hot_rows = hot_rows
         self._hot: dict[str, HotRowCache] = {}
         self._hot_policies: dict[str, HotRowPolicy] = {}
-        self._max_message_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes
         self.parallel = parallel
         # ``(ids, shard count, parts)`` of the last split: a push carries the unique
         # ids its lookup just split (one tuple, replaced whole: threads may share it)
@@ -239,7 +182,7 @@ class EmbeddingClient:
         """Channels, stubs and a thread pool for ``self.addresses``."""
         self._metadata = self.security.call_metadata() or None
         self._channels = [
-            open_channel(a, self.security, channel_options(self._max_message_bytes))
+            open_channel(a, self.security, channel_options(self.max_message_bytes))
             for a in self.addresses
         ]
         self._stubs: list[dict[str, grpc.UnaryUnaryMultiCallable]] = []
@@ -253,18 +196,26 @@ class EmbeddingClient:
                     response_deserializer=response_cls.FromString,
                 )
             self._stubs.append(stubs)
-        self._info_stubs = [
-            channel.unary_unary(
-                f"/{PS_SERVICE}/DataPlaneInfo",
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=ps_pb2.DataPlaneInfoResponse.FromString,
+        # each task's data plane, asked for on its first lookup or push
+        self._links = [
+            PlaneLink(
+                address,
+                f"ps:{s}",
+                self.security,
+                self.client_id,
+                functools.partial(
+                    channel.unary_unary(
+                        f"/{PS_SERVICE}/DataPlaneInfo",
+                        request_serializer=lambda m: m.SerializeToString(),
+                        response_deserializer=ps_pb2.DataPlaneInfoResponse.FromString,
+                    ),
+                    ps_pb2.DataPlaneInfoRequest(),
+                    metadata=self._metadata,
+                ),
+                enabled=self._want_plane,
+                route=self._plane_routes.get(address, ""),
             )
-            for channel in self._channels
-        ]
-        # each task's data plane: None until asked (first lookup or push), then
-        # ``(client, max payload bytes)`` or False (gRPC)
-        self._planes: list[tuple[DataPlaneClient, int] | bool | None] = [
-            None if self._want_plane else False for _ in self.addresses
+            for s, (address, channel) in enumerate(zip(self.addresses, self._channels))
         ]
         # fan-outs: one call per shard here (a lookup's last shard runs in the
         # calling thread); not gRPC futures, which start a thread per call when idle
@@ -276,7 +227,7 @@ class EmbeddingClient:
     def data_plane_addresses(self) -> list[str | None]:
         """Per task, the data plane its lookups and pushes go to, once known
         (None: gRPC, or not asked yet)."""
-        return [p[0].address if p else None for p in self._planes]
+        return [None if link.known is None else link.known.address for link in self._links]
 
     @property
     def num_shards(self) -> int:
@@ -295,7 +246,7 @@ class EmbeddingClient:
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
         if list(addresses) == self.addresses:
             return
-        old_pool, old_channels, old_planes = self._pool, self._channels, self._planes
+        old_pool, old_channels, old_links = self._pool, self._channels, self._links
         with self._lock:
             self.addresses = list(addresses)
             self._connect()
@@ -303,171 +254,16 @@ class EmbeddingClient:
         old_pool.shutdown(wait=False)
         for channel in old_channels:
             channel.close()
-        _close_planes(old_planes)
-
-    def move_to(self, addresses: Sequence[str], chunk_bytes: int | None = None) -> int:
-        """Re-shards every table over ``addresses`` over the wire; returns the rows held after.
-
-        For each old task and table, the rows (with every optimizer slot,
-        admission candidate and count, TTL clock) another task owns under the
-        new count are exported in chunks bounded by the message limit and
-        staged by their new owners (tasks added start empty and only
-        receive); then every task of the new layout switches (drops exactly
-        the rows it exported, merges what it staged) and this client routes
-        by ``addresses``. No filesystem is involved. Nothing may look up or
-        push meanwhile (the coordinator fences the resize at a step boundary).
-        The tasks removed keep their rows until they are drained.
-        ``chunk_bytes`` bounds the row bytes of one chunk (default: a quarter of the
-        message limit).
-
-        Raises:
-            InvalidArgumentError: no address, or a layout that moves a kept task.
-            OpError: a task failed before the switch (the error names the table
-                and the tasks): nothing was dropped anywhere, this client still
-                routes by the old tasks, and calling again completes the move;
-                or a task failed during the switch (the error says which
-                tasks switched).
-        """
-        new = list(addresses)
-        if not new:
-            raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
-        old_n, new_n = self.num_shards, len(new)
-        kept = min(old_n, new_n)
-        if new[:kept] != self.addresses[:kept]:
-            raise InvalidArgumentError(
-                f"a resize keeps the tasks it does not add or remove: {self.addresses[:kept]} "
-                f"became {new[:kept]}"
-            )
-        if new == self.addresses:
-            return sum(t.rows for shard in self.stats() for t in shard.values())
-        names = sorted(set().union(*(shard.keys() for shard in self.stats())))
-        move_id = uuid.uuid4().hex
-        target = EmbeddingClient(
-            new,
-            timeout=self.timeout,
-            security=self.security,
-            max_message_bytes=self._max_message_bytes,
-        )
-        try:
-            try:
-                for name in names:  # the old tasks export in parallel
-                    futures = [
-                        self._pool.submit(self._move_rows, target, move_id, name, s, chunk_bytes)
-                        for s in range(old_n)
-                    ]
-                    concurrent.futures.wait(futures)
-                    for f in futures:
-                        f.result()
-            except OpError:
-                self._abort_move(target, move_id)
-                raise
-            rows = self._commit_move(target, move_id)
-        finally:
-            target.close()
-        self.retarget(new)
-        return rows
-
-    def _move_rows(
-        self,
-        target: EmbeddingClient,
-        move_id: str,
-        name: str,
-        source: int,
-        chunk_bytes: int | None,
-    ) -> None:
-        """Hands table ``name``'s rows leaving task ``source`` to their new owners."""
-        new_n = target.num_shards
-        for t in range(new_n):
-            if t == source:
-                continue
-            for chunk_index in range(1 << 30):  # bounded by the rows: each chunk holds >= 1
-                try:
-                    reply = self._call(
-                        source,
-                        "ExportRows",
-                        embedding_pb2.ExportRowsRequest(
-                            move_id=move_id,
-                            table=name,
-                            num_shards=new_n,
-                            target_shard=t,
-                            chunk_index=chunk_index,
-                            max_bytes=chunk_bytes or self._max_message_bytes // 4,
-                        ),
-                        retries=1,
-                    )
-                    if t >= self.num_shards and chunk_index == 0:
-                        # an added task starts empty and serves nothing before the
-                        # switch; its optimizer binds there
-                        config = TableConfig.from_json(reply.chunk.config_json)
-                        config = dataclasses.replace(config, optimizer=None)
-                        target._call(
-                            t,
-                            "CreateTable",
-                            embedding_pb2.CreateTableRequest(
-                                config_json=config.to_json(),
-                                shard_index=t,
-                                num_shards=new_n,
-                                move_id=move_id,
-                            ),
-                            retries=1,
-                        )
-                    target._call(
-                        t,
-                        "ImportRows",
-                        embedding_pb2.ImportRowsRequest(
-                            move_id=move_id,
-                            source_shard=source,
-                            chunk_index=chunk_index,
-                            shard_index=t,
-                            num_shards=new_n,
-                            chunk=reply.chunk,
-                        ),
-                        retries=1,
-                    )
-                except OpError as e:
-                    raise error_class(e.code)(
-                        f"moving dynamic table {name!r} from ps:{source} to ps:{t} of "
-                        f"{new_n}: {e.message} (nothing was dropped: the old layout stays; "
-                        "retry the resize)",
-                        task=e.task,
-                    ) from e
-                if not reply.more:
-                    break
-
-    def _abort_move(self, target: EmbeddingClient, move_id: str) -> None:
-        """Best effort: every task reachable forgets the move's snapshots and chunks."""
-        request = embedding_pb2.AbortMoveRequest(move_id=move_id)
-        for client in (self, target):
-            for s in range(client.num_shards):
-                with contextlib.suppress(OpError):
-                    client._call(s, "AbortMove", request, timeout=min(self.timeout, 5.0))
-
-    def _commit_move(self, target: EmbeddingClient, move_id: str) -> int:
-        """The switch on every task of the new layout; returns the rows they hold."""
-        rows, done = 0, []
-        for t in range(target.num_shards):
-            request = embedding_pb2.CommitMoveRequest(
-                move_id=move_id, shard_index=t, num_shards=target.num_shards
-            )
-            try:
-                rows += target._call(t, "CommitMove", request, retries=1).rows
-            except OpError as e:
-                raise error_class(e.code)(
-                    f"switching the dynamic tables to {target.num_shards} tasks failed at "
-                    f"ps:{t} after {done} switched: {e.message}",
-                    task=e.task,
-                ) from e
-            done.append(f"ps:{t}")
-        return rows
+        for link in old_links:
+            link.close()
 
     def close(self) -> None:
         """Closes the channels, the data-plane connections and the thread pool."""
         self._pool.shutdown(wait=False)
         for channel in self._channels:
             channel.close()
-        with self._plane_lock:
-            planes, self._planes = self._planes, [False] * len(self._planes)
-        _close_planes(planes)
+        for link in self._links:
+            link.close()
 
     def __enter__(self) -> EmbeddingClient:
         return self
@@ -475,7 +271,7 @@ class EmbeddingClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(
+    def call(
         self,
         shard: int,
         method: str,
@@ -483,143 +279,98 @@ class EmbeddingClient:
         retries: int = 0,
         timeout: float | None = None,
     ) -> Any:
-        for attempt in range(retries + 1):
-            try:
-                return self._stubs[shard][method](
-                    request, timeout=timeout or self.timeout, metadata=self._metadata
-                )
-            except grpc.RpcError as e:
-                error = from_grpc(e, task=f"ps:{shard}")
-                retriable = isinstance(error, (UnavailableError, DeadlineExceededError))
-                if attempt == retries or not retriable:
-                    raise error from None
-        raise AssertionError("unreachable")
-
-    def _plane(self, shard: int) -> tuple[DataPlaneClient, int] | None:
-        """Task ``shard``'s data plane and its payload limit, asked over gRPC on
-        first use (None: use gRPC).
+        """One gRPC call of the table service to task ``shard``, repeated up to
+        ``retries`` times where it was UNAVAILABLE or timed out (each attempt
+        with ``timeout``, default the client's).
 
         Raises:
-            OpError: the question failed (the call fails as a gRPC call would;
-                the next one asks again).
+            OpError: the call's typed error, naming ``ps:<shard>``.
         """
-        plane = self._planes[shard]
-        if plane is not None:
-            return plane or None
-        with self._plane_lock:
-            if self._planes[shard] is None:
-                self._planes[shard] = self._ask_plane(shard)
-            return self._planes[shard] or None
+        stub = self._stubs[shard][method]
+        return self._run(
+            shard,
+            method,
+            lambda left: stub(request, timeout=left, metadata=self._metadata),
+            retries,
+            timeout,
+        )
 
-    def _ask_plane(self, shard: int) -> tuple[DataPlaneClient, int] | bool:
-        try:
-            info = self._info_stubs[shard](
-                ps_pb2.DataPlaneInfoRequest(), timeout=self.timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a PS from before the data plane
-                return False
-            raise from_grpc(e, task=f"ps:{shard}") from None
-        if not info.port and not info.address:
-            return False
-        grpc_address = self.addresses[shard]
-        address = (
-            self._plane_routes.get(grpc_address, "")
-            or info.address
-            or f"{grpc_address.rpartition(':')[0]}:{info.port}"
-        )
-        plane = DataPlaneClient(
-            address, self.security, task=f"ps:{shard}", client_name=self.client_id
-        )
-        try:
-            plane.connect(min(self.timeout, _PLANE_CONNECT_TIMEOUT))
-        except OpError as e:
-            plane.close()
-            log.warning(
-                "ps:%d announces a data plane at %s, which cannot be used (%s): table "
-                "lookups and pushes to it go over gRPC",
-                shard,
-                address,
-                e,
-            )
-            return False
-        return plane, info.max_payload_bytes
+    def _run(
+        self,
+        shard: int,
+        method: str,
+        attempt: Callable[[float], Any],
+        retries: int,
+        timeout: float | None = None,
+    ) -> Any:
+        """``attempt(time_left)`` under the table client's retry policy: each
+        attempt its own deadline, retried at once (the request id unchanged)."""
+        each = timeout or self.timeout
+        policy = dataclasses.replace(_RETRY, max_attempts=retries + 1, attempt_timeout=each)
+        address = self.addresses[shard]
+        return policy.run(method, f"ps:{shard}", address, attempt, each * (retries + 1))
 
     def _exchange(self, call: _ShardCall, retries: int = 1) -> Any:
         """``call`` on its task's data plane when it has one and the payload fits,
-        else over gRPC; retried like :meth:`_call`."""
-        for attempt in range(retries + 1):
-            plane = None
+        else over gRPC; retried like :meth:`call`."""
+        link = self._links[call.shard]
+
+        def attempt(left: float) -> Any:
+            plane = link.get(left)
+            if plane is None or call.nbytes > link.max_payload:
+                return call.over_grpc(left)
             try:
-                plane = self._plane(call.shard)
-                if plane is None or call.nbytes > plane[1]:
-                    return call.over_grpc()
-                header, buffers = call.request()
-                return call.parse(*plane[0].call(call.method, header, buffers, self.timeout))
-            except (UnavailableError, DeadlineExceededError) as e:
-                self._plane_failed(call.shard, plane, e)
-                if attempt == retries:
-                    raise
-        raise AssertionError("unreachable")
+                return call.parse(*plane.call(call.method, *call.request(), left))
+            except _PLANE_RETRIED as e:
+                link.failed(plane, e)
+                raise
 
-    def _plane_failed(
-        self, shard: int, plane: tuple[DataPlaneClient, int] | None, error: OpError
-    ) -> None:
-        if plane is not None and isinstance(error, UnavailableError):
-            # a restarted task listens elsewhere: ask again on the next call
-            self._forget_plane(shard, plane)
+        return self._run(call.shard, call.method, attempt, retries)
 
-    def _begin(self, call: _ShardCall, last: bool) -> _Pending:
-        """Starts one shard's call of a fan-out.
+    def _fan_out(self, calls: Iterable[tuple[int, _ShardCall]], last: int) -> dict[int, Started]:
+        """Starts one call per shard, in order (``last``: the last one's shard).
 
         On the shard's data plane it is sent now, from this thread, and its
         reply read by the result: a fan-out sends to every shard before it
-        reads any reply, so the tasks work at once with no thread hand-off.
-        Where it failed it is made again, whole, by the result.  Over gRPC
-        (no plane, or a payload above the plane's limit) it runs on the pool,
-        or, ``last`` of the fan-out, is left to the thread that waits.
+        reads any reply, so the tasks work at once with no thread hand-off;
+        where it failed it is made again, whole, by the result.  Over gRPC (no
+        plane, or a payload above the plane's limit) it runs on the pool, or,
+        the last one, is left to the thread that waits; without ``parallel``
+        every call is left to it (one after another).  Read them with
+        :func:`~psflow.transport.started.gather` (its failure rule).
         """
-        plane = self._planes[call.shard]
-        if not plane or call.nbytes > plane[1]:  # unknown yet, none, or too large: as before
-            return self._start(functools.partial(self._exchange, call), defer=last)
+        started: dict[int, Started] = {}
         try:
-            sent = plane[0].send(call.method, *call.request(), self.timeout)
-        except (UnavailableError, DeadlineExceededError) as e:
-            self._plane_failed(call.shard, plane, e)
-            return _Pending(None, deferred=functools.partial(self._exchange, call, 0))
+            for s, call in calls:
+                started[s] = self._begin(call, last=s == last or not self.parallel)
+        except BaseException:
+            settle(started.values())  # the ones sent finish first
+            raise
+        return started
 
-        def finish() -> Any:
-            try:
-                reply, payload = sent.result()
-            except (UnavailableError, DeadlineExceededError) as e:
-                self._plane_failed(call.shard, plane, e)
-                return self._exchange(call, 0)
-            return call.parse(reply, payload)
+    def _begin(self, call: _ShardCall, last: bool) -> Started:
+        link = self._links[call.shard]
+        if self.parallel and link.known is not None and call.nbytes <= link.max_payload:
+            started = link.start(
+                call.method,
+                *call.request(),
+                call.nbytes,
+                self.timeout,
+                lambda reply: call.parse(*reply),
+                lambda _left: self._exchange(call, 0),  # with a deadline of its own
+                _PLANE_RETRIED,
+                budget=2 * self.timeout,
+            )
+            if started is not None:
+                return started
+        work = functools.partial(self._exchange, call)
+        return Started(work) if last else Started.pooled(self._pool.submit(work))
 
-        return _Pending(None, deferred=finish, on_cancel=sent.cancel)
-
-    def _forget_plane(self, shard: int, plane: tuple[DataPlaneClient, int]) -> None:
-        with self._plane_lock:
-            if self._planes[shard] is plane:
-                self._planes[shard] = None
-        plane[0].close()
-
-    def _start(
-        self, call: Callable[[], Any], inline: bool = False, defer: bool = False
-    ) -> _Pending:
-        """Runs ``call`` on the pool without waiting for it, ``inline`` in this
-        thread (a fan-out's last call: one thread hand-off fewer), or with ``defer``
-        leaves it to the thread that waits for its result (the same, for a caller that
-        does other work between starting and waiting)."""
-        if inline:
-            return _Pending(None, call())
-        if defer:
-            return _Pending(None, deferred=call)
-        return _Pending(self._pool.submit(call))
-
-    def _on_every_shard(self, fn: Callable[[int], Any]) -> list[Any]:
-        futures = [self._pool.submit(fn, s) for s in range(self.num_shards)]
-        return [f.result() for f in futures]
+    def on_every_shard(self, fn: Callable[[int], Any]) -> list[Any]:
+        """``fn(shard)`` for every task at once (on the pool); their results in
+        task order, under :func:`~psflow.transport.started.gather`'s rule."""
+        calls = {s: Started.pooled(self._pool.submit(fn, s)) for s in range(self.num_shards)}
+        return list(gather(calls).values())
 
     # -- tables -------------------------------------------------------------------------
     def create_table(self, config: TableConfig) -> bool:
@@ -629,8 +380,8 @@ class EmbeddingClient:
             AlreadyExistsError: a table of that name exists with another config.
         """
         text = config.to_json()
-        replies = self._on_every_shard(
-            lambda s: self._call(
+        replies = self.on_every_shard(
+            lambda s: self.call(
                 s,
                 "CreateTable",
                 embedding_pb2.CreateTableRequest(
@@ -678,7 +429,7 @@ class EmbeddingClient:
             InvalidArgumentError: ids not integers.
         """
         ids = np.asarray(ids)
-        flat = _as_ids(ids)
+        flat = as_ids(ids)
         unique, inverse = unique_ids(flat)
         cached: tuple[np.ndarray, np.ndarray] | None = None
         if unique.size and (self.hot_rows is not None or table in self._hot_policies):
@@ -686,15 +437,8 @@ class EmbeddingClient:
         missing = unique if cached is None else unique[~cached[0]]
         parts = self._split(missing)
         shards = [s for s in range(self.num_shards) if parts[s].size]
-        pending: dict[int, _Pending] = {}
-        with _cancelled_on_error(pending):
-            for s in shards:
-                call = self._lookup_call(s, table, missing[parts[s]], training)
-                if not self.parallel:
-                    pending[s] = _Pending(None, self._exchange(call))
-                else:
-                    pending[s] = self._begin(call, last=s == shards[-1])
-        replies = _gather(pending)
+        calls = ((s, self._lookup_call(s, table, missing[parts[s]], training)) for s in shards)
+        replies = gather(self._fan_out(calls, shards[-1] if shards else -1))
         results: list[np.ndarray | None] = [None] * self.num_shards
         for s, rows in replies.items():
             results[s] = rows
@@ -721,11 +465,12 @@ class EmbeddingClient:
     def _lookup_call(self, s: int, table: str, ids: np.ndarray, training: bool) -> _ShardCall:
         """The lookup of the rows of ``ids`` (all owned by task ``s``)."""
 
-        def over_grpc() -> np.ndarray:
+        def over_grpc(left: float) -> np.ndarray:
             request = embedding_pb2.LookupRequest(
                 table=table, ids=codec.encode_tensor(ids), read_only=not training
             )
-            return codec.decode_tensor(self._call(s, "Lookup", request).rows)
+            reply = self._stubs[s]["Lookup"](request, timeout=left, metadata=self._metadata)
+            return codec.decode_tensor(reply.rows)
 
         return _ShardCall(
             s,
@@ -757,24 +502,6 @@ class EmbeddingClient:
             raise InvalidArgumentError(f"the width of table {table!r} is unknown to this client")
         return self._configs[table].dim
 
-    def push(
-        self,
-        table: str,
-        ids: Any,
-        grads: Any,
-        optimizer: dict | None = None,
-        request_ids: Callable[[int], tuple[str, int]] | None = None,
-    ) -> list[int]:
-        """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
-        each shard's step (-1 where it got no ids).  :meth:`start_push`, then
-        waiting for it.
-
-        Raises:
-            NotFoundError: unknown table.
-            InvalidArgumentError: ids not integers, grads of the wrong shape.
-        """
-        return self.start_push(table, ids, grads, optimizer, request_ids)()
-
     def start_push(
         self,
         table: str,
@@ -798,13 +525,8 @@ class EmbeddingClient:
             NotFoundError: unknown table (from calling the result, as every
                 error a shard answers).
         """
-        flat = _as_ids(ids)
-        grads = np.asarray(grads)
-        if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
-            raise InvalidArgumentError(
-                f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
-            )
-        grads = grads.reshape(flat.shape[0], grads.shape[-1])
+        flat = as_ids(ids)
+        grads = gradient_rows(ids, grads)
         unique, inverse = unique_ids(flat)
         if unique is flat:  # sorted unique already (a DynamicEmbedding's gradient)
             summed = grads
@@ -815,24 +537,22 @@ class EmbeddingClient:
             summed[inverse] = grads
         parts = self._split(unique)
         optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
-        pending = {}
-        sent = 0
         shards = [s for s in range(len(parts)) if parts[s].size]
         # ids are taken here, in shard order, so a re-run draws the same ones
         rids = {s: self._request_id(s, request_ids) for s in shards}
-        with _cancelled_on_error(pending):
-            for s in shards:
-                # each shard's ids and rows are gathered once (take: whole rows per copy)
-                shard_ids, shard_grads = unique[parts[s]], take_rows(summed, parts[s])
-                sent += shard_ids.nbytes + shard_grads.nbytes
-                call = self._push_call(s, table, shard_ids, shard_grads, rids[s], optimizer_json)
-                if not self.parallel:  # one after another, made by finish()
-                    pending[s] = _Pending(None, deferred=functools.partial(self._exchange, call))
-                else:
-                    pending[s] = self._begin(call, last=s == shards[-1])
+        sent = 0
+
+        def calls() -> Iterator[tuple[int, _ShardCall]]:
+            nonlocal sent
+            for s in shards:  # each sent before the next shard's rows are gathered
+                ids_s, grads_s = unique[parts[s]], take_rows(summed, parts[s])  # whole rows
+                sent += ids_s.nbytes + grads_s.nbytes
+                yield s, self._push_call(s, table, ids_s, grads_s, rids[s], optimizer_json)
+
+        started = self._fan_out(calls(), shards[-1] if shards else -1)
 
         def finish() -> list[int]:
-            replies = _gather(pending)
+            replies = gather(started)
             with self._lock:
                 self.bytes.pushes += 1
                 self.bytes.pushed += sent
@@ -852,7 +572,7 @@ class EmbeddingClient:
         """The push of gradient rows of ``ids`` (all owned by task ``s``); its value
         is the shard's step."""
 
-        def over_grpc() -> int:
+        def over_grpc(left: float) -> int:
             request = embedding_pb2.PushGradientsRequest(
                 table=table,
                 ids=codec.encode_tensor(ids),
@@ -860,7 +580,8 @@ class EmbeddingClient:
                 request_id=ps_pb2.RequestId(client_id=request_id[0], sequence=request_id[1]),
                 optimizer_json=optimizer_json,
             )
-            return self._call(s, "PushGradients", request).step
+            stub = self._stubs[s]["PushGradients"]
+            return stub(request, timeout=left, metadata=self._metadata).step
 
         return _ShardCall(
             s,
@@ -877,41 +598,39 @@ class EmbeddingClient:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
 
         def one(s: int) -> tuple[np.ndarray, np.ndarray]:
-            reply = self._call(s, "HotRows", embedding_pb2.HotRowsRequest(table=table, count=count))
+            reply = self.call(s, "HotRows", embedding_pb2.HotRowsRequest(table=table, count=count))
             ids, rows = codec.decode_tensor(reply.ids), codec.decode_tensor(reply.rows)
             with self._lock:
                 self.bytes.pulled += ids.nbytes + rows.nbytes
             return ids, rows
 
-        results = self._on_every_shard(one)
+        results = self.on_every_shard(one)
         return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
 
     def stats(self) -> list[dict[str, TableStats]]:
         """Every shard's table counters, in task order."""
 
         def one(s: int) -> dict[str, TableStats]:
-            reply = self._call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
+            reply = self.call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
             fields = [f.name for f in dataclasses.fields(TableStats)]
             return {t.table: TableStats(**{f: getattr(t, f) for f in fields}) for t in reply.tables}
 
-        return self._on_every_shard(one)
+        return self.on_every_shard(one)
 
     def server_bytes(self) -> list[tuple[int, int]]:
         """``(bytes in, bytes out)`` of every task's Lookup and PushGradients calls
         (serialized messages), in task order."""
 
         def one(s: int) -> tuple[int, int]:
-            reply = self._call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
+            reply = self.call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
             return reply.bytes_in, reply.bytes_out
 
-        return self._on_every_shard(one)
+        return self.on_every_shard(one)
 
     def save(self, directory: str) -> list[str]:
         """Every task writes its tables into ``directory``; returns the files."""
         request = embedding_pb2.SaveTablesRequest(directory=directory)
-        return [
-            r.path for r in self._on_every_shard(lambda s: self._call(s, "SaveTables", request))
-        ]
+        return [r.path for r in self.on_every_shard(lambda s: self.call(s, "SaveTables", request))]
 
     def restore(self, directory: str) -> int:
         """Every task restores the ids it owns now from all table files in
@@ -921,91 +640,6 @@ class EmbeddingClient:
             request = embedding_pb2.RestoreTablesRequest(
                 directory=directory, shard_index=s, num_shards=self.num_shards
             )
-            return self._call(s, "RestoreTables", request).rows
+            return self.call(s, "RestoreTables", request).rows
 
-        return sum(self._on_every_shard(one))
-
-
-class InProcessEmbeddingClient:
-    """The same interface as :class:`EmbeddingClient` over a :class:`TableRegistry`
-    in this process (the embedded parameter server, or local training): the
-    same tables and arithmetic, no RPC.
-
-    Args:
-        registry: the tables (a new registry by default).
-    """
-
-    def __init__(self, registry: TableRegistry | None = None) -> None:
-        self.registry = registry or TableRegistry("ps:0")
-        self.bytes = WireBytes()
-        self.num_shards = 1
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-    def create_table(self, config: TableConfig) -> bool:
-        """Creates the table (see :meth:`EmbeddingClient.create_table`)."""
-        return self.registry.create(config, 0, 1)
-
-    def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
-        """Nothing to do: in process, every lookup reads the table itself."""
-
-    def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
-        """Rows of ``ids``: shape ``ids.shape + (dim,)`` (``training=False``: no rows made)."""
-        ids = np.asarray(ids)
-        rows = self.registry.lookup(table, _as_ids(ids), not training)
-        return rows.reshape(*ids.shape, rows.shape[-1])
-
-    def push(
-        self,
-        table: str,
-        ids: Any,
-        grads: Any,
-        optimizer: dict | None = None,
-        request_ids: Callable[[int], tuple[str, int]] | None = None,
-    ) -> list[int]:
-        """Applies gradient rows (see :meth:`EmbeddingClient.push`)."""
-        return self.start_push(table, ids, grads, optimizer, request_ids)()
-
-    def start_push(
-        self,
-        table: str,
-        ids: Any,
-        grads: Any,
-        optimizer: dict | None = None,
-        request_ids: Callable[[int], tuple[str, int]] | None = None,
-    ) -> Callable[[], list[int]]:
-        """Applies gradient rows now; the result returns the step (the
-        interface of :meth:`EmbeddingClient.start_push`).
-
-        Raises:
-            InvalidArgumentError, NotFoundError: as :meth:`EmbeddingClient.push`.
-        """
-        flat = _as_ids(ids)
-        grads = np.asarray(grads)
-        if grads.ndim < 1 or grads.shape[:-1] != np.shape(ids):
-            raise InvalidArgumentError(
-                f"gradients of shape {grads.shape} do not match ids of shape {np.shape(ids)}"
-            )
-        grads = grads.reshape(flat.shape[0], grads.shape[-1])
-        rid = None if request_ids is None else request_ids(0)
-        steps = [self.registry.push(table, flat, grads, rid, optimizer)]
-        return lambda: steps
-
-    def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``count`` busiest ids and their rows."""
-        t = self.registry.table(table)
-        ids, _ = t.hot_ids(count)
-        return ids, t.peek(ids)
-
-    def stats(self) -> list[dict[str, TableStats]]:
-        """The table counters (one shard)."""
-        return [self.registry.stats()]
-
-    def save(self, directory: str) -> list[str]:
-        """Writes the tables into ``directory``."""
-        return [self.registry.save(directory, "ps-0")[0]]
-
-    def restore(self, directory: str) -> int:
-        """Restores every table found in ``directory``; returns the rows restored."""
-        return self.registry.restore(directory, 0, 1)[1]
+        return sum(self.on_every_shard(one))

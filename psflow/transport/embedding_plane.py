@@ -26,8 +26,9 @@ import numpy as np
 
 from psflow.errors import InvalidArgumentError
 from psflow.proto import embedding_pb2, ps_pb2, tensor_pb2
+from psflow.wire import codec
 
-from . import codec, framing
+from . import framing
 
 __all__ = [
     "LOOKUP",

@@ -63,6 +63,7 @@ from psflow.errors import (
     InvalidArgumentError,
     OpError,
 )
+from psflow.transport.core import RetryPolicy
 
 log = logging.getLogger("psflow.coordinator.elastic")
 
@@ -147,7 +148,12 @@ class ClusterWatch:
         self._resolver = resolver
         self._interval = _check_seconds(interval, "interval", MIN_INTERVAL, MAX_INTERVAL)
         self._resize_timeout = _check_seconds(resize_timeout, "resize_timeout", 0.001, 86400.0)
-        self._max_backoff = _check_seconds(max_backoff, "max_backoff", self._interval, 3600.0)
+        # the clients' one policy: twice the interval after the first failure, doubling
+        self._retry = RetryPolicy(
+            initial_backoff=2 * self._interval,
+            max_backoff=_check_seconds(max_backoff, "max_backoff", self._interval, 3600.0),
+            multiplier=2.0,
+        )
         self._on_resize = on_resize
         # what the job runs on now; the view may already list another count (then the
         # first poll resizes)
@@ -237,8 +243,7 @@ class ClusterWatch:
         except OpError as e:
             self._failures += 1
             self._failures_in_row += 1
-            exponent = min(self._failures_in_row, 16)
-            backoff = min(self._max_backoff, self._interval * 2**exponent)
+            backoff = self._retry.backoff(self._failures_in_row)
             self._retry_at = time.monotonic() + backoff
             log.error("resizing PS %d -> %d failed (retry in %.1f s): %s", old, wanted, backoff, e)
             return None

@@ -9,12 +9,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from psflow import errors
 from psflow.ps.push_types import Gradient, PushContext, PushReply
+from psflow.transport.started import Started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +30,6 @@ class VarSpec:
 
 # The session builds its gradients in the store's own type: one shape end to end.
 Grad = Gradient
-
-
-class Started(Protocol):
-    """A call to one task started without waiting for it."""
-
-    def result(self) -> Any:
-        """Waits for the reply and returns it (or raises the call's typed error)."""
-
-    def cancel(self) -> None:
-        """Gives up on the reply."""
 
 
 class PSConnection(abc.ABC):

@@ -20,12 +20,13 @@ import numpy as np
 
 from psflow import errors
 from psflow.compression import ErrorFeedback
-from psflow.distribute.ps.connection import PSConnection, Started, VarSpec
+from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.ps import write_ops
 from psflow.ps.push_types import Gradient, PushContext, PushReply
-from psflow.transport import codec, shm
+from psflow.transport import shm
 from psflow.transport.client import PSClient
-from psflow.transport.dataplane import DataPlaneClient
+from psflow.transport.started import Started
+from psflow.wire import codec
 
 log = logging.getLogger("psflow.distribute")
 
@@ -154,33 +155,55 @@ class GrpcPSConnection(PSConnection):
         (:meth:`pull` makes it then)."""
         pulled = self._pull_shm(names) if self._shm else None
         if pulled is not None:
-            return _Done(pulled)
+            return Started.done(pulled)
         started = self.client.start_pull(list(names))
-        return None if started is None else _Pulled(started)
+        return None if started is None else started.then(lambda got: list(zip(*got)))
 
     def start_push(self, grads: Sequence[Gradient], context: PushContext) -> Started | None:
         """Sends a push on the data plane now and returns it started (its
         ``result()`` reads the reply, ``cancel()`` gives it up); None where it
         cannot go that way (:meth:`push` makes it).  Compressed pushes are not
         started early: their error feedback is kept per push."""
-        if self.compression is not None or not isinstance(self.client._plane, DataPlaneClient):
+        if self.compression is not None or self.client.data_plane_address is None:
             return None
-        kwargs = _push_kwargs(context)
         if not self._shm:
-            return self.client.start_push(list(grads), **kwargs)
+            return self.client.start_push_gradients(grads, context)
         # the payload segment is this push's from the write until the PS answered
         self._shm_lock.acquire()
         try:
             if self._payload is None:
                 self._payload = shm.PayloadBuffer()
-            started = self.client.start_push(list(grads), shm_buffer=self._payload, **kwargs)
+            started = self.client.start_push_gradients(grads, context, shm_buffer=self._payload)
         except BaseException:
             self._shm_lock.release()
             raise
         if started is None:
             self._shm_lock.release()
             return None
-        return _SegmentPush(self, started, list(grads), kwargs)
+
+        def read() -> PushReply:
+            try:
+                return started.result()
+            except errors.UnimplementedError as e:
+                return self._segment_unreachable(e, grads, context)
+            finally:
+                self._shm_lock.release()
+
+        def cancel() -> None:
+            started.cancel()
+            self._shm_lock.release()
+
+        return Started(read, cancel, "Push")
+
+    def _segment_unreachable(
+        self, e: errors.OpError, grads: Sequence[Gradient], context: PushContext
+    ) -> PushReply:
+        """The push again over gRPC: the PS cannot see our segment (another host
+        or container after all: ``shm.SegmentUnreachableError`` there) and
+        applied nothing."""
+        log.info("%s: pushes go over gRPC (%s)", self.task, e)
+        self._shm = False
+        return self.client.push_gradients(grads, context)
 
     def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         ef = self.compression
@@ -191,23 +214,15 @@ class GrpcPSConnection(PSConnection):
                 else dataclasses.replace(g, values=ef.encode(g.name, codec.to_host(g.values)))
                 for g in grads
             ]
-        payload = list(grads)
-        kwargs = _push_kwargs(context)
-        if self._shm:
-            with self._shm_lock:  # one payload segment: one push at a time through it
-                if self._payload is None:
-                    self._payload = shm.PayloadBuffer()
-                try:
-                    reply = self.client.push(payload, shm_buffer=self._payload, **kwargs)
-                except errors.UnimplementedError as e:
-                    # shm.SegmentUnreachableError at the PS: it cannot see our segment
-                    # (another host or container after all), and applied nothing
-                    log.info("%s: pushes go over gRPC (%s)", self.task, e)
-                    self._shm = False
-                    reply = self.client.push(payload, **kwargs)
-        else:
-            reply = self.client.push(payload, **kwargs)
-        return reply
+        if not self._shm:
+            return self.client.push_gradients(grads, context)
+        with self._shm_lock:  # one payload segment: one push at a time through it
+            if self._payload is None:
+                self._payload = shm.PayloadBuffer()
+            try:
+                return self.client.push_gradients(grads, context, shm_buffer=self._payload)
+            except errors.UnimplementedError as e:
+                return self._segment_unreachable(e, grads, context)
 
     def write(
         self,
@@ -282,85 +297,3 @@ class GrpcPSConnection(PSConnection):
         if self._payload is not None:
             self._payload.close()
         self.client.close()
-
-
-def _push_kwargs(context: PushContext) -> dict[str, Any]:
-    """:meth:`PSClient.push`'s keyword arguments for ``context``."""
-    return {
-        "push_id": context.push_id,
-        "step": context.step,
-        "num_required": context.num_required or None,
-        "wait_applied": context.wait_applied,
-        "timeout": context.timeout,
-        "rule_json": context.rule_json,
-    }
-
-
-class _Done:
-    """A started call that is complete already: :meth:`result` returns its value."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def result(self) -> Any:
-        """The value."""
-        return self._value
-
-    def cancel(self) -> None:
-        """Nothing to give up."""
-
-
-class _Pulled:
-    """A started data-plane pull: :meth:`result` gives ``[(array, version), ...]``."""
-
-    __slots__ = ("_started",)
-
-    def __init__(self, started: Any) -> None:
-        self._started = started
-
-    def result(self) -> list[tuple[np.ndarray, int]]:
-        """The values and their versions."""
-        arrays, versions = self._started.result()
-        return list(zip(arrays, versions))
-
-    def cancel(self) -> None:
-        """Gives up on the reply."""
-        self._started.cancel()
-
-
-class _SegmentPush:
-    """A push started through the connection's payload segment, which it holds
-    until its reply is read or it is given up."""
-
-    __slots__ = ("_conn", "_grads", "_kwargs", "_started")
-
-    def __init__(
-        self, conn: GrpcPSConnection, started: Any, grads: list[Gradient], kwargs: dict
-    ) -> None:
-        self._conn, self._started, self._grads, self._kwargs = conn, started, grads, kwargs
-
-    def result(self) -> PushReply:
-        """The PS's reply (as :meth:`GrpcPSConnection.push`)."""
-        started, self._started = self._started, None
-        if started is None:
-            raise errors.InvalidArgumentError("this push's reply was read or given up already")
-        conn = self._conn
-        try:
-            return started.result()
-        except errors.UnimplementedError as e:
-            # shm.SegmentUnreachableError at the PS: it cannot see our segment
-            # (another host or container after all), and applied nothing
-            log.info("%s: pushes go over gRPC (%s)", conn.task, e)
-            conn._shm = False
-            return conn.client.push(self._grads, **self._kwargs)
-        finally:
-            conn._shm_lock.release()
-
-    def cancel(self) -> None:
-        """Gives the reply up (the push may still be applied)."""
-        started, self._started = self._started, None
-        if started is not None:
-            started.cancel()
-            self._conn._shm_lock.release()

@@ -1,17 +1,23 @@
-"""A connection to a variable store in this process (ParameterServerStrategy's embedded mode)."""
+"""The embedded mode's PS in this process: a connection to a variable store
+(ParameterServerStrategy's embedded mode) and a client of dynamic tables."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.ps.checkpoint import restore_shard, save_shard
+from psflow.ps.dynamic_table import TableConfig, TableStats
+from psflow.ps.hot_rows import HotRowPolicy
+from psflow.ps.key_index import as_ids, gradient_rows
 from psflow.ps.push_types import Gradient, PushContext, PushReply
 from psflow.ps.store import VariableMeta, VariableStore
+from psflow.ps.tables import TableRegistry
+from psflow.transport.embedding_client import TableClient, WireBytes
 
 
 class InProcessPSConnection(PSConnection):
@@ -42,15 +48,7 @@ class InProcessPSConnection(PSConnection):
         return [(t.value, t.version) for t in self.store.pull(list(names), rows)]
 
     def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
-        return self.store.push(
-            grads,
-            push_id=context.push_id,
-            step=context.step,
-            num_required=context.num_required,
-            wait_applied=context.wait_applied,
-            timeout=context.timeout,
-            rule_json=context.rule_json,
-        )
+        return self.store.push(grads, context)
 
     def write(
         self,
@@ -115,3 +113,72 @@ class InProcessPSConnection(PSConnection):
                 dataclasses.astuple(e) if dataclasses.is_dataclass(e) else e for e in out["log"]
             ]
         return out
+
+
+class InProcessEmbeddingClient(TableClient):
+    """The same interface as :class:`EmbeddingClient` over a :class:`TableRegistry`
+    in this process (the embedded parameter server, or local training): the
+    same tables and arithmetic, no RPC.
+
+    Args:
+        registry: the tables (a new registry by default).
+    """
+
+    def __init__(self, registry: TableRegistry | None = None) -> None:
+        self.registry = registry or TableRegistry("ps:0")
+        self.bytes = WireBytes()
+        self.num_shards = 1
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def create_table(self, config: TableConfig) -> bool:
+        """Creates the table (see :meth:`EmbeddingClient.create_table`)."""
+        return self.registry.create(config, 0, 1)
+
+    def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
+        """Nothing to do: in process, every lookup reads the table itself."""
+
+    def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
+        """Rows of ``ids``: shape ``ids.shape + (dim,)`` (``training=False``: no rows made)."""
+        ids = np.asarray(ids)
+        rows = self.registry.lookup(table, as_ids(ids), not training)
+        return rows.reshape(*ids.shape, rows.shape[-1])
+
+    def start_push(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        optimizer: dict | None = None,
+        request_ids: Callable[[int], tuple[str, int]] | None = None,
+    ) -> Callable[[], list[int]]:
+        """Applies gradient rows now; the result returns the step (the
+        interface of :meth:`EmbeddingClient.start_push`).
+
+        Raises:
+            InvalidArgumentError, NotFoundError: as :meth:`EmbeddingClient.push`.
+        """
+        flat = as_ids(ids)
+        grads = gradient_rows(ids, grads)
+        rid = None if request_ids is None else request_ids(0)
+        steps = [self.registry.push(table, flat, grads, rid, optimizer)]
+        return lambda: steps
+
+    def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``count`` busiest ids and their rows."""
+        t = self.registry.table(table)
+        ids, _ = t.hot_ids(count)
+        return ids, t.peek(ids)
+
+    def stats(self) -> list[dict[str, TableStats]]:
+        """The table counters (one shard)."""
+        return [self.registry.stats()]
+
+    def save(self, directory: str) -> list[str]:
+        """Writes the tables into ``directory``."""
+        return [self.registry.save(directory, "ps-0")[0]]
+
+    def restore(self, directory: str) -> int:
+        """Restores every table found in ``directory``; returns the rows restored."""
+        return self.registry.restore(directory, 0, 1)[1]

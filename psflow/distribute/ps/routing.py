@@ -267,20 +267,4 @@ def _moved_as_value(call: Callable[..., Any], *args: Any) -> Any:
 def _started_moved_as_value(start: Callable[..., Any], *args: Any) -> Any:
     """``start(*args)``, its result giving a redirect back instead of raising it."""
     started = start(*args)
-    return None if started is None else _MovedAsValue(started)
-
-
-class _MovedAsValue:
-    """A started call whose ``result()`` returns a ``MovedError`` instead of raising it."""
-
-    __slots__ = ("_started",)
-
-    def __init__(self, started: Any) -> None:
-        self._started = started
-
-    def result(self) -> Any:
-        """The reply, or the redirect the task answered."""
-        try:
-            return self._started.result()
-        except errors.MovedError as e:
-            return e
+    return None if started is None else started.recover(errors.MovedError, lambda e: e)

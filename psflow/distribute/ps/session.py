@@ -38,6 +38,7 @@ from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
+from psflow.transport.started import Started, gather, settle
 
 PREFETCH_LIMIT_BYTES = 16 << 20
 MAX_SCOPES = 64
@@ -235,43 +236,29 @@ class PSSession(UpdateGroup, Routing):
         ``starts[ps]()``, where given, sends task ``ps``'s call now and returns
         it started (its ``result()`` reads the reply), or None (``work[ps]``
         makes it then): every started call is sent before any reply is read,
-        with no thread hand-off for them.  On a failure the other calls still
-        finish before the error propagates.
+        with no thread hand-off for them.  The rest run on the call pool, the
+        first of them on this thread (one hand-off fewer).  Failures follow
+        :func:`~psflow.transport.started.gather`'s rule: every call finishes
+        before the first error propagates.
         """
-        started: dict[int, Any] = {}
-        error: BaseException | None = None
-        out: dict[int, Any] = {}
-        try:
-            for ps, start in (starts or {}).items():
-                call = start()
-                if call is not None:
-                    started[ps] = call
-            out = self._run_each({ps: fn for ps, fn in work.items() if ps not in started})
-        except BaseException as e:
-            error = e
-        for ps, call in started.items():
+        calls: dict[int, Started] = {}
+        for ps, start in (starts or {}).items():
             try:
-                out[ps] = call.result()
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
+                call = start()
+            except BaseException:
+                settle(calls.values())  # the ones sent finish first
+                raise
+            if call is not None:
+                calls[ps] = call
+        rest = [ps for ps in work if ps not in calls]
+        pool = self._pool if len(rest) > 1 else None
+        first = {} if not rest else {rest[0]: Started(work[rest[0]])}
+        pooled = (
+            {} if pool is None else {ps: Started.pooled(pool.submit(work[ps])) for ps in rest[1:]}
+        )
+        inline = {} if pool is not None else {ps: Started(work[ps]) for ps in rest[1:]}
+        out = gather({**first, **pooled, **inline, **calls})
         return {ps: out[ps] for ps in work}
-
-    def _run_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
-        if len(work) <= 1 or self._pool is None:
-            return {ps: fn() for ps, fn in work.items()}
-        # the first call runs on this thread: one hand-off (and its wake-up) fewer
-        (first, first_fn), *rest = work.items()
-        futures = {ps: self._pool.submit(fn) for ps, fn in rest}
-        try:
-            out = {first: first_fn()}
-        except BaseException:
-            for f in futures.values():  # let the others finish before the error propagates
-                concurrent.futures.wait([f])
-            raise
-        out.update((ps, f.result()) for ps, f in futures.items())
-        return out
 
     def close(self) -> None:
         """Closes every connection and the call pool."""

@@ -36,6 +36,8 @@ import numpy as np
 from psflow import backend, dtypes, errors
 from psflow.distribute.protocols import GroupUpdated, Readable, UpdateGroup
 from psflow.distribute.ps import session as session_lib
+from psflow.distribute.ps.inprocess import InProcessEmbeddingClient
+from psflow.distribute.ps.table_moves import move_tables
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import Tensor, TensorShape, to_array
 from psflow.keras.layers.base import Layer
@@ -44,7 +46,7 @@ from psflow.ps.dynamic_table import TableConfig
 from psflow.ps.hot_rows import HotRowPolicy
 from psflow.ps.key_index import sum_rows, unique_ids
 from psflow.train.checkpoint import ExternalState
-from psflow.transport.embedding_client import EmbeddingClient, InProcessEmbeddingClient
+from psflow.transport.embedding_client import EmbeddingClient
 from psflow.update_rules import take_rows
 
 __all__ = ["DynamicEmbedding", "DynamicTableHandle"]
@@ -134,12 +136,12 @@ def _move_tables(client: EmbeddingClient, addresses: Sequence[str], deadline: fl
 
     Raises:
         DeadlineExceededError: the resize's deadline passed before the move.
-        OpError: a task failed (see ``EmbeddingClient.move_to``): before the
+        OpError: a task failed (see :func:`~psflow.distribute.ps.table_moves.move_tables`): before the
             switch nothing was dropped and retrying the resize completes it.
     """
     if time.monotonic() > deadline:
         raise errors.DeadlineExceededError("no time left to move the dynamic tables")
-    client.move_to(addresses)
+    move_tables(client, addresses)
 
 
 def _session_ids(ref: Any) -> Any:

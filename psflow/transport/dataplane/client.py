@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import socket
@@ -36,12 +37,13 @@ import numpy as np
 from psflow.errors import Code, InvalidArgumentError, OpError
 from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
+from psflow.transport.started import Started
 from psflow.transport.status import status_error
 
 from . import auth, frames
 from .stream import FrameStream, readable_now, tune
 
-__all__ = ["DataPlaneClient", "SentCall", "Sink"]
+__all__ = ["DataPlaneClient", "Sink"]
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +199,16 @@ class DataPlaneClient:
         self._give_back(self._take("connect", deadline))
 
     # -- calls -----------------------------------------------------------------------
-    def call(
+    def call(self, *args: Any, **kwargs: Any) -> tuple[bytes, memoryview]:
+        """Calls ``method``; returns the reply's header bytes and payload
+        (:meth:`send`'s arguments, its reply read at once).
+
+        Raises:
+            OpError: the typed error of the failure (see the module docstring).
+        """
+        return self.send(*args, **kwargs).result()
+
+    def send(
         self,
         method: str,
         header: bytes,
@@ -205,8 +216,13 @@ class DataPlaneClient:
         timeout: float = 60.0,
         *,
         sink: Sink | None = None,
-    ) -> tuple[bytes, memoryview]:
-        """Calls ``method``; returns the reply's header bytes and payload.
+    ) -> Started:
+        """Sends a call to ``method`` now and returns without reading its reply:
+        the started call's ``result()`` reads it (the reply's header bytes and
+        payload), ``cancel()`` closes its connection (a reply may still come on it).
+        A thread that sends to several servers before reading any reply has them
+        work at once with no thread of its own per call.  The call holds one of
+        the pooled connections until its result is read (or it is cancelled).
 
         Args:
             method: the method name.
@@ -215,20 +231,6 @@ class DataPlaneClient:
             timeout: seconds until the deadline.
             sink: where the reply payload goes (default: a new buffer the
                 returned view owns).
-
-        Raises:
-            OpError: the typed error of the failure (see the module docstring).
-        """
-        return self.send(method, header, payload, timeout).result(sink)
-
-    def send(
-        self, method: str, header: bytes, payload: Sequence[Any] = (), timeout: float = 60.0
-    ) -> SentCall:
-        """Sends a call to ``method`` now and returns without reading its reply:
-        :meth:`SentCall.result` reads it.  A thread that sends to several servers
-        before reading any reply has them work at once with no thread of its own
-        per call.  The call holds one of the pooled connections until its result
-        is read (or it is cancelled).
 
         Raises:
             OpError: the request could not be sent (as :meth:`call`).
@@ -245,7 +247,29 @@ class DataPlaneClient:
         except BaseException:
             self._slots.release()
             raise
-        return SentCall(self, method, conn, call_id, deadline)
+        return Started(
+            functools.partial(self._finish, method, conn, call_id, deadline, sink),
+            functools.partial(self._abandon, conn),
+            method,
+        )
+
+    def _finish(
+        self, method: str, conn: _Conn, call_id: int, deadline: float, sink: Sink | None
+    ) -> tuple[bytes, memoryview]:
+        """Reads a sent call's reply, then hands its connection and slot back."""
+        try:
+            kind = frames.Kind.REQUEST
+            with self._failures(method, conn, kind):
+                reply = self._receive(method, conn, kind, call_id, deadline, sink)
+            self._give_back(conn)
+            return reply
+        finally:
+            self._slots.release()
+
+    def _abandon(self, conn: _Conn) -> None:
+        """A sent call given up: its connection is closed, its slot freed."""
+        conn.stream.close()
+        self._slots.release()
 
     def _send(
         self,
@@ -351,44 +375,6 @@ class _Answered(Exception):
     def __init__(self, error: OpError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-class SentCall:
-    """A call sent by :meth:`DataPlaneClient.send` whose reply is not read yet."""
-
-    __slots__ = ("_client", "_conn", "_deadline", "_id", "_method")
-
-    def __init__(
-        self, client: DataPlaneClient, method: str, conn: _Conn, call_id: int, deadline: float
-    ) -> None:
-        self._client, self._method, self._conn = client, method, conn
-        self._id, self._deadline = call_id, deadline
-
-    def result(self, sink: Sink | None = None) -> tuple[bytes, memoryview]:
-        """The reply's header bytes and payload (once; ``sink`` as in :meth:`DataPlaneClient.call`).
-
-        Raises:
-            OpError: the typed error of the failure (see the module docstring).
-        """
-        conn, self._conn = self._conn, None
-        if conn is None:
-            raise InvalidArgumentError(f"the reply of {self._method} was read or given up already")
-        client = self._client
-        try:
-            kind = frames.Kind.REQUEST
-            with client._failures(self._method, conn, kind):
-                reply = client._receive(self._method, conn, kind, self._id, self._deadline, sink)
-            client._give_back(conn)
-            return reply
-        finally:
-            client._slots.release()
-
-    def cancel(self) -> None:
-        """Gives up on the reply: its connection is closed (a reply may still come on it)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.stream.close()
-            self._client._slots.release()
 
 
 _FRESH = 1.0

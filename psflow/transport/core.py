@@ -1,0 +1,292 @@
+"""The client core: what every PS client does the same way.
+
+Three ideas, each written once and used by :class:`~psflow.transport.PSClient`
+(one dense PS task), :class:`~psflow.transport.EmbeddingClient` (the table
+shards of every task), the data-plane client and the session's fan-out:
+
+- :class:`~psflow.transport.started.Started` and its ``gather``: one
+  started-call type and one fan-out failure rule (their own module, below
+  the data-plane client that returns them).
+- :class:`RetryPolicy` and :meth:`RetryPolicy.run`: one retry loop with
+  backoff and jitter, within one deadline, that turns every failure into the
+  typed error naming the method, the task and its address.  Requests that are
+  not idempotent carry an exactly-once id chosen before the first attempt, so
+  every attempt carries the same one.
+- :class:`PlaneLink`: one PS task's data plane, asked for once over gRPC,
+  with one fallback rule (see its docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from psflow.errors import DeadlineExceededError, OpError, UnavailableError, to_grpc_code
+from psflow.proto import ps_pb2
+from psflow.security.config import SecurityConfig
+
+from .dataplane import DataPlaneClient
+from .started import Started
+from .status import status_error
+
+__all__ = ["PlaneLink", "RetryPolicy", "rpc_error"]
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+# how long the first connection to an announced data plane may take before the
+# client settles for gRPC
+PLANE_CONNECT_TIMEOUT = 5.0
+
+
+def rpc_error(method: str, task: str, address: str, e: grpc.RpcError) -> OpError:
+    """The typed error of a failed gRPC call (one mapping with the data plane's)."""
+    code = e.code()
+    return status_error(
+        method,
+        task,
+        address,
+        code.value[0] if code is not None else None,
+        e.details() or "",
+        e.trailing_metadata() if isinstance(e, grpc.Call) else (),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """When and how often a retry-safe call is repeated (always within its deadline).
+
+    ``attempt_timeout``: each attempt's own deadline (None: the call's, what
+    is left of it); with it, a timed-out attempt can be repeated.
+    """
+
+    max_attempts: int = 10
+    initial_backoff: float = 0.05
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+    retry_codes: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE})
+    attempt_timeout: float | None = None
+
+    def backoff(self, failures: int) -> float:
+        """The wait after ``failures`` failures in a row (before any jitter):
+        ``initial_backoff`` times ``multiplier`` per failure after the first,
+        at most ``max_backoff``."""
+        return min(
+            self.max_backoff, self.initial_backoff * self.multiplier ** min(failures - 1, 64)
+        )
+
+    def run(
+        self,
+        method: str,
+        task: str,
+        address: str,
+        attempt: Callable[[float], T],
+        timeout: float,
+        *,
+        diagnose: Callable[[grpc.RpcError, float], OpError | None] | None = None,
+    ) -> T:
+        """``attempt(time_left)`` until it succeeds, fails for good, or the deadline passes.
+
+        ``timeout``: the call's deadline, in seconds from now.  A ``grpc.RpcError``
+        becomes its typed error (``diagnose(e, left)``, asked once per call,
+        may name a better one: a TLS handshake refusing us); a typed error (the
+        data plane's) is retried as its gRPC twin.
+
+        Raises:
+            OpError: the last attempt's typed error, or ``DeadlineExceededError``.
+        """
+        per_attempt = self.attempt_timeout
+        deadline = time.monotonic() + timeout
+        for n in itertools.count(1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    f"{method} to {task} at {address}: deadline passed before attempt {n}",
+                    task=task,
+                )
+            try:
+                return attempt(left if per_attempt is None else min(left, per_attempt))
+            except grpc.RpcError as e:
+                left = deadline - time.monotonic()
+                problem = diagnose(e, max(left, 0.05)) if diagnose and n == 1 else None
+                if problem is not None:
+                    raise problem from None
+                error: OpError = rpc_error(method, task, address, e)
+            except OpError as e:
+                e.task = e.task or task
+                error = e
+            left, backoff = deadline - time.monotonic(), self.backoff(n)
+            if (
+                to_grpc_code(error) not in self.retry_codes
+                or n >= self.max_attempts
+                or left <= backoff
+            ):
+                raise error from None
+            time.sleep(backoff * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+class PlaneLink:
+    """One PS task's data plane: asked for over gRPC on first use, then reused.
+
+    The one fallback rule: a PS that answers it runs no data plane (or knows
+    no ``DataPlaneInfo``: one from before) is reached over gRPC for good; an
+    announced plane that cannot be connected on first use, while gRPC works,
+    is logged once and that PS is reached over gRPC; once a plane of this PS
+    has worked, a failure to connect is an ordinary transport error (raised,
+    and retried as the gRPC path's).  After an UNAVAILABLE failure the next
+    call asks again (a restarted PS listens on a new port).
+
+    Args:
+        address: the task's gRPC ``host:port``.
+        task: its name, for errors and logs.
+        ask: the ``DataPlaneInfo`` call (seconds left -> reply; raises ``grpc.RpcError``).
+        enabled: False: always gRPC.
+        route: an address to reach the plane at instead of the announced one.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        task: str,
+        security: SecurityConfig,
+        client_name: str,
+        ask: Callable[[float], Any],
+        *,
+        enabled: bool,
+        route: str = "",
+    ) -> None:
+        self.address, self.task, self._security = address, task, security
+        self._client_name, self._ask, self._route = client_name, ask, route
+        self._plane: DataPlaneClient | bool | None = None if enabled else False
+        self._lock = threading.Lock()
+        self._worked = False
+        self.max_payload = 0
+
+    @property
+    def known(self) -> DataPlaneClient | None:
+        """The plane if connected already (asks nothing)."""
+        plane = self._plane
+        return plane if isinstance(plane, DataPlaneClient) else None
+
+    def get(self, left: float) -> DataPlaneClient | None:
+        """The plane, asked for on first use (None: use gRPC).
+
+        Raises:
+            grpc.RpcError, OpError: the question failed (the caller's attempt
+                fails as any call would; the next one asks again).
+        """
+        plane = self._plane
+        if plane is not None:
+            return plane or None
+        with self._lock:
+            if self._plane is None:
+                self._plane = self._connect(left)
+            return self._plane or None
+
+    def _connect(self, left: float) -> DataPlaneClient | bool:
+        try:
+            info: ps_pb2.DataPlaneInfoResponse = self._ask(left)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a PS from before the data plane
+                return False
+            raise
+        if not info.port and not info.address:
+            return False
+        address = self._route or info.address or f"{self.address.rpartition(':')[0]}:{info.port}"
+        plane = DataPlaneClient(
+            address, self._security, task=self.task, client_name=self._client_name
+        )
+        try:
+            plane.connect(min(left, PLANE_CONNECT_TIMEOUT))
+        except OpError as e:
+            plane.close()
+            if self._worked:  # not the first use: an ordinary transport failure
+                raise
+            log.warning(
+                "%s announces a data plane at %s, which cannot be used (%s): its pushes, "
+                "pulls and table calls go over gRPC",
+                self.task,
+                address,
+                e,
+            )
+            return False
+        self.max_payload = info.max_payload_bytes
+        self._worked = True
+        return plane
+
+    def start(
+        self,
+        method: str,
+        header: bytes,
+        payload: Sequence[Any],
+        nbytes: int,
+        timeout: float,
+        read: Callable[[tuple[bytes, memoryview]], Any],
+        again: Callable[[float], Any],
+        retried: tuple[type[OpError], ...],
+        *,
+        sink: Any = None,
+        budget: float | None = None,
+    ) -> Started | None:
+        """``method`` sent on the plane now, its reply read by the result's
+        ``result()`` (``read(reply)``); where sending or that reply failed with
+        one of ``retried``, ``again(time_left)`` makes the call anew (the same
+        request, exactly-once id included) within ``budget`` seconds from now
+        (default ``timeout``).  None, having sent nothing, where the plane is
+        not known yet (or there is none) or ``nbytes`` is above its limit.
+        """
+        plane = self.known
+        if plane is None or nbytes > self.max_payload:
+            return None
+        deadline = time.monotonic() + (timeout if budget is None else budget)
+
+        def anew() -> Any:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    f"{method} to {self.task} at {self.address}: Deadline Exceeded",
+                    task=self.task,
+                )
+            return again(left)
+
+        try:
+            sent = plane.send(method, header, payload, timeout, sink=sink)
+        except retried as e:
+            self.failed(plane, e)
+            return Started(anew, what=method)
+
+        def finish() -> Any:
+            try:
+                reply = sent.result()
+            except retried as e:
+                self.failed(plane, e)
+                return anew()
+            return read(reply)
+
+        return Started(finish, sent.cancel, method)
+
+    def failed(self, plane: DataPlaneClient | None, error: BaseException) -> None:
+        """After an UNAVAILABLE failure on ``plane`` the next call asks the PS again."""
+        if plane is None or not isinstance(error, UnavailableError):
+            return
+        with self._lock:
+            if self._plane is plane:
+                self._plane = None
+        plane.close()
+
+    def close(self) -> None:
+        """Closes the plane's connections; gRPC from now on."""
+        with self._lock:
+            plane, self._plane = self._plane, False
+        if isinstance(plane, DataPlaneClient):
+            plane.close()
