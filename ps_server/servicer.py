@@ -523,8 +523,6 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-
-
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:
     if not text:
         return None

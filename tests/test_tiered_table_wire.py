@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from psflow import errors
+from psflow.distribute.ps.table_moves import move_tables
 from psflow.observability.metrics import parse_exposition
 from psflow.ps.dynamic_table import DynamicTable, TableConfig
 from psflow.ps.hot_rows import HotRowPolicy
@@ -198,7 +199,7 @@ def test_rows_move_from_both_tiers_on_a_live_resize(start_ps, tmp_path):
             reference.apply_gradients(ids, grads)
         every = np.sort(reference.export_state()["ids"])
         servers.append(_tiered(start_ps, tmp_path, 2))
-        assert client.move_to([s.address for s in servers]) == every.size
+        assert move_tables(client, [s.address for s in servers]) == every.size
         stats = client.stats()
         assert [s["emb"].rows for s in stats] == [
             int((shard_of(every, 3) == i).sum()) for i in range(3)
