@@ -147,6 +147,10 @@ class ReplicaPool:
     def _loop(q: queue.SimpleQueue, blas_threads: int | None) -> None:
         if blas_threads is not None:
             limit_blas_threads_in_this_thread(blas_threads)
+            # the window kernels split their batch over as many threads as this replica's share
+            from psflow.ops.kernel_pool import set_thread_width
+
+            set_thread_width(blas_threads)
         while True:
             item = q.get()
             if item is None:
