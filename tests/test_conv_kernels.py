@@ -198,3 +198,49 @@ def test_mirrored_replicas_narrow_the_kernel_width() -> None:
         widths = strategy.run(lambda: pf.constant(kernel_pool.width())).values
     share = max(1, pf.thread_budget.process_threads() // 2)
     assert [int(v.numpy()) for v in widths] == [share, share]
+
+
+# (M, K, N): rows of a cut (M >= N), columns of b cut (N > M), the sum over K cut (K >> M, N)
+GEMM_SHAPES = {"rows": (600, 300, 64), "columns": (64, 300, 600), "sum": (10, 20000, 32)}
+
+
+@pytest.mark.parametrize("cut", sorted(GEMM_SHAPES))
+def test_split_matmul_matches_numpy_and_keeps_its_bits_with_any_thread_count(threads, cut) -> None:
+    m, k, n = GEMM_SHAPES[cut]
+    rng = np.random.default_rng(m + n)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    threads(1)
+    one = kernel_pool.matmul(a, b)
+    threads(2)
+    two = kernel_pool.matmul(a, b)
+    np.testing.assert_array_equal(one, two)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    # a k-long float32 sum errs by at most about k * eps * sum(|terms|)
+    bound = k * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(b))
+    assert np.all(np.abs(two - exact) <= bound)
+
+
+def test_split_matmul_without_blas_thread_control_still_multiplies(
+    threads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from psflow.distribute import replica_pool
+
+    monkeypatch.setattr(replica_pool, "_blas_found", [None])
+    threads(2)
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((600, 300))
+    b = rng.standard_normal((300, 64))
+    np.testing.assert_allclose(kernel_pool.matmul(a, b), a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_split_matmul_puts_the_blas_thread_count_back(threads) -> None:
+    from psflow.distribute import replica_pool
+
+    before = replica_pool.blas_thread_count()
+    if before is None:
+        pytest.skip("the loaded BLAS has no settable thread count")
+    threads(2)
+    a = np.ones((600, 300), np.float32)
+    kernel_pool.matmul(a, a.T[:, :64].copy())
+    assert replica_pool.blas_thread_count() == before

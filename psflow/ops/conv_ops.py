@@ -15,7 +15,7 @@ import numpy as np
 
 from psflow import errors
 from psflow.framework.tensor import Tensor
-from psflow.ops import conv_cpu
+from psflow.ops import conv_cpu, kernel_pool
 from psflow.ops._core import node, out, xp
 from psflow.ops.window_geometry import (
     Pads,
@@ -114,7 +114,7 @@ def _conv_cpu(
     kh, kw, cin, cout = kshape
     n, k = padded.shape[0], kh * kw * cin
     cols = conv_cpu.im2col(padded, (kh, kw), strides, dilations, out_hw, ones=b is not None)
-    z2 = cols @ conv_cpu.kernel_matrix(wm, b)
+    z2 = kernel_pool.matmul(cols, conv_cpu.kernel_matrix(wm, b))
     if relu:
         conv_cpu.relu_in_place(z2)
     padded_shape = padded.shape
@@ -125,11 +125,13 @@ def _conv_cpu(
             g2 = conv_cpu.relu_mask(g2, z2)
         dx = dw = db = None
         if needs[0]:
-            dcols = (g2 @ wm.T).reshape(n, *out_hw, kh, kw, cin)
+            dcols = kernel_pool.matmul(g2, wm.T).reshape(n, *out_hw, kh, kw, cin)
             dx = col2im(dcols, padded_shape, pads, strides, dilations)
         want_db = len(needs) == 3 and needs[2]
         if needs[1] or want_db:
-            dwb = cols.T @ g2  # with a bias: its gradient is the last row (the ones column)
+            dwb = kernel_pool.matmul(
+                cols.T, g2
+            )  # with a bias: its gradient is the last row (the ones column)
             dw = dwb[:k].reshape(kshape) if needs[1] else None
             db = dwb[k].copy() if want_db else None
         return (dx, dw, db) if len(needs) == 3 else (dx, dw)

@@ -23,11 +23,14 @@ machine).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -39,6 +42,7 @@ _local = threading.local()  # per thread: ``width``, set by set_thread_width
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_width = 0
+_process_width: int | None = None  # the process's budget, read on first use
 
 
 def chunk_bounds(
@@ -67,9 +71,12 @@ def width() -> int:
     own = getattr(_local, "width", None)
     if own is not None:
         return own
-    from psflow.thread_budget import process_threads
+    global _process_width
+    if _process_width is None:  # read once: the budget is set when the process starts
+        from psflow.thread_budget import process_threads
 
-    return max(1, process_threads())
+        _process_width = max(1, process_threads())
+    return _process_width
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
@@ -92,8 +99,7 @@ def run_chunks(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -
     return values come back in chunk order (for the caller to sum in that order).
 
     Raises:
-        The exception of a failed chunk (the calling thread's first), after every
-        thread's chunks ended.
+        The exception of a failed chunk, after every thread stopped claiming chunks.
     """
     threads = min(width(), len(bounds))
     if threads <= 1:
@@ -103,8 +109,8 @@ def run_chunks(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -
 
 def _forget_pool_in_child() -> None:
     # a forked child has the pool object but not its threads: it starts its own when needed
-    global _pool, _pool_width
-    _pool, _pool_width = None, 0
+    global _pool, _pool_width, _process_width
+    _pool, _pool_width, _process_width = None, 0, None
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows
@@ -117,23 +123,104 @@ def _spread(
     bounds: Sequence[tuple[int, int]],
     threads: int,
 ) -> list[T]:
-    # ``threads`` interleaved strands of chunks; the caller runs the first itself
+    # Each thread claims the next chunk until none is left (the caller is one of them): on a
+    # shared machine a descheduled thread then holds up one chunk, not a fixed share of them.
+    # Which thread ran a chunk changes nothing: results are kept by chunk index.
     results: list[Any] = [None] * len(bounds)
+    claims = itertools.count()  # next() on it is atomic under the GIL
+    failed: list[BaseException] = []
 
-    def strand(first: int) -> None:
-        for i in range(first, len(bounds), threads):
-            results[i] = fn(*bounds[i])
+    def work() -> None:
+        while not failed:
+            i = next(claims)
+            if i >= len(bounds):
+                return
+            try:
+                results[i] = fn(*bounds[i])
+            except BaseException as e:  # the others stop claiming; raised by the caller
+                failed.append(e)
+                return
 
-    futures = [pool.submit(strand, s) for s in range(1, threads)]
-    error: BaseException | None = None
-    try:
-        strand(0)
-    except BaseException as e:  # reported after the other strands ended
-        error = e
+    futures = [pool.submit(work) for _ in range(threads - 1)]
+    work()
     for f in futures:
-        e = f.exception()
-        if e is not None and error is None:
-            error = e
-    if error is not None:
-        raise error
+        f.result()
+    if failed:
+        raise failed[0]
     return results
+
+
+# -- matrix products ---------------------------------------------------------------------
+
+GEMM_CHUNK_FLOPS = 4_000_000
+"""Floating-point operations a GEMM chunk aims for: enough that a chunk's call costs far
+more than its dispatch, small enough that a thread descheduled on a busy machine holds
+up little of the product."""
+
+GEMM_MAX_CHUNKS = 16
+"""The most chunks a GEMM is cut into (beyond it, each chunk's packing dominates)."""
+
+_blas_state = threading.Lock()
+_blas_narrowed = 0  # parallel GEMM sections running now
+_blas_before: int | None = None  # the BLAS thread count they narrowed from
+
+
+def matmul(a: Any, b: Any) -> Any:
+    """``a @ b`` for 2-D NumPy matrices, cut by shape into chunks run on the kernel threads.
+
+    Each chunk is one single-threaded BLAS call: rows of ``a`` (``M >= N``),
+    columns of ``b``, or, when the sum dominates (``K`` at least 8 times ``M``
+    and ``N``), slices of ``K`` whose partial products are added in chunk order.
+    Threads claim chunks one by one, so on a shared machine a descheduled thread
+    delays one chunk, where a BLAS's own threads wait for their slowest member
+    spinning. The cut depends on the shapes only: the same bits with any number
+    of threads. Without a BLAS whose thread count can be set (or with one kernel
+    thread) it is ``a @ b`` cut the same way, run in this thread.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    split_k = k >= 8 * max(m, n)
+    along = k if split_k else max(m, n)
+    parts = min(GEMM_MAX_CHUNKS, (2 * m * n * k) // GEMM_CHUNK_FLOPS, along // 8)
+    if parts < 2:
+        return a @ b
+    step = -(-along // parts)
+    bounds = [(lo, min(lo + step, along)) for lo in range(0, along, step)]
+    if split_k:
+        partials = _run_gemm(lambda lo, hi: a[:, lo:hi] @ b[lo:hi], bounds)
+        total = partials[0]
+        for p in partials[1:]:
+            total += p
+        return total
+    c = np.empty((m, n), dtype=np.result_type(a, b))
+    if m >= n:
+        _run_gemm(lambda lo, hi: np.matmul(a[lo:hi], b, out=c[lo:hi]), bounds)
+    else:
+        _run_gemm(lambda lo, hi: np.matmul(a, b[:, lo:hi], out=c[:, lo:hi]), bounds)
+    return c
+
+
+def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
+    """:func:`run_chunks` for chunks that call BLAS, its own threads held to one meanwhile
+    (also with one kernel thread: a BLAS may pick another kernel, another summation order,
+    for another thread count, and the bits must not depend on it)."""
+    from psflow.distribute.replica_pool import blas_thread_count, set_blas_thread_count
+
+    global _blas_narrowed, _blas_before
+    with _blas_state:
+        if _blas_narrowed == 0:
+            _blas_before = blas_thread_count()
+        if _blas_before is None:  # no control over the BLAS's threads: do not fight them
+            return [fn(lo, hi) for lo, hi in bounds]
+        _blas_narrowed += 1
+        set_blas_thread_count(1)
+    try:
+        threads = min(width(), len(bounds))
+        if threads <= 1:
+            return [fn(lo, hi) for lo, hi in bounds]
+        return _spread(_executor(threads - 1), fn, bounds, threads)
+    finally:
+        with _blas_state:
+            _blas_narrowed -= 1
+            if _blas_narrowed == 0 and _blas_before is not None:
+                set_blas_thread_count(_blas_before)
