@@ -173,8 +173,9 @@ def matmul(a: Any, b: Any) -> Any:
     and ``N``), slices of ``K`` whose partial products are added in chunk order.
     Threads claim chunks one by one, so on a shared machine a descheduled thread
     delays one chunk, where a BLAS's own threads wait for their slowest member
-    spinning. The cut depends on the shapes only: the same bits with any number
-    of threads. Without a BLAS whose thread count can be set (or with one kernel
+    spinning (a product too small to cut is one call, also on one BLAS thread).
+    The cut depends on the shapes only: the same bits with any number of
+    threads. Without a BLAS whose thread count can be set (or with one kernel
     thread) it is ``a @ b`` cut the same way, run in this thread.
     """
     m, k = a.shape
@@ -182,8 +183,8 @@ def matmul(a: Any, b: Any) -> Any:
     split_k = k >= 8 * max(m, n)
     along = k if split_k else max(m, n)
     parts = min(GEMM_MAX_CHUNKS, (2 * m * n * k) // GEMM_CHUNK_FLOPS, along // 8)
-    if parts < 2:
-        return a @ b
+    if parts < 2:  # one call, still on one BLAS thread: small products gain nothing from more
+        return _run_gemm(lambda lo, hi: a @ b, [(0, along)])[0]
     step = -(-along // parts)
     bounds = [(lo, min(lo + step, along)) for lo in range(0, along, step)]
     if split_k:
