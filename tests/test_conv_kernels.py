@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import psflow as pf
-from psflow.ops import conv_cpu, conv_ops, kernel_pool
+from psflow.ops import conv_cpu, conv_ops, kernel_pool, nn_ops
 from psflow.ops.window_geometry import patch_view
 from tests.gradcheck import check_gradients
 from tests.numerics import assert_close_across_splits
@@ -244,3 +244,25 @@ def test_split_matmul_puts_the_blas_thread_count_back(threads) -> None:
     a = np.ones((600, 300), np.float32)
     kernel_pool.matmul(a, a.T[:, :64].copy())
     assert replica_pool.blas_thread_count() == before
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_fused_dense_equals_matmul_add_relu_bitwise_at_model_sizes(relu: bool) -> None:
+    # big enough that the products are cut into chunks (tests/test_gradients.py has small ones)
+    rng = np.random.default_rng(5)
+    x = pf.constant(rng.standard_normal((256, 784)).astype(np.float32))
+    w = pf.Variable(rng.standard_normal((784, 512)).astype(np.float32) * 0.05)
+    b = pf.Variable(rng.standard_normal(512).astype(np.float32))
+    results = []
+    for fused in (True, False):
+        with pf.GradientTape() as tape:
+            tape.watch(x)
+            if fused:
+                y = nn_ops.dense(x, w, b, relu=relu)
+            else:
+                y = pf.matmul(x, w) + b
+                y = pf.nn.relu(y) if relu else y
+            loss = pf.reduce_sum(y * y)
+        results.append([y.numpy()] + [g.numpy() for g in tape.gradient(loss, [x, w, b])])
+    for a, c in zip(*results):
+        np.testing.assert_array_equal(a, c)
