@@ -201,12 +201,13 @@ def test_mirrored_replicas_narrow_the_kernel_width() -> None:
 
 
 # (M, K, N): rows of a cut (M >= N), columns of b cut (N > M), the sum over K cut (K >> M, N)
-GEMM_SHAPES = {"rows": (600, 300, 64), "columns": (64, 300, 600), "sum": (10, 20000, 32)}
+GEMM_SHAPES = {"rows": (2000, 300, 64), "columns": (64, 300, 2000), "sum": (16, 100000, 32)}
 
 
 @pytest.mark.parametrize("cut", sorted(GEMM_SHAPES))
 def test_split_matmul_matches_numpy_and_keeps_its_bits_with_any_thread_count(threads, cut) -> None:
     m, k, n = GEMM_SHAPES[cut]
+    assert 2 * m * k * n >= 2 * kernel_pool.GEMM_CHUNK_FLOPS  # cut in several chunks
     rng = np.random.default_rng(m + n)
     a = rng.standard_normal((m, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
