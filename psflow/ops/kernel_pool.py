@@ -15,10 +15,13 @@ number of cores.
 Width: a thread's kernels use :func:`width` threads: the process's BLAS budget
 (:func:`psflow.thread_budget.process_threads`) unless the thread narrowed its own
 share (:func:`set_thread_width`; MirroredStrategy's replica threads do, as they
-narrow their BLAS threads). Chunks make no BLAS calls: the GEMMs run whole, on
-BLAS's own threads (OpenBLAS's count is process-wide in NumPy's wheels, so GEMMs
-called from several threads at once would each start a pool as wide as the
-machine).
+narrow their BLAS threads). Threads claim chunks one at a time, so a thread
+descheduled on a busy machine holds up one chunk, not a fixed share.
+
+Products (:func:`matmul`) are cut the same way into single-threaded BLAS calls,
+with the BLAS held to one thread meanwhile: OpenBLAS's count is process-wide in
+NumPy's wheels, and its own threads wait for their slowest member spinning.
+:func:`run_chunks` is for chunks that make no BLAS call.
 """
 
 from __future__ import annotations
