@@ -112,6 +112,28 @@ def limit_blas_threads_in_this_thread(threads: int) -> bool:
     return True
 
 
+def blas_thread_count() -> int | None:
+    """The loaded BLAS's thread count now, or None without a per-thread setter for it."""
+    found = _blas_local_setter()
+    if found is None or found[1] is None:
+        return None
+    try:
+        return int(found[1]())
+    except Exception:  # a foreign library: never let tuning break a kernel
+        return None
+
+
+def set_blas_thread_count(threads: int) -> None:
+    """Sets the BLAS's thread count with its per-thread setter (process-wide in OpenBLAS's
+    pthreads builds, NumPy's wheels); does nothing without one."""
+    found = _blas_local_setter()
+    if found is not None:
+        try:
+            found[0](max(1, int(threads)))
+        except Exception:  # a foreign library: never let tuning break a kernel
+            logger.debug("could not set BLAS threads", exc_info=True)
+
+
 class _Result:
     __slots__ = ("error", "value")
 
@@ -147,6 +169,10 @@ class ReplicaPool:
     def _loop(q: queue.SimpleQueue, blas_threads: int | None) -> None:
         if blas_threads is not None:
             limit_blas_threads_in_this_thread(blas_threads)
+            # the window kernels split their batch over as many threads as this replica's share
+            from psflow.ops.kernel_pool import set_thread_width
+
+            set_thread_width(blas_threads)
         while True:
             item = q.get()
             if item is None:

@@ -250,7 +250,8 @@ class ModelCheckpoint(Callback):
             if initial_value_threshold is not None
             else _initial_best(monitor, mode)
         )
-        self._batches = 0
+        self._batches = 0  # batches since the last save (with an integer save_freq)
+        self._last_batch = -1  # the index of the last batch seen
 
     def _save(self, epoch: int, logs: dict | None) -> None:
         if not self.model.distribute_strategy.extended.should_checkpoint:
@@ -271,8 +272,12 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if isinstance(self.save_freq, int):
-            self._batches += 1
-            if self._batches % self.save_freq == 0:
+            # counted by index, as Keras does: one call may end an execution of several batches
+            added = batch + 1 if batch <= self._last_batch else batch - self._last_batch
+            self._last_batch = batch
+            self._batches += added
+            if self._batches >= self.save_freq:
+                self._batches = 0
                 self._save(self._epoch, logs)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -501,8 +506,11 @@ class BackupAndRestore(Callback):
         )
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._batches = self._epoch_base + batch + 1
-        if isinstance(self.save_freq, int) and self._batches % self.save_freq == 0:
+        before, self._batches = self._batches, self._epoch_base + batch + 1
+        # a multiple of save_freq reached: exactly, or within an execution of several batches
+        if isinstance(self.save_freq, int) and before // self.save_freq < (
+            self._batches // self.save_freq
+        ):
             self.save(self._epoch, batch + 1)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from psflow import errors
 from psflow.framework.tensor import Tensor
+from psflow.ops import conv_cpu, kernel_pool
 from psflow.ops._core import node, out, xp
 from psflow.ops.window_geometry import (
     Pads,
@@ -59,15 +62,19 @@ def _conv(
     oh, ow = out_sizes(a.shape[1:3], pads, extents, strides, op_name)
     padded = pad_input(a, pads, 0.0)
     n = a.shape[0]
+    wm = k.reshape(kh * kw * cin, cout)
+    inputs: tuple[Any, ...] = (x, w) if bias is None else (x, w, bias)
+    b = None if bias is None else bias._array()
+    if xp(a) is np:
+        return _conv_cpu(
+            x, padded, wm, k.shape, pads, strides, dilations, (oh, ow), b, relu, inputs
+        )
     cols = patch_view(padded, (oh, ow), (kh, kw), strides, dilations).reshape(
         n * oh * ow, kh * kw * cin
     )
-    wm = k.reshape(kh * kw * cin, cout)
     z2 = cols @ wm
-    inputs: tuple[Any, ...] = (x, w)
-    if bias is not None:
-        z2 += bias._array()
-        inputs = (x, w, bias)
+    if b is not None:
+        z2 += b
     if relu:
         xp(z2).maximum(z2, 0, out=z2)
     z = z2.reshape(n, oh, ow, cout)
@@ -88,6 +95,48 @@ def _conv(
         return dx, dw
 
     return out(z, inputs, backward)
+
+
+def _conv_cpu(
+    x: Any,
+    padded: Any,
+    wm: Any,
+    kshape: tuple[int, ...],
+    pads: Pads,
+    strides: tuple[int, int],
+    dilations: tuple[int, int],
+    out_hw: tuple[int, int],
+    b: Any,
+    relu: bool,
+    inputs: tuple[Any, ...],
+) -> Tensor:
+    """:func:`_conv` on NumPy arrays (:mod:`psflow.ops.conv_cpu`): the bias rides in the GEMM."""
+    kh, kw, cin, cout = kshape
+    n, k = padded.shape[0], kh * kw * cin
+    cols = conv_cpu.im2col(padded, (kh, kw), strides, dilations, out_hw, ones=b is not None)
+    z2 = kernel_pool.matmul(cols, conv_cpu.kernel_matrix(wm, b))
+    if relu:
+        conv_cpu.relu_in_place(z2)
+    padded_shape = padded.shape
+
+    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
+        g2 = g.reshape(n * out_hw[0] * out_hw[1], cout)
+        if relu:
+            g2 = conv_cpu.relu_mask(g2, z2)
+        dx = dw = db = None
+        if needs[0]:
+            dcols = kernel_pool.matmul(g2, wm.T).reshape(n, *out_hw, kh, kw, cin)
+            dx = col2im(dcols, padded_shape, pads, strides, dilations)
+        want_db = len(needs) == 3 and needs[2]
+        if needs[1] or want_db:
+            dwb = kernel_pool.matmul(
+                cols.T, g2
+            )  # with a bias: its gradient is the last row (the ones column)
+            dw = dwb[:k].reshape(kshape) if needs[1] else None
+            db = dwb[k].copy() if want_db else None
+        return (dx, dw, db) if len(needs) == 3 else (dx, dw)
+
+    return out(z2.reshape(n, *out_hw, cout), inputs, backward)
 
 
 def conv_layer(

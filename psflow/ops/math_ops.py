@@ -9,6 +9,7 @@ import numpy as np
 
 from psflow import dtypes, errors
 from psflow.framework.tensor import Tensor
+from psflow.ops import kernel_pool
 from psflow.ops._core import (
     binary,
     check_broadcast,
@@ -538,15 +539,24 @@ def matmul(
 
 
 def _matmul_2d(x: Any, y: Any, A: Any, B: Any) -> Tensor:
-    """The common case of :func:`matmul`: two matrices, no transposes (checked)."""
-    z = A @ B
-    if z.dtype.kind != "f":
-        return out(z, (x, y))
+    """The common case of :func:`matmul`: two matrices, no transposes (checked).
+
+    Float NumPy products go through the kernel threads, cut by shape as the fused
+    ``Dense`` op's are (:func:`psflow.ops.kernel_pool.matmul`): the two agree bitwise.
+    """
+    if A.dtype.kind != "f":
+        return out(A @ B, (x, y))
+    mm = kernel_pool.matmul if xp(A) is np else _product
+    z = mm(A, B)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, Any]:
-        return (g @ B.T if needs[0] else None, A.T @ g if needs[1] else None)
+        return (mm(g, B.T) if needs[0] else None, mm(A.T, g) if needs[1] else None)
 
     return out(z, (x, y), backward)
+
+
+def _product(a: Any, b: Any) -> Any:
+    return a @ b
 
 
 def tensordot(a: Any, b: Any, axes: Any, name: str | None = None) -> Tensor:

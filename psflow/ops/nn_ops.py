@@ -9,7 +9,7 @@ import numpy as np
 
 from psflow import backend, errors
 from psflow.framework.tensor import Tensor, convert_to_tensor
-from psflow.ops import array_ops, math_ops
+from psflow.ops import array_ops, kernel_pool, math_ops
 from psflow.ops._core import binary, node, normalize_axis, operands, out, xp
 
 
@@ -52,7 +52,9 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
         if b.dtype != a.dtype or b.shape != (w.shape[1],):
             return None
         inputs = (xn, kn, bn)
-    z = a @ w
+    # NumPy products go through the kernel threads (cut by shape: the same bits on any count)
+    mm = kernel_pool.matmul if xp(a) is np else _product
+    z = mm(a, w)
     if bias is not None:
         z += b
     if relu:
@@ -61,12 +63,16 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
         if relu:
             g = g * (z > 0)
-        grads = (g @ w.T if needs[0] else None, a.T @ g if needs[1] else None)
+        grads = (mm(g, w.T) if needs[0] else None, mm(a.T, g) if needs[1] else None)
         if len(needs) == 3:
             return (*grads, g.sum(axis=0) if needs[2] else None)
         return grads
 
     return out(z, inputs, backward)
+
+
+def _product(a: Any, b: Any) -> Any:
+    return a @ b
 
 
 def relu6(features: Any, name: str | None = None) -> Tensor:

@@ -93,6 +93,13 @@ class MultiWorkerRunner(MirroredRunner):
         finally:
             remove()
 
+    def _execution_size(self) -> int:
+        # one step per execution: the workers agree on an uneven last batch step by step
+        return 1
+
+    def _execute(self, fn: Any, batches: list[Any]) -> list[Any]:
+        return [self._run(fn, batch) for batch in batches]
+
     def predict(self, source: Any, steps: int | None, callbacks: Any) -> list[Any]:
         """Every worker's predictions of each global batch, in order, on every worker."""
         import numpy as np

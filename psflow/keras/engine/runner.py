@@ -9,6 +9,7 @@ ParameterServerStrategy schedules steps on workers through the coordinator.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -79,36 +80,73 @@ class LocalRunner(Runner):
         self,
         source: Any,
         steps: int | None,
-        step_fn: Callable[[Any], Any],
+        fn: Callable[[Any], Any],
         on_begin: Callable[[int], None],
         on_end: Callable[[int, dict], None],
         first_step: int = 0,
+        collect: Callable[[Any], None] | None = None,
     ) -> int:
+        """Runs ``fn`` on the batches of ``source``, ``steps_per_execution`` batches per
+        execution (one call into the strategy); the hooks run once per execution, with the
+        index of its first batch (begin) and of its last (end), as Keras numbers them.
+        ``collect`` receives each batch's result."""
         it: Iterator = iter(source)
         step = skipped = 0
         for _ in range(first_step):  # done before a restart: skipped, as TensorFlow does
             if next(it, None) is None:
                 break
             step = skipped = skipped + 1
-        while steps is None or step < steps:
-            try:
-                batch = next(it)
-            except StopIteration:
-                if steps is not None and step == 0:
-                    raise errors.OutOfRangeError(
-                        "Your input ran out of data; make sure the dataset can generate at least "
-                        f"steps_per_epoch * epochs batches (steps_per_epoch={steps})"
-                    ) from None
-                break
-            except errors.OutOfRangeError:
+        per = self._execution_size()
+        held: list[Any] = []  # a batch read but left for the next execution (another size)
+        exhausted = False
+        while not exhausted and (steps is None or step < steps):
+            want = per if steps is None else min(per, steps - step)
+            batches = held
+            held = []
+            while len(batches) < want:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    if steps is not None and step == 0 and not batches:
+                        raise errors.OutOfRangeError(
+                            "Your input ran out of data; make sure the dataset can generate at "
+                            f"least steps_per_epoch * epochs batches (steps_per_epoch={steps})"
+                        ) from None
+                    exhausted = True
+                    break
+                except errors.OutOfRangeError:
+                    exhausted = True
+                    break
+                if batches and self._execution_key(batch) != self._execution_key(batches[0]):
+                    held = [batch]  # one execution runs batches of one global size
+                    break
+                batches.append(batch)
+            if not batches:
                 break
             on_begin(step)  # only once a batch exists: no begin hook without its end
-            step_fn(batch)
-            on_end(step, self.model._current_logs())
-            step += 1
+            results = self._execute(fn, batches)
+            if collect is not None:
+                for r in results:
+                    collect(r)
+            step += len(batches)
+            on_end(step - 1, self.model._current_logs())
             if self.model.stop_training:
                 break
+            exhausted = exhausted and not held
         return step - skipped
+
+    def _execution_size(self) -> int:
+        """Batches per execution: the model's ``steps_per_execution``."""
+        return self.model._steps_per_execution
+
+    def _execution_key(self, batch: Any) -> Any:
+        """Batches of one execution share this value (any batches do by default)."""
+        return None
+
+    def _execute(self, fn: Callable[[Any], Any], batches: list[Any]) -> list[Any]:
+        """``fn`` on each of ``batches`` in one call into the strategy; the results in order."""
+        on_device = [_on_device(b) for b in batches]
+        return self.strategy.run(functools.partial(_each, fn), args=(on_device,))
 
     def train_epoch(
         self,
@@ -122,7 +160,7 @@ class LocalRunner(Runner):
         return self._steps(
             source,
             steps,
-            lambda batch: self.strategy.run(self.model.train_step, args=(_on_device(batch),)),
+            self.model.train_step,
             callbacks.on_train_batch_begin,
             callbacks.on_train_batch_end,
             first_step,
@@ -133,7 +171,7 @@ class LocalRunner(Runner):
         return self._steps(
             source,
             steps,
-            lambda batch: self.strategy.run(self.model.test_step, args=(_on_device(batch),)),
+            self.model.test_step,
             callbacks.on_test_batch_begin,
             callbacks.on_test_batch_end,
         )
@@ -141,19 +179,20 @@ class LocalRunner(Runner):
     def predict(self, source: Any, steps: int | None, callbacks: Any) -> list[Any]:
         """Runs prediction steps; returns the host arrays of every batch's predictions."""
         outputs: list[Any] = []
-
-        def step_fn(batch: Any) -> None:
-            y = self.strategy.run(self.model.predict_step, args=(_on_device(batch),))
-            outputs.append(_host(y))
-
         self._steps(
             source,
             steps,
-            step_fn,
+            self.model.predict_step,
             callbacks.on_predict_batch_begin,
             lambda s, logs: callbacks.on_predict_batch_end(s, {}),
+            collect=lambda y: outputs.append(_host(y)),
         )
         return outputs
+
+
+def _each(fn: Callable[[Any], Any], batches: list[Any]) -> list[Any]:
+    """One execution, inside a replica: ``fn`` on each batch in turn."""
+    return [fn(batch) for batch in batches]
 
 
 def _on_device(batch: Any) -> Any:
@@ -203,52 +242,39 @@ class MirroredRunner(LocalRunner):
             return source
         return _SplitBatches(source, list(self.strategy._devices))
 
-    def _run(self, fn: Any, batch: Any) -> Any:
+    def _global_batch(self, batch: Any) -> int | None:
+        """The global batch of a split batch: every replica's share added up."""
         from psflow.distribute.values import PerReplica
         from psflow.keras.engine import data_adapter
         from psflow.util import nest
 
         x = data_adapter.unpack_x_y_sample_weight(batch)[0]
         leaf = next((v for v in nest.flatten(x) if isinstance(v, PerReplica)), None)
-        if leaf is not None:  # the global batch: every replica's share added up
-            self.model._global_batch_size = sum(
-                int(v.shape[0]) if len(v.shape) else 1 for v in leaf.values
-            )
-        else:
-            self.model._global_batch_size = None
+        if leaf is None:
+            return None
+        return sum(int(v.shape[0]) if len(v.shape) else 1 for v in leaf.values)
+
+    def _execution_key(self, batch: Any) -> Any:
+        # the loss scale is the global batch's: one execution keeps one
+        return self._global_batch(batch)
+
+    def _run(self, fn: Any, batch: Any) -> Any:
+        self.model._global_batch_size = self._global_batch(batch)
         try:
             return self.strategy.run(fn, args=(batch,))
         finally:
             self.model._global_batch_size = None
 
-    def train_epoch(
-        self,
-        source: Any,
-        steps: int | None,
-        callbacks: Any,
-        epoch: int | None = None,
-        first_step: int = 0,
-    ) -> int:
-        return self._steps(
-            source,
-            steps,
-            lambda b: self._run(self.model.train_step, b),
-            callbacks.on_train_batch_begin,
-            callbacks.on_train_batch_end,
-            first_step,
-        )
-
-    def test_epoch(self, source: Any, steps: int | None, callbacks: Any) -> int:
-        return self._steps(
-            source,
-            steps,
-            lambda b: self._run(self.model.test_step, b),
-            callbacks.on_test_batch_begin,
-            callbacks.on_test_batch_end,
-        )
+    def _execute(self, fn: Callable[[Any], Any], batches: list[Any]) -> list[Any]:
+        self.model._global_batch_size = self._global_batch(batches[0])
+        try:
+            return self.strategy.run(functools.partial(_each, fn), args=(batches,))
+        finally:
+            self.model._global_batch_size = None
 
     def predict(self, source: Any, steps: int | None, callbacks: Any) -> list[Any]:
         from psflow.distribute.values import PerReplica
+        from psflow.util import nest
 
         outputs: list[Any] = []
 
@@ -259,19 +285,14 @@ class MirroredRunner(LocalRunner):
             hosts = [_host(p) for p in parts]
             return np.concatenate(hosts, axis=0) if len(hosts) > 1 else hosts[0]
 
-        def step_fn(batch: Any) -> None:
-            from psflow.util import nest
-
-            y = self._run(self.model.predict_step, batch)
-            # one PerReplica per output (a model with several outputs gives a structure of them)
-            outputs.append(nest.map_structure(gather, y))
-
         self._steps(
             source,
             steps,
-            step_fn,
+            self.model.predict_step,
             callbacks.on_predict_batch_begin,
             lambda s, logs: callbacks.on_predict_batch_end(s, {}),
+            # one PerReplica per output (a model with several outputs gives a structure of them)
+            collect=lambda y: outputs.append(nest.map_structure(gather, y)),
         )
         return outputs
 

@@ -65,6 +65,7 @@ class Model(Layer):
         self._build_input_shape: Any = None  # what the model was built for: saved with it
         self._unwrap_single = False  # one output in a list/dict: losses see the bare tensors
         self._global_batch_size: int | None = None
+        self._steps_per_execution = 1  # batches per call into the step function (compile)
 
     # -- compile ---------------------------------------------------------------------
     def compile(
@@ -81,9 +82,19 @@ class Model(Layer):
     ) -> None:
         """Sets the optimizer, the loss and the metrics used by ``fit`` and ``evaluate``.
 
+        ``steps_per_execution`` (an int >= 1, None for 1): the batches each call into
+        the step function runs, under the default strategy and MirroredStrategy
+        (ParameterServerStrategy and MultiWorkerMirroredStrategy run one). Batch
+        callbacks then run once per execution, as Keras calls them:
+        ``on_train_batch_begin`` with the index of its first batch,
+        ``on_train_batch_end`` with its last; the last execution of an epoch may be
+        shorter. The weights are those of one step per execution.
+
         Raises:
             ValueError: an unknown optimizer, loss or metric name (quoted).
+            InvalidArgumentError: ``steps_per_execution`` not an int >= 1 (quoted).
         """
+        self._steps_per_execution = _steps_per_execution(steps_per_execution)
         names = self.output_names or []
         with self._strategy_scope():
             self.optimizer = optimizers_lib.get(optimizer)
@@ -591,6 +602,21 @@ class Model(Layer):
         saving_lib.save_model(
             self, filepath, overwrite=overwrite, include_optimizer=include_optimizer
         )
+
+
+def _steps_per_execution(value: Any) -> int:
+    """``compile``'s ``steps_per_execution`` as an int >= 1 (None: 1).
+
+    Raises:
+        InvalidArgumentError: a bool, a non-integer or a value below 1, quoted.
+    """
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise errors.InvalidArgumentError(
+            f"compile: steps_per_execution must be an int >= 1, got {value!r}"
+        )
+    return int(value)
 
 
 def _single_output_entries(metrics: Any) -> Any:

@@ -1,0 +1,231 @@
+"""Splitting a CPU kernel's batch into cache-sized chunks, run on every core this thread may use.
+
+The window kernels (convolution, pooling) are memory-bound when written as
+whole-batch NumPy passes: each pass streams an ``(N, OH, OW, C)`` array through
+memory, and NumPy's element-wise loops use one core. Run chunk by chunk, every
+pass of a chunk finds its operands in cache, and the chunks run side by side on
+a small thread pool (NumPy and BLAS release the GIL inside their loops).
+
+Determinism: the chunks depend on the shapes only (:func:`chunk_bounds`), never
+on the thread count, and every partial result (a weight or bias gradient summed
+over the batch) is added up in chunk order by the caller. The same shapes give
+the same bits whichever thread ran which chunk, and on a machine with another
+number of cores.
+
+Width: a thread's kernels use :func:`width` threads: the process's BLAS budget
+(:func:`psflow.thread_budget.process_threads`) unless the thread narrowed its own
+share (:func:`set_thread_width`; MirroredStrategy's replica threads do, as they
+narrow their BLAS threads). Threads claim chunks one at a time, so a thread
+descheduled on a busy machine holds up one chunk, not a fixed share.
+
+Products (:func:`matmul`) are cut the same way into single-threaded BLAS calls,
+with the BLAS held to one thread meanwhile: OpenBLAS's count is process-wide in
+NumPy's wheels, and its own threads wait for their slowest member spinning.
+:func:`run_chunks` is for chunks that make no BLAS call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+CHUNK_BYTES = 256 * 1024
+"""Bytes of working set a chunk aims for: a fraction of a core's L2 cache, so that a
+chunk's input, output and temporaries stay in cache across the kernel's passes."""
+
+_local = threading.local()  # per thread: ``width``, set by set_thread_width
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_width = 0
+_process_width: int | None = None  # the process's budget, read on first use
+
+
+def chunk_bounds(
+    items: int, bytes_per_item: int, target: int = CHUNK_BYTES
+) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges covering ``range(items)``, each about ``target`` bytes of work.
+
+    A function of its arguments only (never of the thread count), so a split, and
+    the order partial sums are added in, is the same on every run and machine.
+
+    Example:
+        >>> chunk_bounds(10, 100, target=400)
+        [(0, 4), (4, 8), (8, 10)]
+    """
+    per = max(1, target // max(1, bytes_per_item))
+    return [(lo, min(lo + per, items)) for lo in range(0, items, per)]
+
+
+def set_thread_width(threads: int | None) -> None:
+    """Limits the kernels called from this thread to ``threads`` threads (None: the default)."""
+    _local.width = None if threads is None else max(1, int(threads))
+
+
+def width() -> int:
+    """The threads a kernel called from this thread may use."""
+    own = getattr(_local, "width", None)
+    if own is not None:
+        return own
+    global _process_width
+    if _process_width is None:  # read once: the budget is set when the process starts
+        from psflow.thread_budget import process_threads
+
+        _process_width = max(1, process_threads())
+    return _process_width
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    """The shared pool, with at least ``threads`` workers (the caller is one more)."""
+    global _pool, _pool_width
+    with _pool_lock:
+        if _pool is None or _pool_width < threads:
+            old = _pool
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="psflow-kernel")
+            _pool_width = threads
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def run_chunks(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
+    """``[fn(lo, hi) for lo, hi in bounds]``, spread over :func:`width` threads.
+
+    ``fn`` must write disjoint outputs per chunk and make no BLAS call; its
+    return values come back in chunk order (for the caller to sum in that order).
+
+    Raises:
+        The exception of a failed chunk, after every thread stopped claiming chunks.
+    """
+    threads = min(width(), len(bounds))
+    if threads <= 1:
+        return [fn(lo, hi) for lo, hi in bounds]
+    return _spread(_executor(threads - 1), fn, bounds, threads)
+
+
+def _forget_pool_in_child() -> None:
+    # a forked child has the pool object but not its threads: it starts its own when needed
+    global _pool, _pool_width, _process_width
+    _pool, _pool_width, _process_width = None, 0, None
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def _spread(
+    pool: ThreadPoolExecutor,
+    fn: Callable[[int, int], T],
+    bounds: Sequence[tuple[int, int]],
+    threads: int,
+) -> list[T]:
+    # Each thread claims the next chunk until none is left (the caller is one of them): on a
+    # shared machine a descheduled thread then holds up one chunk, not a fixed share of them.
+    # Which thread ran a chunk changes nothing: results are kept by chunk index.
+    results: list[Any] = [None] * len(bounds)
+    claims = itertools.count()  # next() on it is atomic under the GIL
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        while not failed:
+            i = next(claims)
+            if i >= len(bounds):
+                return
+            try:
+                results[i] = fn(*bounds[i])
+            except BaseException as e:  # the others stop claiming; raised by the caller
+                failed.append(e)
+                return
+
+    futures = [pool.submit(work) for _ in range(threads - 1)]
+    work()
+    for f in futures:
+        f.result()
+    if failed:
+        raise failed[0]
+    return results
+
+
+# -- matrix products ---------------------------------------------------------------------
+
+GEMM_CHUNK_FLOPS = 16_000_000
+"""Floating-point operations a GEMM chunk aims for: enough that a chunk's call costs far
+more than its dispatch, small enough that a thread descheduled on a busy machine holds
+up little of the product."""
+
+GEMM_MAX_CHUNKS = 8
+"""The most chunks a GEMM is cut into: each chunk packs its operands again, and the
+MLP's b256 product ran 15% slower in 16 chunks than in 4 or 8 on 2 cores."""
+
+_blas_state = threading.Lock()
+_blas_narrowed = 0  # parallel GEMM sections running now
+_blas_before: int | None = None  # the BLAS thread count they narrowed from
+
+
+def matmul(a: Any, b: Any) -> Any:
+    """``a @ b`` for 2-D NumPy matrices, cut by shape into chunks run on the kernel threads.
+
+    Each chunk is one single-threaded BLAS call: rows of ``a`` (``M >= N``),
+    columns of ``b``, or, when the sum dominates (``K`` at least 8 times ``M``
+    and ``N``), slices of ``K`` whose partial products are added in chunk order.
+    Threads claim chunks one by one, so on a shared machine a descheduled thread
+    delays one chunk, where a BLAS's own threads wait for their slowest member
+    spinning (a product too small to cut is one call, also on one BLAS thread).
+    The cut depends on the shapes only: the same bits with any number of
+    threads. Without a BLAS whose thread count can be set (or with one kernel
+    thread) it is ``a @ b`` cut the same way, run in this thread.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    split_k = k >= 8 * max(m, n)
+    along = k if split_k else max(m, n)
+    parts = min(GEMM_MAX_CHUNKS, (2 * m * n * k) // GEMM_CHUNK_FLOPS, along // 8)
+    if parts < 2:  # one call, still on one BLAS thread: small products gain nothing from more
+        return _run_gemm(lambda lo, hi: a @ b, [(0, along)])[0]
+    step = -(-along // parts)
+    bounds = [(lo, min(lo + step, along)) for lo in range(0, along, step)]
+    if split_k:
+        partials = _run_gemm(lambda lo, hi: a[:, lo:hi] @ b[lo:hi], bounds)
+        total = partials[0]
+        for p in partials[1:]:
+            total += p
+        return total
+    c = np.empty((m, n), dtype=np.result_type(a, b))
+    if m >= n:
+        _run_gemm(lambda lo, hi: np.matmul(a[lo:hi], b, out=c[lo:hi]), bounds)
+    else:
+        _run_gemm(lambda lo, hi: np.matmul(a, b[:, lo:hi], out=c[:, lo:hi]), bounds)
+    return c
+
+
+def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
+    """:func:`run_chunks` for chunks that call BLAS, its own threads held to one meanwhile
+    (also with one kernel thread: a BLAS may pick another kernel, another summation order,
+    for another thread count, and the bits must not depend on it)."""
+    from psflow.distribute.replica_pool import blas_thread_count, set_blas_thread_count
+
+    global _blas_narrowed, _blas_before
+    with _blas_state:
+        if _blas_narrowed == 0:
+            _blas_before = blas_thread_count()
+        if _blas_before is None:  # no control over the BLAS's threads: do not fight them
+            return [fn(lo, hi) for lo, hi in bounds]
+        _blas_narrowed += 1
+        set_blas_thread_count(1)
+    try:
+        threads = min(width(), len(bounds))
+        if threads <= 1:
+            return [fn(lo, hi) for lo, hi in bounds]
+        return _spread(_executor(threads - 1), fn, bounds, threads)
+    finally:
+        with _blas_state:
+            _blas_narrowed -= 1
+            if _blas_narrowed == 0 and _blas_before is not None:
+                set_blas_thread_count(_blas_before)
