@@ -199,3 +199,37 @@ def test_none_and_numpy_ints_are_accepted() -> None:
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=np.int64(5))
     x, y = _data()
     assert model.fit(x, y, batch_size=8, verbose=0).history["loss"]
+
+
+def test_load_model_compiles_with_the_saved_steps_per_execution(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    each = runner_lib._each
+
+    def counting(fn: Any, batches: list[Any]) -> list[Any]:
+        calls.append(len(batches))
+        return each(fn, batches)
+
+    x, y = _data()
+    _model(3).save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    monkeypatch.setattr(runner_lib, "_each", counting)
+    loaded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert calls == [3, 3, 3, 1]  # 10 batches, 3 per execution as when saved
+
+
+def test_a_saved_model_without_steps_per_execution_loads_with_one(tmp_path: Any) -> None:
+    import json
+
+    path = tmp_path / "old"
+    _model(3).save(path)
+    config = json.loads((path / "config.json").read_text())
+    del config["compile_config"]["steps_per_execution"]  # as saved before it was kept
+    (path / "config.json").write_text(json.dumps(config))
+    loaded = keras.models.load_model(path)
+    assert loaded.compiled and loaded._steps_per_execution == 1
+    recorder = Recorder()
+    x, y = _data()
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[recorder])
+    assert [c for c in recorder.calls if c[0] == "end"] == [("end", i) for i in range(10)]

@@ -135,6 +135,8 @@ class Model(Layer):
             "metrics": metrics,
             "loss_weights": loss_weights,
             "weighted_metrics": weighted_metrics,
+            # saved with the model, as Keras does: load_model compiles with it again
+            "steps_per_execution": self._steps_per_execution,
         }
         self.compiled = True
 
