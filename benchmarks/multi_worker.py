@@ -36,6 +36,8 @@ Usage::
 
     python benchmarks/multi_worker.py            # 1-64 MB, 2 and 4 workers, batches 64/256
     python benchmarks/multi_worker.py --quick    # 1 and 16 MB, 2 workers, fewer steps
+    # (--quick: one round per case, and the loopback all-reduce group trains the MLP too,
+    # so each side's processes start once for both; ~40 s with TensorFlow on 2 cores)
     python benchmarks/multi_worker.py --no-tf --no-veth
 
 stdout: one JSON object per measurement; stderr: progress and a table.
@@ -114,12 +116,14 @@ def _tf_all_reduce(tf: Any, strategy: Any, tx: Any) -> Any:
     return reduce_once
 
 
-def _child_allreduce(framework: str, sizes: list[int], repeats: int) -> dict[str, Any]:
+def _child_allreduce(
+    framework: str, sizes: list[int], repeats: int, strategy: Any = None
+) -> dict[str, Any]:
     """Seconds per all-reduce of each size (the median over ``repeats``)."""
     import numpy as np
 
     tf = _import(framework)
-    strategy = _strategy(tf)
+    strategy = strategy or _strategy(tf)
     rng = np.random.default_rng(1234)
     out: dict[str, Any] = {"rank": None, "seconds": {}, "version": tf.__version__}
     for size in sizes:
@@ -142,7 +146,9 @@ def _child_allreduce(framework: str, sizes: list[int], repeats: int) -> dict[str
     return out
 
 
-def _child_train(framework: str, batches: list[int], steps: int, warmup: int) -> dict[str, Any]:
+def _child_train(
+    framework: str, batches: list[int], steps: int, warmup: int, strategy: Any = None
+) -> dict[str, Any]:
     """Steps/s of the MLP's custom loop at each global batch."""
     import numpy as np
 
@@ -150,7 +156,7 @@ def _child_train(framework: str, batches: list[int], steps: int, warmup: int) ->
     from benchmarks.mirrored_train import LAYERS, _make_step
 
     tf = _import(framework)
-    strategy = _strategy(tf)
+    strategy = strategy or _strategy(tf)
     out: dict[str, Any] = {
         "rank": strategy.cluster_resolver.task_id,
         "steps_per_s": {},
@@ -348,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-veth", action="store_true", help="loopback only")
     parser.add_argument("--no-train", action="store_true", help="leave the MLP out")
     parser.add_argument("--no-allreduce", action="store_true", help="the MLP only")
-    parser.add_argument("--child", choices=("allreduce", "train", "stream"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=("allreduce", "train", "both", "stream"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--framework", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
     parser.add_argument("--batches", default="64,256", help="global batch sizes")
@@ -362,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     steps = args.steps or (30 if args.quick else 100)
     rounds = args.rounds or (1 if args.quick else 2)
-    train_rounds = args.rounds or (2 if args.quick else 3)
+    train_rounds = args.rounds or (1 if args.quick else 3)
 
     if args.child:
         sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -370,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
             res = _child_allreduce(args.framework, sizes, repeats)
         elif args.child == "train":
             res = _child_train(args.framework, batches, steps, max(3, steps // 5))
+        elif args.child == "both":  # --quick: one start-up (TF's is seconds) for both cases
+            strategy = _strategy(_import(args.framework))
+            res = _child_allreduce(args.framework, sizes, repeats, strategy)
+            res.update(_child_train(args.framework, batches, steps, max(3, steps // 5), strategy))
         elif os.environ.get("STREAM_ROLE") == "recv":
             res = _child_stream_recv(args.host, args.port, sizes, repeats)
         else:
@@ -397,6 +409,18 @@ def main(argv: list[str] | None = None) -> int:
             _emit({"case": "veth", "metric": "skipped", "value": None, "reason": why})
     started = time.perf_counter()
     table: list[tuple] = []
+    train_runs: dict[str, list[dict[int, float]]] = {}
+    train_cpu: dict[str, list[dict[int, float]]] = {}
+
+    def add_train(side: str, res: dict[str, Any]) -> None:
+        train_runs.setdefault(side, []).append({int(k): v for k, v in res["steps_per_s"].items()})
+        train_cpu.setdefault(side, []).append(
+            {int(k): v for k, v in res["cpu_ms_per_step"].items()}
+        )
+
+    # --quick: the 2-worker loopback all-reduce group trains the MLP too (one process start-up
+    # for both cases); the default run keeps them in separate groups, as before
+    fused = args.quick and not args.no_train and "loopback" in nets and not args.no_allreduce
     for net_name in [] if args.no_allreduce else nets:
         with contextlib.ExitStack() as stack:
             net = None
@@ -413,13 +437,17 @@ def main(argv: list[str] | None = None) -> int:
                         streams.append(got)
                     for side in sides if (rnd + n // 2) % 2 else sides[::-1]:
                         _progress(f"{net_name}: {side} all-reduce, {n} workers, round {rnd + 1}")
+                        both = fused and net_name == "loopback" and n == 2
                         res = run_workers(
                             net,
                             side,
                             n,
-                            "allreduce",
-                            ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)],
+                            "both" if both else "allreduce",
+                            ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+                            + (["--batches", args.batches, "--steps", str(steps)] if both else []),
                         )
+                        if res is not None and both:
+                            add_train(side, res)
                         if res is not None:
                             tf_version["tf_version"] = (
                                 res.get("version") or tf_version["tf_version"]
@@ -490,9 +518,7 @@ def main(argv: list[str] | None = None) -> int:
 
     train_rows = []
     if not args.no_train:
-        train_runs: dict[str, list[dict[int, float]]] = {}
-        train_cpu: dict[str, list[dict[int, float]]] = {}
-        for rnd in range(train_rounds):
+        for rnd in range(0 if fused else train_rounds):
             for side in sides if rnd % 2 == 0 else sides[::-1]:
                 _progress(f"loopback: {side} MLP training, 2 workers, round {rnd + 1}")
                 res = run_workers(
@@ -503,10 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                     ["--batches", args.batches, "--steps", str(steps)],
                 )
                 if res is not None:
-                    got = {int(k): v for k, v in res["steps_per_s"].items()}
-                    train_runs.setdefault(side, []).append(got)
-                    cpu = {int(k): v for k, v in res["cpu_ms_per_step"].items()}
-                    train_cpu.setdefault(side, []).append(cpu)
+                    add_train(side, res)
         rates = {
             side: {b: statistics.median(r[b] for r in rs) for b in batches}
             for side, rs in train_runs.items()
