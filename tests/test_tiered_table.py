@@ -316,6 +316,39 @@ def test_reads_see_rows_waiting_for_the_writer(tmp_path):
     writer.close()
 
 
+def test_a_store_write_of_sorted_unsorted_and_repeated_ids_matches_a_dict(tmp_path):
+    # write() skips its sort for sorted unique ids and builds keys and records from
+    # void views: both paths, ids of both signs, a repeated id (the last record wins),
+    # records of zero bytes at the end and deletes must agree with a plain dict.
+    store = open_store("lmdb", str(tmp_path))
+    rng = np.random.default_rng(7)
+    reference: dict[int, bytes] = {}
+    for step in range(6):
+        ids = rng.integers(-(2**62), 2**62, 300).astype(np.int64)
+        ids[:3] = [-1, 0, 2**63 - 1]
+        if step % 2:
+            ids = np.unique(ids)  # sorted and unique: no argsort, no copy
+        else:
+            ids[-1] = ids[5]  # a repeat: the later record wins
+        records = rng.integers(0, 256, (ids.size, 12), dtype=np.uint8)
+        records[:, -4:] = 0  # trailing zero bytes survive (no NUL stripping)
+        dead = np.array(list(reference)[:20], np.int64)
+        store.write(ids, records, dead)
+        for key in dead.tolist():
+            reference.pop(key, None)
+        for key, row in zip(ids.tolist(), records):
+            reference[key] = row.tobytes()
+    want = np.array(sorted(reference), np.int64)
+    got_ids, got = zip(*store.scan(12, batch=97))
+    assert np.concatenate(got_ids).tolist() == want.tolist()
+    assert np.concatenate(got).tobytes() == b"".join(reference[k] for k in want.tolist())
+    as_floats = np.arange(8, dtype=np.float32).reshape(2, 4)  # bytes of any dtype
+    store.write(np.array([11, 10], np.int64), as_floats)
+    found, rows = store.read(np.array([10, 11], np.int64), 16)
+    assert found.all() and rows.view(np.float32).tolist() == as_floats[::-1].tolist()
+    store.close()
+
+
 def _can_mount() -> bool:
     return (
         os.geteuid() == 0
