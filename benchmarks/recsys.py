@@ -174,26 +174,12 @@ def single_process_auc(data: dict, batch: int, steps: int) -> float:
     return ctr.roc_auc(data["y_test"], scores)
 
 
-def run_psflow(
-    data: dict, cluster: dict, pids: dict[str, list[int]], batch: int, steps: int
-) -> dict:
-    """Throughput, bytes per step, PS memory, AUC and hot-row bytes of the psflow side."""
+def ps_training(pf, strategy, model, optimizer, data: dict, batch: int):
+    """The CTR model's PSS training: ``(coordinator, per-worker iterator, step closure)``.
 
-    import psflow as pf
-    from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
-    from psflow.keras.datasets import ctr
-    from psflow.ps.dynamic_table import TableConfig
-    from psflow.ps.hot_rows import HotRowPolicy
-    from psflow.transport.embedding_client import EmbeddingClient
-
-    resolver = SimpleClusterResolver(
-        ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0
-    )
-    pf.random.set_seed(0)
-    strategy = pf.distribute.ParameterServerStrategy(resolver)
-    with strategy.scope():
-        model = psflow_model(pf, "ctr")
-        optimizer = pf.keras.optimizers.Adagrad(0.05)
+    Shared with ``tiered.py``, which imports this module and registers it to be
+    pickled by value (its workers cannot import it).
+    """
     coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
     cat, dense, y = data["cat"], data["dense"], data["y"]
 
@@ -214,6 +200,31 @@ def run_psflow(
             return loss
 
         return strategy.run(replica_fn, args=(xb, yb))
+
+    return coordinator, iterator, step_fn
+
+
+def run_psflow(
+    data: dict, cluster: dict, pids: dict[str, list[int]], batch: int, steps: int
+) -> dict:
+    """Throughput, bytes per step, PS memory, AUC and hot-row bytes of the psflow side."""
+
+    import psflow as pf
+    from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+    from psflow.keras.datasets import ctr
+    from psflow.ps.dynamic_table import TableConfig
+    from psflow.ps.hot_rows import HotRowPolicy
+    from psflow.transport.embedding_client import EmbeddingClient
+
+    resolver = SimpleClusterResolver(
+        ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0
+    )
+    pf.random.set_seed(0)
+    strategy = pf.distribute.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        model = psflow_model(pf, "ctr")
+        optimizer = pf.keras.optimizers.Adagrad(0.05)
+    coordinator, iterator, step_fn = ps_training(pf, strategy, model, optimizer, data, batch)
 
     client = EmbeddingClient(cluster["ps"], timeout=60)
 
@@ -254,7 +265,7 @@ def run_psflow(
         c = EmbeddingClient(cluster["ps"], timeout=60, hot_rows=policy)
         c.create_table(TableConfig(f"hot_{label}", DIM, optimizer={"name": "adagrad"}))
         for s in range(steps):
-            c.lookup(f"hot_{label}", cat[s * batch : (s + 1) * batch])
+            c.lookup(f"hot_{label}", data["cat"][s * batch : (s + 1) * batch])
         hot[label] = c.bytes.pulled / steps
         c.close()
     client.close()

@@ -37,8 +37,12 @@ import threading
 import time
 
 import _cluster
+import cloudpickle
 import recsys
 from _common import emit, progress, table
+
+# the training closure comes from recsys.py, which the workers cannot import
+cloudpickle.register_pickle_by_value(recsys)
 
 BENCH = "tiered"
 ROW_BYTES_ADAGRAD = 2 * recsys.DIM * 4 + 23  # row + accumulator + bookkeeping (tiered_table)
@@ -61,10 +65,6 @@ def _model(pf):
             return self.out(self.hidden(pf.concat([e, dense], axis=1)))
 
     return Model()
-
-
-def _loss(pf, logits, y):
-    return pf.reduce_mean(pf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits))
 
 
 def _rss(pid: int) -> tuple[int, int]:
@@ -152,26 +152,7 @@ def run(data: dict, cluster: dict, ps_pids: list[int], batch: int, steps: int) -
     with strategy.scope():
         model = _model(pf)
         optimizer = pf.keras.optimizers.Adagrad(0.05)
-    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
-    cat, dense, y = data["cat"], data["dense"], data["y"]
-
-    def dataset_fn(ctx):
-        ds = pf.data.Dataset.from_tensor_slices(((cat, dense), y))
-        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(batch)
-
-    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-
-    def step_fn(it):
-        xb, yb = next(it)
-
-        def replica_fn(xb, yb):
-            with pf.GradientTape() as tape:
-                loss = _loss(pf, model(xb, training=True), yb)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        return strategy.run(replica_fn, args=(xb, yb))
+    coordinator, iterator, step_fn = recsys.ps_training(pf, strategy, model, optimizer, data, batch)
 
     for _ in range(5):
         coordinator.schedule(step_fn, args=(iterator,))
