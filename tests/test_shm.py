@@ -82,6 +82,26 @@ def test_segments_of_dead_processes_are_removed():
     assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
 
 
+def test_a_payload_that_fills_the_segment_but_its_header_grows_it():
+    """The segment holds a 64-byte header before the payload: a payload whose size
+    lies between the room left after the header and the whole segment must grow the
+    segment, not overrun it (this once broke a Keras PS run's push)."""
+    buffer = shm.PayloadBuffer()
+    try:
+        buffer.write([np.ones(1, np.uint8)])
+        whole = buffer._segment.size
+        payload = [np.arange(whole - shm.HEADER_BYTES + 2, dtype=np.uint8)]
+        name = buffer.write(payload)
+        segment = shm.Segment(name, 0, create=False, writable=False)
+        try:
+            got = segment.array(np.uint8, (segment.size,))[shm.HEADER_BYTES :]
+            np.testing.assert_array_equal(got[: payload[0].size], payload[0])
+        finally:
+            segment.close()
+    finally:
+        buffer.close()
+
+
 def test_pulls_and_pushes_go_through_shared_memory_and_match_grpc(start_ps):
     server = start_ps()
     fast = GrpcPSConnection(server.address)

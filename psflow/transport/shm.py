@@ -453,7 +453,7 @@ class PayloadBuffer:
     def write(self, arrays: list[np.ndarray]) -> str:
         """Copies the arrays back to back into the segment; returns its name."""
         total = sum(a.nbytes for a in arrays)
-        if self._segment is None or self._segment.size < total:
+        if self._segment is None or self._segment.size < HEADER_BYTES + total:
             if self._segment is not None:
                 self._segment.close(unlink=True)
             self._count += 1
