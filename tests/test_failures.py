@@ -70,11 +70,20 @@ def test_killed_worker_is_replaced_and_updates_are_applied_once(start_cluster):
         # the rest of the run is long enough for the replacement to take part.
         cluster.restart_worker(1)
         # ... and until the coordinator uses it again: the rest of the run may take less
-        # than one health probe's round, and then the replacement would get no closure
+        # than one health probe's round, and then the replacement would get no closure.
+        # The coordinator may see the loss only now (a failed closure or a probe), so
+        # wait for it to count the slot down first, then up again: a loaded machine
+        # takes seconds for each (CI once counted "2 up" before it saw the loss).
         coordinator = strategy.extended.coordinator
-        deadline = time.monotonic() + 30
-        while coordinator.counters()["workers_up"] < 2 and time.monotonic() < deadline:
+        start = time.monotonic()
+        seen_down = False
+        while time.monotonic() - start < 120:
+            up = coordinator.counters()["workers_up"]
+            seen_down = seen_down or up < 2
+            if up == 2 and (seen_down or time.monotonic() - start > 20):
+                break
             time.sleep(0.05)
+        assert coordinator.counters()["workers_up"] == 2, "the replacement was not taken back"
 
     counter = _StepCounter(at=20, action=kill_and_restart)
     history = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[counter])
