@@ -244,6 +244,7 @@ def main() -> int:
     options = pf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
     elastic = pf.distribute.experimental.ElasticOptions(
         min_workers=int(os.environ.get("MIN_WORKERS", "1")),
+        max_workers=int(os.environ["MAX_WORKERS"]) if "MAX_WORKERS" in os.environ else None,
         rendezvous_seconds=5.0,
         batch_policy=os.environ.get("BATCH_POLICY", "keep_per_replica"),
     )

@@ -294,6 +294,78 @@ def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_
             step += 1
 
 
+def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
+    """The job scaled up: two workers start with TF_CONFIG listing 2 and max_workers 3; two
+    more start with longer lists (ids 2 and 3). One is admitted at a step boundary (the
+    group learns its address from its request), the other is refused naming max_workers."""
+    env = {"SCENARIO_TIMEOUT": "10", "STEP_SLEEP": "1.0", "MAX_WORKERS": "3"}
+    env["PRINT_STEPS"] = "1"
+    procs, outs, logs = _start(tmp_path, 2, env)
+    ports = [
+        int(
+            json.loads((tmp_path / f"w{i}.tf_config").read_text())["cluster"]["worker"][i].rsplit(
+                ":", 1
+            )[1]
+        )
+        for i in range(2)
+    ]
+    ports += [pick_free_port(), pick_free_port()]
+    extra_procs, extra_outs, extra_logs = [], [], []
+    try:
+        deadline = time.monotonic() + 60
+        while "step 1 done" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        for i in (2, 3):
+            out, log = tmp_path / f"w{i}.json", tmp_path / f"w{i}.log"
+            extra = {
+                **env,
+                "TF_CONFIG": tf_config(ports[: i + 1], i),
+                "PSFLOW_AUTH_TOKEN": TOKEN,
+                "PSFLOW_NUM_CPU_DEVICES": "1",
+                "SCENARIO_SEED": str(50 + i),  # its own weights: the group's must replace them
+            }
+            with open(log, "wb") as f:
+                extra_procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SCENARIO), "train", str(out)],
+                        env=child_env(extra),
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        cwd=ROOT,
+                    )
+                )
+            extra_outs.append(out)
+            extra_logs.append(log)
+        everyone = [*procs, *extra_procs]
+        codes = _wait(everyone, {0, 1, 2, 3}, time.monotonic() + 120)
+    finally:
+        _reap([*procs, *extra_procs])
+    results, texts = _results([*outs, *extra_outs], [*logs, *extra_logs])
+    assert codes[0] == codes[1] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    assert sorted([codes[2], codes[3]]) == [0, 3], "\n---\n".join(t[-3000:] for t in texts)
+    joined = 2 if codes[2] == 0 else 3
+    refused = results[5 - joined]
+    assert refused["error"] == "ResourceExhaustedError", refused
+    assert "max_workers 3" in refused["message"], refused
+    _check_training(tmp_path, results[:2], texts[0][-3000:])
+    (change,) = results[0]["changes"]
+    assert change["members"] == [0, 1, joined] and change["reason"] == "joined"
+    assert results[1]["changes"] == results[0]["changes"]
+    again = results[joined]
+    assert again["weights"] == results[0]["weights"]
+    assert again["iterations"] == results[0]["iterations"]
+    assert again["replicas"] == 3 and sum(len(e) for e in again["epochs"]) >= 1
+    # the per-replica batch of the 2 starting workers (6) is kept: 18 a step once it is in,
+    # but for what an epoch has left at its end
+    step = 0
+    for epoch in results[0]["epochs"]:
+        for k, ids in enumerate(epoch):
+            if step >= change["resumed_step"] and k < len(epoch) - 1:
+                assert len(ids) == 18, results[0]["epochs"]
+            step += 1
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_netns.unavailable() is not None, reason=f"{_netns.unavailable()}")
 def test_a_partitioned_worker_is_dropped_and_the_minority_side_stops(tmp_path):

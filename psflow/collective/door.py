@@ -14,12 +14,13 @@ the HELLO's ``client``:
   (:mod:`psflow.collective.membership`, :meth:`Door.take_joins`);
 * ``probe:ID/gen:G``: answered (WELCOME, or the refusal below) and closed: a
   worker that finds nobody to follow asks whether the group went on without it;
-* ``view:ID/gen:0``: answered with the door's generation and members (JSON),
-  whatever the caller's generation: a starting worker asks whether a group
-  already trains;
+* ``view:ID/gen:0``: answered with the door's generation, members and the
+  group's address table (JSON), whatever the caller's generation: a starting
+  worker asks whether a group already trains;
 * ``admit:ID/gen:G``: a worker asking to join generation ``G`` at its next
-  step boundary; queued (:meth:`Door.take_admits`) until the group's rank 0
-  answers it with the decision.
+  step boundary, its JSON request naming its own address (a worker beyond the
+  group's ``TF_CONFIG`` list is known by it); queued (:meth:`Door.take_admits`)
+  until the group's rank 0 answers it with the decision.
 
 A connection of a generation older than the door's is refused with an ERROR
 frame (ABORTED) saying so: a worker the group went on without learns it
@@ -139,6 +140,7 @@ class Door:
         self._joins: list[tuple[FrameStream, dict[str, Any]]] = []
         self._admits: list[tuple[FrameStream, dict[str, Any]]] = []
         self.members: tuple[int, ...] = ()
+        self.addresses: tuple[str, ...] = ()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="psflow-door", daemon=True)
         self._thread.start()
@@ -148,11 +150,18 @@ class Door:
         """The generation this worker belongs to; older connections are refused."""
         return self._generation
 
-    def set_generation(self, generation: int, members: tuple[int, ...] = ()) -> None:
-        """Moves to ``generation``: queued links and requests of older ones are refused."""
+    def set_generation(
+        self,
+        generation: int,
+        members: tuple[int, ...] = (),
+        addresses: tuple[str, ...] = (),
+    ) -> None:
+        """Moves to ``generation`` (of ``members``, every worker's address by id): queued
+        links and requests of older generations are refused."""
         with self._cond:
             self._generation = generation
             self.members = tuple(members)
+            self.addresses = tuple(addresses)
             stale = [s for c, g, s in self._rings if g < generation]
             self._rings = [(c, g, s) for c, g, s in self._rings if g >= generation]
             old = [s for s, m in self._joins + self._admits if m["generation"] < generation]
@@ -237,7 +246,12 @@ class Door:
             if kind == "view":
                 stream.send_frame(frames.Kind.WELCOME)
                 stream.max_header = frames.MAX_HEADER_BYTES
-                send_json(stream, {"generation": self._generation, "members": list(self.members)})
+                view = {
+                    "generation": self._generation,
+                    "members": list(self.members),
+                    "addresses": list(self.addresses),
+                }
+                send_json(stream, view)
                 stream.close()
                 return
             if generation < self._generation:

@@ -112,11 +112,16 @@ class Position:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The outcome of an agreement: the new view, where to resume, from whose state."""
+    """The outcome of an agreement: the new view, where to resume, from whose state.
+
+    ``initial_workers``: how many workers the group started with (its per-replica
+    batch is cut for them); 0 where the receiver knows it already (a re-form).
+    """
 
     view: View
     resume: Position
     source: int
+    initial_workers: int = 0
 
 
 def _int(message: dict[str, Any], key: str) -> int:
@@ -222,13 +227,20 @@ def _follow(
         stream.close()
     if "redirect" in message:
         raise _Redirect(_int(message, "redirect"))
+    return _decision(message, view.addresses, who)
+
+
+def _decision(message: dict[str, Any], addresses: tuple[str, ...], who: str) -> Decision:
+    """The decision in ``message`` (:func:`decision_message`'s form), checked."""
+    table = _extended(message, addresses)
     members = tuple(message.get("members", ()))
-    if not members or not all(isinstance(m, int) and 0 <= m < len(view.addresses) for m in members):
+    if not members or not all(isinstance(m, int) and 0 <= m < len(table) for m in members):
         raise errors.InvalidArgumentError(f"{who} sent a malformed decision: {message!r}")
     return Decision(
-        View(_int(message, "generation"), members, view.addresses),
+        View(_int(message, "generation"), members, table),
         _position(message["resume"]),
         _int(message, "source"),
+        _int(message, "initial_workers"),
     )
 
 
@@ -279,12 +291,7 @@ def _lead(
         decision = Decision(
             View(view.generation + 1, members, view.addresses), positions[source], source
         )
-        message = {
-            "generation": decision.view.generation,
-            "members": list(members),
-            "resume": decision.resume.as_dict(),
-            "source": source,
-        }
+        message = decision_message(decision)
         for stream, _ in joined.values():
             with contextlib.suppress(OSError):
                 send_json(stream, message)
@@ -344,7 +351,11 @@ def running_view(door: Door, addresses: tuple[str, ...], me: int) -> View | None
     """The view of a group that already trains (generation > 0), or None at a fresh start.
 
     Every other worker's door is asked (``view``); one that answers at
-    generation 0, or none answering, means the group is starting.
+    generation 0 with this worker among its members (or with none yet), or
+    none answering, means the group is starting.  The view's
+    address table is the group's, extended by this worker's own ``addresses``
+    beyond it: a worker started with a longer ``TF_CONFIG`` list than the
+    group's (the job scaled up) is known to the group by the address it sends.
     """
     for other in range(len(addresses)):
         if other == me:
@@ -362,9 +373,19 @@ def running_view(door: Door, addresses: tuple[str, ...], me: int) -> View | None
             stream.close()
         generation = _int(message, "generation")
         members = tuple(m for m in message.get("members", ()) if isinstance(m, int))
-        if generation > 0 and members:
-            return View(generation, members, addresses)
+        # a door names its members once its group's ring is up: a group that left this
+        # worker out (generation > 0), or formed without it (the job scaled up), trains
+        if members and (generation > 0 or me not in members):
+            return View(generation, members, _extended(message, addresses))
     return None
+
+
+def _extended(message: dict[str, Any], addresses: tuple[str, ...]) -> tuple[str, ...]:
+    """The group's address table from ``message``, then ``addresses`` beyond its end."""
+    table = message.get("addresses") or []
+    if not isinstance(table, list) or not all(isinstance(a, str) for a in table):
+        raise errors.InvalidArgumentError(f"re-form message: bad address table {table!r}")
+    return (*table, *addresses[len(table) :])
 
 
 def decision_message(decision: Decision) -> dict[str, Any]:
@@ -372,8 +393,10 @@ def decision_message(decision: Decision) -> dict[str, Any]:
     return {
         "generation": decision.view.generation,
         "members": list(decision.view.members),
+        "addresses": list(decision.view.addresses),
         "resume": decision.resume.as_dict(),
         "source": decision.source,
+        "initial_workers": decision.initial_workers,
     }
 
 
@@ -389,7 +412,7 @@ def ask_to_join(door: Door, view: View, me: int, wait: float) -> Decision:
     client = f"admit:{me}/gen:{view.generation}"
     stream = _dial(door, view.addresses[leader], client, time.monotonic() + 2.0, who)
     try:
-        send_json(stream, {})
+        send_json(stream, {"address": view.addresses[me]})
         try:
             message = read_json(stream, time.monotonic() + wait, who)
         except RemoteError as refused:
@@ -398,11 +421,7 @@ def ask_to_join(door: Door, view: View, me: int, wait: float) -> Decision:
             raise refused.error from None
     finally:
         stream.close()
-    members = tuple(message.get("members", ()))
-    if me not in members:
+    decision = _decision(message, view.addresses, who)
+    if me not in decision.view.members:
         raise errors.InvalidArgumentError(f"{who} sent a malformed admission: {message!r}")
-    return Decision(
-        View(_int(message, "generation"), members, view.addresses),
-        _position(message["resume"]),
-        _int(message, "source"),
-    )
+    return decision

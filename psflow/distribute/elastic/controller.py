@@ -29,11 +29,18 @@ rank 0 says so in the next barrier, every member adds it to the next
 generation, and the joiner receives the state before its program creates
 its variables (:class:`.state.TrainingState` keeps it pending), then takes
 the next step with the others (:attr:`initial_epoch` says which epoch).
+
+A new worker (the job scaled up: its ``TF_CONFIG`` lists more workers than
+the group's) joins the same way, up to ``max_workers``: its request names its
+address, and when rank 0 admits a worker beyond the group's address table the
+barrier says so and rank 0 broadcasts the new table (:meth:`_new_table`), so
+every member can dial it now and find it in later re-forms.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import signal
@@ -56,7 +63,7 @@ from psflow.collective.membership import (
     decision_message,
     running_view,
 )
-from psflow.collective.peer_link import PeerLinks
+from psflow.collective.peer_link import PeerLinks, split_address
 from psflow.distribute.elastic.options import BatchPolicy, ElasticOptions, MembershipChange
 from psflow.distribute.elastic.state import TrainingState
 from psflow.util import nest
@@ -70,6 +77,15 @@ _MAX_REFORMS = 16  # re-forms in a row for one call before giving up (each is bo
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _is_address(address: Any) -> bool:
+    """Whether ``address`` reads as ``host:port``."""
+    try:
+        split_address(address)
+    except (errors.OpError, TypeError, ValueError, AttributeError):
+        return False
+    return True
 
 
 def _pairs(old: Any, new: Any) -> dict[int, tuple[Any, Any]]:
@@ -133,8 +149,9 @@ class ElasticController:
         self._substitute: Callable[[Any], Any] = _same
         self.draining = False
         self.initial_epoch = 0
+        self.initial_workers = len(view.addresses)  # a joiner learns the group's on admission
         self._start: Position | None = None  # a joiner's first position, for its first iterator
-        self.door.set_generation(view.generation, view.members)
+        self.door.set_generation(view.generation, view.members, view.addresses)
         self._install_drain_handler()
 
     # -- what the input needs ---------------------------------------------------------
@@ -156,7 +173,7 @@ class ElasticController:
     @property
     def initial_replicas(self) -> int:
         """Replicas of the group as ``TF_CONFIG`` lists it (the per-replica batch is fixed by it)."""
-        return len(self.view.addresses) * len(self._strategy._devices)
+        return self.initial_workers * len(self._strategy._devices)
 
     @property
     def rank(self) -> int:
@@ -211,14 +228,21 @@ class ElasticController:
             self._skip_barrier = False
             return True
         n = len(self.view.addresses)
-        flags = np.zeros(2 * n, np.int64)  # [drains by worker id, admissions by worker id]
+        # [drains by worker id, admissions by worker id, workers beyond the address table]
+        flags = np.zeros(2 * n + 1, np.int64)
         if self.draining:
             flags[self.me] = 1
         admits = self._admissions() if self.rank == 0 else {}
         for member in admits:
-            flags[n + member] = 1
+            if member < n:
+                flags[n + member] = 1
+            else:
+                flags[2 * n] += 1
+        addresses = self.view.addresses
         try:
             (flags,) = self._strategy._ring.all_reduce([flags])
+            if flags[2 * n] > 0:
+                addresses = self._new_table(admits)
         except BaseException as e:
             if not self._broken():
                 raise
@@ -228,16 +252,34 @@ class ElasticController:
             return going_on
         leaving = [m for m in range(n) if flags[m] > 0]
         joining = [m for m in range(n) if flags[n + m] > 0]
+        joining += [m for m in range(n, len(addresses)) if addresses[m]]  # beyond the old table
         if leaving or joining:
-            self._change(leaving, joining, admits)
+            self._change(leaving, joining, {m: s for m, (s, _) in admits.items()}, addresses)
         return True
 
-    def _admissions(self) -> dict[int, Any]:
-        """Rank 0: the queued requests to join this generation that fit under max_workers."""
+    def _new_table(self, admits: dict[int, tuple[Any, str]]) -> tuple[str, ...]:
+        """Every member: rank 0's address table with the admitted workers beyond the old one
+        (a broadcast of its JSON: its length, then its bytes)."""
+        ring = self._strategy._ring
+        table = list(self.view.addresses)
+        if self.rank == 0:
+            for member, (_, address) in sorted(admits.items()):
+                table.extend([""] * (member + 1 - len(table)))
+                table[member] = address
+        raw = np.frombuffer(json.dumps(table).encode(), np.uint8)
+        (size,) = ring.broadcast([np.array([raw.size], np.int64)], root=0)
+        (raw,) = ring.broadcast([raw if self.rank == 0 else np.empty(int(size[0]), np.uint8)])
+        return tuple(json.loads(raw.tobytes().decode()))
+
+    def _admissions(self) -> dict[int, tuple[Any, str]]:
+        """Rank 0: the queued requests to join this generation that fit under max_workers
+        (each with the address the worker gave)."""
         room = (self.options.max_workers or len(self.view.addresses)) - len(self.view.members)
-        admitted: dict[int, Any] = {}
+        admitted: dict[int, tuple[Any, str]] = {}
         for stream, message in self.door.take_admits():
             member = message["id"]
+            address = message.get("address")
+            known = self.view.addresses[member] if member < len(self.view.addresses) else None
             if message["generation"] != self.view.generation:
                 error_frame(
                     stream,
@@ -251,8 +293,15 @@ class ElasticController:
                     f"worker:{member} cannot join: members {list(self.view.members)}, "
                     f"max_workers {self.options.max_workers or len(self.view.addresses)}",
                 )
+            elif known is None and not _is_address(address):
+                error_frame(
+                    stream,
+                    errors.Code.INVALID_ARGUMENT,
+                    f"worker:{member} is beyond the group's {len(self.view.addresses)} workers "
+                    f"and must name its host:port, got {address!r}",
+                )
             else:
-                admitted[member] = stream
+                admitted[member] = (stream, known or address)
                 continue
             stream.close()
         return admitted
@@ -335,7 +384,9 @@ class ElasticController:
                 window=self.options.rendezvous_seconds,
                 min_workers=self.options.min_workers,
             )
-            self.door.set_generation(decision.view.generation, decision.view.members)
+            self.door.set_generation(
+                decision.view.generation, decision.view.members, decision.view.addresses
+            )
             self.view = decision.view
             try:
                 self._form()
@@ -385,8 +436,15 @@ class ElasticController:
         )
         strategy._reset_collectives()
 
-    def _change(self, leaving: list[int], joining: list[int], admits: dict[int, Any]) -> None:
-        """Everyone passed the barrier: the group goes on without ``leaving``, with ``joining``."""
+    def _change(
+        self,
+        leaving: list[int],
+        joining: list[int],
+        admits: dict[int, Any],
+        addresses: tuple[str, ...],
+    ) -> None:
+        """Everyone passed the barrier: the group goes on without ``leaving``, with ``joining``
+        (``addresses``: every worker's, by id, the joiners' included)."""
         previous = self.view
         old_replicas = self.num_replicas
         stay = [m for m in previous.members if m not in leaving]
@@ -397,8 +455,9 @@ class ElasticController:
                 stream.close()
             admits = {}
         members = tuple(sorted({*stay, *joining}))
-        view = View(previous.generation + 1, members, previous.addresses)
-        decision = Decision(view, self._position, stay[0] if stay else self.me)
+        view = View(previous.generation + 1, members, addresses)
+        source = stay[0] if stay else self.me
+        decision = Decision(view, self._position, source, self.initial_workers)
         for stream in admits.values():  # rank 0 tells the joiners (before it may leave)
             with contextlib.suppress(OSError):  # gone: the new ring fails and the others re-form
                 send_json(stream, decision_message(decision))
@@ -417,7 +476,7 @@ class ElasticController:
                 f"{self.options.min_workers}"
             )
         self.view = view
-        self.door.set_generation(view.generation, view.members)
+        self.door.set_generation(view.generation, view.members, view.addresses)
         self._form()
         if joining:
             self.state.broadcast(self._strategy._ring, view.rank_of(decision.source))
@@ -443,7 +502,10 @@ class ElasticController:
             raise errors.AbortedError(f"elastic: {_MAX_REFORMS} tries to join in a row")
         previous = View(0, (self.me,), view.addresses)
         self.view = decision.view
-        self.door.set_generation(decision.view.generation, decision.view.members)
+        self.initial_workers = decision.initial_workers or self.initial_workers
+        self.door.set_generation(
+            decision.view.generation, decision.view.members, decision.view.addresses
+        )
         self._form()
         self.state.broadcast(
             self._strategy._ring, decision.view.rank_of(decision.source), pending=True
