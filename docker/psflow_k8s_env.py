@@ -31,6 +31,11 @@ ConfigMap and the downward API):
     added by ``kubectl scale``) still gets its TF_CONFIG, listing ``ps`` tasks
     up to its own; the chief's ``ClusterWatch`` then moves a share of the
     variables to it (``docker/README.md``, "Resizing the parameter servers").
+``PSFLOW_K8S_WORKER_MAX``
+    the same for the workers of an elastic ``MultiWorkerMirroredStrategy``
+    group (optional): a ``worker`` pod added by ``kubectl scale`` gets a
+    ``TF_CONFIG`` listing workers up to its own, and asks the running group to
+    admit it (up to the strategy's ``ElasticOptions.max_workers``).
 ``HOSTNAME``
     this pod's name, ``<set>-<ordinal>`` (Kubernetes sets it).
 
@@ -75,6 +80,7 @@ class ClusterLayout:
     namespace: str | None = None
     port: int = DEFAULT_PORT
     ps_max: int | None = None
+    worker_max: int | None = None
 
 
 def _pairs(variable: str, text: str) -> dict[str, str]:
@@ -120,20 +126,26 @@ def layout_from_env(environ: Mapping[str, str]) -> ClusterLayout:
     port_text = environ.get("PSFLOW_K8S_PORT", "").strip() or str(DEFAULT_PORT)
     if not port_text.isdigit():
         raise InvalidArgumentError(f"PSFLOW_K8S_PORT={port_text!r} must be a port number")
-    ps_max_text = environ.get("PSFLOW_K8S_PS_MAX", "").strip()
-    if ps_max_text and (not ps_max_text.isdigit() or int(ps_max_text) < jobs.get("ps", 0)):
-        raise InvalidArgumentError(
-            f"PSFLOW_K8S_PS_MAX={ps_max_text!r} must be a number >= the ps replicas "
-            f"({jobs.get('ps', 0)})"
-        )
     return ClusterLayout(
-        ps_max=int(ps_max_text) if ps_max_text else None,
+        ps_max=_job_max(environ, "ps", jobs),
+        worker_max=_job_max(environ, "worker", jobs),
         jobs=jobs,
         statefulsets=statefulsets,
         services=services,
         namespace=environ.get("PSFLOW_K8S_NAMESPACE", "").strip() or None,
         port=int(port_text),
     )
+
+
+def _job_max(environ: Mapping[str, str], job: str, jobs: dict[str, int]) -> int | None:
+    """``PSFLOW_K8S_<JOB>_MAX``: how far ``kubectl scale`` may grow ``job`` (None: fixed)."""
+    variable = f"PSFLOW_K8S_{job.upper()}_MAX"
+    text = environ.get(variable, "").strip()
+    if text and (not text.isdigit() or int(text) < jobs.get(job, 0)):
+        raise InvalidArgumentError(
+            f"{variable}={text!r} must be a number >= the {job} replicas ({jobs.get(job, 0)})"
+        )
+    return int(text) if text else None
 
 
 def tf_config_for(layout: ClusterLayout, hostname: str) -> dict:
@@ -181,15 +193,17 @@ def _check_worker_group(resolver: KubernetesClusterResolver) -> None:
 
 
 def _jobs_for(layout: ClusterLayout, hostname: str) -> dict[str, int]:
-    """``layout.jobs``, with ``ps`` grown to include a ps pod added by ``kubectl scale``."""
+    """``layout.jobs``, with ``ps`` (or ``worker``) grown to include this pod when
+    ``kubectl scale`` added it, below ``PSFLOW_K8S_PS_MAX`` (``_WORKER_MAX``)."""
     jobs = dict(layout.jobs)
-    if layout.ps_max is None or "ps" not in jobs:
-        return jobs
-    ps_set = (layout.statefulsets or {}).get("ps", "ps")
     pod = hostname.split(".", 1)[0]
     prefix, _, ordinal = pod.rpartition("-")
-    if prefix == ps_set and ordinal.isdigit() and jobs["ps"] <= int(ordinal) < layout.ps_max:
-        jobs["ps"] = int(ordinal) + 1
+    for job, most in (("ps", layout.ps_max), ("worker", layout.worker_max)):
+        if most is None or job not in jobs:
+            continue
+        job_set = (layout.statefulsets or {}).get(job, job)
+        if prefix == job_set and ordinal.isdigit() and jobs[job] <= int(ordinal) < most:
+            jobs[job] = int(ordinal) + 1
     return jobs
 
 

@@ -143,6 +143,25 @@ def test_a_worker_only_layout_with_another_task_type_is_refused_naming_it():
         )
 
 
+def test_a_worker_pod_added_by_kubectl_scale_lists_the_workers_up_to_itself():
+    """An elastic group scaled up: the new pod's TF_CONFIG ends with itself, the others'
+    stay as they started (the group learns the new address when it asks to join)."""
+    hostname, env = _pod_env(3)  # replicas 2 -> 4
+    layout = k8s_env.layout_from_env({**env, "PSFLOW_K8S_WORKER_MAX": "4"})
+    config = k8s_env.tf_config_for(layout, hostname)
+    assert config["task"] == {"type": "worker", "index": 3}
+    assert len(config["cluster"]["worker"]) == 4
+    assert config["cluster"]["worker"][3].startswith(hostname + ".")
+    first, _ = _pod_env(0)
+    assert len(k8s_env.tf_config_for(layout, first)["cluster"]["worker"]) == 2
+    with pytest.raises(NotFoundError, match="psflow-mw-worker-4"):
+        k8s_env.tf_config_for(layout, "psflow-mw-worker-4")  # at the maximum: not a task
+    with pytest.raises(NotFoundError, match="psflow-mw-worker-3"):
+        k8s_env.tf_config_for(k8s_env.layout_from_env(env), hostname)  # no maximum: fixed
+    with pytest.raises(InvalidArgumentError, match="PSFLOW_K8S_WORKER_MAX='1'"):
+        k8s_env.layout_from_env({**env, "PSFLOW_K8S_WORKER_MAX": "1"})  # below replicas
+
+
 # -- Compose -------------------------------------------------------------------------------
 
 
