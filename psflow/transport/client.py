@@ -181,13 +181,7 @@ class PSClient:
         self._specs: dict[str, tuple[tuple[int, ...], int]] = {}
         self.security = default_security() if security is None else security
         self._end = Endpoint(
-            address,
-            task,
-            self.security,
-            self.client_id,
-            max_message_bytes=max_message_bytes,
-            retry=self.retry,
-            data_plane=data_plane,
+            address, task, self.security, self.client_id, max_message_bytes, self.retry, data_plane
         )
         self._stubs = {
             name: self._end.stub(
@@ -598,10 +592,8 @@ class PSClient:
         )
 
     def push_async(self, grads: Mapping[str, Any], **kwargs: Any) -> concurrent.futures.Future:
-        """:meth:`push` on the client's thread pool; returns a future.
-
-        The push id is fixed now, so the order of ids follows the order of calls.
-        """
+        """:meth:`push` on the client's thread pool; returns a future (its push id
+        is drawn now: the ids follow the order of the calls)."""
         kwargs.setdefault("push_id", self.next_request_id())
         return self.submit(self.push, grads, **kwargs)
 
@@ -715,13 +707,10 @@ class PSClient:
     def stats(self, *, include_log: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """The PS counters (bytes, pushes, rejections, staleness, optional log)."""
         reply = self._unary("GetStats", ps_pb2.GetStatsRequest(include_log=include_log), timeout)
-        out = {
-            f.name: getattr(reply, f.name)
-            for f in reply.DESCRIPTOR.fields
-            if f.name not in ("rejected", "staleness_histogram", "log")
-        }
-        out["rejected"] = dict(reply.rejected)
-        out["staleness_histogram"] = dict(reply.staleness_histogram)
+        out = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "log"}
+        out.update(
+            rejected=dict(reply.rejected), staleness_histogram=dict(reply.staleness_histogram)
+        )
         if include_log:
             out["log"] = [
                 (e.variable, e.client_id, e.base_version, e.applied_version) for e in reply.log
@@ -732,12 +721,11 @@ class PSClient:
         """The standard health status name (``"SERVING"``, ``"NOT_SERVING"``...)."""
         from grpc_health.v1 import health_pb2
 
-        check = self._end.stub(
-            "/grpc.health.v1.Health/Check", health_pb2.HealthCheckResponse.FromString
-        )
+        response = health_pb2.HealthCheckResponse
+        check = self._end.stub("/grpc.health.v1.Health/Check", response.FromString)
         request = health_pb2.HealthCheckRequest(service=service)
         reply = self._run("Health.Check", lambda left: check(request, timeout=left), timeout)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return response.ServingStatus.Name(reply.status)
 
     def wait_ready(self, timeout: float = 30.0, poll: float = 0.05) -> None:
         """Waits until the task reports SERVING.

@@ -356,7 +356,6 @@ class Endpoint:
         task: str,
         security: SecurityConfig,
         client_id: str,
-        *,
         max_message_bytes: int,
         retry: RetryPolicy,
         data_plane: bool | None = None,

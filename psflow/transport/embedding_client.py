@@ -33,7 +33,7 @@ import numpy as np
 
 from psflow import settings
 from psflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from psflow.proto import embedding_pb2, ps_pb2
+from psflow.proto import embedding_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
 from psflow.ps.key_index import ShardSplit, as_ids, unique_gradients, unique_ids
@@ -49,6 +49,13 @@ from .started import Started, fan_out, gather
 __all__ = ["EmbeddingClient", "TableClient", "WireBytes"]
 
 _SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
+_METHODS = {
+    m.name: (
+        f"/{_SERVICE.full_name}/{m.name}",
+        getattr(embedding_pb2, m.output_type.name).FromString,
+    )
+    for m in _SERVICE.methods
+}
 # a table call is repeated once, at once, where it was UNAVAILABLE or timed out (each
 # attempt with the whole timeout): pushes carry their request id, applied once
 _RETRY = RetryPolicy(
@@ -77,14 +84,8 @@ class TableClient:
         raise NotImplementedError
 
     def push(self, *args: Any, **kwargs: Any) -> list[int]:
-        """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
-        each shard's step (-1 where it got no ids): :meth:`start_push`'s
-        arguments, then waiting for it.
-
-        Raises:
-            NotFoundError: unknown table.
-            InvalidArgumentError: ids not integers, grads of the wrong shape.
-        """
+        """Applies gradient rows once; returns each shard's step (-1 where it got
+        no ids): :meth:`start_push` (its arguments and errors), then waiting."""
         return self.start_push(*args, **kwargs)()
 
 
@@ -103,8 +104,9 @@ class EmbeddingClient(TableClient):
             it announces one (:mod:`psflow.transport.embedding_plane`; the
             same errors and deadlines), gRPC otherwise; None: the process
             setting (``PSFLOW_DATA_PLANE``, on by default).
-        parallel: call the shards of one lookup or push at once (all but
-            the last from a thread pool), or one after another from the
+        parallel: call the shards of one lookup or push at once (on the data
+            plane from this thread, over gRPC all but one from a thread
+            pool), or one after another from the
             calling thread: no thread hand-off, but the round trips add up.
             In ``benchmarks/recsys.py`` (2 PS and 2 workers on one 2-core
             host) one after another took less of a lone client's CPU yet gave
@@ -144,27 +146,13 @@ class EmbeddingClient(TableClient):
     def _connect(self) -> None:
         """An endpoint per task of ``self.addresses`` (its data plane asked for
         on its first lookup or push), their stubs, and the fan-out's pool."""
+        want, limit = self._want_plane, self.max_message_bytes
         self._ends = [
-            Endpoint(
-                address,
-                f"ps:{s}",
-                self.security,
-                self.client_id,
-                max_message_bytes=self.max_message_bytes,
-                retry=_RETRY,
-                data_plane=self._want_plane,
-            )
-            for s, address in enumerate(self.addresses)
+            Endpoint(a, f"ps:{s}", self.security, self.client_id, limit, _RETRY, want)
+            for s, a in enumerate(self.addresses)
         ]
         self._stubs = [
-            {
-                m.name: end.stub(
-                    f"/{_SERVICE.full_name}/{m.name}",
-                    getattr(embedding_pb2, m.output_type.name).FromString,
-                )
-                for m in _SERVICE.methods
-            }
-            for end in self._ends
+            {name: end.stub(*how) for name, how in _METHODS.items()} for end in self._ends
         ]
         # not gRPC futures, which start a thread per call when idle
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -347,14 +335,13 @@ class EmbeddingClient(TableClient):
 
     def _lookup_call(self, s: int, table: str, ids: np.ndarray, training: bool) -> Call:
         """The lookup of the rows of ``ids`` (all owned by task ``s``)."""
+        header, payload = embedding_plane.lookup_request(table, ids, not training)
 
-        def over_grpc(left: float) -> np.ndarray:
-            request = embedding_pb2.LookupRequest(
-                table=table, ids=codec.encode_tensor(ids), read_only=not training
-            )
+        def over_grpc(left: float) -> np.ndarray:  # the same request, the ids' bytes inside
+            request = embedding_pb2.LookupRequest.FromString(header)
+            request.ids.CopyFrom(codec.encode_tensor(ids))
             return codec.decode_tensor(self._stubs[s]["Lookup"](request, timeout=left).rows)
 
-        header, payload = embedding_plane.lookup_request(table, ids, not training)
         read = embedding_plane.rows_from_reply
         return Call(embedding_plane.LOOKUP, header, payload, ids.nbytes, read, over_grpc)
 
@@ -388,9 +375,9 @@ class EmbeddingClient(TableClient):
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> Callable[[], list[int]]:
         """Sends gradient rows ``grads`` (``ids.shape + (dim,)``) to their shards
-        and returns without waiting: calling the result sends the last shard's
-        (every shard's without ``parallel``) from the calling thread, waits for
-        every shard and returns each one's step (-1 where it got no ids).
+        and returns without waiting: calling the result makes the gRPC call left
+        to it (every shard's without ``parallel``) from the calling thread, waits
+        for every shard and returns each one's step (-1 where it got no ids).
         ``optimizer`` (an update rule's config) binds a table created without
         one, or must match it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
         :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
@@ -433,28 +420,18 @@ class EmbeddingClient(TableClient):
     ) -> Call:
         """The push of gradient rows of ``ids`` (all owned by task ``s``); its value
         is the shard's step."""
-
-        def over_grpc(left: float) -> int:
-            request = embedding_pb2.PushGradientsRequest(
-                table=table,
-                ids=codec.encode_tensor(ids),
-                grads=codec.encode_tensor(grads),
-                request_id=ps_pb2.RequestId(client_id=request_id[0], sequence=request_id[1]),
-                optimizer_json=optimizer_json,
-            )
-            return self._stubs[s]["PushGradients"](request, timeout=left).step
-
         header, payload = embedding_plane.push_request(
             table, ids, grads, request_id, optimizer_json
         )
-        return Call(
-            embedding_plane.PUSH,
-            header,
-            payload,
-            ids.nbytes + grads.nbytes,
-            embedding_plane.step_from_reply,
-            over_grpc,
-        )
+
+        def over_grpc(left: float) -> int:  # the same request, the tensors' bytes inside
+            request = embedding_pb2.PushGradientsRequest.FromString(header)
+            request.ids.CopyFrom(codec.encode_tensor(ids))
+            request.grads.CopyFrom(codec.encode_tensor(grads))
+            return self._stubs[s]["PushGradients"](request, timeout=left).step
+
+        read, nbytes = embedding_plane.step_from_reply, ids.nbytes + grads.nbytes
+        return Call(embedding_plane.PUSH, header, payload, nbytes, read, over_grpc)
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
