@@ -341,9 +341,7 @@ class PSClient:
     # -- pulls ----------------------------------------------------------------------
     def _seen(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         """Remembers a variable's spec: its later pulls are sized by it."""
-        known = self._specs.get(name)
-        if known is None or known[0] != shape:
-            self._specs[name] = (shape, math.prod(shape[1:]) * dtype.itemsize)
+        self._specs[name] = (shape, math.prod(shape[1:]) * dtype.itemsize)
 
     def _expected_bytes(self, request: ps_pb2.PullRequest) -> int | None:
         """The reply's payload size if every variable's spec is known, else None."""

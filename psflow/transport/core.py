@@ -1,21 +1,22 @@
 """The client core: what every PS client does the same way.
 
-Three ideas, each written once and used by :class:`~psflow.transport.PSClient`
+Each idea written once and used by :class:`~psflow.transport.PSClient`
 (one dense PS task), :class:`~psflow.transport.EmbeddingClient` (the table
 shards of every task), the data-plane client and the session's fan-out:
 
-- :class:`~psflow.transport.started.Started` and its ``gather``: one
-  started-call type and one fan-out failure rule (their own module, below
-  the data-plane client that returns them).
+- :class:`~psflow.transport.started.Started`, ``fan_out`` and ``gather``:
+  one started-call type, one fan-out and its failure rule (their own module,
+  below the data-plane client that returns them).
 - :class:`RetryPolicy` and :meth:`RetryPolicy.run`: one retry loop with
   backoff and jitter, within one deadline, that turns every failure into the
   typed error naming the method, the task and its address.  Requests that are
-  not idempotent carry an exactly-once id chosen before the first attempt, so
-  every attempt carries the same one.
+  not idempotent carry an exactly-once id (:class:`RequestIds`) chosen before
+  the first attempt, so every attempt carries the same one.
 - :class:`PlaneLink`: one PS task's data plane, asked for once over gRPC,
   with one fallback rule (see its docstring).
 - :class:`Endpoint`: one PS task as every client reaches it (its channel,
-  its plane, its retry policy, one attempt on either transport).
+  its plane, its retry policy, one attempt of a :class:`Call` on either
+  transport).
 """
 
 from __future__ import annotations
