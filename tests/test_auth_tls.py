@@ -21,6 +21,7 @@ from psflow.distribute.coordinator.workers import GrpcWorker
 from psflow.errors import UnauthenticatedError
 from psflow.security.config import SecurityConfig
 from psflow.transport.client import PSClient
+from psflow.transport.embedding_client import EmbeddingClient
 from tests.conftest import start_server
 
 TLS_ENV = ("PSFLOW_TLS_CERT", "PSFLOW_TLS_KEY", "PSFLOW_TLS_CA", "PSFLOW_TLS_SERVER_NAME")
@@ -146,6 +147,13 @@ def test_ps_rejects_clients_outside_the_ca_at_once(tls_cluster, pki, who, match)
                 call()
             assert time.monotonic() - start < 10, "retried until the deadline"
             assert info.value.task == "ps:0"
+    # the table client stands on the same client core: the same error, at once
+    with EmbeddingClient([ps.address], security=security, timeout=20) as tables:
+        start = time.monotonic()
+        with pytest.raises(UnauthenticatedError, match=match) as info:
+            tables.lookup("control", np.arange(3))
+        assert time.monotonic() - start < 10, "retried until the deadline"
+        assert info.value.task == "ps:0"
     assert _state(ps.address, pki) == before
 
 

@@ -19,7 +19,7 @@ from psflow.errors import (
 from psflow.ps.dynamic_table import TableConfig
 from psflow.transport.client import PSClient, RetryPolicy
 from psflow.transport.embedding_client import EmbeddingClient
-from psflow.transport.started import Started, gather
+from psflow.transport.started import Started, fan_out, gather
 from tests.conftest import pick_free_port
 
 DIM = 4
@@ -42,14 +42,38 @@ def test_a_started_call_is_read_once_and_a_cancelled_one_never():
         given_up.result()
 
 
-def test_then_and_recover_compose_without_reading_twice():
-    moved = Started(lambda: (_ for _ in ()).throw(NotFoundError("gone")))
-    assert isinstance(moved.recover(NotFoundError, lambda e: e).result(), NotFoundError)
-    assert Started.done([1, 2]).then(sum).result() == 3
-    with pytest.raises(UnavailableError):  # only the named errors are recovered
-        Started(lambda: (_ for _ in ()).throw(UnavailableError("x"))).recover(
-            NotFoundError, lambda e: e
-        ).result()
+def test_gather_gives_the_named_errors_as_values_and_raises_the_others():
+    def failing(error):
+        return Started(lambda: (_ for _ in ()).throw(error))
+
+    got = gather({0: failing(NotFoundError("gone")), 1: Started.done(3)}, NotFoundError)
+    assert isinstance(got[0], NotFoundError) and got[1] == 3
+    with pytest.raises(UnavailableError):  # only the named errors are values
+        gather({0: failing(UnavailableError("x"))}, NotFoundError)
+
+
+def test_fan_out_sends_the_started_calls_first_and_runs_the_rest_on_the_pool():
+    order = []
+
+    def start(key):
+        order.append(("sent", key))
+        return Started.done(key) if key != "b" else None  # "b" cannot start: made instead
+
+    def work(key):
+        return lambda: order.append(("made", key, threading.current_thread().name)) or key
+
+    keys = ["a", "b", "c", "d"]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pooled") as pool:
+        calls = fan_out({"a": lambda: start("a"), "b": lambda: start("b")},
+                        {k: work(k) for k in keys}, pool)  # fmt: skip
+        assert gather(calls) == {k: k for k in keys}
+    assert order[:2] == [("sent", "a"), ("sent", "b")]
+    made = {k: thread for _, k, thread in order[2:]}
+    assert made["b"] == threading.current_thread().name  # the first of the rest: inline
+    assert made["c"].startswith("pooled") and made["d"].startswith("pooled")
+    with pytest.raises(NotFoundError):  # a start that raises lets the sent ones finish
+        fan_out({"a": lambda: Started.done(1), "b": lambda: (_ for _ in ()).throw(
+            NotFoundError("b"))}, {}, None)  # fmt: skip
 
 
 def test_a_pooled_call_not_begun_is_cancelled_on_its_pool():

@@ -36,11 +36,13 @@ __all__ = [
     "TOMBSTONE",
     "WINDOW",
     "KeyIndex",
+    "ShardSplit",
     "as_ids",
     "gradient_rows",
     "mix64",
     "shard_of",
     "sum_rows",
+    "unique_gradients",
     "unique_ids",
 ]
 
@@ -134,6 +136,49 @@ def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
     for column in range(values.shape[1]):
         np.add.at(out[:, column], inverse, values[:, column])
     return out
+
+
+def unique_gradients(ids: Any, grads: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(unique ids, their gradient rows)`` of rows ``grads`` (``ids.shape +
+    (dim,)``), the rows of a repeated id summed as ``unsorted_segment_sum`` would.
+
+    Raises:
+        InvalidArgumentError: ids not integers, grads of the wrong shape.
+    """
+    flat = as_ids(ids)
+    grads = gradient_rows(ids, grads)
+    unique, inverse = unique_ids(flat)
+    if unique is flat:  # sorted unique already (a DynamicEmbedding's gradient)
+        return unique, grads
+    if unique.shape[0] != flat.shape[0]:
+        return unique, sum_rows(grads, inverse, unique.shape[0])
+    summed = np.empty_like(grads)
+    summed[inverse] = grads
+    return unique, summed
+
+
+class ShardSplit:
+    """Splits 1-D ids by owner: positions into ``ids`` owned by each of
+    ``num_shards`` shards.
+
+    A step pushes the very ids it looked up: the last split is kept (with a
+    copy of its ids, compared by value) and reused instead of hashing every
+    id again.  It is one tuple, replaced whole: threads may share a splitter.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[np.ndarray, int, list[np.ndarray]] | None = None
+
+    def __call__(self, ids: np.ndarray, num_shards: int) -> list[np.ndarray]:
+        if num_shards == 1:
+            return [np.arange(ids.shape[0])]
+        last = self._last
+        if last is not None and last[1] == num_shards and np.array_equal(last[0], ids):
+            return last[2]
+        owner = shard_of(ids, num_shards)
+        parts = [np.flatnonzero(owner == s) for s in range(num_shards)]
+        self._last = (ids.copy(), num_shards, parts)
+        return parts
 
 
 def _extended(array: np.ndarray, n: int) -> np.ndarray:

@@ -3,8 +3,9 @@
 * ``codec`` — :mod:`psflow.wire.codec` (dtypes, shapes, raw little-endian bytes),
   a layer below both this package and :mod:`psflow.ps`, named here as well.
 * :mod:`.messages` — the PS message format: each encoder beside its decoder.
-* :mod:`.started` — a call started without waiting for it; the fan-out's rule.
-* :mod:`.core` — the clients' retry policy and data-plane discovery.
+* :mod:`.started` — a call started without waiting for it; the one fan-out and its rule.
+* :mod:`.core` — the client core both clients stand on: one PS task's endpoint
+  (channel, retry policy, data-plane discovery, one attempt either way), request ids.
 * :mod:`.framing` — header + chunk messages built and split without protobuf copies.
 * :mod:`.options` — explicit gRPC channel/server options and chunk sizes.
 * :mod:`.service` — the ParameterServer methods, shared by client and server.

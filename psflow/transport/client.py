@@ -12,20 +12,12 @@ Payloads up to ``stream_threshold`` bytes go in one unary message (one round
 trip); larger ones are streamed in ``chunk_bytes`` chunks.  Pulls and pushes
 are batched: one RPC for many variables.
 
-Security: the client presents the token and/or TLS certificate of its
-``security`` configuration (default: the environment's ``PSFLOW_AUTH_TOKEN``,
-``PSFLOW_TLS_*``...; see :mod:`psflow.security.config`).  A server that
-rejects them answers ``UnauthenticatedError``, never retried; that includes a
-server refusing this client's certificate during the TLS handshake, which gRPC
-reports as UNAVAILABLE and the client recognizes (:mod:`psflow.security.probe`).
-
-Data plane: a PS that runs a raw TCP data plane beside gRPC (see
-:mod:`psflow.transport.dataplane`) announces it over gRPC (DataPlaneInfo);
-pushes and pulls then go there, the rest over gRPC.  ``data_plane=False`` (or
-``PSFLOW_DATA_PLANE=off``) keeps them on gRPC.  If the announced address
-cannot be connected on first use while gRPC works, the client logs one
-warning and uses gRPC for that PS; later failures are the ordinary typed
-errors, raised and retried as the gRPC path's.
+Security, data-plane discovery and its fallback to gRPC are the client
+core's, shared with the table client (:class:`~psflow.transport.core.Endpoint`,
+:class:`~psflow.transport.core.PlaneLink`): a server that rejects this
+client's token or certificate answers ``UnauthenticatedError``, never retried;
+pushes and pulls go over a PS's data plane when it announces one
+(``data_plane=False`` or ``PSFLOW_DATA_PLANE=off``: gRPC), the rest over gRPC.
 
 Concurrency: the client is thread-safe, and ``pull_async``/``push_async``
 (or :meth:`PSClient.submit` for any method) return futures, so calls to several
@@ -46,42 +38,34 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import itertools
 import json
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from psflow import settings
 from psflow.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     OpError,
     ResourceExhaustedError,
-    UnauthenticatedError,
     UnavailableError,
 )
 from psflow.proto import ps_pb2
 from psflow.ps.push_types import Gradient, PushContext, PushReply
 from psflow.security.config import SecurityConfig, default_security
-from psflow.security.grpc_auth import open_channel
-from psflow.security.probe import diagnose_unavailable
 from psflow.wire import codec
 
 from . import framing, messages
-from .core import PlaneLink, RetryPolicy
+from .core import Call, Endpoint, RequestIds, RetryPolicy
 from .options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_STREAM_THRESHOLD,
-    channel_options,
 )
 from .service import METHODS, method_path
 from .started import Started
@@ -108,12 +92,23 @@ class VariableDescription:
     shm_name: str = dataclasses.field(default="", compare=False)
 
 
-def _identity(b: bytes) -> bytes:
-    return b
-
-
-def _serialize(message: Any) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
+def _items(
+    values: Mapping[str, Any],
+    trainable: bool | Mapping[str, bool] = False,
+    optimizer_json: str = "",
+) -> tuple[list[ps_pb2.VariableSpec], list[np.ndarray]]:
+    """The specs and host arrays of a write's ``{name: value}``."""
+    arrays = [codec.to_host(v) for v in values.values()]
+    specs = [
+        ps_pb2.VariableSpec(
+            name=name,
+            spec=codec.spec_to_proto(a.dtype, a.shape),
+            trainable=trainable if isinstance(trainable, bool) else trainable.get(name, True),
+            optimizer_json=optimizer_json,
+        )
+        for name, a in zip(values, arrays, strict=True)
+    ]
+    return specs, arrays
 
 
 def _assigner(op: int, doc: str) -> Callable[..., dict[str, int]]:
@@ -136,8 +131,8 @@ def _assigner(op: int, doc: str) -> Callable[..., dict[str, int]]:
 
 class PSClient:
     """A client of one parameter-server task: a typed facade over the client
-    core (:mod:`psflow.transport.core`: retries, data-plane discovery) and the
-    message format (:mod:`psflow.transport.messages`).
+    core (:class:`~psflow.transport.core.Endpoint`: channel, retries, data-plane
+    discovery) and the message format (:mod:`psflow.transport.messages`).
 
     Args:
         address: ``host:port`` of the task.
@@ -173,44 +168,27 @@ class PSClient:
             raise InvalidArgumentError(
                 f"chunk_bytes {chunk_bytes} must be in (0, {max_message_bytes // 2}]"
             )
-        self.address = address
-        self.task = task
-        self.timeout = timeout
+        self.address, self.task, self.timeout = address, task, timeout
         self.retry = retry or RetryPolicy()
         self.chunk_bytes = chunk_bytes
         self.stream_threshold = min(stream_threshold, max_message_bytes // 2)
-        self.client_id = client_id or uuid.uuid4().hex
+        self.next_request_id = RequestIds(client_id)  # a fresh (client_id, sequence) per call
+        self.client_id = self.next_request_id.client_id
         self._max_workers = max_workers
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self._sequence = itertools.count(1)
-        # name -> (dtype, shape, bytes per row, first dimension): sizes replies
-        self._specs: dict[str, tuple[np.dtype, tuple[int, ...], int, tuple[int, ...]]] = {}
+        # name -> (shape, bytes per row): sizes replies
+        self._specs: dict[str, tuple[tuple[int, ...], int]] = {}
         self.security = default_security() if security is None else security
-        self._channel = open_channel(address, self.security, channel_options(max_message_bytes))
-        metadata = self.security.call_metadata() or None
-        self._stubs: dict[str, Callable] = {}
-        for name, (kind, _req, resp_cls, _framed_req, framed_resp) in METHODS.items():
-            factory = getattr(self._channel, kind.value)
-            stub = factory(
-                method_path(name),
-                request_serializer=_serialize,
-                response_deserializer=_identity if framed_resp else resp_cls.FromString,
-            )
-            self._stubs[name] = (
-                stub if metadata is None else functools.partial(stub, metadata=metadata)
-            )
-        self._closed = False
-        process = settings.current()
-        self._link = PlaneLink(
-            address,
-            task,
-            self.security,
-            self.client_id,
-            lambda left: self._stubs["DataPlaneInfo"](ps_pb2.DataPlaneInfoRequest(), timeout=left),
-            enabled=process.data_plane if data_plane is None else data_plane,
-            route=dict(process.data_plane_routes).get(address, ""),
+        self._end = Endpoint(
+            address, task, self.security, self.client_id, max_message_bytes, self.retry, data_plane
         )
+        self._stubs = {
+            name: self._end.stub(
+                method_path(name), bytes if framed else reply.FromString, kind.value
+            )
+            for name, (kind, _, reply, _, framed) in METHODS.items()
+        }
 
     # -- plumbing ---------------------------------------------------------------
     def __repr__(self) -> str:
@@ -224,73 +202,31 @@ class PSClient:
 
     def close(self) -> None:
         """Closes the channel and the async thread pool."""
-        self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        self._link.close()
-        self._channel.close()
+        self._end.close()
 
     @property
     def data_plane_address(self) -> str | None:
         """The data plane pushes and pulls go to, once known (None: gRPC, or not asked yet)."""
-        plane = self._link.known
+        plane = self._end.link.known
         return None if plane is None else plane.address
 
-    def next_request_id(self) -> tuple[str, int]:
-        """A fresh ``(client_id, sequence)`` for an exactly-once request."""
-        with self._lock:
-            return self.client_id, next(self._sequence)
-
-    def _diagnose(self, method: str, e: grpc.RpcError, left: float) -> OpError | None:
-        """An ``UnauthenticatedError`` when an UNAVAILABLE ``e`` is the TLS handshake refusing us."""
-        if e.code() != grpc.StatusCode.UNAVAILABLE:
-            return None
-        reason = diagnose_unavailable(
-            self.address, self.security, e.details() or "", min(left, 2.0)
-        )
-        if reason is None:
-            return None
-        return UnauthenticatedError(
-            f"{method} to {self.task} at {self.address} failed: {reason}", task=self.task
-        )
-
-    def _invoke(self, method: str, attempt: Callable[[float], T], timeout: float | None) -> T:
+    def _run(self, method: str, attempt: Callable[[float], T], timeout: float | None) -> T:
         """``attempt(time_left)`` under the client's retry policy, within the deadline."""
-        if self._closed:
-            raise InvalidArgumentError(f"{self!r} is closed")
-        budget = self.timeout if timeout is None else timeout
-        return self.retry.run(
-            method,
-            self.task,
-            self.address,
-            attempt,
-            budget,
-            diagnose=functools.partial(self._diagnose, method),
-        )
+        return self._end.run(method, attempt, self.timeout if timeout is None else timeout)
 
     def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
-        return self._invoke(
-            method, lambda left: self._stubs[method](request, timeout=left), timeout
-        )
+        return self._run(method, lambda left: self._stubs[method](request, timeout=left), timeout)
 
-    def _on_plane(
-        self,
-        method: str,
-        header: bytes,
-        payload: Sequence[Any],
-        nbytes: int | None,
-        left: float,
-        **kwargs: Any,
-    ) -> tuple[bytes, memoryview] | None:
-        """``method`` on the data plane (None: none, or ``nbytes`` above its limit: use gRPC)."""
-        plane = self._link.get(left)
-        if plane is None or (nbytes is not None and nbytes > self._link.max_payload):
-            return None
-        try:
-            return plane.call(method, header, payload, left, **kwargs)
-        except UnavailableError as e:
-            self._link.failed(plane, e)
-            raise
+    def _framed(self, method: str, header: bytes, arrays: Sequence[np.ndarray], left: float) -> Any:
+        """One gRPC attempt of a header + payload request: one message up to
+        ``stream_threshold`` bytes, else streamed in ``chunk_bytes`` chunks."""
+        if sum(a.nbytes for a in arrays) > self.stream_threshold:
+            chunks = framing.payload_messages(header, arrays, self.chunk_bytes)
+            return self._stubs[f"{method}Stream"](chunks, timeout=left)
+        message = framing.encode_message(header, [framing.byte_view(a) for a in arrays])
+        return self._stubs[method](message, timeout=left)
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """Runs ``fn(*args, **kwargs)`` (e.g. ``client.pull``) on the client's thread pool."""
@@ -307,28 +243,14 @@ class PSClient:
         op: int,
         specs: list[ps_pb2.VariableSpec],
         arrays: list[np.ndarray],
-        *,
         request_id: tuple[str, int] | None,
         timeout: float | None,
     ) -> ps_pb2.WriteResponse:
         header = ps_pb2.WriteHeader(op=op, variables=specs)
         if request_id is not None:
             header.id.client_id, header.id.sequence = request_id
-        header_bytes = header.SerializeToString()
-        total = sum(a.nbytes for a in arrays)
-        if total <= self.stream_threshold:
-            message = framing.encode_message(header_bytes, [framing.byte_view(a) for a in arrays])
-
-            def attempt(left: float) -> Any:
-                return self._stubs["Write"](message, timeout=left)
-
-        else:
-
-            def attempt(left: float) -> Any:
-                messages = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
-                return self._stubs["WriteStream"](messages, timeout=left)
-
-        return self._invoke("Write", attempt, timeout)
+        raw = header.SerializeToString()
+        return self._run("Write", lambda left: self._framed("Write", raw, arrays, left), timeout)
 
     def create_variables(
         self,
@@ -346,22 +268,10 @@ class PSClient:
         Raises:
             AlreadyExistsError: one exists with a conflicting spec (none is created).
         """
-        specs, arrays = [], []
-        for name, value in values.items():
-            arr = codec.to_host(value)
-            train = trainable if isinstance(trainable, bool) else trainable.get(name, True)
-            specs.append(
-                ps_pb2.VariableSpec(
-                    name=name,
-                    spec=codec.spec_to_proto(arr.dtype, arr.shape),
-                    trainable=train,
-                    optimizer_json=json.dumps(optimizer) if optimizer else "",
-                )
-            )
-            arrays.append(arr)
-        reply = self._write(ps_pb2.WRITE_OP_CREATE, specs, arrays, request_id=None, timeout=timeout)
+        specs, arrays = _items(values, trainable, json.dumps(optimizer) if optimizer else "")
+        reply = self._write(ps_pb2.WRITE_OP_CREATE, specs, arrays, None, timeout)
         for spec, arr in zip(specs, arrays, strict=True):
-            self._remember(spec.name, arr.dtype, arr.shape)
+            self._seen(spec.name, arr.dtype, arr.shape)
         return {s.name: bool(c) for s, c in zip(specs, reply.created, strict=True)}
 
     def create_variable(
@@ -385,19 +295,13 @@ class PSClient:
         timeout: float | None,
         request_id: tuple[str, int] | None,
     ) -> dict[str, int]:
-        specs, arrays = [], []
-        for name, value in values.items():
-            arr = codec.to_host(value)
-            specs.append(
-                ps_pb2.VariableSpec(name=name, spec=codec.spec_to_proto(arr.dtype, arr.shape))
-            )
-            arrays.append(arr)
+        specs, arrays = _items(values)
         # assign is idempotent; add/sub carry an id so their retries apply once. A caller's
         # id (a closure's, stable across re-runs) is honoured for every op, so a re-run
         # closure's writes are deduplicated by the PS, not only this call's retries.
         if request_id is None and op != ps_pb2.WRITE_OP_ASSIGN:
             request_id = self.next_request_id()
-        reply = self._write(op, specs, arrays, request_id=request_id, timeout=timeout)
+        reply = self._write(op, specs, arrays, request_id, timeout)
         return {s.name: v for s, v in zip(specs, reply.versions, strict=True)}
 
     assign = _assigner(
@@ -435,56 +339,52 @@ class PSClient:
         return tuple(reply.slot_names)
 
     # -- pulls ----------------------------------------------------------------------
-    def _remember(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-        self._specs[name] = (dtype, shape, math.prod(shape[1:]) * dtype.itemsize, shape[:1])
-
     def _seen(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-        known = self._specs.get(name)
-        if known is None or known[1] != shape:
-            self._remember(name, dtype, shape)
+        """Remembers a variable's spec: its later pulls are sized by it."""
+        self._specs[name] = (shape, math.prod(shape[1:]) * dtype.itemsize)
 
     def _expected_bytes(self, request: ps_pb2.PullRequest) -> int | None:
         """The reply's payload size if every variable's spec is known, else None."""
         total = 0
         for item in request.items:
-            spec = self._specs.get(item.name)
-            if spec is None:
+            known = self._specs.get(item.name)
+            if known is None:
                 return None
-            _, _, row_bytes, first = spec
+            shape, row_bytes = known
+            rows = shape[0] if shape else 1
             if item.HasField("indices"):
-                total += len(item.indices.data) // 8 * row_bytes
-            else:
-                total += (first[0] if first else 1) * row_bytes
+                rows = len(item.indices.data) // 8
+            total += rows * row_bytes
         return total
 
     def _pull(self, request: ps_pb2.PullRequest, out, rows: bool, timeout: float | None):
         expected = self._expected_bytes(request)
-        stream = expected is None or expected > self.stream_threshold
         raw = request.SerializeToString()
 
         def decoder() -> messages.PullDecoder:
             return messages.PullDecoder(out, rows, self._seen)
 
-        def attempt(left: float):
-            deadline = time.monotonic() + left
-            one = decoder()
-            try:
-                reply = self._on_plane("Pull", raw, (), expected, left, sink=one.sink)
-            except ResourceExhaustedError:
-                # larger than a data-plane frame: stream it over gRPC
-                left = max(deadline - time.monotonic(), 0.001)
-                return decoder().messages(self._stubs["PullStream"](raw, timeout=left))
-            if reply is not None:
-                return one.frame(reply)
-            if not stream:
+        def stream(left: float) -> tuple[list[np.ndarray], list[int]]:
+            return decoder().messages(self._stubs["PullStream"](raw, timeout=left))
+
+        def over_grpc(left: float) -> tuple[list[np.ndarray], list[int]]:
+            if expected is not None and expected <= self.stream_threshold:
                 try:
                     return decoder().messages([self._stubs["Pull"](raw, timeout=left)])
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise  # else: sizes changed behind our back; stream it
-            return decoder().messages(self._stubs["PullStream"](raw, timeout=left))
+            return stream(left)
 
-        return self._invoke("Pull", attempt, timeout)
+        def attempt(left: float) -> tuple[list[np.ndarray], list[int]]:
+            deadline, one = time.monotonic() + left, decoder()
+            try:
+                call = Call("Pull", raw, (), expected or 0, one.frame, over_grpc)
+                return self._end.attempt(call, left, sink=one.sink)
+            except ResourceExhaustedError:  # larger than a data-plane frame: stream it
+                return stream(max(deadline - time.monotonic(), 0.001))
+
+        return self._run("Pull", attempt, timeout)
 
     def _pull_request(self, names: Sequence[str]) -> ps_pb2.PullRequest:
         return ps_pb2.PullRequest(
@@ -521,24 +421,22 @@ class PSClient:
     def start_pull(self, names: Sequence[str], *, timeout: float | None = None) -> Started | None:
         """Sends :meth:`pull`'s request for ``names`` on the data plane now and
         returns without reading the reply: its ``result()`` reads it as
-        ``(arrays, versions)`` (and pulls again where that attempt failed).
+        ``[(array, version), ...]`` (and pulls again where that attempt failed).
         None, having sent nothing, where the pull cannot go that way (no data
         plane known yet, or none, or a reply above its limit)."""
-        if self._closed:
-            return None
         request = self._pull_request(names)
         expected = self._expected_bytes(request)
-        if expected is None:
+        if expected is None or self._end.closed:
             return None
         one = messages.PullDecoder(None, False, self._seen)
-        return self._link.start(
-            "Pull",
-            request.SerializeToString(),
-            (),
-            expected,
+
+        def read(reply: tuple[bytes, memoryview]) -> list[tuple[np.ndarray, int]]:
+            return list(zip(*one.frame(reply)))
+
+        return self._end.link.start(
+            Call("Pull", request.SerializeToString(), (), expected, read, None),
             self.timeout if timeout is None else timeout,
-            one.frame,
-            lambda left: self._pull(request, None, False, left),
+            lambda left: list(zip(*self._pull(request, None, False, left))),
             # a reply above the frame limit streams over gRPC, as pull() does
             (UnavailableError, DeadlineExceededError, ResourceExhaustedError),
             sink=one.sink,
@@ -585,6 +483,7 @@ class PSClient:
         shm_buffer: Any = None,
         compression: str | Mapping[str, str] | None = None,
         rule_json: str = "",
+        context: PushContext | None = None,
     ) -> PushReply:
         """Pushes gradients of several variables in one RPC, applied exactly once.
 
@@ -599,6 +498,7 @@ class PSClient:
                 of ``num_required`` contributions to ``step`` once.
             wait_applied: return only once the step is applied.
             max_staleness: let the PS reject gradients staler than this.
+            timeout: the call's deadline (and how long the PS may hold it).
             shm_buffer: a :class:`psflow.transport.shm.PayloadBuffer`: the bytes go
                 through this shared-memory segment (a PS on the same host) and the
                 RPC carries only the header.
@@ -608,19 +508,22 @@ class PSClient:
                 :class:`~psflow.compression.ErrorFeedback`) travel as encoded.
             rule_json: the update rule (``psflow.update_rules`` config as JSON)
                 the PS applies these gradients with; ``""``: the variables' own.
+            context: the request context as the caller built it, in place of
+                ``push_id`` to ``rule_json`` (a session's, passed on as is).
 
         Raises:
             InvalidArgumentError: an unknown codec name, or a codec for a
                 non-float or sparse gradient (nothing is sent).
             AbortedError: a contribution to a step already applied, or too stale.
         """
-        context = self.push_context(
+        context = context or self._context(
             push_id, step, num_required, wait_applied, max_staleness, timeout, rule_json
         )
         items = messages.as_gradients(grads, base_versions)
-        return self.push_gradients(items, context, shm_buffer=shm_buffer, compression=compression)
+        header, arrays = messages.encode_push(items, context, compression, shm_buffer)
+        return self._push(self._push_call(header, arrays), context.timeout)
 
-    def push_context(
+    def _context(
         self,
         push_id: tuple[str, int] | int | None = None,
         step: int | None = None,
@@ -630,7 +533,6 @@ class PSClient:
         timeout: float | None = None,
         rule_json: str = "",
     ) -> PushContext:
-        """:meth:`push`'s keyword arguments as the one request-context type."""
         if push_id is None:
             push_id = self.next_request_id()
         elif isinstance(push_id, int):
@@ -639,58 +541,33 @@ class PSClient:
             push_id, step, int(num_required or 0), wait_applied, timeout, rule_json, max_staleness
         )
 
-    def push_gradients(
-        self,
-        items: Sequence[Gradient],
-        context: PushContext,
-        *,
-        shm_buffer: Any = None,
-        compression: str | Mapping[str, str] | None = None,
-    ) -> PushReply:
-        """:meth:`push` of ``items`` with ``context`` as the caller built it
-        (``context.timeout``: the call's deadline, and how long the PS may hold it)."""
-        header, arrays = messages.encode_push(items, context, compression, shm_buffer)
-        return self._push_invoke(header, arrays, context.timeout)
+    def _push_call(self, header: bytes, arrays: list[np.ndarray]) -> Call:
+        """A push's message, on the data plane or as a stream or one unary gRPC call."""
+        views, total = [framing.byte_view(a) for a in arrays], sum(a.nbytes for a in arrays)
+        return Call(
+            "Push", header, views, total,
+            lambda reply: _push_reply(ps_pb2.PushResponse.FromString(reply[0])),
+            lambda left: _push_reply(self._framed("Push", header, arrays, left)),
+        )  # fmt: skip
 
-    def _push_invoke(
-        self, header_bytes: bytes, arrays: list[np.ndarray], timeout: float | None
-    ) -> PushReply:
-        """Sends a push's message with retries (the data plane, a stream or one unary call)."""
-        views = [framing.byte_view(a) for a in arrays]
-        total = sum(a.nbytes for a in arrays)
-        message = None  # the unary gRPC message, built only if gRPC carries the push
-
-        def attempt(left: float) -> Any:
-            nonlocal message
-            reply = self._on_plane("Push", header_bytes, views, total, left)
-            if reply is not None:
-                return ps_pb2.PushResponse.FromString(reply[0])
-            if total > self.stream_threshold:
-                chunks = framing.payload_messages(header_bytes, arrays, self.chunk_bytes)
-                return self._stubs["PushStream"](chunks, timeout=left)
-            if message is None:
-                message = framing.encode_message(header_bytes, views)
-            return self._stubs["Push"](message, timeout=left)
-
-        return _push_reply(self._invoke("Push", attempt, timeout))
+    def _push(self, call: Call, timeout: float | None) -> PushReply:
+        """Sends a push with retries."""
+        return self._run("Push", lambda left: self._end.attempt(call, left), timeout)
 
     def start_push(
         self,
         grads: Mapping[str, Any] | Sequence[Gradient],
+        context: PushContext | None = None,
         *,
-        push_id: tuple[str, int] | int | None = None,
-        step: int | None = None,
-        num_required: int | None = None,
-        wait_applied: bool = False,
-        timeout: float | None = None,
         shm_buffer: Any = None,
-        rule_json: str = "",
+        **fields: Any,
     ) -> Started | None:
         """Sends :meth:`push`'s request on the data plane now and returns without
         reading the reply: its ``result()`` reads it (and makes the push again,
         with the same id, where that attempt failed).  A caller that starts
         pushes to several tasks before it reads any reply has them apply at
-        once with no thread of its own per push.  The arguments are :meth:`push`'s.
+        once with no thread of its own per push.  ``context``, or ``fields``
+        (:meth:`push`'s ``push_id`` to ``rule_json``), as :meth:`push`'s.
 
         Returns None, having sent nothing, where the push cannot go that way: no
         data plane known yet (the first call asks for it) or none, or a payload
@@ -699,35 +576,22 @@ class PSClient:
         Raises:
             InvalidArgumentError: as :meth:`push` (nothing is sent).
         """
-        context = self.push_context(push_id, step, num_required, wait_applied, None, timeout,
-                                    rule_json)  # fmt: skip
-        return self.start_push_gradients(
-            messages.as_gradients(grads, None), context, shm_buffer=shm_buffer
-        )
-
-    def start_push_gradients(
-        self, items: Sequence[Gradient], context: PushContext, *, shm_buffer: Any = None
-    ) -> Started | None:
-        """:meth:`start_push` of ``items`` with ``context`` as the caller built it."""
-        if self._link.known is None or self._closed:
+        if self._end.link.known is None or self._end.closed:
             return None
+        context = context or self._context(**fields)
+        items = messages.as_gradients(grads, None) if isinstance(grads, Mapping) else grads
         header, arrays = messages.encode_push(items, context, None, shm_buffer)
-        return self._link.start(
-            "Push",
-            header,
-            [framing.byte_view(a) for a in arrays],
-            sum(a.nbytes for a in arrays),
+        call = self._push_call(header, arrays)
+        return self._end.link.start(
+            call,
             self.timeout if context.timeout is None else context.timeout,
-            lambda reply: _push_reply(ps_pb2.PushResponse.FromString(reply[0])),
-            lambda left: self._push_invoke(header, arrays, left),
+            lambda left: self._push(call, left),
             (UnavailableError, DeadlineExceededError),
         )
 
     def push_async(self, grads: Mapping[str, Any], **kwargs: Any) -> concurrent.futures.Future:
-        """:meth:`push` on the client's thread pool; returns a future.
-
-        The push id is fixed now, so the order of ids follows the order of calls.
-        """
+        """:meth:`push` on the client's thread pool; returns a future (its push id
+        is drawn now: the ids follow the order of the calls)."""
         kwargs.setdefault("push_id", self.next_request_id())
         return self.submit(self.push, grads, **kwargs)
 
@@ -739,7 +603,7 @@ class PSClient:
         def attempt(left: float) -> bytes:
             return b"".join(m.state for m in self._stubs["ExportShard"](request, timeout=left))
 
-        return self._invoke("ExportShard", attempt, timeout)
+        return self._run("ExportShard", attempt, timeout)
 
     def import_shard(
         self, state: bytes, placement_version: int, *, timeout: float | None = None
@@ -755,7 +619,7 @@ class PSClient:
         def attempt(left: float) -> Any:
             return self._stubs["ImportShard"](messages(), timeout=left)
 
-        return list(self._invoke("ImportShard", attempt, timeout).names)
+        return list(self._run("ImportShard", attempt, timeout).names)
 
     def release_shard(
         self,
@@ -791,7 +655,7 @@ class PSClient:
         for info in reply.variables:
             v = info.variable
             dtype, shape, _ = codec.check_spec(v.spec.dtype, v.spec.shape, max_bytes=1 << 62)
-            self._remember(v.name, dtype, shape)
+            self._seen(v.name, dtype, shape)
             out.append(
                 VariableDescription(
                     v.name,
@@ -841,13 +705,10 @@ class PSClient:
     def stats(self, *, include_log: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """The PS counters (bytes, pushes, rejections, staleness, optional log)."""
         reply = self._unary("GetStats", ps_pb2.GetStatsRequest(include_log=include_log), timeout)
-        out = {
-            f.name: getattr(reply, f.name)
-            for f in reply.DESCRIPTOR.fields
-            if f.name not in ("rejected", "staleness_histogram", "log")
-        }
-        out["rejected"] = dict(reply.rejected)
-        out["staleness_histogram"] = dict(reply.staleness_histogram)
+        out = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "log"}
+        out.update(
+            rejected=dict(reply.rejected), staleness_histogram=dict(reply.staleness_histogram)
+        )
         if include_log:
             out["log"] = [
                 (e.variable, e.client_id, e.base_version, e.applied_version) for e in reply.log
@@ -856,15 +717,13 @@ class PSClient:
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The standard health status name (``"SERVING"``, ``"NOT_SERVING"``...)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from grpc_health.v1 import health_pb2
 
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        reply = self._invoke(
-            "Health.Check",
-            lambda left: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=left),
-            timeout,
-        )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        response = health_pb2.HealthCheckResponse
+        check = self._end.stub("/grpc.health.v1.Health/Check", response.FromString)
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = self._run("Health.Check", lambda left: check(request, timeout=left), timeout)
+        return response.ServingStatus.Name(reply.status)
 
     def wait_ready(self, timeout: float = 30.0, poll: float = 0.05) -> None:
         """Waits until the task reports SERVING.

@@ -1,43 +1,60 @@
 """The client core: what every PS client does the same way.
 
-Three ideas, each written once and used by :class:`~psflow.transport.PSClient`
+Each idea written once and used by :class:`~psflow.transport.PSClient`
 (one dense PS task), :class:`~psflow.transport.EmbeddingClient` (the table
 shards of every task), the data-plane client and the session's fan-out:
 
-- :class:`~psflow.transport.started.Started` and its ``gather``: one
-  started-call type and one fan-out failure rule (their own module, below
-  the data-plane client that returns them).
+- :class:`~psflow.transport.started.Started`, ``fan_out`` and ``gather``:
+  one started-call type, one fan-out and its failure rule (their own module,
+  below the data-plane client that returns them).
 - :class:`RetryPolicy` and :meth:`RetryPolicy.run`: one retry loop with
   backoff and jitter, within one deadline, that turns every failure into the
   typed error naming the method, the task and its address.  Requests that are
-  not idempotent carry an exactly-once id chosen before the first attempt, so
-  every attempt carries the same one.
+  not idempotent carry an exactly-once id (:class:`RequestIds`) chosen before
+  the first attempt, so every attempt carries the same one.
 - :class:`PlaneLink`: one PS task's data plane, asked for once over gRPC,
   with one fallback rule (see its docstring).
+- :class:`Endpoint`: one PS task as every client reaches it (its channel,
+  its plane, its retry policy, one attempt of a :class:`Call` on either
+  transport).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from psflow.errors import DeadlineExceededError, OpError, UnavailableError, to_grpc_code
+from psflow import settings
+from psflow.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    OpError,
+    UnauthenticatedError,
+    UnavailableError,
+    to_grpc_code,
+)
 from psflow.proto import ps_pb2
 from psflow.security.config import SecurityConfig
+from psflow.security.grpc_auth import open_channel
+from psflow.security.probe import diagnose_unavailable
 
 from .dataplane import DataPlaneClient
+from .options import channel_options
+from .service import method_path
 from .started import Started
 from .status import status_error
 
-__all__ = ["PlaneLink", "RetryPolicy", "rpc_error"]
+__all__ = ["Call", "Endpoint", "PlaneLink", "RequestIds", "RetryPolicy", "rpc_error"]
 
 T = TypeVar("T")
 
@@ -135,6 +152,35 @@ class RetryPolicy:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
+class RequestIds:
+    """A client's exactly-once request ids, ``(client_id, 1)``, ``(client_id, 2)``...
+    (``client_id`` default: a fresh UUID); thread-safe."""
+
+    def __init__(self, client_id: str | None = None) -> None:
+        self.client_id = client_id or uuid.uuid4().hex
+        self._sequence = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> tuple[str, int]:
+        with self._lock:
+            return self.client_id, next(self._sequence)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a client, either way it can travel: on the data plane, the
+    ``header`` and ``payload`` buffers of ``method`` (``nbytes`` of payload)
+    and ``read(reply)`` its reply's value; or ``over_grpc(time_left)``, one
+    attempt of the whole call over gRPC (None: a call only started on the plane)."""
+
+    method: str
+    header: bytes
+    payload: Sequence[Any]
+    nbytes: int
+    read: Callable[[tuple[bytes, memoryview]], Any]
+    over_grpc: Callable[[float], Any] | None
+
+
 class PlaneLink:
     """One PS task's data plane: asked for over gRPC on first use, then reused.
 
@@ -226,27 +272,23 @@ class PlaneLink:
 
     def start(
         self,
-        method: str,
-        header: bytes,
-        payload: Sequence[Any],
-        nbytes: int,
+        call: Call,
         timeout: float,
-        read: Callable[[tuple[bytes, memoryview]], Any],
         again: Callable[[float], Any],
         retried: tuple[type[OpError], ...],
         *,
         sink: Any = None,
         budget: float | None = None,
     ) -> Started | None:
-        """``method`` sent on the plane now, its reply read by the result's
-        ``result()`` (``read(reply)``); where sending or that reply failed with
-        one of ``retried``, ``again(time_left)`` makes the call anew (the same
-        request, exactly-once id included) within ``budget`` seconds from now
-        (default ``timeout``).  None, having sent nothing, where the plane is
-        not known yet (or there is none) or ``nbytes`` is above its limit.
+        """``call`` sent on the plane now, its reply read by the result's
+        ``result()`` (``call.read(reply)``); where sending or that reply failed
+        with one of ``retried``, ``again(time_left)`` makes the call anew (the
+        same request, exactly-once id included) within ``budget`` seconds from
+        now (default ``timeout``).  None, having sent nothing, where the plane
+        is not known yet (or there is none) or the payload is above its limit.
         """
-        plane = self.known
-        if plane is None or nbytes > self.max_payload:
+        plane, method = self.known, call.method
+        if plane is None or call.nbytes > self.max_payload:
             return None
         deadline = time.monotonic() + (timeout if budget is None else budget)
 
@@ -260,7 +302,7 @@ class PlaneLink:
             return again(left)
 
         try:
-            sent = plane.send(method, header, payload, timeout, sink=sink)
+            sent = plane.send(method, call.header, call.payload, timeout, sink=sink)
         except retried as e:
             self.failed(plane, e)
             return Started(anew, what=method)
@@ -271,7 +313,7 @@ class PlaneLink:
             except retried as e:
                 self.failed(plane, e)
                 return anew()
-            return read(reply)
+            return call.read(reply)
 
         return Started(finish, sent.cancel, method)
 
@@ -290,3 +332,113 @@ class PlaneLink:
             plane, self._plane = self._plane, False
         if isinstance(plane, DataPlaneClient):
             plane.close()
+
+
+def _serialize(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class Endpoint:
+    """One PS task as every client reaches it: a gRPC channel presenting the
+    ``security`` configuration's token and certificate, the task's data plane
+    (a :class:`PlaneLink`, asked for with the PS service's ``DataPlaneInfo``),
+    and the retry policy its calls run under.
+
+    Args:
+        address, task: the task's ``host:port`` and its name, for errors.
+        client_id: this client's name on the data plane.
+        retry: the default policy of :meth:`run`.
+        data_plane: None: the process setting (``PSFLOW_DATA_PLANE``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        task: str,
+        security: SecurityConfig,
+        client_id: str,
+        max_message_bytes: int,
+        retry: RetryPolicy,
+        data_plane: bool | None = None,
+    ) -> None:
+        self.address, self.task, self.security, self.retry = address, task, security, retry
+        self.channel = open_channel(address, security, channel_options(max_message_bytes))
+        self._metadata = security.call_metadata() or None
+        self.closed = False
+        process = settings.current()
+        ask = self.stub(method_path("DataPlaneInfo"), ps_pb2.DataPlaneInfoResponse.FromString)
+        self.link = PlaneLink(
+            address,
+            task,
+            security,
+            client_id,
+            lambda left: ask(ps_pb2.DataPlaneInfoRequest(), timeout=left),
+            enabled=process.data_plane if data_plane is None else data_plane,
+            route=dict(process.data_plane_routes).get(address, ""),
+        )
+
+    def stub(
+        self, path: str, deserialize: Callable[[bytes], Any], kind: str = "unary_unary"
+    ) -> Callable[..., Any]:
+        """The gRPC method at ``path`` (``kind``: its cardinality), called with
+        the security's metadata; a request may be a message or its bytes."""
+        factory = getattr(self.channel, kind)
+        stub = factory(path, request_serializer=_serialize, response_deserializer=deserialize)
+        return stub if self._metadata is None else functools.partial(stub, metadata=self._metadata)
+
+    def run(
+        self,
+        method: str,
+        attempt: Callable[[float], T],
+        timeout: float,
+        policy: RetryPolicy | None = None,
+    ) -> T:
+        """``attempt(time_left)`` under ``policy`` (default this endpoint's)
+        within ``timeout`` seconds; see :meth:`RetryPolicy.run`.
+
+        Raises:
+            InvalidArgumentError: the client was closed.
+            OpError: the call's typed error.
+        """
+        if self.closed:
+            raise InvalidArgumentError(f"the client of {self.task} at {self.address} is closed")
+        return (policy or self.retry).run(
+            method,
+            self.task,
+            self.address,
+            attempt,
+            timeout,
+            diagnose=functools.partial(self._diagnose, method),
+        )
+
+    def _diagnose(self, method: str, e: grpc.RpcError, left: float) -> OpError | None:
+        """An ``UnauthenticatedError`` when an UNAVAILABLE ``e`` is the TLS handshake refusing us."""
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        reason = diagnose_unavailable(
+            self.address, self.security, e.details() or "", min(left, 2.0)
+        )
+        if reason is None:
+            return None
+        return UnauthenticatedError(
+            f"{method} to {self.task} at {self.address} failed: {reason}", task=self.task
+        )
+
+    def attempt(self, call: Call, left: float, **kwargs: Any) -> Any:
+        """One attempt of ``call``: on the data plane when the task has one and
+        the payload fits its limit (``kwargs`` go to :meth:`DataPlaneClient.call`),
+        else over gRPC."""
+        plane = self.link.get(left)
+        if plane is None or call.nbytes > self.link.max_payload:
+            return call.over_grpc(left)
+        try:
+            return call.read(plane.call(call.method, call.header, call.payload, left, **kwargs))
+        except UnavailableError as e:
+            self.link.failed(plane, e)
+            raise
+
+    def close(self) -> None:
+        """Closes the plane's connections and the channel."""
+        self.closed = True
+        self.link.close()
+        self.channel.close()

@@ -23,43 +23,39 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import json
-import logging
 import threading
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
 from psflow import settings
-from psflow.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    UnavailableError,
-)
-from psflow.proto import embedding_pb2, ps_pb2
+from psflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+from psflow.proto import embedding_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
 from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
-from psflow.ps.key_index import as_ids, gradient_rows, shard_of, sum_rows, unique_ids
+from psflow.ps.key_index import ShardSplit, as_ids, unique_gradients, unique_ids
 from psflow.security.config import SecurityConfig, default_security
-from psflow.security.grpc_auth import open_channel
 from psflow.update_rules import put_rows, take_rows
 from psflow.wire import codec
 
 from . import embedding_plane
-from .core import PlaneLink, RetryPolicy
-from .options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from .service import SERVICE as PS_SERVICE
-from .started import Started, gather, settle
+from .core import Call, Endpoint, RequestIds, RetryPolicy
+from .options import DEFAULT_MAX_MESSAGE_BYTES
+from .started import Started, fan_out, gather
 
 __all__ = ["EmbeddingClient", "TableClient", "WireBytes"]
 
-log = logging.getLogger(__name__)
-
 _SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"]
+_METHODS = {
+    m.name: (
+        f"/{_SERVICE.full_name}/{m.name}",
+        getattr(embedding_pb2, m.output_type.name).FromString,
+    )
+    for m in _SERVICE.methods
+}
 # a table call is repeated once, at once, where it was UNAVAILABLE or timed out (each
 # attempt with the whole timeout): pushes carry their request id, applied once
 _RETRY = RetryPolicy(
@@ -79,28 +75,6 @@ class WireBytes:
     pushes: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class _ShardCall:
-    """A Lookup or PushGradients call to one task, either way it can travel.
-
-    ``request()`` gives the data-plane header and payload buffers of ``method``
-    (``nbytes`` of payload) and ``parse(header, payload)`` its reply's value;
-    ``over_grpc(time_left)`` makes one attempt of the whole call over gRPC instead.
-    """
-
-    shard: int
-    method: str
-    nbytes: int
-    request: Callable[[], tuple[bytes, Sequence[Any]]]
-    parse: Callable[[bytes, memoryview], Any]
-    over_grpc: Callable[[float], Any]
-
-
-def _push_step(reply: bytes, payload: memoryview) -> int:
-    """The step a data-plane PushGradients reply reports."""
-    return embedding_plane.parse(reply, embedding_pb2.PushGradientsResponse).step
-
-
 class TableClient:
     """What both table clients (this module's, and the in-process one of
     :mod:`psflow.distribute.ps.inprocess`) share: a push is a started push waited for."""
@@ -110,14 +84,8 @@ class TableClient:
         raise NotImplementedError
 
     def push(self, *args: Any, **kwargs: Any) -> list[int]:
-        """Applies gradient rows ``grads`` (``ids.shape + (dim,)``) once; returns
-        each shard's step (-1 where it got no ids): :meth:`start_push`'s
-        arguments, then waiting for it.
-
-        Raises:
-            NotFoundError: unknown table.
-            InvalidArgumentError: ids not integers, grads of the wrong shape.
-        """
+        """Applies gradient rows once; returns each shard's step (-1 where it got
+        no ids): :meth:`start_push` (its arguments and errors), then waiting."""
         return self.start_push(*args, **kwargs)()
 
 
@@ -136,8 +104,9 @@ class EmbeddingClient(TableClient):
             it announces one (:mod:`psflow.transport.embedding_plane`; the
             same errors and deadlines), gRPC otherwise; None: the process
             setting (``PSFLOW_DATA_PLANE``, on by default).
-        parallel: call the shards of one lookup or push at once (all but
-            the last from a thread pool), or one after another from the
+        parallel: call the shards of one lookup or push at once (on the data
+            plane from this thread, over gRPC all but one from a thread
+            pool), or one after another from the
             calling thread: no thread hand-off, but the round trips add up.
             In ``benchmarks/recsys.py`` (2 PS and 2 workers on one 2-core
             host) one after another took less of a lone client's CPU yet gave
@@ -157,15 +126,13 @@ class EmbeddingClient(TableClient):
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
-        process = settings.current()
-        self._want_plane = process.data_plane if data_plane is None else data_plane
-        self._plane_routes = dict(process.data_plane_routes)
+        self._want_plane = settings.current().data_plane if data_plane is None else data_plane
         self.addresses = list(addresses)
         self.timeout = timeout
         self.security = default_security() if security is None else security
-        self.client_id = uuid.uuid4().hex
+        self._ids = RequestIds()
+        self.client_id = self._ids.client_id
         self.bytes = WireBytes()
-        self._sequence = itertools.count(1)
         self._lock = threading.Lock()
         self._configs: dict[str, TableConfig] = {}
         self.hot_rows = hot_rows
@@ -173,52 +140,21 @@ class EmbeddingClient(TableClient):
         self._hot_policies: dict[str, HotRowPolicy] = {}
         self.max_message_bytes = max_message_bytes
         self.parallel = parallel
-        # ``(ids, shard count, parts)`` of the last split: a push carries the unique
-        # ids its lookup just split (one tuple, replaced whole: threads may share it)
-        self._last_split: tuple[np.ndarray, int, list[np.ndarray]] | None = None
+        self._split = ShardSplit()  # a push reuses the split of the ids its lookup sent
         self._connect()
 
     def _connect(self) -> None:
-        """Channels, stubs and a thread pool for ``self.addresses``."""
-        self._metadata = self.security.call_metadata() or None
-        self._channels = [
-            open_channel(a, self.security, channel_options(self.max_message_bytes))
-            for a in self.addresses
+        """An endpoint per task of ``self.addresses`` (its data plane asked for
+        on its first lookup or push), their stubs, and the fan-out's pool."""
+        want, limit = self._want_plane, self.max_message_bytes
+        self._ends = [
+            Endpoint(a, f"ps:{s}", self.security, self.client_id, limit, _RETRY, want)
+            for s, a in enumerate(self.addresses)
         ]
-        self._stubs: list[dict[str, grpc.UnaryUnaryMultiCallable]] = []
-        for channel in self._channels:
-            stubs = {}
-            for method in _SERVICE.methods:
-                response_cls = getattr(embedding_pb2, method.output_type.name)
-                stubs[method.name] = channel.unary_unary(
-                    f"/{_SERVICE.full_name}/{method.name}",
-                    request_serializer=lambda m: m.SerializeToString(),
-                    response_deserializer=response_cls.FromString,
-                )
-            self._stubs.append(stubs)
-        # each task's data plane, asked for on its first lookup or push
-        self._links = [
-            PlaneLink(
-                address,
-                f"ps:{s}",
-                self.security,
-                self.client_id,
-                functools.partial(
-                    channel.unary_unary(
-                        f"/{PS_SERVICE}/DataPlaneInfo",
-                        request_serializer=lambda m: m.SerializeToString(),
-                        response_deserializer=ps_pb2.DataPlaneInfoResponse.FromString,
-                    ),
-                    ps_pb2.DataPlaneInfoRequest(),
-                    metadata=self._metadata,
-                ),
-                enabled=self._want_plane,
-                route=self._plane_routes.get(address, ""),
-            )
-            for s, (address, channel) in enumerate(zip(self.addresses, self._channels))
+        self._stubs = [
+            {name: end.stub(*how) for name, how in _METHODS.items()} for end in self._ends
         ]
-        # fan-outs: one call per shard here (a lookup's last shard runs in the
-        # calling thread); not gRPC futures, which start a thread per call when idle
+        # not gRPC futures, which start a thread per call when idle
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, len(self.addresses)), thread_name_prefix="embedding-client"
         )
@@ -227,7 +163,8 @@ class EmbeddingClient(TableClient):
     def data_plane_addresses(self) -> list[str | None]:
         """Per task, the data plane its lookups and pushes go to, once known
         (None: gRPC, or not asked yet)."""
-        return [None if link.known is None else link.known.address for link in self._links]
+        planes = [end.link.known for end in self._ends]
+        return [None if plane is None else plane.address for plane in planes]
 
     @property
     def num_shards(self) -> int:
@@ -246,24 +183,20 @@ class EmbeddingClient(TableClient):
             raise InvalidArgumentError("EmbeddingClient needs at least one PS address")
         if list(addresses) == self.addresses:
             return
-        old_pool, old_channels, old_links = self._pool, self._channels, self._links
+        old_pool, old_ends = self._pool, self._ends
         with self._lock:
             self.addresses = list(addresses)
             self._connect()
             self._hot.clear()  # its rows were fetched shard by shard from the old tasks
         old_pool.shutdown(wait=False)
-        for channel in old_channels:
-            channel.close()
-        for link in old_links:
-            link.close()
+        for end in old_ends:
+            end.close()
 
     def close(self) -> None:
         """Closes the channels, the data-plane connections and the thread pool."""
         self._pool.shutdown(wait=False)
-        for channel in self._channels:
-            channel.close()
-        for link in self._links:
-            link.close()
+        for end in self._ends:
+            end.close()
 
     def __enter__(self) -> EmbeddingClient:
         return self
@@ -287,13 +220,7 @@ class EmbeddingClient(TableClient):
             OpError: the call's typed error, naming ``ps:<shard>``.
         """
         stub = self._stubs[shard][method]
-        return self._run(
-            shard,
-            method,
-            lambda left: stub(request, timeout=left, metadata=self._metadata),
-            retries,
-            timeout,
-        )
+        return self._run(shard, method, lambda left: stub(request, timeout=left), retries, timeout)
 
     def _run(
         self,
@@ -307,70 +234,45 @@ class EmbeddingClient(TableClient):
         attempt its own deadline, retried at once (the request id unchanged)."""
         each = timeout or self.timeout
         policy = dataclasses.replace(_RETRY, max_attempts=retries + 1, attempt_timeout=each)
-        address = self.addresses[shard]
-        return policy.run(method, f"ps:{shard}", address, attempt, each * (retries + 1))
+        return self._ends[shard].run(method, attempt, each * (retries + 1), policy)
 
-    def _exchange(self, call: _ShardCall, retries: int = 1) -> Any:
+    def _exchange(self, shard: int, call: Call, retries: int = 1) -> Any:
         """``call`` on its task's data plane when it has one and the payload fits,
         else over gRPC; retried like :meth:`call`."""
-        link = self._links[call.shard]
+        attempt = functools.partial(self._ends[shard].attempt, call)
+        return self._run(shard, call.method, attempt, retries)
 
-        def attempt(left: float) -> Any:
-            plane = link.get(left)
-            if plane is None or call.nbytes > link.max_payload:
-                return call.over_grpc(left)
-            try:
-                return call.parse(*plane.call(call.method, *call.request(), left))
-            except _PLANE_RETRIED as e:
-                link.failed(plane, e)
-                raise
+    def _fan_out(self, calls: dict[int, Call]) -> dict[int, Started]:
+        """One call per shard, started by :func:`~psflow.transport.started.fan_out`:
+        on the shard's data plane it is sent now, from this thread, its reply
+        read by the result (where it failed it is made again, whole); over gRPC
+        (no plane, or a payload above its limit) it runs on the pool, or, the
+        first, is left to the thread that reads the calls; without
+        ``parallel`` every call is left to it (one after another)."""
+        starts = {s: functools.partial(self._start, s, c) for s, c in calls.items()}
+        work = {s: functools.partial(self._exchange, s, c) for s, c in calls.items()}
+        return fan_out(starts if self.parallel else {}, work, self._pool if self.parallel else None)
 
-        return self._run(call.shard, call.method, attempt, retries)
-
-    def _fan_out(self, calls: Iterable[tuple[int, _ShardCall]], last: int) -> dict[int, Started]:
-        """Starts one call per shard, in order (``last``: the last one's shard).
-
-        On the shard's data plane it is sent now, from this thread, and its
-        reply read by the result: a fan-out sends to every shard before it
-        reads any reply, so the tasks work at once with no thread hand-off;
-        where it failed it is made again, whole, by the result.  Over gRPC (no
-        plane, or a payload above the plane's limit) it runs on the pool, or,
-        the last one, is left to the thread that waits; without ``parallel``
-        every call is left to it (one after another).  Read them with
-        :func:`~psflow.transport.started.gather` (its failure rule).
-        """
-        started: dict[int, Started] = {}
-        try:
-            for s, call in calls:
-                started[s] = self._begin(call, last=s == last or not self.parallel)
-        except BaseException:
-            settle(started.values())  # the ones sent finish first
-            raise
-        return started
-
-    def _begin(self, call: _ShardCall, last: bool) -> Started:
-        link = self._links[call.shard]
-        if self.parallel and link.known is not None and call.nbytes <= link.max_payload:
-            started = link.start(
-                call.method,
-                *call.request(),
-                call.nbytes,
-                self.timeout,
-                lambda reply: call.parse(*reply),
-                lambda _left: self._exchange(call, 0),  # with a deadline of its own
-                _PLANE_RETRIED,
-                budget=2 * self.timeout,
-            )
-            if started is not None:
-                return started
-        work = functools.partial(self._exchange, call)
-        return Started(work) if last else Started.pooled(self._pool.submit(work))
+    def _start(self, shard: int, call: Call) -> Started | None:
+        return self._ends[shard].link.start(
+            call,
+            self.timeout,
+            lambda _left: self._exchange(shard, call, 0),  # with a deadline of its own
+            _PLANE_RETRIED,
+            budget=2 * self.timeout,
+        )
 
     def on_every_shard(self, fn: Callable[[int], Any]) -> list[Any]:
         """``fn(shard)`` for every task at once (on the pool); their results in
         task order, under :func:`~psflow.transport.started.gather`'s rule."""
-        calls = {s: Started.pooled(self._pool.submit(fn, s)) for s in range(self.num_shards)}
-        return list(gather(calls).values())
+        work = {s: functools.partial(fn, s) for s in range(self.num_shards)}
+        return list(gather(fan_out({}, work, self._pool)).values())
+
+    def _call_every(self, method: str, request: Any) -> list[Any]:
+        """:meth:`call` of ``method`` on every task at once; the replies in task
+        order.  ``request``: the message, or a function of the shard giving it."""
+        make = request if callable(request) else lambda _: request
+        return self.on_every_shard(lambda s: self.call(s, method, make(s)))
 
     # -- tables -------------------------------------------------------------------------
     def create_table(self, config: TableConfig) -> bool:
@@ -380,43 +282,14 @@ class EmbeddingClient(TableClient):
             AlreadyExistsError: a table of that name exists with another config.
         """
         text = config.to_json()
-        replies = self.on_every_shard(
-            lambda s: self.call(
-                s,
-                "CreateTable",
-                embedding_pb2.CreateTableRequest(
-                    config_json=text, shard_index=s, num_shards=self.num_shards
-                ),
-            )
+        replies = self._call_every(
+            "CreateTable",
+            lambda s: embedding_pb2.CreateTableRequest(
+                config_json=text, shard_index=s, num_shards=self.num_shards
+            ),
         )
         self._configs[config.name] = config
         return any(r.created for r in replies)
-
-    def _request_id(
-        self, shard: int, request_ids: Callable[[int], tuple[str, int]] | None
-    ) -> tuple[str, int]:
-        if request_ids is not None:
-            return request_ids(shard)
-        with self._lock:
-            return (self.client_id, next(self._sequence))
-
-    def _split(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Positions into ``ids`` owned by each shard.
-
-        A step pushes the very ids it looked up: the last split is kept (with a
-        copy of its ids, compared by value) and the push reuses it instead of
-        hashing every id again.
-        """
-        n = self.num_shards
-        if n == 1:
-            return [np.arange(ids.shape[0])]
-        last = self._last_split
-        if last is not None and last[1] == n and np.array_equal(last[0], ids):
-            return last[2]
-        owner = shard_of(ids, n)
-        parts = [np.flatnonzero(owner == s) for s in range(n)]
-        self._last_split = (ids.copy(), n, parts)
-        return parts
 
     def lookup(self, table: str, ids: Any, training: bool = True) -> np.ndarray:
         """Rows of ``ids`` (any shape of integers): shape ``ids.shape + (dim,)``.
@@ -435,51 +308,42 @@ class EmbeddingClient(TableClient):
         if unique.size and (self.hot_rows is not None or table in self._hot_policies):
             cached = self._hot_cache(table).split(unique)
         missing = unique if cached is None else unique[~cached[0]]
-        parts = self._split(missing)
-        shards = [s for s in range(self.num_shards) if parts[s].size]
-        calls = ((s, self._lookup_call(s, table, missing[parts[s]], training)) for s in shards)
-        replies = gather(self._fan_out(calls, shards[-1] if shards else -1))
-        results: list[np.ndarray | None] = [None] * self.num_shards
-        for s, rows in replies.items():
-            results[s] = rows
+        parts = self._split(missing, self.num_shards)
+        calls = {
+            s: self._lookup_call(s, table, missing[parts[s]], training)
+            for s in range(self.num_shards)
+            if parts[s].size
+        }
+        replies = gather(self._fan_out(calls))
         with self._lock:
             self.bytes.lookups += 1
-            for s in replies:  # ids sent (counted, not gathered again) and rows received
-                self.bytes.pulled += parts[s].size * missing.itemsize + results[s].nbytes
-        known = [r for r in results if r is not None]
-        if cached is not None and cached[0].any():
-            known.append(cached[1])
+            for s, rows in replies.items():  # ids sent (counted, not gathered again), rows got
+                self.bytes.pulled += parts[s].size * missing.itemsize + rows.nbytes
+        hit = cached is not None and cached[0].any()
+        known = [*replies.values(), cached[1]] if hit else list(replies.values())
         if known:
             dim, dtype = known[0].shape[1], known[0].dtype
         else:  # no ids: the width comes from the config
             dim, dtype = self._dim(table), np.dtype(self._configs[table].dtype)
         out = np.empty((unique.shape[0], dim), dtype)
         at = np.arange(unique.shape[0]) if cached is None else np.flatnonzero(~cached[0])
-        for s, rows in enumerate(results):
-            if rows is not None:
-                put_rows(out, at[parts[s]], rows)
-        if cached is not None and cached[0].any():
+        for s, rows in replies.items():
+            put_rows(out, at[parts[s]], rows)
+        if hit:
             out[cached[0]] = cached[1]
         return (out if unique is flat else take_rows(out, inverse)).reshape(*ids.shape, dim)
 
-    def _lookup_call(self, s: int, table: str, ids: np.ndarray, training: bool) -> _ShardCall:
+    def _lookup_call(self, s: int, table: str, ids: np.ndarray, training: bool) -> Call:
         """The lookup of the rows of ``ids`` (all owned by task ``s``)."""
+        header, payload = embedding_plane.lookup_request(table, ids, not training)
 
-        def over_grpc(left: float) -> np.ndarray:
-            request = embedding_pb2.LookupRequest(
-                table=table, ids=codec.encode_tensor(ids), read_only=not training
-            )
-            reply = self._stubs[s]["Lookup"](request, timeout=left, metadata=self._metadata)
-            return codec.decode_tensor(reply.rows)
+        def over_grpc(left: float) -> np.ndarray:  # the same request, the ids' bytes inside
+            request = embedding_pb2.LookupRequest.FromString(header)
+            request.ids.CopyFrom(codec.encode_tensor(ids))
+            return codec.decode_tensor(self._stubs[s]["Lookup"](request, timeout=left).rows)
 
-        return _ShardCall(
-            s,
-            embedding_plane.LOOKUP,
-            ids.nbytes,
-            functools.partial(embedding_plane.lookup_request, table, ids, not training),
-            embedding_plane.rows_from_reply,
-            over_grpc,
-        )
+        read = embedding_plane.rows_from_reply
+        return Call(embedding_plane.LOOKUP, header, payload, ids.nbytes, read, over_grpc)
 
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
@@ -511,9 +375,9 @@ class EmbeddingClient(TableClient):
         request_ids: Callable[[int], tuple[str, int]] | None = None,
     ) -> Callable[[], list[int]]:
         """Sends gradient rows ``grads`` (``ids.shape + (dim,)``) to their shards
-        and returns without waiting: calling the result sends the last shard's
-        (every shard's without ``parallel``) from the calling thread, waits for
-        every shard and returns each one's step (-1 where it got no ids).
+        and returns without waiting: calling the result makes the gRPC call left
+        to it (every shard's without ``parallel``) from the calling thread, waits
+        for every shard and returns each one's step (-1 where it got no ids).
         ``optimizer`` (an update rule's config) binds a table created without
         one, or must match it.  ``request_ids(shard)`` gives each shard's request id (a PS session's
         :meth:`~psflow.distribute.ps.session.PSSession.request_id`, so a re-run
@@ -525,37 +389,22 @@ class EmbeddingClient(TableClient):
             NotFoundError: unknown table (from calling the result, as every
                 error a shard answers).
         """
-        flat = as_ids(ids)
-        grads = gradient_rows(ids, grads)
-        unique, inverse = unique_ids(flat)
-        if unique is flat:  # sorted unique already (a DynamicEmbedding's gradient)
-            summed = grads
-        elif unique.shape[0] != flat.shape[0]:
-            summed = sum_rows(grads, inverse, unique.shape[0])
-        else:
-            summed = np.empty_like(grads)
-            summed[inverse] = grads
-        parts = self._split(unique)
+        unique, summed = unique_gradients(ids, grads)
+        parts = self._split(unique, self.num_shards)
         optimizer_json = "" if optimizer is None else json.dumps(optimizer, sort_keys=True)
-        shards = [s for s in range(len(parts)) if parts[s].size]
-        # ids are taken here, in shard order, so a re-run draws the same ones
-        rids = {s: self._request_id(s, request_ids) for s in shards}
-        sent = 0
-
-        def calls() -> Iterator[tuple[int, _ShardCall]]:
-            nonlocal sent
-            for s in shards:  # each sent before the next shard's rows are gathered
+        calls = {}
+        for s in range(len(parts)):  # ids taken in shard order, so a re-run draws the same ones
+            if parts[s].size:
                 ids_s, grads_s = unique[parts[s]], take_rows(summed, parts[s])  # whole rows
-                sent += ids_s.nbytes + grads_s.nbytes
-                yield s, self._push_call(s, table, ids_s, grads_s, rids[s], optimizer_json)
-
-        started = self._fan_out(calls(), shards[-1] if shards else -1)
+                rid = self._ids() if request_ids is None else request_ids(s)
+                calls[s] = self._push_call(s, table, ids_s, grads_s, rid, optimizer_json)
+        started = self._fan_out(calls)
 
         def finish() -> list[int]:
             replies = gather(started)
             with self._lock:
                 self.bytes.pushes += 1
-                self.bytes.pushed += sent
+                self.bytes.pushed += sum(c.nbytes for c in calls.values())
             return [replies.get(s, -1) for s in range(len(parts))]
 
         return finish
@@ -568,78 +417,59 @@ class EmbeddingClient(TableClient):
         grads: np.ndarray,
         request_id: tuple[str, int],
         optimizer_json: str,
-    ) -> _ShardCall:
+    ) -> Call:
         """The push of gradient rows of ``ids`` (all owned by task ``s``); its value
         is the shard's step."""
-
-        def over_grpc(left: float) -> int:
-            request = embedding_pb2.PushGradientsRequest(
-                table=table,
-                ids=codec.encode_tensor(ids),
-                grads=codec.encode_tensor(grads),
-                request_id=ps_pb2.RequestId(client_id=request_id[0], sequence=request_id[1]),
-                optimizer_json=optimizer_json,
-            )
-            stub = self._stubs[s]["PushGradients"]
-            return stub(request, timeout=left, metadata=self._metadata).step
-
-        return _ShardCall(
-            s,
-            embedding_plane.PUSH,
-            ids.nbytes + grads.nbytes,
-            functools.partial(
-                embedding_plane.push_request, table, ids, grads, request_id, optimizer_json
-            ),
-            _push_step,
-            over_grpc,
+        header, payload = embedding_plane.push_request(
+            table, ids, grads, request_id, optimizer_json
         )
+
+        def over_grpc(left: float) -> int:  # the same request, the tensors' bytes inside
+            request = embedding_pb2.PushGradientsRequest.FromString(header)
+            request.ids.CopyFrom(codec.encode_tensor(ids))
+            request.grads.CopyFrom(codec.encode_tensor(grads))
+            return self._stubs[s]["PushGradients"](request, timeout=left).step
+
+        read, nbytes = embedding_plane.step_from_reply, ids.nbytes + grads.nbytes
+        return Call(embedding_plane.PUSH, header, payload, nbytes, read, over_grpc)
 
     def fetch_hot_rows(self, table: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``count`` busiest ids of each shard and their rows (concatenated)."""
-
-        def one(s: int) -> tuple[np.ndarray, np.ndarray]:
-            reply = self.call(s, "HotRows", embedding_pb2.HotRowsRequest(table=table, count=count))
-            ids, rows = codec.decode_tensor(reply.ids), codec.decode_tensor(reply.rows)
-            with self._lock:
-                self.bytes.pulled += ids.nbytes + rows.nbytes
-            return ids, rows
-
-        results = self.on_every_shard(one)
-        return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
+        replies = self._call_every(
+            "HotRows", embedding_pb2.HotRowsRequest(table=table, count=count)
+        )
+        ids = np.concatenate([codec.decode_tensor(r.ids) for r in replies])
+        rows = np.concatenate([codec.decode_tensor(r.rows) for r in replies])
+        with self._lock:
+            self.bytes.pulled += ids.nbytes + rows.nbytes
+        return ids, rows
 
     def stats(self) -> list[dict[str, TableStats]]:
         """Every shard's table counters, in task order."""
-
-        def one(s: int) -> dict[str, TableStats]:
-            reply = self.call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
-            fields = [f.name for f in dataclasses.fields(TableStats)]
-            return {t.table: TableStats(**{f: getattr(t, f) for f in fields}) for t in reply.tables}
-
-        return self.on_every_shard(one)
+        fields = [f.name for f in dataclasses.fields(TableStats)]
+        return [
+            {t.table: TableStats(**{f: getattr(t, f) for f in fields}) for t in reply.tables}
+            for reply in self._call_every("GetTableStats", embedding_pb2.GetTableStatsRequest())
+        ]
 
     def server_bytes(self) -> list[tuple[int, int]]:
         """``(bytes in, bytes out)`` of every task's Lookup and PushGradients calls
         (serialized messages), in task order."""
-
-        def one(s: int) -> tuple[int, int]:
-            reply = self.call(s, "GetTableStats", embedding_pb2.GetTableStatsRequest())
-            return reply.bytes_in, reply.bytes_out
-
-        return self.on_every_shard(one)
+        replies = self._call_every("GetTableStats", embedding_pb2.GetTableStatsRequest())
+        return [(r.bytes_in, r.bytes_out) for r in replies]
 
     def save(self, directory: str) -> list[str]:
         """Every task writes its tables into ``directory``; returns the files."""
         request = embedding_pb2.SaveTablesRequest(directory=directory)
-        return [r.path for r in self.on_every_shard(lambda s: self.call(s, "SaveTables", request))]
+        return [r.path for r in self._call_every("SaveTables", request)]
 
     def restore(self, directory: str) -> int:
         """Every task restores the ids it owns now from all table files in
         ``directory`` (written by any number of tasks); returns the rows restored."""
-
-        def one(s: int) -> int:
-            request = embedding_pb2.RestoreTablesRequest(
+        replies = self._call_every(
+            "RestoreTables",
+            lambda s: embedding_pb2.RestoreTablesRequest(
                 directory=directory, shard_index=s, num_shards=self.num_shards
-            )
-            return self.call(s, "RestoreTables", request).rows
-
-        return sum(self.on_every_shard(one))
+            ),
+        )
+        return sum(r.rows for r in replies)

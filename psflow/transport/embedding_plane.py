@@ -37,6 +37,7 @@ __all__ = [
     "parse",
     "push_request",
     "rows_from_reply",
+    "step_from_reply",
     "spec",
     "split_payload",
 ]
@@ -120,12 +121,17 @@ def push_request(
     return header.SerializeToString(), [framing.byte_view(ids), framing.byte_view(grads)]
 
 
-def rows_from_reply(header: bytes, payload: memoryview) -> np.ndarray:
-    """The rows a lookup's reply carries.
+def rows_from_reply(reply: tuple[bytes, memoryview]) -> np.ndarray:
+    """The rows a lookup's reply (header, payload) carries.
 
     Raises:
         InvalidArgumentError: a malformed reply.
     """
-    reply = parse(header, embedding_pb2.LookupResponse)
-    (rows,) = split_payload(payload, [(reply.rows, "rows")])
+    header = parse(reply[0], embedding_pb2.LookupResponse)
+    (rows,) = split_payload(reply[1], [(header.rows, "rows")])
     return rows
+
+
+def step_from_reply(reply: tuple[bytes, memoryview]) -> int:
+    """The step a push's reply (header, payload) reports."""
+    return parse(reply[0], embedding_pb2.PushGradientsResponse).step

@@ -3,7 +3,8 @@
 :class:`Started` is the one type for "a call sent whose reply is read later"
 in every client (the data plane's sent frames, :class:`~psflow.transport.PSClient`'s
 started pushes and pulls, the table client's shard calls, the session's
-fan-out); :func:`gather` reads a fan-out's calls under one rule.
+fan-out); :func:`fan_out` starts a fan-out's calls and :func:`gather` reads
+them under one rule.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any, TypeVar
 
 from psflow.errors import InvalidArgumentError
 
-__all__ = ["Started", "gather", "settle"]
+__all__ = ["Started", "fan_out", "gather", "settle"]
 
 K = TypeVar("K")
+Errors = type[BaseException] | tuple[type[BaseException], ...]
 
 
 class Started:
@@ -30,8 +32,8 @@ class Started:
     Example:
         >>> Started.done(3).result()
         3
-        >>> Started(lambda: 2).then(lambda v: v * 10).result()
-        20
+        >>> Started(lambda: 2).result()
+        2
     """
 
     __slots__ = ("_on_cancel", "_read", "_what")
@@ -72,35 +74,11 @@ class Started:
         if on_cancel is not None:
             on_cancel()
 
-    def _take(self) -> tuple[Callable[[], Any], Callable[[], None] | None]:
-        """This call's read and cancel hooks, handed over: it is spent."""
-        read, on_cancel = self._read, self._on_cancel
-        if read is None:
-            raise InvalidArgumentError(f"the reply of {self._what} was read or given up already")
-        self._read, self._on_cancel = None, None
-        return read, on_cancel
 
-    def then(self, fn: Callable[[Any], Any]) -> Started:
-        """This call as one whose result is ``fn`` of its value (this one is spent)."""
-        read, on_cancel = self._take()
-        return Started(lambda: fn(read()), on_cancel, self._what)
-
-    def recover(self, errors: type | tuple[type, ...], fn: Callable[[Any], Any]) -> Started:
-        """This call as one whose result is ``fn(error)`` where it raised one of
-        ``errors`` (this one is spent)."""
-        read, on_cancel = self._take()
-
-        def recovering() -> Any:
-            try:
-                return read()
-            except errors as e:
-                return fn(e)
-
-        return Started(recovering, on_cancel, self._what)
-
-
-def gather(calls: Mapping[K, Started]) -> dict[K, Any]:
+def gather(calls: Mapping[K, Started], as_value: Errors = ()) -> dict[K, Any]:
     """Every call's result, read in order; the fan-out's one failure rule.
+    An error of a class in ``as_value`` is that call's result instead (a
+    redirect its caller follows), never a failure.
 
     **Every call runs to its end before an error propagates, and the error is
     the first in the calls' order.**  Nothing is cancelled: a push given up
@@ -116,6 +94,8 @@ def gather(calls: Mapping[K, Started]) -> dict[K, Any]:
     for key, call in calls.items():
         try:
             out[key] = call.result()
+        except as_value as e:
+            out[key] = e
         except BaseException as e:
             error = error or e
     if error is not None:
@@ -130,3 +110,36 @@ def settle(calls: Iterable[Started]) -> None:
     for call in calls:
         with contextlib.suppress(Exception):
             call.result()
+
+
+def fan_out(
+    starts: Mapping[K, Callable[[], Started | None]],
+    work: Mapping[K, Callable[[], Any]],
+    pool: concurrent.futures.Executor | None,
+) -> dict[K, Started]:
+    """One call per key of ``work``, started; read them with :func:`gather`.
+
+    ``starts[k]()``, where given, sends ``k``'s call now and returns it
+    started, or None (``work[k]`` makes it then): every such call is sent
+    before any reply is read, with no thread hand-off.  The rest run on
+    ``pool``, except the first, left to the thread that reads the calls (one
+    hand-off fewer); without a pool every one is left to it, one after
+    another.  A start that raises lets the calls sent before it finish first.
+    """
+    calls: dict[K, Started] = {}
+    for key, start in starts.items():
+        try:
+            call = start()
+        except BaseException:
+            settle(calls.values())  # the ones sent finish first
+            raise
+        if call is not None:
+            calls[key] = call
+    rest = [key for key in work if key not in calls]
+    made = {
+        key: Started(work[key])
+        if pool is None or n == 0
+        else Started.pooled(pool.submit(work[key]))
+        for n, key in enumerate(rest)
+    }
+    return {**made, **calls}  # the inline one first: read while the pooled ones run

@@ -156,8 +156,7 @@ class GrpcPSConnection(PSConnection):
         pulled = self._pull_shm(names) if self._shm else None
         if pulled is not None:
             return Started.done(pulled)
-        started = self.client.start_pull(list(names))
-        return None if started is None else started.then(lambda got: list(zip(*got)))
+        return self.client.start_pull(list(names))
 
     def start_push(self, grads: Sequence[Gradient], context: PushContext) -> Started | None:
         """Sends a push on the data plane now and returns it started (its
@@ -167,13 +166,13 @@ class GrpcPSConnection(PSConnection):
         if self.compression is not None or self.client.data_plane_address is None:
             return None
         if not self._shm:
-            return self.client.start_push_gradients(grads, context)
+            return self.client.start_push(grads, context=context)
         # the payload segment is this push's from the write until the PS answered
         self._shm_lock.acquire()
         try:
             if self._payload is None:
                 self._payload = shm.PayloadBuffer()
-            started = self.client.start_push_gradients(grads, context, shm_buffer=self._payload)
+            started = self.client.start_push(grads, context=context, shm_buffer=self._payload)
         except BaseException:
             self._shm_lock.release()
             raise
@@ -203,7 +202,7 @@ class GrpcPSConnection(PSConnection):
         applied nothing."""
         log.info("%s: pushes go over gRPC (%s)", self.task, e)
         self._shm = False
-        return self.client.push_gradients(grads, context)
+        return self.client.push(grads, context=context)
 
     def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
         ef = self.compression
@@ -215,12 +214,12 @@ class GrpcPSConnection(PSConnection):
                 for g in grads
             ]
         if not self._shm:
-            return self.client.push_gradients(grads, context)
+            return self.client.push(grads, context=context)
         with self._shm_lock:  # one payload segment: one push at a time through it
             if self._payload is None:
                 self._payload = shm.PayloadBuffer()
             try:
-                return self.client.push_gradients(grads, context, shm_buffer=self._payload)
+                return self.client.push(grads, context=context, shm_buffer=self._payload)
             except errors.UnimplementedError as e:
                 return self._segment_unreachable(e, grads, context)
 

@@ -21,6 +21,7 @@ from typing import Any
 from psflow import errors
 from psflow.distribute.ps.connection import PSConnection
 from psflow.distribute.ps.placement import PlacementMap
+from psflow.transport.started import fan_out, gather
 
 __all__ = ["MAX_EXTRA_REDIRECTS", "Routing"]
 
@@ -46,13 +47,6 @@ class Routing:
     _handles: dict[str, Any]
     _handles_lock: threading.Lock
     _pool: Any
-
-    def _on_each(
-        self,
-        work: dict[int, Callable[[], Any]],
-        starts: dict[int, Callable[[], Any]] | None = None,
-    ) -> dict[int, Any]:
-        raise NotImplementedError  # the session's
 
     def _invalidate(self) -> None:
         raise NotImplementedError  # the session's
@@ -214,7 +208,7 @@ class Routing:
         """Runs ``call(ps, handles_there, attempt)`` once per owning task, following redirects.
 
         ``start(ps, handles_there, attempt)``, where given, sends that call now
-        and returns it started, or None (see ``_on_each``).
+        and returns it started, or None (see :func:`~psflow.transport.started.fan_out`).
 
         A task that answers ``MovedError`` applied nothing of that call: its
         handles are regrouped by the updated map and sent again (``attempt``
@@ -229,20 +223,14 @@ class Routing:
             by_ps: dict[int, list[Any]] = {}
             for h in pending:
                 by_ps.setdefault(h.ps_index, []).append(h)
-            work = {
-                ps: functools.partial(_moved_as_value, call, ps, hs, attempt)
-                for ps, hs in by_ps.items()
-            }
-            starts = (
-                None
-                if start is None
-                else {
-                    ps: functools.partial(_started_moved_as_value, start, ps, hs, attempt)
-                    for ps, hs in by_ps.items()
-                }
-            )
+            work = {ps: functools.partial(call, ps, hs, attempt) for ps, hs in by_ps.items()}
+            starts = {}
+            if start is not None:
+                starts = {ps: functools.partial(start, ps, hs, attempt) for ps, hs in by_ps.items()}
             pending = []
-            for ps, result in self._on_each(work, starts).items():
+            # a redirect is a value, so the other tasks' calls finish
+            calls = fan_out(starts, work, self._pool)
+            for ps, result in gather(calls, errors.MovedError).items():
                 if isinstance(result, errors.MovedError):
                     self._learn(result)
                     pending += by_ps[ps]
@@ -254,17 +242,3 @@ class Routing:
             f"{self.task}: {[h.key for h in pending][:5]} kept being redirected "
             f"({len(handles) + MAX_EXTRA_REDIRECTS} attempts)"
         )
-
-
-def _moved_as_value(call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``, with a redirect returned instead of raised (so others finish)."""
-    try:
-        return call(*args)
-    except errors.MovedError as e:
-        return e
-
-
-def _started_moved_as_value(start: Callable[..., Any], *args: Any) -> Any:
-    """``start(*args)``, its result giving a redirect back instead of raising it."""
-    started = start(*args)
-    return None if started is None else started.recover(errors.MovedError, lambda e: e)

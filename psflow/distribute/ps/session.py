@@ -38,7 +38,7 @@ from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
-from psflow.transport.started import Started, gather, settle
+from psflow.transport.started import fan_out, gather
 
 PREFETCH_LIMIT_BYTES = 16 << 20
 MAX_SCOPES = 64
@@ -226,38 +226,12 @@ class PSSession(UpdateGroup, Routing):
             self._seq["push"] = itertools.count(1)
         return (f"{self.client_id}/push", next(self._seq["push"]))
 
-    def _on_each(
-        self,
-        work: dict[int, Callable[[], Any]],
-        starts: dict[int, Callable[[], Any]] | None = None,
-    ) -> dict[int, Any]:
-        """Runs one call per PS task, concurrently when there are several.
-
-        ``starts[ps]()``, where given, sends task ``ps``'s call now and returns
-        it started (its ``result()`` reads the reply), or None (``work[ps]``
-        makes it then): every started call is sent before any reply is read,
-        with no thread hand-off for them.  The rest run on the call pool, the
-        first of them on this thread (one hand-off fewer).  Failures follow
+    def _on_each(self, work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+        """Runs one call per PS task, concurrently when there are several (the
+        pool's; the first on this thread), under
         :func:`~psflow.transport.started.gather`'s rule: every call finishes
-        before the first error propagates.
-        """
-        calls: dict[int, Started] = {}
-        for ps, start in (starts or {}).items():
-            try:
-                call = start()
-            except BaseException:
-                settle(calls.values())  # the ones sent finish first
-                raise
-            if call is not None:
-                calls[ps] = call
-        rest = [ps for ps in work if ps not in calls]
-        pool = self._pool if len(rest) > 1 else None
-        first = {} if not rest else {rest[0]: Started(work[rest[0]])}
-        pooled = (
-            {} if pool is None else {ps: Started.pooled(pool.submit(work[ps])) for ps in rest[1:]}
-        )
-        inline = {} if pool is not None else {ps: Started(work[ps]) for ps in rest[1:]}
-        out = gather({**first, **pooled, **inline, **calls})
+        before the first error propagates."""
+        out = gather(fan_out({}, work, self._pool))
         return {ps: out[ps] for ps in work}
 
     def close(self) -> None:
