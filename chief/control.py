@@ -1,18 +1,22 @@
-"""The control directory of an elastic ``psflow local`` run (``--ps-max``).
+"""The control directory of an elastic ``psflow local`` run (``--ps-max``, ``--workers-max``).
 
-``psflow local --ps-max N`` keeps, in one directory (``--cluster-dir``, by
-default ``<tmp>/psflow-<uid>/local``, so that ``psflow scale`` finds it
-without options, as ``tmux`` finds its server):
+``psflow local --ps-max N`` (or ``--mode multi-worker --elastic --workers-max
+N``) keeps, in one directory (``--cluster-dir``, by default
+``<tmp>/psflow-<uid>/local``, so that ``psflow scale`` finds it without
+options, as ``tmux`` finds its server):
 
 * ``state.json`` - the launcher's pid, ``ps_max``, the current number of
-  parameter servers and the cluster file's path; written atomically after
+  parameter servers and the cluster file's path (a multi-worker launcher:
+  ``workers_max`` and ``num_workers`` instead); written atomically after
   every change, removed when the launcher exits;
 * ``cluster.json`` - the cluster view the chief's resolver reads
   (:class:`psflow.distribute.cluster_resolver.ClusterFileResolver`);
-* ``requests/<id>.json`` - one per ``psflow scale`` call (``{"id", "num_ps"}``),
-  taken by the launcher in the order they were written;
+* ``requests/<id>.json`` - one per ``psflow scale`` call (``{"id", "num_ps"}``
+  or ``{"id", "num_workers"}``), taken by the launcher in the order they were
+  written;
 * ``results/<id>.json`` - the launcher's answer (``{"id", "ok", "message",
-  "num_ps"}``), read and removed by the caller who wrote the request.
+  "num_ps"}``, or ``"num_workers"``), read and removed by the caller who wrote
+  the request.
 
 Every file is written to a temporary name and renamed, so a reader never sees
 half of one.  The directory is the user's own (mode 0700): whoever can write
@@ -85,6 +89,13 @@ class LauncherState:
     ps_max: int
     num_ps: int
     cluster_file: str
+    workers_max: int = 0
+    num_workers: int = 0
+
+    @property
+    def role(self) -> str:
+        """``"worker"`` for a multi-worker launcher (it scales workers), else ``"ps"``."""
+        return "worker" if self.workers_max else "ps"
 
     @classmethod
     def from_json(cls, data: Any, path: str) -> LauncherState:
@@ -97,7 +108,7 @@ class LauncherState:
             raise InvalidArgumentError(f"{path} must hold a JSON object, not {data!r}")
         values = {}
         for field in dataclasses.fields(cls):
-            value = data.get(field.name)
+            value = data.get(field.name, field.default)
             expected = str if field.name == "cluster_file" else int
             if isinstance(value, bool) or not isinstance(value, expected):
                 raise InvalidArgumentError(f"{path}: {field.name} {value!r} is not a {expected}")
@@ -184,14 +195,15 @@ class ControlDir:
             os.rmdir(self.path)
 
     # -- requests and results -----------------------------------------------------------
-    def put_request(self, request_id: str, num_ps: int) -> None:
-        """Writes a scale request."""
-        write_json(self.file(f"{REQUESTS}/{request_id}.json"), {"id": request_id, "num_ps": num_ps})
+    def put_request(self, request_id: str, count: int, key: str = "num_ps") -> None:
+        """Writes a scale request (``key``: ``num_ps`` or ``num_workers``)."""
+        write_json(self.file(f"{REQUESTS}/{request_id}.json"), {"id": request_id, key: count})
 
-    def next_request(self) -> tuple[str, Any] | None:
-        """The oldest request as ``(id, num_ps)``, removed from the folder; None when there is none.
+    def next_request(self, key: str = "num_ps") -> tuple[str, Any] | None:
+        """The oldest request as ``(id, count)``, removed from the folder; None when there is none.
 
-        A malformed request is answered with an error and dropped.
+        A malformed request (or one for another ``key``) comes with count None:
+        the launcher answers it with an error.
         """
         folder = self.file(REQUESTS)
         try:
@@ -216,14 +228,16 @@ class ControlDir:
             data = {"error": str(e)}
         with contextlib.suppress(OSError):
             os.unlink(path)
-        num_ps = data.get("num_ps") if isinstance(data, dict) else None
-        return request_id, num_ps
+        count = data.get(key) if isinstance(data, dict) else None
+        return request_id, count
 
-    def put_result(self, request_id: str, ok: bool, message: str, num_ps: int) -> None:
+    def put_result(
+        self, request_id: str, ok: bool, message: str, count: int, key: str = "num_ps"
+    ) -> None:
         """Answers request ``request_id``."""
         write_json(
             self.file(f"{RESULTS}/{request_id}.json"),
-            {"id": request_id, "ok": ok, "message": message, "num_ps": num_ps},
+            {"id": request_id, "ok": ok, "message": message, key: count},
         )
 
     def take_result(self, request_id: str) -> dict | None:

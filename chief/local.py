@@ -922,8 +922,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cluster-dir",
         metavar="DIR",
-        help="with --ps-max: the control directory psflow scale finds the cluster in "
-        "(default: a per-user one under the temporary directory)",
+        help="with --ps-max or --workers-max: the control directory psflow scale finds the "
+        "cluster in (default: a per-user one under the temporary directory)",
     )
     p.add_argument(
         "--drain-timeout",
@@ -967,6 +967,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --mode multi-worker: a worker that fails or drains is left behind and the "
         "others go on (the script's strategy needs ElasticOptions)",
+    )
+    p.add_argument(
+        "--workers-max",
+        type=int,
+        metavar="N",
+        help="with --mode multi-worker --elastic: reserve N worker slots; `psflow scale "
+        "--workers K` starts workers (the group admits them) or drains the highest ones",
     )
     p.add_argument(
         "--max-restarts",
@@ -1088,6 +1095,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         sys.stderr.write("psflow local: --ps N is required (or --mode multi-worker)\n")
         return int(ExitCode.USAGE_ERROR)
+    if args.workers_max is not None:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write("psflow local: --workers-max needs --mode multi-worker --elastic\n")
+        return int(ExitCode.USAGE_ERROR)
     try:
         config = LocalClusterConfig(
             num_ps=args.ps,
@@ -1140,6 +1151,8 @@ def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, targe
             grace=args.grace,
             restart=RestartPolicy(RestartMode.parse(args.restart), args.max_restarts),
             elastic=args.elastic,
+            workers_max=args.workers_max,
+            cluster_dir=args.cluster_dir,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

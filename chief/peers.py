@@ -22,7 +22,13 @@ and the launcher exits ``128 + signal``.
 
 With ``--elastic`` (scripts whose strategy has ``ElasticOptions``) a worker
 that fails or drains is only reported: the others go on without it, and the
-launcher's status is that of the last worker to exit.
+launcher's status is that of the last worker to exit.  ``--workers-max N``
+reserves N ports and a control directory (:mod:`chief.control`): ``psflow
+scale --workers K`` starts workers (each with a ``TF_CONFIG`` listing the
+workers up to itself; the group admits it at a step boundary) or sends the
+highest-numbered ones SIGTERM (each drains at the next step boundary).  Every
+worker gets ``PSFLOW_ELASTIC_MAX_WORKERS=N``, the bound of an
+``ElasticOptions`` without ``max_workers``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 
+from chief.control import ControlDir, LauncherState, default_cluster_dir
 from chief.local import (
     gpu_ids,
     host_port,
@@ -47,6 +54,8 @@ from chief.restart import RestartBook, RestartPolicy
 from chief.script import Target
 from chief.supervisor import RoleProcess, Supervisor, shell_status
 from chief.thread_plan import plan_threads
+from psflow.distribute.elastic.options import MAX_WORKERS_ENV
+from psflow.errors import InvalidArgumentError
 from psflow.security.config import with_generated_token
 from psflow.thread_budget import available_cores
 
@@ -89,6 +98,8 @@ def run_peers(
     restart: RestartPolicy | None = None,
     environ: Mapping[str, str] | None = None,
     elastic: bool = False,
+    workers_max: int | None = None,
+    cluster_dir: str | None = None,
 ) -> int:
     """Runs ``num_workers`` peers of ``target``; returns the launcher's exit status.
 
@@ -97,14 +108,27 @@ def run_peers(
     collective group cannot go on without a member, so it restarts whole
     (as TensorFlow requires); ``BackupAndRestore`` resumes training.
 
+    ``workers_max`` (with ``elastic``): see the module docstring; ``cluster_dir``
+    is its control directory.
+
     Raises:
-        InvalidArgumentError: see :func:`chief.local.worker_device_env`.
+        InvalidArgumentError: see :func:`chief.local.worker_device_env`; ``workers_max``
+            below ``num_workers`` or without ``elastic``.
         UnavailableError: a port from ``port_base`` is taken.
     """
+    slots = num_workers
+    if workers_max is not None:
+        if not elastic or workers_max < num_workers:
+            raise InvalidArgumentError(
+                f"--workers-max {workers_max} needs --elastic and at least --workers {num_workers}"
+            )
+        slots = workers_max
     base_env = with_generated_token(os.environ if environ is None else environ)
-    ports = pick_ports(num_workers, host, port_base)
+    if workers_max is not None:
+        base_env = {**base_env, MAX_WORKERS_ENV: str(workers_max)}
+    ports = pick_ports(slots, host, port_base)
     cluster = worker_cluster(num_workers, host, ports)
-    devices = worker_device_env(devices_per_worker, num_workers, gpu_ids(base_env))
+    devices = worker_device_env(devices_per_worker, slots, gpu_ids(base_env))
     # N peers share the cores, none a PS (a group of "N - 1 workers and a chief" to the plan)
     threads = plan_threads(0, num_workers - 1, None, base_env, cores=available_cores())
     log.info(
@@ -117,37 +141,115 @@ def run_peers(
         {
             **threads.env("worker"),
             **base_env,
-            "TF_CONFIG": tf_config(cluster, "worker", i),
+            # a worker beyond the starting ones lists the workers up to itself
+            "TF_CONFIG": tf_config(
+                worker_cluster(max(num_workers, i + 1), host, ports), "worker", i
+            ),
             **devices[i],
             "PYTHONUNBUFFERED": "1",
         }
-        for i in range(num_workers)
+        for i in range(slots)
     ]
     argv = [sys.executable, *target.argv, *target.args]
     book = RestartBook(restart or RestartPolicy())
     received: list[int] = []
+    control = None
+    if workers_max is not None:
+        control = ControlDir(cluster_dir or default_cluster_dir())
+        control.create()
+        log.info(
+            "elastic workers: %d of up to %d running; control directory %s "
+            "(psflow scale --workers K)",
+            num_workers,
+            workers_max,
+            control.path,
+        )
     with _signals_noted(received):
         log.info("%d workers of %s on %s", num_workers, target, ", ".join(cluster["worker"]))
-        while True:
-            status = _run_group(argv, envs, grace, received, elastic)
-            if received:
-                return 128 + received[0]
-            delay = book.next_delay("group", status, is_chief=False)
-            if delay is None:
-                return status
-            log.warning(
-                "the workers failed (status %d): restarting all of them in their slots "
-                "(restart %d of %d) in %.1fs",
-                status,
-                book.used("group"),
-                book.policy.max_restarts,
-                delay,
-            )
-            deadline = time.monotonic() + delay
-            while time.monotonic() < deadline and not received:
-                time.sleep(0.05)
-            if received:
-                return 128 + received[0]
+        try:
+            while True:
+                status = _run_group(
+                    argv, envs[:num_workers], grace, received, elastic, control, envs
+                )
+                if received:
+                    return 128 + received[0]
+                delay = book.next_delay("group", status, is_chief=False)
+                if delay is None:
+                    return status
+                log.warning(
+                    "the workers failed (status %d): restarting all of them in their slots "
+                    "(restart %d of %d) in %.1fs",
+                    status,
+                    book.used("group"),
+                    book.policy.max_restarts,
+                    delay,
+                )
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline and not received:
+                    time.sleep(0.05)
+                if received:
+                    return 128 + received[0]
+        finally:
+            if control is not None:
+                control.remove()
+
+
+class _WorkerScaler:
+    """Answers ``psflow scale --workers K`` for a running elastic group (module docstring)."""
+
+    def __init__(
+        self,
+        control: ControlDir,
+        supervisor: Supervisor,
+        argv: list[str],
+        envs: list[dict[str, str]],
+    ) -> None:
+        self.control, self.supervisor = control, supervisor
+        self.argv, self.envs = argv, envs
+        self.publish()
+
+    def running(self) -> dict[int, RoleProcess]:
+        """The live workers by id."""
+        return {int(r.name.split(":")[1]): r for r in self.supervisor.roles if r.running}
+
+    def publish(self) -> None:
+        """Writes the launcher's state (the workers running now)."""
+        count = len(self.running())
+        self.control.write_state(LauncherState(os.getpid(), 0, 0, "", len(self.envs), count))
+
+    def poll(self) -> None:
+        """Takes one queued request, if any, and acts on it."""
+        taken = self.control.next_request("num_workers")
+        if taken is None:
+            return
+        request_id, wanted = taken
+        running = self.running()
+        if isinstance(wanted, bool) or not isinstance(wanted, int):
+            message = f"bad request: num_workers {wanted!r}"
+            self.control.put_result(request_id, False, message, len(running), "num_workers")
+            return
+        if not 1 <= wanted <= len(self.envs):
+            message = f"--workers {wanted} is not within 1..{len(self.envs)}"
+            self.control.put_result(request_id, False, message, len(running), "num_workers")
+            return
+        if wanted > len(running):
+            free = [i for i in range(len(self.envs)) if i not in running]
+            added = free[: wanted - len(running)]
+            for i in added:
+                self.supervisor.start(f"worker:{i}", self.argv, self.envs[i])
+            names = ", ".join(f"worker:{i}" for i in added)
+            message = f"started {names}: the group admits it at a step boundary"
+        elif wanted < len(running):
+            leaving = sorted(running)[wanted:]
+            for i in leaving:
+                running[i].signal_group(signal.SIGTERM)
+            names = ", ".join(f"worker:{i}" for i in leaving)
+            message = f"asked {names} to drain: it leaves at the next step boundary"
+        else:
+            message = f"already {wanted} workers"
+        log.info("psflow scale: %s", message)
+        self.control.put_result(request_id, True, message, wanted, "num_workers")
+        self.publish()
 
 
 def _run_group(
@@ -156,10 +258,14 @@ def _run_group(
     grace: float,
     received: list[int],
     elastic: bool = False,
+    control: ControlDir | None = None,
+    slots: list[dict[str, str]] | None = None,
 ) -> int:
     """Runs one generation of the workers; returns the first failure's status (0: none).
 
     ``elastic``: a failed worker is left behind; the status is the last exit's.
+    ``control``: requests of ``psflow scale --workers`` start workers of
+    ``slots`` (the environment of every reserved worker slot) or drain them.
     """
     supervisor = Supervisor()
     first_failure: RoleProcess | None = None
@@ -168,7 +274,12 @@ def _run_group(
     try:
         for i, env in enumerate(envs):
             supervisor.start(f"worker:{i}", argv, env)
+        scaler = None
+        if control is not None and slots is not None:
+            scaler = _WorkerScaler(control, supervisor, argv, slots)
         while any(r.running for r in supervisor.roles):
+            if scaler is not None:
+                scaler.poll()
             if received:
                 log.warning("signal %d: stopping the workers", received[0])
                 supervisor.stop(grace, escalate=lambda: len(received) > 1)
@@ -183,6 +294,8 @@ def _run_group(
                     continue
                 if status and first_failure is None:
                     first_failure, failed_at = role, time.monotonic()
+                if scaler is not None:
+                    scaler.publish()
             if first_failure is not None and time.monotonic() - failed_at > grace:
                 log.warning("%s failed; stopping the others", first_failure.name)
                 break

@@ -10,6 +10,13 @@ interrupted step and finish both epochs; every example is trained once per
 epoch (the per-replica batch is kept, so the global batch shrinks from 24 to
 16 examples).  ``kill -TERM`` a worker instead to drain it at the next step.
 Without ``TF_CONFIG`` it trains alone.
+
+Grow and shrink the group while it trains (the launcher reserves the slots)::
+
+    psflow local --mode multi-worker --workers 2 --elastic --workers-max 3 \
+        examples/multi_worker_elastic.py --step-sleep 0.5 &
+    psflow scale --workers 3    # worker:2 starts and is admitted at a step boundary
+    psflow scale --workers 2    # worker:2 drains at the next step boundary
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -31,6 +39,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kill-rank", type=int, default=-1, help="this worker dies (SIGKILL)")
     parser.add_argument("--kill-step", type=int, default=5, help="... at this step")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
     args = parser.parse_args()
 
     strategy = pf.distribute.MultiWorkerMirroredStrategy(
@@ -38,7 +47,11 @@ def main() -> None:
     )
     task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
     rank = task.get("index", 0)
-    global_batch = PER_REPLICA * strategy.num_replicas_in_sync
+    # the batch of the group as it started (a worker that joined later cuts the same one)
+    starting = strategy.num_replicas_in_sync
+    if strategy.elastic is not None:
+        starting = strategy.elastic.initial_replicas
+    global_batch = PER_REPLICA * starting
     print(f"worker {rank}: {strategy.num_replicas_in_sync} replicas, global batch {global_batch}")
 
     rng = np.random.default_rng(0)
@@ -73,13 +86,15 @@ def main() -> None:
     dataset = pf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
     dist = strategy.experimental_distribute_dataset(dataset)
     step = 0
-    for epoch in range(args.epochs):
+    # a worker that joined a running group starts in the group's epoch
+    for epoch in range(elastic.initial_epoch if elastic is not None else 0, args.epochs):
         total = 0.0
         for batch in dist:
             if rank == args.kill_rank and step == args.kill_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             total += float(strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), None))
             step = elastic.completed + 1 if elastic is not None else step + 1
+            time.sleep(args.step_sleep)
         print(f"worker {rank}: epoch {epoch}: loss sum {total:.4f}, {step} steps so far")
     checksum = sum(float(np.abs(w).sum()) for w in model.get_weights())
     print(f"worker {rank}: weights checksum {checksum:.6f}")

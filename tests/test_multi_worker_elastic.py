@@ -577,3 +577,54 @@ def test_psflow_local_elastic_keeps_the_survivors_of_a_killed_worker(tmp_path):
     )
     sums = {ln.split("weights checksum ")[1] for ln in lines if "weights checksum" in ln}
     assert len(sums) == 1, lines
+
+
+def _wait_for(path: pathlib.Path, text: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in path.read_text(errors="replace"):
+        assert time.monotonic() < deadline and proc.poll() is None, path.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+def _scale(cluster_dir: pathlib.Path, workers: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chief.scale", "--workers", str(workers),
+         "--cluster-dir", str(cluster_dir), "--timeout", "30"],
+        env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_psflow_scale_adds_a_worker_to_a_running_group_and_drains_it(tmp_path):
+    """psflow local --workers-max: psflow scale --workers starts a worker that the group
+    admits, then drains it (SIGTERM, exit 0); a count above the maximum changes nothing."""
+    control, log = tmp_path / "control", tmp_path / "local.log"
+    with open(log, "wb") as f:
+        launcher = subprocess.Popen(
+            [
+                sys.executable, "-m", "chief.local", "--mode", "multi-worker", "--workers", "2",
+                "--elastic", "--workers-max", "3", "--cluster-dir", str(control),
+                str(ROOT / "examples" / "multi_worker_elastic.py"),
+                "--epochs", "3", "--step-sleep", "0.5",
+            ],
+            env=child_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        _wait_for(log, "[worker:1] worker 1: 2 replicas", launcher, 60)
+        over = _scale(control, 4)
+        assert over.returncode == 2 and "above the cluster's --workers-max 3" in over.stderr
+        up = _scale(control, 3)
+        assert up.returncode == 0 and "started worker:2" in up.stdout, up.stdout + up.stderr
+        _wait_for(log, "generation 1: members [0, 1, 2] (joined), 3 replicas", launcher, 90)
+        down = _scale(control, 2)
+        assert down.returncode == 0 and "asked worker:2 to drain" in down.stdout, down.stderr
+        assert launcher.wait(180) == 0, log.read_text()[-4000:]
+    finally:
+        _reap([launcher])
+    text = log.read_text(errors="replace")
+    assert "worker:2 exited with status 0" in text, text[-4000:]
+    assert "[worker:2] worker 2: 3 replicas, global batch 16" in text  # the group's batch
+    for rank in (0, 1):
+        assert f"[worker:{rank}] worker {rank}: generation 2: members [0, 1] (drained)" in text
+    sums = {ln.split("weights checksum ")[1] for ln in text.splitlines() if "checksum" in ln}
+    assert len(sums) == 1, text[-4000:]
+    assert not control.exists()  # the launcher removed its control directory

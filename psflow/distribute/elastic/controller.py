@@ -150,6 +150,7 @@ class ElasticController:
         self.draining = False
         self.initial_epoch = 0
         self.initial_workers = len(view.addresses)  # a joiner learns the group's on admission
+        self.max_workers = options.most_workers(len(view.addresses))
         self._start: Position | None = None  # a joiner's first position, for its first iterator
         self.door.set_generation(view.generation, view.members, view.addresses)
         self._install_drain_handler()
@@ -274,7 +275,7 @@ class ElasticController:
     def _admissions(self) -> dict[int, tuple[Any, str]]:
         """Rank 0: the queued requests to join this generation that fit under max_workers
         (each with the address the worker gave)."""
-        room = (self.options.max_workers or len(self.view.addresses)) - len(self.view.members)
+        room = self.max_workers - len(self.view.members)
         admitted: dict[int, tuple[Any, str]] = {}
         for stream, message in self.door.take_admits():
             member = message["id"]
@@ -291,7 +292,7 @@ class ElasticController:
                     stream,
                     errors.Code.RESOURCE_EXHAUSTED,
                     f"worker:{member} cannot join: members {list(self.view.members)}, "
-                    f"max_workers {self.options.max_workers or len(self.view.addresses)}",
+                    f"max_workers {self.max_workers}",
                 )
             elif known is None and not _is_address(address):
                 error_frame(

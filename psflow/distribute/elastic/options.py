@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import signal
+from collections.abc import Mapping
 
 from psflow import errors
 
-__all__ = ["BatchPolicy", "ElasticOptions", "MembershipChange"]
+__all__ = ["MAX_WORKERS_ENV", "BatchPolicy", "ElasticOptions", "MembershipChange"]
+
+MAX_WORKERS_ENV = "PSFLOW_ELASTIC_MAX_WORKERS"
+"""The launcher's bound on an elastic group (``psflow local --workers-max``)."""
 
 
 class BatchPolicy(enum.Enum):
@@ -36,7 +41,9 @@ class ElasticOptions:
         min_workers: fewer members than this after a change is an
             ``UnavailableError`` on every survivor (set it above half the
             workers to rule out two groups after a network partition).
-        max_workers: the most members the group may have (None: as started).
+        max_workers: the most members the group may have (None: the launcher's
+            ``PSFLOW_ELASTIC_MAX_WORKERS`` where it sets one, as ``psflow local
+            --workers-max`` does, else as many as ``TF_CONFIG`` lists).
         batch_policy: see :class:`BatchPolicy`.
         rendezvous_seconds: how long the agreement waits for members nobody suspects.
         drain_signal: the signal that makes this worker leave at the next step
@@ -53,6 +60,24 @@ class ElasticOptions:
     batch_policy: BatchPolicy = BatchPolicy.KEEP_PER_REPLICA
     rendezvous_seconds: float = 10.0
     drain_signal: int | None = int(signal.SIGTERM)
+
+    def most_workers(self, listed: int, environ: Mapping[str, str] | None = None) -> int:
+        """The group's bound: :attr:`max_workers`, the launcher's, or ``listed``.
+
+        Raises:
+            InvalidArgumentError: ``PSFLOW_ELASTIC_MAX_WORKERS`` is not a number >=
+                ``min_workers`` (naming it).
+        """
+        if self.max_workers is not None:
+            return self.max_workers
+        text = (os.environ if environ is None else environ).get(MAX_WORKERS_ENV, "").strip()
+        if not text:
+            return listed
+        if not text.isdigit() or int(text) < self.min_workers:
+            raise errors.InvalidArgumentError(
+                f"{MAX_WORKERS_ENV}={text!r} must be a number >= min_workers ({self.min_workers})"
+            )
+        return max(int(text), listed)
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_workers, int) or self.min_workers < 1:
