@@ -95,6 +95,31 @@ class RowStore(abc.ABC):
     """
 
     path: str
+    # True where write() returns once the records are readable through the store
+    # and a thread of the store's own puts them on disk (check() and flush() then
+    # report and wait for it); the table needs no write-behind queue of its own.
+    buffered: bool = False
+    # True where the store knows from memory which ids it holds (an absent id
+    # costs no disk read); the table needs no id filter of its own.
+    indexed: bool = False
+    # a buffered store's bound on records waiting to be written (write() waits)
+    max_queued: int = 0
+    # the first failure of a buffered store's writer, while it lasts
+    error: OpError | None = None
+    # bytes a buffered store's writer put on disk
+    bytes_written: int = 0
+
+    def check(self) -> None:
+        """Raises the store's write error unless retrying what failed succeeds now
+        (a buffered store; others raise from :meth:`write` itself)."""
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until everything written is on disk (a buffered store).
+
+        Raises:
+            OpError: the writer failed (its typed error).
+            DeadlineExceededError: not done within ``timeout``.
+        """
 
     @abc.abstractmethod
     def read(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,15 +127,29 @@ class RowStore(abc.ABC):
         ``records`` a ``(found.sum(), record_bytes)`` uint8 array in the order of
         the found ids."""
 
+    def take(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`read` of unique ``ids``, then deletes those found: ``(found,
+        records)`` of what was held, now gone from the store.
+
+        Raises:
+            OpError: the store's typed error; nothing deleted.
+        """
+        found, records = self.read(ids, record_bytes)
+        if found.any():
+            self.write(ids[:0], np.empty((0, record_bytes), np.uint8), ids[found])
+        return found, records
+
     @abc.abstractmethod
     def write(
         self,
         ids: np.ndarray,
         records: np.ndarray,
         delete: np.ndarray | None = None,
+        unique: bool = False,
     ) -> None:
         """Puts ``records`` (uint8, one row per id) and deletes ``delete`` in one
-        transaction: all of it lands or (on an error) none."""
+        transaction: all of it lands or (on an error) none.  Of a repeated id the
+        last record wins; ``unique``: the caller vouches there is none (no check)."""
 
     @abc.abstractmethod
     def scan(self, record_bytes: int, batch: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -234,6 +273,7 @@ class _LmdbStore(RowStore):
         ids: np.ndarray,
         records: np.ndarray,
         delete: np.ndarray | None = None,
+        unique: bool = False,
     ) -> None:
         if records.shape[0] != ids.shape[0]:
             raise InvalidArgumentError(
@@ -360,7 +400,13 @@ def _lmdb(path: str, **options: object) -> RowStore:
     return _LmdbStore(path, **options)  # type: ignore[arg-type]
 
 
-_FACTORIES: dict[str, Callable[..., RowStore]] = {"lmdb": _lmdb}
+def _log(path: str, **options: object) -> RowStore:
+    from .log_store import LogStore  # it imports this module
+
+    return LogStore(path, **options)  # type: ignore[arg-type]
+
+
+_FACTORIES: dict[str, Callable[..., RowStore]] = {"lmdb": _lmdb, "log": _log}
 _LOCK = threading.Lock()
 
 
