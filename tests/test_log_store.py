@@ -105,6 +105,7 @@ def test_a_snapshot_keeps_its_view_while_writes_and_compaction_go_on(tmp_path):
         assert np.concatenate([r for _, r in seen]).tobytes() == _records(ids, 1).tobytes()
         found, rows = snap.read(np.array([4, 5, 1000], np.int64), WIDTH)
         assert found.tolist() == [True, True, False]
+        assert snap.read(np.array([1000], np.int64), WIDTH)[1].shape == (0, WIDTH)
         assert rows.tobytes() == _records(np.array([4, 5], np.int64), 1).tobytes()
         held = len(os.listdir(tmp_path))
     time.sleep(0.2)

@@ -145,11 +145,12 @@ class RowStore(abc.ABC):
         ids: np.ndarray,
         records: np.ndarray,
         delete: np.ndarray | None = None,
-        unique: bool = False,
+        new: bool = False,
     ) -> None:
         """Puts ``records`` (uint8, one row per id) and deletes ``delete`` in one
         transaction: all of it lands or (on an error) none.  Of a repeated id the
-        last record wins; ``unique``: the caller vouches there is none (no check)."""
+        last record wins.  ``new``: the caller vouches that ``ids`` are unique and
+        none is held (rows leaving a table's memory): a store may skip looking."""
 
     @abc.abstractmethod
     def scan(self, record_bytes: int, batch: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -273,7 +274,7 @@ class _LmdbStore(RowStore):
         ids: np.ndarray,
         records: np.ndarray,
         delete: np.ndarray | None = None,
-        unique: bool = False,
+        new: bool = False,
     ) -> None:
         if records.shape[0] != ids.shape[0]:
             raise InvalidArgumentError(

@@ -305,19 +305,20 @@ class LogStore(RowStore):
         """Counts the records at ``locs`` dead."""
         self._count(locs, -1)
 
-    def _point(self, ids: np.ndarray, locs: np.ndarray) -> None:
-        """Points unique ``ids`` at ``locs`` (their old records die)."""
-        slots = self._index.find(ids)
+    def _point(self, ids: np.ndarray, locs: np.ndarray, new: bool = False) -> None:
+        """Points unique ``ids`` at ``locs`` (their old records die); ``new``: none
+        of them is held (no probe for old records)."""
+        slots = np.full(ids.shape[0], -1, np.int64) if new else self._index.find(ids)
         old = slots >= 0
         if old.any():
             self._kill(self._loc[slots[old]])
-        new = np.flatnonzero(~old)
-        if new.size:
-            if self._index.reserve(new.size):
+        absent = np.flatnonzero(~old)
+        if absent.size:
+            if self._index.reserve(absent.size):
                 grown = np.zeros(self._index.capacity, np.int64)
                 grown[: self._loc.shape[0]] = self._loc
                 self._loc = grown
-            slots[new] = self._index.insert(ids[new])
+            slots[absent] = self._index.insert(ids[absent])
         self._loc[slots] = locs
         self._count(locs, 1)
 
@@ -414,7 +415,7 @@ class LogStore(RowStore):
         ids: np.ndarray,
         records: np.ndarray,
         delete: np.ndarray | None = None,
-        unique: bool = False,
+        new: bool = False,
     ) -> None:
         ids = np.ascontiguousarray(ids, np.int64)
         n = ids.shape[0]
@@ -427,7 +428,7 @@ class LogStore(RowStore):
             if n
             else np.empty((0, 0), np.uint8)
         )
-        if n > 1 and not unique and not bool(np.all(ids[1:] > ids[:-1])):
+        if n > 1 and not new and not bool(np.all(ids[1:] > ids[:-1])):
             # a repeated id: its last record wins
             rev_unique, rev_first = np.unique(ids[::-1], return_index=True)
             if rev_unique.shape[0] < n:
@@ -465,7 +466,7 @@ class LogStore(RowStore):
             if gone.size:
                 self._remove(slots, entries)
             if raw is not None:
-                self._point(ids, locs[gone.size :])
+                self._point(ids, locs[gone.size :], new)
 
     def _tomb_size(self, raw: np.ndarray | None) -> int:
         """Record size of tombstones: the active segment's (so they do not roll it)."""
@@ -490,10 +491,13 @@ class LogStore(RowStore):
             DataLossError: a record of another size, or whose checksum or id is wrong.
         """
         size = record_size(record_bytes)
+        if not locs.size:
+            return np.empty((0, record_bytes), np.uint8)
         raw = np.empty((locs.shape[0], size), np.uint8)
         numbers = locs >> np.int64(32)
         records = (locs & np.int64(0xFFFFFFFF)).astype(np.int64)
-        present = np.unique(numbers)
+        low, high = int(numbers.min()), int(numbers.max())
+        present = np.array([low]) if low == high else np.unique(numbers)
         for number in present.tolist():
             segment = self._segment(number)
             if segment.size != size:
@@ -556,7 +560,7 @@ class LogStore(RowStore):
                 slots, entries = self._index.locate(ids)
                 found = slots >= 0
             gone, slots, entries = ids[found], slots[found], entries[found]
-            records = self._gather(gone, self._loc[slots], record_bytes).copy()
+            records = self._gather(gone, self._loc[slots], record_bytes)
             tomb = self._tombstones(gone, self._active.size if self._active else _HEADER)
             try:
                 self._append(tomb)

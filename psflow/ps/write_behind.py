@@ -305,8 +305,9 @@ class DirectWriter:
         return self.store.bytes_written
 
     def put(self, ids: np.ndarray, records: np.ndarray) -> None:
-        """Writes ``records`` for unique ``ids`` (the store's typed error; nothing changed)."""
-        self.store.write(ids, records, unique=True)
+        """Writes ``records`` for ``ids`` leaving memory (unique, and not on disk: the
+        tiers are exclusive); raises the store's typed error, nothing changed."""
+        self.store.write(ids, records, new=True)
 
     def delete(self, ids: np.ndarray) -> None:
         """Deletes ``ids``."""
