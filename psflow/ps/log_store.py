@@ -7,7 +7,8 @@ instead, and keeps where each id's newest record lives in memory:
 
 * **Writes append.** A write encodes its records (a 16-byte header — id,
   kind, checksum — then the record, padded to 8 bytes) into one block, adds
-  it to the active segment's queue and points the index at it; a background
+  it to the active segment's queue (segments of :data:`SEGMENT_BYTES`, or a
+  32nd of the store once it is bigger) and points the index at it; a background
   thread writes queued blocks with one ``pwritev`` per segment.  Deletes
   append a tombstone (so a reopened store does not bring a row back).
 * **Reads gather.** An in-memory index (:class:`~psflow.ps.key_index.KeyIndex`
@@ -68,7 +69,8 @@ from .key_index import KeyIndex, mix64
 
 __all__ = ["INDEX_BYTES_PER_ROW", "LogStore", "SEGMENT_BYTES"]
 
-SEGMENT_BYTES = 32 << 20  # a segment file's size (sparse until written)
+SEGMENT_BYTES = 32 << 20  # a segment file's size (sparse until written), at least
+MAX_SEGMENT_BYTES = 1 << 30
 WAKE_BYTES = 1 << 20  # queued bytes that wake the writer (fewer, larger writes)
 # bytes of memory per row held, at most: the index's key (8), liveness (1) and
 # location (8), up to half again while its arrays have grown ahead (26), and its
@@ -189,7 +191,8 @@ class LogStore(RowStore):
     Args:
         path: the directory (made if missing); segments already there are
             recovered.
-        segment_bytes: bytes per segment file.
+        segment_bytes: bytes per segment file (more once the store holds more
+            than 32 of them).
         max_queued: records queued for the writer before :meth:`write` waits.
         wait_s: how long :meth:`write`, :meth:`flush` and :meth:`snapshot` wait
             for the writer.
@@ -350,7 +353,7 @@ class LogStore(RowStore):
             while left:
                 if active is None or active.size != size or pos >= active.capacity:
                     number = self._next_number + len(fresh)
-                    active = _Segment.create(self.path, number, size, self.segment_bytes)
+                    active = _Segment.create(self.path, number, size, self._next_segment_bytes())
                     fresh.append(active)
                     pos = 0
                 take = min(left, active.capacity - pos)
@@ -369,6 +372,13 @@ class LogStore(RowStore):
         if out:
             self._active = out[-1][0]
         return out
+
+    def _next_segment_bytes(self) -> int:
+        """A new segment's size: ``segment_bytes``, or a 32nd of what the store holds
+        once that is more (at most :data:`MAX_SEGMENT_BYTES`), so a big store keeps
+        a few hundred files open, not thousands."""
+        held = sum(s.appended * s.size for s in self._segments.values())
+        return max(self.segment_bytes, min(MAX_SEGMENT_BYTES, held // 32))
 
     def _append(self, raw: np.ndarray) -> np.ndarray:
         """Queues ``raw`` records at the end of the log; returns their locations."""

@@ -3,8 +3,9 @@
 A :class:`TieredTable` is a :class:`~psflow.ps.dynamic_table.DynamicTable` whose
 memory holds at most a budget of rows (``memory_rows``, or ``memory_bytes``
 turned into rows); every other row lives in an embedded key-value store
-(:mod:`psflow.ps.disk_store`) with its optimizer slots and its ttl clock and
-traffic count, as one fixed-size record.  Guarantees, on top of the dynamic
+(:mod:`psflow.ps.disk_store`; by default the log-structured
+:mod:`psflow.ps.log_store`, or LMDB) with its optimizer slots and its ttl clock
+and traffic count, as one fixed-size record.  Guarantees, on top of the dynamic
 table's:
 
 * **Same results as all in memory.** A row is moved, never recomputed: its
@@ -13,23 +14,33 @@ table's:
   state equal an all-in-memory table's, bit for bit (the order of exported
   rows differs: compare by id).
 * **Exclusive tiers.** A row is in memory or on disk, never both: bringing one
-  in queues its deletion from disk; eviction removes it wherever it is.
+  in deletes it from disk (the read and the delete are one pass of the log
+  store's index); eviction removes it wherever it is.
 * **One batched read per request.** A lookup or push reads all its ids that
-  missed memory in one read (what the write-behind queue holds first, then the
-  store) and brings them in.
+  missed memory in one read (what is queued for writing first, then the
+  store) and brings them in.  The log store knows its ids from memory; over
+  LMDB a Bloom filter (:mod:`psflow.ps.id_filter`) spares new ids the read.
 * **Demotion off the request path.** When a request leaves more than the
   budget in memory, the rows with the lowest ``traffic / (1 + age)`` (traffic
   counted by the table, age in pushes since the row's last touch) — never the
-  request's own — are encoded and queued for the background writer
-  (:mod:`psflow.ps.write_behind`), 1/32 of the budget at a time.
+  request's own, nor rows touched since the last push while others can go
+  (another worker's push is about to update them) — are encoded and handed
+  to the store, 1/32 of the budget at a time: the log store queues them and
+  writes them in its own thread; over LMDB a write-behind thread
+  (:mod:`psflow.ps.write_behind`) does.
 * **Memory bound.** Rows in memory: at most the budget plus the rows of the
   largest single request; records waiting to be written: at most
-  ``queue_rows`` (default a quarter of the budget, at least 4096).  The
-  fixed overhead is the index and the per-request arrays.
+  ``queue_rows`` (default a quarter of the budget, at least 4096 and, for
+  the log store, 8 MiB of records).  The fixed overhead is the store's index
+  (log store: at most ``INDEX_BYTES_PER_ROW`` = 40 bytes per row on disk;
+  LMDB: a 1-byte-per-row filter and one transaction's dirty pages) and the
+  per-request arrays; while a checkpoint may follow as a delta, the ids
+  changed on disk since the last one (8 bytes each, up to twice that).
 * **A failing disk changes nothing.** A full or read-only disk fails the
-  write-behind; the next request raises its typed error (naming the store's
-  path) before it changes anything, rows queued for writing stay readable,
-  and the first request after the disk recovers writes them and goes on.
+  store's writer; the next request raises its typed error (naming the
+  store's path) before it changes anything, rows queued for writing stay
+  readable, and the first request after the disk recovers writes them and
+  goes on.
 
 The worker's hot-row cache asks :meth:`~DynamicTable.hot_ids`, which ranks the
 rows in memory (the busiest are there by the demotion order).  A live resize
