@@ -698,7 +698,9 @@ class LogStore(RowStore):
                 self._point(ids[live], moved)
         segment.compacted = hi
         if hi >= segment.appended:
-            if segment.live:  # cannot happen (nothing appends to it): look again
+            if segment.live:  # cannot happen (nothing appends to it): count again
+                held = self._loc[self._index.live_slots()] >> np.int64(32)
+                segment.live = int(np.count_nonzero(held == segment.number))
                 segment.compacted = 0
                 return
             del self._segments[segment.number]
