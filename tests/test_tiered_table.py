@@ -441,3 +441,22 @@ def test_bad_budgets_are_refused_with_typed_errors(tmp_path):
         TableRegistry("ps:0", TierOptions(str(tmp_path), 4, backend="nope")).create(
             TableConfig("t", DIM), 0, 1
         )
+
+
+def test_interleaved_workers_get_the_same_bits_as_all_in_memory(tmp_path):
+    # two workers' lookups before their pushes (as under ParameterServerStrategy):
+    # one worker's lookup demotes rows while the other's push is pending, and a
+    # push reuses the slots its own lookup found when only other rows left memory
+    config = TableConfig("t", DIM, optimizer=ADAGRAD)
+    reference = DynamicTable(config)
+    tiered = TieredTable(config, directory=str(tmp_path / "store"), memory_rows=48)
+    streams = [_stream(11, 120, space=3000), _stream(12, 120, space=3000)]
+    for (ids_a, grads_a, _), (ids_b, grads_b, _) in zip(*streams):
+        for ids in (ids_a, np.unique(ids_b)):
+            assert tiered.lookup(ids).tobytes() == reference.lookup(ids).tobytes()
+        for ids, grads in ((ids_a, grads_a), (np.unique(ids_b), grads_b[: np.unique(ids_b).size])):
+            assert tiered.apply_gradients(ids, grads) == reference.apply_gradients(ids, grads)
+    stats = tiered.stats()
+    assert stats.disk_rows > 5 * 48 and stats.dropped_gradients == 0
+    _assert_same_state(reference, tiered)
+    tiered.close()
