@@ -3,12 +3,17 @@
 A :class:`RowStore` maps int64 ids to fixed-size byte records on the PS's local
 disk.  Backends register a factory by name (:func:`register_store`); the
 factory imports its library when called, so a PS without a disk tier never
-imports one.  The default, ``"lmdb"``, was chosen by measurement
-(``benchmarks/kv_stores.py``): batched random reads of 1 KiB records, the
-tier's hot path, ran about twice as fast as RocksDB through ``rocksdict``; its
-copy-on-write B-tree cannot be left torn by a killed process, a read
-transaction is a consistent snapshot while writes go on, and its wheels cover
-Linux and macOS on x86-64 and arm64.
+imports one.  Two are registered, chosen by measurement
+(``benchmarks/kv_stores.py``, ``benchmarks/tiered.py``):
+
+* ``"log"`` (the default, :mod:`psflow.ps.log_store`): append-only segment
+  files and an in-memory index; it reads, writes and deletes a tier's
+  batches 2-4x as fast as LMDB, because the tier writes thousands of random
+  ids per request and LMDB dirties a page for each.
+* ``"lmdb"``: a copy-on-write B-tree in one file that a killed process cannot
+  tear, snapshots by read transaction, and no index in memory (when rows on
+  disk are many and memory is very tight); its batched reads ran about twice
+  as fast as RocksDB through ``rocksdict``.
 
 Every failure of the disk (full, read-only, gone) raises
 :class:`psflow.errors.ResourceExhaustedError` or

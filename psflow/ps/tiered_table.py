@@ -104,8 +104,8 @@ class TierOptions:
         memory_bytes: the same as bytes (rows, slots and bookkeeping); at most
             one of the two.
         backend: the store (:func:`psflow.ps.disk_store.store_names`).
-        queue_rows: records the write-behind queue may hold (0: a quarter of the
-            budget, at least 4096).
+        queue_rows: records that may wait to be written (0: a quarter of the
+            budget, at least 4096 and, for the log store, 8 MiB of records).
     """
 
     directory: str | None = None
@@ -261,7 +261,7 @@ class TieredTable(DynamicTable):
         memory_rows: rows kept in memory (> 0), or
         memory_bytes: bytes of rows, slots and bookkeeping kept in memory.
         backend: the store's name.
-        queue_rows: records the write-behind may queue (0: the default).
+        queue_rows: records that may wait to be written (0: the default).
 
     Raises:
         InvalidArgumentError: no budget, or both kinds.
