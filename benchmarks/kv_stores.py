@@ -1,14 +1,17 @@
-"""Embedded key-value stores for the disk tier: LMDB (psflow's row store) vs RocksDB (rocksdict).
+"""Embedded key-value stores for the disk tier: psflow's log store vs LMDB vs RocksDB (rocksdict).
 
 The disk tier (``psflow/ps/tiered_table.py``) reads the ids of a request that
 missed memory in one batch and writes demoted rows in batches; this measures
 both on each store, side by side in one run: batched random reads and
 batched random writes of fixed-size records (``--record`` bytes, 1 KiB by
-default; 80 B is an 8-float row with one Adagrad slot) keyed by random int64
-ids, ``--batch`` records a batch, into a store already holding ``--rows``.
-LMDB goes through ``psflow.ps.disk_store``; RocksDB through ``rocksdict``
-(raw mode, write-ahead log off, as a scratch tier would run it) when it is
-installed (``pip install rocksdict``), else one ``skipped`` line.
+default; 72 B is an 8-float row with one Adagrad slot and its two counters)
+keyed by random int64 ids, ``--batch`` records a batch, into a store already
+holding ``--rows``.  The log store (``psflow.ps.log_store``, the default) and
+LMDB go through ``psflow.ps.disk_store``; the log store writes in a thread
+of its own, so each write phase ends with its flush (timed).  RocksDB goes
+through ``rocksdict`` (raw mode, write-ahead log off, as a scratch tier would
+run it) when it is installed (``pip install rocksdict``), else one
+``skipped`` line.
 
 Prints JSON lines (stdout) and a table (stderr); ``--quick``: fewer rows.
 Format: shared/BENCHMARKS.md.
@@ -27,11 +30,14 @@ from _common import emit, progress, table
 BENCH = "kv_stores"
 
 
-def _lmdb(path: str):
-    from psflow.ps.disk_store import open_store
+def _row_store(name: str):
+    def opener(path: str):
+        from psflow.ps.disk_store import open_store
 
-    store = open_store("lmdb", path)
-    return store.write, lambda ids, width: store.read(ids, width)
+        store = open_store(name, path)
+        return store.write, lambda ids, width: store.read(ids, width), store.flush
+
+    return opener
 
 
 def _rocksdict(path: str):
@@ -53,6 +59,9 @@ def _rocksdict(path: str):
             batch.put(keys[8 * i : 8 * i + 8], values[width * i : width * (i + 1)])
         db.write(batch, options)
 
+    def flush() -> None:
+        pass  # each write above is synchronous
+
     def read(ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         # the same work as the row store's read: found mask and one record array
         order = np.argsort(ids)
@@ -65,20 +74,21 @@ def _rocksdict(path: str):
         records[np.argsort(order[found[order]])] = flat.reshape(-1, width)
         return found, records
 
-    return write, read
+    return write, read, flush
 
 
 def measure(opener, rows: int, batch: int, width: int, rounds: int) -> dict[str, float]:
     """Rows per second of batched random writes (filling to ``rows``) and reads."""
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as path:
-        write, read = opener(path)
+        write, read, flush = opener(path)
         held = []
         start = time.perf_counter()
         for _ in range(rows // batch):
             ids = rng.integers(-(2**63), 2**63 - 1, batch, dtype=np.int64)
             write(ids, rng.integers(0, 255, (batch, width), dtype=np.uint8))
             held.append(ids)
+        flush()
         fill = rows / (time.perf_counter() - start)
         every = np.concatenate(held)
         start = time.perf_counter()
@@ -89,6 +99,7 @@ def measure(opener, rows: int, batch: int, width: int, rounds: int) -> dict[str,
         for _ in range(rounds):
             ids = rng.choice(every, batch, replace=False)
             write(ids, rng.integers(0, 255, (batch, width), dtype=np.uint8))
+        flush()
         updates = rounds * batch / (time.perf_counter() - start)
     return {"fill": fill, "read": reads, "update": updates}
 
@@ -102,7 +113,7 @@ def main() -> int:
     args = p.parse_args()
     rows = args.rows or (40_000 if args.quick else 200_000)
     rounds = 10 if args.quick else 30
-    stores = {"lmdb": _lmdb}
+    stores = {"log": _row_store("log"), "lmdb": _row_store("lmdb")}
     if importlib.util.find_spec("rocksdict") is not None:
         stores["rocksdict"] = _rocksdict
     else:
@@ -114,10 +125,11 @@ def main() -> int:
         for metric, value in results[name].items():
             emit(BENCH, name, f"{metric}_rows_per_s", value, "rows/s", record=args.record,
                  batch=args.batch, rows=rows)  # fmt: skip
-    if "rocksdict" in results:
-        for metric in ("fill", "read", "update"):
-            ratio = results["lmdb"][metric] / results["rocksdict"][metric]
-            emit(BENCH, "lmdb/rocksdict", f"{metric}_ratio", ratio, "x")
+    for other in ("lmdb", "rocksdict"):
+        if other in results:
+            for metric in ("fill", "read", "update"):
+                ratio = results["log"][metric] / results[other][metric]
+                emit(BENCH, f"log/{other}", f"{metric}_ratio", ratio, "x")
     table(
         ["store", "fill rows/s", "read rows/s", "update rows/s"],
         [

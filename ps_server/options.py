@@ -214,6 +214,12 @@ def parser(doc: str) -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the disk tier's stores live (default: the system's temporary directory)",
     )
+    p.add_argument(
+        "--table-store",
+        default=TierOptions().backend,
+        metavar="NAME",
+        help="the disk tier's store: log (append-only segments, the default) or lmdb",
+    )
     return p
 
 
@@ -269,7 +275,9 @@ def parse(args: argparse.Namespace, environ: Mapping[str, str] | None = None) ->
         shm=ShmMode(args.shm),
         shm_idle=args.shm_idle,
         data_plane=data_plane,
-        tier=TierOptions(args.table_dir, args.table_memory_rows, args.table_memory_bytes),
+        tier=TierOptions(
+            args.table_dir, args.table_memory_rows, args.table_memory_bytes, args.table_store
+        ),
     )
 
 

@@ -72,16 +72,22 @@ def _drive(reference: DynamicTable, tiered: DynamicTable, steps: int, push_opt=N
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "ttl", "min_count"),
-    [(SGD, 0, 1), (ADAGRAD, 0, 1), (ADAGRAD, 40, 2), (None, 0, 1)],
-    ids=["sgd", "adagrad", "adagrad-ttl-admission", "rule-bound-by-push"],
+    ("optimizer", "ttl", "min_count", "backend"),
+    [
+        (SGD, 0, 1, "log"),
+        (ADAGRAD, 0, 1, "log"),
+        (ADAGRAD, 40, 2, "log"),
+        (None, 0, 1, "log"),
+        (ADAGRAD, 40, 2, "lmdb"),
+    ],
+    ids=["sgd", "adagrad", "adagrad-ttl-admission", "rule-bound-by-push", "lmdb"],
 )
 def test_a_table_many_times_its_memory_budget_equals_one_in_memory(
-    tmp_path, optimizer, ttl, min_count
+    tmp_path, optimizer, ttl, min_count, backend
 ):
     config = TableConfig("t", DIM, optimizer=optimizer, ttl_steps=ttl, min_count=min_count)
     reference = DynamicTable(config)
-    tiered = TieredTable(config, directory=str(tmp_path / "store"), memory_rows=40)
+    tiered = TieredTable(config, directory=str(tmp_path / "store"), memory_rows=40, backend=backend)
     _drive(reference, tiered, 250, None if optimizer else SGD)
     a, b = reference.stats(), tiered.stats()
     assert b.rows == a.rows and b.rows >= 10 * 40  # the table is >= 10x its budget
@@ -316,11 +322,12 @@ def test_reads_see_rows_waiting_for_the_writer(tmp_path):
     writer.close()
 
 
-def test_a_store_write_of_sorted_unsorted_and_repeated_ids_matches_a_dict(tmp_path):
+@pytest.mark.parametrize("backend", ["log", "lmdb"])
+def test_a_store_write_of_sorted_unsorted_and_repeated_ids_matches_a_dict(tmp_path, backend):
     # write() skips its sort for sorted unique ids and builds keys and records from
     # void views: both paths, ids of both signs, a repeated id (the last record wins),
     # records of zero bytes at the end and deletes must agree with a plain dict.
-    store = open_store("lmdb", str(tmp_path))
+    store = open_store(backend, str(tmp_path))
     rng = np.random.default_rng(7)
     reference: dict[int, bytes] = {}
     for step in range(6):
@@ -434,3 +441,22 @@ def test_bad_budgets_are_refused_with_typed_errors(tmp_path):
         TableRegistry("ps:0", TierOptions(str(tmp_path), 4, backend="nope")).create(
             TableConfig("t", DIM), 0, 1
         )
+
+
+def test_interleaved_workers_get_the_same_bits_as_all_in_memory(tmp_path):
+    # two workers' lookups before their pushes (as under ParameterServerStrategy):
+    # one worker's lookup demotes rows while the other's push is pending, and a
+    # push reuses the slots its own lookup found when only other rows left memory
+    config = TableConfig("t", DIM, optimizer=ADAGRAD)
+    reference = DynamicTable(config)
+    tiered = TieredTable(config, directory=str(tmp_path / "store"), memory_rows=48)
+    streams = [_stream(11, 120, space=3000), _stream(12, 120, space=3000)]
+    for (ids_a, grads_a, _), (ids_b, grads_b, _) in zip(*streams):
+        for ids in (ids_a, np.unique(ids_b)):
+            assert tiered.lookup(ids).tobytes() == reference.lookup(ids).tobytes()
+        for ids, grads in ((ids_a, grads_a), (np.unique(ids_b), grads_b[: np.unique(ids_b).size])):
+            assert tiered.apply_gradients(ids, grads) == reference.apply_gradients(ids, grads)
+    stats = tiered.stats()
+    assert stats.disk_rows > 5 * 48 and stats.dropped_gradients == 0
+    _assert_same_state(reference, tiered)
+    tiered.close()

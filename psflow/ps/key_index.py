@@ -8,9 +8,10 @@ probe loop handles all keys still searching, so the Python loop runs as many
 times as the longest probe sequence, not once per key.
 
 Memory per key: 8 bytes of key, 1 byte of liveness and 4 bytes per index
-entry at a load of at most ``MAX_LOAD`` (so below 6 and 12 bytes per key).
-Removed keys leave tombstones; the index is rebuilt when keys and tombstones
-together pass ``MAX_LOAD``.  Freed slots are reused before new ones.
+entry at a load between 0.28 and ``MAX_LOAD`` (so 6 to 15 bytes per key).
+Removed keys leave tombstones; the index is rebuilt, sized for a quarter more
+keys than it holds, when keys and tombstones together pass ``MAX_LOAD``.
+Freed slots are reused before new ones.
 
 Example:
     >>> import numpy as np
@@ -282,6 +283,12 @@ class KeyIndex:
         """The slot of each key in ``keys`` (int64, 1-D), ``-1`` where absent."""
         return self._probe(keys)[0]
 
+    def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, entries)`` of ``keys``: :meth:`find`'s slots and where each sits
+        in the index (``-1`` where absent), for a :meth:`remove` with no probe
+        while nothing changed in between."""
+        return self._probe(keys)
+
     # -- changes ----------------------------------------------------------------------
     def reserve(self, extra: int) -> bool:
         """Makes room for ``extra`` more keys; True when the dense arrays grew
@@ -295,7 +302,9 @@ class KeyIndex:
             self.live = _extended(self.live, new_cap)
             grew = True
         if (self.size + self._tombstones + extra) > MAX_LOAD * self._table.shape[0]:
-            self._rebuild(_index_size(self.size + extra))
+            # sized for a quarter more keys: rebuilt just under MAX_LOAD, a table
+            # that churns (removes leave tombstones) would rebuild every few calls
+            self._rebuild(_index_size((self.size + extra) * 5 // 4))
         return grew
 
     def _allocate(self, n: int) -> np.ndarray:
@@ -366,11 +375,13 @@ class KeyIndex:
             pending = pending[~won]
             pos = pos[~won]
 
-    def remove(self, slots: np.ndarray) -> None:
-        """Removes the keys held in ``slots`` (live, unique); their slots become free."""
+    def remove(self, slots: np.ndarray, entries: np.ndarray | None = None) -> None:
+        """Removes the keys held in ``slots`` (live, unique); their slots become free.
+        ``entries``: where they sit in the index, from a :meth:`locate` since which
+        nothing changed (saves probing for them again)."""
         if slots.size == 0:
             return
-        _, where = self._probe(self.keys[slots])
+        where = self._probe(self.keys[slots])[1] if entries is None else entries
         self._table[where] = TOMBSTONE
         self._tombstones += slots.size
         self.live[slots] = False

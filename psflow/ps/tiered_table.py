@@ -3,8 +3,9 @@
 A :class:`TieredTable` is a :class:`~psflow.ps.dynamic_table.DynamicTable` whose
 memory holds at most a budget of rows (``memory_rows``, or ``memory_bytes``
 turned into rows); every other row lives in an embedded key-value store
-(:mod:`psflow.ps.disk_store`) with its optimizer slots and its ttl clock and
-traffic count, as one fixed-size record.  Guarantees, on top of the dynamic
+(:mod:`psflow.ps.disk_store`; by default the log-structured
+:mod:`psflow.ps.log_store`, or LMDB) with its optimizer slots and its ttl clock
+and traffic count, as one fixed-size record.  Guarantees, on top of the dynamic
 table's:
 
 * **Same results as all in memory.** A row is moved, never recomputed: its
@@ -13,23 +14,33 @@ table's:
   state equal an all-in-memory table's, bit for bit (the order of exported
   rows differs: compare by id).
 * **Exclusive tiers.** A row is in memory or on disk, never both: bringing one
-  in queues its deletion from disk; eviction removes it wherever it is.
+  in deletes it from disk (the read and the delete are one pass of the log
+  store's index); eviction removes it wherever it is.
 * **One batched read per request.** A lookup or push reads all its ids that
-  missed memory in one read (what the write-behind queue holds first, then the
-  store) and brings them in.
+  missed memory in one read (what is queued for writing first, then the
+  store) and brings them in.  The log store knows its ids from memory; over
+  LMDB a Bloom filter (:mod:`psflow.ps.id_filter`) spares new ids the read.
 * **Demotion off the request path.** When a request leaves more than the
   budget in memory, the rows with the lowest ``traffic / (1 + age)`` (traffic
   counted by the table, age in pushes since the row's last touch) — never the
-  request's own — are encoded and queued for the background writer
-  (:mod:`psflow.ps.write_behind`), 1/32 of the budget at a time.
+  request's own, nor rows touched since the last push while others can go
+  (another worker's push is about to update them) — are encoded and handed
+  to the store, a quarter of the budget at a time: the log store queues them and
+  writes them in its own thread; over LMDB a write-behind thread
+  (:mod:`psflow.ps.write_behind`) does.
 * **Memory bound.** Rows in memory: at most the budget plus the rows of the
   largest single request; records waiting to be written: at most
-  ``queue_rows`` (default a quarter of the budget, at least 4096).  The
-  fixed overhead is the index and the per-request arrays.
+  ``queue_rows`` (default a quarter of the budget, at least 4096 and, for
+  the log store, 8 MiB of records).  The fixed overhead is the store's index
+  (log store: at most ``INDEX_BYTES_PER_ROW`` = 40 bytes per row on disk;
+  LMDB: a 1-byte-per-row filter and one transaction's dirty pages) and the
+  per-request arrays; while a checkpoint may follow as a delta, the ids
+  changed on disk since the last one (8 bytes each, up to twice that).
 * **A failing disk changes nothing.** A full or read-only disk fails the
-  write-behind; the next request raises its typed error (naming the store's
-  path) before it changes anything, rows queued for writing stay readable,
-  and the first request after the disk recovers writes them and goes on.
+  store's writer; the next request raises its typed error (naming the
+  store's path) before it changes anything, rows queued for writing stay
+  readable, and the first request after the disk recovers writes them and
+  goes on.
 
 The worker's hot-row cache asks :meth:`~DynamicTable.hot_ids`, which ranks the
 rows in memory (the busiest are there by the demotion order).  A live resize
@@ -59,11 +70,11 @@ import numpy as np
 from psflow.errors import InvalidArgumentError, OpError
 from psflow.update_rules import UpdateRule, put_rows, take_rows
 
-from .disk_store import disk_error, open_store
+from .disk_store import disk_error, open_store, store_names
 from .dynamic_table import DynamicTable, TableConfig
 from .id_filter import IdFilter
 from .key_index import unique_ids
-from .write_behind import WriteBehind
+from .write_behind import DirectWriter, WriteBehind
 
 __all__ = [
     "RowCodec",
@@ -77,6 +88,8 @@ __all__ = [
 # Bytes a row costs in memory besides its values: key (8), liveness (1), touched
 # and traffic (8), index entries (4 at a load of at most 0.7: under 6).
 ROW_OVERHEAD_BYTES = 23
+# a buffered store's queue of records waiting to be written, by default
+QUEUE_BYTES = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +104,14 @@ class TierOptions:
         memory_bytes: the same as bytes (rows, slots and bookkeeping); at most
             one of the two.
         backend: the store (:func:`psflow.ps.disk_store.store_names`).
-        queue_rows: records the write-behind queue may hold (0: a quarter of the
-            budget, at least 4096).
+        queue_rows: records that may wait to be written (0: a quarter of the
+            budget, at least 4096 and, for the log store, 8 MiB of records).
     """
 
     directory: str | None = None
     memory_rows: int = 0
     memory_bytes: int = 0
-    backend: str = "lmdb"
+    backend: str = "log"
     queue_rows: int = 0
 
     def __post_init__(self) -> None:
@@ -112,6 +125,10 @@ class TierOptions:
             raise InvalidArgumentError(
                 "disk tier: give memory_rows or memory_bytes, not both "
                 f"(got {self.memory_rows} and {self.memory_bytes})"
+            )
+        if self.backend.strip().lower() not in store_names():  # a bad flag fails at start
+            raise InvalidArgumentError(
+                f"unknown row store {self.backend!r}; registered: {store_names()}"
             )
 
 
@@ -244,7 +261,7 @@ class TieredTable(DynamicTable):
         memory_rows: rows kept in memory (> 0), or
         memory_bytes: bytes of rows, slots and bookkeeping kept in memory.
         backend: the store's name.
-        queue_rows: records the write-behind may queue (0: the default).
+        queue_rows: records that may wait to be written (0: the default).
 
     Raises:
         InvalidArgumentError: no budget, or both kinds.
@@ -260,7 +277,7 @@ class TieredTable(DynamicTable):
         directory: str,
         memory_rows: int = 0,
         memory_bytes: int = 0,
-        backend: str = "lmdb",
+        backend: str = "log",
         queue_rows: int = 0,
     ) -> None:
         if (memory_rows > 0) == (memory_bytes > 0):
@@ -275,26 +292,41 @@ class TieredTable(DynamicTable):
         store = open_store(backend, directory)
         store.clear()  # scratch: what a previous process left is not this table's
         budget = self.budget_rows
-        self._writer = WriteBehind(store, queue_rows or max(4096, budget // 4))
         self._codec = self._codec_for(self.rule)
+        if store.buffered:  # a store that queues its own writes takes them directly
+            default = max(4096, budget // 4, QUEUE_BYTES // self._codec.record_bytes)
+            self._writer: DirectWriter | WriteBehind = DirectWriter(store, queue_rows or default)
+        else:
+            self._writer = WriteBehind(store, queue_rows or max(4096, budget // 4))
         self._tier = {"memory_hits": 0, "disk_hits": 0, "disk_bytes_read": 0}
         self._next_disk_scan = 0
         # which ids may be on disk: most misses are new ids, answered without a read
-        self._filter = IdFilter(max(16 * budget, 4096))
+        # (a store that indexes its ids in memory answers that itself)
+        self._filter = None if store.indexed else IdFilter(max(16 * budget, 4096))
         # ids whose record on disk changed (put or deleted) since the last checkpoint
         # of this table's chain, and those a checkpoint in progress is writing
         self._dirty: list[np.ndarray] = []
+        self._dirty_rows = 0  # ids in _dirty, repeats included
+        self._dirty_unique = 0  # ids in _dirty after its last de-duplication
         self._saving: np.ndarray | None = None
         self.chain: str | None = None  # the checkpoint chain the next save may extend
         self.chain_id = uuid.uuid4().hex[:12]
         self._finalizer = weakref.finalize(self, _discard, self._writer, directory)
 
     def _mark(self, ids: np.ndarray) -> None:
-        """Remembers that the records of ``ids`` changed on disk (lock held)."""
-        if ids.size:
-            self._dirty.append(np.array(ids, np.int64))
-            if len(self._dirty) > 64:
-                self._dirty = [np.unique(np.concatenate(self._dirty))]
+        """Remembers that the records of ``ids`` changed on disk (lock held).
+
+        Only while a checkpoint could be a delta (a chain was committed, or a save
+        is under way): without one the next save writes every row anyway.  The
+        list is de-duplicated when it doubles, so that costs O(1) per id.
+        """
+        if not ids.size or (self.chain is None and self._saving is None):
+            return
+        self._dirty.append(np.array(ids, np.int64))
+        self._dirty_rows += ids.size
+        if self._dirty_rows > max(65536, 2 * self._dirty_unique):
+            self._dirty = [np.unique(np.concatenate(self._dirty))]
+            self._dirty_rows = self._dirty_unique = self._dirty[0].size
 
     def _codec_for(self, rule: UpdateRule | None) -> RowCodec:
         names = () if rule is None else tuple(rule.slot_names)
@@ -316,15 +348,16 @@ class TieredTable(DynamicTable):
     def _check_tier(self) -> None:
         self._writer.check()
 
-    def _fetch(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _fetch(self, ids: np.ndarray, take: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """``(present, records of the present ids)``: the write-behind queue first,
-        then one batched read of the store."""
-        maybe = self._filter.might_contain(ids)
-        if not maybe.all():
+        then one batched read of the store; ``take`` (unique ids): the present
+        ones leave the disk (they come into memory)."""
+        maybe = None if self._filter is None else self._filter.might_contain(ids)
+        if maybe is not None and not maybe.all():
             present = np.zeros(ids.shape[0], bool)
             if not maybe.any():
                 return present, np.empty((0, self._codec.record_bytes), np.uint8)
-            present[maybe], records = self._fetch(ids[maybe])
+            present[maybe], records = self._fetch(ids[maybe], take)
             return present, records
         unique, inverse = unique_ids(ids)
         if unique is not ids:  # peek takes repeated ids
@@ -333,14 +366,9 @@ class TieredTable(DynamicTable):
             full[present] = records
             return present[inverse], full[inverse][present[inverse]]
         rb = self._codec.record_bytes
-        known, present, records = self._writer.resolve(ids, rb)
-        rest = np.flatnonzero(~known)
-        if rest.size:
-            got, read = self._writer.store.read(ids[rest], rb)
-            present[rest[got]] = True
-            records[rest[got]] = read
-            self._tier["disk_bytes_read"] += int(read.nbytes)
-        return present, records[present]
+        present, records = self._writer.take(ids, rb) if take else self._writer.read(ids, rb)
+        self._tier["disk_bytes_read"] += int(records.nbytes)
+        return present, records
 
     def _bring_in(self, unique: np.ndarray, found: np.ndarray) -> np.ndarray:
         miss = np.flatnonzero(found < 0)
@@ -348,7 +376,7 @@ class TieredTable(DynamicTable):
         if not miss.size:
             return found
         ids = unique[miss]
-        present, records = self._fetch(ids)
+        present, records = self._fetch(ids, take=True)
         if not present.any():
             return found
         ids = ids[present]
@@ -360,7 +388,6 @@ class TieredTable(DynamicTable):
             put_rows(self._slots[k], placed, v)
         self._touched[placed] = touched
         self._traffic[placed] = traffic
-        self._writer.delete(ids)
         self._mark(ids)
         self._tier["disk_hits"] += ids.shape[0]
         found = found.copy()  # may be a recent lookup's slots: never change those
@@ -388,10 +415,19 @@ class TieredTable(DynamicTable):
         movable = np.ones(self._index.capacity, bool)
         movable[keep] = False
         live = live[movable[live]]
-        n = min(over + max(1, budget // 32), live.size)
+        # a quarter of the budget at a time: ranking the rows costs O(budget) per
+        # call, so it runs every few requests, not every one (the hit rate drops by
+        # under a percent: memory is 75-100% full instead of 97-100%)
+        n = min(over + max(1, budget // 4), live.size)
         if n <= 0:
             return
-        age = (self.step - self._touched[live].astype(np.int64)).astype(np.float64)
+        age = self.step - self._touched[live].astype(np.int64)
+        # rows touched since the last push wait for it: another worker's lookup
+        # must not send to disk the rows this worker's push is about to update
+        # (unless nothing else can go)
+        settled = age > 0
+        if np.count_nonzero(settled) >= n:
+            live, age = live[settled], age[settled]
         score = self._traffic[live] / (1.0 + age)
         victims = live if n == live.size else live[np.argpartition(score, n - 1)[:n]]
         records = self._codec.encode(
@@ -405,11 +441,24 @@ class TieredTable(DynamicTable):
             self._writer.put(ids, records)
         except OpError:
             return  # they stay in memory; the next request raises the writer's error
-        self._filter.add(ids)
         self._mark(ids)
+        before = self._index.removals
         self._index.remove(victims)
-        if self._filter.full:
-            self._rebuild_filter()
+        self._restamp(victims, before)
+        if self._filter is not None:
+            self._filter.add(ids)
+            if self._filter.full:
+                self._rebuild_filter()
+
+    def _restamp(self, victims: np.ndarray, before: int) -> None:
+        """Keeps the recent lookups that no victim was part of valid for the pushes
+        that follow them (lock held): removing other keys moved none of theirs,
+        and a push would otherwise probe the index again for every id."""
+        removed = np.zeros(self._index.capacity, bool)
+        removed[victims] = True
+        for i, (ids, slots, stamp) in enumerate(self._recent):
+            if stamp == before and not removed[slots].any():
+                self._recent[i] = (ids, slots, self._index.removals)
 
     def _rebuild_filter(self) -> None:
         """A filter of the ids on disk now, sized for twice as many (lock held)."""
@@ -515,6 +564,7 @@ class TieredTable(DynamicTable):
             pending = [self._saving] if self._saving is not None else []
             changed = np.unique(np.concatenate([*pending, *self._dirty, np.zeros(0, np.int64)]))
             self._saving, self._dirty = changed, []
+            self._dirty_rows = self._dirty_unique = 0
         deleted: list[np.ndarray] = []
 
         def part(ids: np.ndarray, records: np.ndarray) -> dict[str, np.ndarray]:
@@ -553,6 +603,7 @@ class TieredTable(DynamicTable):
         with self._lock:
             if self._saving is not None:
                 self._dirty.insert(0, self._saving)
+                self._dirty_rows += self._saving.size
                 self._saving = None
 
     def load_rows(self, part: dict[str, np.ndarray], skip: np.ndarray | None = None) -> None:
@@ -585,10 +636,11 @@ class TieredTable(DynamicTable):
             )
             self._writer.flush()
             self._writer.store.write(ids, records)
-            self._filter.add(ids)
             self._mark(ids)
-            if self._filter.full:
-                self._rebuild_filter()
+            if self._filter is not None:
+                self._filter.add(ids)
+                if self._filter.full:
+                    self._rebuild_filter()
 
     def drop_rows(self, ids: np.ndarray, skip: np.ndarray | None = None) -> None:
         """Deletes ``ids`` from the disk tier (a restore applying a checkpoint's

@@ -38,7 +38,7 @@ from psflow.errors import DeadlineExceededError, OpError
 
 from .disk_store import RowStore
 
-__all__ = ["TXN_ROWS", "WriteBehind"]
+__all__ = ["TXN_ROWS", "DirectWriter", "WriteBehind"]
 
 # ids one write transaction takes (more queued batches wait for the next one)
 TXN_ROWS = 4096
@@ -136,6 +136,23 @@ class WriteBehind:
                 present[at] = True
                 records[at] = batch.records[pos[hit]]
         return known, present, records
+
+    def read(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, records)`` of unique ``ids`` as :meth:`RowStore.read` gives them,
+        the queue first (newest first), then one batched read of the store."""
+        known, present, records = self.resolve(ids, record_bytes)
+        rest = np.flatnonzero(~known)
+        if rest.size:
+            got, read = self.store.read(ids[rest], record_bytes)
+            present[rest[got]] = True
+            records[rest[got]] = read
+        return present, records[present]
+
+    def take(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`read`, then queues the deletion of the ids found."""
+        found, records = self.read(ids, record_bytes)
+        self.delete(ids[found])
+        return found, records
 
     # -- the writer --------------------------------------------------------------------
     def _take(self) -> list[_Batch]:
@@ -259,4 +276,60 @@ class WriteBehind:
             self._drain = drain
             self._cond.notify_all()
         self._thread.join(self.wait_s)
+        self.store.close()
+
+
+class DirectWriter:
+    """The writer of a store that queues and writes its own blocks
+    (:attr:`RowStore.buffered <psflow.ps.disk_store.RowStore.buffered>`): the same
+    calls as :class:`WriteBehind`, passed straight to the store, which reads what
+    it has queued itself.
+
+    Args:
+        store: a buffered store.
+        max_rows: records it may queue before :meth:`put` waits.
+    """
+
+    def __init__(self, store: RowStore, max_rows: int) -> None:
+        self.store = store
+        store.max_queued = max(1, int(max_rows))
+
+    @property
+    def error(self) -> OpError | None:
+        """The store writer's failure, while it lasts."""
+        return self.store.error
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes the store wrote."""
+        return self.store.bytes_written
+
+    def put(self, ids: np.ndarray, records: np.ndarray) -> None:
+        """Writes ``records`` for ``ids`` leaving memory (unique, and not on disk: the
+        tiers are exclusive); raises the store's typed error, nothing changed."""
+        self.store.write(ids, records, new=True)
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Deletes ``ids``."""
+        if ids.size:
+            self.store.write(ids[:0], np.empty((0, 0), np.uint8), ids)
+
+    def read(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The store's batched read."""
+        return self.store.read(ids, record_bytes)
+
+    def take(self, ids: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The store's read-and-delete."""
+        return self.store.take(ids, record_bytes)
+
+    def check(self) -> None:
+        """The store's check: raises while its writes still fail."""
+        self.store.check()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until the store wrote everything."""
+        self.store.flush(timeout)
+
+    def close(self, drain: bool = True) -> None:
+        """Closes the store (it writes what it queued)."""
         self.store.close()
