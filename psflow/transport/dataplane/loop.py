@@ -58,7 +58,8 @@ _IDLE_CPU = 0.001
 # (clients check a pooled connection idle over a second before they reuse it)
 _EVICTABLE_IDLE = 2.0
 
-Request = tuple[frames.FrameHead, bytes, memoryview]
+Frame = tuple[frames.FrameHead, bytes, memoryview]
+"""A whole request: its fixed header, its protobuf header, its payload."""
 Dispatch = Callable[["Connection", frames.FrameHead, bytes, memoryview], bool]
 
 
@@ -88,26 +89,28 @@ class Limits:
         idle_timeout: seconds a connection may wait for its next call.
         io_timeout: seconds a frame may take to arrive once it started, and one
             blocked send of a reply may wait.
+        thread_idle_timeout: seconds without an event after which an event-loop
+            thread beyond the first two exits.
         max_header: the largest protobuf header accepted.
         max_payload: the largest payload accepted.
         retain_bytes: a connection keeps its receive buffer across calls up to
             this size (larger payloads get a buffer of their own each time: with
             many connections, kept 64 MB buffers would add up; a tuned allocator,
             see :mod:`psflow.memory`, reuses the freed ones anyway).
-        thread_idle_timeout: seconds without an event after which an event-loop
-            thread beyond the first two exits.
     """
 
     max_connections: int = 256
     max_pending: int = 128
     max_pending_per_host: int = 64
     hello_timeout: float = 10.0
+
     idle_timeout: float = 300.0
     io_timeout: float = 60.0
+    thread_idle_timeout: float = 30.0
+
     max_header: int = frames.MAX_HEADER_BYTES
     max_payload: int = 1 << 30
     retain_bytes: int = 4 << 20
-    thread_idle_timeout: float = 30.0
 
 
 class Connection(FrameStream):
@@ -182,7 +185,7 @@ class Connection(FrameStream):
             self.frame_start = self.last
         return n
 
-    def receive(self) -> Request | None:
+    def receive(self) -> Frame | None:
         """Reads what the socket holds; returns the request it completes, or None
         (a non-blocking socket has no more now).
 

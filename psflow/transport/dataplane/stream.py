@@ -132,10 +132,6 @@ class FrameStream:
             raise ConnectionError("the data-plane connection was closed by its peer")
         return n
 
-    def _fill(self) -> None:
-        """Receives into the staging buffer (which holds nothing unread)."""
-        self._start, self._end = 0, self._recv(self._view)
-
     def _read(self, dest: memoryview, pos: int = 0) -> int:
         """Fills ``dest[pos:]``: staged bytes first, then a large rest straight from
         the socket, a small one through the staging buffer (which may then hold
@@ -152,8 +148,8 @@ class FrameStream:
             try:
                 if n - pos >= DIRECT_BYTES:
                     pos += self._recv(dest[pos:])
-                else:
-                    self._fill()
+                else:  # the staging buffer is empty: refill it
+                    self._start, self._end = 0, self._recv(self._view)
             except _WOULD_BLOCK:
                 break
         return pos
@@ -166,7 +162,7 @@ class FrameStream:
             ConnectionError: the peer closed the connection.
         """
         if self._start == self._end:
-            self._fill()
+            self._start, self._end = 0, self._recv(self._view)
 
     def read_into(self, dest: memoryview) -> None:
         """Fills ``dest`` (a writable byte view) with the next ``len(dest)`` bytes."""
@@ -195,7 +191,7 @@ class FrameStream:
         """Reads and drops ``n`` bytes."""
         while n > 0:
             if self._start == self._end:
-                self._fill()
+                self._start, self._end = 0, self._recv(self._view)
             take = min(n, self._end - self._start)
             self._start += take
             n -= take
