@@ -50,13 +50,6 @@ _SPEC_CACHE_SIZE = 1024
 _NO_LIMIT = 1 << 62
 
 
-def _parse_header(header_bytes: bytes, header_cls: type) -> Any:
-    try:
-        return header_cls.FromString(header_bytes)
-    except Exception as e:
-        raise InvalidArgumentError(f"malformed {header_cls.__name__}: {e}") from e
-
-
 def _framed(messages: Iterable[Any]) -> tuple[bytes, Iterator[memoryview]]:
     """The header of the first framed message; every payload chunk, as they arrive."""
     it = iter(messages)
@@ -208,7 +201,7 @@ class ParameterServerServicer:
         self, messages: Iterable[Any], context: grpc.ServicerContext
     ) -> ps_pb2.WriteResponse:
         header_bytes, payloads = _framed(messages)
-        header = _parse_header(header_bytes, ps_pb2.WriteHeader)
+        header = framing.parse_header(header_bytes, ps_pb2.WriteHeader)
         if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
             raise InvalidArgumentError(f"unknown write op {header.op}")
         specs = []
@@ -280,7 +273,7 @@ class ParameterServerServicer:
         given), and gRPC's.  The snapshot stays consistent until ``release``, once the
         buffers are sent (writers copy meanwhile)."""
         start = time.perf_counter() if self.metrics is not None else 0.0
-        names, rows = self._pull_parts(_parse_header(request.header, ps_pb2.PullRequest))
+        names, rows = self._pull_parts(framing.parse_header(request.header, ps_pb2.PullRequest))
         limit = self._plane_max_payload if limit is None else limit
         stack = contextlib.ExitStack()
         try:
@@ -336,7 +329,7 @@ class ParameterServerServicer:
         payload, in a buffer the data plane reuses once this returns;
         ``request.peer_gone``: a synchronous push stops waiting for nobody."""
         start = time.perf_counter()
-        header = _parse_header(request.header, ps_pb2.PushHeader)
+        header = framing.parse_header(request.header, ps_pb2.PushHeader)
         context = messages.push_context(header, request.time_remaining())
         push_id = context.push_id
         set_log_context(step=context.step, request_id=f"{push_id[0][:64]}:{push_id[1]}")

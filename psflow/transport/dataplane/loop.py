@@ -196,7 +196,7 @@ class Connection(FrameStream):
         """
         while self._parts:
             part = self._parts[0]
-            self._pos = self._read(part, self._pos)
+            self._pos = self.read_into(part, self._pos)
             if self._pos < len(part):
                 return None
             self._parts.pop(0)
@@ -290,12 +290,18 @@ class EventLoop:
             return len(self._conns)
 
     def add(self, conn: Connection) -> None:
-        """Takes over a welcomed connection.  The calling thread serves what already
-        followed the HELLO, if anything; without epoll, every call until the
-        connection ends."""
+        """Takes over an authenticated connection: counts it, then sends its WELCOME
+        (a client that has it sees it counted) and serves what follows.  The
+        calling thread serves what already came, if anything; without epoll,
+        every call until the connection ends."""
         conn.busy = True
         with self._lock:
             self._conns[conn.sock.fileno()] = conn
+        try:
+            conn.send_frame(frames.Kind.WELCOME)
+        except (OSError, ValueError) as e:
+            self.close(conn, e)
+            return
         if self._epoll is None:
             conn.thread = threading.current_thread()
             self._serve(conn)

@@ -153,8 +153,6 @@ class DataPlaneServer:
         self._listener = self._bind(host, port)
         self.port = self._listener.getsockname()[1]
         self._stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._handshaking: set[_Accepted] = set()
         self._door = door.Door(
             max_pending=self.limits.max_pending,
             max_pending_per_host=self.limits.max_pending_per_host,
@@ -233,8 +231,7 @@ class DataPlaneServer:
         if self._accept_thread is not None:
             self._accept_thread.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
-        with self._lock:
-            handshaking = list(self._handshaking)
+        handshaking = self._door.waiting()
         for accepted in handshaking:
             _shutdown(accepted.sock)
         self._loop.stop(deadline)
@@ -245,8 +242,7 @@ class DataPlaneServer:
     @property
     def connections(self) -> int:
         """Connections open now (handshakes under way included)."""
-        with self._lock:
-            return len(self._handshaking) + self._loop.connections
+        return self._door.pending + self._loop.connections
 
     @property
     def pending_handshakes(self) -> int:
@@ -272,8 +268,6 @@ class DataPlaneServer:
             for old in evicted:
                 self._refused(old.peer, "closed before its handshake ended: a newer one came")
                 _shutdown(old.sock)
-            with self._lock:
-                self._handshaking.add(accepted)
             accepted.thread = threading.Thread(
                 target=self._serve,
                 args=(accepted, deadline),
@@ -327,13 +321,10 @@ class DataPlaneServer:
                     f"the data plane serves at most {self.max_connections} connections",
                 )
                 return
-            sock.sendall(frames.pack(frames.Kind.WELCOME))
             # authenticated: only now are a connection's buffers allocated for this peer
             conn = Connection(sock, peer, nonblocking=self._loop.nonblocking, limits=self.limits)
-            with self._lock:
-                self._handshaking.discard(accepted)
             welcomed = True
-            self._loop.add(conn)
+            self._loop.add(conn)  # counts it, then sends its WELCOME
         except frames.FrameError as e:
             self._refused(peer, str(e), "malformed_frame")
         except ssl.SSLError as e:
@@ -347,8 +338,6 @@ class DataPlaneServer:
             if not welcomed:
                 _shutdown(sock)
                 sock.close()
-                with self._lock:
-                    self._handshaking.discard(accepted)
 
     def _read_failed(self, conn: Connection, error: BaseException) -> None:
         if isinstance(error, frames.FrameError):

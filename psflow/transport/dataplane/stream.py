@@ -6,7 +6,7 @@ with ``recv_into`` straight into the caller's destination, and writes hand the
 header and every payload buffer to one ``sendmsg`` without joining them.  Both
 release the GIL while the kernel copies.  The same reads serve a blocking
 socket (the client's, a collective's) and a non-blocking one (the server's
-event loop): :meth:`FrameStream._read` then stops where the kernel has no more.
+event loop): :meth:`FrameStream.read_into` then stops where the kernel has no more.
 
 Failures surface as Python's own: ``ConnectionError`` (the peer closed or
 reset), ``TimeoutError`` (the socket's timeout passed), ``ssl.SSLError``;
@@ -132,11 +132,12 @@ class FrameStream:
             raise ConnectionError("the data-plane connection was closed by its peer")
         return n
 
-    def _read(self, dest: memoryview, pos: int = 0) -> int:
-        """Fills ``dest[pos:]``: staged bytes first, then a large rest straight from
-        the socket, a small one through the staging buffer (which may then hold
-        the next frame's first bytes too).  Returns how far ``dest`` is filled:
-        all of it, unless a non-blocking socket has nothing more now."""
+    def read_into(self, dest: memoryview, pos: int = 0) -> int:
+        """Fills ``dest[pos:]`` (a writable byte view): staged bytes first, then a
+        large rest straight from the socket, a small one through the staging
+        buffer (which may then hold the next frame's first bytes too).  Returns
+        how far ``dest`` is filled: all of it, unless a non-blocking socket has
+        nothing more now."""
         n = len(dest)
         while pos < n:
             have = min(n - pos, self._end - self._start)
@@ -164,10 +165,6 @@ class FrameStream:
         if self._start == self._end:
             self._start, self._end = 0, self._recv(self._view)
 
-    def read_into(self, dest: memoryview) -> None:
-        """Fills ``dest`` (a writable byte view) with the next ``len(dest)`` bytes."""
-        self._read(dest)
-
     def read_bytes(self, n: int) -> bytes:
         """The next ``n`` bytes."""
         if self._end - self._start >= n:
@@ -175,7 +172,7 @@ class FrameStream:
             self._start += n
             return out
         buf = bytearray(n)
-        self._read(memoryview(buf))
+        self.read_into(memoryview(buf))
         return bytes(buf)
 
     def read_head(self) -> frames.FrameHead:
