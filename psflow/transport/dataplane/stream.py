@@ -265,6 +265,7 @@ class FrameStream:
                     if release is not None:  # a slow reader waits on a copy, not on a lock
                         views = [memoryview(b"".join(views))]
                         release()
+                        release = None
                     waiting = True
                     self.sock.settimeout(self.io_timeout)  # a non-blocking stream has one
                     continue
