@@ -222,7 +222,7 @@ class Connection(FrameStream):
         self.began = self.last if self.frame_start is None else self.frame_start
         # the next frame's clock starts with its first bytes (already here if pipelined)
         self.frame_start = self.last if self._start < self._end else None
-        self._head = None
+        self._head, self._payload = None, memoryview(b"")  # a large one is not kept
         self._header = bytearray(frames.FIXED.size)
         self._parts = [memoryview(self._header)]
         return request
@@ -295,6 +295,8 @@ class EventLoop:
         calling thread serves what already came, if anything; without epoll,
         every call until the connection ends."""
         conn.busy = True
+        if self._epoll is None:
+            conn.thread = threading.current_thread()  # which alone closes its socket
         with self._lock:
             self._conns[conn.sock.fileno()] = conn
         try:
@@ -302,10 +304,7 @@ class EventLoop:
         except (OSError, ValueError) as e:
             self.close(conn, e)
             return
-        if self._epoll is None:
-            conn.thread = threading.current_thread()
-            self._serve(conn)
-        elif conn.pending():
+        if self._epoll is None or conn.pending():
             self._serve(conn)
         else:
             self._arm(conn)
@@ -430,6 +429,8 @@ class EventLoop:
             conn.busy = False
             fd = conn.sock.fileno()
             try:
+                if self._stopping.is_set():  # stop() may have listed the connections already
+                    raise ConnectionAbortedError("the data plane is stopping")
                 try:
                     self._epoll.modify(fd, flags)
                 except FileNotFoundError:
