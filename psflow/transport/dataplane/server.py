@@ -143,7 +143,6 @@ class DataPlaneServer:
         self.host = host
         self.security = security
         self.limits = Limits(**limits)
-        self.max_connections = self.limits.max_connections
         self._on_reject = on_reject
         self._around = around or (lambda _request: contextlib.nullcontext())
         self._handlers: dict[int, tuple[str, Handler]] = {}
@@ -313,12 +312,13 @@ class DataPlaneServer:
             if not authenticated or self._stopping.is_set():
                 return
             if not self._loop.make_room():
-                why = f"{self.max_connections} connections open (the limit), none idle"
+                limit = self.limits.max_connections
+                why = f"{limit} connections open (the limit), none idle"
                 self._refused(peer, why, "too_many_connections")
                 _send_raw_status(
                     sock,
                     Code.RESOURCE_EXHAUSTED,
-                    f"the data plane serves at most {self.max_connections} connections",
+                    f"the data plane serves at most {limit} connections",
                 )
                 return
             # authenticated: only now are a connection's buffers allocated for this peer
