@@ -73,44 +73,37 @@ def available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What the data-plane server allows, for every connection.
-
-    Attributes:
-        max_connections: authenticated connections served at once; at the limit
-            the one idle longest (at least a few seconds) is closed for a new one,
-            or else the new one is refused.
-        max_pending: connections that have not finished their handshake, at once
-            (apart from ``max_connections``); at this budget, or at
-            ``max_pending_per_host`` from one address, the oldest handshake is
-            closed for the new one (see :mod:`.door`).
-        max_pending_per_host: the same budget for one address.
-        hello_timeout: seconds from accept by which the HELLO (and the TLS
-            handshake) must be done.
-        idle_timeout: seconds a connection may wait for its next call.
-        io_timeout: seconds a frame may take to arrive once it started, and one
-            blocked send of a reply may wait.
-        thread_idle_timeout: seconds without an event after which an event-loop
-            thread beyond the first two exits.
-        max_header: the largest protobuf header accepted.
-        max_payload: the largest payload accepted.
-        retain_bytes: a connection keeps its receive buffer across calls up to
-            this size (larger payloads get a buffer of their own each time: with
-            many connections, kept 64 MB buffers would add up; a tuned allocator,
-            see :mod:`psflow.memory`, reuses the freed ones anyway).
-    """
+    """What the data-plane server allows, for every connection (each field documented
+    where it is set)."""
 
     max_connections: int = 256
+    """Authenticated connections served at once; at the limit the one idle longest
+    (at least a few seconds) is closed for a new one, or else the new one is refused."""
     max_pending: int = 128
+    """Connections that have not finished their handshake, at once (apart from
+    ``max_connections``); at this budget, or at ``max_pending_per_host`` from one
+    address, the oldest handshake is closed for the new one (see :mod:`.door`)."""
     max_pending_per_host: int = 64
+    """The same budget for one address."""
     hello_timeout: float = 10.0
-
+    """Seconds from accept by which the HELLO (and the TLS handshake) must be done."""
     idle_timeout: float = 300.0
+    """Seconds a connection may wait for its next call."""
     io_timeout: float = 60.0
+    """Seconds a frame may take to arrive once it started, and one blocked send of a
+    reply may wait."""
     thread_idle_timeout: float = 30.0
-
+    """Seconds without an event after which an event-loop thread beyond the first two
+    exits."""
     max_header: int = frames.MAX_HEADER_BYTES
+    """The largest protobuf header accepted."""
     max_payload: int = 1 << 30
+    """The largest payload accepted."""
     retain_bytes: int = 4 << 20
+    """A connection keeps its receive buffer across calls up to this size (larger
+    payloads get a buffer of their own each time: with many connections, kept 64 MB
+    buffers would add up; a tuned allocator, see :mod:`psflow.memory`, reuses the
+    freed ones anyway)."""
 
 
 class Connection(FrameStream):
