@@ -14,7 +14,7 @@ EmbeddingService) on both transports.  Around each call it does, once:
 
 The transports then only render the error's :func:`~psflow.errors.status_of`:
 gRPC aborts with it (:meth:`Edge.grpc_method`), the data-plane server sends it
-in an ERROR frame (:meth:`Edge.plane_method` lets it propagate).
+in an ERROR frame (:meth:`Edge.plane_call` lets it propagate).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from psflow.errors import (
 from psflow.observability.logs import log_context
 from psflow.observability.services import PSMetrics
 from psflow.security.limits import StreamGate
-from psflow.transport.dataplane import Handler, Reply, Request
+from psflow.transport.dataplane import Request
 
 from .idle import IdleWatch, Watched, touching
 
@@ -156,15 +156,10 @@ class Edge:
         peer = context.peer() if self.gate is not None or self.idle is not None else ""
         return _Call(self, name, peer, lambda: not context.is_active(), context.time_remaining)
 
-    def plane_method(self, name: str, fn: Handler) -> Handler:
-        """``fn`` as a data-plane handler; its typed errors propagate to the data-plane
-        server, which answers them in an ERROR frame."""
-
-        def handle(request: Request) -> Reply:
-            with _Call(self, name, request.peer, request.peer_gone, request.time_remaining):
-                return fn(request)
-
-        return handle
+    def plane_call(self, request: Request) -> _Call:
+        """The context a data-plane call runs in (the data-plane server's ``around``);
+        its typed errors propagate to the server, which answers them in an ERROR frame."""
+        return _Call(self, request.method, request.peer, request.peer_gone, request.time_remaining)
 
     # -- admission ------------------------------------------------------------------------
     def take_slot(self, peer: str) -> None:

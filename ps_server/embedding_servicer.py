@@ -185,14 +185,10 @@ class EmbeddingServicer:
         empty (dtype and shape only); the payload is their bytes back to back
         in field order.  A lookup's reply is likewise a ``LookupResponse``
         header and the rows' bytes.  Same tables, checks and typed errors as
-        the gRPC methods (see :mod:`psflow.transport.embedding_plane`).
+        the gRPC methods (see :mod:`psflow.transport.embedding_plane`); the
+        server runs them in the edge's :meth:`~ps_server.edge.Edge.plane_call`.
         """
-        return {
-            embedding_plane.LOOKUP: self.edge.plane_method(
-                embedding_plane.LOOKUP, self._plane_lookup
-            ),
-            embedding_plane.PUSH: self.edge.plane_method(embedding_plane.PUSH, self._plane_push),
-        }
+        return {embedding_plane.LOOKUP: self._plane_lookup, embedding_plane.PUSH: self._plane_push}
 
     def _plane_tensors(self, request: Request, specs: list[tuple[Any, str]]) -> list[np.ndarray]:
         arrays = embedding_plane.split_payload(

@@ -21,6 +21,7 @@ from psflow import serving, settings
 from psflow.errors import InvalidArgumentError, OpError
 from psflow.ps.tiered_table import TierOptions
 from psflow.security.limits import DEFAULT_MAX_SYNC_CONTRIBUTORS, PSLimits
+from psflow.transport.dataplane.loop import Limits
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.shm import MIRROR_IDLE_SECONDS
 
@@ -54,10 +55,11 @@ class DataPlaneOptions:
 
     port: int = 0
     advertise: str = ""
-    max_connections: int = 256
-    idle_timeout: float = 300.0
-    hello_timeout: float = 10.0
-    io_timeout: float = 60.0
+    # the data plane's own defaults (one place for them)
+    max_connections: int = Limits.max_connections
+    idle_timeout: float = Limits.idle_timeout
+    hello_timeout: float = Limits.hello_timeout
+    io_timeout: float = Limits.io_timeout
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

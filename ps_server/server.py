@@ -155,6 +155,7 @@ def start_data_plane(
         io_timeout=plane_options.io_timeout,
         max_payload=max_payload,
         on_reject=None if metrics is None else metrics.record_rejection,
+        around=servicer.edge.plane_call,  # the one edge of every call, both services'
     ).start()
     advertise = plane_options.advertise
     servicer.announce_data_plane(plane.port, advertise, max_payload)

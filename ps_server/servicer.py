@@ -10,10 +10,9 @@ gradients reach the update rule as views of the received chunks.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -28,6 +27,7 @@ from psflow.proto import ps_pb2
 from psflow.ps import write_ops
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.names import quote
+from psflow.ps.rule_cache import parse_config
 from psflow.ps.store import VariableMeta, VariableStore
 from psflow.ps.tensors import check_extent, segments_from_pieces
 from psflow.security.limits import limit_exceeded
@@ -48,37 +48,17 @@ _HEADER_SLACK = 1 << 20
 _MIN_CHUNK = 4096
 _SPEC_CACHE_SIZE = 1024
 _NO_LIMIT = 1 << 62
-MAX_OPTIMIZER_JSON = 64 << 10
 
 
-def _left(context: grpc.ServicerContext) -> Callable[[], bool]:
-    """Whether a gRPC call's client has left (cancelled, its deadline passed, gone)."""
-    return lambda: not context.is_active()
-
-
-def _parse_header(header_bytes: bytes | None, header_cls: type) -> Any:
-    if header_bytes is None:
-        raise InvalidArgumentError("the first message of a request carries no header")
-    try:
-        return header_cls.FromString(header_bytes)
-    except Exception as e:
-        raise InvalidArgumentError(f"malformed {header_cls.__name__}: {e}") from e
-
-
-def _framed_unary(message: Any, header_cls: type) -> tuple[Any, tuple[memoryview, ...]]:
-    """The header and payload of a one-message request (no stream iterator to drive)."""
-    header_bytes, payload = _check(message)
-    return _parse_header(header_bytes, header_cls), (() if payload is None else (payload,))
-
-
-def _framed(messages: Iterable[Any], header_cls: type) -> tuple[Any, Iterator[memoryview]]:
-    """Parses the header of the first framed message; yields every payload chunk."""
+def _framed(messages: Iterable[Any]) -> tuple[bytes, Iterator[memoryview]]:
+    """The header of the first framed message; every payload chunk, as they arrive."""
     it = iter(messages)
     try:
-        header_bytes, first_payload = _check(next(it))
+        header, first_payload = _check(next(it))
     except StopIteration:
         raise InvalidArgumentError("empty request stream: no header") from None
-    header = _parse_header(header_bytes, header_cls)
+    if header is None:
+        raise InvalidArgumentError("the first message of a request carries no header")
 
     def payloads() -> Iterator[memoryview]:
         if first_payload is not None:
@@ -93,10 +73,13 @@ def _framed(messages: Iterable[Any], header_cls: type) -> tuple[Any, Iterator[me
     return header, payloads()
 
 
-def _receive(assembler: framing.PayloadAssembler, payloads: Iterable[memoryview]) -> None:
-    for payload in payloads:
-        assembler.feed(payload)
-    assembler.finish()
+def _grpc_request(name: str, header: bytes, context: grpc.ServicerContext) -> Request:
+    """A gRPC call as a data-plane handler sees one (its payload, if any, apart)."""
+    left = context.time_remaining()
+    deadline = None if left is None else time.monotonic() + left
+    return Request(
+        name, header, memoryview(b""), context.peer(), deadline, lambda: not context.is_active()
+    )
 
 
 class ParameterServerServicer:
@@ -145,6 +128,8 @@ class ParameterServerServicer:
         }
         for name, (kind, req_cls, _resp_cls, framed_req, framed_resp) in METHODS.items():
             parse = framing.split_message if framed_req else req_cls.FromString
+            if name == "Pull":  # its header is parsed by _pull, which the data plane calls
+                parse = bytes
             fn = self.edge.grpc_method(
                 name, getattr(self, name), streaming=kind is not Kind.UNARY_UNARY
             )
@@ -165,39 +150,8 @@ class ParameterServerServicer:
 
     def data_plane_handlers(self) -> dict[str, Handler]:
         """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves:
-        Push and Pull, through the same edge as the gRPC ones."""
-        return {
-            "Push": self.edge.plane_method("Push", self._plane_push),
-            "Pull": self.edge.plane_method("Pull", self._plane_pull),
-        }
-
-    def _plane_push(self, request: Request) -> Reply:
-        header = _parse_header(request.header, ps_pb2.PushHeader)
-        reply = self._push(
-            header, (), request.time_remaining(), request.peer_gone, borrowed=request.payload
-        )
-        return Reply(reply.SerializeToString())
-
-    def _plane_pull(self, request: Request) -> Reply:
-        start = time.perf_counter() if self.metrics is not None else 0.0
-        names, rows = self._pull_parts(_parse_header(request.header, ps_pb2.PullRequest))
-        stack = contextlib.ExitStack()
-        try:
-            # the snapshot stays consistent until its buffers are sent (writers copy)
-            tensors = stack.enter_context(self.store.reading(names, rows))
-            total = sum(t.value.nbytes for t in tensors)
-            if total > self._plane_max_payload:
-                raise ResourceExhaustedError(
-                    f"pull of {total} bytes exceeds the data plane's limit of "
-                    f"{self._plane_max_payload}; use PullStream"
-                )
-            header = self._pull_header(tensors)
-            buffers = [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors]
-            self._pulled(tensors, start)
-        except BaseException:
-            stack.close()
-            raise
-        return Reply(header, buffers, stack.close)
+        Push and Pull (run in the edge's :meth:`~ps_server.edge.Edge.plane_call`)."""
+        return {"Push": self._push, "Pull": self._pull}
 
     def DataPlaneInfo(
         self, request: Any, context: grpc.ServicerContext
@@ -246,7 +200,8 @@ class ParameterServerServicer:
     def _write(
         self, messages: Iterable[Any], context: grpc.ServicerContext
     ) -> ps_pb2.WriteResponse:
-        header, payloads = _framed(messages, ps_pb2.WriteHeader)
+        header_bytes, payloads = _framed(messages)
+        header = framing.parse_header(header_bytes, ps_pb2.WriteHeader)
         if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
             raise InvalidArgumentError(f"unknown write op {header.op}")
         specs = []
@@ -256,7 +211,9 @@ class ParameterServerServicer:
             )
             specs.append((v, dtype, shape, nbytes))
         assembler = framing.PayloadAssembler([s[3] for s in specs])
-        _receive(assembler, payloads)
+        for payload in payloads:
+            assembler.feed(payload)
+        assembler.finish()
         values = [
             segments_from_pieces(
                 dtype, shape, assembler.pieces(i), what=f"value of {quote(v.name)}"
@@ -306,30 +263,42 @@ class ParameterServerServicer:
                 rows[i] = codec.decode_tensor(idx, max_bytes=_NO_LIMIT)
         return names, rows
 
-    _pull_header = staticmethod(messages.pull_header)
-
     def _pulled(self, tensors: list, start: float) -> None:
         if self.metrics is not None:
             sizes = [(t.name, t.value.nbytes) for t in tensors]
             self.metrics.record_pull(sizes, time.perf_counter() - start)
 
-    def Pull(self, request: Any, context: grpc.ServicerContext) -> bytes:
-        """Reads variables; header and payload in one message."""
+    def _pull(self, request: Request, limit: int | None = None) -> Reply:
+        """Reads variables: the data plane's Pull (``limit``: its payload limit unless
+        given), and gRPC's.  The snapshot stays consistent until ``release``, once the
+        buffers are sent (writers copy meanwhile)."""
         start = time.perf_counter() if self.metrics is not None else 0.0
-        names, rows = self._pull_parts(request)
-        with self.store.reading(names, rows) as tensors:
+        names, rows = self._pull_parts(framing.parse_header(request.header, ps_pb2.PullRequest))
+        limit = self._plane_max_payload if limit is None else limit
+        stack = contextlib.ExitStack()
+        try:
+            tensors = stack.enter_context(self.store.reading(names, rows))
             total = sum(t.value.nbytes for t in tensors)
-            if total > self.max_unary_payload:
+            if total > limit:
                 raise ResourceExhaustedError(
-                    f"pull of {total} bytes exceeds the unary limit of "
-                    f"{self.max_unary_payload}; use PullStream"
+                    f"pull of {total} bytes exceeds the limit of {limit} on one reply; "
+                    "use PullStream"
                 )
-            reply = framing.encode_message(
-                self._pull_header(tensors),
-                [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors],
-            )
+            header = messages.pull_header(tensors)
+            buffers = [framing.byte_view(codec.c_contiguous(t.value)) for t in tensors]
             self._pulled(tensors, start)
-            return reply
+        except BaseException:
+            stack.close()
+            raise
+        return Reply(header, buffers, stack.close)
+
+    def Pull(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Reads variables; header and payload in one message."""
+        reply = self._pull(_grpc_request("Pull", request, context), self.max_unary_payload)
+        try:
+            return framing.encode_message(reply.header, reply.buffers)
+        finally:
+            reply.release()
 
     def PullStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Reads variables; the payload follows the header in chunks."""
@@ -340,62 +309,53 @@ class ParameterServerServicer:
         start = time.perf_counter()
         with self.store.reading(names, rows) as tensors:
             yield from framing.payload_messages(
-                self._pull_header(tensors), [codec.c_contiguous(t.value) for t in tensors], chunk
+                messages.pull_header(tensors), [codec.c_contiguous(t.value) for t in tensors], chunk
             )
             self._pulled(tensors, start)
 
     # -- pushes ------------------------------------------------------------------------
-    def Push(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+    def Push(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """Applies gradients (unary)."""
-        header, payloads = _framed_unary(request, ps_pb2.PushHeader)
-        return self._push(header, payloads, context.time_remaining(), _left(context))
+        return self.PushStream([request], context)
 
-    def PushStream(
-        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
-    ) -> ps_pb2.PushResponse:
+    def PushStream(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> bytes:
         """Applies gradients (streamed payload)."""
-        header, payloads = _framed(request_iterator, ps_pb2.PushHeader)
-        return self._push(header, payloads, context.time_remaining(), _left(context))
+        header, chunks = _framed(request_iterator)
+        return self._push(_grpc_request("Push", header, context), chunks).header
 
-    def _push(
-        self,
-        header: Any,
-        payloads: Iterable[memoryview],
-        timeout: float | None,
-        client_gone: Callable[[], bool],
-        *,
-        borrowed: memoryview | None = None,
-    ) -> ps_pb2.PushResponse:
-        """Applies a push: one function for every edge.  ``payloads``: the payload's
-        chunks as received; ``borrowed``: instead, the whole payload in a buffer the
-        caller reuses once this returns (the data plane's); ``client_gone``: whether
-        the caller has left (a synchronous push stops waiting for nobody)."""
+    def _push(self, request: Request, chunks: Iterable[memoryview] | None = None) -> Reply:
+        """Applies a push: the data plane's handler, and gRPC's with ``chunks``, the
+        payload's chunks as received.  Without them ``request.payload`` is the whole
+        payload, in a buffer the data plane reuses once this returns;
+        ``request.peer_gone``: a synchronous push stops waiting for nobody."""
         start = time.perf_counter()
-        context = messages.push_context(header, timeout)
+        header = framing.parse_header(request.header, ps_pb2.PushHeader)
+        context = messages.push_context(header, request.time_remaining())
         push_id = context.push_id
         set_log_context(step=context.step, request_id=f"{push_id[0][:64]}:{push_id[1]}")
         decoded = messages.decode_push(
             header,
-            payloads,
+            chunks or (),
             spec=self._gradient_spec,
             shm_view=self._shm_payloads.view,
             chunk_bytes=self.chunk_bytes,
-            borrowed=borrowed,
+            borrowed=request.payload if chunks is None else None,
             owned=context.step is not None,  # a sync contribution outlives this call
         )
-        result = self.store.push(decoded.grads, context, client_gone=client_gone)
+        result = self.store.push(decoded.grads, context, client_gone=request.peer_gone)
         if self.metrics is not None:  # only now: a rejected push leaves no series behind
             self.metrics.record_push_seen(push_id[0], context.step)
         if self.metrics is not None and not result.duplicate:
             self.metrics.record_push(
                 decoded.item_bytes, time.perf_counter() - start, result.staleness
             )
-        return ps_pb2.PushResponse(
+        reply = ps_pb2.PushResponse(
             versions=result.versions,
             applied=result.applied,
             duplicate=result.duplicate,
             staleness=result.staleness,
         )
+        return Reply(reply.SerializeToString())
 
     # -- the rest -------------------------------------------------------------------------
     def ListVariables(
@@ -520,29 +480,9 @@ class ParameterServerServicer:
 
 
 def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
+    # a push's reply comes serialized: the data plane sends the same bytes
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:
-    if not text:
-        return None
-    if len(text) > MAX_OPTIMIZER_JSON:
-        raise InvalidArgumentError(
-            f"optimizer config of {quote(what)} is {len(text)} characters, above the limit "
-            f"of {MAX_OPTIMIZER_JSON}"
-        )
-    try:
-        config = json.loads(text)
-    except RecursionError as e:
-        raise InvalidArgumentError(
-            f"optimizer config of {quote(what)} is nested too deeply: {quote(text)}"
-        ) from e
-    except ValueError as e:  # not JSON, or an integer of more digits than Python converts
-        raise InvalidArgumentError(
-            f"optimizer config of {quote(what)} is not JSON ({e}): {quote(text)}"
-        ) from e
-    if not isinstance(config, dict):
-        raise InvalidArgumentError(
-            f"optimizer config of {quote(what)} is not an object: {quote(text)}"
-        )
-    return config
+    return parse_config(text, f"optimizer config of {quote(what)}") if text else None

@@ -11,6 +11,7 @@ threads, started for calls that block, retire once idle.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import ssl
 import threading
@@ -112,10 +113,20 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+def _waits(wait: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``thread``: the server sees no epoll and serves each connection on its own
+    thread, through the same request path."""
+    if wait == "thread":
+        monkeypatch.delattr(select, "epoll", raising=False)
+
+
+@pytest.mark.parametrize("wait", ["epoll", "thread"])
 @pytest.mark.parametrize("kind", ["plain", "tls"])
-def test_unknown_method_is_unimplemented_over_either_connection(pki, kind):
+def test_unknown_method_is_unimplemented_over_either_connection(pki, kind, wait, monkeypatch):
+    _waits(wait, monkeypatch)
     security = _security(pki, kind)
     with _served(security) as (server, _):
+        assert (server.loop_threads == 0) == (wait == "thread")
         sock = _welcomed(server, security)
         try:
             sock.sendall(frames.pack(frames.Kind.REQUEST, method=12345, call_id=3))
@@ -140,8 +151,12 @@ def test_unknown_method_is_unimplemented_over_either_connection(pki, kind):
             client.call("Nope", b"", timeout=10)
 
 
+@pytest.mark.parametrize("wait", ["epoll", "thread"])
 @pytest.mark.parametrize("kind", ["plain", "tls"])
-def test_a_deadline_that_passes_while_the_frame_trickles_in_is_deadline_exceeded(pki, kind):
+def test_a_deadline_that_passes_while_the_frame_trickles_in_is_deadline_exceeded(
+    pki, kind, wait, monkeypatch
+):
+    _waits(wait, monkeypatch)
     security = _security(pki, kind)
     ran = threading.Event()
 
@@ -150,6 +165,7 @@ def test_a_deadline_that_passes_while_the_frame_trickles_in_is_deadline_exceeded
         return _echo(request)
 
     with _served(security, handlers={"Echo": echo}) as (server, _):
+        assert (server.loop_threads == 0) == (wait == "thread")
         sock = _welcomed(server, security)
         try:
             payload = b"x" * 100

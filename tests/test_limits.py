@@ -140,11 +140,15 @@ def test_tensor_and_variable_limits(limited_ps):
     assert _rejected(limited_ps, "too_many_variables") == 1
 
 
-def test_calls_above_max_streams_are_refused_at_once(start_ps):
+@pytest.mark.parametrize("via", ["grpc", "data plane"])
+def test_calls_above_max_streams_are_refused_at_once(start_ps, via):
+    """The data plane's calls pass the same edge as gRPC's: the same gate refuses them."""
     limited_ps = start_ps("--max-streams", "2", "--metrics-port", "auto")
+    plane = PSClient(limited_ps.address, timeout=10)
     with PSClient(limited_ps.address, timeout=30) as client:
         client.create_variable("s", np.zeros(4, np.float32), optimizer={"name": "sgd"})
         client.configure_optimizer(["s"], {"name": "sgd", "learning_rate": 1.0})
+    plane.push({"s": np.zeros(4, np.float32)})  # its data plane found and connected now
     release = threading.Event()
 
     def held_push(seq: int, grad: np.ndarray):
@@ -165,15 +169,22 @@ def test_calls_above_max_streams_are_refused_at_once(start_ps):
                 assert time.monotonic() < deadline, "the two held streams never became active"
                 time.sleep(0.05)
             start = time.monotonic()
-            with pytest.raises(grpc.RpcError) as info:
-                channel.unary_unary(method_path("Push"))(
-                    _raw_push("s", [4], grads[2].tobytes(), 3), timeout=10
-                )
+            if via == "grpc":
+                with pytest.raises(grpc.RpcError) as info:
+                    channel.unary_unary(method_path("Push"))(
+                        _raw_push("s", [4], grads[2].tobytes(), 3), timeout=10
+                    )
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                details = info.value.details()
+            else:
+                with pytest.raises(ResourceExhaustedError) as refused:
+                    plane.push({"s": grads[2]})
+                details = str(refused.value)
             assert time.monotonic() - start < 5
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "3 concurrent calls exceeds the limit --max-streams=2" in info.value.details()
+            assert "3 concurrent calls exceeds the limit --max-streams=2" in details
         finally:
             release.set()
+            plane.close()
         for future in held:
             assert ps_pb2.PushResponse.FromString(future.result(30)).applied
     with PSClient(limited_ps.address, timeout=30) as client:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from psflow.errors import InvalidArgumentError
 from psflow.update_rules import UpdateRule, rule_from_config
 
 from .names import quote
 
-__all__ = ["MAX_RULE_JSON", "RuleCache"]
+__all__ = ["MAX_RULE_JSON", "RuleCache", "parse_config"]
 
 # Larger than any real rule config (a few hundred characters), small enough
 # that a hostile text costs little to reject.
@@ -59,19 +60,28 @@ class RuleCache:
         return rule
 
 
-def _parse(text: str) -> UpdateRule:
+def parse_config(text: str, what: str) -> dict[str, Any]:
+    """``text``, a JSON object of at most :data:`MAX_RULE_JSON` characters (an update
+    rule's or an optimizer's config), as a dict.
+
+    Raises:
+        InvalidArgumentError: too long, too deeply nested, not JSON or not an object
+            (the message starts with ``what``).
+    """
     if len(text) > MAX_RULE_JSON:
         raise InvalidArgumentError(
-            f"update rule of a push is {len(text)} characters, above the limit of {MAX_RULE_JSON}"
+            f"{what} is {len(text)} characters, above the limit of {MAX_RULE_JSON}"
         )
     try:
         config = json.loads(text)
     except RecursionError as e:
-        raise InvalidArgumentError(
-            f"update rule of a push is nested too deeply: {quote(text)}"
-        ) from e
+        raise InvalidArgumentError(f"{what} is nested too deeply: {quote(text)}") from e
     except ValueError as e:  # not JSON, or an integer of more digits than Python converts
-        raise InvalidArgumentError(f"update rule of a push is not JSON ({e}): {quote(text)}") from e
+        raise InvalidArgumentError(f"{what} is not JSON ({e}): {quote(text)}") from e
     if not isinstance(config, dict):
-        raise InvalidArgumentError(f"update rule of a push is not an object: {quote(text)}")
-    return rule_from_config(config)
+        raise InvalidArgumentError(f"{what} is not an object: {quote(text)}")
+    return config
+
+
+def _parse(text: str) -> UpdateRule:
+    return rule_from_config(parse_config(text, "update rule of a push"))

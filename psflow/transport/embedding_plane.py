@@ -52,16 +52,8 @@ def spec(array: np.ndarray) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=codec.dtype_to_wire(array.dtype), shape=list(array.shape))
 
 
-def parse(raw: bytes, cls: Any) -> Any:
-    """The header message ``cls`` of ``raw`` bytes.
-
-    Raises:
-        InvalidArgumentError: the bytes do not parse.
-    """
-    try:
-        return cls.FromString(raw)
-    except Exception as e:  # protobuf DecodeError and friends
-        raise InvalidArgumentError(f"malformed {cls.__name__} header: {e}") from None
+parse = framing.parse_header
+"""The header message ``cls`` of ``raw`` bytes (InvalidArgumentError if they do not parse)."""
 
 
 def split_payload(

@@ -30,6 +30,7 @@ __all__ = [
     "byte_view",
     "encode_message",
     "join_pieces",
+    "parse_header",
     "payload_messages",
     "split_message",
 ]
@@ -120,6 +121,19 @@ def _split_common(raw: bytes) -> tuple[bytes | None, memoryview | None] | None:
             return None
         pos = end
     return (header, payload) if pos == n else None
+
+
+def parse_header(raw: bytes, cls: Any) -> Any:
+    """The header message ``cls`` of ``raw`` bytes (a framed message's, or a data-plane
+    frame's).
+
+    Raises:
+        InvalidArgumentError: the bytes do not parse.
+    """
+    try:
+        return cls.FromString(raw)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise InvalidArgumentError(f"malformed {cls.__name__} header: {e}") from None
 
 
 def split_message(raw: bytes) -> tuple[bytes | None, memoryview | None]:

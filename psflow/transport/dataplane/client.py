@@ -54,12 +54,10 @@ Sink = Callable[[bytes, int], "memoryview | None"]
 _DEFAULT_MAX_REPLY = 1 << 34
 
 
-class _Conn:
-    __slots__ = ("last_used", "stream")
+class _Conn(FrameStream):
+    """A pooled connection: its frames, and when it was last handed back."""
 
-    def __init__(self, stream: FrameStream) -> None:
-        self.stream = stream
-        self.last_used = time.monotonic()
+    last_used = 0.0
 
 
 class DataPlaneClient:
@@ -125,7 +123,7 @@ class DataPlaneClient:
             self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
-            conn.stream.close()
+            conn.close()
 
     # -- connections ------------------------------------------------------------------
     def _error(self, method: str, code: Code, details: str, metadata=()) -> OpError:
@@ -133,42 +131,21 @@ class DataPlaneClient:
 
     def _open(self, method: str, deadline: float) -> _Conn:
         """A new connection, its HELLO accepted."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise self._error(method, Code.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        try:
-            sock = socket.create_connection((self._host, self._port), timeout=left)
-        except TimeoutError:
-            raise self._error(
-                method, Code.DEADLINE_EXCEEDED, "data plane: connect timed out"
-            ) from None
-        except OSError as e:
-            raise self._error(
-                method, Code.UNAVAILABLE, f"data plane: connect failed: {e}"
-            ) from None
-        stream = None
-        try:
+        hello, sock = frames.Kind.HELLO, None
+        with self._failures(method, lambda: sock is not None and sock.close(), hello):
+            if deadline <= time.monotonic():
+                raise TimeoutError
+            sock = socket.create_connection(
+                (self._host, self._port), timeout=deadline - time.monotonic()
+            )
             tune(sock)
             if self._tls is not None:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                try:
-                    sock = self._tls.wrap_socket(sock, server_hostname=self._server_name)
-                except ssl.SSLError as e:
-                    raise self._error(
-                        method, Code.UNAUTHENTICATED, f"data plane TLS handshake failed: {e}"
-                    ) from None
-            stream = FrameStream(
-                sock, max_header=frames.MAX_HEADER_BYTES, max_payload=self.max_reply_bytes
-            )
-            conn = _Conn(stream)
-            hello = frames.Kind.HELLO
-            with self._failures(method, conn, hello):
-                self._send(conn, hello, 0, 0, self._hello, (), deadline)
-                self._receive(method, conn, hello, 0, deadline, None)
-            return conn
-        except BaseException:
-            (stream or FrameStream(sock, max_header=0, max_payload=0)).close()
-            raise
+                sock = self._tls.wrap_socket(sock, server_hostname=self._server_name)
+            conn = _Conn(sock, max_header=frames.MAX_HEADER_BYTES, max_payload=self.max_reply_bytes)
+            self._send(conn, hello, 0, 0, self._hello, (), deadline)
+            self._raise(self._receive(method, conn, hello, 0, deadline, None))
+        return conn
 
     def _take(self, method: str, deadline: float) -> _Conn:
         with self._lock:
@@ -178,7 +155,7 @@ class DataPlaneClient:
                 conn = self._idle.pop()
                 if _reusable(conn, self.reuse_idle):
                     return conn
-                conn.stream.close()
+                conn.close()
         return self._open(method, deadline)
 
     def _give_back(self, conn: _Conn) -> None:
@@ -187,7 +164,7 @@ class DataPlaneClient:
             if not self._closed:
                 self._idle.append(conn)
                 return
-        conn.stream.close()
+        conn.close()
 
     def connect(self, timeout: float) -> None:
         """Opens one connection now (and pools it): the server is reachable and accepts us.
@@ -242,7 +219,7 @@ class DataPlaneClient:
             conn = self._take(method, deadline)
             call_id = next(self._ids)
             kind = frames.Kind.REQUEST
-            with self._failures(method, conn, kind):
+            with self._failures(method, conn.close, kind):
                 self._send(conn, kind, frames.method_id(method), call_id, header, payload, deadline)
         except BaseException:
             self._slots.release()
@@ -258,17 +235,16 @@ class DataPlaneClient:
     ) -> tuple[bytes, memoryview]:
         """Reads a sent call's reply, then hands its connection and slot back."""
         try:
-            kind = frames.Kind.REQUEST
-            with self._failures(method, conn, kind):
-                reply = self._receive(method, conn, kind, call_id, deadline, sink)
-            self._give_back(conn)
-            return reply
+            with self._failures(method, conn.close, frames.Kind.REQUEST):
+                reply = self._receive(method, conn, frames.Kind.REQUEST, call_id, deadline, sink)
+            self._give_back(conn)  # an ERROR frame's too: the connection stays usable
+            return self._raise(reply)
         finally:
             self._slots.release()
 
     def _abandon(self, conn: _Conn) -> None:
         """A sent call given up: its connection is closed, its slot freed."""
-        conn.stream.close()
+        conn.close()
         self._slots.release()
 
     def _send(
@@ -284,8 +260,8 @@ class DataPlaneClient:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
-        conn.stream.settimeout(left)
-        conn.stream.send_frame(
+        conn.settimeout(left)
+        conn.send_frame(
             kind,
             method=mid,
             call_id=call_id,
@@ -302,29 +278,22 @@ class DataPlaneClient:
         call_id: int,
         deadline: float,
         sink: Sink | None,
-    ) -> tuple[bytes, memoryview]:
-        """Reads the answer to call ``call_id``; an ERROR frame raises its typed error
-        (marked ``answered``: the connection stays usable, handed back here)."""
-        stream = conn.stream
-        stream.settimeout(max(deadline - time.monotonic(), 0.001))
-        head = stream.read_head()
-        reply_header = stream.read_bytes(head.header_len)
+    ) -> tuple[bytes, memoryview] | OpError:
+        """Reads the answer to call ``call_id``: the reply, or an ERROR frame's typed
+        error (returned, not raised: the connection is still usable)."""
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        head = conn.read_head()
+        reply_header = conn.read_bytes(head.header_len)
         if head.call_id != call_id:
             raise frames.FrameError(
                 f"a reply to call {head.call_id} where call {call_id}'s was due"
             )
         if head.kind is frames.Kind.ERROR:
-            stream.discard(head.payload_len)
+            conn.discard(head.payload_len)
             status = dataplane_pb2.DataPlaneStatus.FromString(reply_header)
             code = Code.__members__.get(status.code, Code.UNKNOWN)
-            error = self._error(
-                method, code, status.message, [(m.key, m.value) for m in status.metadata]
-            )
-            if kind is frames.Kind.HELLO:
-                stream.close()
-            else:
-                self._give_back(conn)
-            raise _Answered(error)
+            metadata = [(m.key, m.value) for m in status.metadata]
+            return self._error(method, code, status.message, metadata)
         expected = frames.Kind.WELCOME if kind is frames.Kind.HELLO else frames.Kind.REPLY
         if head.kind is not expected:
             raise frames.FrameError(f"a {head.kind.name} frame where {expected.name} was due")
@@ -335,46 +304,36 @@ class DataPlaneClient:
             raise InvalidArgumentError(
                 f"the sink gave {len(dest)} bytes for a payload of {head.payload_len}"
             )
-        stream.read_into(dest)
+        conn.read_into(dest)
         return reply_header, dest
 
+    @staticmethod
+    def _raise(reply: tuple[bytes, memoryview] | OpError) -> tuple[bytes, memoryview]:
+        if isinstance(reply, OpError):
+            raise reply
+        return reply
+
     @contextlib.contextmanager
-    def _failures(self, method: str, conn: _Conn, kind: frames.Kind) -> Iterator[None]:
-        """Maps a failure inside to its typed error; drops ``conn`` on any failure
-        but an answered status."""
-        stream = conn.stream
+    def _failures(self, method: str, drop: Callable[[], Any], kind: frames.Kind) -> Iterator[None]:
+        """Maps a failure inside to its typed error, calling ``drop`` (the connection is
+        unusable after any)."""
         try:
             yield
-        except _Answered as e:
-            raise e.error from None
-        except frames.FrameError as e:
-            stream.close()
-            raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
-        except OpError:
-            stream.close()
+        except BaseException as e:
+            drop()
+            if isinstance(e, OpError):
+                raise
+            if isinstance(e, TimeoutError):
+                raise self._error(method, Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            if isinstance(e, ssl.SSLError):
+                # TLS 1.3 reports a refused client certificate on the first read, the HELLO's
+                code = Code.UNAUTHENTICATED if kind is frames.Kind.HELLO else Code.UNAVAILABLE
+                raise self._error(method, code, f"data plane TLS: {e}") from None
+            if isinstance(e, (ConnectionError, OSError)):
+                raise self._error(method, Code.UNAVAILABLE, f"data plane: {e}") from None
+            if isinstance(e, Exception):  # a FrameError, a malformed status header
+                raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
             raise
-        except TimeoutError:
-            stream.close()
-            raise self._error(method, Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except ssl.SSLError as e:
-            stream.close()
-            # TLS 1.3 reports a refused client certificate on the first read, the HELLO's
-            code = Code.UNAUTHENTICATED if kind is frames.Kind.HELLO else Code.UNAVAILABLE
-            raise self._error(method, code, f"data plane TLS: {e}") from None
-        except (ConnectionError, OSError) as e:
-            stream.close()
-            raise self._error(method, Code.UNAVAILABLE, f"data plane: {e}") from None
-        except Exception as e:  # a malformed status header: the connection is unusable
-            stream.close()
-            raise self._error(method, Code.UNAVAILABLE, f"data plane: bad reply: {e}") from None
-
-
-class _Answered(Exception):
-    """An ERROR frame's typed error, raised past the connection-dropping handlers."""
-
-    def __init__(self, error: OpError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 _FRESH = 1.0
@@ -386,10 +345,10 @@ def _reusable(conn: _Conn, reuse_idle: float) -> bool:
     if idle > reuse_idle:
         return False
     if idle < _FRESH:  # servers close only connections idle far longer: skip the syscall
-        return not conn.stream.pending()
+        return not conn.pending()
     try:
-        readable = readable_now(conn.stream.sock)
+        readable = readable_now(conn.sock)
     except (OSError, ValueError):
         return False
     # nothing may arrive between calls: readable means closed (EOF) or out of step
-    return not readable and not conn.stream.pending()
+    return not readable and not conn.pending()

@@ -87,6 +87,11 @@ class Door:
         with self._lock:
             return len(self._pending)
 
+    def waiting(self) -> list[Any]:
+        """The handshakes under way (for a stop to shut them down)."""
+        with self._lock:
+            return list(self._pending)
+
     def _forget(self, conn: Any) -> bool:
         entry = self._pending.pop(conn, None)
         if entry is None:

@@ -4,11 +4,10 @@ A connection starts with a HELLO carrying the shared token (see
 :mod:`.auth`; TLS first when configured), read by a short-lived thread of its
 own within ``hello_timeout`` (see :mod:`.door`); a refused one gets an
 UNAUTHENTICATED ERROR frame and is closed.  A welcomed connection, plain or
-TLS, then has one request path (:mod:`.loop`): its frames are read into its
-own reusable buffers by the threads of the event loop (or, without
-``epoll``, by its own thread), and each REQUEST runs the handler its method
-id names and is answered with a REPLY whose buffers go out with one
-``sendmsg``.  A handler that raises a psflow :class:`OpError` answers an
+TLS, then has one request path (:mod:`.loop`), and every REQUEST one dispatch,
+:meth:`DataPlaneServer._call`: the handler its method id names runs (inside
+``around``, the caller's wrapper of every call), and its REPLY goes out with
+one ``sendmsg``.  A handler that raises a psflow :class:`OpError` answers an
 ERROR frame with the status gRPC would have carried
 (:func:`~psflow.errors.status_of`: the code, the message and a
 :class:`MovedError`'s redirect); so do an unknown method (UNIMPLEMENTED) and a
@@ -17,10 +16,10 @@ frame's first byte).
 
 A frame that breaks the format or the limits closes its connection with a
 logged reason before any handler runs; other connections are not affected.
-Connections are bounded in number; one idle ``idle_timeout`` seconds, or
-mid-frame longer than ``io_timeout``, is closed by the accepting thread's
-sweep; :meth:`DataPlaneServer.stop` stops accepting, shuts every connection
-down and joins the threads within a timeout.
+Connections are bounded in number (see :class:`~.loop.Limits`); idle and
+stalled ones are closed by the accepting thread's sweep;
+:meth:`DataPlaneServer.stop` stops accepting, shuts every connection down and
+joins the threads within a timeout.
 """
 
 from __future__ import annotations
@@ -50,20 +49,16 @@ from psflow.errors import (
 from psflow.proto import dataplane_pb2
 from psflow.security.config import SecurityConfig
 
-from . import auth, door, frames, loop
-from .loop import RETIRE_AFTER, Connection, EventLoop, Limits
+from . import auth, door, frames
+from .loop import Connection, EventLoop, Limits
 from .stream import tune
 
-__all__ = ["DataPlaneServer", "Handler", "Reply", "Request"]
+__all__ = ["DataPlaneServer", "Handler", "Limits", "Reply", "Request"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_PAYLOAD = 1 << 30
 _ACCEPT_POLL = 0.2
 _SWEEP = 0.5
-# an authenticated connection idle this long may be closed to make room for a new one
-# (clients check a pooled connection idle over a second before they reuse it)
-_EVICTABLE_IDLE = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +104,6 @@ Handler = Callable[[Request], Reply]
 class _Accepted:
     """A connection from accept until its handshake ends (its thread's)."""
 
-    __slots__ = ("peer", "sock", "thread")
-
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
@@ -125,29 +118,11 @@ class DataPlaneServer:
         port: the port (0: any free one; see :attr:`port`).
         security: the token and TLS material clients must present.
         handlers: method name -> handler.
-        max_connections: authenticated connections served at once; at the limit
-            the one idle longest (at least a few seconds) is closed for a new one,
-            or else the new one is refused.
-        max_pending: connections that have not finished their handshake, at once
-            (apart from ``max_connections``); at this budget, or at
-            ``max_pending_per_host`` from one address, the oldest handshake is
-            closed for the new one (see :mod:`.door`).
-        max_pending_per_host: the same budget for one address.
-        hello_timeout: seconds from accept by which the HELLO (and the TLS
-            handshake) must be done.
-        idle_timeout: seconds a connection may wait for its next call.
-        io_timeout: seconds a frame may take to arrive (or a reply to leave)
-            once it started.
-        max_header: the largest protobuf header accepted.
-        max_payload: the largest payload accepted.
-        retain_bytes: a connection keeps its receive buffer across calls up to
-            this size (larger payloads get a buffer of their own each time: with
-            many connections, kept 64 MB buffers would add up; a tuned allocator,
-            see :mod:`psflow.memory`, reuses the freed ones anyway).
         on_reject: called with a reason for every refused connection or frame
             (``"unauthenticated"``, ``"malformed_frame"``, ``"too_many_connections"``).
-        thread_idle_timeout: seconds without an event after which an event-loop
-            thread beyond the first two exits.
+        around: ``around(request)``, a context every call runs in (the PS task's
+            edge: admission, log context, metrics, typed errors); None: none.
+        **limits: the fields of :class:`~.loop.Limits` (its defaults otherwise).
 
     Raises:
         InvalidArgumentError: two handler names share a wire id.
@@ -161,25 +136,15 @@ class DataPlaneServer:
         security: SecurityConfig,
         handlers: Mapping[str, Handler],
         *,
-        max_connections: int = 256,
-        max_pending: int = 128,
-        max_pending_per_host: int = 64,
-        hello_timeout: float = 10.0,
-        idle_timeout: float = 300.0,
-        io_timeout: float = 60.0,
-        max_header: int = frames.MAX_HEADER_BYTES,
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
-        retain_bytes: int = 4 << 20,
         on_reject: Callable[[str], None] | None = None,
-        thread_idle_timeout: float = RETIRE_AFTER,
+        around: Callable[[Request], contextlib.AbstractContextManager[Any]] | None = None,
+        **limits: Any,
     ) -> None:
         self.host = host
         self.security = security
-        self.max_connections = max_connections
-        self.idle_timeout = idle_timeout
-        self.io_timeout = io_timeout
-        self._limits = Limits(max_header, max_payload, retain_bytes, io_timeout)
+        self.limits = Limits(**limits)
         self._on_reject = on_reject
+        self._around = around or (lambda _request: contextlib.nullcontext())
         self._handlers: dict[int, tuple[str, Handler]] = {}
         for name, handler in handlers.items():
             self.add_handler(name, handler)
@@ -187,30 +152,16 @@ class DataPlaneServer:
         self._listener = self._bind(host, port)
         self.port = self._listener.getsockname()[1]
         self._stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._handshaking: set[_Accepted] = set()
-        self._served: set[Connection] = set()
         self._door = door.Door(
-            max_pending=max_pending,
-            max_pending_per_host=max_pending_per_host,
-            hello_timeout=hello_timeout,
+            max_pending=self.limits.max_pending,
+            max_pending_per_host=self.limits.max_pending_per_host,
+            hello_timeout=self.limits.hello_timeout,
         )
         self._refusals = door.Refusals(log)
         self._accept_thread: threading.Thread | None = None
         self._next_sweep = 0.0
-        # welcomed connections, plain and TLS, are read by the event loop's threads
-        # (see :mod:`.loop`); where there is no epoll, each by a thread of its own
-        self._loop: EventLoop | None = None
-        if loop.available():
-            self._loop = EventLoop(
-                f"dataplane-{self.port}",
-                self._call,
-                max_threads=max_connections,
-                retire_after=thread_idle_timeout,
-                on_error=self._read_failed,
-                on_close=self._closed,
-            )
-        else:
+        self._loop = EventLoop(f"dataplane-{self.port}", self._call, self.limits, self._read_failed)
+        if not self._loop.nonblocking:
             log.info(
                 "data plane on %s:%d: no epoll on this platform (%s); "
                 "each connection is served on a thread of its own",
@@ -227,7 +178,7 @@ class DataPlaneServer:
         """Threads of the event loop serving now (two, more while calls block, fewer
         again once those idle; 0 where there is no epoll and each connection has a
         thread of its own)."""
-        return 0 if self._loop is None else self._loop.threads
+        return self._loop.threads
 
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:
@@ -259,8 +210,7 @@ class DataPlaneServer:
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> DataPlaneServer:
         """Starts accepting connections; returns self."""
-        if self._loop is not None:
-            self._loop.start()
+        self._loop.start()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"dataplane-accept-{self.port}", daemon=True
         )
@@ -280,21 +230,18 @@ class DataPlaneServer:
         if self._accept_thread is not None:
             self._accept_thread.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
-        if self._loop is not None:
-            self._loop.stop(deadline)
-        with self._lock:
-            open_now = [*self._handshaking, *self._served]
-        for conn in open_now:
-            _shutdown(conn.sock)
-        for conn in open_now:
-            if conn.thread is not None:
-                conn.thread.join(max(0.0, deadline - time.monotonic()))
+        handshaking = self._door.waiting()
+        for accepted in handshaking:
+            _shutdown(accepted.sock)
+        self._loop.stop(deadline)
+        for accepted in handshaking:
+            if accepted.thread is not None:
+                accepted.thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def connections(self) -> int:
         """Connections open now (handshakes under way included)."""
-        with self._lock:
-            return len(self._handshaking) + len(self._served)
+        return self._door.pending + self._loop.connections
 
     @property
     def pending_handshakes(self) -> int:
@@ -320,8 +267,6 @@ class DataPlaneServer:
             for old in evicted:
                 self._refused(old.peer, "closed before its handshake ended: a newer one came")
                 _shutdown(old.sock)
-            with self._lock:
-                self._handshaking.add(accepted)
             accepted.thread = threading.Thread(
                 target=self._serve,
                 args=(accepted, deadline),
@@ -331,79 +276,20 @@ class DataPlaneServer:
             accepted.thread.start()
 
     def _reap(self) -> None:
-        """Closes the handshakes past their deadline and the connections idle or
-        stalled too long; reports counted refusals."""
+        """Closes the handshakes past their deadline and, every ``_SWEEP`` s, the
+        connections idle or stalled too long; reports counted refusals."""
         for conn in self._door.expired():
             self._refused(conn.peer, f"no handshake within {self._door.hello_timeout:g} s")
             _shutdown(conn.sock)
         self._refusals.flush()
-        now = time.monotonic()
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + _SWEEP
-        with self._lock:
-            waiting = [c for c in self._served if not c.busy]
-        for conn in waiting:  # shut down: whatever waits for its bytes wakes and closes it
-            if conn.mid_frame():
-                began = conn.last if conn.frame_start is None else conn.frame_start
-                if now - began > self.io_timeout:
-                    log.debug("data plane: a frame from %s still incomplete: closed", conn.peer)
-                    conn.shutdown()
-            elif now - conn.last > self.idle_timeout:
-                log.debug(
-                    "data plane: no call from %s for %.1f s: closed", conn.peer, now - conn.last
-                )
-                conn.shutdown()
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + _SWEEP
+            self._loop.sweep()
 
     def _refused(self, peer: str, why: str, reason: str = "handshake_incomplete") -> None:
         """Counts a refused connection (metrics) and logs it, rate-limited."""
         self._rejected(reason)
         self._refusals.refused(peer, why, reason)
-
-    def _admit(self, accepted: _Accepted) -> bool:
-        """Whether an authenticated connection fits ``max_connections``; at the limit the
-        connection idle longest gives way, or ``accepted`` is refused (False)."""
-        for _ in range(3):  # each round admits, or closes one idle connection
-            with self._lock:
-                open_now = sum(1 for c in self._served if c.authenticated)
-                if open_now < self.max_connections:
-                    return True
-            if not self._close_idlest():
-                break
-        why = f"{self.max_connections} connections open (the limit), none idle"
-        self._refused(accepted.peer, why, "too_many_connections")
-        with contextlib.suppress(OSError):
-            _send_raw_status(
-                accepted.sock,
-                Code.RESOURCE_EXHAUSTED,
-                f"the data plane serves at most {self.max_connections} connections",
-            )
-        return False
-
-    def _close_idlest(self) -> bool:
-        """Closes the authenticated connection idle longest, if it has been idle
-        :data:`_EVICTABLE_IDLE` s at least (a client reuses a fresher one unchecked)."""
-        now = time.monotonic()
-        with self._lock:
-            idle = [
-                c
-                for c in self._served
-                if c.authenticated
-                and not c.busy
-                and not c.mid_frame()
-                and now - c.last >= _EVICTABLE_IDLE
-            ]
-            if not idle:
-                return False
-            victim = min(idle, key=lambda c: c.last)
-            victim.authenticated = False
-        victim.shutdown()
-        log.info(
-            "data plane: closed the idle connection from %s for a new one (%d open, the limit)",
-            victim.peer,
-            self.max_connections,
-        )
-        return True
 
     def _rejected(self, reason: str) -> None:
         if self._on_reject is not None:
@@ -412,9 +298,9 @@ class DataPlaneServer:
     # -- one connection ---------------------------------------------------------------
     def _serve(self, accepted: _Accepted, deadline: float) -> None:
         """A connection's thread: the handshake by ``deadline``, then the hand-over to
-        the event loop (or, without epoll, its calls)."""
+        the event loop (which, without epoll, serves its calls on this thread)."""
         sock, peer = accepted.sock, accepted.peer
-        conn = None
+        welcomed = False
         try:
             tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -423,25 +309,22 @@ class DataPlaneServer:
             authenticated = self._authenticate(sock, peer, deadline)
             if not self._door.leave(accepted):
                 return  # past its deadline or evicted meanwhile: already shut down
-            if not authenticated or not self._admit(accepted) or self._stopping.is_set():
+            if not authenticated or self._stopping.is_set():
                 return
-            sock.sendall(frames.pack(frames.Kind.WELCOME))
+            if not self._loop.make_room():
+                limit = self.limits.max_connections
+                why = f"{limit} connections open (the limit), none idle"
+                self._refused(peer, why, "too_many_connections")
+                _send_raw_status(
+                    sock,
+                    Code.RESOURCE_EXHAUSTED,
+                    f"the data plane serves at most {limit} connections",
+                )
+                return
             # authenticated: only now are a connection's buffers allocated for this peer
-            conn = Connection(
-                sock,
-                peer,
-                nonblocking=self._loop is not None,
-                limits=self._limits,
-            )
-            with self._lock:
-                self._handshaking.discard(accepted)
-                self._served.add(conn)
-            if self._loop is not None:
-                self._loop.add(conn)
-            else:
-                conn.thread = accepted.thread
-                loop.serve_blocking(conn, self._call, self._read_failed, self._stopping)
-                self._closed(conn)
+            conn = Connection(sock, peer, nonblocking=self._loop.nonblocking, limits=self.limits)
+            welcomed = True
+            self._loop.add(conn)  # counts it, then sends its WELCOME
         except frames.FrameError as e:
             self._refused(peer, str(e), "malformed_frame")
         except ssl.SSLError as e:
@@ -452,20 +335,14 @@ class DataPlaneServer:
             log.debug("data plane connection from %s ended: %s", peer, e)
         finally:
             self._door.leave(accepted)
-            if conn is None:
+            if not welcomed:
                 _shutdown(sock)
                 sock.close()
-                with self._lock:
-                    self._handshaking.discard(accepted)
 
     def _read_failed(self, conn: Connection, error: BaseException) -> None:
         if isinstance(error, frames.FrameError):
             self._rejected("malformed_frame")
             log.warning("data plane closed the connection from %s: %s", conn.peer, error)
-
-    def _closed(self, conn: Connection) -> None:
-        with self._lock:
-            self._served.discard(conn)
 
     # -- the handshake ----------------------------------------------------------------
     def _authenticate(self, sock: socket.socket, peer: str, deadline: float) -> bool:
@@ -505,14 +382,15 @@ class DataPlaneServer:
                         "before it ran"
                     )
                 request = Request(name, header, payload, conn.peer, deadline, conn.peer_gone)
-                reply = Reply(*handler(request))
+                with self._around(request):
+                    reply = Reply(*handler(request))
             except OpError as e:
                 status = status_of(e)
             except Exception as e:
                 log.exception("data plane %s failed", known[0] if known else head.method)
                 status = status_of(InternalError(f"{known[0]}: {type(e).__name__}: {e}"))
             else:
-                conn.stream.send_frame(
+                conn.send_frame(
                     frames.Kind.REPLY,
                     method=head.method,
                     call_id=head.call_id,
@@ -523,7 +401,7 @@ class DataPlaneServer:
                 status = None
             if status is not None:
                 header = _status_header(status.code, status.details, status.metadata)
-                conn.stream.send_frame(frames.Kind.ERROR, call_id=head.call_id, header=header)
+                conn.send_frame(frames.Kind.ERROR, call_id=head.call_id, header=header)
         except (OSError, ValueError) as e:  # ConnectionError, TimeoutError: the peer is gone
             log.debug("data plane connection from %s ended: %s", conn.peer, e)
             return False

@@ -4,7 +4,9 @@ Small frames cost one ``recv`` (the fixed header, the protobuf header and a
 small payload arrive together in the staging buffer); a large payload is read
 with ``recv_into`` straight into the caller's destination, and writes hand the
 header and every payload buffer to one ``sendmsg`` without joining them.  Both
-release the GIL while the kernel copies.
+release the GIL while the kernel copies.  The same reads serve a blocking
+socket (the client's, a collective's) and a non-blocking one (the server's
+event loop): :meth:`FrameStream.read_into` then stops where the kernel has no more.
 
 Failures surface as Python's own: ``ConnectionError`` (the peer closed or
 reset), ``TimeoutError`` (the socket's timeout passed), ``ssl.SSLError``;
@@ -14,6 +16,7 @@ the client and the server turn them into their own outcomes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import select
 import socket
 import ssl
@@ -29,7 +32,6 @@ __all__ = [
     "SOCKET_BUFFER_BYTES",
     "STAGING_BYTES",
     "FrameStream",
-    "drop_sent",
     "readable_now",
     "tune",
 ]
@@ -45,6 +47,7 @@ IOV_MAX = 512
 SOCKET_BUFFER_BYTES = 8 << 20
 """Kernel send/receive buffer asked for (the kernel caps it at its ``*mem_max``):
 a 64 MB payload crossed loopback in 87 ms with the defaults, in 29-42 ms with this."""
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 def tune(sock: socket.socket) -> None:
@@ -54,29 +57,6 @@ def tune(sock: socket.socket) -> None:
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-
-
-class _Once:
-    """Calls ``fn`` the first time it is called, never again."""
-
-    __slots__ = ("_fn",)
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn: Callable[[], None] | None = fn
-
-    def __call__(self) -> None:
-        fn, self._fn = self._fn, None
-        if fn is not None:
-            fn()
-
-
-def _send_buffer(sock: socket.socket) -> int:
-    """The kernel's send buffer of ``sock`` in bytes (Linux reports twice what it
-    uses for data; the caller halves it)."""
-    try:
-        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
-    except (OSError, ValueError):
-        return 0
 
 
 def readable_now(sock: socket.socket) -> bool:
@@ -94,35 +74,34 @@ def readable_now(sock: socket.socket) -> bool:
     return bool(readable)
 
 
-def drop_sent(views: list[memoryview], sent: int) -> None:
-    """Removes the first ``sent`` bytes from ``views`` (what one ``sendmsg`` took)."""
-    while sent and views:
-        if sent >= len(views[0]):
-            sent -= len(views.pop(0))
-        else:
-            views[0] = views[0][sent:]
-            sent = 0
-
-
 class FrameStream:
-    """Reads and writes frames on ``sock`` (plain or TLS).
+    """Reads and writes frames on ``sock`` (plain or TLS, blocking or not).
 
     Args:
         sock: a connected socket.
         max_header: the largest protobuf header accepted.
         max_payload: the largest payload accepted.
+        io_timeout: seconds one blocked send may wait; the socket's own timeout
+            is put back after it (None: sends keep the socket's timeout).
     """
 
-    def __init__(self, sock: socket.socket, *, max_header: int, max_payload: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        max_header: int,
+        max_payload: int,
+        io_timeout: float | None = None,
+    ) -> None:
         self.sock = sock
         self.max_header = max_header
         self.max_payload = max_payload
+        self.io_timeout = io_timeout
+        self._tls = isinstance(sock, ssl.SSLSocket)
         # TLS sockets have no sendmsg: their pieces go through sendall
-        self._gather = hasattr(sock, "sendmsg") and not isinstance(sock, ssl.SSLSocket)
-        self._staging = bytearray(STAGING_BYTES)
-        self._view = memoryview(self._staging)
-        self._start = 0
-        self._end = 0
+        self._gather = hasattr(sock, "sendmsg") and not self._tls
+        self._view = memoryview(bytearray(STAGING_BYTES))
+        self._start = self._end = 0
         self.deadline: float | None = None
         """``time.monotonic()`` by which every read must be done (None: each read
         waits up to the socket's timeout): a frame's absolute deadline, which a
@@ -137,25 +116,44 @@ class FrameStream:
         """The timeout of each following socket operation (None: block)."""
         self.sock.settimeout(seconds)
 
-    def pending(self) -> int:
-        """Bytes already received and not yet consumed."""
-        return self._end - self._start
+    def pending(self) -> bool:
+        """Whether bytes already received (or decrypted by TLS) wait to be read."""
+        return self._start < self._end or (self._tls and self.sock.pending() > 0)
 
     # -- reading -------------------------------------------------------------------
-    def _recv_into(self, view: memoryview) -> int:
+    def _recv(self, view: memoryview) -> int:
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the rest of the frame did not arrive in time")
             self.sock.settimeout(left)
-        return self.sock.recv_into(view)
-
-    def _fill(self) -> None:
-        """Receives into the staging buffer (which holds nothing unread)."""
-        n = self._recv_into(self._view)
+        n = self.sock.recv_into(view)
         if n == 0:
             raise ConnectionError("the data-plane connection was closed by its peer")
-        self._start, self._end = 0, n
+        return n
+
+    def read_into(self, dest: memoryview, pos: int = 0) -> int:
+        """Fills ``dest[pos:]`` (a writable byte view): staged bytes first, then a
+        large rest straight from the socket, a small one through the staging
+        buffer (which may then hold the next frame's first bytes too).  Returns
+        how far ``dest`` is filled: all of it, unless a non-blocking socket has
+        nothing more now."""
+        n = len(dest)
+        while pos < n:
+            have = min(n - pos, self._end - self._start)
+            if have:
+                dest[pos : pos + have] = self._view[self._start : self._start + have]
+                self._start += have
+                pos += have
+                continue
+            try:
+                if n - pos >= DIRECT_BYTES:
+                    pos += self._recv(dest[pos:])
+                else:  # the staging buffer is empty: refill it
+                    self._start, self._end = 0, self._recv(self._view)
+            except _WOULD_BLOCK:
+                break
+        return pos
 
     def wait_for_bytes(self) -> None:
         """Returns once a next frame's first bytes are here (within the socket's timeout).
@@ -165,29 +163,7 @@ class FrameStream:
             ConnectionError: the peer closed the connection.
         """
         if self._start == self._end:
-            self._fill()
-
-    def read_into(self, dest: memoryview) -> None:
-        """Fills ``dest`` (a writable byte view) with the next ``len(dest)`` bytes."""
-        n = len(dest)
-        have = min(n, self._end - self._start)
-        if have:
-            dest[:have] = self._view[self._start : self._start + have]
-            self._start += have
-        pos = have
-        while pos < n:
-            left = n - pos
-            if left >= DIRECT_BYTES:
-                got = self._recv_into(dest[pos:])
-                if got == 0:
-                    raise ConnectionError("the data-plane connection was closed by its peer")
-                pos += got
-                continue
-            self._fill()
-            take = min(left, self._end)
-            dest[pos : pos + take] = self._view[:take]
-            self._start = take
-            pos += take
+            self._start, self._end = 0, self._recv(self._view)
 
     def read_bytes(self, n: int) -> bytes:
         """The next ``n`` bytes."""
@@ -212,7 +188,7 @@ class FrameStream:
         """Reads and drops ``n`` bytes."""
         while n > 0:
             if self._start == self._end:
-                self._fill()
+                self._start, self._end = 0, self._recv(self._view)
             take = min(n, self._end - self._start)
             self._start += take
             n -= take
@@ -248,29 +224,65 @@ class FrameStream:
         small = [fixed, header] if header else [fixed]
         if views and len(views[0]) <= DIRECT_BYTES:
             small.append(views.pop(0))  # a small payload rides in the same piece
-        pieces = [b"".join(small), *views]
+        views.insert(0, memoryview(b"".join(small)))
         if release is None:
-            self._send(pieces)
+            self._send(views, None)
             return
-        once = _Once(release)
+        once = functools.cache(release)  # called early by _send, or here, never twice
         try:
-            self._send_releasing(pieces, once)
+            self._send(views, once)
         finally:
             once()
 
-    def _send_releasing(self, pieces: list[Any], release: Callable[[], None]) -> None:
-        """Sends ``pieces``, which stay valid only until ``release`` (called early here
-        when the kernel might not take them whole without waiting)."""
-        if sum(len(p) for p in pieces) > _send_buffer(self.sock) // 2:
-            pieces = [b"".join(pieces)]  # a copy: the reader may take its time
-            release()
-        self._send(pieces)
+    def _send(self, views: list[memoryview], release: Callable[[], None] | None) -> None:
+        """Sends ``views`` whole, ``release`` called as soon as the send might wait.
 
-    def _send(self, pieces: list[Any]) -> None:
-        if not self._gather:
-            for piece in pieces:
-                self.sock.sendall(piece)
-            return
-        views = [memoryview(p).cast("B") for p in pieces]
-        while views:
-            drop_sent(views, self.sock.sendmsg(views[:IOV_MAX]))
+        A non-blocking plain socket (the event loop's) sends what the kernel
+        takes at once, one ``sendmsg`` for every small reply; when its buffer is
+        full the rest goes from a copy, ``release``d, blocking, each operation
+        bounded by ``io_timeout`` (switching modes around every reply cost three
+        system calls per call).  Any other socket waits from the start, copying
+        first what might not fit the kernel's buffer.  The socket's timeout is
+        put back afterwards.
+        """
+        mode = self.sock.gettimeout()
+        waiting = not (self._gather and mode == 0.0)
+        if waiting and release is not None and sum(map(len, views)) > _send_buffer(self.sock) // 2:
+            views = [memoryview(b"".join(views))]  # a copy: the reader may take its time
+            release()
+        if waiting and self.io_timeout is not None:
+            self.sock.settimeout(self.io_timeout)
+        else:
+            waiting = False  # nothing to put back
+        try:
+            while views:
+                if not self._gather:
+                    self.sock.sendall(views.pop(0))
+                    continue
+                try:
+                    sent = self.sock.sendmsg(views[:IOV_MAX])
+                except BlockingIOError:  # the kernel's buffer is full: wait, bounded
+                    if release is not None:  # a slow reader waits on a copy, not on a lock
+                        views = [memoryview(b"".join(views))]
+                        release()
+                        release = None
+                    waiting = True
+                    self.sock.settimeout(self.io_timeout)  # a non-blocking stream has one
+                    continue
+                while sent:  # drop what the kernel took
+                    if sent >= len(views[0]):
+                        sent -= len(views.pop(0))
+                    else:
+                        views[0], sent = views[0][sent:], 0
+        finally:
+            if waiting:
+                self.sock.settimeout(mode)
+
+
+def _send_buffer(sock: socket.socket) -> int:
+    """The kernel's send buffer of ``sock`` in bytes (Linux reports twice what it
+    uses for data; the caller halves it)."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+    except (OSError, ValueError):
+        return 0
