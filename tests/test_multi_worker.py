@@ -242,15 +242,35 @@ def test_without_tf_config_it_is_a_single_worker_strategy(monkeypatch):
     assert comm.RING.name == "RING"
 
 
-def test_a_cluster_with_ps_tasks_is_refused_naming_it():
+def test_a_cluster_with_ps_tasks_runs_the_hybrid_mode_with_its_tables_there():
     resolver = SimpleClusterResolver(
         pf.distribute.cluster_resolver.ClusterSpec(
-            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2", "127.0.0.1:3"]}
         ),
         task_type="worker",
         task_id=0,
     )
-    with pytest.raises(pf.errors.InvalidArgumentError, match="ps tasks"):
+    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    try:
+        assert [c.address for c in strategy.hybrid.session.connections] == [
+            "127.0.0.1:2",
+            "127.0.0.1:3",
+        ]
+        assert strategy.num_replicas_in_sync == 1
+    finally:
+        strategy.hybrid.session.close()
+        pf.distribute.ps.session.set_default(None)
+
+
+def test_a_ps_job_with_a_missing_task_is_refused_naming_it():
+    resolver = SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": ["127.0.0.1:1"], "ps": {1: "127.0.0.1:2"}}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    with pytest.raises(pf.errors.InvalidArgumentError, match="'ps' has no task 0"):
         pf.distribute.MultiWorkerMirroredStrategy(resolver)
 
 

@@ -136,6 +136,8 @@ class ElasticController:
         self._start: Position | None = None  # a joiner's first position, for its first iterator
         self.door.set_generation(view.generation, view.members)
         self._install_drain_handler()
+        # hybrid mode: the table pushes, issued once a step is committed (psflow.distribute.hybrid)
+        self.hybrid: Any = None
 
     # -- what the input needs ---------------------------------------------------------
     @property
@@ -219,6 +221,8 @@ class ElasticController:
             flags[n + member] = 1
         try:
             (flags,) = self._strategy._ring.all_reduce([flags])
+            if self.hybrid is not None:  # every member finished the last step: push it
+                self.hybrid.committed(self.completed, self._strategy._ring)
         except BaseException as e:
             if not self._broken():
                 raise
@@ -352,6 +356,8 @@ class ElasticController:
         self._position = decision.resume
         self._snapshot = self.state.snapshot()
         self._stepped = False
+        if self.hybrid is not None:  # the last committed step's pushes, all of them, once
+            self.hybrid.reformed(self.completed)
         self._announce(previous, "lost", old_replicas)
         return decision
 
