@@ -164,3 +164,34 @@ def test_a_ps_that_dies_for_good_ends_every_worker_with_a_typed_error(tmp_path, 
         assert issubclass(getattr(pf.errors, result["error"]), pf.errors.OpError)
     messages = " ".join(json.loads(o.read_text())["message"] for o in outs)
     assert "ps:0" in messages or ps.address in messages, messages
+
+
+def test_the_hybrid_example_trains_the_same_on_both_workers(tmp_path, start_ps):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    ports = [pick_free_port() for _ in range(2)]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports], "ps": [ps.address]}
+    procs = []
+    for i in range(2):
+        task = {"type": "worker", "index": i}
+        env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": task})}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "examples" / "multi_worker_hybrid.py")],
+                env=child_env({**env, "PSFLOW_AUTH_TOKEN": TOKEN, "PSFLOW_NUM_CPU_DEVICES": "1"}),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        _finish(procs, 1)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    lines = [
+        [line.split(": ", 1)[1] for line in out.splitlines() if ": " in line] for out in outputs
+    ]
+    assert lines[0] == lines[1] and len(lines[0]) == 4, outputs  # 3 epochs' losses and a row
+    losses = [float(line.split()[-1]) for line in lines[0][:3]]
+    assert losses[2] < losses[0], outputs
