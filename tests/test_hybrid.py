@@ -190,7 +190,8 @@ def test_the_hybrid_example_trains_the_same_on_both_workers(tmp_path, start_ps):
         _finish(procs, 1)
     assert [p.returncode for p in procs] == [0, 0], outputs
     lines = [
-        [line.split(": ", 1)[1] for line in out.splitlines() if ": " in line] for out in outputs
+        [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("worker ")]
+        for out in outputs
     ]
     assert lines[0] == lines[1] and len(lines[0]) == 4, outputs  # 3 epochs' losses and a row
     losses = [float(line.split()[-1]) for line in lines[0][:3]]
