@@ -10,8 +10,10 @@ TF_CONFIG (``worker`` and ``ps`` tasks) and PSFLOW_AUTH_TOKEN come from the test
              (the others' next collective fails: the step is redone), or once the group
              committed the step, before or after this worker pushed its part of the
              table gradient
+  fit        the same model and data through Keras ``fit`` (no elastic, no fault)
   reference  one process (no strategy, the table in process) replaying the per-step
-             global batches in ``SCHEDULE`` (a JSON file)
+             global batches in ``SCHEDULE`` (a JSON file); ``REFERENCE_LOSS=mean``: the
+             batch's mean squared error, as ``fit`` computes it
 
 A worker writes the global batches it trained (example ids per step), its dense weights
 and the rows of every id of the data, or ``{"error", "message"}`` when a psflow error
@@ -103,7 +105,12 @@ def reference(schedule_path: str) -> dict:
         for ids in epoch:
             idx = np.asarray(ids, np.int64)
             with pf.GradientTape() as tape:
-                loss = _loss(model, pf.constant(keys[idx]), pf.constant(y[idx]))
+                if os.environ.get("REFERENCE_LOSS") == "mean":  # Keras fit: the batch's mean
+                    loss = pf.keras.losses.MeanSquaredError()(
+                        pf.constant(y[idx]), model(pf.constant(keys[idx]), training=True)
+                    )
+                else:
+                    loss = _loss(model, pf.constant(keys[idx]), pf.constant(y[idx]))
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
     return {"dense": _dense(model), "rows": _rows(model), "init": init}
@@ -181,6 +188,22 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
     }
 
 
+def fit(strategy: pf.distribute.Strategy) -> dict:
+    """The same model and data through Keras ``compile`` / ``fit`` (mean squared error)."""
+    keys, y, _ = data()
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=_optimizer(), loss="mse")
+    dataset = pf.data.Dataset.from_tensor_slices((keys, y)).batch(GLOBAL_BATCH)
+    history = model.fit(dataset, epochs=EPOCHS, verbose=0)
+    return {
+        "dense": _dense(model),
+        "rows": _rows(model),
+        "replicas": strategy.num_replicas_in_sync,
+        "loss": history.history["loss"],
+    }
+
+
 def main() -> int:
     mode, out_path = sys.argv[1], sys.argv[2]
     if mode == "reference":
@@ -197,7 +220,7 @@ def main() -> int:
         strategy = pf.distribute.MultiWorkerMirroredStrategy(
             communication_options=options, elastic=elastic
         )
-        result = train(strategy, rank)
+        result = fit(strategy) if mode == "fit" else train(strategy, rank)
     except pf.errors.OpError as e:
         with open(out_path, "w") as f:
             json.dump({"error": type(e).__name__, "message": str(e)}, f)

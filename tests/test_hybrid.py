@@ -41,7 +41,9 @@ ATOL, RTOL = 1e-6, 1e-5
 SAMPLES = 48
 
 
-def _start_workers(tmp: pathlib.Path, ps: list[str], workers: int, env: dict[str, str]) -> tuple:
+def _start_workers(
+    tmp: pathlib.Path, ps: list[str], workers: int, env: dict[str, str], mode: str = "train"
+) -> tuple:
     ports = [pick_free_port() for _ in range(workers)]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports], "ps": ps}
     procs, outs, logs = [], [], []
@@ -57,7 +59,7 @@ def _start_workers(tmp: pathlib.Path, ps: list[str], workers: int, env: dict[str
         with open(log, "wb") as f:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(SCENARIO), "train", str(out)],
+                    [sys.executable, str(SCENARIO), mode, str(out)],
                     env=child_env(extra),
                     stdout=f,
                     stderr=subprocess.STDOUT,
@@ -85,10 +87,10 @@ def _finish(procs: list, timeout: float) -> list[int | None]:
     return codes
 
 
-def _reference(tmp: pathlib.Path, epochs: list) -> dict:
+def _reference(tmp: pathlib.Path, epochs: list, env: dict[str, str] | None = None) -> dict:
     schedule, out = tmp / "schedule.json", tmp / "reference.json"
     schedule.write_text(json.dumps(epochs))
-    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule)})
+    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule), **(env or {})})
     env.pop("TF_CONFIG", None)
     subprocess.run(
         [sys.executable, str(SCENARIO), "reference", str(out)],
@@ -128,6 +130,21 @@ def test_two_workers_and_a_ps_train_as_one_process_on_the_global_batch(tmp_path,
     results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["replicas"] == 2
     _check(tmp_path, results, _logs(logs))
+
+
+def test_keras_fit_in_hybrid_mode_trains_as_one_process_on_the_global_batch(tmp_path, start_ps):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    procs, outs, logs = _start_workers(tmp_path, [ps.address], 2, {}, mode="fit")
+    codes = _finish(procs, 90)
+    assert codes == [0, 0], _logs(logs) + ps.log_tail()
+    results = [json.loads(o.read_text()) for o in outs]
+    assert results[0]["dense"] == results[1]["dense"]
+    batches = [list(range(k, k + 12)) for k in range(0, SAMPLES, 12)]
+    want = _reference(tmp_path, [batches, batches], {"REFERENCE_LOSS": "mean"})
+    for got, ref in zip(results[0]["dense"], want["dense"]):
+        np.testing.assert_allclose(got, ref, atol=ATOL, rtol=RTOL)
+    for r in results:
+        np.testing.assert_allclose(r["rows"], want["rows"], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("fault", ["forward", "after_apply", "before_push", "after_push"])
