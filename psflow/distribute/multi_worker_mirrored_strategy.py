@@ -152,12 +152,18 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
         """
         strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
         comm = strategy._communicator
-        kinds = np.zeros((len(grads), 2), np.int64)  # [dense count, sparse count]
+        group = strategy._group
+        # [dense count, sparse count, rows of each worker]: the sizes of the gathers below
+        # ride on this all-reduce instead of one more round per sparse variable
+        kinds = np.zeros((len(grads), 2 + group.size), np.int64)
         for i, g in enumerate(grads):
             if g is not None:
-                kinds[i, 1 if isinstance(g, IndexedSlices) else 0] = 1
+                sparse_grad = isinstance(g, IndexedSlices)
+                kinds[i, 1 if sparse_grad else 0] = 1
+                if sparse_grad:
+                    kinds[i, 2 + group.rank] = int(np.prod(np.shape(to_array(g.indices))))
         (counts,) = comm.all_reduce(self._replica_id, [kinds], "SUM")
-        sparse = [i for i, (dense, rows) in enumerate(counts) if dense == 0 and rows > 0]
+        sparse = [i for i, (dense, rows, *_) in enumerate(counts) if dense == 0 and rows > 0]
         if not sparse:
             return super()._all_reduce_gradients(grads, variables)
         out: list[Any] = [None] * len(grads)
@@ -177,6 +183,7 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
             else:
                 values = np.asarray(backend.to_numpy(to_array(g.values)))
                 indices = np.asarray(backend.to_numpy(to_array(g.indices))).astype(np.int64)
+                indices = indices.reshape(-1)
             # one all-gather, not two: each row's bytes, then its index's 8 bytes
             row_bytes = values.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
             packed = np.empty((indices.size, row_bytes + 8), np.uint8)
@@ -184,7 +191,10 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
                 np.ascontiguousarray(values).view(np.uint8).reshape(-1, row_bytes)
             )
             packed[:, row_bytes:] = indices.view(np.uint8).reshape(-1, 8)
-            gathered = comm.all_gather(self._replica_id, packed, 0)
+            if isinstance(comm, HierarchicalCommunicator):
+                gathered = comm.all_gather(self._replica_id, packed, 0, counts[i, 2:])
+            else:
+                gathered = comm.all_gather(self._replica_id, packed, 0)
             all_values = np.ascontiguousarray(gathered[:, :row_bytes]).view(values.dtype)
             all_indices = np.ascontiguousarray(gathered[:, row_bytes:]).view(np.int64).reshape(-1)
             out[i] = IndexedSlices(all_values.reshape(-1, *shape[1:]), all_indices, shape)
