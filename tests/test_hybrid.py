@@ -213,3 +213,46 @@ def test_the_hybrid_example_trains_the_same_on_both_workers(tmp_path, start_ps):
     assert lines[0] == lines[1] and len(lines[0]) == 4, outputs  # 3 epochs' losses and a row
     losses = [float(line.split()[-1]) for line in lines[0][:3]]
     assert losses[2] < losses[0], outputs
+
+
+def test_a_table_gradient_without_aggregation_is_refused_naming_the_table(start_ps, monkeypatch):
+    from psflow import config
+
+    monkeypatch.setenv("PSFLOW_AUTH_TOKEN", TOKEN)
+    # two local replicas: without aggregation each would push its own rows
+    monkeypatch.setenv("PSFLOW_NUM_CPU_DEVICES", "2")
+    monkeypatch.setattr(config, "_logical", {})
+    monkeypatch.setattr(config, "_visible", {})
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": [f"127.0.0.1:{pick_free_port()}"], "ps": [ps.address]}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    try:
+        with strategy.scope():
+            table = pf.keras.layers.DynamicEmbedding(2, table_name="refused", seed=1)
+            opt = pf.keras.optimizers.SGD(1.0)
+        ids = np.array([3, 10**12])
+        before = np.asarray(table(ids, training=False))
+
+        def step(aggregate: bool) -> None:
+            with pf.GradientTape() as tape:
+                loss = pf.reduce_sum(table(ids, training=True))
+            grads = tape.gradient(loss, table.trainable_variables)
+            opt.apply_gradients(
+                zip(grads, table.trainable_variables), experimental_aggregate_gradients=aggregate
+            )
+
+        with pytest.raises(pf.errors.UnimplementedError, match="refused"):
+            strategy.run(step, args=(False,))
+        np.testing.assert_array_equal(table(ids, training=False), before)  # nothing pushed
+        assert strategy.num_replicas_in_sync == 2
+        strategy.run(step, args=(True,))  # both replicas' rows summed, applied once
+        np.testing.assert_allclose(table(ids, training=False), before - 2.0, rtol=1e-6)
+    finally:
+        strategy.hybrid.session.close()
+        pf.distribute.ps.session.set_default(None)

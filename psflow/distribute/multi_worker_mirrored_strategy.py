@@ -18,6 +18,11 @@ With ``elastic=ElasticOptions(...)`` (a psflow extension) a lost or drained
 worker does not stop the group: the survivors re-form and go on from the
 last completed step (:mod:`psflow.distribute.elastic`).
 
+With ``ps`` tasks in the cluster (a psflow extension, the hybrid mode) the
+``DynamicEmbedding`` tables created in scope live on the PS tasks and each
+step's table gradient is applied there once, while the dense variables stay
+mirrored (:mod:`psflow.distribute.hybrid`).
+
 Example:
     >>> import psflow as tf
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -235,6 +240,13 @@ class MultiWorkerExtended(MirroredExtended):
         (all-gathered over the workers) are pushed to the PS by :mod:`psflow.distribute.hybrid`."""
         strategy: MultiWorkerMirroredStrategy = self._container_strategy()  # type: ignore[assignment]
         hybrid = strategy._hybrid
+        if hybrid is not None and not aggregate:
+            held = [v for _, v in grads_and_vars if hybrid.holds(v)]
+            if held:  # each replica's rows would be pushed as they are, not the step's sum
+                raise errors.UnimplementedError(
+                    f"{held[0].name}: a table on the PS takes the whole step's gradient "
+                    "(hybrid mode); apply_gradients without aggregation is not supported"
+                )
         ctx = distribute_lib.get_replica_context()
         if hybrid is None or (
             isinstance(ctx, MultiWorkerReplicaContext)
