@@ -48,7 +48,10 @@ The PS applies an id once and answers a repeat with its first reply.
   so the parts the lost worker had pushed are answered from the PS's
   memory and the others are applied now, exactly once.  Rows created by a
   dropped step's lookups stay (a row's initial value depends on its id
-  only; ``min_count`` counts such a lookup).
+  only; ``min_count`` counts such a lookup).  The last step of an epoch is
+  committed by the barrier that ends the epoch: iterate the distributed
+  dataset to its end (``fit`` does); a loop that stops early leaves its
+  last step's table gradient unpushed.
 
 Example (a worker of a cluster with ``worker`` and ``ps`` tasks in ``TF_CONFIG``)::
 
