@@ -38,6 +38,17 @@ step as a ``tf.function`` closure through its ClusterCoordinator, TensorFlow's
 own sparse Adagrad kernels next to the variables; one step per closure on
 both sides.
 
+Hybrid mode (psflow only) on the same data, batches and cluster shape:
+``MultiWorkerMirroredStrategy`` with 2 PS tasks in its cluster and 2 workers,
+the table on the PS tasks (each worker looks up its half of the batch and the
+workers share the push of each step's summed table gradient), the dense
+tower mirrored and all-reduced.  Two cases, each training as many examples
+as the async side (warm-up included): global batches of ``--batch`` (the
+single-process run's updates, half the async side's batch per worker step),
+and of ``2 * --batch`` (the async side's batch per worker step, half the
+updates).  Measured beside the async side: examples/s (worker 0's timed
+steps) and test AUC.
+
 Prints JSON lines (stdout) and a table (stderr); ``--quick`` is the same cases
 with fewer steps.  Format: shared/BENCHMARKS.md.
 """
@@ -283,6 +294,78 @@ def run_psflow(
     }
 
 
+def hybrid_worker(path: str, global_batch: int, warmup: int, steps: int, out: str) -> None:
+    """One worker of the hybrid side (``TF_CONFIG`` names it): MultiWorkerMirroredStrategy
+    with the table on the PS tasks, global batches of ``global_batch`` cut over the workers;
+    ``warmup`` untimed steps, then ``steps`` timed ones."""
+    import numpy as np
+
+    import psflow as pf
+    from psflow.keras.datasets import ctr
+
+    data = dict(np.load(path))
+    pf.random.set_seed(0)  # worker 0's dense values win (broadcast), as the single process's
+    strategy = pf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = psflow_model(pf, "ctr_hybrid")
+        optimizer = pf.keras.optimizers.Adagrad(0.05)
+    ds = pf.data.Dataset.from_tensor_slices(((data["cat"], data["dense"]), data["y"]))
+    iterator = iter(strategy.experimental_distribute_dataset(ds.batch(global_batch)))
+
+    def replica_fn(xb, yb):
+        with pf.GradientTape() as tape:
+            per_example = pf.nn.sigmoid_cross_entropy_with_logits(
+                labels=yb, logits=model(xb, training=True)
+            )
+            # each replica's share of the global batch's mean: the ring sums them
+            loss = pf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    for _ in range(warmup):
+        strategy.run(replica_fn, args=next(iterator))
+    start = time.perf_counter()
+    for _ in range(steps):
+        strategy.run(replica_fn, args=next(iterator))
+    elapsed = time.perf_counter() - start
+    test_x = (pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))
+    scores = model(test_x, training=False).numpy()
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "examples_per_s": steps * global_batch / elapsed,
+                "auc": ctr.roc_auc(data["y_test"], scores),
+                "examples": (warmup + steps) * global_batch,
+                "global_batch": global_batch,
+            },
+            f,
+        )
+
+
+def run_hybrid(path: str, env: dict[str, str], global_batch: int, warmup: int, steps: int) -> dict:
+    """The hybrid side: 2 PS + 2 MultiWorkerMirroredStrategy workers, worker 0's figures."""
+    with _cluster.Processes() as procs, tempfile.TemporaryDirectory() as tmp:
+        ps = _cluster.psflow_cluster(procs, 2, 0, env)["ps"]
+        workers = [f"127.0.0.1:{p}" for p in _cluster.free_ports(2)]
+        outs = [os.path.join(tmp, f"w{i}.json") for i in range(2)]
+        started = []
+        for i, out in enumerate(outs):
+            task = {"type": "worker", "index": i}
+            tf_config = {"cluster": {"worker": workers, "ps": ps}, "task": task}
+            args = [sys.executable, os.path.abspath(__file__), "--hybrid-worker", out]
+            args += ["--data", path, "--batch", str(global_batch)]
+            args += ["--warmup", str(warmup), "--steps", str(steps)]
+            proc, _ = procs.start(args, None, {**env, "TF_CONFIG": json.dumps(tf_config)})
+            started.append(proc)
+        deadline = time.monotonic() + 600
+        for proc in started:
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                raise RuntimeError(f"a hybrid worker exited with {code}")
+        with open(outs[0]) as f:
+            return json.load(f)
+
+
 TF_CHIEF = """
 import json, os, sys, time
 import numpy as np
@@ -478,8 +561,15 @@ def main() -> int:
         help="the interpreter with TensorFlow (default: this one)",
     )
     p.add_argument("--batch", type=int, default=512, help="examples per step (both sides)")
+    p.add_argument("--hybrid-worker", help=argparse.SUPPRESS)  # internal: one hybrid worker
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     batch = args.batch
+    if args.hybrid_worker:
+        hybrid_worker(args.data, batch, args.warmup, args.steps, args.hybrid_worker)
+        return 0
     steps = 30 if args.quick else 200
     rounds = 1 if args.quick else 3
     big_rows = 1_000_000 if args.quick else 10_000_000
@@ -521,6 +611,14 @@ def main() -> int:
         if not has_tf:
             emit(BENCH, "tensorflow", "skipped", 0, "", reason="tensorflow is not installed")
         runs, tf_runs = [], []
+        # equal examples to the async side's (warm-up included): the same global batch as
+        # the single process (half the async per-worker batch), or the async per-worker batch
+        # (twice the global batch, half the steps)
+        hybrid_cases = [
+            ("hybrid", batch, 5, steps),
+            ("hybrid-2x", 2 * batch, 2, (steps + 5) // 2 - 2),
+        ]
+        hybrid_runs: dict[str, list[dict]] = {name: [] for name, *_ in hybrid_cases}
         for r in range(rounds):  # A B A B: drift on the shared machine hits both sides
             progress(f"round {r + 1}/{rounds}: psflow, 2 PS + 2 workers")
             with _cluster.Processes() as procs:
@@ -530,6 +628,9 @@ def main() -> int:
                     "worker": [proc.pid for proc in procs.procs[2:4]],
                 }
                 runs.append(run_psflow(data, cluster, pids, batch, steps))
+            for name, global_batch, warmup, timed in hybrid_cases:
+                progress(f"round {r + 1}/{rounds}: psflow hybrid, global batch {global_batch}")
+                hybrid_runs[name].append(run_hybrid(path, env, global_batch, warmup, timed))
             if has_tf:
                 progress(f"round {r + 1}/{rounds}: TensorFlow, 2 PS + 2 workers")
                 tf_out = run_tensorflow(args.tf_python, path, batch, steps)
@@ -537,6 +638,11 @@ def main() -> int:
                     tf_runs.append(tf_out)
         ours = dict(runs[-1])
         ours["examples_per_s"] = statistics.median(r["examples_per_s"] for r in runs)
+        hybrid = {}
+        for name, results in hybrid_runs.items():
+            hybrid[name] = dict(results[-1])
+            hybrid[name]["examples_per_s"] = statistics.median(r["examples_per_s"] for r in results)
+            hybrid[name]["runs"] = [r["examples_per_s"] for r in results]
         theirs = None
         if tf_runs:
             theirs = dict(tf_runs[-1])
@@ -573,6 +679,32 @@ def main() -> int:
     emit(BENCH, "psflow", "ps_memory", ours["ps_rss"] / 2**20, "MiB", rows=ours["rows"])
     emit(BENCH, "psflow", "auc", ours["auc"], "", oracle=ours["auc_oracle"])
     emit(BENCH, "psflow-single-process", "auc", single, "")
+    for name, h in hybrid.items():
+        emit(
+            BENCH,
+            f"psflow-{name}",
+            "throughput",
+            h["examples_per_s"],
+            "examples/s",
+            global_batch=h["global_batch"],
+            n=len(h["runs"]),
+            runs=h["runs"],
+            mode="MultiWorkerMirroredStrategy, 2 workers + 2 PS, table on the PS",
+        )
+        emit(BENCH, f"psflow-{name}", "auc", h["auc"], "", examples=h["examples"])
+        emit(
+            BENCH,
+            f"{name}-vs-async",
+            "ratio",
+            h["examples_per_s"] / ours["examples_per_s"],
+            "x",
+            a=f"psflow-{name}",
+            b="psflow",
+            auc_a=h["auc"],
+            auc_b=ours["auc"],
+            examples_a=h["examples"],
+            examples_b=(steps + 5) * batch,
+        )
     emit(BENCH, "hot-rows/off", "pulled_per_step", ours["hot_off"], "B")
     emit(BENCH, "hot-rows/on", "pulled_per_step", ours["hot_on"], "B", count=1024, refresh_every=10)
     emit(
@@ -662,6 +794,28 @@ def main() -> int:
             ],
         ]
     table(["2 PS + 2 workers", "psflow", "TensorFlow", "ratio"], rows)
+    table(
+        ["2 PS + 2 workers, equal examples", "examples/s", "x async", "test AUC", "examples"],
+        [
+            [
+                f"async PS (batch {batch} per worker step)",
+                round(ours["examples_per_s"]),
+                1.0,
+                round(ours["auc"], 4),
+                (steps + 5) * batch,
+            ],
+            *[
+                [
+                    f"hybrid, sync global batch {h['global_batch']}",
+                    round(h["examples_per_s"]),
+                    round(h["examples_per_s"] / ours["examples_per_s"], 2),
+                    round(h["auc"], 4),
+                    h["examples"],
+                ]
+                for h in hybrid.values()
+            ],
+        ],
+    )
     table(
         ["other", "value"],
         [

@@ -227,6 +227,31 @@ def test_a_silent_peer_fails_the_collective_at_its_deadline_naming_it():
             lk.close()
 
 
+def test_all_gather_with_agreed_lengths_skips_their_round_and_checks_them():
+    links = _ring_pair(10.0)
+    try:
+        rings = [CrossHostRing(lk, timeout=10.0) for lk in links]
+        parts = [np.arange(6, dtype=np.uint8).reshape(3, 2), np.full((1, 2), 9, np.uint8)]
+        out: list = [None, None]
+
+        def gather(i: int) -> None:
+            out[i] = rings[i].all_gather(parts[i], 0, lengths=[3, 1])
+
+        threads = [threading.Thread(target=gather, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        for got in out:
+            np.testing.assert_array_equal(got, np.concatenate(parts))
+        # a length that is not this worker's own size is refused before anything is sent
+        with pytest.raises(pf.errors.InvalidArgumentError, match=r"lengths \[2, 1\]"):
+            rings[0].all_gather(parts[0], 0, lengths=[2, 1])
+    finally:
+        for lk in links:
+            lk.close()
+
+
 def test_without_tf_config_it_is_a_single_worker_strategy(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     strategy = pf.distribute.MultiWorkerMirroredStrategy()
@@ -242,15 +267,35 @@ def test_without_tf_config_it_is_a_single_worker_strategy(monkeypatch):
     assert comm.RING.name == "RING"
 
 
-def test_a_cluster_with_ps_tasks_is_refused_naming_it():
+def test_a_cluster_with_ps_tasks_runs_the_hybrid_mode_with_its_tables_there():
     resolver = SimpleClusterResolver(
         pf.distribute.cluster_resolver.ClusterSpec(
-            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2", "127.0.0.1:3"]}
         ),
         task_type="worker",
         task_id=0,
     )
-    with pytest.raises(pf.errors.InvalidArgumentError, match="ps tasks"):
+    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    try:
+        assert [c.address for c in strategy.hybrid.session.connections] == [
+            "127.0.0.1:2",
+            "127.0.0.1:3",
+        ]
+        assert strategy.num_replicas_in_sync == 1
+    finally:
+        strategy.hybrid.session.close()
+        pf.distribute.ps.session.set_default(None)
+
+
+def test_a_ps_job_with_a_missing_task_is_refused_naming_it():
+    resolver = SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": ["127.0.0.1:1"], "ps": {1: "127.0.0.1:2"}}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    with pytest.raises(pf.errors.InvalidArgumentError, match="'ps' has no task 0"):
         pf.distribute.MultiWorkerMirroredStrategy(resolver)
 
 

@@ -188,13 +188,18 @@ class CrossHostRing:
             links.wait_sent(sent, deadline)
 
     # -- all-gather and broadcast ----------------------------------------------------------
-    def all_gather(self, array: Any, axis: int = 0) -> np.ndarray:
+    def all_gather(
+        self, array: Any, axis: int = 0, lengths: Sequence[int] | None = None
+    ) -> np.ndarray:
         """Concatenates every worker's ``array`` along ``axis``, in worker order.
 
-        The workers' arrays may differ in size along ``axis`` only.
+        The workers' arrays may differ in size along ``axis`` only.  ``lengths``
+        (each worker's size along ``axis``, agreed beforehand) saves the
+        all-reduce that learns them.
 
         Raises:
-            InvalidArgumentError: ``axis`` is out of range.
+            InvalidArgumentError: ``axis`` is out of range, or ``lengths`` does not
+                have one entry per worker or misstates this worker's size.
             UnavailableError / DeadlineExceededError: as :meth:`all_reduce`.
         """
         x = np.asarray(array)
@@ -205,9 +210,17 @@ class CrossHostRing:
         if self.size == 1:
             return x.copy()
         axis %= x.ndim
-        lengths = np.zeros(self.size, np.int64)
-        lengths[self.rank] = x.shape[axis]
-        lengths = self.all_reduce([lengths])[0]
+        if lengths is not None:
+            lengths = np.asarray(lengths, np.int64)
+            if lengths.shape != (self.size,) or lengths[self.rank] != x.shape[axis]:
+                raise errors.InvalidArgumentError(
+                    f"all_gather lengths {lengths.tolist()} must give {self.size} workers' "
+                    f"sizes, this one's ({self.rank}) being {x.shape[axis]}"
+                )
+        else:
+            lengths = np.zeros(self.size, np.int64)
+            lengths[self.rank] = x.shape[axis]
+            lengths = self.all_reduce([lengths])[0]
         moved = np.ascontiguousarray(np.moveaxis(x, axis, 0))
         rest = moved.shape[1:]
         blocks = [np.empty((int(k), *rest), x.dtype) for k in lengths]

@@ -111,12 +111,18 @@ class HierarchicalCommunicator:
         it = iter(kept)
         return [next(it) if f > 0 else None for f in flags]
 
-    def all_gather(self, rank: int, array: Any, axis: int = 0) -> Any:
-        """Concatenates every replica's ``array`` along ``axis``, in global replica order."""
+    def all_gather(
+        self, rank: int, array: Any, axis: int = 0, lengths: Sequence[int] | None = None
+    ) -> Any:
+        """Concatenates every replica's ``array`` along ``axis``, in global replica order.
+
+        ``lengths``: each worker's size along ``axis`` (its local replicas' together),
+        when agreed beforehand (see :meth:`CrossHostRing.all_gather`).
+        """
         local = array if self.num_local == 1 else self.local.all_gather(rank, array, axis)
         shared = None
         if rank == 0:
-            shared = [self.ring.all_gather(np.asarray(backend.to_numpy(local)), axis)]
+            shared = [self.ring.all_gather(np.asarray(backend.to_numpy(local)), axis, lengths)]
         return self._share(rank, shared)[0]
 
     def close(self) -> None:

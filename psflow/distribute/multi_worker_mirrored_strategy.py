@@ -18,6 +18,11 @@ With ``elastic=ElasticOptions(...)`` (a psflow extension) a lost or drained
 worker does not stop the group: the survivors re-form and go on from the
 last completed step (:mod:`psflow.distribute.elastic`).
 
+With ``ps`` tasks in the cluster (a psflow extension, the hybrid mode) the
+``DynamicEmbedding`` tables created in scope live on the PS tasks and each
+step's table gradient is applied there once, while the dense variables stay
+mirrored (:mod:`psflow.distribute.hybrid`).
+
 Example:
     >>> import psflow as tf
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -66,12 +71,15 @@ class WorkerGroup:
         addresses: every member's ``host:port``: the chief first (if any), then the workers.
         rank: this process's index in ``addresses`` (0 for a single worker).
         task_type, task_id: this process's task (None without a cluster).
+        ps_addresses: the cluster's ``ps`` tasks, in task order: where the
+            embedding tables live (the hybrid mode, :mod:`psflow.distribute.hybrid`).
     """
 
     addresses: tuple[str, ...]
     rank: int
     task_type: str | None
     task_id: int | None
+    ps_addresses: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -83,19 +91,23 @@ class WorkerGroup:
         """Reads the group from ``resolver`` (its cluster spec and task).
 
         Raises:
-            InvalidArgumentError: ``ps`` tasks in the cluster, a task that is not a
-                chief, worker or evaluator, or no task given for a cluster (each named).
+            InvalidArgumentError: a task that is not a chief, worker or evaluator, no
+                task given for a cluster, or a missing ps task (each named).
         """
         spec = resolver.cluster_spec()
         jobs = set(spec.jobs)
         task_type, task_id = resolver.task_type, resolver.task_id
         if not jobs & set(_GROUP_JOBS) or task_type == "evaluator":
             return cls((), 0, task_type, task_id)  # a single worker (TF: the evaluator too)
-        if "ps" in jobs:
-            raise errors.InvalidArgumentError(
-                f"MultiWorkerMirroredStrategy: the cluster {spec.as_dict()} has ps tasks; "
-                "use ParameterServerStrategy for them"
-            )
+        ps: list[str] = []
+        if "ps" in jobs:  # the hybrid mode: the tables live on these
+            for index, address in enumerate(spec.job_tasks("ps")):
+                if address is None:
+                    raise errors.InvalidArgumentError(
+                        f"MultiWorkerMirroredStrategy: job 'ps' has no task {index} in "
+                        f"{spec.as_dict()}; every ps task must be listed"
+                    )
+                ps.append(address)
         if task_type not in _GROUP_JOBS or task_id is None:
             raise errors.InvalidArgumentError(
                 f"MultiWorkerMirroredStrategy: this task is {task_type!r}:{task_id!r}; "
@@ -119,7 +131,7 @@ class WorkerGroup:
                 f"MultiWorkerMirroredStrategy: task {task_type}:{task_id} is not in "
                 f"{spec.as_dict()}"
             )
-        return cls(tuple(a for _, _, a in members), rank, task_type, task_id)
+        return cls(tuple(a for _, _, a in members), rank, task_type, task_id, tuple(ps))
 
 
 class MultiWorkerReplicaContext(MirroredReplicaContext):
@@ -145,12 +157,18 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
         """
         strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
         comm = strategy._communicator
-        kinds = np.zeros((len(grads), 2), np.int64)  # [dense count, sparse count]
+        group = strategy._group
+        # [dense count, sparse count, rows of each worker]: the sizes of the gathers below
+        # ride on this all-reduce instead of one more round per sparse variable
+        kinds = np.zeros((len(grads), 2 + group.size), np.int64)
         for i, g in enumerate(grads):
             if g is not None:
-                kinds[i, 1 if isinstance(g, IndexedSlices) else 0] = 1
+                sparse_grad = isinstance(g, IndexedSlices)
+                kinds[i, 1 if sparse_grad else 0] = 1
+                if sparse_grad:
+                    kinds[i, 2 + group.rank] = int(np.prod(np.shape(to_array(g.indices))))
         (counts,) = comm.all_reduce(self._replica_id, [kinds], "SUM")
-        sparse = [i for i, (dense, rows) in enumerate(counts) if dense == 0 and rows > 0]
+        sparse = [i for i, (dense, rows, *_) in enumerate(counts) if dense == 0 and rows > 0]
         if not sparse:
             return super()._all_reduce_gradients(grads, variables)
         out: list[Any] = [None] * len(grads)
@@ -170,9 +188,21 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
             else:
                 values = np.asarray(backend.to_numpy(to_array(g.values)))
                 indices = np.asarray(backend.to_numpy(to_array(g.indices))).astype(np.int64)
-            all_values = comm.all_gather(self._replica_id, values, 0)
-            all_indices = comm.all_gather(self._replica_id, indices, 0)
-            out[i] = IndexedSlices(all_values, all_indices, shape)
+                indices = indices.reshape(-1)
+            # one all-gather, not two: each row's bytes, then its index's 8 bytes
+            row_bytes = values.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+            packed = np.empty((indices.size, row_bytes + 8), np.uint8)
+            packed[:, :row_bytes] = (
+                np.ascontiguousarray(values).view(np.uint8).reshape(-1, row_bytes)
+            )
+            packed[:, row_bytes:] = indices.view(np.uint8).reshape(-1, 8)
+            if isinstance(comm, HierarchicalCommunicator):
+                gathered = comm.all_gather(self._replica_id, packed, 0, counts[i, 2:])
+            else:
+                gathered = comm.all_gather(self._replica_id, packed, 0)
+            all_values = np.ascontiguousarray(gathered[:, :row_bytes]).view(values.dtype)
+            all_indices = np.ascontiguousarray(gathered[:, row_bytes:]).view(np.int64).reshape(-1)
+            out[i] = IndexedSlices(all_values.reshape(-1, *shape[1:]), all_indices, shape)
         return out
 
 
@@ -197,6 +227,39 @@ class MultiWorkerExtended(MirroredExtended):
                 else:
                     copy._value = backend.place(value.copy(), backend.device_of(copy._value))
         return variable
+
+    def apply_update(
+        self,
+        optimizer: Any,
+        step: int,
+        grads_and_vars: Any,
+        *,
+        aggregate: bool = True,
+    ) -> bool:
+        """As :meth:`MirroredExtended.apply_update`; in hybrid mode the tables' gradients
+        (all-gathered over the workers) are pushed to the PS by :mod:`psflow.distribute.hybrid`."""
+        strategy: MultiWorkerMirroredStrategy = self._container_strategy()  # type: ignore[assignment]
+        hybrid = strategy._hybrid
+        if hybrid is not None and not aggregate:
+            held = [v for _, v in grads_and_vars if hybrid.holds(v)]
+            if held:  # each replica's rows would be pushed as they are, not the step's sum
+                raise errors.UnimplementedError(
+                    f"{held[0].name}: a table on the PS takes the whole step's gradient "
+                    "(hybrid mode); apply_gradients without aggregation is not supported"
+                )
+        ctx = distribute_lib.get_replica_context()
+        if hybrid is None or (
+            isinstance(ctx, MultiWorkerReplicaContext)
+            and ctx.strategy is strategy
+            and strategy.num_replicas_in_sync > 1
+        ):  # a replica's update: its merge comes back here, cross-replica, once per worker
+            return super().apply_update(optimizer, step, grads_and_vars, aggregate=aggregate)
+        tables = [(g, v) for g, v in grads_and_vars if g is not None and hybrid.holds(v)]
+        rest = [(g, v) for g, v in grads_and_vars if not (g is not None and hybrid.holds(v))]
+        applied = bool(rest) and super().apply_update(optimizer, step, rest, aggregate=aggregate)
+        if tables:
+            hybrid.apply(optimizer, tables, strategy)
+        return applied or bool(tables)
 
     def prepare_optimizer(self, optimizer: Any) -> None:
         """An elastic group records the optimizer (its step and slots are training state)."""
@@ -353,6 +416,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
                 door = Door(group.addresses[group.rank], security, f"worker:{group.rank}")
                 running = running_view(door, group.addresses, group.rank)
+            if running is not None and group.ps_addresses:
+                door.close()  # type: ignore[union-attr]
+                raise errors.UnimplementedError(
+                    f"MultiWorkerMirroredStrategy: worker {group.rank} starts while its group "
+                    "trains; joining a running group in hybrid mode (ps tasks) is not supported"
+                )
             if running is not None:
                 pass  # a group of one until it is admitted (below)
             elif door is not None:
@@ -401,6 +470,22 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             weakref.finalize(self, door.close)
             if running is not None:
                 self._elastic.join(running)
+        self._hybrid: Any = None
+        if group.ps_addresses:
+            from psflow.distribute.hybrid import HybridTables
+
+            self._hybrid = HybridTables(
+                group.ps_addresses, f"{group.task_type}:{group.task_id}", options.timeout
+            )
+            self._hybrid.agree_run_id(self._ring)
+            if self._elastic is not None:
+                self._elastic.hybrid = self._hybrid
+
+    @property
+    def hybrid(self) -> Any:
+        """The PS side of the hybrid mode (:class:`~psflow.distribute.hybrid.HybridTables`:
+        its ``session`` reaches the PS tasks), or None without ``ps`` tasks."""
+        return self._hybrid
 
     @property
     def elastic(self) -> Any:

@@ -154,6 +154,8 @@ class ElasticController:
         self._start: Position | None = None  # a joiner's first position, for its first iterator
         self.door.set_generation(view.generation, view.members, view.addresses)
         self._install_drain_handler()
+        # hybrid mode: the table pushes, issued once a step is committed (psflow.distribute.hybrid)
+        self.hybrid: Any = None
 
     # -- what the input needs ---------------------------------------------------------
     @property
@@ -244,6 +246,8 @@ class ElasticController:
             (flags,) = self._strategy._ring.all_reduce([flags])
             if flags[2 * n] > 0:
                 addresses = self._new_table(admits)
+            if self.hybrid is not None:  # every member finished the last step: push it
+                self.hybrid.committed(self.completed, self._strategy._ring)
         except BaseException as e:
             if not self._broken():
                 raise
@@ -404,6 +408,8 @@ class ElasticController:
         self._position = decision.resume
         self._snapshot = self.state.snapshot()
         self._stepped = False
+        if self.hybrid is not None:  # the last committed step's pushes, all of them, once
+            self.hybrid.reformed(self.completed)
         self._announce(previous, "lost", old_replicas)
         return decision
 

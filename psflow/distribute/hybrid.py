@@ -1,0 +1,279 @@
+"""Hybrid mode of ``MultiWorkerMirroredStrategy``: dense variables mirrored, tables on the PS.
+
+A cluster spec with ``worker`` (and ``chief``) tasks *and* ``ps`` tasks gives
+a multi-worker strategy whose dense variables are mirrored and all-reduced
+over the workers' ring, as without PS tasks, while every
+:class:`~psflow.keras.layers.DynamicEmbedding` table created in its scope
+lives on the PS tasks (hashed over them by id, as under
+``ParameterServerStrategy``).  Each worker looks its batch's rows up from
+the PS itself.  A step's table gradients travel with the dense ones: the
+rows every replica touched are all-gathered over the ring (the sparse path
+of :class:`~psflow.distribute.multi_worker_mirrored_strategy.MultiWorkerReplicaContext`),
+so after the step's collective every worker holds the step's whole sparse
+gradient ``G``, summed per id.  The workers then share its push: worker
+``r`` of ``n`` sends the rows held by the PS tasks ``t`` with
+``t % n == r`` (as many workers as PS tasks: worker ``r`` talks to task
+``r`` only; fewer PS tasks than workers: some workers push nothing).
+
+Semantics.  Every PS task gets one push per table per step: the sum over
+every replica of its gradient rows, summed per id.  With each replica's
+loss scaled by ``1 / global batch`` (``nn.compute_average_loss``), that sum
+is the gradient of the global batch's mean loss, so any optimizer (SGD,
+Adagrad, Adam, FTRL: applied once, and a table's step count, Adam's bias
+correction, advances once per step as in one process) updates a row as one
+process on the global batch would, up to the order of float additions (the
+rows of one id are summed per replica, then over replicas).  A per-replica
+mean loss instead (``reduce_mean``) gives ``num_replicas`` times that
+gradient, for the dense variables as much as for the tables.
+
+Exactly once.  A push carries the request id
+``("<run>/<table>/a<j>/ps<t>", step + 1)``: the run's id (worker 0's,
+broadcast when the strategy starts), the table, the ``j``-th
+``apply_gradients`` of the step and the PS task: the same whoever sends it.
+The PS applies an id once and answers a repeat with its first reply.
+
+* Without ``elastic``, a lost worker ends the job (as TensorFlow): a worker
+  pushes its part right after the step's collective, then the workers pass
+  a one-number all-reduce, so no worker looks rows up for the next step
+  before every part of this one is applied.
+* With ``elastic``, a step's table gradient is pushed only once the step is
+  *committed*: once the group's next barrier (every member reached the next
+  step boundary) has passed.  A step the group drops and redoes after a
+  re-form has therefore pushed nothing, and its redo (other examples,
+  another cut) pushes its own gradient once.  A committed step is never
+  redone (the group resumes at the smallest completed step of its
+  survivors, and every survivor completed it).  Its pushes cannot be lost
+  with a worker either: every survivor holds ``G`` and, after a re-form,
+  pushes *every* part of the last committed step again with the same ids,
+  so the parts the lost worker had pushed are answered from the PS's
+  memory and the others are applied now, exactly once.  Rows created by a
+  dropped step's lookups stay (a row's initial value depends on its id
+  only; ``min_count`` counts such a lookup).  The last step of an epoch is
+  committed by the barrier that ends the epoch: iterate the distributed
+  dataset to its end (``fit`` does); a loop that stops early leaves its
+  last step's table gradient unpushed.
+
+Example (a worker of a cluster with ``worker`` and ``ps`` tasks in ``TF_CONFIG``)::
+
+    strategy = pf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = pf.keras.Sequential([pf.keras.layers.DynamicEmbedding(8),
+                                     pf.keras.layers.Flatten(),
+                                     pf.keras.layers.Dense(1)])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from psflow import backend, errors
+from psflow.distribute.ps import session as session_lib
+from psflow.distribute.values import PerReplica
+from psflow.framework.indexed_slices import IndexedSlices
+from psflow.ps.key_index import shard_of, sum_rows, unique_ids
+
+__all__ = ["HybridTables", "SparseStep", "TableGradient"]
+
+_RUN_ID_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TableGradient:
+    """One table's gradient of one ``apply_gradients``: unique ids, their summed rows."""
+
+    table: str
+    apply_index: int
+    optimizer: dict
+    ids: np.ndarray
+    rows: np.ndarray
+    client: Any
+
+
+@dataclasses.dataclass
+class SparseStep:
+    """The table gradients of one step, cut into ``parts`` (the workers of that step)."""
+
+    step: int
+    parts: int
+    gradients: list[TableGradient] = dataclasses.field(default_factory=list)
+
+
+class HybridTables:
+    """This worker's PS session, and the table pushes of its steps (see the module doc).
+
+    Args:
+        ps_addresses: the PS tasks, in task order.
+        task: this worker's name (``"worker:1"``), for messages and request ids.
+        timeout: the deadline of each call to a PS task (seconds).
+        security: credentials for the PS tasks (default: the environment's).
+    """
+
+    def __init__(
+        self,
+        ps_addresses: Sequence[str],
+        task: str,
+        timeout: float,
+        security: Any = None,
+    ) -> None:
+        from psflow.distribute.ps.grpc_connection import GrpcPSConnection
+
+        if not ps_addresses:
+            raise errors.InvalidArgumentError("hybrid mode needs at least one ps task")
+        self.timeout = timeout
+
+        def connect(address: str, index: int) -> Any:
+            return GrpcPSConnection(address, task=f"ps:{index}", security=security, timeout=timeout)
+
+        self.session = session_lib.PSSession(
+            [connect(a, i) for i, a in enumerate(ps_addresses)],
+            session_lib.SyncConfig("async"),
+            task=task,
+            connect=connect,
+        )
+        # tables built in the strategy's scope find the PS tasks through this session
+        session_lib.set_default(self.session)
+        self.run_id = uuid.uuid4().hex[:_RUN_ID_BYTES]
+        self._applies = 0  # apply_gradients calls so far (the step key without elastic)
+        self._staged: SparseStep | None = None  # elastic: this step's, not yet committed
+        self._committed: SparseStep | None = None  # elastic: the last committed step
+
+    # -- setup -------------------------------------------------------------------------
+    def agree_run_id(self, ring: Any) -> None:
+        """Takes worker 0's run id (every worker must call it, once, at the start)."""
+        if ring.size > 1:
+            mine = np.frombuffer(self.run_id.encode().ljust(_RUN_ID_BYTES), np.uint8).copy()
+            (agreed,) = ring.broadcast([mine], root=0)
+            self.run_id = bytes(agreed).decode().strip()
+
+    @staticmethod
+    def holds(variable: Any) -> bool:
+        """Whether ``variable`` is a table on the PS tasks (its updates go through here)."""
+        from psflow.keras.layers.dynamic_embedding import DynamicTableHandle
+
+        return isinstance(variable, DynamicTableHandle) and variable._local is None
+
+    # -- a step's gradient -------------------------------------------------------------
+    def gradients(self, optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[TableGradient]:
+        """Each table's step gradient (every replica's rows, gathered), summed per id.
+
+        Raises:
+            InvalidArgumentError: a dense gradient for a table.
+        """
+        config = optimizer.rule.get_config()
+        out = []
+        for j, (grad, handle) in enumerate(pairs):
+            if isinstance(grad, PerReplica):  # gathered: every local replica holds the same
+                grad = grad.values[0]
+            if not isinstance(grad, IndexedSlices):
+                raise errors.InvalidArgumentError(
+                    f"{handle.name}: a dynamic table takes sparse row gradients, got a dense one"
+                )
+            ids = np.asarray(backend.to_numpy(grad._indices)).astype(np.int64).reshape(-1)
+            values = np.asarray(backend.to_numpy(grad._values)).astype(handle.config.dtype)
+            values = values.reshape(ids.size, handle.config.dim)
+            unique, inverse = unique_ids(ids)
+            rows = values if unique is ids else sum_rows(values, inverse, unique.size)
+            out.append(
+                TableGradient(
+                    handle.config.name,
+                    j,
+                    config,
+                    unique,
+                    np.ascontiguousarray(rows),
+                    handle.backend.client,
+                )
+            )
+        return out
+
+    def push(self, step: SparseStep, parts: Iterable[int]) -> None:
+        """Pushes ``parts`` of ``step`` (each id applied once, however often it is pushed).
+
+        Part ``p`` is the rows owned by the PS tasks ``t`` with ``t % step.parts == p``:
+        every PS task gets one push per table per step, as from one process.
+
+        Raises:
+            UnavailableError / DeadlineExceededError: a PS task is gone (named).
+        """
+        wanted = set(parts)
+        finishes = []
+        for g in step.gradients:
+            tasks = g.client.num_shards
+            if step.parts > 1:
+                owner = shard_of(g.ids, tasks) % step.parts
+                where = np.flatnonzero(np.isin(owner, list(wanted)))
+                ids, rows = g.ids[where], g.rows[where]
+            elif 0 in wanted:
+                ids, rows = g.ids, g.rows
+            else:
+                continue
+            if not ids.size:
+                continue
+            name = f"{self.run_id}/{g.table}/a{g.apply_index}"
+
+            def request_id(ps: int, _name: str = name, _seq: int = step.step + 1) -> Any:
+                # the same for a step's push to task ``ps`` whoever sends it
+                return (f"{_name}/ps{ps}", _seq)
+
+            finishes.append(
+                g.client.start_push(
+                    g.table, ids, rows, optimizer=g.optimizer, request_ids=request_id
+                )
+            )
+        for finish in finishes:
+            finish()
+
+    # -- the strategy's update ---------------------------------------------------------
+    def apply(self, optimizer: Any, pairs: list[tuple[Any, Any]], strategy: Any) -> None:
+        """The tables' share of ``apply_gradients`` (called once per worker, cross-replica)."""
+        rank, size = strategy._group.rank, strategy._group.size
+        controller = strategy._elastic
+        gradients = self.gradients(optimizer, pairs)
+        if controller is None:
+            self._applies += 1
+            self.push(SparseStep(self._applies - 1, size, gradients), [rank])
+            # nobody looks rows up for the next step before every part is applied
+            strategy._ring.all_reduce([np.zeros(1, np.int64)])
+            return
+        step = controller.completed
+        staged = self._staged
+        if staged is None or staged.step != step:
+            staged = self._staged = SparseStep(step, size)
+        offset = len(staged.gradients)
+        staged.gradients.extend(
+            dataclasses.replace(g, apply_index=offset + i) for i, g in enumerate(gradients)
+        )
+
+    # -- elastic: commit and re-form ---------------------------------------------------
+    def committed(self, completed: int, ring: Any) -> None:
+        """The group passed a barrier: every step before ``completed`` is committed.
+
+        Pushes this worker's part of the staged step, then waits with the group
+        until every part is applied (a one-number all-reduce).
+        """
+        staged = self._staged
+        if staged is None or staged.step >= completed:
+            return
+        self.push(staged, [ring.rank])
+        self._committed, self._staged = staged, None
+        ring.all_reduce([np.zeros(1, np.int64)])
+
+    def reformed(self, completed: int) -> None:
+        """The group re-formed and resumes at step ``completed``.
+
+        Every part of the last committed step is pushed again (the parts a lost
+        worker had pushed are answered from the PS's memory, the rest applied
+        now); a staged step the group redoes is dropped.
+        """
+        staged = self._staged
+        if staged is not None:
+            if staged.step < completed:
+                self._committed = staged
+            self._staged = None
+        last = self._committed
+        if last is not None:
+            self.push(last, range(last.parts))

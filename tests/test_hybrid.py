@@ -1,0 +1,258 @@
+"""Hybrid mode: MultiWorkerMirroredStrategy with ``ps`` tasks keeps its embedding table on the PS.
+
+Real processes on 127.0.0.1: one ``ps_server`` and two workers running
+``tests/hybrid_scenario.py`` (a DynamicEmbedding on the PS under a mirrored
+dense tower, Adam).  Each case checks against one process with the table in
+process that trains on the same per-step global batches:
+
+* the dense weights and every table row agree to ``atol=1e-6, rtol=1e-5``:
+  the workers sum each id's gradient rows per replica, then over replicas,
+  one process over the whole batch at once (a few float32 ulps per step);
+* a worker SIGKILLed in elastic mode (in its forward pass, or after its
+  update while the survivor's next collective fails: the step is dropped
+  and redone on other examples, so a push issued before the commit would
+  leave the first try's gradient applied; once the group committed a step,
+  before or after it pushed its part of that step's table gradient) leaves
+  the survivor to finish, every example trained once per epoch, and the
+  rows equal to the reference's: a part pushed twice, or lost, or from the
+  dropped try, moves them by a whole Adam step;
+* a PS that dies for good ends every worker with a typed error, not a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from tests.conftest import ROOT, child_env, pick_free_port
+from tests.multi_worker_util import TOKEN
+
+SCENARIO = ROOT / "tests" / "hybrid_scenario.py"
+ATOL, RTOL = 1e-6, 1e-5
+SAMPLES = 48
+
+
+def _start_workers(
+    tmp: pathlib.Path, ps: list[str], workers: int, env: dict[str, str], mode: str = "train"
+) -> tuple:
+    ports = [pick_free_port() for _ in range(workers)]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports], "ps": ps}
+    procs, outs, logs = [], [], []
+    for i in range(workers):
+        out, log = tmp / f"w{i}.json", tmp / f"w{i}.log"
+        extra = {
+            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+            "PSFLOW_AUTH_TOKEN": TOKEN,
+            "PSFLOW_NUM_CPU_DEVICES": "1",
+            "SCENARIO_SEED": str(1 + i),  # worker 0's initial values must win
+            **env,
+        }
+        with open(log, "wb") as f:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCENARIO), mode, str(out)],
+                    env=child_env(extra),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
+            )
+        outs.append(out)
+        logs.append(log)
+    return procs, outs, logs
+
+
+def _finish(procs: list, timeout: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:  # every child reaped, whatever happened
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+    return codes
+
+
+def _reference(tmp: pathlib.Path, epochs: list, env: dict[str, str] | None = None) -> dict:
+    schedule, out = tmp / "schedule.json", tmp / "reference.json"
+    schedule.write_text(json.dumps(epochs))
+    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule), **(env or {})})
+    env.pop("TF_CONFIG", None)
+    subprocess.run(
+        [sys.executable, str(SCENARIO), "reference", str(out)],
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
+
+
+def _check(tmp: pathlib.Path, results: list[dict], logs: str) -> None:
+    first = results[0]
+    for r in results[1:]:
+        assert r["dense"] == first["dense"], "workers hold different dense weights"
+        assert r["epochs"] == first["epochs"]
+    for epoch in first["epochs"]:
+        assert sorted(i for step in epoch for i in step) == list(range(SAMPLES)), logs
+    want = _reference(tmp, first["epochs"])
+    assert first["init"] == want["init"], "the workers did not start from worker 0's values"
+    for got, ref in zip(first["dense"], want["dense"]):
+        np.testing.assert_allclose(got, ref, atol=ATOL, rtol=RTOL)
+    for r in results:  # every worker reads the same rows from the PS
+        np.testing.assert_allclose(r["rows"], want["rows"], atol=ATOL, rtol=RTOL)
+
+
+def _logs(logs: list[pathlib.Path]) -> str:
+    return "\n".join(p.read_text(errors="replace")[-3000:] for p in logs)
+
+
+def test_two_workers_and_a_ps_train_as_one_process_on_the_global_batch(tmp_path, start_ps):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    procs, outs, logs = _start_workers(tmp_path, [ps.address], 2, {})
+    codes = _finish(procs, 90)
+    assert codes == [0, 0], _logs(logs) + ps.log_tail()
+    results = [json.loads(o.read_text()) for o in outs]
+    assert results[0]["replicas"] == 2
+    _check(tmp_path, results, _logs(logs))
+
+
+def test_keras_fit_in_hybrid_mode_trains_as_one_process_on_the_global_batch(tmp_path, start_ps):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    procs, outs, logs = _start_workers(tmp_path, [ps.address], 2, {}, mode="fit")
+    codes = _finish(procs, 90)
+    assert codes == [0, 0], _logs(logs) + ps.log_tail()
+    results = [json.loads(o.read_text()) for o in outs]
+    assert results[0]["dense"] == results[1]["dense"]
+    batches = [list(range(k, k + 12)) for k in range(0, SAMPLES, 12)]
+    want = _reference(tmp_path, [batches, batches], {"REFERENCE_LOSS": "mean"})
+    for got, ref in zip(results[0]["dense"], want["dense"]):
+        np.testing.assert_allclose(got, ref, atol=ATOL, rtol=RTOL)
+    for r in results:
+        np.testing.assert_allclose(r["rows"], want["rows"], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("fault", ["forward", "after_apply", "before_push", "after_push"])
+def test_a_worker_killed_in_elastic_hybrid_mode_loses_no_table_update(tmp_path, start_ps, fault):
+    # two PS tasks: worker r pushes what task r holds, so the lost worker had a part to push
+    ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
+    env = {"ELASTIC": "1", "FAULT": fault, "FAULT_RANK": "1", "FAULT_STEP": "2"}
+    procs, outs, logs = _start_workers(tmp_path, [p.address for p in ps], 2, env)
+    codes = _finish(procs, 120)
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, _logs(logs)
+    survivor = json.loads(outs[0].read_text())
+    assert [c["reason"] for c in survivor["changes"]] == ["lost"]
+    assert survivor["replicas"] == 1
+    _check(tmp_path, [survivor], _logs(logs))
+
+
+def test_a_ps_that_dies_for_good_ends_every_worker_with_a_typed_error(tmp_path, start_ps):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    env = {"STEP_SLEEP": "0.3", "SCENARIO_TIMEOUT": "5"}
+    procs, outs, logs = _start_workers(tmp_path, [ps.address], 2, env)
+    deadline = time.monotonic() + 60
+    while "step 2 done" not in logs[0].read_text(errors="replace"):
+        assert time.monotonic() < deadline and procs[0].poll() is None, _logs(logs)
+        time.sleep(0.05)
+    ps.proc.send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    codes = _finish(procs, 60)
+    assert codes == [3, 3], _logs(logs)
+    assert time.monotonic() - started < 40
+    for out in outs:
+        result = json.loads(out.read_text())
+        # the worker that failed at the PS names it; its peer may see the ring break first
+        assert result["error"] in ("UnavailableError", "DeadlineExceededError", "AbortedError")
+        assert issubclass(getattr(pf.errors, result["error"]), pf.errors.OpError)
+    messages = " ".join(json.loads(o.read_text())["message"] for o in outs)
+    assert "ps:0" in messages or ps.address in messages, messages
+
+
+def test_the_hybrid_example_trains_the_same_on_both_workers(tmp_path, start_ps):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    ports = [pick_free_port() for _ in range(2)]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports], "ps": [ps.address]}
+    procs = []
+    for i in range(2):
+        task = {"type": "worker", "index": i}
+        env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": task})}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "examples" / "multi_worker_hybrid.py")],
+                env=child_env({**env, "PSFLOW_AUTH_TOKEN": TOKEN, "PSFLOW_NUM_CPU_DEVICES": "1"}),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        _finish(procs, 1)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    lines = [
+        [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("worker ")]
+        for out in outputs
+    ]
+    assert lines[0] == lines[1] and len(lines[0]) == 4, outputs  # 3 epochs' losses and a row
+    losses = [float(line.split()[-1]) for line in lines[0][:3]]
+    assert losses[2] < losses[0], outputs
+
+
+def test_a_table_gradient_without_aggregation_is_refused_naming_the_table(start_ps, monkeypatch):
+    from psflow import config
+
+    monkeypatch.setenv("PSFLOW_AUTH_TOKEN", TOKEN)
+    # two local replicas: without aggregation each would push its own rows
+    monkeypatch.setenv("PSFLOW_NUM_CPU_DEVICES", "2")
+    monkeypatch.setattr(config, "_logical", {})
+    monkeypatch.setattr(config, "_visible", {})
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": [f"127.0.0.1:{pick_free_port()}"], "ps": [ps.address]}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    try:
+        with strategy.scope():
+            table = pf.keras.layers.DynamicEmbedding(2, table_name="refused", seed=1)
+            opt = pf.keras.optimizers.SGD(1.0)
+        ids = np.array([3, 10**12])
+        before = np.asarray(table(ids, training=False))
+
+        def step(aggregate: bool) -> None:
+            with pf.GradientTape() as tape:
+                loss = pf.reduce_sum(table(ids, training=True))
+            grads = tape.gradient(loss, table.trainable_variables)
+            opt.apply_gradients(
+                zip(grads, table.trainable_variables), experimental_aggregate_gradients=aggregate
+            )
+
+        with pytest.raises(pf.errors.UnimplementedError, match="refused"):
+            strategy.run(step, args=(False,))
+        np.testing.assert_array_equal(table(ids, training=False), before)  # nothing pushed
+        assert strategy.num_replicas_in_sync == 2
+        strategy.run(step, args=(True,))  # both replicas' rows summed, applied once
+        np.testing.assert_allclose(table(ids, training=False), before - 2.0, rtol=1e-6)
+    finally:
+        strategy.hybrid.session.close()
+        pf.distribute.ps.session.set_default(None)
