@@ -5,7 +5,8 @@ TF_CONFIG, PSFLOW_AUTH_TOKEN come from the test.  Modes:
   train      a custom loop (strategy.run + GradientTape + Adam, then strategy.gather of the
              step's example ids) under ``ElasticOptions``, 2 epochs of 48 examples in global
              batches of 12; ``FAULT`` (forward, allreduce, reduce, sigstop, drain) hits worker
-             ``FAULT_RANK`` at step ``FAULT_STEP``
+             ``FAULT_RANK`` at step ``FAULT_STEP``; ``join_broadcast``: that worker, joining a
+             running group, dies (SIGKILL) as the group starts sending it its state
   fit        the same model and data through Keras ``fit``, a callback logging membership changes
   reference  one process replaying the per-step global batches in ``SCHEDULE`` (a JSON file)
 
@@ -248,6 +249,17 @@ def main() -> int:
         rendezvous_seconds=5.0,
         batch_policy=os.environ.get("BATCH_POLICY", "keep_per_replica"),
     )
+    if os.environ.get("FAULT") == "join_broadcast" and rank == int(os.environ["FAULT_RANK"]):
+        from psflow.distribute.elastic.state import TrainingState
+
+        receive = TrainingState.broadcast
+
+        def dying(self, ring, root, *, pending=False):  # type: ignore[no-untyped-def]
+            if pending:  # this worker was admitted: the members are sending it their state
+                os.kill(os.getpid(), signal.SIGKILL)
+            return receive(self, ring, root, pending=pending)
+
+        TrainingState.broadcast = dying  # type: ignore[method-assign]
     try:
         strategy = pf.distribute.MultiWorkerMirroredStrategy(
             communication_options=options, elastic=elastic

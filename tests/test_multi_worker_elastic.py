@@ -294,6 +294,42 @@ def test_a_restarted_worker_rejoins_at_a_step_boundary_with_the_group_state(tmp_
             step += 1
 
 
+def _wait_for(path: pathlib.Path, text: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in path.read_text(errors="replace"):
+        assert time.monotonic() < deadline and proc.poll() is None, path.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+def _ports(tmp: pathlib.Path, workers: int) -> list[int]:
+    """The ports :func:`_start` gave its workers."""
+    cluster = json.loads((tmp / "w0.tf_config").read_text())["cluster"]["worker"]
+    return [int(a.rsplit(":", 1)[1]) for a in cluster[:workers]]
+
+
+def _start_new_worker(
+    tmp: pathlib.Path, ports: list[int], i: int, env: dict[str, str]
+) -> tuple[subprocess.Popen, pathlib.Path, pathlib.Path]:
+    """Worker ``i`` with a TF_CONFIG listing the workers up to itself (the job scaled up)."""
+    out, log = tmp / f"w{i}.json", tmp / f"w{i}.log"
+    extra = {
+        **env,
+        "TF_CONFIG": tf_config(ports[: i + 1], i),
+        "PSFLOW_AUTH_TOKEN": TOKEN,
+        "PSFLOW_NUM_CPU_DEVICES": "1",
+        "SCENARIO_SEED": str(50 + i),  # its own weights: the group's must replace them
+    }
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCENARIO), "train", str(out)],
+            env=child_env(extra),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    return proc, out, log
+
+
 def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
     """The job scaled up: two workers start with TF_CONFIG listing 2 and max_workers 3; two
     more start with longer lists (ids 2 and 3). One is admitted at a step boundary (the
@@ -301,40 +337,13 @@ def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
     env = {"SCENARIO_TIMEOUT": "10", "STEP_SLEEP": "1.0", "MAX_WORKERS": "3"}
     env["PRINT_STEPS"] = "1"
     procs, outs, logs = _start(tmp_path, 2, env)
-    ports = [
-        int(
-            json.loads((tmp_path / f"w{i}.tf_config").read_text())["cluster"]["worker"][i].rsplit(
-                ":", 1
-            )[1]
-        )
-        for i in range(2)
-    ]
-    ports += [pick_free_port(), pick_free_port()]
+    ports = [*_ports(tmp_path, 2), pick_free_port(), pick_free_port()]
     extra_procs, extra_outs, extra_logs = [], [], []
     try:
-        deadline = time.monotonic() + 60
-        while "step 1 done" not in logs[0].read_text(errors="replace"):
-            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
-            time.sleep(0.1)
+        _wait_for(logs[0], "step 1 done", procs[0], 60)
         for i in (2, 3):
-            out, log = tmp_path / f"w{i}.json", tmp_path / f"w{i}.log"
-            extra = {
-                **env,
-                "TF_CONFIG": tf_config(ports[: i + 1], i),
-                "PSFLOW_AUTH_TOKEN": TOKEN,
-                "PSFLOW_NUM_CPU_DEVICES": "1",
-                "SCENARIO_SEED": str(50 + i),  # its own weights: the group's must replace them
-            }
-            with open(log, "wb") as f:
-                extra_procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(SCENARIO), "train", str(out)],
-                        env=child_env(extra),
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        cwd=ROOT,
-                    )
-                )
+            proc, out, log = _start_new_worker(tmp_path, ports, i, env)
+            extra_procs.append(proc)
             extra_outs.append(out)
             extra_logs.append(log)
         everyone = [*procs, *extra_procs]
@@ -364,6 +373,37 @@ def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
             if step >= change["resumed_step"] and k < len(epoch) - 1:
                 assert len(ids) == 18, results[0]["epochs"]
             step += 1
+
+
+def test_a_joiner_killed_during_its_state_broadcast_is_dropped_and_the_group_goes_on(tmp_path):
+    """kill -9 of an admitted worker while the members send it their state: the members
+    re-form without it from the same step boundary, in the same processes."""
+    env = {"SCENARIO_TIMEOUT": "5", "STEP_SLEEP": "0.5", "MAX_WORKERS": "3", "PRINT_STEPS": "1"}
+    procs, outs, logs = _start(tmp_path, 2, env)
+    joiner = None
+    try:
+        _wait_for(logs[0], "step 1 done", procs[0], 60)
+        joiner, _, joiner_log = _start_new_worker(
+            tmp_path, [*_ports(tmp_path, 2), pick_free_port()], 2,
+            {**env, "FAULT": "join_broadcast", "FAULT_RANK": "2"},
+        )  # fmt: skip
+        codes = _wait([*procs, joiner], {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap([*procs, *([joiner] if joiner else [])])
+    results, texts = _results(outs, logs)
+    assert codes[2] == -signal.SIGKILL, joiner_log.read_text()[-3000:]
+    assert codes[0] == codes[1] == 0, "\n---\n".join(t[-3000:] for t in texts)
+    assert [results[0]["pid"], results[1]["pid"]] == [procs[0].pid, procs[1].pid]
+    _check_training(tmp_path, results, texts[0][-3000:])
+    assert results[1]["changes"] == results[0]["changes"]
+    # every member announces the admission it decided, then the loss (whether its own send
+    # of the state failed, or the next collective did): the listeners agree (a learning
+    # rate scaled by each change's global_batch_scale ends the same on every member)
+    joined, lost = results[0]["changes"]
+    assert joined["reason"] == "joined" and joined["members"] == [0, 1, 2]
+    assert lost["reason"] == "lost" and lost["members"] == [0, 1] and lost["generation"] == 2
+    assert lost["resumed_step"] == joined["resumed_step"]  # no step lost
+    assert joined["global_batch_scale"] * lost["global_batch_scale"] == pytest.approx(1.0)
 
 
 @pytest.mark.slow
@@ -577,13 +617,6 @@ def test_psflow_local_elastic_keeps_the_survivors_of_a_killed_worker(tmp_path):
     )
     sums = {ln.split("weights checksum ")[1] for ln in lines if "weights checksum" in ln}
     assert len(sums) == 1, lines
-
-
-def _wait_for(path: pathlib.Path, text: str, proc: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while text not in path.read_text(errors="replace"):
-        assert time.monotonic() < deadline and proc.poll() is None, path.read_text()[-4000:]
-        time.sleep(0.1)
 
 
 def _scale(cluster_dir: pathlib.Path, workers: int) -> subprocess.CompletedProcess:

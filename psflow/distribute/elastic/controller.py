@@ -251,16 +251,27 @@ class ElasticController:
         except BaseException as e:
             if not self._broken():
                 raise
-            decision = self._recover_until_formed(e)
-            going_on = iterator.resume_at(decision.resume)
-            self._skip_barrier = not going_on  # the next epoch's first barrier is passed too
-            return going_on
+            return self._resume_after(e, iterator)
         leaving = [m for m in range(n) if flags[m] > 0]
         joining = [m for m in range(n) if flags[n + m] > 0]
         joining += [m for m in range(n, len(addresses)) if addresses[m]]  # beyond the old table
         if leaving or joining:
-            self._change(leaving, joining, {m: s for m, (s, _) in admits.items()}, addresses)
+            try:
+                self._change(leaving, joining, {m: s for m, (s, _) in admits.items()}, addresses)
+            except errors.OpError as e:
+                # the new ring or the joiner's state broadcast broke (a joiner died while it
+                # was admitted): the members re-form without it from this boundary
+                if not self._broken():
+                    raise
+                return self._resume_after(e, iterator)
         return True
+
+    def _resume_after(self, error: BaseException, iterator: Any) -> bool:
+        """The barrier's ring broke: re-form, and cut the resumed step for the new group."""
+        decision = self._recover_until_formed(error)
+        going_on = iterator.resume_at(decision.resume)
+        self._skip_barrier = not going_on  # the next epoch's first barrier is passed too
+        return going_on
 
     def _new_table(self, admits: dict[int, tuple[Any, str]]) -> tuple[str, ...]:
         """Every member: rank 0's address table with the admitted workers beyond the old one
@@ -367,7 +378,6 @@ class ElasticController:
     def _recover_until_formed(self, error: BaseException) -> Decision:
         """Puts the snapshot back, agrees on the group, forms its ring, takes the source's state."""
         previous = self.view
-        old_replicas = self.num_replicas
         task = error.task if isinstance(error, errors.OpError) else None
         suspects = {int(m) for m in _TASK.findall(task or "")}
         log.warning(
@@ -410,7 +420,7 @@ class ElasticController:
         self._stepped = False
         if self.hybrid is not None:  # the last committed step's pushes, all of them, once
             self.hybrid.reformed(self.completed)
-        self._announce(previous, "lost", old_replicas)
+        self._announce(previous, "lost")
         return decision
 
     def _form(self) -> None:
@@ -453,7 +463,6 @@ class ElasticController:
         """Everyone passed the barrier: the group goes on without ``leaving``, with ``joining``
         (``addresses``: every worker's, by id, the joiners' included)."""
         previous = self.view
-        old_replicas = self.num_replicas
         stay = [m for m in previous.members if m not in leaving]
         if not stay:  # every member drains (the whole job is being stopped): nobody to join
             joining = []
@@ -484,10 +493,12 @@ class ElasticController:
             )
         self.view = view
         self.door.set_generation(view.generation, view.members, view.addresses)
+        # every member decided this change at the barrier: all announce it, even one whose
+        # new ring then breaks (it announces the re-form after it, as the others do)
+        self._announce(previous, "joined" if joining and not leaving else "drained")
         self._form()
         if joining:
             self.state.broadcast(self._strategy._ring, view.rank_of(decision.source))
-        self._announce(previous, "joined" if joining and not leaving else "drained", old_replicas)
 
     def join(self, view: View) -> None:
         """This worker started while ``view``'s group trains: it asks to join and is admitted.
@@ -522,15 +533,23 @@ class ElasticController:
         self._start = decision.resume
         self.initial_epoch = max(decision.resume.epoch, 0)
         self._skip_barrier = True  # the members passed the barrier that admitted it
-        self._announce(previous, "joined", 1 * len(self._strategy._devices))
+        self._announce(previous, "joined")
 
     def take_start(self) -> Position | None:
         """A joiner's first position (once): where its first epoch's iterator starts."""
         start, self._start = self._start, None
         return start
 
-    def _announce(self, previous: View, reason: str, old_replicas: int) -> None:
-        new_replicas = self.num_replicas
+    def _announce(self, previous: View, reason: str) -> None:
+        """Records the change from ``previous`` to :attr:`view` and tells the listeners.
+
+        The replica counts come from the two views, not from the ring: a member
+        announces a decided change before it connects the new ring, so one whose
+        connection then fails has told its listeners the same as the others.
+        """
+        devices = len(self._strategy._devices)
+        old_replicas = len(previous.members) * devices
+        new_replicas = len(self.view.members) * devices
         scale = 1.0 if self.batch_policy is BatchPolicy.KEEP_GLOBAL else new_replicas / old_replicas
         change = MembershipChange(
             generation=self.view.generation,
