@@ -20,6 +20,27 @@ counts the steps after its first, over the time from the end of the first to
 the end of the last; the side's figure is the sum over its trainers (the
 median over rounds). ``ratio`` = budget / default.
 
+Then PS training of the same model on the same host, as ``psflow local``
+starts it: 2 parameter servers and 2 workers (separate processes on loopback,
+each given psflow's thread budget) and this process as the chief, running
+``pss_train.py``'s custom loop (a closure per batch through the
+ClusterCoordinator), in async and sync mode, with the parameter servers'
+shared memory on (``--shm auto``, the default) and off. ``async-waiting`` is
+async mode with the workers' ``PSFLOW_PUSH_BEHIND=off`` (each closure's push
+applied before the next closure starts, as before pushes went behind the
+compute); its ratio to ``async`` is printed per round. A PS case's
+``steps/s`` counts batches trained per second by all workers together (a sync
+step of 2 workers is 2 batches), as the bound counts them; its ``share`` is
+that over the bound's ``budget`` side (the bound BENCHMARKS.md defines: each
+trainer given its fair share of the cores) measured in the same round. The CPU
+each role used per batch (``cpu_ms_per_step``: both parameter servers, both
+workers, the chief) is printed beside it, so the share can be read: on one
+host the parameter servers and the chief take cores from the workers.
+``cpu_share`` is the bound's CPU per batch over the CPU per batch of all PS
+roles together: the share where all cores stay busy and nothing else runs (on
+a machine loaded by other work the wall-clock ``share`` says more about the
+scheduler than about psflow: more processes get more of the cores).
+
 stdout: JSON lines (BENCHMARKS.md); stderr: a table and progress.
 
     python benchmarks/bound.py              # 5 rounds
@@ -47,7 +68,9 @@ from _common import emit, progress, table
 
 BENCH = "bound"
 SIDES = ("default", "budget")
-PS_MODES = ("async", "sync")
+# "async-waiting": async with the workers' pushes waited for before the next closure
+# (PSFLOW_PUSH_BEHIND=off), what async was before pushes went behind the compute
+PS_MODES = ("async", "async-waiting", "sync")
 PS_SHM = ("auto", "off")
 DIMS = (784, 512, 512, 10)
 SEED = 1234
@@ -186,7 +209,7 @@ def _cpu_seconds(pid: int) -> float:
 class PSCluster:
     """2 parameter servers and 2 workers on loopback, budgeted as ``psflow local`` does."""
 
-    def __init__(self, shm: str, ps_threads: int, compute_threads: int) -> None:
+    def __init__(self, shm: str, behind: bool, ps_threads: int, compute_threads: int) -> None:
         self.shm = shm
         self.procs = _cluster.Processes()
         self.roles: dict[str, list[int]] = {"ps": [], "worker": []}
@@ -198,7 +221,9 @@ class PSCluster:
                     spec = _cluster.psflow_cluster(self.procs, 2, 0, env, shm=shm)
                     self.spec["ps"] = spec["ps"]
                 else:
-                    self.spec["worker"] = self._workers(env)
+                    self.spec["worker"] = self._workers(
+                        {**env, "PSFLOW_PUSH_BEHIND": "on" if behind else "off"}
+                    )
                 self.roles[role] = [p.pid for p in self.procs.procs[-2:]]
         except BaseException:
             self.procs.close()
@@ -263,7 +288,7 @@ def main() -> int:
     steps = {64: 120, 256: 40} if args.quick else {64: 400, 256: 120}
     ps_cases = [] if args.no_ps else [(m, shm) for m in PS_MODES for shm in PS_SHM]
     sides: dict[str, list[Trainer]] = {}
-    clusters: dict[str, PSCluster] = {}
+    clusters: dict[tuple[str, bool], PSCluster] = {}
     ps_rates: dict[tuple[str, str, int], list[float]] = {}
     ps_cpu: dict[tuple[str, str, int], list[dict]] = {}
     shares: dict[tuple[str, str, int], list[float]] = {}
@@ -276,15 +301,17 @@ def main() -> int:
             ]
         counts = {s: [t.blas_threads for t in ts] for s, ts in sides.items()}
         progress(f"{cores} cores, {args.processes} trainers per side, BLAS threads {counts}")
-        for shm in sorted({shm for _, shm in ps_cases}):
-            clusters[shm] = PSCluster(shm, ps_threads, compute_threads)
+        for mode, shm in ps_cases:
+            key = (shm, mode != "async-waiting")
+            if key not in clusters:
+                clusters[key] = PSCluster(shm, key[1], ps_threads, compute_threads)
         if ps_cases:
             from psflow import thread_budget
 
             thread_budget.apply_budget(
                 thread_budget.resolve_budget("chief", {"PSFLOW_BLAS_THREADS": str(compute_threads)})
             )
-            progress(f"PS clusters (shm {sorted(clusters)}): BLAS threads ps {ps_threads}, "
+            progress(f"PS clusters (shm, push behind) {sorted(clusters)}: BLAS threads ps {ps_threads}, "
                      f"worker and chief {compute_threads}")  # fmt: skip
         for batch in steps:  # warm-up: build the models, fault the buffers in
             for side in SIDES:
@@ -301,7 +328,9 @@ def main() -> int:
                              f"CPU {cpu_ms:.2f} ms/step")  # fmt: skip
                     time.sleep(0.2)  # the other side's spinning BLAS threads go to sleep
                 for mode, shm in ps_cases:
-                    rate, cpu = _ps_rate(clusters[shm], batch, mode, n)
+                    behind = mode != "async-waiting"
+                    run_mode = "async" if mode == "async-waiting" else mode
+                    rate, cpu = _ps_rate(clusters[shm, behind], batch, run_mode, n)
                     key = (mode, shm, batch)
                     ps_rates.setdefault(key, []).append(rate)
                     ps_cpu.setdefault(key, []).append(cpu)
@@ -361,6 +390,22 @@ def main() -> int:
                          cpu_share, cpu["ps"], cpu["worker"], cpu["chief"]])  # fmt: skip
     table(["PS training", "batch", "steps/s", "bound steps/s", "share", "cpu share",
            "ps cpu ms/step", "worker cpu ms/step", "chief cpu ms/step"], rows)  # fmt: skip
+    rows = []
+    for shm in PS_SHM:  # the pushes behind the compute against waiting for them, per round
+        for batch in steps:
+            behind, waiting = (
+                ps_rates.get(("async", shm, batch)),
+                ps_rates.get(("async-waiting", shm, batch)),
+            )
+            if not behind or not waiting:
+                continue
+            per_round = [a / b for a, b in zip(behind, waiting)]
+            ratio = statistics.median(per_round)
+            emit(BENCH, f"ps/async/shm-{shm}/batch{batch}", "ratio", round(ratio, 3), "x",
+                 sides=["async", "async-waiting"], samples=[round(v, 3) for v in per_round])  # fmt: skip
+            rows.append([f"shm {shm}", batch, ratio])
+    if rows:
+        table(["async: pushes behind / waited for", "batch", "ratio"], rows)
     return 0
 
 
