@@ -1,4 +1,4 @@
-"""The compute-only bound, with and without psflow's thread budget.
+"""The compute-only bound of PS training, and PS training's share of it, in one run.
 
 BENCHMARKS.md's compute-only bound of a distributed workload: the same model
 and batch trained on local variables by the same number of worker processes on
@@ -20,16 +20,39 @@ counts the steps after its first, over the time from the end of the first to
 the end of the last; the side's figure is the sum over its trainers (the
 median over rounds). ``ratio`` = budget / default.
 
+Then PS training of the same model on the same host, as ``psflow local``
+starts it: 2 parameter servers and 2 workers (separate processes on loopback,
+each given psflow's thread budget) and this process as the chief, running
+``pss_train.py``'s custom loop (a closure per batch through the
+ClusterCoordinator), in async and sync mode, with the parameter servers'
+shared memory on (``--shm auto``, the default) and off. ``async-waiting`` is
+async mode with the workers' ``PSFLOW_PUSH_BEHIND=off`` (each closure's push
+applied before the next closure starts, as before pushes went behind the
+compute); its ratio to ``async`` is printed per round. A PS case's
+``steps/s`` counts batches trained per second by all workers together (a sync
+step of 2 workers is 2 batches), as the bound counts them; its ``share`` is
+that over the bound's ``budget`` side (the bound BENCHMARKS.md defines: each
+trainer given its fair share of the cores) measured in the same round. The CPU
+each role used per batch (``cpu_ms_per_step``: both parameter servers, both
+workers, the chief) is printed beside it, so the share can be read: on one
+host the parameter servers and the chief take cores from the workers.
+``cpu_share`` is the bound's CPU per batch over the CPU per batch of all PS
+roles together: the share where all cores stay busy and nothing else runs (on
+a machine loaded by other work the wall-clock ``share`` says more about the
+scheduler than about psflow: more processes get more of the cores).
+
 stdout: JSON lines (BENCHMARKS.md); stderr: a table and progress.
 
     python benchmarks/bound.py              # 5 rounds
     python benchmarks/bound.py --quick      # 2 rounds, fewer steps (< 60 s on 2 cores)
     python benchmarks/bound.py --processes 3
+    python benchmarks/bound.py --no-ps      # the bound alone
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -37,12 +60,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import _cluster
 from _common import emit, progress, table
 
 BENCH = "bound"
 SIDES = ("default", "budget")
+# "async-waiting": async with the workers' pushes waited for before the next closure
+# (PSFLOW_PUSH_BEHIND=off), what async was before pushes went behind the compute
+PS_MODES = ("async", "async-waiting", "sync")
+PS_SHM = ("auto", "off")
 DIMS = (784, 512, 512, 10)
 SEED = 1234
 THREAD_VARIABLES = (
@@ -99,9 +128,12 @@ def trainer(side: str) -> None:
         x = rng.standard_normal((batch * steps, DIMS[0]), dtype=np.float32)
         y = rng.integers(0, DIMS[-1], batch * steps).astype(np.int64)
         stamp = Stamp()
+        cpu = time.process_time()
         models[batch].fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[stamp])
+        cpu = time.process_time() - cpu
         s = stamp.stamps
-        print(json.dumps({"steps": len(s) - 1, "seconds": s[-1] - s[0]}), flush=True)
+        print(json.dumps({"steps": len(s) - 1, "seconds": s[-1] - s[0],
+                          "cpu_ms_per_step": cpu * 1e3 / len(s)}), flush=True)  # fmt: skip
 
 
 class Trainer:
@@ -153,11 +185,85 @@ def _env(side: str, threads: int) -> dict[str, str]:
     return env
 
 
-def _together(trainers: list[Trainer], batch: int, steps: int) -> float:
-    """Aggregate steps/s of ``trainers`` each running one epoch at the same time."""
+def _together(trainers: list[Trainer], batch: int, steps: int) -> tuple[float, float]:
+    """Aggregate steps/s of ``trainers`` each running one epoch at the same time, and
+    their CPU ms per step (the mean over trainers)."""
     for t in trainers:
         t.send(batch, steps)
-    return sum(r["steps"] / r["seconds"] for r in (t.read() for t in trainers))
+    replies = [t.read() for t in trainers]
+    rate = sum(r["steps"] / r["seconds"] for r in replies)
+    return rate, statistics.mean(r["cpu_ms_per_step"] for r in replies)
+
+
+# -- PS training on the same host ------------------------------------------------------------
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 where /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class PSCluster:
+    """2 parameter servers and 2 workers on loopback, budgeted as ``psflow local`` does."""
+
+    def __init__(self, shm: str, behind: bool, ps_threads: int, compute_threads: int) -> None:
+        self.shm = shm
+        self.procs = _cluster.Processes()
+        self.roles: dict[str, list[int]] = {"ps": [], "worker": []}
+        self.spec: dict[str, list[str]] = {"ps": [], "worker": []}
+        try:
+            for role, threads in (("ps", ps_threads), ("worker", compute_threads)):
+                env = {"PSFLOW_BLAS_THREADS": str(threads)}
+                if role == "ps":
+                    spec = _cluster.psflow_cluster(self.procs, 2, 0, env, shm=shm)
+                    self.spec["ps"] = spec["ps"]
+                else:
+                    self.spec["worker"] = self._workers(
+                        {**env, "PSFLOW_PUSH_BEHIND": "on" if behind else "off"}
+                    )
+                self.roles[role] = [p.pid for p in self.procs.procs[-2:]]
+        except BaseException:
+            self.procs.close()
+            raise
+
+    def _workers(self, env: dict[str, str]) -> list[str]:
+        workers = []
+        for i in range(2):
+            args = [
+                "--port", "0", "--task", f"worker:{i}", "--ps", ",".join(self.spec["ps"]),
+                "--workers", "2", "--log-level", "WARNING", "--bind", "127.0.0.1",
+            ]  # fmt: skip
+            workers.append(f"127.0.0.1:{self.procs.start_role('worker', args, 'worker', env).port}")
+        return workers
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far per role (the chief: this process)."""
+        out = {role: sum(_cpu_seconds(p) for p in pids) for role, pids in self.roles.items()}
+        out["chief"] = time.process_time()
+        return out
+
+    def close(self) -> None:
+        self.procs.close()
+
+
+def _ps_rate(cluster: PSCluster, batch: int, mode: str, steps: int) -> tuple[float, dict]:
+    """Batches/s of PS training on ``cluster`` and the CPU ms per batch of each role."""
+    from pss_train import run_psflow
+
+    used: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timed() -> Iterator[None]:
+        before = cluster.cpu()
+        yield
+        after = cluster.cpu()
+        used.update({role: (after[role] - before[role]) * 1e3 / steps for role in after})
+
+    rate = run_psflow(cluster.spec, batch, mode, steps, timed)
+    return rate, {role: round(ms, 2) for role, ms in used.items()}
 
 
 def main() -> int:
@@ -165,6 +271,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="2 rounds, fewer steps")
     p.add_argument("--processes", type=int, default=2, help="trainer processes per side")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for any one answer")
+    p.add_argument("--no-ps", action="store_true", help="the compute-only bound alone")
     p.add_argument("--trainer", choices=SIDES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trainer:
@@ -175,9 +282,18 @@ def main() -> int:
 
     cores = available_cores()
     _, threads = share_cores(cores, 0, args.processes)
+    # what `psflow local` gives 2 parameter servers, 2 workers and the chief
+    ps_threads, compute_threads = share_cores(cores, 2, 3)
     rounds = 2 if args.quick else 5
     steps = {64: 120, 256: 40} if args.quick else {64: 400, 256: 120}
+    ps_cases = [] if args.no_ps else [(m, shm) for m in PS_MODES for shm in PS_SHM]
     sides: dict[str, list[Trainer]] = {}
+    clusters: dict[tuple[str, bool], PSCluster] = {}
+    ps_rates: dict[tuple[str, str, int], list[float]] = {}
+    ps_cpu: dict[tuple[str, str, int], list[dict]] = {}
+    shares: dict[tuple[str, str, int], list[float]] = {}
+    for name in THREAD_VARIABLES:  # the PS cluster and this chief take psflow's budget
+        os.environ.pop(name, None)
     try:
         for side in SIDES:
             sides[side] = [
@@ -185,21 +301,49 @@ def main() -> int:
             ]
         counts = {s: [t.blas_threads for t in ts] for s, ts in sides.items()}
         progress(f"{cores} cores, {args.processes} trainers per side, BLAS threads {counts}")
+        for mode, shm in ps_cases:
+            key = (shm, mode != "async-waiting")
+            if key not in clusters:
+                clusters[key] = PSCluster(shm, key[1], ps_threads, compute_threads)
+        if ps_cases:
+            from psflow import thread_budget
+
+            thread_budget.apply_budget(
+                thread_budget.resolve_budget("chief", {"PSFLOW_BLAS_THREADS": str(compute_threads)})
+            )
+            progress(f"PS clusters (shm, push behind) {sorted(clusters)}: BLAS threads ps {ps_threads}, "
+                     f"worker and chief {compute_threads}")  # fmt: skip
         for batch in steps:  # warm-up: build the models, fault the buffers in
             for side in SIDES:
                 _together(sides[side], batch, 5)
         rates: dict[tuple[str, int], list[float]] = {}
+        bound_cpu: dict[tuple[str, int], list[float]] = {}
         for r in range(rounds):
             for batch, n in steps.items():
                 for side in SIDES:
-                    rate = _together(sides[side], batch, n)
+                    rate, cpu_ms = _together(sides[side], batch, n)
                     rates.setdefault((side, batch), []).append(rate)
-                    progress(f"round {r + 1}/{rounds} batch {batch} {side}: {rate:.1f} steps/s")
+                    bound_cpu.setdefault((side, batch), []).append(cpu_ms)
+                    progress(f"round {r + 1}/{rounds} batch {batch} {side}: {rate:.1f} steps/s, "
+                             f"CPU {cpu_ms:.2f} ms/step")  # fmt: skip
                     time.sleep(0.2)  # the other side's spinning BLAS threads go to sleep
+                for mode, shm in ps_cases:
+                    behind = mode != "async-waiting"
+                    run_mode = "async" if mode == "async-waiting" else mode
+                    rate, cpu = _ps_rate(clusters[shm, behind], batch, run_mode, n)
+                    key = (mode, shm, batch)
+                    ps_rates.setdefault(key, []).append(rate)
+                    ps_cpu.setdefault(key, []).append(cpu)
+                    share = rate / rates["budget", batch][-1]
+                    shares.setdefault(key, []).append(share)
+                    progress(f"round {r + 1}/{rounds} batch {batch} ps {mode} shm {shm}: "
+                             f"{rate:.1f} steps/s ({share:.0%} of the bound), CPU ms/step {cpu}")  # fmt: skip
     finally:
         for trainers in sides.values():
             for t in trainers:
                 t.close()
+        for cluster in clusters.values():
+            cluster.close()
     rows = []
     for batch in steps:
         median = {s: statistics.median(rates[s, batch]) for s in SIDES}
@@ -215,13 +359,59 @@ def main() -> int:
                 cores=cores,
                 n=rounds,
                 samples=[round(v, 2) for v in rates[side, batch]],
+                cpu_ms_per_step=round(statistics.median(bound_cpu[side, batch]), 2),
             )
         ratio = median["budget"] / median["default"]
         emit(BENCH, f"mlp/batch{batch}", "ratio", round(ratio, 3), "x",
              sides=["budget", "default"])  # fmt: skip
         rows.append([batch, median["default"], median["budget"], ratio])
     table(["batch", "default steps/s", "budget steps/s", "budget/default"], rows)
+    if not ps_cases:
+        return 0
+    rows = []
+    for mode, shm in ps_cases:
+        for batch in steps:
+            key = (mode, shm, batch)
+            rate, share = statistics.median(ps_rates[key]), statistics.median(shares[key])
+            cpu = {
+                role: round(statistics.median(c[role] for c in ps_cpu[key]), 2)
+                for role in ps_cpu[key][0]
+            }
+            # CPU per batch of the bound's trainer over that of every PS role together:
+            # the share on a host with nothing else running, where all cores stay busy
+            cpu_share = statistics.median(bound_cpu["budget", batch]) / sum(cpu.values())
+            case = f"ps/{mode}/shm-{shm}/batch{batch}"
+            emit(BENCH, case, "throughput", round(rate, 2), "steps/s", n=rounds,
+                 samples=[round(v, 2) for v in ps_rates[key]], cpu_ms_per_step=cpu)  # fmt: skip
+            emit(BENCH, case, "share", round(share, 3), "x", sides=["ps", "budget"],
+                 samples=[round(v, 3) for v in shares[key]])  # fmt: skip
+            emit(BENCH, case, "cpu_share", round(cpu_share, 3), "x", sides=["budget", "ps"])
+            rows.append([f"{mode} shm {shm}", batch, rate, median_bound(rates, batch), share,
+                         cpu_share, cpu["ps"], cpu["worker"], cpu["chief"]])  # fmt: skip
+    table(["PS training", "batch", "steps/s", "bound steps/s", "share", "cpu share",
+           "ps cpu ms/step", "worker cpu ms/step", "chief cpu ms/step"], rows)  # fmt: skip
+    rows = []
+    for shm in PS_SHM:  # the pushes behind the compute against waiting for them, per round
+        for batch in steps:
+            behind, waiting = (
+                ps_rates.get(("async", shm, batch)),
+                ps_rates.get(("async-waiting", shm, batch)),
+            )
+            if not behind or not waiting:
+                continue
+            per_round = [a / b for a, b in zip(behind, waiting)]
+            ratio = statistics.median(per_round)
+            emit(BENCH, f"ps/async/shm-{shm}/batch{batch}", "ratio", round(ratio, 3), "x",
+                 sides=["async", "async-waiting"], samples=[round(v, 3) for v in per_round])  # fmt: skip
+            rows.append([f"shm {shm}", batch, ratio])
+    if rows:
+        table(["async: pushes behind / waited for", "batch", "ratio"], rows)
     return 0
+
+
+def median_bound(rates: dict[tuple[str, int], list[float]], batch: int) -> float:
+    """The bound (the budget side) at ``batch``: the median over rounds."""
+    return statistics.median(rates["budget", batch])
 
 
 if __name__ == "__main__":

@@ -30,11 +30,13 @@ a minute per leg. Format: shared/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import _cluster
 import _netns
@@ -56,8 +58,14 @@ def make_data(np):
 """
 
 
-def run_psflow(cluster: dict, batch: int, mode: str, steps: int) -> float:
-    """Steps per second of psflow's PS training."""
+def run_psflow(
+    cluster: dict,
+    batch: int,
+    mode: str,
+    steps: int,
+    timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> float:
+    """Steps per second of psflow's PS training; ``timed()`` is entered around the timed steps."""
     import numpy as np
 
     import psflow as pf
@@ -102,11 +110,12 @@ def run_psflow(cluster: dict, batch: int, mode: str, steps: int) -> float:
     for _ in range(10):
         coordinator.schedule(step_fn, args=(iterator,))
     coordinator.join()
-    start = time.perf_counter()
-    for _ in range(steps):
-        coordinator.schedule(step_fn, args=(iterator,))
-    coordinator.join()
-    rate = steps / (time.perf_counter() - start)
+    with timed():
+        start = time.perf_counter()
+        for _ in range(steps):
+            coordinator.schedule(step_fn, args=(iterator,))
+        coordinator.join()
+        rate = steps / (time.perf_counter() - start)
     coordinator.shutdown()
     return rate
 

@@ -17,6 +17,9 @@ Variables:
 * ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600);
 * ``PSFLOW_DATA_PLANE`` — ``off``: clients push and pull over gRPC even where a
   PS announces a raw TCP data plane;
+* ``PSFLOW_PUSH_BEHIND`` — ``off``: a worker's async closure ends only once its
+  pushes are applied (by default the next closure computes while they are on
+  the wire; see ``psflow.distribute.ps.push_behind``);
 * ``PSFLOW_DATA_PLANE_ROUTES`` — ``GRPC=DATA[,...]`` (``host:port`` each): a PS
   reached at ``GRPC`` has its data plane dialled at ``DATA``, whatever it
   announces (a client behind its own relay or tunnel to that PS).
@@ -43,6 +46,7 @@ __all__ = [
     "ENV_MALLOC_TUNING",
     "ENV_NUM_CPU_DEVICES",
     "ENV_PROGBAR",
+    "ENV_PUSH_BEHIND",
     "ENV_SHM",
     "PerEnvironment",
     "ProcessSettings",
@@ -57,6 +61,7 @@ ENV_PROGBAR = "PSFLOW_PROGBAR"
 ENV_CLOSURE_TIMEOUT = "PSFLOW_CLOSURE_TIMEOUT"
 ENV_DATA_PLANE = "PSFLOW_DATA_PLANE"
 ENV_DATA_PLANE_ROUTES = "PSFLOW_DATA_PLANE_ROUTES"
+ENV_PUSH_BEHIND = "PSFLOW_PUSH_BEHIND"
 _NAMES = (
     ENV_NUM_CPU_DEVICES,
     ENV_MALLOC_TUNING,
@@ -65,6 +70,7 @@ _NAMES = (
     ENV_CLOSURE_TIMEOUT,
     ENV_DATA_PLANE,
     ENV_DATA_PLANE_ROUTES,
+    ENV_PUSH_BEHIND,
 )
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
@@ -139,6 +145,7 @@ class ProcessSettings:
     closure_timeout: float = 3600.0
     data_plane: bool = True
     data_plane_routes: tuple[tuple[str, str], ...] = ()
+    push_behind: bool = True
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -158,6 +165,7 @@ class ProcessSettings:
             closure_timeout=timeout,
             data_plane=_switch(env, ENV_DATA_PLANE),
             data_plane_routes=_routes(env.get(ENV_DATA_PLANE_ROUTES, "")),
+            push_behind=_switch(env, ENV_PUSH_BEHIND),
         )
 
 

@@ -185,6 +185,26 @@ def test_mirrored_fit_with_several_steps_per_execution_gives_the_weights_of_one(
         np.testing.assert_array_equal(a, b)
 
 
+def test_embedded_ps_fit_with_several_steps_per_closure_gives_the_weights_and_logs_of_one():
+    runs = []
+    for n in (1, 3):
+        strategy = pf.distribute.ParameterServerStrategy()  # embedded: the chief is the worker
+        with strategy.scope():
+            model = _model(n)
+        recorder = Recorder()
+        x, y = _data()
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[recorder])  # fmt: skip
+        runs.append((model.get_weights(), history.history, recorder.calls))
+    (w1, h1, _), (w3, h3, calls) = runs
+    for a, b in zip(w1, w3):
+        np.testing.assert_array_equal(a, b)
+    assert h1 == h3
+    # 10 batches an epoch: closures of 3, 3, 3 and 1, the hooks once per closure
+    ends = [b for kind, b in calls if kind == "end"]
+    assert ends == [2, 5, 8, 9] * 2
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4", True, [2]])
 def test_bad_steps_per_execution_raises_invalid_argument_naming_it(bad: Any) -> None:
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])

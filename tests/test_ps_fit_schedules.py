@@ -22,7 +22,7 @@ def _data():
     return x, y
 
 
-def _fit(strategy, learning_rate, callbacks_fn):
+def _fit(strategy, learning_rate, callbacks_fn, steps_per_execution=1):
     x, y = _data()
     pf.random.set_seed(0)
     scope = strategy.scope() if strategy is not None else pf.distribute.get_strategy().scope()
@@ -40,7 +40,11 @@ def _fit(strategy, learning_rate, callbacks_fn):
                 ),
             ]
         )
-        model.compile(optimizer=pf.keras.optimizers.SGD(learning_rate), loss="mse")
+        model.compile(
+            optimizer=pf.keras.optimizers.SGD(learning_rate),
+            loss="mse",
+            steps_per_execution=steps_per_execution,
+        )
     model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=callbacks_fn())
     return model
 
@@ -75,6 +79,32 @@ def test_schedule_gives_single_process_steps_under_ps_fit(start_cluster, monkeyp
     # a frozen rate (the schedule's first value every step) would end elsewhere
     frozen = _fit(None, float(make_lr()(0)) if callable(make_lr()) else make_lr(), list)
     assert not np.allclose(frozen.weights[0].numpy(), model.weights[0].numpy(), atol=1e-4)
+
+
+def test_several_steps_per_closure_train_as_one_process_with_callbacks_per_execution(
+    start_cluster, monkeypatch
+):
+    monkeypatch.setenv("PSFLOW_CLOSURES_IN_FLIGHT", "1")
+    make_lr, _ = SCHEDULES["exponential"]
+    ends: list[int] = []
+
+    def callbacks():
+        return [
+            pf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: ends.append(b))
+        ]
+
+    reference = _fit(None, make_lr(), list)
+    cluster = start_cluster(num_ps=1, num_workers=1)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    model = _fit(strategy, make_lr(), callbacks, steps_per_execution=4)
+    # 6 batches an epoch: closures of 4 and 2 batches, the hooks once per closure with
+    # the index of its last batch (Keras's numbering), the rate of every batch its own
+    assert ends == [3, 5] * 3
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 18
+    for got, want in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    (stats,) = strategy.ps_stats()
+    assert stats["pushes_applied"] == 18  # one push per batch, each applied once
 
 
 def test_schedule_in_the_embedded_default_matches_one_process():

@@ -158,6 +158,24 @@ def test_fit_completes_on_the_survivors_with_every_example_trained_once_per_epoc
         assert status.closures_run > 0
 
 
+def test_fit_with_several_steps_per_closure_trains_every_example_once_when_a_worker_dies(
+    start_cluster,
+):
+    # a closure lost with its worker part way through its batches re-runs them all on
+    # the survivor: the pushes that reached the PS are recognised by their ids
+    cluster = start_cluster(num_ps=1, num_workers=2)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    with strategy.scope():
+        model = _Tagged()
+        model.compile(optimizer=pf.keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=4)
+    x, y = _data()
+    at = _At(2, lambda: os.kill(cluster.workers[1].proc.pid, signal.SIGKILL))
+    model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[at])
+    per_epoch = N // BATCH
+    assert at.steps == 3 * per_epoch // 4  # the hooks run once per closure of 4 batches
+    _check_exact(strategy, model, 3, 3 * per_epoch)
+
+
 @pytest.mark.parametrize("workers, keeps", [(2, 0.5), (3, 0.6)])
 def test_a_frozen_worker_costs_only_its_own_steps(start_cluster, monkeypatch, workers, keeps):
     """SIGSTOP the last worker for 6 s: the others keep ``keeps`` of their own step rate."""

@@ -26,10 +26,11 @@ from typing import Any
 
 import cloudpickle
 
-from psflow import errors
+from psflow import errors, settings
 from psflow.distribute.coordinator import closure as closure_lib
 from psflow.distribute.ps import session as session_lib
 from psflow.security.limits import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL
+from psflow.transport.started import Started, settle
 
 log = logging.getLogger("psflow.worker")
 
@@ -113,6 +114,10 @@ class ClosureExecutor:
         strategy_factory: returns the ParameterServerStrategy (worker role)
             whose session closures run in; called once, lazily, so a worker can
             start before the parameter servers.
+        push_behind: in async mode, let the next closure start while this
+            one's pushes are on the wire; its reply still waits for them (see
+            ``psflow.distribute.ps.push_behind``).  None: ``PSFLOW_PUSH_BEHIND``
+            (on unless ``0``/``off``).
     """
 
     def __init__(
@@ -122,8 +127,11 @@ class ClosureExecutor:
         *,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         session_ttl: float = DEFAULT_SESSION_TTL,
+        push_behind: bool | None = None,
     ) -> None:
         self.task = task
+        # async closures end while their pushes are on the wire (PSFLOW_PUSH_BEHIND)
+        self.push_behind = settings.current().push_behind if push_behind is None else push_behind
         self._factory = strategy_factory
         self._strategy: Any = None
         self.max_sessions = max_sessions
@@ -133,6 +141,7 @@ class ClosureExecutor:
         self._run_lock = threading.Lock()
         self.closures_run = 0
         self.closures_failed = 0
+        self._last_end = float("-inf")  # when the last closure left the run lock
         self.started_at = time.time()
 
     def _ps_session(self) -> session_lib.PSSession:
@@ -237,49 +246,100 @@ class ClosureExecutor:
         closure_id: int,
         training: session_lib.TrainingMode | None,
     ) -> Outcome:
+        arrived = time.monotonic()
         with self._run_lock:
             start = time.monotonic()
-            ps = self._ps_session()
-            if training is not None:  # one closure at a time: the mode is this closure's
-                self._strategy._adopt_training_mode(training.sync, training.compression)
-            with session_lib.using(ps), closure_lib.resolving(state.resources):
-                fn = state.functions.get(function_key)
-                if fn is None:
-                    if not function:
-                        return Outcome(function_missing=True)
-                    try:
-                        fn = cloudpickle.loads(function)
-                    except BaseException as e:  # unpickling runs the sender's code
-                        self.closures_failed += 1
-                        return Outcome(error=describe(e))
-                    if not function_key.startswith("once-"):
-                        state.functions[function_key] = fn
-                try:
-                    args, kwargs = cloudpickle.loads(arguments) if arguments else ((), {})
-                except closure_lib.MissingResourceError as e:
-                    return Outcome(missing_resource=e.key)
-                except BaseException as e:
-                    self.closures_failed += 1
-                    return Outcome(error=describe(e))
-                try:
-                    key = f"{session_id}/c{closure_id}" if closure_id else None
-                    # a one-off function's reads tell nothing about later steps
-                    scope = None if function_key.startswith("once-") else function_key
-                    with ps.step(step or None, key, scope):
-                        value = fn(*args, **kwargs)
-                    if resource_key:
-                        state.resources[resource_key] = value
-                        payload = b""
-                    else:
-                        payload = cloudpickle.dumps(value)
-                except closure_lib.MissingResourceError as e:
-                    return Outcome(missing_resource=e.key)
-                except BaseException as e:  # sys.exit() and KeyboardInterrupt included:
-                    # raised by the closure, they end the closure, never this worker
-                    self.closures_failed += 1
-                    error = describe(e)
-                    log.info("closure %.64r raised %s: %.200s", function_key, error["type"],
-                             error["message"])  # fmt: skip
-                    return Outcome(error=error, run_seconds=time.monotonic() - start)
+            # it waited while the closure before ran: it may start from what that one
+            # pulled ahead for it (nothing else ran on this worker in between)
+            followed = arrived < self._last_end
+            outcome, pushes = self._run_one(state, session_id, function_key, function,
+                                            arguments, resource_key, step, closure_id,
+                                            training, followed)  # fmt: skip
+            self._last_end = time.monotonic()
+        # the next closure computes while this one's pushes are on the wire; this one
+        # is done (and says so) only once they are applied
+        if pushes is not None:
+            try:
+                pushes.result()
+            except BaseException as e:
+                self.closures_failed += 1
+                error = describe(e)
+                log.info("closure %.64r: its push failed: %s: %.200s", function_key,
+                         error["type"], error["message"])  # fmt: skip
+                return Outcome(error=error, run_seconds=time.monotonic() - start)
             self.closures_run += 1
-            return Outcome(result=payload, run_seconds=time.monotonic() - start)
+            outcome.run_seconds = time.monotonic() - start
+        return outcome
+
+    def _run_one(
+        self,
+        state: _Session,
+        session_id: str,
+        function_key: str,
+        function: bytes,
+        arguments: bytes,
+        resource_key: str,
+        step: int,
+        closure_id: int,
+        training: session_lib.TrainingMode | None,
+        followed: bool = False,
+    ) -> tuple[Outcome, Started | None]:
+        """Runs the closure (run lock held); its pushes still in flight come back too."""
+        start = time.monotonic()
+        ps = self._ps_session()
+        if training is not None:  # one closure at a time: the mode is this closure's
+            self._strategy._adopt_training_mode(training.sync, training.compression)
+        with session_lib.using(ps), closure_lib.resolving(state.resources):
+            fn = state.functions.get(function_key)
+            if fn is None:
+                if not function:
+                    return Outcome(function_missing=True), None
+                try:
+                    fn = cloudpickle.loads(function)
+                except BaseException as e:  # unpickling runs the sender's code
+                    self.closures_failed += 1
+                    return Outcome(error=describe(e)), None
+                if not function_key.startswith("once-"):
+                    state.functions[function_key] = fn
+            try:
+                args, kwargs = cloudpickle.loads(arguments) if arguments else ((), {})
+            except closure_lib.MissingResourceError as e:
+                return Outcome(missing_resource=e.key), None
+            except BaseException as e:
+                self.closures_failed += 1
+                return Outcome(error=describe(e)), None
+            pushes = None
+            try:
+                key = f"{session_id}/c{closure_id}" if closure_id else None
+                # a one-off function's reads tell nothing about later steps
+                scope = None if function_key.startswith("once-") else function_key
+                with ps.step(step or None, key, scope, push_behind=self.push_behind,
+                             pull_ahead=followed):  # fmt: skip
+                    value = fn(*args, **kwargs)
+                    if self.push_behind:
+                        pushes = ps.detach_pushes()
+                if resource_key:
+                    state.resources[resource_key] = value
+                    payload = b""
+                else:
+                    payload = cloudpickle.dumps(value)
+            except closure_lib.MissingResourceError as e:
+                _settle(pushes)
+                return Outcome(missing_resource=e.key), None
+            except BaseException as e:  # sys.exit() and KeyboardInterrupt included:
+                # raised by the closure, they end the closure, never this worker
+                _settle(pushes)
+                self.closures_failed += 1
+                error = describe(e)
+                log.info("closure %.64r raised %s: %.200s", function_key, error["type"],
+                         error["message"])  # fmt: skip
+                return Outcome(error=error, run_seconds=time.monotonic() - start), None
+        if pushes is None:
+            self.closures_run += 1
+        return Outcome(result=payload, run_seconds=time.monotonic() - start), pushes
+
+
+def _settle(pushes: Started | None) -> None:
+    """Lets a failed closure's pushes in flight end before it says how it failed."""
+    if pushes is not None:
+        settle([pushes])

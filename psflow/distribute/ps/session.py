@@ -6,6 +6,11 @@ knows in one call per PS task, in parallel, and later reads hit that cache;
 ``apply_gradients`` pushes all gradients in one call per PS task and clears
 the cache. Outside a step every read pulls afresh.
 
+An async step begun with ``push_behind`` (a worker's closures, by default)
+hands its push to a thread and returns: the worker computes its next step
+while the push is on the wire (see :mod:`psflow.distribute.ps.push_behind`
+for the staleness of one step this allows, and what it keeps).
+
 Large variables (above ``PREFETCH_LIMIT_BYTES``) and embedding tables are not
 prefetched: a dense read pulls them alone, and ``embedding_lookup`` pulls only
 the rows a batch uses and pushes back only their gradients.
@@ -34,6 +39,7 @@ from psflow.distribute.protocols import DistributedValues, UpdateGroup
 from psflow.distribute.ps import recovery
 from psflow.distribute.ps.connection import PSConnection, VarSpec
 from psflow.distribute.ps.placement import PlacementMap
+from psflow.distribute.ps.push_behind import PushesBehind
 from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
@@ -190,6 +196,14 @@ class PSSession(UpdateGroup, Routing):
         # the ParameterServerStrategy this session serves, set by that strategy
         self.strategy: Any = None
         self._watch = recovery.WaitWatch(self.sync.progress_every, log)
+        # the current step's pushes in flight (async steps begun with push_behind)
+        self._behind = False
+        self._pushes = PushesBehind(task)
+        # (scope, pull queued behind the last push-behind step's push): its read set for
+        # the next step; and the one the running step may start from (see begin_step)
+        self._ahead: tuple[str, concurrent.futures.Future] | None = None
+        self._ahead_ready: concurrent.futures.Future | None = None
+        self._pulls_ahead = False  # the running step pulls ahead for the next
 
     # -- plumbing ----------------------------------------------------------------------
     def request_id(self, ps: int) -> tuple[str, int]:
@@ -236,6 +250,7 @@ class PSSession(UpdateGroup, Routing):
 
     def close(self) -> None:
         """Closes every connection and the call pool."""
+        self._pushes.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         self._watch.close()
@@ -285,7 +300,13 @@ class PSSession(UpdateGroup, Routing):
 
     # -- steps -------------------------------------------------------------------------
     def begin_step(
-        self, step: int | None = None, closure_key: str | None = None, scope: str | None = None
+        self,
+        step: int | None = None,
+        closure_key: str | None = None,
+        scope: str | None = None,
+        *,
+        push_behind: bool = False,
+        pull_ahead: bool = False,
     ) -> None:
         """Starts a training step: reads are cached until :meth:`end_step`.
 
@@ -295,24 +316,50 @@ class PSSession(UpdateGroup, Routing):
         names the function the step runs: its first read prefetches only what
         that function's earlier steps read (everything known, the first time),
         so the variables of a function no longer run are no longer pulled.
+        ``push_behind`` (async mode only; ignored otherwise): the step's pushes
+        run behind it (:mod:`~psflow.distribute.ps.push_behind`); the caller
+        takes them with :meth:`detach_pushes` before :meth:`end_step`, else
+        ``end_step`` waits for them.  ``pull_ahead`` (with ``push_behind``; the
+        caller says this step follows the one before with nothing in between):
+        the step starts from the values the step before pulled for it, when it
+        runs the same function, and pulls ahead for the next step itself.
         """
+        self._pushes.wait()  # a step begun elsewhere (not through step()) left some
         with self._cache_lock:
             self._cache = {}
+            self._behind = push_behind and self.sync.mode == "async"
+            ahead, self._ahead = self._ahead, None
+            # only a step that itself followed another pulls ahead: closures that come one
+            # at a time (a join after each) would pull every step twice for nothing
+            self._pulls_ahead = pull_ahead and self._behind and scope is not None
+            usable = self._pulls_ahead and ahead is not None and ahead[0] == scope
+            self._ahead_ready = ahead[1] if usable and ahead is not None else None
             self._step = step
             self._closure = (closure_key, {}) if closure_key else None
             self._scope = scope
             self._reads = set()
 
+    def detach_pushes(self) -> Started:
+        """Takes the running step's pushes in flight: ``result()`` waits for them
+        and raises the first one's error (the step is done once it returns)."""
+        return self._pushes.detach()
+
     def end_step(self) -> None:
-        """Ends the step: metrics updated in it are flushed; reads pull afresh again."""
+        """Ends the step: metrics updated in it are flushed, its pushes still in
+        flight waited for; reads pull afresh again."""
         with self._cache_lock:
             dirty = list(self._dirty_metrics.values())
             self._dirty_metrics.clear()
         try:
-            for metric in dirty:
-                metric._ps.flush(metric)
+            try:
+                for metric in dirty:
+                    metric._ps.flush(metric)
+            finally:
+                self._pushes.wait()
         finally:
             with self._cache_lock:
+                self._behind = self._pulls_ahead = False
+                self._ahead_ready = None
                 self._cache = None
                 self._step = None
                 self._closure = None
@@ -333,10 +380,16 @@ class PSSession(UpdateGroup, Routing):
 
     @contextlib.contextmanager
     def step(
-        self, step: int | None = None, closure_key: str | None = None, scope: str | None = None
+        self,
+        step: int | None = None,
+        closure_key: str | None = None,
+        scope: str | None = None,
+        *,
+        push_behind: bool = False,
+        pull_ahead: bool = False,
     ) -> Iterator[None]:
         """``begin_step`` ... ``end_step``."""
-        self.begin_step(step, closure_key, scope)
+        self.begin_step(step, closure_key, scope, push_behind=push_behind, pull_ahead=pull_ahead)
         try:
             yield
         finally:
@@ -360,8 +413,15 @@ class PSSession(UpdateGroup, Routing):
                 self.bytes_pulled += value.nbytes
         return out
 
+    def _settle(self, key: str) -> None:
+        """Waits for the step's pushes in flight when one writes ``key`` (then pulls afresh)."""
+        if self._pushes.pending and self._pushes.touches(key):
+            self._pushes.wait()
+            self._invalidate()
+
     def read(self, handle: Any) -> Any:
         """The value of a PS variable on the current device (cached inside a step)."""
+        self._settle(handle.key)
         dev = backend.current_device()
         with self._cache_lock:
             cache = self._cache
@@ -375,27 +435,57 @@ class PSSession(UpdateGroup, Routing):
                 return hit[0]
             host = cache.get((handle.key, None))
             if host is None:
-                others = []
-                if self._prefetchable(handle):
-                    known = self._scopes.get(self._scope) if self._scope is not None else None
-                    others = [
-                        h
-                        for k, h in self._handles.items()
-                        if k != handle.key
-                        and (known is None or k in known)
-                        and (k, None) not in cache
-                        and k not in self._gone
-                        and self._prefetchable(h)
-                    ]
-                for key, (value, version) in self._prefetch(handle, others).items():
-                    cache[(key, None)] = (value, version)
-                    self._versions[key] = version
+                pulled = self._take_ahead(handle)
+                if pulled is None:
+                    others = []
+                    if self._prefetchable(handle):
+                        known = self._scopes.get(self._scope) if self._scope is not None else None
+                        others = [
+                            h
+                            for k, h in self._handles.items()
+                            if k != handle.key
+                            and (known is None or k in known)
+                            and (k, None) not in cache
+                            and k not in self._gone
+                            and self._prefetchable(h)
+                        ]
+                    pulled = self._prefetch(handle, others)
+                    if self._prefetchable(handle):
+                        self._pull_ahead([handle, *others])
+                for key, (value, version) in pulled.items():
+                    if (key, None) not in cache:
+                        cache[(key, None)] = (value, version)
+                        self._versions[key] = version
                 host = cache[(handle.key, None)]
             if not dev.is_gpu:
                 return host[0]
             placed = backend.place(host[0], dev)
             cache[(handle.key, dev)] = (placed, host[1])
             return placed
+
+    def _take_ahead(self, handle: Any) -> dict[str, tuple[np.ndarray, int]] | None:
+        """What the step before pulled ahead for this one, if it holds ``handle`` (cache lock
+        held); it then pulls ahead for the next step.  None: pull now (no pull ahead, or
+        it failed: the pull now meets the same fault, if it lasts, and raises it)."""
+        ready, self._ahead_ready = self._ahead_ready, None
+        if ready is None:
+            return None
+        try:
+            pulled = ready.result()
+        except Exception as e:  # pulled again now, where a lasting fault is raised
+            log.debug("%s: the pull ahead failed (%s); pulling now", self.task, e)
+            return None
+        if handle.key not in pulled:
+            return None
+        self._pull_ahead([self._handles[k] for k in pulled if k in self._handles])
+        return pulled
+
+    def _pull_ahead(self, handles: list[Any]) -> None:
+        """Queues a pull of ``handles`` for the next step behind this step's pushes (cache
+        lock held; steps begun with ``pull_ahead`` only)."""
+        if self._pulls_ahead and handles:
+            pull = functools.partial(self._pull_into_cache, handles)
+            self._ahead = (self._scope, self._pushes.queue(pull))
 
     def _prefetch(self, handle: Any, others: list[Any]) -> dict[str, tuple[np.ndarray, int]]:
         """``handle``'s value and those of ``others`` (a step's first read pulls them all).
@@ -437,6 +527,7 @@ class PSSession(UpdateGroup, Routing):
 
     def read_rows(self, handle: Any, indices: np.ndarray) -> np.ndarray:
         """Rows of a PS variable (no caching: each lookup pulls only what it needs)."""
+        self._settle(handle.key)
 
         def pull(ps: int, hs: list[Any], attempt: int) -> Any:
             return self.connections[ps].pull([handle.key], rows={0: indices})
@@ -449,6 +540,7 @@ class PSSession(UpdateGroup, Routing):
     # -- writes ------------------------------------------------------------------------
     def write(self, handle: Any, op: str, value: Any) -> None:
         """``assign`` / ``assign_add`` / ``assign_sub`` on the PS (exactly once)."""
+        self._settle(handle.key)
         arr = backend.to_contiguous_numpy(to_array(value).astype(handle.np_dtype, copy=False))
 
         def write(ps: int, hs: list[Any], attempt: int) -> Any:
@@ -539,14 +631,23 @@ class PSSession(UpdateGroup, Routing):
             with self._watch.waiting(what, self.sync.timeout):
                 return call()
 
-        for hs, reply in self._routed(handles, push, start).values():
+        def send() -> dict[Any, tuple[list[Any], Any]]:
+            replies = self._routed(handles, push, start)
+            self.bytes_pushed += sum(
+                g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0)
+                for g in grads.values()
+            )
+            return replies
+
+        if self._behind and not sync:
+            # the step goes on (and ends); its reads of these variables wait for the push.
+            # The versions of the reply are not kept: the next step's reads set them, and
+            # its gradients must carry the versions they were computed from
+            self._pushes.submit(grads, send)
+            return
+        for hs, reply in send().values():
             for h, version in zip(hs, reply.versions):
                 self._versions[h.key] = version
-            self.bytes_pushed += sum(
-                grads[h.key].values.nbytes
-                + (grads[h.key].indices.nbytes if grads[h.key].indices is not None else 0)
-                for h in hs
-            )
         self._invalidate()
 
     # -- whole-cluster operations --------------------------------------------------------

@@ -39,27 +39,57 @@ class _StepProgram:
     def __call__(
         self,
         reader: Any,
-        batch: ps_batches.Batch | None,
+        batch: ps_batches.Batch | tuple[ps_batches.Batch | None, ...] | None,
         step: int | None = None,
         schedule: Any = None,
     ) -> Any:
+        if isinstance(batch, tuple):  # steps_per_execution batches, one after another
+            return self._several(reader, batch, step, schedule)
         model = self.model
         data = None if batch is None else reader.read(batch)
         if data is None:
             return (batch, None, False)
+        if not self.in_process:
+            model.reset_metrics()
+        self._step(data, step, schedule)
+        states = None if self.in_process else [m.get_state() for m in model.metrics]
+        return (batch, states, True)
+
+    def _several(
+        self,
+        reader: Any,
+        batches: tuple[ps_batches.Batch | None, ...],
+        step: int | None,
+        schedule: Any,
+    ) -> Any:
+        """Trains ``batches`` in order, batch ``j`` at step ``step + j``; returns
+        ``(batches, metric states of all of them, which ran)``.  Each one's push has
+        its own exactly-once id (the closure's, counted), so a re-run of the closure
+        applies every batch once, however far its first run got."""
+        model = self.model
+        if not self.in_process:
+            model.reset_metrics()
+        ran = []
+        for j, batch in enumerate(batches):
+            data = None if batch is None else reader.read(batch)
+            ran.append(data is not None)
+            if data is not None:
+                self._step(data, None if step is None else step + j, schedule)
+        states = None if self.in_process or not any(ran) else [m.get_state() for m in model.metrics]
+        return (batches, states, tuple(ran))
+
+    def _step(self, data: Any, step: int | None, schedule: Any) -> None:
+        """One train or test step on ``data``, the optimizer at ``step``."""
+        model = self.model
         if step is not None and model.optimizer is not None:
             # This closure's own step, and the chief's schedule as it is now (a callback may
             # have set a new rate): the worker's optimizer evaluates the rate at that step,
             # so a re-run or an out-of-order step trains as it would have in one process.
             model.optimizer.learning_rate = schedule
             model.optimizer.iterations = step
-        if not self.in_process:
-            model.reset_metrics()
         step_fn = model.train_step if self.kind == "train" else model.test_step
         strategy = model.distribute_strategy
         strategy.run(step_fn, args=(_for_local_replicas(data),))
-        states = None if self.in_process else [m.get_state() for m in model.metrics]
-        return (batch, states, True)
 
 
 def _for_local_replicas(data: Any) -> Any:
@@ -211,6 +241,7 @@ class PSRunner(Runner):
         plan = self._plan(kind, source, reader, epoch, first_step)
         program = self._program(kind)
         completed: queue.SimpleQueue = queue.SimpleQueue()
+        sizes: dict[Any, int] = {}  # a pending closure's batches
         model = self.model
         optimizer = model.optimizer if kind == "train" else None
         base_step = int(optimizer.iterations) if optimizer is not None else 0
@@ -221,7 +252,9 @@ class PSRunner(Runner):
         # Enough closures in flight that a frozen or slow worker holding a few of them
         # does not starve the others; the coordinator bounds its own queue too.
         window = 4 * self.num_workers
+        per = self._execution_size()
         pending = scheduled = done = 0
+        in_flight = 0  # batches of the closures pending
         # the batches of a resumed epoch done before the restart are not trained again
         # (a dataset function's plan runs on across epochs: it has no "first" to skip to)
         first = 0 if plan is self._running.get(id(source)) else first_step
@@ -237,37 +270,49 @@ class PSRunner(Runner):
                 and not plan.exhausted()
                 # steps that trained, or may: a ticket past a shard's end trains nothing and
                 # must not take one of the epoch's steps (steps_per_epoch counts trained ones)
-                and (total is None or done + pending < total)
+                and (total is None or done + in_flight < total)
                 and not model.stop_training
             ):
+                size = per if total is None else min(per, total - done - in_flight)
                 on_begin(first + scheduled)
-                hold = settle_after is not None and settle_after(first + scheduled)
+                hold = settle_after is not None and any(
+                    settle_after(first + scheduled + j) for j in range(size)
+                )
                 step = schedule = None
                 if carry_step:
                     step, schedule = base_step + scheduled, optimizer.learning_rate_schedule
-                rv = self.coordinator.schedule(
-                    program, args=(on_workers, plan.ticket(), step, schedule)
-                )
+                tickets: Any = plan.ticket()
+                if per > 1:  # one closure, several batches: see _StepProgram._several
+                    tickets = (tickets,)
+                    while len(tickets) < size and not plan.exhausted():
+                        tickets += (plan.ticket(),)
+                rv = self.coordinator.schedule(program, args=(on_workers, tickets, step, schedule))
                 rv.add_done_callback(completed.put)
+                size = len(tickets) if per > 1 else 1
+                sizes[rv] = size
                 pending += 1
-                scheduled += 1
+                in_flight += size
+                scheduled += size
             if not pending:
                 break
             rv = completed.get()  # every closure completes: with its value, or an error
             pending -= 1
+            in_flight -= sizes.pop(rv)
             try:
                 batch, states, ran = rv.get()
             except Exception:
                 self.coordinator.join()  # raises the first error: the cause of the others
                 raise
-            if not ran:
-                if batch is not None:
-                    plan.ended(batch)
+            batches, ran = (batch, ran) if isinstance(ran, tuple) else ((batch,), (ran,))
+            for b, trained in zip(batches, ran):
+                if not trained and b is not None:
+                    plan.ended(b)
+            if not any(ran):
                 continue
             if states is not None:
                 for metric, state in zip(model.metrics, states):
                     metric.merge_state(state)
-            done += 1
+            done += sum(ran)
             if carry_step:
                 optimizer.iterations = base_step + done
             on_end(first + done - 1, model._current_logs())
@@ -279,6 +324,17 @@ class PSRunner(Runner):
                 f"(steps={steps}), e.g. with repeat()"
             )
         return done
+
+    def _execution_size(self) -> int:
+        """Batches per closure: ``steps_per_execution`` in async mode, else 1.
+
+        A sync step is one closure per worker at the parameter servers' barrier and
+        a bounded one is counted per closure by the coordinator: there each closure
+        stays one batch.
+        """
+        if self.strategy.mode != "async":
+            return 1
+        return self.model._steps_per_execution
 
     def wait_for_parameter_servers(self, config: Any = None) -> None:
         """After a PS loss: wait for every PS task to answer, then for in-flight closures to end.

@@ -83,8 +83,10 @@ class Model(Layer):
         """Sets the optimizer, the loss and the metrics used by ``fit`` and ``evaluate``.
 
         ``steps_per_execution`` (an int >= 1, None for 1): the batches each call into
-        the step function runs, under the default strategy and MirroredStrategy
-        (ParameterServerStrategy and MultiWorkerMirroredStrategy run one). Batch
+        the step function runs, under the default strategy and MirroredStrategy;
+        under ParameterServerStrategy in async mode, the batches of one step
+        closure (a worker runs them one after another; sync and bounded
+        closures, and MultiWorkerMirroredStrategy, run one). Batch
         callbacks then run once per execution, as Keras calls them:
         ``on_train_batch_begin`` with the index of its first batch,
         ``on_train_batch_end`` with its last; the last execution of an epoch may be
