@@ -44,7 +44,7 @@ from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
-from psflow.transport.started import fan_out, gather
+from psflow.transport.started import Started, fan_out, gather
 
 PREFETCH_LIMIT_BYTES = 16 << 20
 MAX_SCOPES = 64
