@@ -111,3 +111,23 @@ def run_reference(
         stderr=subprocess.DEVNULL if os.environ.get("CI") else None,
     )
     return json.loads(out.read_text())
+
+
+def replay_reference(
+    scenario: pathlib.Path, tmp: pathlib.Path, epochs: list, env: dict[str, str] | None = None
+) -> dict:
+    """Runs ``scenario``'s ``reference`` mode: one process replaying the per-step global
+    batches ``epochs`` (example ids) that a group trained on; returns what it wrote."""
+    schedule, out = tmp / "schedule.json", tmp / "reference.json"
+    schedule.write_text(json.dumps(epochs))
+    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule), **(env or {})})
+    env.pop("TF_CONFIG", None)
+    subprocess.run(
+        [sys.executable, str(scenario), "reference", str(out)],
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())

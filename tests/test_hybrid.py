@@ -34,7 +34,7 @@ import pytest
 
 import psflow as pf
 from tests.conftest import ROOT, child_env, pick_free_port
-from tests.multi_worker_util import TOKEN
+from tests.multi_worker_util import TOKEN, replay_reference
 
 SCENARIO = ROOT / "tests" / "hybrid_scenario.py"
 ATOL, RTOL = 1e-6, 1e-5
@@ -88,19 +88,7 @@ def _finish(procs: list, timeout: float) -> list[int | None]:
 
 
 def _reference(tmp: pathlib.Path, epochs: list, env: dict[str, str] | None = None) -> dict:
-    schedule, out = tmp / "schedule.json", tmp / "reference.json"
-    schedule.write_text(json.dumps(epochs))
-    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule), **(env or {})})
-    env.pop("TF_CONFIG", None)
-    subprocess.run(
-        [sys.executable, str(SCENARIO), "reference", str(out)],
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return json.loads(out.read_text())
+    return replay_reference(SCENARIO, tmp, epochs, env)
 
 
 def _check(tmp: pathlib.Path, results: list[dict], logs: str) -> None:

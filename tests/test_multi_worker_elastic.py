@@ -34,7 +34,7 @@ from psflow.collective import door as door_lib
 from psflow.collective.membership import Position, StaleGenerationError, View, agree
 from psflow.security.config import SecurityConfig
 from tests.conftest import ROOT, child_env, pick_free_port
-from tests.multi_worker_util import TOKEN, tf_config
+from tests.multi_worker_util import TOKEN, replay_reference, tf_config
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _netns
@@ -113,19 +113,7 @@ def _results(outs: list, logs: list) -> tuple[list[dict], list[str]]:
 
 
 def _reference(tmp: pathlib.Path, epochs: list, env: dict[str, str] | None = None) -> dict:
-    schedule, out = tmp / "schedule.json", tmp / "reference.json"
-    schedule.write_text(json.dumps(epochs))
-    env = child_env({"SCENARIO_SEED": "1", "SCHEDULE": str(schedule), **(env or {})})
-    env.pop("TF_CONFIG", None)
-    subprocess.run(
-        [sys.executable, str(SCENARIO), "reference", str(out)],
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return json.loads(out.read_text())
+    return replay_reference(SCENARIO, tmp, epochs, env)
 
 
 def _check_training(tmp: pathlib.Path, survivors: list[dict], logs: str) -> dict:
