@@ -1,8 +1,9 @@
 """The cross-process ring's data path: frame-by-frame pipelining and reused result buffers.
 
-Real :class:`PeerLinks` over 127.0.0.1 (token auth), one thread per worker, arrays
-large enough that every step's chunk travels in several frames (a ragged last one
-included), so a step forwards frames while the previous one still arrives.
+Real :class:`PeerLinks` over 127.0.0.1 (token auth), one thread per worker, with
+frames made small (64 KiB) so that every step's chunk travels in several frames
+(a ragged last one included) and a step forwards frames while the previous one
+still arrives, on arrays of a few MB.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from psflow.security.config import SecurityConfig
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
 EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(autouse=True)
+def small_frames(monkeypatch):
+    monkeypatch.setattr(cross_host, "_FRAME_BYTES", 64 << 10)
 
 
 def _rings(n: int, timeout: float = 10.0) -> list[CrossHostRing]:
@@ -72,12 +78,13 @@ def _assert_sum(got: np.ndarray, xs: list[np.ndarray], divisor: int = 1) -> None
     assert np.all(np.abs(got.astype(np.float64) - exact) <= bound / divisor + 1e-30)
 
 
-@pytest.mark.parametrize("pack", [0, 3_000_000])
+@pytest.mark.parametrize("pack", [0, 200_000])
 def test_three_workers_sum_multi_frame_chunks_to_the_same_bits(pack):
-    # ~10 MB per worker: chunks of ~3.3 MB, so every step is several frames and a ragged one;
-    # with packs of 3 MB each pack's ring runs while the previous pack's last frames leave
+    # 0.64 MB per worker: chunks of 3.25 frames, so every step is several frames and a
+    # ragged one; packs of 200 kB make 4 rings, each running while the previous pack's
+    # last frames leave
     frame_items = cross_host._FRAME_BYTES // 4
-    size = 7 * frame_items + 12_345
+    size = 9 * frame_items + 12_345
     rng = np.random.default_rng(21)
     xs = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
     kept = [x.copy() for x in xs]
