@@ -279,22 +279,34 @@ def _child_ring_stream(sizes: list[int], repeats: int) -> dict[str, Any]:
         data = memoryview(os.urandom(nbytes))
         buf = memoryview(bytearray(nbytes))
         times = []
+        # one sender thread per size, woken for each transfer (as a ring's sender thread is)
+        go, sent = threading.Semaphore(0), threading.Semaphore(0)
+
+        def send_all(data: memoryview = data, go: Any = go, sent: Any = sent) -> None:
+            for _ in range(repeats + 1):
+                go.acquire()
+                right.sendall(data)
+                sent.release()
+
+        sender = threading.Thread(target=send_all, daemon=True)
+        sender.start()
         for i in range(repeats + 1):
             start = time.perf_counter()
-            sender = threading.Thread(target=right.sendall, args=(data,))
-            sender.start()
+            go.release()
             got = 0
             while got < nbytes:
                 k = left.recv_into(buf[got:])
                 if not k:
                     raise ConnectionError("the left neighbour closed early")
                 got += k
-            sender.join()
+            if not sent.acquire(timeout=60):
+                raise TimeoutError("the right neighbour did not take the data")
             if i:  # the first transfer of each size warms the connections up
                 times.append(time.perf_counter() - start)
             right.sendall(b"k")  # the next round starts once the left neighbour is done too
             if left.recv(1) != b"k":
                 raise ConnectionError("the left neighbour closed early")
+        sender.join(60)
         out[str(size)] = statistics.median(times)
     for sock in (left, right, server):
         sock.close()
