@@ -10,6 +10,10 @@ Three measurements, each side by side in one run:
   times a ``tf.function`` running ``ReplicaContext.all_reduce("SUM", x)``.
 * **bare stream**: one process ``sendall``s S bytes to another, which
   ``recv_into``s them into a preallocated buffer, between the same endpoints.
+* **bare ring stream**: the all-reduce's own traffic with nothing else: the
+  same N processes on the same endpoints, each ``sendall``ing ``2(N-1)/N * S``
+  bytes to its right neighbour while it ``recv_into``s as many from its left
+  one (plain sockets, no framing, no reduction).
 * **training**: 2 workers train the 784-512-512-10 MLP (the custom loop of
   ``benchmarks/mirrored_train.py``) at global batch 64 and 256.
 
@@ -26,7 +30,10 @@ host loaded by other work inflates far less than wall time.  All N
 workers share this one host's cores, which a bare stream has to itself, so
 bus bandwidth cannot pass stream / N here (N workers each send and receive
 2(N-1)/N of S, the stream sends S once): N * busbw / stream is reported too,
-1.0 meaning the ring moves bytes as fast as the bare stream does.  The
+1.0 meaning the ring moves bytes as fast as the bare stream does.  The bare
+ring stream's bus bandwidth (2(N-1)/N * S / seconds) is the like-for-like
+bound on one host: same processes, directions and bytes, so psflow / ring
+stream is the share of the pattern's bare speed the all-reduce keeps.  The
 issue's goals: bus bandwidth >= 0.8x the stream and >= 3x TensorFlow's; MLP
 steps/s >= 1.5x TensorFlow's.  psflow's workers get the BLAS threads ``psflow
 local`` gives them; TensorFlow runs with its defaults.  TensorFlow is not a
@@ -233,6 +240,79 @@ def _child_stream_send(host: str, port: int, sizes: list[int], repeats: int) -> 
     return {"rank": 1}
 
 
+def _child_ring_stream(sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Seconds per bare ring transfer: each of the N workers ``sendall``s ``2(N-1)/N * S``
+    bytes to its right neighbour while it ``recv_into``s as many from its left one.
+
+    The all-reduce's traffic pattern (same processes, same links, same directions, same
+    bytes per worker) with nothing else: no framing, no reduction, no Python per piece.
+    """
+    import threading
+
+    config = json.loads(os.environ["TF_CONFIG"])
+    addresses, rank = config["cluster"]["worker"], config["task"]["index"]
+    n = len(addresses)
+    host, port = addresses[rank].rsplit(":", 1)
+    server = socket.create_server((host, int(port)))
+    server.settimeout(60)
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True)
+    acceptor.start()
+    right_host, right_port = addresses[(rank + 1) % n].rsplit(":", 1)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            right = socket.create_connection((right_host, int(right_port)), timeout=60)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    acceptor.join(60)
+    if not accepted:
+        raise ConnectionError("the left neighbour did not connect")
+    left = accepted[0]
+    left.settimeout(60)
+    out = {}
+    for size in sizes:
+        nbytes = size * 2 * (n - 1) // n
+        data = memoryview(os.urandom(nbytes))
+        buf = memoryview(bytearray(nbytes))
+        times = []
+        # one sender thread per size, woken for each transfer (as a ring's sender thread is)
+        go, sent = threading.Semaphore(0), threading.Semaphore(0)
+
+        def send_all(data: memoryview = data, go: Any = go, sent: Any = sent) -> None:
+            for _ in range(repeats + 1):
+                go.acquire()
+                right.sendall(data)
+                sent.release()
+
+        sender = threading.Thread(target=send_all, daemon=True)
+        sender.start()
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            go.release()
+            got = 0
+            while got < nbytes:
+                k = left.recv_into(buf[got:])
+                if not k:
+                    raise ConnectionError("the left neighbour closed early")
+                got += k
+            if not sent.acquire(timeout=60):
+                raise TimeoutError("the right neighbour did not take the data")
+            if i:  # the first transfer of each size warms the connections up
+                times.append(time.perf_counter() - start)
+            right.sendall(b"k")  # the next round starts once the left neighbour is done too
+            if left.recv(1) != b"k":
+                raise ConnectionError("the left neighbour closed early")
+        sender.join(60)
+        out[str(size)] = statistics.median(times)
+    for sock in (left, right, server):
+        sock.close()
+    return {"rank": rank, "seconds": out}
+
+
 # -- the parent: process groups, bounded, every child reaped ------------------------------------
 def _group(
     net: Any, count: int, args: list[str], env_of: Callable[[int], dict]
@@ -345,6 +425,26 @@ def run_stream(net: Any, sizes: list[int], repeats: int) -> dict[str, float] | N
     return None if res is None else {int(k): v for k, v in res["seconds"].items()}
 
 
+def run_ring_stream(net: Any, n: int, sizes: list[int], repeats: int) -> dict[int, float] | None:
+    """Seconds per bare ring transfer of each size between ``n`` processes (rank 0's)."""
+    hosts, ports = _endpoints(net, n)
+    cluster = {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]}
+    args = ["--child", "ringstream", "--sizes", ",".join(map(str, sizes))]
+    res = _group(
+        net,
+        n,
+        [*args, "--repeats", str(repeats)],
+        lambda rank: _env(
+            {
+                "TF_CONFIG": json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": rank}}
+                )
+            }
+        ),
+    )
+    return None if res is None else {int(k): v for k, v in res["seconds"].items()}
+
+
 # -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark (or, with ``--child``, one process of it)."""
@@ -355,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-train", action="store_true", help="leave the MLP out")
     parser.add_argument("--no-allreduce", action="store_true", help="the MLP only")
     parser.add_argument(
-        "--child", choices=("allreduce", "train", "both", "stream"), help=argparse.SUPPRESS
+        "--child",
+        choices=("allreduce", "train", "both", "stream", "ringstream"),
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--framework", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
@@ -382,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             strategy = _strategy(_import(args.framework))
             res = _child_allreduce(args.framework, sizes, repeats, strategy)
             res.update(_child_train(args.framework, batches, steps, max(3, steps // 5), strategy))
+        elif args.child == "ringstream":
+            res = _child_ring_stream(sizes, repeats)
         elif os.environ.get("STREAM_ROLE") == "recv":
             res = _child_stream_recv(args.host, args.port, sizes, repeats)
         else:
@@ -430,11 +534,16 @@ def main(argv: list[str] | None = None) -> int:
             streams: list[dict[int, float]] = []
             for n in counts:
                 runs: dict[str, list[dict[int, float]]] = {}
+                rings: list[dict[int, float]] = []
                 for rnd in range(rounds):
                     _progress(f"{net_name}: bare stream")
                     got = run_stream(net, sizes, repeats)
                     if got:
                         streams.append(got)
+                    _progress(f"{net_name}: bare ring stream, {n} workers")
+                    got = run_ring_stream(net, n, sizes, repeats)
+                    if got:
+                        rings.append(got)
                     for side in sides if (rnd + n // 2) % 2 else sides[::-1]:
                         _progress(f"{net_name}: {side} all-reduce, {n} workers, round {rnd + 1}")
                         both = fused and net_name == "loopback" and n == 2
@@ -463,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
                     if streams
                     else None
                 )
+                ring_stream = (
+                    {s: statistics.median(r[s] for r in rings) for s in sizes} if rings else None
+                )
                 for s in sizes:
                     bus: dict[str, float] = {}
                     for side, secs in seconds.items():
@@ -489,11 +601,26 @@ def main(argv: list[str] | None = None) -> int:
                                 "unit": "GB/s",
                             }
                         )
+                    ring_bw = s / ring_stream[s] / 1e9 * 2 * (n - 1) / n if ring_stream else None
+                    if ring_bw:
+                        _emit(
+                            {
+                                "case": f"ring_stream/{net_name}/workers={n}/{s // MB}MB",
+                                "metric": "busbw",
+                                "value": round(ring_bw, 4),
+                                "unit": "GB/s",
+                                "seconds": ring_stream[s],
+                                "formula": "each worker sends 2(N-1)/N * S to its right while "
+                                "receiving as much from its left; busbw = that / seconds",
+                            }
+                        )
                     ours, theirs = bus.get("psflow"), bus.get("tensorflow")
                     for name, num, den in (
                         ("psflow_vs_stream", ours, stream_bw),
+                        ("psflow_vs_ring_stream", ours, ring_bw),
                         ("psflow_vs_tensorflow", ours, theirs),
                         ("tensorflow_vs_stream", theirs, stream_bw),
+                        ("tensorflow_vs_ring_stream", theirs, ring_bw),
                     ):
                         if num and den:
                             _emit(
@@ -514,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "together move bytes as fast as the bare stream)",
                                 }
                             )
-                    table.append((net_name, n, s // MB, ours, theirs, stream_bw))
+                    table.append((net_name, n, s // MB, ours, theirs, stream_bw, ring_bw))
 
     train_rows = []
     if not args.no_train:
@@ -578,13 +705,16 @@ def main(argv: list[str] | None = None) -> int:
 
     _progress(
         f"{'net':>8} {'workers':>7} {'MB':>4} {'psflow':>8} {'TF':>8} {'stream':>8} "
-        f"{'ps/stream':>9} {'N*ps/str':>8} {'ps/TF':>6}   (bus bandwidth, GB/s)"
+        f"{'ringstr':>8} {'ps/stream':>9} {'N*ps/str':>8} {'ps/ring':>7} {'ps/TF':>6}"
+        "   (bus bandwidth, GB/s)"
     )
-    for net_name, n, mb, ours, theirs, stream_bw in table:
+    for net_name, n, mb, ours, theirs, stream_bw, ring_bw in table:
         _progress(
             f"{net_name:>8} {n:>7} {mb:>4} {cell(ours)} {cell(theirs)} {cell(stream_bw)} "
+            f"{cell(ring_bw)} "
             f"{cell(ours / stream_bw if ours and stream_bw else None, '9.2f')} "
             f"{cell(n * ours / stream_bw if ours and stream_bw else None, '8.2f')} "
+            f"{cell(ours / ring_bw if ours and ring_bw else None, '7.2f')} "
             f"{cell(ours / theirs if ours and theirs else None, '6.2f')}"
         )
     for b, ours, theirs, cpu_ours, cpu_theirs in train_rows:

@@ -63,7 +63,7 @@ def test_mirrored_train_benchmark_prints_throughput_and_ratios() -> None:
 
 
 def test_multi_worker_benchmark_prints_bandwidths_and_training_against_the_stream() -> None:
-    # without TensorFlow (this venv) and the veth link: psflow's rows, the bare stream,
+    # without TensorFlow (this venv) and the veth link: psflow's rows, the bare streams,
     # and one "skipped" line per side left out
     code, records, stderr = run_script(
         "multi_worker.py", "--quick", "--no-tf", "--no-veth", "--steps", "10"
@@ -73,9 +73,19 @@ def test_multi_worker_benchmark_prints_bandwidths_and_training_against_the_strea
     skipped = {r["case"] for r in records if r["metric"] == "skipped"}
     assert skipped == {"tensorflow"}
     bus = {r["case"]: r for r in records if r["metric"] == "busbw"}
-    assert set(bus) == {f"allreduce/loopback/workers=2/{mb}MB/psflow" for mb in (1, 16)}
-    for r in bus.values():  # busbw = algbw * 2(N-1)/N, N = 2
+    ours = {c: r for c, r in bus.items() if c.startswith("allreduce/")}
+    assert set(ours) == {f"allreduce/loopback/workers=2/{mb}MB/psflow" for mb in (1, 16)}
+    for r in ours.values():  # busbw = algbw * 2(N-1)/N, N = 2
         assert r["value"] > 0 and r["value"] == pytest.approx(r["algbw_GBps"], rel=1e-3)
+    # the bare ring stream: the same 2 processes each send 2(N-1)/N * S = S right
+    rings = {c: r for c, r in bus.items() if c.startswith("ring_stream/")}
+    assert set(rings) == {f"ring_stream/loopback/workers=2/{mb}MB" for mb in (1, 16)}
+    for mb in (1, 16):
+        r = rings[f"ring_stream/loopback/workers=2/{mb}MB"]
+        want = (mb << 20) / r["seconds"] / 1e9  # the value is rounded to 4 decimals
+        assert r["value"] == pytest.approx(want, rel=1e-3, abs=1e-4)
+    vs_ring = [r for r in records if r["case"].startswith("psflow_vs_ring_stream/")]
+    assert len(vs_ring) == 2 and all(r["value"] > 0 for r in vs_ring)
     streams = [r for r in records if r["case"].startswith("stream/loopback/")]
     assert len(streams) == 2 and all(r["value"] > 0 for r in streams)
     shares = [r for r in records if r["case"].startswith("host_share/")]

@@ -516,6 +516,9 @@ class PeerLinks:
                     with self._counting:
                         self._queued -= 1
                 done.set()
+            # drop the sent views now, not when the next item comes: a collective's result
+            # buffer is reused only once nothing holds a view of it
+            item = buffers = None
 
     def receive_into(
         self,

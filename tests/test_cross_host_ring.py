@@ -1,0 +1,152 @@
+"""The cross-process ring's data path: frame-by-frame pipelining and reused result buffers.
+
+Real :class:`PeerLinks` over 127.0.0.1 (token auth), one thread per worker, with
+frames made small (64 KiB) so that every step's chunk travels in several frames
+(a ragged last one included) and a step forwards frames while the previous one
+still arrives, on arrays of a few MB.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from psflow.collective import cross_host
+from psflow.collective.cross_host import CrossHostRing
+from psflow.collective.peer_link import PeerLinks
+from psflow.security.config import SecurityConfig
+
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(autouse=True)
+def small_frames(monkeypatch):
+    monkeypatch.setattr(cross_host, "_FRAME_BYTES", 64 << 10)
+
+
+def _rings(n: int, timeout: float = 10.0) -> list[CrossHostRing]:
+    listeners = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        listeners.append(s)
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    security = SecurityConfig(token="r" * 24)
+    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(n)]
+    threads = [threading.Thread(target=lk.connect, args=(timeout,)) for lk in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return [CrossHostRing(lk, timeout=timeout) for lk in links]
+
+
+def _on_all(rings: list[CrossHostRing], call: Callable[[int, CrossHostRing], Any]) -> list:
+    """``call(i, rings[i])`` on one thread per worker; the results (or errors) in order."""
+    out: list = [None] * len(rings)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = call(i, rings[i])
+        except pf.errors.OpError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rings))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def _assert_sum(got: np.ndarray, xs: list[np.ndarray], divisor: int = 1) -> None:
+    """Within the float32 ring's rounding: N-1 additions (and a division) per element,
+    each off by at most half an ulp of a partial sum, so by eps32 * sum|x| at most."""
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0) / divisor
+    bound = EPS32 * (len(xs) + 1) * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+    assert got.dtype == np.float32
+    assert np.all(np.abs(got.astype(np.float64) - exact) <= bound / divisor + 1e-30)
+
+
+@pytest.mark.parametrize("pack", [0, 200_000])
+def test_three_workers_sum_multi_frame_chunks_to_the_same_bits(pack):
+    # 0.64 MB per worker: chunks of 3.25 frames, so every step is several frames and a
+    # ragged one; packs of 200 kB make 4 rings, each running while the previous pack's
+    # last frames leave
+    frame_items = cross_host._FRAME_BYTES // 4
+    size = 9 * frame_items + 12_345
+    rng = np.random.default_rng(21)
+    xs = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    kept = [x.copy() for x in xs]
+    rings = _rings(3)
+    try:
+        got = _on_all(rings, lambda i, r: r.all_reduce([xs[i]], bytes_per_pack=pack)[0])
+        mean = _on_all(rings, lambda i, r: r.all_reduce([xs[i]], divisor=3)[0])
+    finally:
+        for r in rings:
+            r.close()
+    assert not any(isinstance(g, Exception) for g in got + mean), got + mean
+    for x, k in zip(xs, kept):  # the inputs are only read
+        assert np.array_equal(x, k)
+    for results, divisor in ((got, 1), (mean, 3)):
+        assert all(np.array_equal(results[0], g) for g in results[1:])  # identical bits
+        _assert_sum(results[0], xs, divisor)
+
+
+def test_a_result_buffer_is_reused_only_once_the_caller_dropped_it():
+    size = 3 * cross_host._FRAME_BYTES // 4 + 7  # two workers: chunks of 1.5 frames
+    rng = np.random.default_rng(4)
+    first = [rng.standard_normal(size).astype(np.float32) for _ in range(2)]
+    second = [rng.standard_normal(size).astype(np.float32) for _ in range(2)]
+    rings = _rings(2)
+    try:
+        held = _on_all(rings, lambda i, r: r.all_reduce([first[i]])[0])
+        kept = [h.copy() for h in held]
+        again = _on_all(rings, lambda i, r: r.all_reduce([second[i]])[0])
+        # results still held are never written by a later call
+        for h, k, a in zip(held, kept, again):
+            assert np.array_equal(h, k) and not np.shares_memory(h, a)
+        del h
+        assert np.array_equal(kept[0], first[0] + first[1])  # two workers: one addition
+        assert np.array_equal(again[0], second[0] + second[1])
+        where = [a.__array_interface__["data"][0] for a in again]
+        del again, a
+        # dropped (and no thread of the ring still holding a view of it): the next call's
+        # results land in the same memory, which has no fresh pages to fault in
+        third = _on_all(rings, lambda i, r: r.all_reduce([second[i]])[0])
+        assert [t.__array_interface__["data"][0] for t in third] == where
+        assert np.array_equal(third[0], second[0] + second[1])
+        assert np.array_equal(held[0], kept[0]) and np.array_equal(held[1], kept[1])
+    finally:
+        for r in rings:
+            r.close()
+
+
+def test_broadcast_of_many_frames_reaches_every_worker():
+    rng = np.random.default_rng(8)
+    big = rng.standard_normal(2 * cross_host._FRAME_BYTES // 8 + 3)  # float64, 3 frames
+    small = np.arange(6, dtype=np.int32).reshape(2, 3)
+    rings = _rings(3)
+    try:
+        out = _on_all(
+            rings,
+            lambda i, r: r.broadcast(
+                [big, small] if i == 1 else [np.zeros_like(big), np.zeros_like(small)], root=1
+            ),
+        )
+    finally:
+        for r in rings:
+            r.close()
+    for got in out:
+        assert np.array_equal(got[0], big) and np.array_equal(got[1], small)
+        assert got[1].shape == (2, 3) and got[1].dtype == np.int32
