@@ -213,13 +213,11 @@ def test_training_over_a_link_with_20ms_rtt_losing_1pct_of_packets_applies_every
     scenario.check(result, moved=False)
     if how == "nft":  # the loss was real: the rule dropped packets of this training
         assert dropped > 0, dropped
-    # slower across the link: worker:1's closures wait for round trips worker:0's do not.
-    # A worker pushes behind its next closure and pulls ahead of it
-    # (psflow.distribute.ps.push_behind), so most closures take their 50 ms of work; one
-    # that pulled itself (a worker's first) took worker:1's round trip besides
+    # slower across the link: worker:1's closures wait for round trips worker:0's do not
     durations = {
-        task: [r["end"] - r["start"] for r in result["results"] if r["task"] == task]
+        task: statistics.median(
+            r["end"] - r["start"] for r in result["results"] if r["task"] == task
+        )
         for task in ("worker:0", "worker:1")
     }
-    assert statistics.median(durations["worker:1"]) >= 0.05, durations
-    assert max(durations["worker:1"]) >= 0.05 + 0.015, durations
+    assert durations["worker:1"] >= durations["worker:0"] + 0.015, durations
