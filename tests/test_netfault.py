@@ -254,13 +254,9 @@ def test_training_through_a_20ms_round_trip_applies_every_update_once(relayed_cl
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
     result = scenario.run_steady(strategy, per_worker=10)
     scenario.check(result, moved=False)
-    # slower, not broken: every push and pull crosses the 20 ms round trip, but a worker
-    # pushes behind its next closure and pulls ahead of it (psflow.distribute.ps.push_behind),
-    # so most closures take their 50 ms of work; one that pulled itself (a worker's first)
-    # took the round trip besides
+    # slower, not broken: a closure pushes (a round trip) besides its 50 ms of work
     durations = [r["end"] - r["start"] for r in result["results"]]
-    assert statistics.median(durations) >= 0.05, statistics.median(durations)
-    assert max(durations) >= 0.05 + 0.018, durations
+    assert statistics.median(durations) >= 0.05 + 0.018, statistics.median(durations)
     for r in cluster.relays:  # every path carried the traffic (no shared-memory bypass)
         stats = r.stats()
         assert stats["bytes_up"] > 0 and stats["bytes_down"] > 0, (r.target, stats)
