@@ -17,9 +17,10 @@ Variables:
 * ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600);
 * ``PSFLOW_DATA_PLANE`` — ``off``: clients push and pull over gRPC even where a
   PS announces a raw TCP data plane;
-* ``PSFLOW_PUSH_BEHIND`` — ``off``: a worker's async closure ends only once its
-  pushes are applied (by default the next closure computes while they are on
-  the wire; see ``psflow.distribute.ps.push_behind``);
+* ``PSFLOW_PUSH_BEHIND`` — ``on``: a worker's next async closure computes while
+  this one's pushes are on the wire (one step more staleness; see
+  ``psflow.distribute.ps.push_behind``); off by default: a closure's pushes
+  are applied before the next starts;
 * ``PSFLOW_DATA_PLANE_ROUTES`` — ``GRPC=DATA[,...]`` (``host:port`` each): a PS
   reached at ``GRPC`` has its data plane dialled at ``DATA``, whatever it
   announces (a client behind its own relay or tunnel to that PS).
@@ -107,9 +108,10 @@ def _number(
     return value
 
 
-def _switch(env: Mapping[str, str], name: str) -> bool:
-    """On unless the variable says off (``0``, ``false``, ``no``, ``off``)."""
-    return env.get(name, "1").strip().lower() not in _OFF
+def _switch(env: Mapping[str, str], name: str, default: str = "1") -> bool:
+    """On unless the variable (or, unset, ``default``) says off (``0``, ``false``, ``no``,
+    ``off``)."""
+    return env.get(name, default).strip().lower() not in _OFF
 
 
 def _routes(raw: str) -> tuple[tuple[str, str], ...]:
@@ -145,7 +147,7 @@ class ProcessSettings:
     closure_timeout: float = 3600.0
     data_plane: bool = True
     data_plane_routes: tuple[tuple[str, str], ...] = ()
-    push_behind: bool = True
+    push_behind: bool = False
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -165,7 +167,7 @@ class ProcessSettings:
             closure_timeout=timeout,
             data_plane=_switch(env, ENV_DATA_PLANE),
             data_plane_routes=_routes(env.get(ENV_DATA_PLANE_ROUTES, "")),
-            push_behind=_switch(env, ENV_PUSH_BEHIND),
+            push_behind=_switch(env, ENV_PUSH_BEHIND, default="0"),
         )
 
 

@@ -22,6 +22,7 @@ from psflow import errors
 pytestmark = pytest.mark.slow
 
 OFF = {"PSFLOW_PUSH_BEHIND": "off"}
+ON = {"PSFLOW_PUSH_BEHIND": "on"}  # opt-in: one step more staleness in async mode
 
 
 def _regression(n: int = 96, d: int = 6, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +79,7 @@ def _train(cluster, mode: str, steps: int, batch: int, join_each: bool = False):
 
 
 def test_sync_training_is_bit_for_bit_the_same_with_pushes_behind_on_and_off(start_cluster):
-    behind = start_cluster(num_ps=1, num_workers=2)
+    behind = start_cluster(num_ps=1, num_workers=2, worker_env=ON)
     _, got, got_losses = _train(behind, "sync", steps=12, batch=4)
     waiting = start_cluster(num_ps=1, num_workers=2, worker_env=OFF)
     _, want, want_losses = _train(waiting, "sync", steps=12, batch=4)
@@ -95,7 +96,7 @@ def _staleness_of(strategy) -> list[int]:
 
 
 def test_async_worker_pushing_behind_converges_one_step_stale_at_most(start_cluster):
-    cluster = start_cluster(num_ps=1, num_workers=1)
+    cluster = start_cluster(num_ps=1, num_workers=1, worker_env=ON)
     strategy, _, losses = _train(cluster, "async", steps=40, batch=8)
     # the versions each gradient was computed from: never more than the worker's own
     # previous step behind (a single worker: nobody else moves the variables)
@@ -115,7 +116,7 @@ def test_async_worker_waiting_for_its_pushes_is_never_stale(start_cluster):
 
 def test_a_closure_joined_after_each_step_sees_its_own_update(start_cluster):
     # its reply waits for its push: join() means applied, as before
-    cluster = start_cluster(num_ps=1, num_workers=1)
+    cluster = start_cluster(num_ps=1, num_workers=1, worker_env=ON)
     strategy, _, _ = _train(cluster, "async", steps=6, batch=8, join_each=True)
     assert set(_staleness_of(strategy)) == {0}
 
@@ -124,7 +125,7 @@ def test_a_ps_killed_while_pushes_are_in_flight_fails_the_closures_typed_without
     start_cluster,
 ):
     # as when the worker waited for its pushes: the push's UnavailableError, naming the task
-    cluster = start_cluster(num_ps=2, num_workers=1)
+    cluster = start_cluster(num_ps=2, num_workers=1, worker_env=ON)
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
     with strategy.scope():
         a = pf.Variable(np.zeros(256, np.float32), name="behind_a")

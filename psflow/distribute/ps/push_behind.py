@@ -6,7 +6,9 @@ gradient meet parameters other workers changed since it was computed.  So a
 step's ``apply_gradients`` hands its push (encoding, the shared-memory or
 data-plane send, waiting for the reply) to one thread of the session and
 returns; the step ends; the worker starts the next closure while the push is
-on the wire and the parameter servers apply it.
+on the wire and the parameter servers apply it.  A worker does so with
+``PSFLOW_PUSH_BEHIND=on`` (off by default: on one busy host it measured no
+faster, and the extra step of staleness is the user's choice to make).
 
 What that costs, and what it keeps:
 
