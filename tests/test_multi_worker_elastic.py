@@ -31,7 +31,14 @@ import pytest
 
 import psflow as pf
 from psflow.collective import door as door_lib
-from psflow.collective.membership import Position, StaleGenerationError, View, agree
+from psflow.collective.membership import (
+    Position,
+    StaleGenerationError,
+    View,
+    agree,
+    ask_to_join,
+    running_view,
+)
 from psflow.security.config import SecurityConfig
 from tests.conftest import ROOT, child_env, pick_free_port
 from tests.multi_worker_util import TOKEN, replay_reference, tf_config
@@ -361,6 +368,32 @@ def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
             if step >= change["resumed_step"] and k < len(epoch) - 1:
                 assert len(ids) == 18, results[0]["epochs"]
             step += 1
+
+
+def test_a_joiner_beyond_the_list_without_a_usable_address_is_refused_and_nothing_changes(
+    tmp_path,
+):
+    """Bad input at an elastic worker's port, after authentication: an admission request
+    of a worker beyond the group's table whose address is not host:port gets a typed error
+    naming it, and the group trains on unchanged."""
+    env = {"SCENARIO_TIMEOUT": "10", "STEP_SLEEP": "0.5", "MAX_WORKERS": "6", "PRINT_STEPS": "1"}
+    procs, outs, logs = _start(tmp_path, 2, env)
+    door = door_lib.Door(f"127.0.0.1:{pick_free_port()}", SecurityConfig(token=TOKEN), "worker:5")
+    try:
+        _wait_for(logs[0], "step 1 done", procs[0], 60)
+        ours = ("", "", "", "no-port-here")  # ids 2-4 unknown, 5 is this one
+        view = running_view(door, (*[f"127.0.0.1:{p}" for p in _ports(tmp_path, 2)], *ours), 5)
+        assert view is not None and view.members == (0, 1)
+        with pytest.raises(pf.errors.InvalidArgumentError, match="no-port-here"):
+            ask_to_join(door, view, 5, wait=30)
+        codes = _wait(procs, {0, 1}, time.monotonic() + 120)
+    finally:
+        door.close()
+        _reap(procs)
+    results, texts = _results(outs, logs)
+    assert codes == {0: 0, 1: 0}, "\n---\n".join(t[-3000:] for t in texts)
+    assert results[0]["changes"] == results[1]["changes"] == []
+    _check_training(tmp_path, results, texts[0][-3000:])
 
 
 def test_a_joiner_killed_during_its_state_broadcast_is_dropped_and_the_group_goes_on(tmp_path):
