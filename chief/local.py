@@ -910,7 +910,12 @@ def _parser() -> argparse.ArgumentParser:
         "M processes of SCRIPT as the workers of a MultiWorkerMirroredStrategy (chief/peers.py)",
     )
     p.add_argument(
-        "--ps", "--num-ps", type=int, metavar="N", help="parameter-server tasks (--mode ps)"
+        "--ps",
+        "--num-ps",
+        type=int,
+        metavar="N",
+        help="parameter-server tasks (with --mode multi-worker: the hybrid mode's, for "
+        "the group's embedding tables; default none)",
     )
     p.add_argument(
         "--ps-max",
@@ -1129,13 +1134,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, target: Target) -> int:
-    """``--mode multi-worker``: peer workers of the script, no ps, no separate chief."""
+    """``--mode multi-worker``: peer workers of the script (and ``--ps N`` PS tasks), no chief."""
     from chief.peers import run_peers
 
-    if args.ps or args.ps_max:
+    if args.ps_max:
         parser.print_usage(sys.stderr)
         sys.stderr.write(
-            f"psflow local: --mode multi-worker runs no parameter servers; drop --ps {args.ps}\n"
+            "psflow local: --ps-max resizes the PS tasks of --mode ps; "
+            f"drop --ps-max {args.ps_max}\n"
         )
         return int(ExitCode.USAGE_ERROR)
     try:
@@ -1153,6 +1159,8 @@ def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, targe
             elastic=args.elastic,
             workers_max=args.workers_max,
             cluster_dir=args.cluster_dir,
+            num_ps=args.ps or 0,
+            ready_timeout=args.ready_timeout,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

@@ -29,6 +29,11 @@ workers up to itself; the group admits it at a step boundary) or sends the
 highest-numbered ones SIGTERM (each drains at the next step boundary).  Every
 worker gets ``PSFLOW_ELASTIC_MAX_WORKERS=N``, the bound of an
 ``ElasticOptions`` without ``max_workers``.
+
+``--ps N`` adds N parameter servers to the cluster (hybrid mode: the
+group's ``DynamicEmbedding`` tables live on them), started and ready before
+the workers, kept across a restarted or rescaled group, stopped last
+(:mod:`chief.peer_servers`).  A server that exits is the job's failure.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from chief.control import ControlDir, LauncherState, default_cluster_dir
 from chief.local import (
@@ -50,6 +55,7 @@ from chief.local import (
     tf_config,
     worker_device_env,
 )
+from chief.peer_servers import PeerServers
 from chief.restart import RestartBook, RestartPolicy
 from chief.script import Target
 from chief.supervisor import RoleProcess, Supervisor, shell_status
@@ -77,14 +83,19 @@ def _signals_noted(received: list[int]) -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def worker_cluster(num_workers: int, host: str, ports: list[int]) -> dict[str, list[str]]:
-    """The ``TF_CONFIG`` cluster of a worker-only job.
+def worker_cluster(
+    num_workers: int, host: str, ports: list[int], ps: Sequence[str] = ()
+) -> dict[str, list[str]]:
+    """The ``TF_CONFIG`` cluster of a multi-worker job (``ps``: its PS tasks, if any).
 
     Example:
         >>> worker_cluster(2, "127.0.0.1", [5000, 5001])
         {'worker': ['127.0.0.1:5000', '127.0.0.1:5001']}
+        >>> worker_cluster(1, "127.0.0.1", [5000], ["127.0.0.1:5002"])
+        {'worker': ['127.0.0.1:5000'], 'ps': ['127.0.0.1:5002']}
     """
-    return {"worker": [host_port(host, p) for p in ports[:num_workers]]}
+    cluster = {"worker": [host_port(host, p) for p in ports[:num_workers]]}
+    return {**cluster, "ps": list(ps)} if ps else cluster
 
 
 def run_peers(
@@ -100,6 +111,8 @@ def run_peers(
     elastic: bool = False,
     workers_max: int | None = None,
     cluster_dir: str | None = None,
+    num_ps: int = 0,
+    ready_timeout: float = 60.0,
 ) -> int:
     """Runs ``num_workers`` peers of ``target``; returns the launcher's exit status.
 
@@ -109,14 +122,19 @@ def run_peers(
     (as TensorFlow requires); ``BackupAndRestore`` resumes training.
 
     ``workers_max`` (with ``elastic``): see the module docstring; ``cluster_dir``
-    is its control directory.
+    is its control directory.  ``num_ps`` parameter servers (hybrid mode) are
+    started first, each given ``ready_timeout`` seconds to be ready.
 
     Raises:
         InvalidArgumentError: see :func:`chief.local.worker_device_env`; ``workers_max``
-            below ``num_workers`` or without ``elastic``.
+            below ``num_workers`` or without ``elastic``; ``num_ps`` below 0.
         UnavailableError: a port from ``port_base`` is taken.
+        FailedPreconditionError, DeadlineExceededError: a PS task did not start
+            (:meth:`chief.peer_servers.PeerServers.start`).
     """
     slots = num_workers
+    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
+        raise InvalidArgumentError(f"--ps must be an integer >= 0, got {num_ps!r}")
     if workers_max is not None:
         if not elastic or workers_max < num_workers:
             raise InvalidArgumentError(
@@ -126,24 +144,29 @@ def run_peers(
     base_env = with_generated_token(os.environ if environ is None else environ)
     if workers_max is not None:
         base_env = {**base_env, MAX_WORKERS_ENV: str(workers_max)}
-    ports = pick_ports(slots, host, port_base)
-    cluster = worker_cluster(num_workers, host, ports)
+    ports = pick_ports(slots + num_ps, host, port_base)
+    ps = [host_port(host, p) for p in ports[slots:]]
+    cluster = worker_cluster(num_workers, host, ports, ps)
     devices = worker_device_env(devices_per_worker, slots, gpu_ids(base_env))
-    # N peers share the cores, none a PS (a group of "N - 1 workers and a chief" to the plan)
-    threads = plan_threads(0, num_workers - 1, None, base_env, cores=available_cores())
+    # N peers share the cores with the PS tasks (a group of "N - 1 workers and a chief")
+    threads = plan_threads(num_ps, num_workers - 1, None, base_env, cores=available_cores())
     log.info(
         "BLAS threads per worker: %d (%s, %d cores)",
         threads.threads["worker"],
         threads.source,
         threads.cores,
     )
+    servers = None
+    if num_ps:
+        server_env = {**threads.env("ps"), **base_env, "PYTHONUNBUFFERED": "1"}
+        servers = PeerServers(ps, host, server_env, ready_timeout)
     envs = [
         {
             **threads.env("worker"),
             **base_env,
             # a worker beyond the starting ones lists the workers up to itself
             "TF_CONFIG": tf_config(
-                worker_cluster(max(num_workers, i + 1), host, ports), "worker", i
+                worker_cluster(max(num_workers, i + 1), host, ports, ps), "worker", i
             ),
             **devices[i],
             "PYTHONUNBUFFERED": "1",
@@ -165,14 +188,21 @@ def run_peers(
             control.path,
         )
     with _signals_noted(received):
-        log.info("%d workers of %s on %s", num_workers, target, ", ".join(cluster["worker"]))
         try:
+            if servers is not None:
+                log.info("%d parameter servers on %s", num_ps, ", ".join(ps))
+                servers.start(interrupted=lambda: bool(received))
+                if received:
+                    return 128 + received[0]
+            log.info("%d workers of %s on %s", num_workers, target, ", ".join(cluster["worker"]))
             while True:
                 status = _run_group(
-                    argv, envs[:num_workers], grace, received, elastic, control, envs
+                    argv, envs[:num_workers], grace, received, elastic, control, envs, servers
                 )
                 if received:
                     return 128 + received[0]
+                if servers is not None and servers.failed is not None:
+                    return servers.status
                 delay = book.next_delay("group", status, is_chief=False)
                 if delay is None:
                     return status
@@ -190,6 +220,8 @@ def run_peers(
                 if received:
                     return 128 + received[0]
         finally:
+            if servers is not None:
+                servers.stop(grace)
             if control is not None:
                 control.remove()
 
@@ -260,12 +292,15 @@ def _run_group(
     elastic: bool = False,
     control: ControlDir | None = None,
     slots: list[dict[str, str]] | None = None,
+    servers: PeerServers | None = None,
 ) -> int:
     """Runs one generation of the workers; returns the first failure's status (0: none).
 
     ``elastic``: a failed worker is left behind; the status is the last exit's.
     ``control``: requests of ``psflow scale --workers`` start workers of
     ``slots`` (the environment of every reserved worker slot) or drain them.
+    ``servers``: the group's PS tasks, watched with it: one that exits fails
+    the group (the workers get ``grace`` seconds to end on their own errors).
     """
     supervisor = Supervisor()
     first_failure: RoleProcess | None = None
@@ -285,6 +320,8 @@ def _run_group(
                 supervisor.stop(grace, escalate=lambda: len(received) > 1)
                 return 128 + received[0]
             supervisor.pump(0.1)
+            if servers is not None and servers.pump() is not None and first_failure is None:
+                first_failure, failed_at = servers.failed, time.monotonic()
             for role in supervisor.poll():
                 status = shell_status(role.returncode or 0)
                 log.info("%s exited with status %d", role.name, status)
@@ -301,6 +338,8 @@ def _run_group(
                 break
     finally:
         supervisor.stop(grace)
+    if servers is not None and servers.failed is not None:
+        return servers.status
     if elastic:
         return last_status
     return 0 if first_failure is None else shell_status(first_failure.returncode or 1)

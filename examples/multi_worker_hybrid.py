@@ -8,6 +8,10 @@ applied on the PS once.  Every worker prints the same losses and the same row.
 
 Run a PS and two workers on loopback::
 
+    psflow local --mode multi-worker --ps 1 --workers 2 examples/multi_worker_hybrid.py
+
+or by hand::
+
     python -m ps_server --port 7000 & sleep 3
     for i in 0 1; do
       TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:7100", "127.0.0.1:7101"],

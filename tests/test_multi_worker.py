@@ -9,6 +9,8 @@ documented behaviour.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -411,10 +413,58 @@ def test_psflow_local_returns_the_status_of_the_worker_that_failed(tmp_path):
     assert "worker:1 exited with status 7" in out.stderr
 
 
-def test_psflow_local_multi_worker_refuses_ps_tasks():
-    out = _local("--mode", "multi-worker", "--ps", "1", "--workers", "2", "x.py", timeout=60)
+def test_psflow_local_multi_worker_refuses_a_ps_resize():
+    out = _local("--mode", "multi-worker", "--ps-max", "2", "--workers", "2", "x.py", timeout=60)
     assert out.returncode == 2, out.stderr
-    assert "--ps 1" in out.stderr
+    assert "--ps-max 2" in out.stderr
+
+
+def test_psflow_local_multi_worker_starts_ps_tasks_for_the_hybrid_example():
+    example = str(ROOT / "examples" / "multi_worker_hybrid.py")
+    out = _local("--mode", "multi-worker", "--ps", "2", "--workers", "2", example, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert sum(ln.startswith("[ps:") and "PSFLOW_READY ps" in ln for ln in lines) == 2
+    rows = {ln.split("] ", 1)[1].split(": ", 1)[1] for ln in lines if "row of user" in ln}
+    assert len(rows) == 1, lines  # both workers read the same row from the PS tasks
+    losses = [ln for ln in lines if "epoch 2 loss" in ln]
+    assert len(losses) == 2 and len({ln.split("loss")[1] for ln in losses}) == 1
+    assert "2 parameter servers on 127.0.0.1:" in out.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the PS through /proc")
+def test_a_ps_task_that_dies_for_good_fails_the_hybrid_group_with_its_status(tmp_path):
+    script = tmp_path / "kills_ps.py"
+    script.write_text(
+        "import json, os, signal, sys\n"
+        "import numpy as np\n"
+        "import psflow as pf\n"
+        "strategy = pf.distribute.MultiWorkerMirroredStrategy()\n"
+        "with strategy.scope():\n"
+        "    table = pf.keras.layers.DynamicEmbedding(4, table_name='t', seed=1)\n"
+        "    table(np.arange(4))\n"
+        "if strategy.cluster_resolver.task_id == 0:  # ps:0 dies for good\n"
+        "    port = json.loads(os.environ['TF_CONFIG'])['cluster']['ps'][0].rsplit(':', 1)[1]\n"
+        "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "        try:\n"
+        "            argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+        "        except OSError:\n"
+        "            continue\n"
+        "        if b'ps_server' in argv and port.encode() in argv:\n"
+        "            os.kill(int(pid), signal.SIGKILL)\n"
+        "try:\n"
+        "    for _ in range(200):\n"
+        "        strategy.run(lambda: table(np.arange(4)))\n"
+        "        strategy.reduce('SUM', strategy.run(lambda: pf.constant(1.0)), axis=None)\n"
+        "except pf.errors.OpError as e:\n"
+        "    print('failed', type(e).__name__)\n"
+        "    sys.exit(3)\n"
+    )
+    args = ("--mode", "multi-worker", "--ps", "1", "--workers", "2", "--grace", "5")
+    out = _local(*args, str(script), timeout=120)
+    assert out.returncode == 128 + signal.SIGKILL, out.stdout + out.stderr
+    assert "ps:0 exited with status 137" in out.stderr
+    assert "[worker:0] failed" in out.stdout or "[worker:1] failed" in out.stdout
 
 
 def test_the_ring_runs_over_mutual_tls_and_refuses_a_rogue_certificate(tmp_path):
