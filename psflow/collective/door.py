@@ -296,6 +296,8 @@ class Door:
             queued = [s for _, _, s in self._rings] + [s for s, _ in self._joins + self._admits]
             self._rings, self._joins, self._admits = [], [], []
             self._cond.notify_all()
+        with contextlib.suppress(OSError):  # wakes the accept (close alone leaves it listening)
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
         for stream in queued:
