@@ -1016,7 +1016,8 @@ def _parser() -> argparse.ArgumentParser:
         const=0,
         type=int,
         metavar="PORT",
-        help="the chief serves a live dashboard at http://HOST:PORT/ (no PORT: a free one)",
+        help="the chief (with --mode multi-worker: the launcher) serves a live dashboard at "
+        "http://HOST:PORT/ (no PORT: a free one)",
     )
     p.add_argument(
         "--dashboard-linger",
@@ -1133,6 +1134,15 @@ def main(argv: list[str] | None = None) -> int:
     return cluster.run()
 
 
+def _linger(seconds: float | None) -> float:
+    """``--dashboard-linger``'s value; not given: until Ctrl-C on a terminal, else 0."""
+    if seconds is None:
+        return float("inf") if _interactive() else 0.0
+    if not seconds >= 0:
+        raise InvalidArgumentError(f"--dashboard-linger {seconds!r} must be >= 0 seconds")
+    return seconds
+
+
 def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, target: Target) -> int:
     """``--mode multi-worker``: peer workers of the script (and ``--ps N`` PS tasks), no chief."""
     from chief.peers import run_peers
@@ -1161,6 +1171,8 @@ def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, targe
             cluster_dir=args.cluster_dir,
             num_ps=args.ps or 0,
             ready_timeout=args.ready_timeout,
+            dashboard_port=args.dashboard,
+            dashboard_linger=_linger(args.dashboard_linger),
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

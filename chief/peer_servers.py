@@ -112,6 +112,11 @@ class PeerServers:
         return None
 
     @property
+    def supervisor(self) -> Supervisor:
+        """The servers' supervisor (their processes, for the dashboard)."""
+        return self._supervisor
+
+    @property
     def status(self) -> int:
         """The failed server's shell-style status (0: none failed)."""
         if self.failed is None:

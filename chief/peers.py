@@ -48,6 +48,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from chief.control import ControlDir, LauncherState, default_cluster_dir
+from chief.group_dashboard import GroupDashboard
 from chief.local import (
     gpu_ids,
     host_port,
@@ -113,6 +114,8 @@ def run_peers(
     cluster_dir: str | None = None,
     num_ps: int = 0,
     ready_timeout: float = 60.0,
+    dashboard_port: int | None = None,
+    dashboard_linger: float = 0.0,
 ) -> int:
     """Runs ``num_workers`` peers of ``target``; returns the launcher's exit status.
 
@@ -124,6 +127,9 @@ def run_peers(
     ``workers_max`` (with ``elastic``): see the module docstring; ``cluster_dir``
     is its control directory.  ``num_ps`` parameter servers (hybrid mode) are
     started first, each given ``ready_timeout`` seconds to be ready.
+    ``dashboard_port``: the launcher serves the group's dashboard there
+    (:mod:`chief.group_dashboard`; 0: a free port), and its final state
+    ``dashboard_linger`` seconds after the workers are done.
 
     Raises:
         InvalidArgumentError: see :func:`chief.local.worker_device_env`; ``workers_max``
@@ -176,6 +182,13 @@ def run_peers(
     argv = [sys.executable, *target.argv, *target.args]
     book = RestartBook(restart or RestartPolicy())
     received: list[int] = []
+    dashboard = None
+    if dashboard_port is not None:
+        doors = worker_cluster(slots, host, ports)["worker"]
+        dashboard = GroupDashboard(host, dashboard_port, doors, ps, base_env, book.policy)
+        log.info("dashboard at %s", dashboard.url)
+        if servers is not None:
+            dashboard.watch(servers.supervisor)
     control = None
     if workers_max is not None:
         control = ControlDir(cluster_dir or default_cluster_dir())
@@ -197,7 +210,15 @@ def run_peers(
             log.info("%d workers of %s on %s", num_workers, target, ", ".join(cluster["worker"]))
             while True:
                 status = _run_group(
-                    argv, envs[:num_workers], grace, received, elastic, control, envs, servers
+                    argv,
+                    envs[:num_workers],
+                    grace,
+                    received,
+                    elastic,
+                    control,
+                    envs,
+                    servers,
+                    dashboard,
                 )
                 if received:
                     return 128 + received[0]
@@ -224,6 +245,9 @@ def run_peers(
                 servers.stop(grace)
             if control is not None:
                 control.remove()
+            if dashboard is not None:
+                seen = len(received)
+                dashboard.finish(dashboard_linger, lambda: len(received) > seen)
 
 
 class _WorkerScaler:
@@ -293,6 +317,7 @@ def _run_group(
     control: ControlDir | None = None,
     slots: list[dict[str, str]] | None = None,
     servers: PeerServers | None = None,
+    dashboard: GroupDashboard | None = None,
 ) -> int:
     """Runs one generation of the workers; returns the first failure's status (0: none).
 
@@ -301,8 +326,11 @@ def _run_group(
     ``slots`` (the environment of every reserved worker slot) or drain them.
     ``servers``: the group's PS tasks, watched with it: one that exits fails
     the group (the workers get ``grace`` seconds to end on their own errors).
+    ``dashboard``: shows this generation's processes.
     """
     supervisor = Supervisor()
+    if dashboard is not None:
+        dashboard.watch(supervisor)
     first_failure: RoleProcess | None = None
     failed_at = 0.0
     last_status = 0

@@ -49,6 +49,7 @@ from psflow import errors
 from psflow.collective.door import Door, RemoteError, error_frame, read_json, send_json
 from psflow.collective.peer_link import split_address
 from psflow.errors import Code
+from psflow.security.config import SecurityConfig
 from psflow.transport.dataplane import auth, frames
 from psflow.transport.dataplane.stream import FrameStream, tune
 
@@ -58,6 +59,7 @@ __all__ = [
     "StaleGenerationError",
     "View",
     "agree",
+    "ask_view",
     "ask_to_join",
     "decision_message",
     "running_view",
@@ -145,7 +147,9 @@ class _Redirect(Exception):
         self.leader = leader
 
 
-def _dial(door: Door, address: str, client: str, deadline: float, who: str) -> FrameStream:
+def _dial(
+    security: SecurityConfig, address: str, client: str, deadline: float, who: str
+) -> FrameStream:
     host, port = split_address(address)
     left = max(deadline - time.monotonic(), 0.001)
     try:
@@ -155,13 +159,13 @@ def _dial(door: Door, address: str, client: str, deadline: float, who: str) -> F
     try:
         tune(sock)
         sock.settimeout(left)
-        tls = door.security.tls
+        tls = security.tls
         if tls is not None:
             sock = auth.client_context(tls).wrap_socket(
                 sock, server_hostname=tls.server_name or host
             )
         stream = FrameStream(sock, max_header=auth.HELLO_LIMIT, max_payload=0)
-        stream.send_frame(frames.Kind.HELLO, header=auth.hello(door.security, client))
+        stream.send_frame(frames.Kind.HELLO, header=auth.hello(security, client))
         stream.deadline = deadline
         head = stream.read_head()
         header = stream.read_bytes(head.header_len)
@@ -198,7 +202,7 @@ def _follow(
     """Joins ``leader``; raises :class:`_Redirect`, or an OpError when it does not lead."""
     who = f"worker:{leader} at {view.addresses[leader]}"
     client = f"join:{me}/gen:{view.generation}"
-    stream = _dial(door, view.addresses[leader], client, time.monotonic() + probe, who)
+    stream = _dial(door.security, view.addresses[leader], client, time.monotonic() + probe, who)
     try:
         send_json(stream, {**position.as_dict(), "suspects": sorted(suspects)})
         end = time.monotonic() + wait
@@ -280,7 +284,9 @@ def _lead(
             with contextlib.suppress(errors.UnavailableError, errors.DeadlineExceededError):
                 who = f"worker:{missing} at {view.addresses[missing]}"
                 client = f"probe:{me}/gen:{view.generation}"
-                _dial(door, view.addresses[missing], client, time.monotonic() + 1.0, who).close()
+                _dial(
+                    door.security, view.addresses[missing], client, time.monotonic() + 1.0, who
+                ).close()
         if len(members) < min_workers:
             raise errors.UnavailableError(
                 f"only {len(members)} workers ({sorted(members)}) are left of generation "
@@ -362,7 +368,9 @@ def running_view(door: Door, addresses: tuple[str, ...], me: int) -> View | None
             continue
         who = f"worker:{other} at {addresses[other]}"
         try:
-            stream = _dial(door, addresses[other], f"view:{me}/gen:0", time.monotonic() + 1.0, who)
+            stream = _dial(
+                door.security, addresses[other], f"view:{me}/gen:0", time.monotonic() + 1.0, who
+            )
         except errors.OpError:
             continue
         try:
@@ -378,6 +386,35 @@ def running_view(door: Door, addresses: tuple[str, ...], me: int) -> View | None
         if members and (generation > 0 or me not in members):
             return View(generation, members, _extended(message, addresses))
     return None
+
+
+def ask_view(address: str, security: SecurityConfig, timeout: float = 1.0) -> View:
+    """The view of the worker whose door is at ``address``: its generation, its
+    members (empty until its first ring is up) and the group's address table.
+
+    For observers (``psflow local``'s dashboard): the door answers a ``view``
+    whatever its generation, and it answers from its own threads, so a worker
+    busy computing answers too.
+
+    Raises:
+        UnavailableError, DeadlineExceededError: nothing answers there in ``timeout``.
+        InvalidArgumentError: the answer is not a view.
+    """
+    deadline = time.monotonic() + timeout
+    who = f"the worker at {address}"
+    stream = _dial(security, address, "view:0/gen:0", deadline, who)
+    try:
+        message = read_json(stream, deadline, who)
+    except RemoteError as e:
+        raise e.error from None
+    finally:
+        stream.close()
+    members = message.get("members", ())
+    if not isinstance(members, list) or not all(
+        isinstance(m, int) and not isinstance(m, bool) for m in members
+    ):
+        raise errors.InvalidArgumentError(f"{who}: bad members {members!r}")
+    return View(_int(message, "generation"), tuple(members), _extended(message, ()))
 
 
 def _extended(message: dict[str, Any], addresses: tuple[str, ...]) -> tuple[str, ...]:
@@ -410,7 +447,7 @@ def ask_to_join(door: Door, view: View, me: int, wait: float) -> Decision:
     leader = view.members[0]
     who = f"worker:{leader} at {view.addresses[leader]}"
     client = f"admit:{me}/gen:{view.generation}"
-    stream = _dial(door, view.addresses[leader], client, time.monotonic() + 2.0, who)
+    stream = _dial(door.security, view.addresses[leader], client, time.monotonic() + 2.0, who)
     try:
         send_json(stream, {"address": view.addresses[me]})
         try:

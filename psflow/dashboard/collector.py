@@ -181,8 +181,9 @@ class ClusterMonitor:
         answers = self._probe.round()
         job = self._job_status() if self._job_status is not None else None
         with self._lock:
-            for task, answer in zip(self._tasks, answers, strict=True):
-                self._fold(task, answer)
+            tasks = {(t.job, t.index): t for t in self._tasks}
+            for answer in answers:  # a subclass may watch tasks the probe does not ask
+                self._fold(tasks[answer.job, answer.index], answer)
             self._rounds += 1
             self._job = job
         if job is not None:

@@ -46,6 +46,7 @@ class EventKind(enum.Enum):
     EPOCH_END = "epoch_end"
     TRAINING_ENDED = "training_ended"
     TASK_EXITED = "task_exited"  # the launcher saw a task's process end (its status, signal)
+    MEMBERSHIP_CHANGED = "membership_changed"  # a multi-worker group's generation moved on
 
 
 @dataclasses.dataclass(frozen=True)

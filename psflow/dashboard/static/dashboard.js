@@ -7,7 +7,7 @@ const EVENT_COLORS = {
   worker_lost: "#c53030", worker_back: "#2f855a", worker_replaced: "#dd6b20",
   closure_requeued: "#d69e2e", ps_lost: "#9b2c2c", ps_back: "#38a169", ps_restored: "#38a169",
   checkpoint_written: "#3182ce", training_started: "#4a5568", epoch_end: "#a0aec0",
-  training_ended: "#4a5568", task_exited: "#742a2a",
+  training_ended: "#4a5568", task_exited: "#742a2a", membership_changed: "#6b46c1",
 };
 const colorOf = (kind) => EVENT_COLORS[kind] || "#718096";
 
@@ -69,6 +69,18 @@ function renderWorkers(workers) {
     cell(tr, fmtAge(w.heartbeat_age_seconds));
     return tr;
   }));
+}
+
+// A multi-worker group's generation and members (absent in a PS job's document).
+function renderMembership(m) {
+  const box = document.getElementById("membership");
+  if (!m) { box.hidden = true; return; }
+  box.hidden = false;
+  box.setAttribute("data-generation", m.generation === null ? "" : String(m.generation));
+  box.setAttribute("data-members", m.members.join(","));
+  box.textContent = m.generation === null ? "group: forming"
+    : `group generation ${m.generation}: ${m.members.join(", ")} ` +
+      `(${m.members.length} workers, ${m.changes} membership change${m.changes === 1 ? "" : "s"})`;
 }
 
 function renderPS(ps) {
@@ -194,6 +206,7 @@ function render(doc) {
   renderJob(doc.job);
   renderTraining(doc.training);
   renderWorkers(doc.workers);
+  renderMembership(doc.membership);
   renderPS(doc.ps);
   renderEvents(doc.events, doc);
   const lost = doc.workers.filter((w) => w.state === "lost").length +
