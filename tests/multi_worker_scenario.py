@@ -249,6 +249,19 @@ def main() -> int:
             hint = pf.data.experimental.SHARD_HINT
             dataset = pf.data.Dataset.range(16).shard(hint, hint).batch(4)
             result["steps"] = seen(strategy, dataset.with_options(options_hint))
+        elif mode in ("shard_file", "shard_file_auto"):
+            # SCENARIO_FILES: a directory of part-*.txt; FILE, or AUTO (FILE when there are
+            # at least as many files as workers, else DATA)
+            pattern = os.path.join(os.environ["SCENARIO_FILES"], "part-*.txt")
+            names = pf.data.Dataset.list_files(pattern, shuffle=False)
+            dataset = names.interleave(pf.data.TextLineDataset, cycle_length=1).batch(4)
+            if mode == "shard_file":
+                options_file = pf.data.Options()
+                options_file.experimental_distribute.auto_shard_policy = (
+                    pf.data.experimental.AutoShardPolicy.FILE
+                )
+                dataset = dataset.with_options(options_file)
+            result["steps"] = seen(strategy, dataset)
         elif mode == "uneven":
             result["steps"] = seen(strategy, pf.data.Dataset.range(10).batch(4))
 

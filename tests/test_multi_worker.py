@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -306,6 +307,87 @@ def test_a_task_missing_from_the_cluster_is_refused(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({**config, "task": {"type": "ps", "index": 0}}))
     with pytest.raises(pf.errors.OpError, match="ps"):
         pf.distribute.MultiWorkerMirroredStrategy()
+
+
+def _part_files(directory: pathlib.Path, files: int, lines: int = 4) -> pathlib.Path:
+    directory.mkdir()
+    for f in range(files):
+        (directory / f"part-{f}.txt").write_text("".join(f"f{f}-{j}\n" for j in range(lines)))
+    return directory
+
+
+@pytest.mark.parametrize("mode", ["shard_file", "shard_file_auto"])
+def test_auto_shard_file_gives_each_worker_every_other_file(tmp_path, mode):
+    # TF's FILE policy (AUTO too, when the pipeline reads files): a shard(2, worker) before
+    # the reader's input, so of 4 sorted files worker 0 reads part-0 and part-2, worker 1
+    # part-1 and part-3; each worker's batches of 4 are then cut into 4 / 2 replicas
+    data = _part_files(tmp_path / "data", 4)
+    codes, results, logs = run_workers(tmp_path, mode, 2, env={"SCENARIO_FILES": str(data)})
+    _ok(codes, logs)
+    for worker, files in ((0, (0, 2)), (1, (1, 3))):
+        want = [[[f"f{f}-{j}", f"f{f}-{j + 1}"]] for f in files for j in (0, 2)]
+        assert results[worker]["steps"] == want, worker
+
+
+def test_auto_shard_auto_with_fewer_files_than_workers_falls_back_to_data(tmp_path):
+    # one file, 2 workers: AUTO shards by DATA (each worker its slice of every global batch)
+    data = _part_files(tmp_path / "data", 1, lines=8)
+    env = {"SCENARIO_FILES": str(data)}
+    codes, results, logs = run_workers(tmp_path, "shard_file_auto", 2, env=env)
+    _ok(codes, logs)
+    assert results[0]["steps"] == [[["f0-0", "f0-1"]], [["f0-4", "f0-5"]]]
+    assert results[1]["steps"] == [[["f0-2", "f0-3"]], [["f0-6", "f0-7"]]]
+
+
+def test_auto_shard_file_with_fewer_files_than_workers_is_a_typed_error(tmp_path):
+    from psflow.data.files import shard_by_files
+
+    data = _part_files(tmp_path / "data", 1)
+    names = pf.data.Dataset.list_files(str(data / "*.txt"))
+    dataset = names.interleave(pf.data.TextLineDataset, cycle_length=1)
+    with pytest.raises(pf.errors.InvalidArgumentError, match="1 input files for 2 workers"):
+        shard_by_files(dataset, 2, 0)
+    reader = pf.data.TextLineDataset([str(data / "part-0.txt")])
+    with pytest.raises(pf.errors.InvalidArgumentError, match="1 input files for 3 workers"):
+        shard_by_files(reader.batch(2), 3, 1)
+
+
+def test_file_shards_of_unseeded_shuffled_names_are_disjoint(tmp_path):
+    # every worker shuffles its names with its own entropy: the cut is below the shuffle
+    from psflow.data.files import shard_by_files
+
+    data = _part_files(tmp_path / "data", 5, lines=1)
+    dataset = pf.data.Dataset.list_files(str(data / "*.txt")).flat_map(pf.data.TextLineDataset)
+    shards = [sorted(x.numpy() for x in shard_by_files(dataset, 2, w)) for w in range(2)]
+    assert shards == [["f0-0", "f2-0", "f4-0"], ["f1-0", "f3-0"]]
+
+
+def test_file_shards_equal_tensorflows_auto_shard(tmp_path):
+    # the reference: TensorFlow's own auto-shard rewrite of the same pipeline, per worker
+    tf = pytest.importorskip("tensorflow")
+    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
+
+    from psflow.data.files import shard_by_files
+
+    data = _part_files(tmp_path / "data", 5, lines=3)
+    pattern = str(data / "part-*.txt")
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    for workers in (2, 3):
+        for shuffle in (False, True):  # unseeded: TF cuts below the shuffle too
+            ours = pf.data.Dataset.list_files(pattern, shuffle=shuffle)
+            ours = ours.interleave(pf.data.TextLineDataset, cycle_length=1)
+            theirs = tf.data.Dataset.list_files(pattern, shuffle=shuffle)
+            theirs = theirs.interleave(tf.data.TextLineDataset, cycle_length=1)
+            for w in range(workers):
+                got = [x.numpy() for x in shard_by_files(ours, workers, w)]
+                want = [
+                    x.decode()
+                    for x in _AutoShardDataset(
+                        theirs.with_options(options), workers, w
+                    ).as_numpy_iterator()
+                ]
+                assert (sorted(got) if shuffle else got) == (sorted(want) if shuffle else want)
 
 
 def test_auto_shard_file_raises_not_found_as_tensorflow(monkeypatch):

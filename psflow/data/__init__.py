@@ -10,6 +10,7 @@ Example:
 
 from psflow.data import experimental
 from psflow.data.dataset import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset
+from psflow.data.files import TextLineDataset
 from psflow.data.iterator import Iterator
 from psflow.data.options import Options, ThreadingOptions
 from psflow.data.structure import TensorSpec
@@ -22,6 +23,7 @@ __all__ = [
     "Iterator",
     "Options",
     "TensorSpec",
+    "TextLineDataset",
     "ThreadingOptions",
     "experimental",
 ]

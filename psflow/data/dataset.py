@@ -222,6 +222,22 @@ class Dataset:
         return TensorSliceDataset(tensors)
 
     @staticmethod
+    def list_files(
+        file_pattern: Any, shuffle: bool | None = None, seed: Any = None, name: str | None = None
+    ) -> Dataset:
+        """The names of the files matching ``file_pattern`` (a glob, or a list of them).
+
+        Sorted, then shuffled unless ``shuffle`` is False; ``seed`` makes the
+        shuffle repeatable.
+
+        Raises:
+            InvalidArgumentError: no file matches (the message names the pattern).
+        """
+        from psflow.data.files import list_files
+
+        return list_files(file_pattern, shuffle, seed)
+
+    @staticmethod
     def from_tensors(tensors: Any, name: str | None = None) -> Dataset:
         """A dataset of one element, ``tensors``.
 
@@ -456,6 +472,44 @@ class Dataset:
         from psflow.data.mapping import FlatMapDataset
 
         return FlatMapDataset(self, map_func)
+
+    def interleave(
+        self,
+        map_func: Callable[..., Any],
+        cycle_length: Any = None,
+        block_length: Any = None,
+        num_parallel_calls: Any = None,
+        deterministic: Any = None,
+        name: str | None = None,
+    ) -> Dataset:
+        """Maps each element to a dataset and interleaves them: ``cycle_length`` at a
+        time, ``block_length`` consecutive elements from each in turn.
+
+        ``cycle_length`` None or AUTOTUNE is the number of CPU cores (as in
+        TensorFlow, so the order then depends on the machine); ``block_length``
+        defaults to 1. The order is TensorFlow's; ``num_parallel_calls`` and
+        ``deterministic`` are accepted and the datasets are read in turn.
+
+        Raises:
+            InvalidArgumentError: a length that is not a positive integer.
+
+        Example:
+            >>> import psflow as pf
+            >>> ds = pf.data.Dataset.range(1, 4).interleave(
+            ...     lambda x: pf.data.Dataset.from_tensors(x).repeat(3), cycle_length=2,
+            ...     block_length=2)
+            >>> [int(x) for x in ds]
+            [1, 1, 2, 2, 1, 2, 3, 3, 3]
+        """
+        import os
+
+        from psflow.data.mapping import InterleaveDataset
+
+        cycle = int_arg(cycle_length, "cycle_length") if cycle_length is not None else AUTOTUNE
+        if cycle == AUTOTUNE:
+            cycle = os.cpu_count() or 1
+        block = 1 if block_length is None else int_arg(block_length, "block_length")
+        return InterleaveDataset(self, map_func, cycle, block)
 
     def filter(self, predicate: Callable[..., Any], name: str | None = None) -> Dataset:
         """Keeps the elements for which ``predicate`` returns a true scalar bool.

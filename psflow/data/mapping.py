@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from psflow import backend, errors
+from psflow import backend, dtypes, errors
 from psflow.data import structure
 from psflow.data.dataset import AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, int_arg
 from psflow.data.structure import TensorSpec
@@ -52,7 +52,8 @@ def _dummy_element(spec: Any, fill: int) -> Any:
 
     def placeholder(s: TensorSpec) -> Tensor:
         dims = () if s._dims is None else tuple(fill if d is None else d for d in s._dims)
-        return Tensor._wrap(np.full(dims, fill, dtype=s.dtype.np))
+        value = "" if s.dtype == dtypes.string else fill  # a string is never a number
+        return Tensor._wrap(np.full(dims, value, dtype=s.dtype.np))
 
     return structure.map_structure(placeholder, spec)
 
@@ -227,19 +228,24 @@ class FlatMapDataset(Dataset):
         self._fn = map_func
         self._observed: Any = None
 
+    _what = "flat_map"
+
     def _call(self, element: Any) -> Dataset:
         ds = call_on_host(self._fn, element)
         if not isinstance(ds, Dataset):
-            raise TypeError(f"flat_map: map_func must return a Dataset, got {ds!r}")
+            raise TypeError(f"{self._what}: map_func must return a Dataset, got {ds!r}")
         return ds
+
+    def _made_for_spec(self) -> Dataset:
+        """The dataset the function returns for a placeholder element."""
+        with np.errstate(all="ignore"):
+            return self._call(_dummy_element(self._inputs[0].element_spec, 1))
 
     @property
     def element_spec(self) -> Any:
         """The spec of the datasets the function returns (one placeholder call)."""
         if self._spec_cache is None:
-            in_spec = self._inputs[0].element_spec
-            with np.errstate(all="ignore"):
-                self._spec_cache = self._call(_dummy_element(in_spec, 1)).element_spec
+            self._spec_cache = self._made_for_spec().element_spec
         return self._spec_cache
 
     def _template(self) -> Any:
@@ -258,6 +264,66 @@ class FlatMapDataset(Dataset):
                 if self._observed is None:
                     self._observed = ds._template()
                 yield from ds._iter_flat()
+
+        return gen()
+
+
+class InterleaveDataset(FlatMapDataset):
+    """``Dataset.interleave``: ``cycle_length`` of the mapped datasets at once, taking
+    ``block_length`` elements from each in turn (TensorFlow's order).
+
+    A dataset that ends leaves its place in the cycle empty until the cycle
+    comes back to it, when the next input element's dataset takes it.
+    """
+
+    _what = "interleave"
+
+    def __init__(
+        self,
+        input_dataset: Dataset,
+        map_func: Callable[..., Any],
+        cycle_length: int,
+        block_length: int,
+    ) -> None:
+        super().__init__(input_dataset, map_func)
+        for name, value in (("cycle_length", cycle_length), ("block_length", block_length)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise errors.InvalidArgumentError(
+                    f"interleave: {name} must be a positive integer, got {value!r}"
+                )
+        self._cycle, self._block = int(cycle_length), int(block_length)
+
+    def _iter_elements(self) -> Iterator[tuple[Any, ...]]:
+        inp = self._inputs[0]
+        src = inp._iter_flat()
+
+        def gen() -> Iterator[tuple[Any, ...]]:
+            slots: list[Iterator[tuple[Any, ...]] | None] = [None] * self._cycle
+            exhausted = False
+            while True:
+                active = False
+                for k in range(self._cycle):
+                    if slots[k] is None and not exhausted:
+                        flat = next(src, None)
+                        if flat is None:
+                            exhausted = True
+                        else:
+                            ds = self._call(inp._pack_tensors(flat))
+                            if self._observed is None:
+                                self._observed = ds._template()
+                            slots[k] = ds._iter_flat()
+                    it = slots[k]
+                    if it is None:
+                        continue
+                    active = True
+                    for _ in range(self._block):
+                        element = next(it, None)
+                        if element is None:
+                            slots[k] = None
+                            break
+                        yield element
+                if not active and exhausted:
+                    return
 
         return gen()
 

@@ -9,8 +9,9 @@ worker ``w``'s local replica ``i``.  The dataset's
 ``options().experimental_distribute.auto_shard_policy`` says what each
 worker reads (TensorFlow's policies):
 
-* ``AUTO``: ``FILE`` when the pipeline reads files, else ``DATA``; psflow's
-  sources are in memory, so ``DATA``;
+* ``AUTO``: ``FILE`` when the pipeline reads files (a ``TextLineDataset``,
+  or one made per element by ``flat_map`` / ``interleave``) and has at least
+  as many as there are workers, else ``DATA``;
 * ``DATA``: every worker reads the whole dataset and keeps its replicas'
   slices of each global batch, so step ``k`` of the ``N`` replicas covers
   global batch ``k`` exactly, as one process training on it;
@@ -18,7 +19,11 @@ worker reads (TensorFlow's policies):
   batches are still cut into ``N`` per-replica pieces, and each worker's
   replicas take the next ``L`` pieces in turn, so every worker sees the whole
   dataset (``W`` times as many steps per epoch);
-* ``FILE``: ``NotFoundError``, as TensorFlow when no file reader is found;
+* ``FILE``: each worker reads every ``W``-th file (worker ``w``: files
+  ``w, w + W, ...`` of each reader's list, :func:`psflow.data.files.shard_by_files`),
+  and its batches are cut into ``N`` per-replica pieces taken ``L`` at a time,
+  as with ``HINT``; ``NotFoundError`` when the pipeline reads no files, and
+  ``InvalidArgumentError`` with fewer files than workers (as TensorFlow);
 * ``HINT``: every ``shard(SHARD_HINT, SHARD_HINT)`` in the pipeline becomes
   ``shard(num_workers, worker_index)`` (none: no sharding); each worker's
   batches are then cut into ``N`` per-replica pieces taken ``L`` at a time,
@@ -32,6 +37,7 @@ feeds empty batches until the others are done, never a hang.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +45,7 @@ import numpy as np
 
 from psflow import backend, errors
 from psflow.collective.cross_host import CrossHostRing
+from psflow.data import files
 from psflow.data.dataset import Dataset
 from psflow.data.options import AutoShardPolicy
 from psflow.data.ordering import replace_shard_hints
@@ -50,9 +57,12 @@ from psflow.util import nest
 
 __all__ = ["MultiWorkerDataset", "MultiWorkerDatasetsFromFunction", "shard_policy"]
 
+log = logging.getLogger(__name__)
 
-def shard_policy(dataset: Any) -> AutoShardPolicy:
-    """The policy ``dataset`` asks for, resolved (AUTO is DATA: no psflow source reads files).
+
+def shard_policy(dataset: Any, num_workers: int = 1) -> AutoShardPolicy:
+    """The policy ``dataset`` asks for, resolved: AUTO is FILE when the pipeline reads
+    at least ``num_workers`` files, else DATA.
 
     Raises:
         NotFoundError: FILE, and the pipeline reads no files (as TensorFlow).
@@ -61,12 +71,18 @@ def shard_policy(dataset: Any) -> AutoShardPolicy:
     if isinstance(dataset, Dataset):
         policy = AutoShardPolicy(dataset.options().experimental_distribute.auto_shard_policy)
     if policy is AutoShardPolicy.AUTO:
+        if isinstance(dataset, Dataset) and files.reads_files(dataset):
+            try:
+                files.shard_by_files(dataset, num_workers, 0)
+            except errors.InvalidArgumentError as e:  # fewer files than workers
+                log.info("auto-sharding by DATA: %s", e)
+                return AutoShardPolicy.DATA
+            return AutoShardPolicy.FILE
         return AutoShardPolicy.DATA
-    if policy is AutoShardPolicy.FILE:
-        raise errors.NotFoundError(
-            "auto_shard_policy FILE: the dataset reads no files to shard by worker; "
-            "use AutoShardPolicy.DATA or OFF"
-        )
+    if policy is AutoShardPolicy.FILE and not (
+        isinstance(dataset, Dataset) and files.reads_files(dataset)
+    ):
+        files.shard_by_files(dataset, num_workers, 0)  # raises the typed error
     return policy
 
 
@@ -178,14 +194,27 @@ class MultiWorkerDataset:
         self._num_workers = num_workers
         self._worker = worker
         self._ring = ring
-        self._policy = shard_policy(dataset if policy_of is None else policy_of)
+        self._policy = shard_policy(dataset if policy_of is None else policy_of, num_workers)
         self.global_batch_size: int | None = None
 
-    def _local_steps(self) -> Callable[[], list[Any] | None]:
-        dataset = self._dataset
-        if self._policy is AutoShardPolicy.HINT and isinstance(dataset, Dataset):
+    def _worker_part(self) -> Any:
+        """What this worker iterates: the dataset, with its shard hints made this
+        worker's (HINT) or its files cut to this worker's (FILE)."""
+        source = self._dataset
+        dataset = source if isinstance(source, Dataset) else getattr(source, "dataset", None)
+        if not isinstance(dataset, Dataset):
+            return source
+        if self._policy is AutoShardPolicy.HINT:
             dataset, _ = replace_shard_hints(dataset, self._num_workers, self._worker)
-        it = iter(dataset)
+        elif self._policy is AutoShardPolicy.FILE:
+            dataset = files.shard_by_files(dataset, self._num_workers, self._worker)
+        else:
+            return source
+        rebuild = None if isinstance(source, Dataset) else getattr(source, "with_dataset", None)
+        return dataset if rebuild is None else rebuild(dataset)  # Keras's batches of a dataset
+
+    def _local_steps(self) -> Callable[[], list[Any] | None]:
+        it = iter(self._worker_part())
         n_local = len(self._devices)
         n = n_local * self._num_workers
         if self._policy is AutoShardPolicy.DATA:
@@ -201,7 +230,7 @@ class MultiWorkerDataset:
 
             return step
 
-        pieces: list[Any] = []  # OFF, HINT: the stream of per-replica pieces, taken L at a time
+        pieces: list[Any] = []  # OFF, HINT, FILE: per-replica pieces, taken L at a time
 
         def step_off() -> list[Any] | None:
             while len(pieces) < n_local:

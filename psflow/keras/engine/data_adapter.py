@@ -259,6 +259,10 @@ class DatasetBatches:
             self._persistent = iter(self.dataset)
         return self._persistent
 
+    def with_dataset(self, dataset: Any) -> DatasetBatches:
+        """The same batches of another dataset (a worker's shard of this one)."""
+        return DatasetBatches(dataset, self._steps)
+
     def peek(self) -> Any:
         """The first element of a fresh pass."""
         if isinstance(self.dataset, _Reiterable):
