@@ -143,6 +143,44 @@ def test_ps_counters_and_rates_match_the_pushes_made(start_cluster):
     client.close()
 
 
+def test_table_rows_by_tier_and_hit_rate_match_the_tables_stats(start_ps, tmp_path):
+    from psflow.ps.dynamic_table import TableConfig
+    from psflow.transport.embedding_client import EmbeddingClient
+
+    ps = start_ps("--table-memory-rows", "16", "--table-dir", str(tmp_path / "tier"))
+    with EmbeddingClient([ps.address], timeout=30) as tables:
+        tables.create_table(TableConfig("users", dim=4))
+        for start in range(0, 200, 50):  # 200 rows against a budget of 16: most go to disk
+            tables.lookup("users", np.arange(start, start + 50, dtype=np.int64))
+        tables.lookup("users", np.arange(0, 50, dtype=np.int64))  # back from disk
+        with start_dashboard({"ps": [ps.address]}, port=0, interval=0.2) as dash:
+            doc = wait_for(dash.url, lambda d: d["ps"][0]["tables"] != [])
+            reference = tables.stats()[0]["users"]  # the same RPC, asked directly
+        shown = doc["ps"][0]["tables"][0]
+        assert shown["table"] == "users" and shown["rows"] == reference.rows == 200
+        assert shown["disk_rows"] == reference.disk_rows > 0
+        # the last lookup's rows wait in memory for its push (over the budget until then)
+        assert shown["memory_rows"] == reference.memory_rows
+        assert shown["memory_rows"] + shown["disk_rows"] == 200
+        assert shown["hit_rate"] == pytest.approx(reference.hit_rate) and shown["hit_rate"] < 1
+        assert shown["disk_bytes_read"] == reference.disk_bytes_read > 0
+
+
+def test_a_table_without_a_tier_shows_every_row_in_memory(start_ps):
+    from psflow.ps.dynamic_table import TableConfig
+    from psflow.transport.embedding_client import EmbeddingClient
+
+    ps = start_ps()
+    with EmbeddingClient([ps.address], timeout=30) as tables:
+        tables.create_table(TableConfig("items", dim=2))
+        tables.lookup("items", np.arange(10, dtype=np.int64))
+        with start_dashboard({"ps": [ps.address]}, port=0, interval=0.2) as dash:
+            doc = wait_for(dash.url, lambda d: d["ps"][0]["tables"] != [])
+    shown = doc["ps"][0]["tables"][0]
+    assert (shown["rows"], shown["memory_rows"], shown["disk_rows"]) == (10, 10, 0)
+    assert shown["hit_rate"] == 1.0 and shown["disk_bytes"] == 0
+
+
 def test_fit_progress_is_what_history_recorded():
     import psflow as pf
 

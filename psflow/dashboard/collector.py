@@ -101,6 +101,20 @@ def _rates(before: Mapping[str, Any], after: Mapping[str, Any], dt: float) -> di
     return out
 
 
+def _table_json(t: Mapping[str, Any]) -> dict[str, Any]:
+    """One table shard of a PS task: rows by tier, hit rate, disk bytes."""
+    hits = t["memory_hits"] + t["disk_hits"]
+    tiered = t["memory_rows"] or t["disk_rows"]
+    return {
+        "table": t["table"],
+        "rows": t["rows"],
+        "memory_rows": t["memory_rows"] if tiered else t["rows"],  # no tier: all in memory
+        "disk_rows": t["disk_rows"],
+        "hit_rate": 1.0 if hits == 0 else t["memory_hits"] / hits,
+        **{k: t[k] for k in ("disk_bytes_read", "disk_bytes_written", "disk_bytes")},
+    }
+
+
 class ClusterMonitor:
     """Probes the cluster every ``interval`` seconds from a daemon thread; :meth:`snapshot` reads.
 
@@ -312,6 +326,7 @@ class ClusterMonitor:
             ],
             "max_staleness": int(v.get("max_staleness", 0)),
             **{rate: task.rates.get(rate) for rate in _RATES},
+            "tables": [_table_json(t) for t in v.get("tables", [])],
         }
 
     def _worker_json(self, task: _Task, now: float) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """One round of questions to every task: ``GetStats`` to each PS, ``GetStatus`` to each worker.
 
+Each PS is also asked ``GetTableStats``: its dynamic tables' rows in memory
+and on disk, hit counts and disk bytes (``values["tables"]``; a PS whose
+tables do not answer in time still answers for its variables, with no tables).
+
 Every call has a short deadline and no retries: a task that does not answer
 within it is reported as unreachable for this round (the collector decides
 when that means lost).  The calls of one round run concurrently, so a round
@@ -23,7 +27,7 @@ from typing import Any
 import grpc
 
 from psflow.errors import InvalidArgumentError, OpError
-from psflow.proto import worker_pb2, worker_pb2_grpc
+from psflow.proto import embedding_pb2, embedding_pb2_grpc, worker_pb2, worker_pb2_grpc
 from psflow.security.config import SecurityConfig, default_security
 from psflow.security.grpc_auth import open_channel
 from psflow.transport.client import PSClient, RetryPolicy
@@ -92,6 +96,38 @@ class _WorkerStatus:
         self._channel.close()
 
 
+class _TableStats:
+    """A ``GetTableStats`` caller for one PS (its own channel, the cluster's credentials)."""
+
+    FIELDS = (
+        "rows",
+        "memory_rows",
+        "disk_rows",
+        "memory_hits",
+        "disk_hits",
+        "disk_bytes_read",
+        "disk_bytes_written",
+        "disk_bytes",
+    )
+
+    def __init__(self, address: str, security: SecurityConfig) -> None:
+        self._channel = open_channel(address, security)
+        self._stub = embedding_pb2_grpc.EmbeddingServiceStub(self._channel)
+        self._metadata = security.call_metadata() or None
+
+    def __call__(self, timeout: float) -> list[dict[str, Any]]:
+        reply = self._stub.GetTableStats(
+            embedding_pb2.GetTableStatsRequest(), timeout=timeout, metadata=self._metadata
+        )
+        return [
+            {"table": t.table, **{f: int(getattr(t, f)) for f in self.FIELDS}}
+            for t in sorted(reply.tables, key=lambda t: t.table)
+        ]
+
+    def close(self) -> None:
+        self._channel.close()
+
+
 class ClusterProbe:
     """Asks every PS and worker of ``cluster`` how it is, concurrently, with deadlines.
 
@@ -121,6 +157,7 @@ class ClusterProbe:
         self.worker_addresses = _addresses(cluster, WORKER)
         self._ps = [self._ps_client(i, a) for i, a in enumerate(self.ps_addresses)]
         self._workers = [_WorkerStatus(a, security) for a in self.worker_addresses]
+        self._tables: dict[str, _TableStats] = {}  # by address, made on first use
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=MAX_THREADS, thread_name_prefix="dashboard-probe"
         )
@@ -158,6 +195,8 @@ class ClusterProbe:
         for client, keep in zip(self._ps, kept):
             if keep is None:
                 client.close()
+        for address in [a for a in self._tables if a not in addresses]:
+            self._tables.pop(address).close()
         self.ps_addresses, self._ps = addresses, clients
 
     def _ask_ps(self, index: int) -> TaskAnswer:
@@ -166,6 +205,13 @@ class ClusterProbe:
             values = self._ps[index].stats(timeout=self.timeout)
         except OpError as e:
             return TaskAnswer(PS, index, address, time.time(), error=f"{e.code.name}: {e.message}")
+        tables = self._tables.get(address)
+        if tables is None:
+            tables = self._tables[address] = _TableStats(address, self._security)
+        try:
+            values = {**values, "tables": tables(self.timeout)}
+        except grpc.RpcError:  # the variables answered: the tables are a detail of this round
+            values = {**values, "tables": []}
         return TaskAnswer(PS, index, address, time.time(), values=values)
 
     def _ask_worker(self, index: int) -> TaskAnswer:
@@ -191,3 +237,5 @@ class ClusterProbe:
             client.close()
         for worker in self._workers:
             worker.close()
+        for tables in self._tables.values():
+            tables.close()

@@ -71,6 +71,28 @@ function renderWorkers(workers) {
   }));
 }
 
+// Every PS task's dynamic table shards: rows by tier, hit rate, disk traffic.
+function renderTables(ps) {
+  const rows = ps.flatMap((p) => (p.tables || []).map((t) => [p.task, t]));
+  document.getElementById("tables-section").hidden = rows.length === 0;
+  const body = document.querySelector("#tables-table tbody");
+  body.replaceChildren(...rows.map(([task, t]) => {
+    const tr = document.createElement("tr");
+    tr.setAttribute("data-task", task);
+    tr.setAttribute("data-table", t.table);
+    cell(tr, task);
+    cell(tr, t.table);
+    cell(tr, fmtNum(t.rows), "num");
+    cell(tr, fmtNum(t.memory_rows), "num");
+    cell(tr, fmtNum(t.disk_rows), "num");
+    cell(tr, `${(100 * t.hit_rate).toFixed(1)}%`, "num");
+    cell(tr, fmtBytes(t.disk_bytes_read), "num");
+    cell(tr, fmtBytes(t.disk_bytes_written), "num");
+    cell(tr, fmtBytes(t.disk_bytes), "num");
+    return tr;
+  }));
+}
+
 // A multi-worker group's generation and members (absent in a PS job's document).
 function renderMembership(m) {
   const box = document.getElementById("membership");
@@ -208,6 +230,7 @@ function render(doc) {
   renderWorkers(doc.workers);
   renderMembership(doc.membership);
   renderPS(doc.ps);
+  renderTables(doc.ps);
   renderEvents(doc.events, doc);
   const lost = doc.workers.filter((w) => w.state === "lost").length +
                doc.ps.filter((p) => p.state === "lost").length;
