@@ -84,7 +84,12 @@ _RUN_ID_BYTES = 16
 
 @dataclasses.dataclass(frozen=True)
 class TableGradient:
-    """One table's gradient of one ``apply_gradients``: unique ids, their summed rows."""
+    """One table's gradient of one ``apply_gradients``: every replica's rows, as gathered.
+
+    ``ids`` and ``rows`` are the gathered rows (an id may repeat: once per
+    replica that touched it); :meth:`part` sums them per id for the PS tasks
+    of one part only, so a worker sums the rows it pushes and no others.
+    """
 
     table: str
     apply_index: int
@@ -92,6 +97,25 @@ class TableGradient:
     ids: np.ndarray
     rows: np.ndarray
     client: Any
+    # part count -> each gathered row's part (the PS task's index modulo the parts)
+    _owners: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def part(self, part: int, parts: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(unique ids, their summed rows)`` held by the PS tasks ``t`` with ``t % parts == part``.
+
+        An id's rows all fall in one part, in their gathered order, so its sum
+        is the same, bit for bit, as over every part at once.
+        """
+        ids, rows = self.ids, self.rows
+        if parts > 1:
+            owner = self._owners.get(parts)
+            if owner is None:
+                owner = self._owners[parts] = shard_of(ids, self.client.num_shards) % parts
+            where = np.flatnonzero(owner == part)
+            ids, rows = ids[where], rows[where]
+        unique, inverse = unique_ids(ids)
+        summed = rows if unique is ids else sum_rows(rows, inverse, unique.size)
+        return unique, np.ascontiguousarray(summed)
 
 
 @dataclasses.dataclass
@@ -159,7 +183,7 @@ class HybridTables:
 
     # -- a step's gradient -------------------------------------------------------------
     def gradients(self, optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[TableGradient]:
-        """Each table's step gradient (every replica's rows, gathered), summed per id.
+        """Each table's step gradient (every replica's rows, gathered).
 
         Raises:
             InvalidArgumentError: a dense gradient for a table.
@@ -176,17 +200,9 @@ class HybridTables:
             ids = np.asarray(backend.to_numpy(grad._indices)).astype(np.int64).reshape(-1)
             values = np.asarray(backend.to_numpy(grad._values)).astype(handle.config.dtype)
             values = values.reshape(ids.size, handle.config.dim)
-            unique, inverse = unique_ids(ids)
-            rows = values if unique is ids else sum_rows(values, inverse, unique.size)
+            # summed per id later, per part (TableGradient.part): only the part pushed
             out.append(
-                TableGradient(
-                    handle.config.name,
-                    j,
-                    config,
-                    unique,
-                    np.ascontiguousarray(rows),
-                    handle.backend.client,
-                )
+                TableGradient(handle.config.name, j, config, ids, values, handle.backend.client)
             )
         return out
 
@@ -199,31 +215,25 @@ class HybridTables:
         Raises:
             UnavailableError / DeadlineExceededError: a PS task is gone (named).
         """
-        wanted = set(parts)
         finishes = []
         for g in step.gradients:
-            tasks = g.client.num_shards
-            if step.parts > 1:
-                owner = shard_of(g.ids, tasks) % step.parts
-                where = np.flatnonzero(np.isin(owner, list(wanted)))
-                ids, rows = g.ids[where], g.rows[where]
-            elif 0 in wanted:
-                ids, rows = g.ids, g.rows
-            else:
-                continue
-            if not ids.size:
-                continue
-            name = f"{self.run_id}/{g.table}/a{g.apply_index}"
+            for part in sorted(set(parts)):
+                if part >= step.parts:
+                    continue
+                ids, rows = g.part(part, step.parts)
+                if not ids.size:
+                    continue
+                name = f"{self.run_id}/{g.table}/a{g.apply_index}"
 
-            def request_id(ps: int, _name: str = name, _seq: int = step.step + 1) -> Any:
-                # the same for a step's push to task ``ps`` whoever sends it
-                return (f"{_name}/ps{ps}", _seq)
+                def request_id(ps: int, _name: str = name, _seq: int = step.step + 1) -> Any:
+                    # the same for a step's push to task ``ps`` whoever sends it
+                    return (f"{_name}/ps{ps}", _seq)
 
-            finishes.append(
-                g.client.start_push(
-                    g.table, ids, rows, optimizer=g.optimizer, request_ids=request_id
+                finishes.append(
+                    g.client.start_push(
+                        g.table, ids, rows, optimizer=g.optimizer, request_ids=request_id
+                    )
                 )
-            )
         for finish in finishes:
             finish()
 
