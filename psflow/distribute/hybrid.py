@@ -10,10 +10,10 @@ the PS itself.  A step's table gradients travel with the dense ones: the
 rows every replica touched are all-gathered over the ring (the sparse path
 of :class:`~psflow.distribute.multi_worker_mirrored_strategy.MultiWorkerReplicaContext`),
 so after the step's collective every worker holds the step's whole sparse
-gradient ``G``, summed per id.  The workers then share its push: worker
-``r`` of ``n`` sends the rows held by the PS tasks ``t`` with
-``t % n == r`` (as many workers as PS tasks: worker ``r`` talks to task
-``r`` only; fewer PS tasks than workers: some workers push nothing).
+gradient ``G`` (every replica's rows).  The workers then share its push:
+worker ``r`` of ``n`` sums per id, and sends, the rows held by the PS tasks
+``t`` with ``t % n == r`` (as many workers as PS tasks: worker ``r`` talks
+to task ``r`` only; fewer PS tasks than workers: some workers push nothing).
 
 Semantics.  Every PS task gets one push per table per step: the sum over
 every replica of its gradient rows, summed per id.  With each replica's
@@ -52,6 +52,12 @@ The PS applies an id once and answers a repeat with its first reply.
   committed by the barrier that ends the epoch: iterate the distributed
   dataset to its end (``fit`` does); a loop that stops early leaves its
   last step's table gradient unpushed.
+* A worker that joins a running elastic group (a restarted or an added one)
+  receives the run id with the group's state (the elastic hand-over's
+  ``extra`` values) and names its pushes as the others do.  It is admitted
+  at a barrier, after the members pushed the step that barrier committed;
+  from the next step on the parts are cut over the new group, and the
+  joiner pushes its own part once each step is committed, as any member.
 
 Example (a worker of a cluster with ``worker`` and ``ps`` tasks in ``TF_CONFIG``)::
 
@@ -167,6 +173,22 @@ class HybridTables:
         self._committed: SparseStep | None = None  # elastic: the last committed step
 
     # -- setup -------------------------------------------------------------------------
+    RUN_ID_KEY = "hybrid_run_id"  # the run id's key in the elastic state's extra values
+
+    def take_run_id(self, state: Any) -> None:
+        """A joiner: takes the group's run id, received with its state (a ``TrainingState``).
+
+        Raises:
+            InternalError: the state came without one.
+        """
+        run_id = state.received_extra.get(self.RUN_ID_KEY)
+        if not isinstance(run_id, str) or not run_id:
+            raise errors.InternalError(
+                f"hybrid mode: the group's state came without its run id "
+                f"({self.RUN_ID_KEY!r} in {sorted(state.received_extra)})"
+            )
+        self.run_id = run_id
+
     def agree_run_id(self, ring: Any) -> None:
         """Takes worker 0's run id (every worker must call it, once, at the start)."""
         if ring.size > 1:
