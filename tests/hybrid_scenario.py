@@ -10,7 +10,8 @@ TF_CONFIG (``worker`` and ``ps`` tasks) and PSFLOW_AUTH_TOKEN come from the test
              (the others' next collective fails: the step is redone), or once the group
              committed the step, before or after this worker pushed its part of the
              table gradient; a worker started again with the same TF_CONFIG joins the
-             running group
+             running group (``ALONE_SLEEP``: seconds a survivor alone waits after each
+             step, time for it to start)
   fit        the same model and data through Keras ``fit`` (no elastic, no fault)
   reference  one process (no strategy, the table in process) replaying the per-step
              global batches in ``SCHEDULE`` (a JSON file); ``REFERENCE_LOSS=mean``: the
@@ -177,6 +178,8 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             done += 1
             print(f"step {done} done", flush=True)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+            if strategy.num_replicas_in_sync == 1:  # a survivor alone: time for a joiner
+                time.sleep(float(os.environ.get("ALONE_SLEEP", "0")))
         epochs.append([steps[k] for k in sorted(steps)])
     if elastic:  # the last step is committed at the last epoch's end barrier (pushed there)
         assert strategy.hybrid._staged is None

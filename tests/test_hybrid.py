@@ -163,8 +163,8 @@ def test_a_restarted_worker_rejoins_an_elastic_hybrid_group_and_its_pushes_apply
     # two PS tasks: in the group of two the joiner (rank 1) pushes what task 1 holds
     ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
     cluster = _cluster([p.address for p in ps], 2)
-    # STEP_SLEEP: the survivor still trains when the restarted worker is up
-    env = {"ELASTIC": "1", "SCENARIO_TIMEOUT": "10", "STEP_SLEEP": "1.0"}
+    # ALONE_SLEEP: the survivor, alone, still trains when the restarted worker is up
+    env = {"ELASTIC": "1", "SCENARIO_TIMEOUT": "10", "ALONE_SLEEP": "1.0"}
     fault = {"FAULT": "forward", "FAULT_RANK": "1", "FAULT_STEP": "1"}
     first = [
         _start_worker(tmp_path, cluster, i, {**env, **fault}, "train", f"w{i}") for i in (0, 1)
