@@ -297,3 +297,25 @@ def test_a_table_gradient_without_aggregation_is_refused_naming_the_table(start_
     finally:
         strategy.hybrid.session.close()
         pf.distribute.ps.session.set_default(None)
+
+
+def test_a_joiner_whose_state_came_without_a_run_id_gets_a_typed_error(start_ps, monkeypatch):
+    from psflow.collective.cross_host import CrossHostRing
+    from psflow.distribute.elastic.state import TrainingState
+    from psflow.distribute.hybrid import HybridTables
+
+    monkeypatch.setenv("PSFLOW_AUTH_TOKEN", TOKEN)
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    tables = HybridTables([ps.address], "worker:1", timeout=5)
+    try:
+        state = TrainingState()  # a group that put no run id into its hand-over
+        state.broadcast(CrossHostRing(None), 0, pending=True)
+        with pytest.raises(pf.errors.InternalError, match=HybridTables.RUN_ID_KEY):
+            tables.take_run_id(state)
+        state.extra[HybridTables.RUN_ID_KEY] = "0123456789abcdef"
+        state.broadcast(CrossHostRing(None), 0, pending=True)  # the source's extra travels
+        tables.take_run_id(state)
+        assert tables.run_id == "0123456789abcdef"
+    finally:
+        tables.session.close()
+        pf.distribute.ps.session.set_default(None)
