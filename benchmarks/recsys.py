@@ -42,12 +42,25 @@ Hybrid mode (psflow only) on the same data, batches and cluster shape:
 ``MultiWorkerMirroredStrategy`` with 2 PS tasks in its cluster and 2 workers,
 the table on the PS tasks (each worker looks up its half of the batch and the
 workers share the push of each step's summed table gradient), the dense
-tower mirrored and all-reduced.  Two cases, each training as many examples
-as the async side (warm-up included): global batches of ``--batch`` (the
-single-process run's updates, half the async side's batch per worker step),
-and of ``2 * --batch`` (the async side's batch per worker step, half the
-updates).  Measured beside the async side: examples/s (worker 0's timed
-steps) and test AUC.
+tower mirrored and all-reduced.  Three cases, each training as many examples
+as the async side (warm-up included):
+
+- global batch ``--batch`` (256 per worker): the single-process run's
+  updates, half the async side's batch per worker step;
+- global batch ``2 * --batch``: the async side's batch per worker step kept
+  per replica, TensorFlow's default when workers are added (its
+  multi-worker tutorial scales the global batch with the workers), and the
+  fair match for throughput: each worker computes what an async worker
+  does per step; it makes half the updates, at the same learning rate;
+- the same with the learning rate doubled (0.1), the linear scaling rule a
+  user applies with a global batch twice as large (Goyal et al. 2017; the
+  elastic mode's ``global_batch_scale`` is that factor); printed as its own
+  case, nothing else tuned.
+
+Measured beside the async side: examples/s (worker 0's timed steps), test
+AUC, and CPU milliseconds per ``--batch`` examples of the workers and the PS
+tasks over the timed steps (each worker's own, the PS tasks' read from
+``/proc`` by worker 0; the async side's chief has no counterpart).
 
 Prints JSON lines (stdout) and a table (stderr); ``--quick`` is the same cases
 with fewer steps.  Format: shared/BENCHMARKS.md.
@@ -294,10 +307,14 @@ def run_psflow(
     }
 
 
-def hybrid_worker(path: str, global_batch: int, warmup: int, steps: int, out: str) -> None:
+def hybrid_worker(
+    path: str, global_batch: int, warmup: int, steps: int, out: str, lr: float = 0.05
+) -> None:
     """One worker of the hybrid side (``TF_CONFIG`` names it): MultiWorkerMirroredStrategy
-    with the table on the PS tasks, global batches of ``global_batch`` cut over the workers;
-    ``warmup`` untimed steps, then ``steps`` timed ones."""
+    with the table on the PS tasks, global batches of ``global_batch`` cut over the workers,
+    Adagrad at ``lr``; ``warmup`` untimed steps, then ``steps`` timed ones.  Its CPU seconds
+    over the timed steps, and worker 0's reading of the PS tasks' (``RECSYS_PS_PIDS``: same
+    host), go into ``out``."""
     import numpy as np
 
     import psflow as pf
@@ -308,7 +325,7 @@ def hybrid_worker(path: str, global_batch: int, warmup: int, steps: int, out: st
     strategy = pf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = psflow_model(pf, "ctr_hybrid")
-        optimizer = pf.keras.optimizers.Adagrad(0.05)
+        optimizer = pf.keras.optimizers.Adagrad(lr)
     ds = pf.data.Dataset.from_tensor_slices(((data["cat"], data["dense"]), data["y"]))
     iterator = iter(strategy.experimental_distribute_dataset(ds.batch(global_batch)))
 
@@ -324,16 +341,23 @@ def hybrid_worker(path: str, global_batch: int, warmup: int, steps: int, out: st
 
     for _ in range(warmup):
         strategy.run(replica_fn, args=next(iterator))
-    start = time.perf_counter()
+    ps_pids = [int(p) for p in os.environ.get("RECSYS_PS_PIDS", "").split(",") if p]
+    ps_cpu = sum(cpu_seconds(p) for p in ps_pids)
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         strategy.run(replica_fn, args=next(iterator))
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    ps_cpu = sum(cpu_seconds(p) for p in ps_pids) - ps_cpu
     test_x = (pf.constant(data["cat_test"]), pf.constant(data["dense_test"]))
     scores = model(test_x, training=False).numpy()
     with open(out, "w") as f:
         json.dump(
             {
                 "examples_per_s": steps * global_batch / elapsed,
+                "cpu_s": cpu,
+                "ps_cpu_s": ps_cpu,
+                "steps": steps,
+                "lr": lr,
                 "auc": ctr.roc_auc(data["y_test"], scores),
                 "examples": (warmup + steps) * global_batch,
                 "global_batch": global_batch,
@@ -342,10 +366,21 @@ def hybrid_worker(path: str, global_batch: int, warmup: int, steps: int, out: st
         )
 
 
-def run_hybrid(path: str, env: dict[str, str], global_batch: int, warmup: int, steps: int) -> dict:
-    """The hybrid side: 2 PS + 2 MultiWorkerMirroredStrategy workers, worker 0's figures."""
+def run_hybrid(
+    path: str,
+    env: dict[str, str],
+    global_batch: int,
+    warmup: int,
+    steps: int,
+    lr: float,
+    batch: int,
+) -> dict:
+    """The hybrid side: 2 PS + 2 MultiWorkerMirroredStrategy workers, worker 0's figures,
+    and the CPU milliseconds of each role (both workers, both PS tasks) per ``batch``
+    examples (the async side's step) over the timed steps."""
     with _cluster.Processes() as procs, tempfile.TemporaryDirectory() as tmp:
         ps = _cluster.psflow_cluster(procs, 2, 0, env)["ps"]
+        ps_pids = ",".join(str(proc.pid) for proc in procs.procs[:2])
         workers = [f"127.0.0.1:{p}" for p in _cluster.free_ports(2)]
         outs = [os.path.join(tmp, f"w{i}.json") for i in range(2)]
         started = []
@@ -354,16 +389,24 @@ def run_hybrid(path: str, env: dict[str, str], global_batch: int, warmup: int, s
             tf_config = {"cluster": {"worker": workers, "ps": ps}, "task": task}
             args = [sys.executable, os.path.abspath(__file__), "--hybrid-worker", out]
             args += ["--data", path, "--batch", str(global_batch)]
-            args += ["--warmup", str(warmup), "--steps", str(steps)]
-            proc, _ = procs.start(args, None, {**env, "TF_CONFIG": json.dumps(tf_config)})
+            args += ["--warmup", str(warmup), "--steps", str(steps), "--lr", str(lr)]
+            extra = {"TF_CONFIG": json.dumps(tf_config), "RECSYS_PS_PIDS": ps_pids}
+            proc, _ = procs.start(args, None, {**env, **extra})
             started.append(proc)
         deadline = time.monotonic() + 600
         for proc in started:
             code = proc.wait(max(1.0, deadline - time.monotonic()))
             if code != 0:
                 raise RuntimeError(f"a hybrid worker exited with {code}")
-        with open(outs[0]) as f:
-            return json.load(f)
+        results = []
+        for out in outs:
+            with open(out) as f:
+                results.append(json.load(f))
+        first = results[0]
+        per = 1000 / (steps * global_batch / batch)  # ms per ``batch`` examples
+        cpu = {"worker": per * sum(r["cpu_s"] for r in results), "ps": per * first["ps_cpu_s"]}
+        cpu["total"] = cpu["worker"] + cpu["ps"]
+        return {**first, "cpu_ms_per_batch": cpu}
 
 
 TF_CHIEF = """
@@ -565,10 +608,11 @@ def main() -> int:
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--lr", type=float, default=0.05, help=argparse.SUPPRESS)
     args = p.parse_args()
     batch = args.batch
     if args.hybrid_worker:
-        hybrid_worker(args.data, batch, args.warmup, args.steps, args.hybrid_worker)
+        hybrid_worker(args.data, batch, args.warmup, args.steps, args.hybrid_worker, args.lr)
         return 0
     steps = 30 if args.quick else 200
     rounds = 1 if args.quick else 3
@@ -613,10 +657,14 @@ def main() -> int:
         runs, tf_runs = [], []
         # equal examples to the async side's (warm-up included): the same global batch as
         # the single process (half the async per-worker batch), or the async per-worker batch
-        # (twice the global batch, half the steps)
+        # kept per replica (TensorFlow's default policy: twice the global batch, half the
+        # steps), at the same learning rate and at twice it (the linear scaling rule a user
+        # applies with the global batch: Goyal et al. 2017)
+        twice = (steps + 5) // 2 - 2
         hybrid_cases = [
-            ("hybrid", batch, 5, steps),
-            ("hybrid-2x", 2 * batch, 2, (steps + 5) // 2 - 2),
+            ("hybrid", batch, 5, steps, 0.05),
+            ("hybrid-2x", 2 * batch, 2, twice, 0.05),
+            ("hybrid-2x-lr2x", 2 * batch, 2, twice, 0.1),
         ]
         hybrid_runs: dict[str, list[dict]] = {name: [] for name, *_ in hybrid_cases}
         for r in range(rounds):  # A B A B: drift on the shared machine hits both sides
@@ -628,9 +676,13 @@ def main() -> int:
                     "worker": [proc.pid for proc in procs.procs[2:4]],
                 }
                 runs.append(run_psflow(data, cluster, pids, batch, steps))
-            for name, global_batch, warmup, timed in hybrid_cases:
-                progress(f"round {r + 1}/{rounds}: psflow hybrid, global batch {global_batch}")
-                hybrid_runs[name].append(run_hybrid(path, env, global_batch, warmup, timed))
+            for name, global_batch, warmup, timed, lr in hybrid_cases:
+                progress(
+                    f"round {r + 1}/{rounds}: psflow hybrid, global batch {global_batch}, lr {lr}"
+                )
+                hybrid_runs[name].append(
+                    run_hybrid(path, env, global_batch, warmup, timed, lr, batch)
+                )
             if has_tf:
                 progress(f"round {r + 1}/{rounds}: TensorFlow, 2 PS + 2 workers")
                 tf_out = run_tensorflow(args.tf_python, path, batch, steps)
@@ -643,6 +695,10 @@ def main() -> int:
             hybrid[name] = dict(results[-1])
             hybrid[name]["examples_per_s"] = statistics.median(r["examples_per_s"] for r in results)
             hybrid[name]["runs"] = [r["examples_per_s"] for r in results]
+            hybrid[name]["cpu_ms_per_batch"] = {
+                role: statistics.median(r["cpu_ms_per_batch"][role] for r in results)
+                for role in ("worker", "ps", "total")
+            }
         theirs = None
         if tf_runs:
             theirs = dict(tf_runs[-1])
@@ -687,9 +743,18 @@ def main() -> int:
             h["examples_per_s"],
             "examples/s",
             global_batch=h["global_batch"],
+            learning_rate=h["lr"],
             n=len(h["runs"]),
             runs=h["runs"],
             mode="MultiWorkerMirroredStrategy, 2 workers + 2 PS, table on the PS",
+        )
+        emit(
+            BENCH,
+            f"psflow-{name}",
+            f"cpu_ms_per_{batch}_examples",
+            h["cpu_ms_per_batch"]["total"],
+            "ms",
+            **{role: h["cpu_ms_per_batch"][role] for role in ("worker", "ps")},
         )
         emit(BENCH, f"psflow-{name}", "auc", h["auc"], "", examples=h["examples"])
         emit(
@@ -795,22 +860,34 @@ def main() -> int:
         ]
     table(["2 PS + 2 workers", "psflow", "TensorFlow", "ratio"], rows)
     table(
-        ["2 PS + 2 workers, equal examples", "examples/s", "x async", "test AUC", "examples"],
+        [
+            "2 PS + 2 workers, equal examples",
+            "examples/s",
+            "x async",
+            "test AUC",
+            "examples",
+            f"CPU ms/{batch} ex (workers+PS)",
+        ],
         [
             [
-                f"async PS (batch {batch} per worker step)",
+                f"async PS (batch {batch} per worker step, lr 0.05)",
                 round(ours["examples_per_s"]),
                 1.0,
                 round(ours["auc"], 4),
                 (steps + 5) * batch,
+                f"{ours_cpu['worker'] + ours_cpu['ps']:.1f} "
+                f"({ours_cpu['worker']:.1f}+{ours_cpu['ps']:.1f})",
             ],
             *[
                 [
-                    f"hybrid, sync global batch {h['global_batch']}",
+                    f"hybrid, sync global batch {h['global_batch']} "
+                    f"({h['global_batch'] // 2} per worker), lr {h['lr']}",
                     round(h["examples_per_s"]),
                     round(h["examples_per_s"] / ours["examples_per_s"], 2),
                     round(h["auc"], 4),
                     h["examples"],
+                    f"{h['cpu_ms_per_batch']['total']:.1f} ({h['cpu_ms_per_batch']['worker']:.1f}"
+                    f"+{h['cpu_ms_per_batch']['ps']:.1f})",
                 ]
                 for h in hybrid.values()
             ],

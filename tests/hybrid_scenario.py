@@ -9,7 +9,9 @@ TF_CONFIG (``worker`` and ``ps`` tasks) and PSFLOW_AUTH_TOKEN come from the test
              ``FAULT_RANK`` at step ``FAULT_STEP``: in its forward pass, after its update
              (the others' next collective fails: the step is redone), or once the group
              committed the step, before or after this worker pushed its part of the
-             table gradient
+             table gradient; a worker started again with the same TF_CONFIG joins the
+             running group (``ALONE_SLEEP``: seconds a survivor alone waits after each
+             step, time for it to start)
   fit        the same model and data through Keras ``fit`` (no elastic, no fault)
   reference  one process (no strategy, the table in process) replaying the per-step
              global batches in ``SCHEDULE`` (a JSON file); ``REFERENCE_LOSS=mean``: the
@@ -162,7 +164,8 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
     dist = strategy.experimental_distribute_dataset(dataset)
     epochs: list[list[list[int]]] = []
     done = 0
-    for _ in range(EPOCHS):
+    # a worker that joined a running group starts in the group's epoch
+    for _ in range(strategy.elastic.initial_epoch if elastic else 0, EPOCHS):
         steps: dict[int, list[int]] = {}
         for batch in dist:
             strategy.run(train_step, args=(batch,))
@@ -175,6 +178,8 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             done += 1
             print(f"step {done} done", flush=True)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+            if strategy.num_replicas_in_sync == 1:  # a survivor alone: time for a joiner
+                time.sleep(float(os.environ.get("ALONE_SLEEP", "0")))
         epochs.append([steps[k] for k in sorted(steps)])
     if elastic:  # the last step is committed at the last epoch's end barrier (pushed there)
         assert strategy.hybrid._staged is None
@@ -185,6 +190,7 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "rows": _rows(model),
         "replicas": strategy.num_replicas_in_sync,
         "changes": [c.as_logs() for c in strategy.elastic.changes] if elastic else [],
+        "run_id": strategy.hybrid.run_id,
     }
 
 

@@ -16,6 +16,9 @@ process that trains on the same per-step global batches:
   the survivor to finish, every example trained once per epoch, and the
   rows equal to the reference's: a part pushed twice, or lost, or from the
   dropped try, moves them by a whole Adam step;
+* a worker killed and started again joins the running elastic hybrid group:
+  it takes the group's run id with its state, trains with it, and the rows
+  equal the reference's over the same membership;
 * a PS that dies for good ends every worker with a typed error, not a hang.
 """
 
@@ -41,33 +44,38 @@ ATOL, RTOL = 1e-6, 1e-5
 SAMPLES = 48
 
 
+def _start_worker(
+    tmp: pathlib.Path, cluster: dict, i: int, env: dict[str, str], mode: str, name: str
+) -> tuple:
+    out, log = tmp / f"{name}.json", tmp / f"{name}.log"
+    extra = {
+        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+        "PSFLOW_AUTH_TOKEN": TOKEN,
+        "PSFLOW_NUM_CPU_DEVICES": "1",
+        "SCENARIO_SEED": str(1 + i),  # worker 0's initial values must win
+        **env,
+    }
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCENARIO), mode, str(out)],
+            env=child_env(extra),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    return proc, out, log
+
+
+def _cluster(ps: list[str], workers: int) -> dict:
+    return {"worker": [f"127.0.0.1:{pick_free_port()}" for _ in range(workers)], "ps": ps}
+
+
 def _start_workers(
     tmp: pathlib.Path, ps: list[str], workers: int, env: dict[str, str], mode: str = "train"
 ) -> tuple:
-    ports = [pick_free_port() for _ in range(workers)]
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports], "ps": ps}
-    procs, outs, logs = [], [], []
-    for i in range(workers):
-        out, log = tmp / f"w{i}.json", tmp / f"w{i}.log"
-        extra = {
-            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-            "PSFLOW_AUTH_TOKEN": TOKEN,
-            "PSFLOW_NUM_CPU_DEVICES": "1",
-            "SCENARIO_SEED": str(1 + i),  # worker 0's initial values must win
-            **env,
-        }
-        with open(log, "wb") as f:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(SCENARIO), mode, str(out)],
-                    env=child_env(extra),
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    cwd=ROOT,
-                )
-            )
-        outs.append(out)
-        logs.append(log)
+    cluster = _cluster(ps, workers)
+    started = [_start_worker(tmp, cluster, i, env, mode, f"w{i}") for i in range(workers)]
+    procs, outs, logs = (list(x) for x in zip(*started))
     return procs, outs, logs
 
 
@@ -147,6 +155,51 @@ def test_a_worker_killed_in_elastic_hybrid_mode_loses_no_table_update(tmp_path, 
     assert [c["reason"] for c in survivor["changes"]] == ["lost"]
     assert survivor["replicas"] == 1
     _check(tmp_path, [survivor], _logs(logs))
+
+
+def test_a_restarted_worker_rejoins_an_elastic_hybrid_group_and_its_pushes_apply_once(
+    tmp_path, start_ps
+):
+    # two PS tasks: in the group of two the joiner (rank 1) pushes what task 1 holds
+    ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
+    cluster = _cluster([p.address for p in ps], 2)
+    # ALONE_SLEEP: the survivor, alone, still trains when the restarted worker is up
+    env = {"ELASTIC": "1", "SCENARIO_TIMEOUT": "10", "ALONE_SLEEP": "1.0"}
+    fault = {"FAULT": "forward", "FAULT_RANK": "1", "FAULT_STEP": "1"}
+    first = [
+        _start_worker(tmp_path, cluster, i, {**env, **fault}, "train", f"w{i}") for i in (0, 1)
+    ]
+    procs, outs, logs = (list(x) for x in zip(*first))
+    again = None
+    try:
+        assert procs[1].wait(60) == -signal.SIGKILL, _logs(logs)
+        deadline = time.monotonic() + 60
+        while "generation 1: members [0]" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, _logs(logs)
+            time.sleep(0.1)
+        # worker 1 again in its slot (same TF_CONFIG), as a restarted pod, with its own
+        # initial values: the group's state must replace them
+        again = _start_worker(tmp_path, cluster, 1, {**env, "SCENARIO_SEED": "99"}, "train", "w1b")
+        codes = _finish([procs[0], again[0]], 120)
+    finally:
+        _finish([*procs, *([again[0]] if again else [])], 1)
+    text = _logs([*logs, again[2]])
+    assert codes == [0, 0], text
+    survivor, joiner = json.loads(outs[0].read_text()), json.loads(again[1].read_text())
+    assert [c["reason"] for c in survivor["changes"]] == ["lost", "joined"], text
+    assert [c["members"] for c in survivor["changes"]] == [[0], [0, 1]]
+    (joined,) = joiner["changes"]
+    assert joined["reason"] == "joined"
+    assert joined["resumed_step"] == survivor["changes"][1]["resumed_step"]
+    assert sum(len(e) for e in joiner["epochs"]) >= 1, text  # it trained with the group
+    assert survivor["replicas"] == joiner["replicas"] == 2
+    # its pushes carry the group's request ids (a re-push after a re-form is answered once)
+    assert joiner["run_id"] == survivor["run_id"]
+    # every example once per epoch; the rows equal one process on the same global batches
+    # (a part of the joiner's pushed twice or lost moves them by a whole Adam step)
+    _check(tmp_path, [survivor], text)
+    assert joiner["dense"] == survivor["dense"]
+    assert joiner["rows"] == survivor["rows"]
 
 
 def test_a_ps_that_dies_for_good_ends_every_worker_with_a_typed_error(tmp_path, start_ps):
@@ -243,4 +296,26 @@ def test_a_table_gradient_without_aggregation_is_refused_naming_the_table(start_
         np.testing.assert_allclose(table(ids, training=False), before - 2.0, rtol=1e-6)
     finally:
         strategy.hybrid.session.close()
+        pf.distribute.ps.session.set_default(None)
+
+
+def test_a_joiner_whose_state_came_without_a_run_id_gets_a_typed_error(start_ps, monkeypatch):
+    from psflow.collective.cross_host import CrossHostRing
+    from psflow.distribute.elastic.state import TrainingState
+    from psflow.distribute.hybrid import HybridTables
+
+    monkeypatch.setenv("PSFLOW_AUTH_TOKEN", TOKEN)
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    tables = HybridTables([ps.address], "worker:1", timeout=5)
+    try:
+        state = TrainingState()  # a group that put no run id into its hand-over
+        state.broadcast(CrossHostRing(None), 0, pending=True)
+        with pytest.raises(pf.errors.InternalError, match=HybridTables.RUN_ID_KEY):
+            tables.take_run_id(state)
+        state.extra[HybridTables.RUN_ID_KEY] = "0123456789abcdef"
+        state.broadcast(CrossHostRing(None), 0, pending=True)  # the source's extra travels
+        tables.take_run_id(state)
+        assert tables.run_id == "0123456789abcdef"
+    finally:
+        tables.session.close()
         pf.distribute.ps.session.set_default(None)

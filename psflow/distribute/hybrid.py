@@ -10,10 +10,10 @@ the PS itself.  A step's table gradients travel with the dense ones: the
 rows every replica touched are all-gathered over the ring (the sparse path
 of :class:`~psflow.distribute.multi_worker_mirrored_strategy.MultiWorkerReplicaContext`),
 so after the step's collective every worker holds the step's whole sparse
-gradient ``G``, summed per id.  The workers then share its push: worker
-``r`` of ``n`` sends the rows held by the PS tasks ``t`` with
-``t % n == r`` (as many workers as PS tasks: worker ``r`` talks to task
-``r`` only; fewer PS tasks than workers: some workers push nothing).
+gradient ``G`` (every replica's rows).  The workers then share its push:
+worker ``r`` of ``n`` sums per id, and sends, the rows held by the PS tasks
+``t`` with ``t % n == r`` (as many workers as PS tasks: worker ``r`` talks
+to task ``r`` only; fewer PS tasks than workers: some workers push nothing).
 
 Semantics.  Every PS task gets one push per table per step: the sum over
 every replica of its gradient rows, summed per id.  With each replica's
@@ -52,6 +52,12 @@ The PS applies an id once and answers a repeat with its first reply.
   committed by the barrier that ends the epoch: iterate the distributed
   dataset to its end (``fit`` does); a loop that stops early leaves its
   last step's table gradient unpushed.
+* A worker that joins a running elastic group (a restarted or an added one)
+  receives the run id with the group's state (the elastic hand-over's
+  ``extra`` values) and names its pushes as the others do.  It is admitted
+  at a barrier, after the members pushed the step that barrier committed;
+  from the next step on the parts are cut over the new group, and the
+  joiner pushes its own part once each step is committed, as any member.
 
 Example (a worker of a cluster with ``worker`` and ``ps`` tasks in ``TF_CONFIG``)::
 
@@ -84,7 +90,12 @@ _RUN_ID_BYTES = 16
 
 @dataclasses.dataclass(frozen=True)
 class TableGradient:
-    """One table's gradient of one ``apply_gradients``: unique ids, their summed rows."""
+    """One table's gradient of one ``apply_gradients``: every replica's rows, as gathered.
+
+    ``ids`` and ``rows`` are the gathered rows (an id may repeat: once per
+    replica that touched it); :meth:`part` sums them per id for the PS tasks
+    of one part only, so a worker sums the rows it pushes and no others.
+    """
 
     table: str
     apply_index: int
@@ -92,6 +103,25 @@ class TableGradient:
     ids: np.ndarray
     rows: np.ndarray
     client: Any
+    # part count -> each gathered row's part (the PS task's index modulo the parts)
+    _owners: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def part(self, part: int, parts: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(unique ids, their summed rows)`` held by the PS tasks ``t`` with ``t % parts == part``.
+
+        An id's rows all fall in one part, in their gathered order, so its sum
+        is the same, bit for bit, as over every part at once.
+        """
+        ids, rows = self.ids, self.rows
+        if parts > 1:
+            owner = self._owners.get(parts)
+            if owner is None:
+                owner = self._owners[parts] = shard_of(ids, self.client.num_shards) % parts
+            where = np.flatnonzero(owner == part)
+            ids, rows = ids[where], rows[where]
+        unique, inverse = unique_ids(ids)
+        summed = rows if unique is ids else sum_rows(rows, inverse, unique.size)
+        return unique, np.ascontiguousarray(summed)
 
 
 @dataclasses.dataclass
@@ -143,6 +173,22 @@ class HybridTables:
         self._committed: SparseStep | None = None  # elastic: the last committed step
 
     # -- setup -------------------------------------------------------------------------
+    RUN_ID_KEY = "hybrid_run_id"  # the run id's key in the elastic state's extra values
+
+    def take_run_id(self, state: Any) -> None:
+        """A joiner: takes the group's run id, received with its state (a ``TrainingState``).
+
+        Raises:
+            InternalError: the state came without one.
+        """
+        run_id = state.received_extra.get(self.RUN_ID_KEY)
+        if not isinstance(run_id, str) or not run_id:
+            raise errors.InternalError(
+                f"hybrid mode: the group's state came without its run id "
+                f"({self.RUN_ID_KEY!r} in {sorted(state.received_extra)})"
+            )
+        self.run_id = run_id
+
     def agree_run_id(self, ring: Any) -> None:
         """Takes worker 0's run id (every worker must call it, once, at the start)."""
         if ring.size > 1:
@@ -159,7 +205,7 @@ class HybridTables:
 
     # -- a step's gradient -------------------------------------------------------------
     def gradients(self, optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[TableGradient]:
-        """Each table's step gradient (every replica's rows, gathered), summed per id.
+        """Each table's step gradient (every replica's rows, gathered).
 
         Raises:
             InvalidArgumentError: a dense gradient for a table.
@@ -176,17 +222,9 @@ class HybridTables:
             ids = np.asarray(backend.to_numpy(grad._indices)).astype(np.int64).reshape(-1)
             values = np.asarray(backend.to_numpy(grad._values)).astype(handle.config.dtype)
             values = values.reshape(ids.size, handle.config.dim)
-            unique, inverse = unique_ids(ids)
-            rows = values if unique is ids else sum_rows(values, inverse, unique.size)
+            # summed per id later, per part (TableGradient.part): only the part pushed
             out.append(
-                TableGradient(
-                    handle.config.name,
-                    j,
-                    config,
-                    unique,
-                    np.ascontiguousarray(rows),
-                    handle.backend.client,
-                )
+                TableGradient(handle.config.name, j, config, ids, values, handle.backend.client)
             )
         return out
 
@@ -199,31 +237,25 @@ class HybridTables:
         Raises:
             UnavailableError / DeadlineExceededError: a PS task is gone (named).
         """
-        wanted = set(parts)
         finishes = []
         for g in step.gradients:
-            tasks = g.client.num_shards
-            if step.parts > 1:
-                owner = shard_of(g.ids, tasks) % step.parts
-                where = np.flatnonzero(np.isin(owner, list(wanted)))
-                ids, rows = g.ids[where], g.rows[where]
-            elif 0 in wanted:
-                ids, rows = g.ids, g.rows
-            else:
-                continue
-            if not ids.size:
-                continue
-            name = f"{self.run_id}/{g.table}/a{g.apply_index}"
+            for part in sorted(set(parts)):
+                if part >= step.parts:
+                    continue
+                ids, rows = g.part(part, step.parts)
+                if not ids.size:
+                    continue
+                name = f"{self.run_id}/{g.table}/a{g.apply_index}"
 
-            def request_id(ps: int, _name: str = name, _seq: int = step.step + 1) -> Any:
-                # the same for a step's push to task ``ps`` whoever sends it
-                return (f"{_name}/ps{ps}", _seq)
+                def request_id(ps: int, _name: str = name, _seq: int = step.step + 1) -> Any:
+                    # the same for a step's push to task ``ps`` whoever sends it
+                    return (f"{_name}/ps{ps}", _seq)
 
-            finishes.append(
-                g.client.start_push(
-                    g.table, ids, rows, optimizer=g.optimizer, request_ids=request_id
+                finishes.append(
+                    g.client.start_push(
+                        g.table, ids, rows, optimizer=g.optimizer, request_ids=request_id
+                    )
                 )
-            )
         for finish in finishes:
             finish()
 

@@ -416,12 +416,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
                 door = Door(group.addresses[group.rank], security, f"worker:{group.rank}")
                 running = running_view(door, group.addresses, group.rank)
-            if running is not None and group.ps_addresses:
-                door.close()  # type: ignore[union-attr]
-                raise errors.UnimplementedError(
-                    f"MultiWorkerMirroredStrategy: worker {group.rank} starts while its group "
-                    "trains; joining a running group in hybrid mode (ps tasks) is not supported"
-                )
             if running is not None:
                 pass  # a group of one until it is admitted (below)
             elif door is not None:
@@ -477,9 +471,14 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._hybrid = HybridTables(
                 group.ps_addresses, f"{group.task_type}:{group.task_id}", options.timeout
             )
-            self._hybrid.agree_run_id(self._ring)
+            if running is not None:  # a joiner: the group's run id came with its state
+                self._hybrid.take_run_id(self._elastic.state)
+            else:
+                self._hybrid.agree_run_id(self._ring)
             if self._elastic is not None:
                 self._elastic.hybrid = self._hybrid
+                # it travels with every state broadcast: a later joiner names its pushes alike
+                self._elastic.state.extra[HybridTables.RUN_ID_KEY] = self._hybrid.run_id
 
     @property
     def hybrid(self) -> Any:

@@ -15,6 +15,10 @@ A worker that joins a running group receives the state before its program
 has created its variables: the arrays wait (``pending``) and each variable,
 optimizer step and slot takes its value when it is created, in the order
 the program creates them (the same on every worker).
+
+Small JSON values travel with it too (:attr:`TrainingState.extra`, e.g. the
+hybrid mode's run id, which names every table push): a joiner reads the
+source's in :attr:`TrainingState.received_extra`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class TrainingState:
         self._pending_variables: list[np.ndarray] = []
         self._pending_optimizers: list[tuple[int, dict[int, dict[str, np.ndarray]]]] = []
         self._mirrored_seen = 0
+        # JSON values this worker hands over with its state; the last source's, received
+        self.extra: dict[str, Any] = {}
+        self.received_extra: dict[str, Any] = {}
 
     def track_variable(self, variable: Any) -> bool:
         """Records a variable created in scope; True when it took a received (pending) value."""
@@ -132,7 +139,8 @@ class TrainingState:
         """Every member gets ``root``'s mirrored variables and optimizer state (bit for bit).
 
         ``pending``: this worker (a joiner) has not created its variables yet; the
-        received arrays wait for them.
+        received arrays wait for them.  ``root``'s :attr:`extra` goes with them
+        (into every member's :attr:`received_extra`).
 
         Raises:
             InternalError: the members track different numbers of variables or optimizers.
@@ -143,6 +151,7 @@ class TrainingState:
         manifest: dict[str, Any] = {"variables": len(variables), "optimizers": []}
         arrays: list[np.ndarray] = []
         if ring.rank == root:
+            manifest["extra"] = self.extra
             arrays = [_host(v.values[0]._value) for v in variables]
             manifest["specs"] = [[str(a.dtype), list(a.shape)] for a in arrays]
             for opt in opts:
@@ -166,6 +175,7 @@ class TrainingState:
             [raw if ring.rank == root else np.empty(int(length[0]), np.uint8)], root
         )
         manifest = json.loads(bytes(raw))
+        self.received_extra = dict(manifest.get("extra", {}))
         if pending:
             arrays = [np.empty(shape, np.dtype(dt)) for dt, shape in manifest["specs"]]
             for entry in manifest["optimizers"]:
