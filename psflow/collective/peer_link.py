@@ -467,6 +467,31 @@ class PeerLinks:
                 )
         self.check()
 
+    def hung_up(self) -> str | None:
+        """The neighbour (named) whose end of a link has closed, looking without reading.
+
+        For waits outside the ring (an NCCL collective): a neighbour whose
+        process died has closed its sockets.  None where no link has closed, or
+        where the platform cannot tell without reading (no ``POLLRDHUP``).
+        """
+        rdhup = getattr(select, "POLLRDHUP", 0)
+        if not rdhup or not hasattr(select, "poll"):
+            return None
+        for stream, name in ((self._left, self.left_name), (self._right, self.right_name)):
+            if stream is None:
+                continue
+            try:
+                fd = stream.sock.fileno()
+                if fd < 0:
+                    return name
+                poller = select.poll()
+                poller.register(fd, rdhup | select.POLLHUP | select.POLLERR)
+                if poller.poll(0):
+                    return name
+            except (OSError, ValueError):
+                return name
+        return None
+
     def begin(self) -> None:
         """A collective starts: heartbeats tell the right neighbour this worker is in it."""
         self._heard = time.monotonic()
