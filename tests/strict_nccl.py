@@ -155,7 +155,7 @@ class _Root:
             conn.send(("error", *refusal))
             conn.close()
             return
-        if not self.ready.wait(INIT_SECONDS):
+        if not self.ready.wait(INIT_SECONDS + 1):
             return  # the joiner times out itself
         self._send(rank, ("ready",))
         while True:

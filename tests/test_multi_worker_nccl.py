@@ -66,22 +66,33 @@ def test_nccl_all_gather_and_mean_span_every_gpu_of_every_worker(tmp_path):
         assert r["reduce_sum"] == 6.0
 
 
-def test_a_peer_killed_inside_an_nccl_collective_is_named_within_the_deadline(tmp_path):
-    timeout = 6.0
+@pytest.mark.parametrize(
+    ("fault", "error", "limit"),
+    [
+        ("SIGKILL", "UnavailableError", 3.0),  # its connections close: seen at once
+        ("SIGSTOP", "DeadlineExceededError", 9.0),  # frozen: the deadline, then the ring's
+    ],
+)
+def test_a_peer_lost_inside_an_nccl_collective_is_named_within_the_deadline(
+    tmp_path, fault, error, limit
+):
+    timeout = 3.0
     codes, results, logs = run_workers(
         tmp_path,
         "kill",
         2,
-        env=_gpus(1, "NCCL", KILL_RANK="1", SCENARIO_TIMEOUT=str(timeout)),
+        env=_gpus(1, "NCCL", KILL_RANK="1", KILL_SIGNAL=fault, SCENARIO_TIMEOUT=str(timeout)),
         timeout=60,
         wait_for={0},
     )
     assert codes[0] == 3, logs[0][-3000:]
     result = results[0]
-    assert result["error"] in ("UnavailableError", "DeadlineExceededError"), result
+    assert result["error"] == error, result
     assert "NCCL all-reduce across the NCCL group" in result["message"], result
     assert "worker:1 at 127.0.0.1:" in result["message"], result
-    assert result["seconds"] < timeout, result  # a closed connection is seen at once
+    # from the strategy's creation: SIGKILL before the 3 s deadline (0.4 s measured),
+    # SIGSTOP within the deadline and the ring's silence bound (6.8 s measured)
+    assert result["seconds"] < limit, result
 
 
 def test_the_unique_id_travels_only_to_authenticated_workers(tmp_path):
@@ -149,7 +160,11 @@ def _ranks(nccl, uid, n, ranks_devices):
     return comms, failures
 
 
-def test_the_nccl_double_refuses_what_nccl_refuses():
+def test_the_nccl_double_refuses_what_nccl_refuses(monkeypatch):
+    from tests import strict_nccl
+
+    # the rank left alone by a refused one waits for it (for good in NCCL): 1 s here
+    monkeypatch.setattr(strict_nccl, "INIT_SECONDS", 1.0)
     with strict_cupy.installed(devices=2, nccl=True):
         import cupy
         from cupy.cuda import nccl
@@ -163,6 +178,7 @@ def test_the_nccl_double_refuses_what_nccl_refuses():
             nccl.NcclCommunicator(2, forged, 0)
         _, failures = _ranks(nccl, uid, 2, [(0, 0), (1, 0)])  # two ranks on GPU 0
         assert any("Duplicate GPU" in str(e) for e in failures), failures
+        assert any("not every rank joined" in str(e) for e in failures), failures
 
         uid = nccl.get_unique_id()
         comms, failures = _ranks(nccl, uid, 2, [(0, 0), (1, 1)])
@@ -210,3 +226,50 @@ def test_the_nccl_double_refuses_what_nccl_refuses():
             assert waiting.done
             with pytest.raises(nccl.NcclError, match="aborted"):
                 comms[0].allReduce(dev.data.ptr, out.data.ptr, 4, nccl.NCCL_FLOAT32, 0, 0)
+
+
+_GPU_CHECK_PEER = """
+import sys
+sys.path.insert(0, "benchmarks")
+from tests import strict_cupy
+import gpu_check
+with strict_cupy.installed(devices=1, nccl=True):
+    sys.exit(gpu_check.cross_host_peer(4099, 2))
+"""
+
+
+def test_gpu_checks_cross_host_peer_runs_under_the_double():
+    """benchmarks/gpu_check.py's gpu/nccl_cross_host workers, on the strict double."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, child_env, pick_free_port
+    from tests.multi_worker_util import TOKEN, tf_config
+
+    ports = [pick_free_port() for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GPU_CHECK_PEER],
+            env=child_env({"TF_CONFIG": tf_config(ports, i), "PSFLOW_AUTH_TOKEN": TOKEN}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert [o["nccl"] for o in outs] == [True, True]
+    assert outs[0]["digest"] == outs[1]["digest"]
+    assert max(o["rel_err"] for o in outs) <= 1e-6
