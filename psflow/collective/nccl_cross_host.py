@@ -323,7 +323,7 @@ class NcclGroup:
                 else:
                     src = cp.concatenate([arrays[i].reshape(-1) for i in members])
                 dst = cp.empty_like(src)
-                plan.append((members, dst))
+                plan.append((members, src, dst))  # src too: NCCL reads it until the event
                 if src.size:
                     comm.allReduce(
                         src.data.ptr,
@@ -342,7 +342,7 @@ class NcclGroup:
                     stream.ptr,
                 )  # fmt: skip
             self.wait([self._record()], "all-reduce", deadline)
-            for members, dst in plan:
+            for members, _, dst in plan:
                 if mean:  # a true division, once (integers give floats, as TF's mean)
                     dst = dst / dst.dtype.type(self.num_ranks)
                 pos = 0
