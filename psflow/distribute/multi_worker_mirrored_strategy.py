@@ -470,7 +470,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._fused_update = False  # the fused ring is in-process only
         self._nccl: Any = None
         if group.size > 1:
-            self._connect_nccl(options, elastic is not None)
+            try:
+                self._connect_nccl(options, elastic is not None)
+            except BaseException:
+                if door is not None:
+                    door.close()
+                raise
         if elastic is not None and door is not None:
             from psflow.collective.membership import View
             from psflow.distribute.elastic.controller import ElasticController
