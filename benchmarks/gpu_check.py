@@ -22,6 +22,12 @@ On a machine where CuPy imports and sees a GPU it checks, each on its own
 * ``gpu/nccl``: ``psflow.collective.NcclAllReduce`` over the physical GPUs
   (one replica per GPU) where CuPy has NCCL, same measurements; reported as
   *skipped* (not passed) with fewer than 2 GPUs or without NCCL.
+* ``gpu/nccl_cross_host``: ``MultiWorkerMirroredStrategy`` with
+  ``implementation=NCCL`` in 2 worker processes on this machine, one GPU each
+  (``CUDA_VISIBLE_DEVICES``): the unique id over the workers' authenticated
+  ring, an all-reduce of the size above against a NumPy sum, the same bits on
+  both workers, and its bus bandwidth; *skipped* with fewer than 2 GPUs (NCCL
+  takes one rank per GPU) or without NCCL.
 
 The same checks run on NumPy first (``cpu/...``: logical CPU devices, host
 copies), everywhere. Without a GPU the GPU part is skipped, saying so in a JSON
@@ -551,6 +557,106 @@ def check_all_reduce(
     }
 
 
+_PEER_TOKEN = "gpu-check-cross-host-token-0123456789"
+
+
+def check_nccl_cross_host(elements: int, reps: int) -> dict[str, Any]:
+    """Two worker processes, one GPU each, all-reduce through NCCL across them."""
+    import os
+    import socket
+    import subprocess
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    workers = [f"127.0.0.1:{p}" for p in ports]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ)
+        env.update(
+            TF_CONFIG=json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+            ),
+            CUDA_VISIBLE_DEVICES=str(rank),
+            PSFLOW_AUTH_TOKEN=_PEER_TOKEN,
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
+        )
+        cmd = [sys.executable, __file__, "--cross-host-peer", str(elements), str(reps)]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            if p.returncode != 0:
+                raise RuntimeError(f"peer exited with {p.returncode}: {err[-2000:]}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    same = outs[0]["digest"] == outs[1]["digest"]
+    seconds = max(o["seconds"] for o in outs)
+    nbytes = elements * 4
+    algbw = nbytes / seconds / 1e9
+    return {
+        "ok": all(o["nccl"] and o["rel_err"] <= 1e-6 for o in outs) and same,
+        "workers": 2,
+        "MB": round(nbytes / 1e6, 1),
+        "rel_err": max(o["rel_err"] for o in outs),
+        "workers_identical": same,
+        "algbw_GBps": round(algbw, 3),
+        "busbw_GBps": round(algbw, 3),  # 2(N-1)/N = 1 for N = 2
+        "formula": "algbw=S/t, busbw=algbw*2(N-1)/N",
+    }
+
+
+def cross_host_peer(elements: int, reps: int) -> int:
+    """One worker of ``gpu/nccl_cross_host`` (TF_CONFIG from the parent); prints one JSON line."""
+    import hashlib
+
+    import psflow as pf
+    from psflow.collective import CommunicationOptions
+
+    options = CommunicationOptions(implementation="NCCL", timeout_seconds=120.0)
+    strategy = pf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    rank = strategy.cluster_resolver.task_id
+    host = [
+        np.random.default_rng(20 + r).standard_normal(elements).astype(np.float32) for r in (0, 1)
+    ]
+    want = host[0].astype(np.float64) + host[1]
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: pf.constant(host[rank])
+    )
+
+    def step(x: Any) -> Any:
+        return pf.distribute.get_replica_context().all_reduce("SUM", x)
+
+    got = pf.backend.to_numpy(strategy.run(step, args=(value,))._array())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        strategy.run(step, args=(value,))  # returns once NCCL's event says it is done
+        times.append(time.perf_counter() - start)
+    print(
+        json.dumps(
+            {
+                "nccl": strategy.nccl is not None,
+                "rel_err": rel_err(got, want),
+                "digest": hashlib.sha256(np.ascontiguousarray(got).tobytes()).hexdigest(),
+                "seconds": statistics.median(times),
+            }
+        )
+    )
+    return 0
+
+
 # -- main -----------------------------------------------------------------------------------------
 def gpu_available() -> tuple[bool, str]:
     """Whether CuPy imports and sees a GPU, and why not."""
@@ -573,7 +679,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deadline", type=float, default=540.0, help="seconds before the script dumps and exits"
     )
+    parser.add_argument("--cross-host-peer", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.cross_host_peer:  # a worker process of gpu/nccl_cross_host
+        return cross_host_peer(*args.cross_host_peer)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     # a hung device call must not eat a machine's time: dump every thread's stack and exit
     faulthandler.dump_traceback_later(args.deadline, exit=True)
@@ -634,6 +743,27 @@ def main(argv: list[str] | None = None) -> int:
             emit({"case": "gpu/nccl", "metric": "skipped", "value": None, "reason": "no NCCL"})
         else:
             run_check("gpu/nccl", lambda: check_all_reduce("GPU", "nccl", gpus, elements, reps))
+        if gpus < 2:  # two processes on one GPU would be two NCCL ranks on one GPU: refused
+            reason = f"needs 2 GPUs, one per worker process (NCCL takes one rank per GPU): {gpus}"
+            emit(
+                {
+                    "case": "gpu/nccl_cross_host",
+                    "metric": "skipped",
+                    "value": None,
+                    "reason": reason,
+                }
+            )
+        elif not nccl_available():
+            emit(
+                {
+                    "case": "gpu/nccl_cross_host",
+                    "metric": "skipped",
+                    "value": None,
+                    "reason": "no NCCL",
+                }
+            )
+        else:
+            run_check("gpu/nccl_cross_host", lambda: check_nccl_cross_host(elements, reps))
     if ps is not None:
         ps.close()
 

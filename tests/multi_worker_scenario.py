@@ -1,6 +1,8 @@
 """One worker of a multi-worker test: ``python tests/multi_worker_scenario.py MODE OUT.json``.
 
 TF_CONFIG (and PSFLOW_NUM_CPU_DEVICES, PSFLOW_AUTH_TOKEN) come from the test;
+SCENARIO_IMPL picks the implementation (AUTO, RING, NCCL); SCENARIO_GPUS=L gives
+the worker L strict fake GPUs with NCCL (tests/strict_cupy.py);
 the worker writes what it computed to OUT.json, or ``{"error": class, "message"}``
 when the strategy raised a psflow error (exit code 3).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import sys
@@ -163,6 +166,8 @@ def seen(strategy: pf.distribute.Strategy, dataset: pf.data.Dataset) -> list:
 
 def main() -> int:
     mode, out_path = sys.argv[1], sys.argv[2]
+    if os.environ.get("SCENARIO_LOG"):  # psflow's INFO lines into the worker's log
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if mode in ("reference", "fit_reference", "sparse_reference"):
         if mode == "reference":
             result = train(None)
@@ -174,7 +179,9 @@ def main() -> int:
             json.dump(result, f)
         return 0
     timeout = float(os.environ.get("SCENARIO_TIMEOUT", "30"))
-    options = pf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+    options = pf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=timeout, implementation=os.environ.get("SCENARIO_IMPL", "AUTO")
+    )
     started = time.monotonic()
     try:
         strategy = pf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
@@ -287,6 +294,7 @@ def main() -> int:
                 )
                 time.sleep(0.05)
         result["seconds"] = time.monotonic() - started
+        result["nccl"] = getattr(strategy, "nccl", None) is not None
     except pf.errors.OpError as e:
         with open(out_path, "w") as f:
             json.dump(
@@ -303,5 +311,15 @@ def main() -> int:
     return 0
 
 
+def main_on_gpus() -> int:
+    """``main`` with SCENARIO_GPUS strict fake GPUs per worker, NCCL included
+    (tests/strict_cupy.py, tests/strict_nccl.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import strict_cupy
+
+    with strict_cupy.installed(devices=int(os.environ["SCENARIO_GPUS"]), nccl=True):
+        return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_on_gpus() if os.environ.get("SCENARIO_GPUS") else main())

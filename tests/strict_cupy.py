@@ -9,9 +9,17 @@ so CI runs psflow's GPU code paths and catches every implicit host/device mix.
 
 It implements the part of CuPy's API psflow uses (``grep -rn cupy psflow``):
 ``cupy.ndarray`` (``.get``, ``.set``, ``.device.id``, ``.flags``, ``.data``
-peer copies), array functions and ufuncs, ``cupy.cuda`` (``Device``,
-``Stream``, ``Event``, ``runtime.getDeviceCount``/``getDevice``),
-``cupyx.scatter_add`` and ``cupyx.scipy.special.erf``.
+peer copies and raw pointers), array functions and ufuncs, ``cupy.cuda``
+(``Device``, ``Stream``, ``Event``, ``get_current_stream``,
+``runtime.getDeviceCount``/``getDevice``), ``cupyx.scatter_add`` and
+``cupyx.scipy.special.erf``; with ``nccl=True``, ``cupy.cuda.nccl`` across
+processes (``tests/strict_nccl.py``).
+
+Kernels run at once; only NCCL collectives are asynchronous, as on a GPU:
+an ``Event`` recorded after one is ``done`` once it has finished, and
+touching memory an unfinished collective writes is refused (stricter than
+CUDA, where a kernel later on the same stream would be ordered after it:
+psflow waits for the collective before it reads the result).
 
 Deliberately stricter than CuPy in two places, each a discipline psflow keeps:
 
@@ -36,7 +44,9 @@ import contextlib
 import math
 import sys
 import threading
+import time as _time
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,6 +86,79 @@ class _State:
         self.devices = devices
         self.local = threading.local()
         self.transfers = Transfers()
+        # raw pointers handed out by ``ndarray.data`` (NCCL takes pointers): ptr -> array
+        self.pointers: dict[int, tuple[weakref.ref, int]] = {}
+        self.streams: dict[int, weakref.ref] = {}  # Stream.ptr -> the stream
+        self.null_streams: dict[int, Stream] = {}  # each GPU's legacy default stream
+        # bytes that an unfinished collective will write: (first, end) by its work
+        self.pending: dict[int, tuple[int, int]] = {}
+
+    def register(self, ptr: int, a: np.ndarray, dev: int) -> None:
+        if len(self.pointers) > 4096:  # forget the freed ones
+            self.pointers = {p: e for p, e in self.pointers.items() if e[0]() is not None}
+        self.pointers[ptr] = (weakref.ref(a), dev)
+
+    def resolve(self, ptr: Any, nbytes: int, dev: int, what: str) -> np.ndarray:
+        """The bytes a raw device pointer names (as NCCL checks a pointer it is given)."""
+        from tests.strict_nccl import INVALID_ARGUMENT, NcclError
+
+        if isinstance(ptr, bool) or not isinstance(ptr, int):
+            raise NcclError(INVALID_ARGUMENT, f"{what}: {ptr!r} is not a pointer")
+        entry = self.pointers.get(ptr)
+        a = entry[0]() if entry is not None else None
+        if a is None:
+            raise NcclError(
+                INVALID_ARGUMENT,
+                f"{what}: {ptr:#x} is not live device memory (host memory, or a freed buffer)",
+            )
+        if entry[1] != dev:
+            raise NcclError(
+                INVALID_ARGUMENT,
+                f"{what} is on GPU {entry[1]}; the communicator is on GPU {dev}",
+            )
+        if not a.flags.c_contiguous:
+            raise NcclError(INVALID_ARGUMENT, f"{what}: the array is not contiguous")
+        if a.nbytes < nbytes:
+            raise NcclError(
+                INVALID_ARGUMENT, f"{what}: {nbytes} bytes needed, the buffer has {a.nbytes}"
+            )
+        return a.reshape(-1).view(np.uint8)[:nbytes]
+
+    def stream_of(self, ptr: Any, dev: int) -> Stream:
+        """The stream a raw stream pointer names (0: the GPU's default stream)."""
+        from tests.strict_nccl import INVALID_ARGUMENT, NcclError
+
+        if ptr == 0:
+            return null_stream(dev)
+        ref = self.streams.get(ptr) if isinstance(ptr, int) else None
+        stream = ref() if ref is not None else None
+        if stream is None:
+            raise NcclError(INVALID_ARGUMENT, f"{ptr!r} is not a stream")
+        if stream.device_id != dev:
+            raise NcclError(
+                INVALID_ARGUMENT, f"the stream is on GPU {stream.device_id}, not GPU {dev}"
+            )
+        return stream
+
+    def writing(self, work: Any, dst: np.ndarray) -> None:
+        first = dst.__array_interface__["data"][0]
+        self.pending[id(work)] = (first, first + dst.nbytes)
+
+    def written(self, work: Any) -> None:
+        self.pending.pop(id(work), None)
+
+    def check_ready(self, a: np.ndarray) -> None:
+        """Refuses touching bytes a collective has not finished writing (wait on its stream)."""
+        if not self.pending or a.size == 0:
+            return
+        first = a.__array_interface__["data"][0]
+        end = first + a.nbytes
+        for lo, hi in list(self.pending.values()):
+            if first < hi and lo < end:
+                raise RuntimeError(
+                    "strict CuPy double: this array's memory is being written by an NCCL "
+                    "collective that has not finished: wait for its stream (an Event) first"
+                )
 
     def current(self) -> int:
         return getattr(self.local, "device", 0)
@@ -108,6 +191,7 @@ def _unwrap(value: Any, dev: int) -> Any:
                 f"The device where the array resides ({value._dev}) is different from the "
                 f"current device ({dev}). Peer access is unavailable between these devices."
             )
+        _st().check_ready(value._a)
         return value._a
     if isinstance(value, np.ndarray):
         _refuse(value)
@@ -202,6 +286,7 @@ class _MemoryPointer:
         self._owner = owner
         self.device_id = owner._dev
         self.ptr = owner._a.__array_interface__["data"][0]
+        _st().register(self.ptr, owner._a, owner._dev)
 
     def _bytes(self) -> np.ndarray:
         a = self._owner._a
@@ -254,6 +339,7 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking=True) -> Any:
         """A host (NumPy) copy."""
+        _st().check_ready(self._a)
         _st().transfers.count("to_host")
         host = np.array(self._a, order=order, copy=True)
         if out is not None:
@@ -271,6 +357,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         self._a[...] = arr
 
     def _sync(self) -> np.ndarray:
+        _st().check_ready(self._a)
         _st().transfers.count("to_host")
         return self._a
 
@@ -518,24 +605,61 @@ class Device:
         _st().local.device = self.id
 
     def synchronize(self) -> None:
-        """Waits for the device (nothing is asynchronous here)."""
+        """Waits for every stream of the device."""
+        st = _st()
+        streams = [r() for r in list(st.streams.values())] + [null_stream(self.id)]
+        for stream in streams:
+            if stream is not None and stream.device_id == self.id:
+                stream.synchronize()
+
+
+# How long a wait on a stream whose work never completes is allowed in the double: on a
+# GPU it would hang for good (a collective whose peer is gone); tests must not.
+HANG_SECONDS = 60.0
+
+
+def _wait_all(works: list[Any], what: str) -> None:
+    deadline = _time.monotonic() + HANG_SECONDS
+    for work in works:
+        if not work.event.wait(max(0.0, deadline - _time.monotonic())):
+            raise RuntimeError(
+                f"strict CuPy double: {what} waited {HANG_SECONDS:.0f} s for {work.what}; "
+                "on a GPU this wait would hang for good"
+            )
+        work.finished()
 
 
 class Stream:
-    """``cupy.cuda.Stream``: work is synchronous here, so only the API is kept."""
+    """``cupy.cuda.Stream``: kernels run at once here; only collectives are asynchronous."""
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
         self.device_id = _st().current()
         self.ptr = 0 if null else id(self)
+        self._work: list[Any] = []  # unfinished collectives queued on this stream
+        if not null:
+            _st().streams[self.ptr] = weakref.ref(self)
+
+    def enqueue(self, work: Any) -> None:
+        """Queues an asynchronous collective (the NCCL double's calls)."""
+        self._work = [w for w in self._work if not w.event.is_set()]
+        self._work.append(work)
 
     def __enter__(self) -> Stream:
+        stack = _streams().setdefault(self.device_id, [])
+        stack.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        _streams()[self.device_id].pop()
+
+    @property
+    def done(self) -> bool:
+        """Whether everything queued on the stream has finished."""
+        return all(w.finished() for w in list(self._work))
 
     def synchronize(self) -> None:
         """Waits for the stream's work."""
+        _wait_all(list(self._work), "Stream.synchronize")
 
     def wait_event(self, event: Event) -> None:
         """Orders this stream after ``event``."""
@@ -547,18 +671,51 @@ class Stream:
         return self
 
 
+def _streams() -> dict[int, list[Stream]]:
+    local = _st().local
+    if not hasattr(local, "streams"):
+        local.streams = {}
+    return local.streams
+
+
+def null_stream(dev: int) -> Stream:
+    """GPU ``dev``'s default stream (one per GPU, shared by every thread)."""
+    st = _st()
+    stream = st.null_streams.get(dev)
+    if stream is None:
+        with _on(dev):
+            stream = st.null_streams.setdefault(dev, Stream(null=True))
+    return stream
+
+
+def get_current_stream(device_id: Any = None) -> Stream:
+    """This thread's current stream on the current (or given) GPU."""
+    dev = _st().current() if device_id is None else int(device_id)
+    stack = _streams().get(dev)
+    return stack[-1] if stack else null_stream(dev)
+
+
 class Event:
-    """``cupy.cuda.Event``."""
+    """``cupy.cuda.Event``: done once the work its stream had when recorded has finished."""
 
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess=False):
         self.recorded = False
+        self._work: list[Any] = []
 
     def record(self, stream: Any = None) -> None:
-        """Marks a point in ``stream``."""
+        """Marks a point in ``stream`` (default: the current stream)."""
+        stream = get_current_stream() if stream is None else stream
+        self._work = [w for w in stream._work if not w.event.is_set()]
         self.recorded = True
+
+    @property
+    def done(self) -> bool:
+        """Whether the stream has passed this event (``cudaEventQuery``)."""
+        return all(w.finished() for w in self._work)
 
     def synchronize(self) -> None:
         """Waits for the event."""
+        _wait_all(self._work, "Event.synchronize")
 
 
 def _runtime() -> types.ModuleType:
@@ -571,8 +728,12 @@ def _runtime() -> types.ModuleType:
     return rt
 
 
-def build_modules() -> dict[str, types.ModuleType]:
-    """The ``cupy``/``cupyx`` modules (and submodules) to put in ``sys.modules``."""
+def build_modules(nccl: bool = False) -> dict[str, types.ModuleType]:
+    """The ``cupy``/``cupyx`` modules (and submodules) to put in ``sys.modules``.
+
+    With ``nccl``, ``cupy.cuda.nccl`` is the strict NCCL double (``tests/strict_nccl.py``);
+    without it, importing ``cupy.cuda.nccl`` fails as on a CuPy built without NCCL.
+    """
     cupy = types.ModuleType("cupy")
     cupy.__file__ = __file__
     cupy.ndarray = ndarray
@@ -586,7 +747,7 @@ def build_modules() -> dict[str, types.ModuleType]:
     cuda.Device = Device
     cuda.Stream = Stream
     cuda.Event = Event
-    cuda.get_current_stream = lambda *a: Stream(null=True)
+    cuda.get_current_stream = get_current_stream
     cuda.runtime = _runtime()
     cupy.cuda = cuda
     cupyx = types.ModuleType("cupyx")
@@ -596,7 +757,7 @@ def build_modules() -> dict[str, types.ModuleType]:
     special.erf = _erf
     scipy.special = special
     cupyx.scipy = scipy
-    return {
+    modules = {
         "cupy": cupy,
         "cupy.cuda": cuda,
         "cupy.cuda.runtime": cuda.runtime,
@@ -604,11 +765,18 @@ def build_modules() -> dict[str, types.ModuleType]:
         "cupyx.scipy": scipy,
         "cupyx.scipy.special": special,
     }
+    if nccl:
+        from tests import strict_nccl
+
+        cuda.nccl = modules["cupy.cuda.nccl"] = strict_nccl.build_module()
+    return modules
 
 
 @contextlib.contextmanager
-def installed(devices: int = 2) -> Iterator[Transfers]:
+def installed(devices: int = 2, nccl: bool = False) -> Iterator[Transfers]:
     """Makes ``import cupy`` give the double (``devices`` GPUs) and psflow see it.
+
+    ``nccl``: ``cupy.cuda.nccl`` is the strict NCCL double (else it does not import).
 
     psflow caches whether CuPy is present (``psflow.backend``); that cache is
     reset on entry and on exit, and the device configuration (visible and
@@ -618,12 +786,12 @@ def installed(devices: int = 2) -> Iterator[Transfers]:
     global _state
     from psflow import backend, config
 
-    saved = {name: sys.modules.get(name) for name in build_modules()}
+    saved = {name: sys.modules.get(name) for name in [*build_modules(), "cupy.cuda.nccl"]}
     saved_map = backend._gpu_map
     # device configuration made while the fake GPUs exist must not outlive them
     saved_config = [(d, dict(d)) for d in (config._visible, config._logical)]
     _state = _State(devices)
-    sys.modules.update(build_modules())
+    sys.modules.update(build_modules(nccl))
     backend._cupy_checked = False
     try:
         yield _state.transfers

@@ -150,3 +150,30 @@ def test_broadcast_of_many_frames_reaches_every_worker():
     for got in out:
         assert np.array_equal(got[0], big) and np.array_equal(got[1], small)
         assert got[1].shape == (2, 3) and got[1].dtype == np.int32
+
+
+def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_between_them():
+    import time
+
+    rings = _rings(2)
+    try:
+        sender, receiver = rings[0].links, rings[1].links
+        sender.heartbeat = 0.005  # heartbeats try to go while a frame's rest waits
+        sender.begin()
+        # 200 kB frames start from the caller's thread; 48 of them (9.6 MB) are more than
+        # the kernel takes while nobody reads, so a frame's rest goes to the sender thread
+        frames = [np.full(200 << 10, i, np.uint8) for i in range(48)]
+        deadline = time.monotonic() + 30
+        sent = [sender.send([f], deadline) for f in frames]
+        assert not all(s.is_set() for s in sent)
+        time.sleep(0.1)
+        receiver.begin()
+        for i, f in enumerate(frames):
+            got = np.empty_like(f)
+            receiver.receive_into(memoryview(got), deadline)
+            assert (got == i).all(), i
+        for s in sent:
+            sender.wait_sent(s, deadline)
+    finally:
+        for ring in rings:
+            ring.close()

@@ -457,6 +457,8 @@ def test_gpu_check_runs_its_gpu_branches_and_skips_nccl_on_one_gpu():
         assert records[f"cpu/{case}"]["value"] == "pass", records[f"cpu/{case}"]
     nccl = records["gpu/nccl"]
     assert (nccl["metric"], nccl["reason"]) == ("skipped", "fewer than 2 GPUs (1)")
+    cross = records["gpu/nccl_cross_host"]
+    assert cross["metric"] == "skipped" and cross["reason"].startswith("needs 2 GPUs"), cross
     assert records["summary"]["failed"] == []
 
 

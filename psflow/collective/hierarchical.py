@@ -21,11 +21,19 @@ from typing import Any
 import numpy as np
 
 from psflow import backend
+from psflow.collective.arrays import is_cupy_array
 from psflow.collective.communicator import Communicator
 from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.reduce_op import ReduceOp
 
-__all__ = ["HierarchicalCommunicator"]
+__all__ = ["HierarchicalCommunicator", "NcclRoutedCommunicator"]
+
+
+def _back(result: Any, like: Any) -> Any:
+    """``result`` (reduced on the host by the TCP ring) on the GPU of ``like``, if a GPU's."""
+    if is_cupy_array(like) and not is_cupy_array(result):
+        return backend.place(result, backend.device_of(like))
+    return result
 
 
 class HierarchicalCommunicator:
@@ -109,7 +117,7 @@ class HierarchicalCommunicator:
             shared = [flags, *kept]
         flags, *kept = self._share(rank, shared)
         it = iter(kept)
-        return [next(it) if f > 0 else None for f in flags]
+        return [_back(next(it), a) if f > 0 else None for f, a in zip(flags, arrays)]
 
     def all_gather(
         self, rank: int, array: Any, axis: int = 0, lengths: Sequence[int] | None = None
@@ -123,8 +131,71 @@ class HierarchicalCommunicator:
         shared = None
         if rank == 0:
             shared = [self.ring.all_gather(np.asarray(backend.to_numpy(local)), axis, lengths)]
-        return self._share(rank, shared)[0]
+        return _back(self._share(rank, shared)[0], array)
 
     def close(self) -> None:
         """Wakes local replicas waiting in a call (another replica failed)."""
         self.local.close()
+
+
+class NcclRoutedCommunicator(HierarchicalCommunicator):
+    """As :class:`HierarchicalCommunicator`, with CuPy arrays reduced by NCCL across every GPU.
+
+    Each local replica's CuPy arrays go through its own communicator of the
+    :class:`~psflow.collective.nccl_cross_host.NcclGroup` (every GPU of every
+    worker a rank); NumPy arrays of the same call keep the two-level path
+    over the TCP ring.  Every worker's program makes the same calls with the
+    same kinds of arrays, so every rank takes the same branch.
+
+    Args:
+        local, ring, bytes_per_pack: as :class:`HierarchicalCommunicator`.
+        group: this worker's NCCL communicators.
+    """
+
+    def __init__(
+        self, local: Communicator, ring: CrossHostRing, bytes_per_pack: int, group: Any
+    ) -> None:
+        super().__init__(local, ring, bytes_per_pack)
+        self.group = group
+
+    def all_reduce(
+        self,
+        rank: int,
+        arrays: Sequence[Any],
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        present: Sequence[bool] | None = None,
+    ) -> list[Any]:
+        """Reduces ``arrays`` over every replica of every worker: CuPy ones by NCCL."""
+        op = ReduceOp.parse(op)
+        arrays = list(arrays)
+        on_gpu = [i for i, a in enumerate(arrays) if is_cupy_array(a)]
+        if not on_gpu:
+            return super().all_reduce(rank, arrays, op, present=present)
+        on_host = [i for i in range(len(arrays)) if not is_cupy_array(arrays[i])]
+        out: list[Any] = [None] * len(arrays)
+        for part, reduce in ((on_gpu, self._nccl), (on_host, super().all_reduce)):
+            if not part:
+                continue
+            sub = None if present is None else [present[i] for i in part]
+            for i, r in zip(part, reduce(rank, [arrays[i] for i in part], op, present=sub)):
+                out[i] = r
+        return out
+
+    def _nccl(
+        self, rank: int, arrays: list[Any], op: ReduceOp, present: Sequence[bool] | None
+    ) -> list[Any]:
+        return self.group.all_reduce(rank, arrays, op is ReduceOp.MEAN, present)
+
+    def all_gather(
+        self, rank: int, array: Any, axis: int = 0, lengths: Sequence[int] | None = None
+    ) -> Any:
+        """Concatenates every replica's ``array`` along ``axis``; a CuPy array by NCCL."""
+        if is_cupy_array(array):
+            return self.group.all_gather(rank, array, axis)
+        return super().all_gather(rank, array, axis, lengths)
+
+    def close(self) -> None:
+        """Wakes local replicas waiting in a call; NCCL's are aborted (see ``NcclGroup.close``)."""
+        super().close()
+        self.group.close()

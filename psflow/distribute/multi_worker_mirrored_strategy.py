@@ -41,8 +41,9 @@ import numpy as np
 
 from psflow import backend, errors
 from psflow.collective import CommunicationOptions, Communicator
+from psflow.collective.arrays import is_cupy_array
 from psflow.collective.cross_host import CrossHostRing
-from psflow.collective.hierarchical import HierarchicalCommunicator
+from psflow.collective.hierarchical import HierarchicalCommunicator, NcclRoutedCommunicator
 from psflow.collective.peer_link import PeerLinks
 from psflow.distribute import distribute_lib, multi_worker_input, reduce_util
 from psflow.distribute.mirrored_strategy import (
@@ -217,7 +218,15 @@ class MultiWorkerExtended(MirroredExtended):
             variable
         )
         ring = strategy._ring
-        if ring.size > 1 and not received:  # every worker starts from worker 0's bits
+        group = getattr(strategy, "_nccl", None)
+        copies = [c._value for c in variable.values]
+        if (
+            group is not None
+            and not received
+            and all(is_cupy_array(c) and c.flags.c_contiguous for c in copies)
+        ):  # every GPU takes worker 0's first copy, straight from GPU to GPU
+            group.broadcast(copies)
+        elif ring.size > 1 and not received:  # every worker starts from worker 0's bits
             first = variable.values[0]._value
             host = np.ascontiguousarray(backend.to_numpy(first))
             (value,) = ring.broadcast([host], root=0)
@@ -443,12 +452,24 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._ring = CrossHostRing(links, options.timeout)
         # the links' sockets and threads go when the strategy does (or at exit)
         self._ring_finalizer = weakref.finalize(self, self._ring.close)
+        # NCCL asked for across workers: the in-process level only carries what NCCL does
+        # not (NumPy arrays); whether every worker can use NCCL is agreed below, so a worker
+        # without it gets the same typed error as the others instead of failing alone here
+        local_ops = "ring" if group.size > 1 and options.implementation.name == "NCCL" else None
         try:
-            super().__init__(communication_options=options)
+            super().__init__(communication_options=options, cross_device_ops=local_ops)
         except BaseException:  # e.g. NCCL asked for without CuPy: free the port at once
             self._ring.close()
             raise
         self._fused_update = False  # the fused ring is in-process only
+        self._nccl: Any = None
+        if group.size > 1:
+            try:
+                self._connect_nccl(options, elastic is not None)
+            except BaseException:
+                if door is not None:
+                    door.close()
+                raise
         if elastic is not None and door is not None:
             from psflow.collective.membership import View
             from psflow.distribute.elastic.controller import ElasticController
@@ -480,6 +501,34 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 # it travels with every state broadcast: a later joiner names its pushes alike
                 self._elastic.state.extra[HybridTables.RUN_ID_KEY] = self._hybrid.run_id
 
+    def _connect_nccl(self, options: CommunicationOptions, elastic: bool) -> None:
+        """Moves the GPU collectives to NCCL across the workers where every one can.
+
+        The local level then keeps the ring for the NumPy arrays that still go
+        through the two-level path (see :mod:`psflow.collective.nccl_cross_host`).
+        """
+        from psflow.collective import nccl_cross_host
+        from psflow.collective.registry import create_cross_device_ops
+
+        try:
+            group = nccl_cross_host.connect(
+                self._ring, self._devices, options, self._group.addresses, elastic=elastic
+            )
+        except BaseException:
+            self._ring.close()
+            raise
+        if group is None:
+            return
+        self._nccl = group
+        weakref.finalize(self, group.destroy)
+        self._cross_device_ops = create_cross_device_ops("ring")
+        self._reset_collectives()
+
+    @property
+    def nccl(self) -> Any:
+        """The NCCL group across the workers' GPUs (psflow only), or None on the TCP ring."""
+        return self._nccl
+
     @property
     def hybrid(self) -> Any:
         """The PS side of the hybrid mode (:class:`~psflow.distribute.hybrid.HybridTables`:
@@ -508,9 +557,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     def _reset_collectives(self) -> None:
         local = Communicator(len(self._devices), self._cross_device_ops, self._options)
-        self._communicator = HierarchicalCommunicator(  # type: ignore[assignment]
-            local, self._ring, self._options.bytes_per_pack
-        )
+        group = getattr(self, "_nccl", None)
+        if group is not None:  # aborted communicators stay aborted: their error is raised
+            self._communicator = NcclRoutedCommunicator(  # type: ignore[assignment]
+                local, self._ring, self._options.bytes_per_pack, group
+            )
+        else:
+            self._communicator = HierarchicalCommunicator(  # type: ignore[assignment]
+                local, self._ring, self._options.bytes_per_pack
+            )
         self._merge = _MergeRendezvous(len(self._devices), local.timeout)
 
     def _global_replica(self, local: int) -> int:
@@ -563,8 +618,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 for h in host[1:]:
                     total = total + h
                 (total,) = self._ring.all_reduce([total])
-                if op is ReduceOp.MEAN:
-                    return reduce_util.mean(Tensor._wrap(total), self.num_replicas_in_sync)
+                if op is ReduceOp.MEAN:  # on the host, where the ring left the sum (not a GPU)
+                    with backend.device("/cpu:0"):
+                        return reduce_util.mean(Tensor._wrap(total), self.num_replicas_in_sync)
                 return Tensor._wrap(total)
             sums = [h.sum(axis=axis, dtype=h.dtype) for h in host]
             total = sums[0]
@@ -573,7 +629,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             count = np.asarray([sum(h.shape[axis] for h in host)], np.int64)
             total, count = self._ring.all_reduce([np.asarray(total), count])
             if op is ReduceOp.MEAN:
-                return reduce_util.mean(Tensor._wrap(total), max(int(count[0]), 1))
+                with backend.device("/cpu:0"):
+                    return reduce_util.mean(Tensor._wrap(total), max(int(count[0]), 1))
             return Tensor._wrap(total)
 
         if isinstance(value, (PerReplica, SyncOnReadVariable)):

@@ -122,12 +122,24 @@ class FrameStream:
 
     # -- reading -------------------------------------------------------------------
     def _recv(self, view: memoryview) -> int:
-        if self.deadline is not None:
+        while self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the rest of the frame did not arrive in time")
-            self.sock.settimeout(left)
-        n = self.sock.recv_into(view)
+            # the socket's timeout is reset only when it would overshoot the deadline or
+            # has shrunk far below it: a settimeout is a system call, and a collective's
+            # many small receives share one far deadline.  An early timeout reads again.
+            current = self.sock.gettimeout()
+            if current is None or current > left or current < left / 2:
+                self.sock.settimeout(left * 0.9)
+            try:
+                n = self.sock.recv_into(view)
+                break
+            except TimeoutError:
+                if time.monotonic() >= self.deadline:
+                    raise
+        else:
+            n = self.sock.recv_into(view)
         if n == 0:
             raise ConnectionError("the data-plane connection was closed by its peer")
         return n
