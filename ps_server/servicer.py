@@ -340,7 +340,6 @@ class ParameterServerServicer:
             shm_view=self._shm_payloads.view,
             chunk_bytes=self.chunk_bytes,
             borrowed=request.payload if chunks is None else None,
-            owned=context.step is not None,  # a sync contribution outlives this call
         )
         result = self.store.push(decoded.grads, context, client_gone=request.peer_gone)
         if self.metrics is not None:  # only now: a rejected push leaves no series behind

@@ -211,7 +211,6 @@ def decode_push(
     shm_view: Callable[[str, int], memoryview],
     chunk_bytes: int,
     borrowed: memoryview | None = None,
-    owned: bool = False,
 ) -> DecodedPush:
     """A push's gradients from its header and payload.
 
@@ -224,8 +223,8 @@ def decode_push(
         chunk_bytes: a payload in one buffer is applied in pieces this large
             (the optimizer then updates cache-sized blocks).
         borrowed: instead of ``payloads``, the whole payload in a buffer the
-            caller reuses once the push is applied (the data plane's).
-        owned: copy a buffer payload (a synchronous contribution outlives the call).
+            caller reuses once the push is applied (the data plane's; the store
+            copies what it keeps past the call: a pending sync contribution).
 
     Raises:
         InvalidArgumentError: a malformed item, or a payload of the wrong size.
@@ -253,8 +252,6 @@ def decode_push(
             )
         view = shm_view(header.shm_payload, sum(sizes))
     if view is not None:
-        if owned:
-            view = memoryview(bytes(view))
         # in chunks, as if streamed (a 64 MB SGD step: 17 ms in one piece, 13 ms in 1 MB ones)
         payloads = (view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes))
     for payload in payloads:
