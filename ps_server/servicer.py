@@ -362,24 +362,7 @@ class ParameterServerServicer:
     ) -> ps_pb2.ListVariablesResponse:
         """Describes every variable."""
         _check(request)
-        reply = ps_pb2.ListVariablesResponse(
-            variables=[
-                ps_pb2.VariableInfo(
-                    variable=ps_pb2.VariableSpec(
-                        name=info.meta.name,
-                        spec=codec.spec_to_proto(info.meta.dtype, info.meta.shape),
-                        trainable=info.meta.trainable,
-                        optimizer_json=info.optimizer_json,
-                    ),
-                    slot_names=info.slot_names,
-                    version=info.version,
-                    optimizer_step=info.optimizer_step,
-                    sync_step=info.sync_step,
-                    shm_name=info.shm_name,
-                )
-                for info in self.store.list_variables()
-            ]
-        )
+        reply = messages.variables_reply(self.store.list_variables())
         size = reply.ByteSize()
         if size > self.max_message_bytes:
             raise ResourceExhaustedError(
@@ -462,20 +445,7 @@ class ParameterServerServicer:
     def GetStats(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.GetStatsResponse:
         """Returns the counters."""
         request = _check(request)
-        s = self.store.stats_snapshot(include_log=request.include_log)
-        log_entries = s.pop("log", [])
-        return ps_pb2.GetStatsResponse(
-            **s,
-            log=[
-                ps_pb2.PushLogEntry(
-                    variable=e.variable,
-                    client_id=e.client_id,
-                    base_version=e.base_version,
-                    applied_version=e.applied_version,
-                )
-                for e in log_entries
-            ],
-        )
+        return messages.stats_reply(self.store.stats_snapshot(include_log=request.include_log))
 
 
 def _serialize(message: Any) -> bytes:

@@ -301,21 +301,25 @@ class PlaneLink:
                 )
             return again(left)
 
-        try:
-            sent = plane.send(method, call.header, call.payload, timeout, sink=sink)
+        def recover(e: OpError) -> Any:
+            if not isinstance(e, retried):
+                raise e
+            self.failed(plane, e)
+            return anew()
+
+        try:  # the plane's started call is the one returned: its result reads, or recovers
+            return plane.send(
+                method,
+                call.header,
+                call.payload,
+                timeout,
+                sink=sink,
+                read=call.read,
+                recover=recover,
+            )
         except retried as e:
             self.failed(plane, e)
             return Started(anew, what=method)
-
-        def finish() -> Any:
-            try:
-                reply = sent.result()
-            except retried as e:
-                self.failed(plane, e)
-                return anew()
-            return call.read(reply)
-
-        return Started(finish, sent.cancel, method)
 
     def failed(self, plane: DataPlaneClient | None, error: BaseException) -> None:
         """After an UNAVAILABLE failure on ``plane`` the next call asks the PS again."""

@@ -14,7 +14,8 @@ by every tensor's bytes back to back.
 The client (:class:`~psflow.transport.PSClient`) encodes with
 :func:`encode_push` and decodes with :class:`PullDecoder`; the server
 (``ps_server.servicer``) decodes with :func:`push_context` and
-:func:`decode_push` and encodes with :func:`pull_header`.  A change of the
+:func:`decode_push` and encodes with :func:`pull_header`.  The variables'
+list and the counters are encoded and decoded here too.  A change of the
 format touches this file (and the ``.proto``) only.  The request context is
 one :class:`~psflow.ps.push_types.PushContext` from the session to the store.
 """
@@ -22,6 +23,7 @@ one :class:`~psflow.ps.push_types.PushContext` from the session to the store.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -41,12 +43,17 @@ from . import framing
 __all__ = [
     "DecodedPush",
     "PullDecoder",
+    "VariableDescription",
     "as_gradients",
     "decode_push",
     "encode_push",
     "pull_header",
     "push_codecs",
     "push_context",
+    "stats_from_reply",
+    "stats_reply",
+    "variable_descriptions",
+    "variables_reply",
 ]
 
 
@@ -399,8 +406,8 @@ class PullDecoder:
             arrays.append(target)
         return arrays
 
-    def messages(self, messages: Iterable[bytes]) -> tuple[list[np.ndarray], list[int]]:
-        """``(arrays, versions)`` of a reply in gRPC messages (unary or streamed).
+    def messages(self, messages: Iterable[bytes]) -> list[tuple[np.ndarray, int]]:
+        """``[(array, version), ...]`` of a reply in gRPC messages (unary or streamed).
 
         Raises:
             InvalidArgumentError: no header, a second one, or a payload of the wrong size.
@@ -419,7 +426,7 @@ class PullDecoder:
                 raise InvalidArgumentError("pull reply with a second header")
             filler.feed(payload)
         filler.finish()
-        return self.arrays, [t.version for t in self.header.tensors]
+        return list(zip(self.arrays, [t.version for t in self.header.tensors]))
 
     def sink(self, header_bytes: bytes, n: int) -> memoryview | None:
         """A data-plane sink: one tensor's payload lands straight in its array."""
@@ -433,8 +440,8 @@ class PullDecoder:
             )
         return memoryview(framing.byte_view(self.arrays[0]))
 
-    def frame(self, reply: tuple[bytes, memoryview]) -> tuple[list[np.ndarray], list[int]]:
-        """``(arrays, versions)`` of a data-plane reply read through :meth:`sink`:
+    def frame(self, reply: tuple[bytes, memoryview]) -> list[tuple[np.ndarray, int]]:
+        """``[(array, version), ...]`` of a data-plane reply read through :meth:`sink`:
         several tensors view one buffer (``out``'s are filled)."""
         _, payload = reply
         if self.arrays is None:
@@ -446,4 +453,85 @@ class PullDecoder:
                 filler.finish()
             else:
                 self.arrays = _views(payload, self._specs(self.header))
-        return self.arrays, [t.version for t in self.header.tensors]
+        return list(zip(self.arrays, [t.version for t in self.header.tensors]))
+
+
+# -- the variables' list and the counters --------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class VariableDescription:
+    """A variable as the PS describes it."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    trainable: bool
+    optimizer: dict[str, Any] | None
+    slot_names: tuple[str, ...]
+    version: int
+    optimizer_step: int
+    sync_step: int
+    # the PS's shared-memory mirror of the value (same host), or "": where, not what
+    shm_name: str = dataclasses.field(default="", compare=False)
+
+
+def variables_reply(infos: Iterable[Any]) -> ps_pb2.ListVariablesResponse:
+    """The ``ListVariablesResponse`` of a store's ``list_variables()``."""
+    return ps_pb2.ListVariablesResponse(
+        variables=[
+            ps_pb2.VariableInfo(
+                variable=ps_pb2.VariableSpec(
+                    name=i.meta.name,
+                    spec=codec.spec_to_proto(i.meta.dtype, i.meta.shape),
+                    trainable=i.meta.trainable,
+                    optimizer_json=i.optimizer_json,
+                ),
+                slot_names=i.slot_names,
+                version=i.version,
+                optimizer_step=i.optimizer_step,
+                sync_step=i.sync_step,
+                shm_name=i.shm_name,
+            )
+            for i in infos
+        ]
+    )
+
+
+def variable_descriptions(reply: ps_pb2.ListVariablesResponse) -> list[VariableDescription]:
+    """The variables a ``ListVariablesResponse`` describes."""
+    out = []
+    for info in reply.variables:
+        v = info.variable
+        dtype, shape, _ = codec.check_spec(v.spec.dtype, v.spec.shape, max_bytes=1 << 62)
+        rule = json.loads(v.optimizer_json) if v.optimizer_json else None
+        slots, steps = tuple(info.slot_names), (info.optimizer_step, info.sync_step)
+        out.append(
+            VariableDescription(
+                v.name, dtype, shape, v.trainable, rule, slots, info.version, *steps, info.shm_name
+            )
+        )
+    return out
+
+
+def stats_reply(snapshot: dict[str, Any]) -> ps_pb2.GetStatsResponse:
+    """The ``GetStatsResponse`` of a store's ``stats_snapshot()`` (its ``log`` entries included)."""
+    log = [
+        ps_pb2.PushLogEntry(
+            variable=e.variable,
+            client_id=e.client_id,
+            base_version=e.base_version,
+            applied_version=e.applied_version,
+        )
+        for e in snapshot.pop("log", [])
+    ]
+    return ps_pb2.GetStatsResponse(**snapshot, log=log)
+
+
+def stats_from_reply(reply: ps_pb2.GetStatsResponse, include_log: bool) -> dict[str, Any]:
+    """The counters of a ``GetStatsResponse`` (``log``: ``(variable, client, base, applied)``)."""
+    out = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "log"}
+    out.update(rejected=dict(reply.rejected), staleness_histogram=dict(reply.staleness_histogram))
+    if include_log:
+        out["log"] = [
+            (e.variable, e.client_id, e.base_version, e.applied_version) for e in reply.log
+        ]
+    return out
