@@ -10,9 +10,10 @@ gradients reach the update rule as views of the received chunks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -130,9 +131,10 @@ class ParameterServerServicer:
             parse = framing.split_message if framed_req else req_cls.FromString
             if name == "Pull":  # its header is parsed by _pull, which the data plane calls
                 parse = bytes
-            fn = self.edge.grpc_method(
-                name, getattr(self, name), streaming=kind is not Kind.UNARY_UNARY
-            )
+            method = getattr(self, name, None)
+            if method is None:  # Write, Push: their stream's handler, of one message
+                method = functools.partial(_one_message, getattr(self, f"{name}Stream"))
+            fn = self.edge.grpc_method(name, method, streaming=kind is not Kind.UNARY_UNARY)
             handlers[name] = factories[kind](
                 fn,
                 request_deserializer=_lenient(parse),
@@ -187,20 +189,11 @@ class ParameterServerServicer:
         return checked
 
     # -- writes -------------------------------------------------------------------
-    def Write(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.WriteResponse:
-        """Creates or assigns variables (unary)."""
-        return self._write([request], context)
-
     def WriteStream(
-        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+        self, request_iterator: Iterable[Any], context: grpc.ServicerContext
     ) -> ps_pb2.WriteResponse:
-        """Creates or assigns variables (streamed payload)."""
-        return self._write(request_iterator, context)
-
-    def _write(
-        self, messages: Iterable[Any], context: grpc.ServicerContext
-    ) -> ps_pb2.WriteResponse:
-        header_bytes, payloads = _framed(messages)
+        """Creates or assigns variables (the payload in one message or streamed)."""
+        header_bytes, payloads = _framed(request_iterator)
         header = framing.parse_header(header_bytes, ps_pb2.WriteHeader)
         if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
             raise InvalidArgumentError(f"unknown write op {header.op}")
@@ -210,15 +203,10 @@ class ParameterServerServicer:
                 v.spec.dtype, v.spec.shape, f"variable {quote(v.name)}"
             )
             specs.append((v, dtype, shape, nbytes))
-        assembler = framing.PayloadAssembler([s[3] for s in specs])
-        for payload in payloads:
-            assembler.feed(payload)
-        assembler.finish()
+        pieces = messages.payload_pieces([s[3] for s in specs], payloads)
         values = [
-            segments_from_pieces(
-                dtype, shape, assembler.pieces(i), what=f"value of {quote(v.name)}"
-            )
-            for i, (v, dtype, shape, _) in enumerate(specs)
+            segments_from_pieces(dtype, shape, part, what=f"value of {quote(v.name)}")
+            for part, (v, dtype, shape, _) in zip(pieces, specs, strict=True)
         ]
         if header.op == ps_pb2.WRITE_OP_CREATE:
             metas = [
@@ -314,12 +302,8 @@ class ParameterServerServicer:
             self._pulled(tensors, start)
 
     # -- pushes ------------------------------------------------------------------------
-    def Push(self, request: Any, context: grpc.ServicerContext) -> bytes:
-        """Applies gradients (unary)."""
-        return self.PushStream([request], context)
-
     def PushStream(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> bytes:
-        """Applies gradients (streamed payload)."""
+        """Applies gradients (the payload in one message or streamed)."""
         header, chunks = _framed(request_iterator)
         return self._push(_grpc_request("Push", header, context), chunks).header
 
@@ -446,6 +430,11 @@ class ParameterServerServicer:
         """Returns the counters."""
         request = _check(request)
         return messages.stats_reply(self.store.stats_snapshot(include_log=request.include_log))
+
+
+def _one_message(stream: Callable[[Iterable[Any], Any], Any], request: Any, context: Any) -> Any:
+    """A unary call to the handler of its streamed twin."""
+    return stream([request], context)
 
 
 def _serialize(message: Any) -> bytes:
