@@ -30,7 +30,7 @@ from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.names import quote
 from psflow.ps.rule_cache import parse_config
 from psflow.ps.store import VariableMeta, VariableStore
-from psflow.ps.tensors import check_extent, segments_from_pieces
+from psflow.ps.tensors import check_extent
 from psflow.security.limits import limit_exceeded
 from psflow.transport import codec, framing, messages, shm
 from psflow.transport.dataplane import Handler, Reply, Request
@@ -193,25 +193,9 @@ class ParameterServerServicer:
         self, request_iterator: Iterable[Any], context: grpc.ServicerContext
     ) -> ps_pb2.WriteResponse:
         """Creates or assigns variables (the payload in one message or streamed)."""
-        header_bytes, payloads = _framed(request_iterator)
-        header = framing.parse_header(header_bytes, ps_pb2.WriteHeader)
-        if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
-            raise InvalidArgumentError(f"unknown write op {header.op}")
-        specs = []
-        for v in header.variables:
-            dtype, shape, nbytes = self._spec(
-                v.spec.dtype, v.spec.shape, f"variable {quote(v.name)}"
-            )
-            specs.append((v, dtype, shape, nbytes))
-        pieces = messages.payload_pieces([s[3] for s in specs], payloads)
-        values = [
-            segments_from_pieces(dtype, shape, part, what=f"value of {quote(v.name)}")
-            for part, (v, dtype, shape, _) in zip(pieces, specs, strict=True)
-        ]
+        header, specs, values = messages.decode_write(*_framed(request_iterator), self._spec)
         if header.op == ps_pb2.WRITE_OP_CREATE:
-            metas = [
-                VariableMeta(v.name, dtype, shape, v.trainable) for v, dtype, shape, _ in specs
-            ]
+            metas = [VariableMeta(v.name, dtype, shape, v.trainable) for v, dtype, shape in specs]
             optimizers = [_optimizer(v.optimizer_json, v.name) for v, *_ in specs]
             results = self.store.create(metas, values, optimizers)
             return ps_pb2.WriteResponse(
@@ -240,17 +224,6 @@ class ParameterServerServicer:
         return ps_pb2.ConfigureOptimizerResponse(slot_names=slots)
 
     # -- pulls ----------------------------------------------------------------------
-    def _pull_parts(self, request):
-        request = _check(request)
-        names = [item.name for item in request.items]
-        rows = {}
-        for i, item in enumerate(request.items):
-            if item.HasField("indices"):
-                idx = item.indices
-                self._spec(idx.dtype, idx.shape, f"row indices for {quote(item.name)}")
-                rows[i] = codec.decode_tensor(idx, max_bytes=_NO_LIMIT)
-        return names, rows
-
     def _pulled(self, tensors: list, start: float) -> None:
         if self.metrics is not None:
             sizes = [(t.name, t.value.nbytes) for t in tensors]
@@ -261,7 +234,9 @@ class ParameterServerServicer:
         given), and gRPC's.  The snapshot stays consistent until ``release``, once the
         buffers are sent (writers copy meanwhile)."""
         start = time.perf_counter() if self.metrics is not None else 0.0
-        names, rows = self._pull_parts(framing.parse_header(request.header, ps_pb2.PullRequest))
+        names, rows = messages.pull_items(
+            framing.parse_header(request.header, ps_pb2.PullRequest), self._spec
+        )
         limit = self._plane_max_payload if limit is None else limit
         stack = contextlib.ExitStack()
         try:
@@ -290,7 +265,7 @@ class ParameterServerServicer:
 
     def PullStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Reads variables; the payload follows the header in chunks."""
-        names, rows = self._pull_parts(request)
+        names, rows = messages.pull_items(_check(request), self._spec)
         chunk = self.chunk_bytes
         if request.chunk_bytes > 0:
             chunk = min(max(request.chunk_bytes, _MIN_CHUNK), self.max_unary_payload)
@@ -332,13 +307,7 @@ class ParameterServerServicer:
             self.metrics.record_push(
                 decoded.item_bytes, time.perf_counter() - start, result.staleness
             )
-        reply = ps_pb2.PushResponse(
-            versions=result.versions,
-            applied=result.applied,
-            duplicate=result.duplicate,
-            staleness=result.staleness,
-        )
-        return Reply(reply.SerializeToString())
+        return Reply(messages.push_reply_bytes(result))
 
     # -- the rest -------------------------------------------------------------------------
     def ListVariables(

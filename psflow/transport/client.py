@@ -75,25 +75,6 @@ __all__ = ["PSClient", "PushReply", "RetryPolicy", "VariableDescription"]
 T = TypeVar("T")
 
 
-def _items(
-    values: Mapping[str, Any],
-    trainable: bool | Mapping[str, bool] = False,
-    optimizer_json: str = "",
-) -> tuple[list[ps_pb2.VariableSpec], list[np.ndarray]]:
-    """The specs and host arrays of a write's ``{name: value}``."""
-    arrays = [codec.to_host(v) for v in values.values()]
-    specs = [
-        ps_pb2.VariableSpec(
-            name=name,
-            spec=codec.spec_to_proto(a.dtype, a.shape),
-            trainable=trainable if isinstance(trainable, bool) else trainable.get(name, True),
-            optimizer_json=optimizer_json,
-        )
-        for name, a in zip(values, arrays, strict=True)
-    ]
-    return specs, arrays
-
-
 def _assigner(op: int, doc: str) -> Callable[..., dict[str, int]]:
     """A public write method of ``op`` (assign, assign_add, assign_sub): one signature."""
 
@@ -222,16 +203,8 @@ class PSClient:
 
     # -- writes -------------------------------------------------------------------
     def _write(
-        self,
-        op: int,
-        specs: list[ps_pb2.VariableSpec],
-        arrays: list[np.ndarray],
-        request_id: tuple[str, int] | None,
-        timeout: float | None,
+        self, header: ps_pb2.WriteHeader, arrays: list[np.ndarray], timeout: float | None
     ) -> ps_pb2.WriteResponse:
-        header = ps_pb2.WriteHeader(op=op, variables=specs)
-        if request_id is not None:
-            header.id.client_id, header.id.sequence = request_id
         raw = header.SerializeToString()
         return self._run("Write", lambda left: self._framed("Write", raw, arrays, left), timeout)
 
@@ -251,11 +224,14 @@ class PSClient:
         Raises:
             AlreadyExistsError: one exists with a conflicting spec (none is created).
         """
-        specs, arrays = _items(values, trainable, json.dumps(optimizer) if optimizer else "")
-        reply = self._write(ps_pb2.WRITE_OP_CREATE, specs, arrays, None, timeout)
-        for spec, arr in zip(specs, arrays, strict=True):
-            self._seen(spec.name, arr.dtype, arr.shape)
-        return {s.name: bool(c) for s, c in zip(specs, reply.created, strict=True)}
+        rule = json.dumps(optimizer) if optimizer else ""
+        header, arrays = messages.encode_write(
+            ps_pb2.WRITE_OP_CREATE, values, None, trainable, rule
+        )
+        reply = self._write(header, arrays, timeout)
+        for name, arr in zip(values, arrays, strict=True):
+            self._seen(name, arr.dtype, arr.shape)
+        return {name: bool(c) for name, c in zip(values, reply.created, strict=True)}
 
     def create_variable(
         self,
@@ -278,14 +254,13 @@ class PSClient:
         timeout: float | None,
         request_id: tuple[str, int] | None,
     ) -> dict[str, int]:
-        specs, arrays = _items(values)
         # assign is idempotent; add/sub carry an id so their retries apply once. A caller's
         # id (a closure's, stable across re-runs) is honoured for every op, so a re-run
         # closure's writes are deduplicated by the PS, not only this call's retries.
         if request_id is None and op != ps_pb2.WRITE_OP_ASSIGN:
             request_id = self.next_request_id()
-        reply = self._write(op, specs, arrays, request_id, timeout)
-        return {s.name: v for s, v in zip(specs, reply.versions, strict=True)}
+        reply = self._write(*messages.encode_write(op, values, request_id), timeout)
+        return dict(zip(values, reply.versions, strict=True))
 
     assign = _assigner(
         ps_pb2.WRITE_OP_ASSIGN,
@@ -369,11 +344,6 @@ class PSClient:
 
         return self._run("Pull", attempt, timeout)
 
-    def _pull_request(self, names: Sequence[str]) -> ps_pb2.PullRequest:
-        return ps_pb2.PullRequest(
-            items=[ps_pb2.PullItem(name=n) for n in names], chunk_bytes=self.chunk_bytes
-        )
-
     def pull(
         self,
         names: str | Sequence[str],
@@ -396,7 +366,7 @@ class PSClient:
         name_list = [names] if single else list(names)
         if out is not None and len(out) != len(name_list):
             raise InvalidArgumentError(f"{len(out)} out arrays for {len(name_list)} names")
-        pulled = self._pull(self._pull_request(name_list), out, False, timeout)
+        pulled = self._pull(messages.pull_request(name_list, self.chunk_bytes), out, False, timeout)
         arrays, versions = [a for a, _ in pulled], [v for _, v in pulled]
         if single:
             return (arrays[0], versions[0]) if return_versions else arrays[0]
@@ -408,7 +378,7 @@ class PSClient:
         ``[(array, version), ...]`` (and pulls again where that attempt failed).
         None, having sent nothing, where the pull cannot go that way (no data
         plane known yet, or none, or a reply above its limit)."""
-        request = self._pull_request(names)
+        request = messages.pull_request(names, self.chunk_bytes)
         expected = self._expected_bytes(request)
         if expected is None or self._end.closed:
             return None
@@ -437,10 +407,7 @@ class PSClient:
                 f"row indices must be a 1-D integer array, got {idx.dtype}{list(idx.shape)}"
             )
         idx = idx.astype("<i8", copy=False)
-        request = ps_pb2.PullRequest(
-            items=[ps_pb2.PullItem(name=name, indices=codec.encode_tensor(idx))],
-            chunk_bytes=self.chunk_bytes,
-        )
+        request = messages.pull_request([name], self.chunk_bytes, idx)
         ((array, version),) = self._pull(request, None, True, timeout)
         return (array, version) if return_version else array
 
@@ -511,8 +478,8 @@ class PSClient:
         views, total = [framing.byte_view(a) for a in arrays], sum(a.nbytes for a in arrays)
         return Call(
             "Push", header, views, total,
-            lambda reply: _push_reply(ps_pb2.PushResponse.FromString(reply[0])),
-            lambda left: _push_reply(self._framed("Push", header, arrays, left)),
+            lambda reply: messages.push_reply(ps_pb2.PushResponse.FromString(reply[0])),
+            lambda left: messages.push_reply(self._framed("Push", header, arrays, left)),
         )  # fmt: skip
 
     def _push(self, call: Call, timeout: float | None) -> PushReply:
@@ -686,8 +653,3 @@ class PSClient:
             f"{self.task} at {self.address} not SERVING after {timeout}s (last: {status})",
             task=self.task,
         )
-
-
-def _push_reply(reply: Any) -> PushReply:
-    """A ``PushResponse``'s :class:`PushReply`."""
-    return PushReply(tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness))

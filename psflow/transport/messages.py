@@ -11,6 +11,10 @@ frame, or in a same-host shared-memory segment the header names.
 A pull reply is a ``PullHeader`` (name, spec, version per tensor) followed
 by every tensor's bytes back to back.
 
+A write (create, assign, add, subtract) is a ``WriteHeader`` (the op, one
+spec per variable, an exactly-once id) followed by the values' bytes, the
+same way.
+
 The client (:class:`~psflow.transport.PSClient`) encodes with
 :func:`encode_push` and decodes with :class:`PullDecoder`; the server
 (``ps_server.servicer``) decodes with :func:`push_context` and
@@ -33,9 +37,10 @@ import numpy as np
 from psflow import compression
 from psflow.errors import InvalidArgumentError
 from psflow.proto import ps_pb2
+from psflow.ps import write_ops
 from psflow.ps.names import quote
-from psflow.ps.push_types import Gradient, PushContext
-from psflow.ps.tensors import segments_from_pieces
+from psflow.ps.push_types import Gradient, PushContext, PushReply
+from psflow.ps.tensors import Segments, segments_from_pieces
 from psflow.wire import codec
 
 from . import framing
@@ -46,9 +51,15 @@ __all__ = [
     "VariableDescription",
     "as_gradients",
     "decode_push",
+    "decode_write",
     "encode_push",
+    "encode_write",
     "payload_pieces",
     "pull_header",
+    "pull_items",
+    "pull_request",
+    "push_reply",
+    "push_reply_bytes",
     "push_codecs",
     "push_context",
     "stats_from_reply",
@@ -306,6 +317,74 @@ def decode_push(
     return DecodedPush(grads, item_bytes)
 
 
+def push_reply_bytes(reply: PushReply) -> bytes:
+    """A push's ``PushResponse``, serialized."""
+    return ps_pb2.PushResponse(
+        versions=reply.versions,
+        applied=reply.applied,
+        duplicate=reply.duplicate,
+        staleness=reply.staleness,
+    ).SerializeToString()
+
+
+def push_reply(reply: ps_pb2.PushResponse) -> PushReply:
+    """A ``PushResponse``'s :class:`PushReply`."""
+    return PushReply(tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness))
+
+
+# -- write ----------------------------------------------------------------------------------
+def encode_write(
+    op: int,
+    values: Mapping[str, Any],
+    request_id: tuple[str, int] | None = None,
+    trainable: bool | Mapping[str, bool] = False,
+    optimizer_json: str = "",
+) -> tuple[ps_pb2.WriteHeader, list[np.ndarray]]:
+    """A write's header (``op``: a ``WRITE_OP_*``) and the host arrays of ``{name: value}``."""
+    arrays = [codec.to_host(v) for v in values.values()]
+    header = ps_pb2.WriteHeader(
+        op=op,
+        variables=[
+            ps_pb2.VariableSpec(
+                name=name,
+                spec=codec.spec_to_proto(a.dtype, a.shape),
+                trainable=trainable if isinstance(trainable, bool) else trainable.get(name, True),
+                optimizer_json=optimizer_json,
+            )
+            for name, a in zip(values, arrays, strict=True)
+        ],
+    )
+    if request_id is not None:
+        header.id.client_id, header.id.sequence = request_id
+    return header, arrays
+
+
+def decode_write(
+    header_bytes: bytes,
+    payloads: Iterable[memoryview],
+    spec: Callable[[int, Any, str], tuple[np.dtype, tuple, int]],
+) -> tuple[ps_pb2.WriteHeader, list[tuple[Any, np.dtype, tuple]], list[Segments]]:
+    """A write's header, each variable's ``(spec message, dtype, shape)`` (checked
+    by ``spec(dtype_code, shape, what)``) and its value, views of ``payloads``.
+
+    Raises:
+        InvalidArgumentError: an unknown op, a bad spec, or a payload of the wrong size.
+    """
+    header = framing.parse_header(header_bytes, ps_pb2.WriteHeader)
+    if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
+        raise InvalidArgumentError(f"unknown write op {header.op}")
+    specs = [
+        (v, *spec(v.spec.dtype, v.spec.shape, f"variable {quote(v.name)}"))
+        for v in header.variables
+    ]
+    pieces = payload_pieces([s[3] for s in specs], payloads)
+    values = [
+        segments_from_pieces(dtype, shape, part, what=f"value of {quote(v.name)}")
+        for part, (v, dtype, shape, _) in zip(pieces, specs, strict=True)
+    ]
+    return header, [s[:3] for s in specs], values
+
+
 # -- pull ---------------------------------------------------------------------------------
 def pull_header(tensors: Sequence[Any]) -> bytes:
     """A pull reply's header for ``tensors`` (each with ``name``, ``value``, ``version``)."""
@@ -319,6 +398,30 @@ def pull_header(tensors: Sequence[Any]) -> bytes:
             for t in tensors
         ]
     ).SerializeToString()
+
+
+def pull_request(
+    names: Sequence[str], chunk_bytes: int, indices: np.ndarray | None = None
+) -> ps_pb2.PullRequest:
+    """A pull of ``names``, or of rows ``indices`` (``<i8``) of the one name."""
+    if indices is None:
+        items = [ps_pb2.PullItem(name=n) for n in names]
+    else:
+        items = [ps_pb2.PullItem(name=names[0], indices=codec.encode_tensor(indices))]
+    return ps_pb2.PullRequest(items=items, chunk_bytes=chunk_bytes)
+
+
+def pull_items(
+    request: ps_pb2.PullRequest, spec: Callable[[int, Any, str], Any]
+) -> tuple[list[str], dict[int, np.ndarray]]:
+    """A pull's names and, by item, its row indices (checked by ``spec(dtype, shape, what)``)."""
+    rows = {}
+    for i, item in enumerate(request.items):
+        if item.HasField("indices"):
+            idx = item.indices
+            spec(idx.dtype, idx.shape, f"row indices for {quote(item.name)}")
+            rows[i] = codec.decode_tensor(idx, max_bytes=1 << 62)
+    return [item.name for item in request.items], rows
 
 
 class _Filler:
