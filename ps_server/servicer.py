@@ -51,27 +51,8 @@ _SPEC_CACHE_SIZE = 1024
 _NO_LIMIT = 1 << 62
 
 
-def _framed(messages: Iterable[Any]) -> tuple[bytes, Iterator[memoryview]]:
-    """The header of the first framed message; every payload chunk, as they arrive."""
-    it = iter(messages)
-    try:
-        header, first_payload = _check(next(it))
-    except StopIteration:
-        raise InvalidArgumentError("empty request stream: no header") from None
-    if header is None:
-        raise InvalidArgumentError("the first message of a request carries no header")
-
-    def payloads() -> Iterator[memoryview]:
-        if first_payload is not None:
-            yield first_payload
-        for message in it:
-            hdr, payload = _check(message)
-            if hdr is not None:
-                raise InvalidArgumentError("a header in a message after the first")
-            if payload is not None:
-                yield payload
-
-    return header, payloads()
+def _framed(request_iterator: Iterable[Any]) -> tuple[bytes, Iterator[memoryview]]:
+    return framing.split_stream(_check(m) for m in request_iterator)
 
 
 def _grpc_request(name: str, header: bytes, context: grpc.ServicerContext) -> Request:
