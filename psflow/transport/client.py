@@ -13,11 +13,8 @@ trip); larger ones are streamed in ``chunk_bytes`` chunks.  Pulls and pushes
 are batched: one RPC for many variables.
 
 Security, data-plane discovery and its fallback to gRPC are the client
-core's, shared with the table client (:class:`~psflow.transport.core.Endpoint`,
-:class:`~psflow.transport.core.PlaneLink`): a server that rejects this
-client's token or certificate answers ``UnauthenticatedError``, never retried;
-pushes and pulls go over a PS's data plane when it announces one
-(``data_plane=False`` or ``PSFLOW_DATA_PLANE=off``: gRPC), the rest over gRPC.
+core's (:class:`~psflow.transport.core.Endpoint`): pushes and pulls go over a
+PS's data plane when it announces one, the rest over gRPC.
 
 Concurrency: the client is thread-safe, and ``pull_async``/``push_async``
 (or :meth:`PSClient.submit` for any method) return futures, so calls to several
