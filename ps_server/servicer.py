@@ -96,7 +96,6 @@ class ParameterServerServicer:
         self._checked_specs: dict[tuple[int, tuple[int, ...]], tuple[np.dtype, tuple, int]] = {}
         # where this task's data plane listens (port 0: none), for DataPlaneInfo
         self._data_plane = ps_pb2.DataPlaneInfoResponse()
-        self._plane_max_payload = 0
 
     # -- registration ---------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -119,7 +118,7 @@ class ParameterServerServicer:
             handlers[name] = factories[kind](
                 fn,
                 request_deserializer=_lenient(parse),
-                response_serializer=None if framed_resp else _serialize,
+                response_serializer=None if framed_resp else framing.serialize,
             )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -129,7 +128,6 @@ class ParameterServerServicer:
         self._data_plane = ps_pb2.DataPlaneInfoResponse(
             port=port, address=address, max_payload_bytes=max_payload
         )
-        self._plane_max_payload = max_payload
 
     def data_plane_handlers(self) -> dict[str, Handler]:
         """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves:
@@ -218,7 +216,7 @@ class ParameterServerServicer:
         names, rows = messages.pull_items(
             framing.parse_header(request.header, ps_pb2.PullRequest), self._spec
         )
-        limit = self._plane_max_payload if limit is None else limit
+        limit = self._data_plane.max_payload_bytes if limit is None else limit
         stack = contextlib.ExitStack()
         try:
             tensors = stack.enter_context(self.store.reading(names, rows))
@@ -385,11 +383,6 @@ class ParameterServerServicer:
 def _one_message(stream: Callable[[Iterable[Any], Any], Any], request: Any, context: Any) -> Any:
     """A unary call to the handler of its streamed twin."""
     return stream([request], context)
-
-
-def _serialize(message: Any) -> bytes:
-    # a push's reply comes serialized: the data plane sends the same bytes
-    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:

@@ -48,6 +48,7 @@ from psflow.security.config import SecurityConfig
 from psflow.security.grpc_auth import open_channel
 from psflow.security.probe import diagnose_unavailable
 
+from . import framing
 from .dataplane import DataPlaneClient
 from .options import channel_options
 from .service import method_path
@@ -338,10 +339,6 @@ class PlaneLink:
             plane.close()
 
 
-def _serialize(message: Any) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
 class Endpoint:
     """One PS task as every client reaches it: a gRPC channel presenting the
     ``security`` configuration's token and certificate, the task's data plane
@@ -387,7 +384,9 @@ class Endpoint:
         """The gRPC method at ``path`` (``kind``: its cardinality), called with
         the security's metadata; a request may be a message or its bytes."""
         factory = getattr(self.channel, kind)
-        stub = factory(path, request_serializer=_serialize, response_deserializer=deserialize)
+        stub = factory(
+            path, request_serializer=framing.serialize, response_deserializer=deserialize
+        )
         return stub if self._metadata is None else functools.partial(stub, metadata=self._metadata)
 
     def run(

@@ -171,6 +171,12 @@ def split_message(raw: bytes) -> tuple[bytes | None, memoryview | None]:
     return header, payload
 
 
+def serialize(message: Any) -> bytes:
+    """A message's bytes; bytes as they are (a request or reply serialized already:
+    the data plane sends the same bytes)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def byte_view(array: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a C-contiguous array (no copy)."""
     return array.reshape(-1).view(np.uint8)

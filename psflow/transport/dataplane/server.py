@@ -143,7 +143,7 @@ class DataPlaneServer:
         self.host = host
         self.security = security
         self.limits = Limits(**limits)
-        self._on_reject = on_reject
+        self._on_reject = on_reject or (lambda _reason: None)
         self._around = around or (lambda _request: contextlib.nullcontext())
         self._handlers: dict[int, tuple[str, Handler]] = {}
         for name, handler in handlers.items():
@@ -275,12 +275,8 @@ class DataPlaneServer:
 
     def _refused(self, peer: str, why: str, reason: str = "handshake_incomplete") -> None:
         """Counts a refused connection (metrics) and logs it, rate-limited."""
-        self._rejected(reason)
+        self._on_reject(reason)
         self._refusals.refused(peer, why, reason)
-
-    def _rejected(self, reason: str) -> None:
-        if self._on_reject is not None:
-            self._on_reject(reason)
 
     # -- one connection ---------------------------------------------------------------
     def _serve(self, accepted: _Accepted, deadline: float) -> None:
@@ -328,7 +324,7 @@ class DataPlaneServer:
 
     def _read_failed(self, conn: Connection, error: BaseException) -> None:
         if isinstance(error, frames.FrameError):
-            self._rejected("malformed_frame")
+            self._on_reject("malformed_frame")
             log.warning("data plane closed the connection from %s: %s", conn.peer, error)
 
     # -- the handshake ----------------------------------------------------------------
