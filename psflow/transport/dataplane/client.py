@@ -243,21 +243,22 @@ class DataPlaneClient:
             self._slots.release()
             raise
 
-        def finish() -> Any:  # reads the reply, then hands its connection and slot back
+        def finish() -> Any:  # reads the reply, hands its connection and slot back
             try:
-                with self._failures(method, conn.close, frames.Kind.REQUEST):
-                    reply = self._receive(
-                        method, conn, frames.Kind.REQUEST, call_id, deadline, sink
-                    )
-                self._give_back(conn)  # an ERROR frame's too: the connection stays usable
+                try:
+                    with self._failures(method, conn.close, frames.Kind.REQUEST):
+                        reply = self._receive(
+                            method, conn, frames.Kind.REQUEST, call_id, deadline, sink
+                        )
+                    self._give_back(conn)  # an ERROR frame's too: the connection stays usable
+                finally:
+                    self._slots.release()  # before a recovery, which may take a slot again
                 if isinstance(reply, OpError):
                     raise reply
             except OpError as e:
                 if recover is None:
                     raise
                 return recover(e)
-            finally:
-                self._slots.release()
             return reply if read is None else read(reply)
 
         def abandon() -> None:  # its connection is closed, its slot freed
