@@ -10,9 +10,10 @@ gradients reach the update rule as views of the received chunks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -29,7 +30,7 @@ from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.names import quote
 from psflow.ps.rule_cache import parse_config
 from psflow.ps.store import VariableMeta, VariableStore
-from psflow.ps.tensors import check_extent, segments_from_pieces
+from psflow.ps.tensors import check_extent
 from psflow.security.limits import limit_exceeded
 from psflow.transport import codec, framing, messages, shm
 from psflow.transport.dataplane import Handler, Reply, Request
@@ -50,27 +51,8 @@ _SPEC_CACHE_SIZE = 1024
 _NO_LIMIT = 1 << 62
 
 
-def _framed(messages: Iterable[Any]) -> tuple[bytes, Iterator[memoryview]]:
-    """The header of the first framed message; every payload chunk, as they arrive."""
-    it = iter(messages)
-    try:
-        header, first_payload = _check(next(it))
-    except StopIteration:
-        raise InvalidArgumentError("empty request stream: no header") from None
-    if header is None:
-        raise InvalidArgumentError("the first message of a request carries no header")
-
-    def payloads() -> Iterator[memoryview]:
-        if first_payload is not None:
-            yield first_payload
-        for message in it:
-            hdr, payload = _check(message)
-            if hdr is not None:
-                raise InvalidArgumentError("a header in a message after the first")
-            if payload is not None:
-                yield payload
-
-    return header, payloads()
+def _framed(request_iterator: Iterable[Any]) -> tuple[bytes, Iterator[memoryview]]:
+    return framing.split_stream(_check(m) for m in request_iterator)
 
 
 def _grpc_request(name: str, header: bytes, context: grpc.ServicerContext) -> Request:
@@ -114,7 +96,6 @@ class ParameterServerServicer:
         self._checked_specs: dict[tuple[int, tuple[int, ...]], tuple[np.dtype, tuple, int]] = {}
         # where this task's data plane listens (port 0: none), for DataPlaneInfo
         self._data_plane = ps_pb2.DataPlaneInfoResponse()
-        self._plane_max_payload = 0
 
     # -- registration ---------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -130,13 +111,14 @@ class ParameterServerServicer:
             parse = framing.split_message if framed_req else req_cls.FromString
             if name == "Pull":  # its header is parsed by _pull, which the data plane calls
                 parse = bytes
-            fn = self.edge.grpc_method(
-                name, getattr(self, name), streaming=kind is not Kind.UNARY_UNARY
-            )
+            method = getattr(self, name, None)
+            if method is None:  # Write, Push: their stream's handler, of one message
+                method = functools.partial(_one_message, getattr(self, f"{name}Stream"))
+            fn = self.edge.grpc_method(name, method, streaming=kind is not Kind.UNARY_UNARY)
             handlers[name] = factories[kind](
                 fn,
                 request_deserializer=_lenient(parse),
-                response_serializer=None if framed_resp else _serialize,
+                response_serializer=None if framed_resp else framing.serialize,
             )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -146,7 +128,6 @@ class ParameterServerServicer:
         self._data_plane = ps_pb2.DataPlaneInfoResponse(
             port=port, address=address, max_payload_bytes=max_payload
         )
-        self._plane_max_payload = max_payload
 
     def data_plane_handlers(self) -> dict[str, Handler]:
         """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves:
@@ -187,43 +168,13 @@ class ParameterServerServicer:
         return checked
 
     # -- writes -------------------------------------------------------------------
-    def Write(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.WriteResponse:
-        """Creates or assigns variables (unary)."""
-        return self._write([request], context)
-
     def WriteStream(
-        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+        self, request_iterator: Iterable[Any], context: grpc.ServicerContext
     ) -> ps_pb2.WriteResponse:
-        """Creates or assigns variables (streamed payload)."""
-        return self._write(request_iterator, context)
-
-    def _write(
-        self, messages: Iterable[Any], context: grpc.ServicerContext
-    ) -> ps_pb2.WriteResponse:
-        header_bytes, payloads = _framed(messages)
-        header = framing.parse_header(header_bytes, ps_pb2.WriteHeader)
-        if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
-            raise InvalidArgumentError(f"unknown write op {header.op}")
-        specs = []
-        for v in header.variables:
-            dtype, shape, nbytes = self._spec(
-                v.spec.dtype, v.spec.shape, f"variable {quote(v.name)}"
-            )
-            specs.append((v, dtype, shape, nbytes))
-        assembler = framing.PayloadAssembler([s[3] for s in specs])
-        for payload in payloads:
-            assembler.feed(payload)
-        assembler.finish()
-        values = [
-            segments_from_pieces(
-                dtype, shape, assembler.pieces(i), what=f"value of {quote(v.name)}"
-            )
-            for i, (v, dtype, shape, _) in enumerate(specs)
-        ]
+        """Creates or assigns variables (the payload in one message or streamed)."""
+        header, specs, values = messages.decode_write(*_framed(request_iterator), self._spec)
         if header.op == ps_pb2.WRITE_OP_CREATE:
-            metas = [
-                VariableMeta(v.name, dtype, shape, v.trainable) for v, dtype, shape, _ in specs
-            ]
+            metas = [VariableMeta(v.name, dtype, shape, v.trainable) for v, dtype, shape in specs]
             optimizers = [_optimizer(v.optimizer_json, v.name) for v, *_ in specs]
             results = self.store.create(metas, values, optimizers)
             return ps_pb2.WriteResponse(
@@ -252,17 +203,6 @@ class ParameterServerServicer:
         return ps_pb2.ConfigureOptimizerResponse(slot_names=slots)
 
     # -- pulls ----------------------------------------------------------------------
-    def _pull_parts(self, request):
-        request = _check(request)
-        names = [item.name for item in request.items]
-        rows = {}
-        for i, item in enumerate(request.items):
-            if item.HasField("indices"):
-                idx = item.indices
-                self._spec(idx.dtype, idx.shape, f"row indices for {quote(item.name)}")
-                rows[i] = codec.decode_tensor(idx, max_bytes=_NO_LIMIT)
-        return names, rows
-
     def _pulled(self, tensors: list, start: float) -> None:
         if self.metrics is not None:
             sizes = [(t.name, t.value.nbytes) for t in tensors]
@@ -273,8 +213,10 @@ class ParameterServerServicer:
         given), and gRPC's.  The snapshot stays consistent until ``release``, once the
         buffers are sent (writers copy meanwhile)."""
         start = time.perf_counter() if self.metrics is not None else 0.0
-        names, rows = self._pull_parts(framing.parse_header(request.header, ps_pb2.PullRequest))
-        limit = self._plane_max_payload if limit is None else limit
+        names, rows = messages.pull_items(
+            framing.parse_header(request.header, ps_pb2.PullRequest), self._spec
+        )
+        limit = self._data_plane.max_payload_bytes if limit is None else limit
         stack = contextlib.ExitStack()
         try:
             tensors = stack.enter_context(self.store.reading(names, rows))
@@ -302,7 +244,7 @@ class ParameterServerServicer:
 
     def PullStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Reads variables; the payload follows the header in chunks."""
-        names, rows = self._pull_parts(request)
+        names, rows = messages.pull_items(_check(request), self._spec)
         chunk = self.chunk_bytes
         if request.chunk_bytes > 0:
             chunk = min(max(request.chunk_bytes, _MIN_CHUNK), self.max_unary_payload)
@@ -314,12 +256,8 @@ class ParameterServerServicer:
             self._pulled(tensors, start)
 
     # -- pushes ------------------------------------------------------------------------
-    def Push(self, request: Any, context: grpc.ServicerContext) -> bytes:
-        """Applies gradients (unary)."""
-        return self.PushStream([request], context)
-
     def PushStream(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> bytes:
-        """Applies gradients (streamed payload)."""
+        """Applies gradients (the payload in one message or streamed)."""
         header, chunks = _framed(request_iterator)
         return self._push(_grpc_request("Push", header, context), chunks).header
 
@@ -340,7 +278,6 @@ class ParameterServerServicer:
             shm_view=self._shm_payloads.view,
             chunk_bytes=self.chunk_bytes,
             borrowed=request.payload if chunks is None else None,
-            owned=context.step is not None,  # a sync contribution outlives this call
         )
         result = self.store.push(decoded.grads, context, client_gone=request.peer_gone)
         if self.metrics is not None:  # only now: a rejected push leaves no series behind
@@ -349,13 +286,7 @@ class ParameterServerServicer:
             self.metrics.record_push(
                 decoded.item_bytes, time.perf_counter() - start, result.staleness
             )
-        reply = ps_pb2.PushResponse(
-            versions=result.versions,
-            applied=result.applied,
-            duplicate=result.duplicate,
-            staleness=result.staleness,
-        )
-        return Reply(reply.SerializeToString())
+        return Reply(messages.push_reply_bytes(result))
 
     # -- the rest -------------------------------------------------------------------------
     def ListVariables(
@@ -363,24 +294,7 @@ class ParameterServerServicer:
     ) -> ps_pb2.ListVariablesResponse:
         """Describes every variable."""
         _check(request)
-        reply = ps_pb2.ListVariablesResponse(
-            variables=[
-                ps_pb2.VariableInfo(
-                    variable=ps_pb2.VariableSpec(
-                        name=info.meta.name,
-                        spec=codec.spec_to_proto(info.meta.dtype, info.meta.shape),
-                        trainable=info.meta.trainable,
-                        optimizer_json=info.optimizer_json,
-                    ),
-                    slot_names=info.slot_names,
-                    version=info.version,
-                    optimizer_step=info.optimizer_step,
-                    sync_step=info.sync_step,
-                    shm_name=info.shm_name,
-                )
-                for info in self.store.list_variables()
-            ]
-        )
+        reply = messages.variables_reply(self.store.list_variables())
         size = reply.ByteSize()
         if size > self.max_message_bytes:
             raise ResourceExhaustedError(
@@ -463,25 +377,12 @@ class ParameterServerServicer:
     def GetStats(self, request: Any, context: grpc.ServicerContext) -> ps_pb2.GetStatsResponse:
         """Returns the counters."""
         request = _check(request)
-        s = self.store.stats_snapshot(include_log=request.include_log)
-        log_entries = s.pop("log", [])
-        return ps_pb2.GetStatsResponse(
-            **s,
-            log=[
-                ps_pb2.PushLogEntry(
-                    variable=e.variable,
-                    client_id=e.client_id,
-                    base_version=e.base_version,
-                    applied_version=e.applied_version,
-                )
-                for e in log_entries
-            ],
-        )
+        return messages.stats_reply(self.store.stats_snapshot(include_log=request.include_log))
 
 
-def _serialize(message: Any) -> bytes:
-    # a push's reply comes serialized: the data plane sends the same bytes
-    return message if isinstance(message, bytes) else message.SerializeToString()
+def _one_message(stream: Callable[[Iterable[Any], Any], Any], request: Any, context: Any) -> Any:
+    """A unary call to the handler of its streamed twin."""
+    return stream([request], context)
 
 
 def _optimizer(text: str, what: str) -> dict[str, Any] | None:

@@ -153,6 +153,24 @@ def test_started_pushes_equal_pushes_and_a_resent_one_applies_once(ps):
         assert client.start_push({name: np.ones(64, np.float32)}).result().applied
 
 
+def test_a_pending_sync_contribution_outlives_the_reused_receive_buffer(ps):
+    # a sync contribution waits at the PS for the step's others while the connection it
+    # came on reuses its receive buffer for the next push: the PS must hold its own copy
+    early, late = PSClient(ps.address, timeout=30), PSClient(ps.address, timeout=30)
+    with early, late:
+        early.create_variables(
+            {"pending/w": np.zeros(1024, np.float32), "pending/other": np.zeros(1024, np.float32)},
+            optimizer={"name": "sgd", "learning_rate": 1.0},
+        )
+        sync = {"step": 1, "num_required": 2}
+        reply = early.push({"pending/w": np.full(1024, 2, np.float32)}, **sync)
+        assert not reply.applied and early.data_plane_address is not None
+        # the same pooled connection, the same size: the same server buffer, overwritten
+        early.push({"pending/other": np.full(1024, 999, np.float32)})
+        assert late.push({"pending/w": np.full(1024, 4, np.float32)}, **sync).applied
+        np.testing.assert_array_equal(early.pull("pending/w"), np.full(1024, -3, np.float32))
+
+
 def test_a_started_push_to_a_ps_killed_for_good_raises_unavailable(start_ps):
     server = start_ps("--shm", "off")
     with PSClient(server.address, timeout=5) as client:

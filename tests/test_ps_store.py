@@ -207,6 +207,25 @@ def test_sync_step_applies_the_mean_once_and_rejects_stale_contributions():
         store.push([Gradient("w", np.ones(3))], push_id=("b", 0), step=6, num_required=2)
 
 
+def test_a_pending_sync_contribution_is_the_stores_own_copy():
+    # the caller's buffers are free once push returns (a data-plane connection reuses
+    # its receive buffer): a contribution kept for the step must not change with them
+    store = make_store(w=np.zeros(4, F32), s=np.zeros((3, 2), F32))
+    store.configure_optimizer(["w", "s"], {"name": "sgd", "learning_rate": 1.0})
+    buffer = np.array([1, 2, 3, 4, 5, 5], F32)
+    rows, ids = np.full((1, 2), 2, F32), np.array([1])
+    dense = Segments(F32, (4,), [(0, buffer[:2]), (2, buffer[2:4])])
+    first = [Gradient("w", dense), Gradient("s", rows, ids)]
+    assert not store.push(first, push_id=("a", 0), step=1, num_required=2).applied
+    buffer[:] = 99
+    rows[:] = 99
+    ids[:] = 0
+    second = [Gradient("w", np.full(4, 3, F32)), Gradient("s", np.full((1, 2), 4, F32), [1])]
+    assert store.push(second, push_id=("b", 0), step=1, num_required=2).applied
+    np.testing.assert_array_equal(value(store, "w"), -np.array([2, 2.5, 3, 3.5], F32))
+    np.testing.assert_array_equal(value(store, "s"), [[0, 0], [-3, -3], [0, 0]])
+
+
 def test_sync_mean_does_not_depend_on_arrival_order():
     rng = np.random.default_rng(3)
     grads = {f"worker{i}": rng.standard_normal(100).astype(np.float32) for i in range(4)}

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from psflow.errors import InvalidArgumentError
 
-__all__ = ["HotRowCache", "HotRowPolicy"]
+__all__ = ["HotRowCache", "HotRowCaches", "HotRowPolicy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +89,51 @@ class HotRowCache:
         hit = cached_ids[pos] == ids
         self.hits += int(hit.sum())
         return hit, cached_rows[pos[hit]]
+
+
+class HotRowCaches:
+    """A client's hot-row caches, one per table, each made on the table's first lookup.
+
+    Args:
+        default: every table's policy (None: no table is cached) unless
+            :meth:`set_policy` gave it its own.
+        fetch: ``fetch(table, count) -> (ids, rows)``, a table's ``count``
+            busiest rows from the PS.
+
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        default: HotRowPolicy | None,
+        fetch: Callable[[str, int], tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        self.default = default
+        self._fetch = fetch
+        self._lock = threading.Lock()
+        self._caches: dict[str, HotRowCache] = {}
+        self._policies: dict[str, HotRowPolicy] = {}
+
+    def set_policy(self, table: str, policy: HotRowPolicy) -> None:
+        """Caches ``table`` with ``policy`` from its next lookup on (a table's first
+        policy stays)."""
+        with self._lock:
+            self._policies.setdefault(table, policy)
+
+    def split(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`HotRowCache.split` of ``table``'s cache; None where ``table`` is
+        not cached or there are no ``ids``."""
+        with self._lock:
+            policy = self._policies.get(table, self.default)
+            if policy is None or not ids.size:
+                return None
+            cache = self._caches.get(table)
+            if cache is None:
+                fetch = functools.partial(self._fetch, table, policy.count)
+                cache = self._caches[table] = HotRowCache(policy, fetch)
+        return cache.split(ids)
+
+    def clear(self) -> None:
+        """Forgets every cached row (the tables' owners changed)."""
+        with self._lock:
+            self._caches.clear()

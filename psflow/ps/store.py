@@ -693,6 +693,10 @@ class VariableStore:
         applied_all = True
         for var, g, a, b in checked:
             pending = var.pending.setdefault(step, PendingStep(num_required))
+            if len(pending.contributions) + 1 < num_required:
+                # kept past this request, whose buffers may be lent (a data-plane connection
+                # reuses its receive buffer once the handler returns): keep a copy
+                a, b = _owned(a), _owned(b)
             pending.contributions[tuple(push_id)] = (None, a, b) if g.sparse else (a, None, None)
             if len(pending.contributions) >= num_required:
                 self._apply_step(var, step, pending)
@@ -1026,6 +1030,13 @@ def _locked_in_order(variables: Sequence[Variable]) -> Iterator[None]:
         for v in ordered:
             stack.enter_context(v.lock)
         yield
+
+
+def _owned(values: Any) -> Any:
+    """A copy of a gradient's values (``Segments`` or an array; None stays None)."""
+    if isinstance(values, Segments):
+        return Segments(values.dtype, values.shape, [(o, p.copy()) for o, p in values])
+    return None if values is None else np.array(values)
 
 
 def _grad_bytes(c) -> int:

@@ -13,11 +13,8 @@ trip); larger ones are streamed in ``chunk_bytes`` chunks.  Pulls and pushes
 are batched: one RPC for many variables.
 
 Security, data-plane discovery and its fallback to gRPC are the client
-core's, shared with the table client (:class:`~psflow.transport.core.Endpoint`,
-:class:`~psflow.transport.core.PlaneLink`): a server that rejects this
-client's token or certificate answers ``UnauthenticatedError``, never retried;
-pushes and pulls go over a PS's data plane when it announces one
-(``data_plane=False`` or ``PSFLOW_DATA_PLANE=off``: gRPC), the rest over gRPC.
+core's (:class:`~psflow.transport.core.Endpoint`): pushes and pulls go over a
+PS's data plane when it announces one, the rest over gRPC.
 
 Concurrency: the client is thread-safe, and ``pull_async``/``push_async``
 (or :meth:`PSClient.submit` for any method) return futures, so calls to several
@@ -37,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import math
 import threading
@@ -62,6 +58,7 @@ from psflow.wire import codec
 
 from . import framing, messages
 from .core import Call, Endpoint, RequestIds, RetryPolicy
+from .messages import VariableDescription
 from .options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -73,42 +70,6 @@ from .started import Started
 __all__ = ["PSClient", "PushReply", "RetryPolicy", "VariableDescription"]
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class VariableDescription:
-    """A variable as the PS describes it."""
-
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    trainable: bool
-    optimizer: dict[str, Any] | None
-    slot_names: tuple[str, ...]
-    version: int
-    optimizer_step: int
-    sync_step: int
-    # the PS's shared-memory mirror of the value (same host), or "": where, not what
-    shm_name: str = dataclasses.field(default="", compare=False)
-
-
-def _items(
-    values: Mapping[str, Any],
-    trainable: bool | Mapping[str, bool] = False,
-    optimizer_json: str = "",
-) -> tuple[list[ps_pb2.VariableSpec], list[np.ndarray]]:
-    """The specs and host arrays of a write's ``{name: value}``."""
-    arrays = [codec.to_host(v) for v in values.values()]
-    specs = [
-        ps_pb2.VariableSpec(
-            name=name,
-            spec=codec.spec_to_proto(a.dtype, a.shape),
-            trainable=trainable if isinstance(trainable, bool) else trainable.get(name, True),
-            optimizer_json=optimizer_json,
-        )
-        for name, a in zip(values, arrays, strict=True)
-    ]
-    return specs, arrays
 
 
 def _assigner(op: int, doc: str) -> Callable[..., dict[str, int]]:
@@ -239,16 +200,8 @@ class PSClient:
 
     # -- writes -------------------------------------------------------------------
     def _write(
-        self,
-        op: int,
-        specs: list[ps_pb2.VariableSpec],
-        arrays: list[np.ndarray],
-        request_id: tuple[str, int] | None,
-        timeout: float | None,
+        self, header: ps_pb2.WriteHeader, arrays: list[np.ndarray], timeout: float | None
     ) -> ps_pb2.WriteResponse:
-        header = ps_pb2.WriteHeader(op=op, variables=specs)
-        if request_id is not None:
-            header.id.client_id, header.id.sequence = request_id
         raw = header.SerializeToString()
         return self._run("Write", lambda left: self._framed("Write", raw, arrays, left), timeout)
 
@@ -268,11 +221,14 @@ class PSClient:
         Raises:
             AlreadyExistsError: one exists with a conflicting spec (none is created).
         """
-        specs, arrays = _items(values, trainable, json.dumps(optimizer) if optimizer else "")
-        reply = self._write(ps_pb2.WRITE_OP_CREATE, specs, arrays, None, timeout)
-        for spec, arr in zip(specs, arrays, strict=True):
-            self._seen(spec.name, arr.dtype, arr.shape)
-        return {s.name: bool(c) for s, c in zip(specs, reply.created, strict=True)}
+        rule = json.dumps(optimizer) if optimizer else ""
+        header, arrays = messages.encode_write(
+            ps_pb2.WRITE_OP_CREATE, values, None, trainable, rule
+        )
+        reply = self._write(header, arrays, timeout)
+        for name, arr in zip(values, arrays, strict=True):
+            self._seen(name, arr.dtype, arr.shape)
+        return {name: bool(c) for name, c in zip(values, reply.created, strict=True)}
 
     def create_variable(
         self,
@@ -295,14 +251,13 @@ class PSClient:
         timeout: float | None,
         request_id: tuple[str, int] | None,
     ) -> dict[str, int]:
-        specs, arrays = _items(values)
         # assign is idempotent; add/sub carry an id so their retries apply once. A caller's
         # id (a closure's, stable across re-runs) is honoured for every op, so a re-run
         # closure's writes are deduplicated by the PS, not only this call's retries.
         if request_id is None and op != ps_pb2.WRITE_OP_ASSIGN:
             request_id = self.next_request_id()
-        reply = self._write(op, specs, arrays, request_id, timeout)
-        return {s.name: v for s, v in zip(specs, reply.versions, strict=True)}
+        reply = self._write(*messages.encode_write(op, values, request_id), timeout)
+        return dict(zip(values, reply.versions, strict=True))
 
     assign = _assigner(
         ps_pb2.WRITE_OP_ASSIGN,
@@ -364,10 +319,10 @@ class PSClient:
         def decoder() -> messages.PullDecoder:
             return messages.PullDecoder(out, rows, self._seen)
 
-        def stream(left: float) -> tuple[list[np.ndarray], list[int]]:
+        def stream(left: float) -> list[tuple[np.ndarray, int]]:
             return decoder().messages(self._stubs["PullStream"](raw, timeout=left))
 
-        def over_grpc(left: float) -> tuple[list[np.ndarray], list[int]]:
+        def over_grpc(left: float) -> list[tuple[np.ndarray, int]]:
             if expected is not None and expected <= self.stream_threshold:
                 try:
                     return decoder().messages([self._stubs["Pull"](raw, timeout=left)])
@@ -376,7 +331,7 @@ class PSClient:
                         raise  # else: sizes changed behind our back; stream it
             return stream(left)
 
-        def attempt(left: float) -> tuple[list[np.ndarray], list[int]]:
+        def attempt(left: float) -> list[tuple[np.ndarray, int]]:
             deadline, one = time.monotonic() + left, decoder()
             try:
                 call = Call("Pull", raw, (), expected or 0, one.frame, over_grpc)
@@ -385,11 +340,6 @@ class PSClient:
                 return stream(max(deadline - time.monotonic(), 0.001))
 
         return self._run("Pull", attempt, timeout)
-
-    def _pull_request(self, names: Sequence[str]) -> ps_pb2.PullRequest:
-        return ps_pb2.PullRequest(
-            items=[ps_pb2.PullItem(name=n) for n in names], chunk_bytes=self.chunk_bytes
-        )
 
     def pull(
         self,
@@ -413,7 +363,8 @@ class PSClient:
         name_list = [names] if single else list(names)
         if out is not None and len(out) != len(name_list):
             raise InvalidArgumentError(f"{len(out)} out arrays for {len(name_list)} names")
-        arrays, versions = self._pull(self._pull_request(name_list), out, False, timeout)
+        pulled = self._pull(messages.pull_request(name_list, self.chunk_bytes), out, False, timeout)
+        arrays, versions = [a for a, _ in pulled], [v for _, v in pulled]
         if single:
             return (arrays[0], versions[0]) if return_versions else arrays[0]
         return (arrays, versions) if return_versions else arrays
@@ -424,19 +375,15 @@ class PSClient:
         ``[(array, version), ...]`` (and pulls again where that attempt failed).
         None, having sent nothing, where the pull cannot go that way (no data
         plane known yet, or none, or a reply above its limit)."""
-        request = self._pull_request(names)
+        request = messages.pull_request(names, self.chunk_bytes)
         expected = self._expected_bytes(request)
         if expected is None or self._end.closed:
             return None
         one = messages.PullDecoder(None, False, self._seen)
-
-        def read(reply: tuple[bytes, memoryview]) -> list[tuple[np.ndarray, int]]:
-            return list(zip(*one.frame(reply)))
-
         return self._end.link.start(
-            Call("Pull", request.SerializeToString(), (), expected, read, None),
+            Call("Pull", request.SerializeToString(), (), expected, one.frame, None),
             self.timeout if timeout is None else timeout,
-            lambda left: list(zip(*self._pull(request, None, False, left))),
+            lambda left: self._pull(request, None, False, left),
             # a reply above the frame limit streams over gRPC, as pull() does
             (UnavailableError, DeadlineExceededError, ResourceExhaustedError),
             sink=one.sink,
@@ -457,12 +404,9 @@ class PSClient:
                 f"row indices must be a 1-D integer array, got {idx.dtype}{list(idx.shape)}"
             )
         idx = idx.astype("<i8", copy=False)
-        request = ps_pb2.PullRequest(
-            items=[ps_pb2.PullItem(name=name, indices=codec.encode_tensor(idx))],
-            chunk_bytes=self.chunk_bytes,
-        )
-        arrays, versions = self._pull(request, None, True, timeout)
-        return (arrays[0], versions[0]) if return_version else arrays[0]
+        request = messages.pull_request([name], self.chunk_bytes, idx)
+        ((array, version),) = self._pull(request, None, True, timeout)
+        return (array, version) if return_version else array
 
     def pull_async(self, names: str | Sequence[str], **kwargs: Any) -> concurrent.futures.Future:
         """:meth:`pull` on the client's thread pool; returns a future."""
@@ -472,18 +416,12 @@ class PSClient:
     def push(
         self,
         grads: Mapping[str, Any] | Sequence[Gradient],
+        context: PushContext | None = None,
         *,
-        push_id: tuple[str, int] | int | None = None,
         base_versions: Mapping[str, int] | Sequence[int] | None = None,
-        step: int | None = None,
-        num_required: int | None = None,
-        wait_applied: bool = False,
-        max_staleness: int | None = None,
-        timeout: float | None = None,
         shm_buffer: Any = None,
         compression: str | Mapping[str, str] | None = None,
-        rule_json: str = "",
-        context: PushContext | None = None,
+        **fields: Any,
     ) -> PushReply:
         """Pushes gradients of several variables in one RPC, applied exactly once.
 
@@ -491,14 +429,17 @@ class PSClient:
             grads: :class:`~psflow.ps.push_types.Gradient` items (each with its
                 base version), or the short form ``{name: dense_array}`` /
                 ``{name: (indices, rows)}`` for sparse.
-            push_id: ``(client_id, sequence)`` or a sequence number of this client;
-                default a fresh one.  A retry with the same id is applied once.
-            base_versions: the versions the gradients were computed from.
-            step, num_required: synchronous aggregation: the PS applies the mean
-                of ``num_required`` contributions to ``step`` once.
-            wait_applied: return only once the step is applied.
-            max_staleness: let the PS reject gradients staler than this.
-            timeout: the call's deadline (and how long the PS may hold it).
+            context: the request context as the caller built it (a session's,
+                passed on as is); else built from ``fields``, the fields of
+                :class:`~psflow.ps.push_types.PushContext`: ``push_id``
+                (``(client_id, sequence)`` or a sequence number of this client;
+                default a fresh one: a retry with the same id is applied once),
+                ``step`` and ``num_required`` (synchronous aggregation: the PS
+                applies the mean of ``num_required`` contributions to ``step``
+                once), ``wait_applied``, ``max_staleness``, ``timeout`` (the
+                call's deadline, and how long the PS may hold it), ``rule_json``
+                (the update rule the PS applies them with; ``""``: the variables' own).
+            base_versions: the versions the short form's gradients were computed from.
             shm_buffer: a :class:`psflow.transport.shm.PayloadBuffer`: the bytes go
                 through this shared-memory segment (a PS on the same host) and the
                 RPC carries only the header.
@@ -506,19 +447,13 @@ class PSClient:
                 dense gradient, or ``{name: codec}``; the PS decodes before applying.
                 Values given as :class:`psflow.compression.Encoded` (from an
                 :class:`~psflow.compression.ErrorFeedback`) travel as encoded.
-            rule_json: the update rule (``psflow.update_rules`` config as JSON)
-                the PS applies these gradients with; ``""``: the variables' own.
-            context: the request context as the caller built it, in place of
-                ``push_id`` to ``rule_json`` (a session's, passed on as is).
 
         Raises:
             InvalidArgumentError: an unknown codec name, or a codec for a
                 non-float or sparse gradient (nothing is sent).
             AbortedError: a contribution to a step already applied, or too stale.
         """
-        context = context or self._context(
-            push_id, step, num_required, wait_applied, max_staleness, timeout, rule_json
-        )
+        context = context or self._context(**fields)
         items = messages.as_gradients(grads, base_versions)
         header, arrays = messages.encode_push(items, context, compression, shm_buffer)
         return self._push(self._push_call(header, arrays), context.timeout)
@@ -526,28 +461,22 @@ class PSClient:
     def _context(
         self,
         push_id: tuple[str, int] | int | None = None,
-        step: int | None = None,
         num_required: int | None = None,
-        wait_applied: bool = False,
-        max_staleness: int | None = None,
-        timeout: float | None = None,
-        rule_json: str = "",
+        **fields: Any,
     ) -> PushContext:
         if push_id is None:
             push_id = self.next_request_id()
         elif isinstance(push_id, int):
             push_id = (self.client_id, push_id)
-        return PushContext(
-            push_id, step, int(num_required or 0), wait_applied, timeout, rule_json, max_staleness
-        )
+        return PushContext(push_id, num_required=int(num_required or 0), **fields)
 
     def _push_call(self, header: bytes, arrays: list[np.ndarray]) -> Call:
         """A push's message, on the data plane or as a stream or one unary gRPC call."""
         views, total = [framing.byte_view(a) for a in arrays], sum(a.nbytes for a in arrays)
         return Call(
             "Push", header, views, total,
-            lambda reply: _push_reply(ps_pb2.PushResponse.FromString(reply[0])),
-            lambda left: _push_reply(self._framed("Push", header, arrays, left)),
+            lambda reply: messages.push_reply(ps_pb2.PushResponse.FromString(reply[0])),
+            lambda left: messages.push_reply(self._framed("Push", header, arrays, left)),
         )  # fmt: skip
 
     def _push(self, call: Call, timeout: float | None) -> PushReply:
@@ -651,25 +580,9 @@ class PSClient:
     def list_variables(self, *, timeout: float | None = None) -> list[VariableDescription]:
         """Every variable of the task, sorted by name."""
         reply = self._unary("ListVariables", ps_pb2.ListVariablesRequest(), timeout)
-        out = []
-        for info in reply.variables:
-            v = info.variable
-            dtype, shape, _ = codec.check_spec(v.spec.dtype, v.spec.shape, max_bytes=1 << 62)
-            self._seen(v.name, dtype, shape)
-            out.append(
-                VariableDescription(
-                    v.name,
-                    dtype,
-                    shape,
-                    v.trainable,
-                    json.loads(v.optimizer_json) if v.optimizer_json else None,
-                    tuple(info.slot_names),
-                    info.version,
-                    info.optimizer_step,
-                    info.sync_step,
-                    info.shm_name,
-                )
-            )
+        out = messages.variable_descriptions(reply)
+        for d in out:
+            self._seen(d.name, d.dtype, d.shape)
         return out
 
     def save(
@@ -705,15 +618,7 @@ class PSClient:
     def stats(self, *, include_log: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """The PS counters (bytes, pushes, rejections, staleness, optional log)."""
         reply = self._unary("GetStats", ps_pb2.GetStatsRequest(include_log=include_log), timeout)
-        out = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "log"}
-        out.update(
-            rejected=dict(reply.rejected), staleness_histogram=dict(reply.staleness_histogram)
-        )
-        if include_log:
-            out["log"] = [
-                (e.variable, e.client_id, e.base_version, e.applied_version) for e in reply.log
-            ]
-        return out
+        return messages.stats_from_reply(reply, include_log)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The standard health status name (``"SERVING"``, ``"NOT_SERVING"``...)."""
@@ -745,8 +650,3 @@ class PSClient:
             f"{self.task} at {self.address} not SERVING after {timeout}s (last: {status})",
             task=self.task,
         )
-
-
-def _push_reply(reply: Any) -> PushReply:
-    """A ``PushResponse``'s :class:`PushReply`."""
-    return PushReply(tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness))

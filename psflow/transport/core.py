@@ -48,6 +48,7 @@ from psflow.security.config import SecurityConfig
 from psflow.security.grpc_auth import open_channel
 from psflow.security.probe import diagnose_unavailable
 
+from . import framing
 from .dataplane import DataPlaneClient
 from .options import channel_options
 from .service import method_path
@@ -301,21 +302,25 @@ class PlaneLink:
                 )
             return again(left)
 
-        try:
-            sent = plane.send(method, call.header, call.payload, timeout, sink=sink)
+        def recover(e: OpError) -> Any:
+            if not isinstance(e, retried):
+                raise e
+            self.failed(plane, e)
+            return anew()
+
+        try:  # the plane's started call is the one returned: its result reads, or recovers
+            return plane.send(
+                method,
+                call.header,
+                call.payload,
+                timeout,
+                sink=sink,
+                read=call.read,
+                recover=recover,
+            )
         except retried as e:
             self.failed(plane, e)
             return Started(anew, what=method)
-
-        def finish() -> Any:
-            try:
-                reply = sent.result()
-            except retried as e:
-                self.failed(plane, e)
-                return anew()
-            return call.read(reply)
-
-        return Started(finish, sent.cancel, method)
 
     def failed(self, plane: DataPlaneClient | None, error: BaseException) -> None:
         """After an UNAVAILABLE failure on ``plane`` the next call asks the PS again."""
@@ -332,10 +337,6 @@ class PlaneLink:
             plane, self._plane = self._plane, False
         if isinstance(plane, DataPlaneClient):
             plane.close()
-
-
-def _serialize(message: Any) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class Endpoint:
@@ -383,7 +384,9 @@ class Endpoint:
         """The gRPC method at ``path`` (``kind``: its cardinality), called with
         the security's metadata; a request may be a message or its bytes."""
         factory = getattr(self.channel, kind)
-        stub = factory(path, request_serializer=_serialize, response_deserializer=deserialize)
+        stub = factory(
+            path, request_serializer=framing.serialize, response_deserializer=deserialize
+        )
         return stub if self._metadata is None else functools.partial(stub, metadata=self._metadata)
 
     def run(

@@ -35,7 +35,7 @@ from psflow import settings
 from psflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from psflow.proto import embedding_pb2
 from psflow.ps.dynamic_table import TableConfig, TableStats
-from psflow.ps.hot_rows import HotRowCache, HotRowPolicy
+from psflow.ps.hot_rows import HotRowCaches, HotRowPolicy
 from psflow.ps.key_index import ShardSplit, as_ids, unique_gradients, unique_ids
 from psflow.security.config import SecurityConfig, default_security
 from psflow.update_rules import put_rows, take_rows
@@ -135,9 +135,7 @@ class EmbeddingClient(TableClient):
         self.bytes = WireBytes()
         self._lock = threading.Lock()
         self._configs: dict[str, TableConfig] = {}
-        self.hot_rows = hot_rows
-        self._hot: dict[str, HotRowCache] = {}
-        self._hot_policies: dict[str, HotRowPolicy] = {}
+        self._hot = HotRowCaches(hot_rows, self.fetch_hot_rows)
         self.max_message_bytes = max_message_bytes
         self.parallel = parallel
         self._split = ShardSplit()  # a push reuses the split of the ids its lookup sent
@@ -304,9 +302,7 @@ class EmbeddingClient(TableClient):
         ids = np.asarray(ids)
         flat = as_ids(ids)
         unique, inverse = unique_ids(flat)
-        cached: tuple[np.ndarray, np.ndarray] | None = None
-        if unique.size and (self.hot_rows is not None or table in self._hot_policies):
-            cached = self._hot_cache(table).split(unique)
+        cached = self._hot.split(table, unique)
         missing = unique if cached is None else unique[~cached[0]]
         parts = self._split(missing, self.num_shards)
         calls = {
@@ -338,8 +334,7 @@ class EmbeddingClient(TableClient):
         header, payload = embedding_plane.lookup_request(table, ids, not training)
 
         def over_grpc(left: float) -> np.ndarray:  # the same request, the ids' bytes inside
-            request = embedding_pb2.LookupRequest.FromString(header)
-            request.ids.CopyFrom(codec.encode_tensor(ids))
+            request = embedding_plane.grpc_request(header, embedding_pb2.LookupRequest, ids=ids)
             return codec.decode_tensor(self._stubs[s]["Lookup"](request, timeout=left).rows)
 
         read = embedding_plane.rows_from_reply
@@ -348,18 +343,7 @@ class EmbeddingClient(TableClient):
     def cache_hot_rows(self, table: str, policy: HotRowPolicy) -> None:
         """Caches ``table``'s hot rows with ``policy`` from its next lookup on
         (a table's first policy stays)."""
-        with self._lock:
-            self._hot_policies.setdefault(table, policy)
-
-    def _hot_cache(self, table: str) -> HotRowCache:
-        with self._lock:
-            cache = self._hot.get(table)
-            if cache is None:
-                policy = self._hot_policies.get(table, self.hot_rows)
-                cache = self._hot[table] = HotRowCache(
-                    policy, lambda: self.fetch_hot_rows(table, policy.count)
-                )
-            return cache
+        self._hot.set_policy(table, policy)
 
     def _dim(self, table: str) -> int:
         if table not in self._configs:
@@ -425,9 +409,8 @@ class EmbeddingClient(TableClient):
         )
 
         def over_grpc(left: float) -> int:  # the same request, the tensors' bytes inside
-            request = embedding_pb2.PushGradientsRequest.FromString(header)
-            request.ids.CopyFrom(codec.encode_tensor(ids))
-            request.grads.CopyFrom(codec.encode_tensor(grads))
+            cls = embedding_pb2.PushGradientsRequest
+            request = embedding_plane.grpc_request(header, cls, ids=ids, grads=grads)
             return self._stubs[s]["PushGradients"](request, timeout=left).step
 
         read, nbytes = embedding_plane.step_from_reply, ids.nbytes + grads.nbytes
@@ -446,11 +429,8 @@ class EmbeddingClient(TableClient):
 
     def stats(self) -> list[dict[str, TableStats]]:
         """Every shard's table counters, in task order."""
-        fields = [f.name for f in dataclasses.fields(TableStats)]
-        return [
-            {t.table: TableStats(**{f: getattr(t, f) for f in fields}) for t in reply.tables}
-            for reply in self._call_every("GetTableStats", embedding_pb2.GetTableStatsRequest())
-        ]
+        replies = self._call_every("GetTableStats", embedding_pb2.GetTableStatsRequest())
+        return [embedding_plane.table_stats(reply) for reply in replies]
 
     def server_bytes(self) -> list[tuple[int, int]]:
         """``(bytes in, bytes out)`` of every task's Lookup and PushGradients calls

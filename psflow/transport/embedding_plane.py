@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from psflow.errors import InvalidArgumentError
 from psflow.proto import embedding_pb2, ps_pb2, tensor_pb2
+from psflow.ps.dynamic_table import TableStats
 from psflow.wire import codec
 
 from . import framing
@@ -33,6 +35,7 @@ from . import framing
 __all__ = [
     "LOOKUP",
     "PUSH",
+    "grpc_request",
     "lookup_request",
     "parse",
     "push_request",
@@ -40,6 +43,7 @@ __all__ = [
     "step_from_reply",
     "spec",
     "split_payload",
+    "table_stats",
 ]
 
 # Data-plane method names (their CRC-32 is the wire id).
@@ -127,3 +131,17 @@ def rows_from_reply(reply: tuple[bytes, memoryview]) -> np.ndarray:
 def step_from_reply(reply: tuple[bytes, memoryview]) -> int:
     """The step a push's reply (header, payload) reports."""
     return parse(reply[0], embedding_pb2.PushGradientsResponse).step
+
+
+def grpc_request(header: bytes, cls: Any, **tensors: np.ndarray) -> Any:
+    """The gRPC form of a data-plane request: ``header`` with ``tensors``' bytes inside."""
+    request = cls.FromString(header)
+    for field, array in tensors.items():
+        getattr(request, field).CopyFrom(codec.encode_tensor(array))
+    return request
+
+
+def table_stats(reply: embedding_pb2.GetTableStatsResponse) -> dict[str, TableStats]:
+    """A task's table counters, by table, from its ``GetTableStatsResponse``."""
+    fields = [f.name for f in dataclasses.fields(TableStats)]
+    return {t.table: TableStats(**{f: getattr(t, f) for f in fields}) for t in reply.tables}

@@ -18,7 +18,7 @@ stream back into per-tensor pieces, still without copying.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -171,6 +171,12 @@ def split_message(raw: bytes) -> tuple[bytes | None, memoryview | None]:
     return header, payload
 
 
+def serialize(message: Any) -> bytes:
+    """A message's bytes; bytes as they are (a request or reply serialized already:
+    the data plane sends the same bytes)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def byte_view(array: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a C-contiguous array (no copy)."""
     return array.reshape(-1).view(np.uint8)
@@ -213,6 +219,35 @@ def payload_messages(
             pending_bytes += piece.size
     if pending or first:
         yield encode_message(header if first else None, pending)
+
+
+def split_stream(
+    messages: Iterable[tuple[bytes | None, memoryview | None]],
+) -> tuple[bytes, Iterator[memoryview]]:
+    """The header of a stream of split messages (:func:`split_message`'s, as
+    :func:`payload_messages` sends them) and its payload chunks, as they arrive.
+
+    Raises:
+        InvalidArgumentError: no message, no header first, or a second one.
+    """
+    it = iter(messages)
+    try:
+        header, first_payload = next(it)
+    except StopIteration:
+        raise InvalidArgumentError("empty request stream: no header") from None
+    if header is None:
+        raise InvalidArgumentError("the first message of a request carries no header")
+
+    def payloads() -> Iterator[memoryview]:
+        if first_payload is not None:
+            yield first_payload
+        for hdr, payload in it:
+            if hdr is not None:
+                raise InvalidArgumentError("a header in a message after the first")
+            if payload is not None:
+                yield payload
+
+    return header, payloads()
 
 
 def join_pieces(pieces: Sequence[memoryview]) -> memoryview:

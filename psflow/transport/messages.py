@@ -11,10 +11,15 @@ frame, or in a same-host shared-memory segment the header names.
 A pull reply is a ``PullHeader`` (name, spec, version per tensor) followed
 by every tensor's bytes back to back.
 
+A write (create, assign, add, subtract) is a ``WriteHeader`` (the op, one
+spec per variable, an exactly-once id) followed by the values' bytes, the
+same way.
+
 The client (:class:`~psflow.transport.PSClient`) encodes with
 :func:`encode_push` and decodes with :class:`PullDecoder`; the server
 (``ps_server.servicer``) decodes with :func:`push_context` and
-:func:`decode_push` and encodes with :func:`pull_header`.  A change of the
+:func:`decode_push` and encodes with :func:`pull_header`.  The variables'
+list and the counters are encoded and decoded here too.  A change of the
 format touches this file (and the ``.proto``) only.  The request context is
 one :class:`~psflow.ps.push_types.PushContext` from the session to the store.
 """
@@ -22,6 +27,7 @@ one :class:`~psflow.ps.push_types.PushContext` from the session to the store.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -31,9 +37,10 @@ import numpy as np
 from psflow import compression
 from psflow.errors import InvalidArgumentError
 from psflow.proto import ps_pb2
+from psflow.ps import write_ops
 from psflow.ps.names import quote
-from psflow.ps.push_types import Gradient, PushContext
-from psflow.ps.tensors import segments_from_pieces
+from psflow.ps.push_types import Gradient, PushContext, PushReply
+from psflow.ps.tensors import Segments, segments_from_pieces
 from psflow.wire import codec
 
 from . import framing
@@ -41,12 +48,24 @@ from . import framing
 __all__ = [
     "DecodedPush",
     "PullDecoder",
+    "VariableDescription",
     "as_gradients",
     "decode_push",
+    "decode_write",
     "encode_push",
+    "encode_write",
+    "payload_pieces",
     "pull_header",
+    "pull_items",
+    "pull_request",
+    "push_reply",
+    "push_reply_bytes",
     "push_codecs",
     "push_context",
+    "stats_from_reply",
+    "stats_reply",
+    "variable_descriptions",
+    "variables_reply",
 ]
 
 
@@ -203,6 +222,19 @@ class _GradientWhat:
         return f"gradient for {quote(self.name)}"
 
 
+def payload_pieces(sizes: Sequence[int], payloads: Iterable[memoryview]) -> list[list[memoryview]]:
+    """Each item's bytes as views of a streamed payload's chunks, as they arrived.
+
+    Raises:
+        InvalidArgumentError: more or fewer bytes than ``sizes`` add up to.
+    """
+    assembler = framing.PayloadAssembler(sizes)
+    for payload in payloads:
+        assembler.feed(payload)
+    assembler.finish()
+    return [assembler.pieces(k) for k in range(len(sizes))]
+
+
 def decode_push(
     header: ps_pb2.PushHeader,
     payloads: Iterable[memoryview],
@@ -211,7 +243,6 @@ def decode_push(
     shm_view: Callable[[str, int], memoryview],
     chunk_bytes: int,
     borrowed: memoryview | None = None,
-    owned: bool = False,
 ) -> DecodedPush:
     """A push's gradients from its header and payload.
 
@@ -224,8 +255,8 @@ def decode_push(
         chunk_bytes: a payload in one buffer is applied in pieces this large
             (the optimizer then updates cache-sized blocks).
         borrowed: instead of ``payloads``, the whole payload in a buffer the
-            caller reuses once the push is applied (the data plane's).
-        owned: copy a buffer payload (a synchronous contribution outlives the call).
+            caller reuses once the push is applied (the data plane's; the store
+            copies what it keeps past the call: a pending sync contribution).
 
     Raises:
         InvalidArgumentError: a malformed item, or a payload of the wrong size.
@@ -244,7 +275,6 @@ def decode_push(
             )
         layout.append((item, dtype, shape, wire, len(sizes)))
         sizes.append(nbytes // dtype.itemsize * wire.itemsize)
-    assembler = framing.PayloadAssembler(sizes)
     view = borrowed
     if header.shm_payload:
         if borrowed is not None and len(borrowed):
@@ -252,20 +282,25 @@ def decode_push(
                 f"a push with {len(borrowed)} payload bytes names a shared-memory payload too"
             )
         view = shm_view(header.shm_payload, sum(sizes))
-    if view is not None:
-        if owned:
-            view = memoryview(bytes(view))
-        # in chunks, as if streamed (a 64 MB SGD step: 17 ms in one piece, 13 ms in 1 MB ones)
-        payloads = (view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes))
-    for payload in payloads:
-        assembler.feed(payload)
-    assembler.finish()
+    if view is None:
+        pieces = payload_pieces(sizes, payloads)
+    else:  # one buffer, cut per item in chunks (a 64 MB SGD step: 17 ms whole, 13 ms in 1 MB)
+        total, pieces, pos = sum(sizes), [], 0
+        if len(view) != total:
+            raise InvalidArgumentError(
+                f"payload of {len(view)} bytes where its header announced {total}"
+            )
+        for n in sizes:
+            pieces.append(
+                [view[i : min(i + chunk_bytes, pos + n)] for i in range(pos, pos + n, chunk_bytes)]
+            )
+            pos += n
     grads, item_bytes = [], []
     for item, dtype, shape, wire, k in layout:
         # the sizes were checked against the header above: only a bool payload can
         # still be refused here, so its message is built only then
         what = _GradientWhat(item.name)
-        values = segments_from_pieces(wire, shape, assembler.pieces(k), what=what)
+        values = segments_from_pieces(wire, shape, pieces[k], what=what)
         if item.compression:
             values = compression.decode_segments(item.compression, values, dtype)
         indices = None
@@ -273,13 +308,81 @@ def decode_push(
             indices = codec.tensor_from_buffer(
                 np.dtype("<i8"),
                 (shape[0],),
-                framing.join_pieces(assembler.pieces(k - 1)),
+                framing.join_pieces(pieces[k - 1]),
                 what=f"indices of {what}",
             )
             values = values.to_array()
         grads.append(Gradient(item.name, values, indices, item.base_version))
         item_bytes.append((item.name, sizes[k] + (sizes[k - 1] if item.sparse else 0)))
     return DecodedPush(grads, item_bytes)
+
+
+def push_reply_bytes(reply: PushReply) -> bytes:
+    """A push's ``PushResponse``, serialized."""
+    return ps_pb2.PushResponse(
+        versions=reply.versions,
+        applied=reply.applied,
+        duplicate=reply.duplicate,
+        staleness=reply.staleness,
+    ).SerializeToString()
+
+
+def push_reply(reply: ps_pb2.PushResponse) -> PushReply:
+    """A ``PushResponse``'s :class:`PushReply`."""
+    return PushReply(tuple(reply.versions), reply.applied, reply.duplicate, tuple(reply.staleness))
+
+
+# -- write ----------------------------------------------------------------------------------
+def encode_write(
+    op: int,
+    values: Mapping[str, Any],
+    request_id: tuple[str, int] | None = None,
+    trainable: bool | Mapping[str, bool] = False,
+    optimizer_json: str = "",
+) -> tuple[ps_pb2.WriteHeader, list[np.ndarray]]:
+    """A write's header (``op``: a ``WRITE_OP_*``) and the host arrays of ``{name: value}``."""
+    arrays = [codec.to_host(v) for v in values.values()]
+    header = ps_pb2.WriteHeader(
+        op=op,
+        variables=[
+            ps_pb2.VariableSpec(
+                name=name,
+                spec=codec.spec_to_proto(a.dtype, a.shape),
+                trainable=trainable if isinstance(trainable, bool) else trainable.get(name, True),
+                optimizer_json=optimizer_json,
+            )
+            for name, a in zip(values, arrays, strict=True)
+        ],
+    )
+    if request_id is not None:
+        header.id.client_id, header.id.sequence = request_id
+    return header, arrays
+
+
+def decode_write(
+    header_bytes: bytes,
+    payloads: Iterable[memoryview],
+    spec: Callable[[int, Any, str], tuple[np.dtype, tuple, int]],
+) -> tuple[ps_pb2.WriteHeader, list[tuple[Any, np.dtype, tuple]], list[Segments]]:
+    """A write's header, each variable's ``(spec message, dtype, shape)`` (checked
+    by ``spec(dtype_code, shape, what)``) and its value, views of ``payloads``.
+
+    Raises:
+        InvalidArgumentError: an unknown op, a bad spec, or a payload of the wrong size.
+    """
+    header = framing.parse_header(header_bytes, ps_pb2.WriteHeader)
+    if header.op != ps_pb2.WRITE_OP_CREATE and not write_ops.is_wire_write(header.op):
+        raise InvalidArgumentError(f"unknown write op {header.op}")
+    specs = [
+        (v, *spec(v.spec.dtype, v.spec.shape, f"variable {quote(v.name)}"))
+        for v in header.variables
+    ]
+    pieces = payload_pieces([s[3] for s in specs], payloads)
+    values = [
+        segments_from_pieces(dtype, shape, part, what=f"value of {quote(v.name)}")
+        for part, (v, dtype, shape, _) in zip(pieces, specs, strict=True)
+    ]
+    return header, [s[:3] for s in specs], values
 
 
 # -- pull ---------------------------------------------------------------------------------
@@ -295,6 +398,30 @@ def pull_header(tensors: Sequence[Any]) -> bytes:
             for t in tensors
         ]
     ).SerializeToString()
+
+
+def pull_request(
+    names: Sequence[str], chunk_bytes: int, indices: np.ndarray | None = None
+) -> ps_pb2.PullRequest:
+    """A pull of ``names``, or of rows ``indices`` (``<i8``) of the one name."""
+    if indices is None:
+        items = [ps_pb2.PullItem(name=n) for n in names]
+    else:
+        items = [ps_pb2.PullItem(name=names[0], indices=codec.encode_tensor(indices))]
+    return ps_pb2.PullRequest(items=items, chunk_bytes=chunk_bytes)
+
+
+def pull_items(
+    request: ps_pb2.PullRequest, spec: Callable[[int, Any, str], Any]
+) -> tuple[list[str], dict[int, np.ndarray]]:
+    """A pull's names and, by item, its row indices (checked by ``spec(dtype, shape, what)``)."""
+    rows = {}
+    for i, item in enumerate(request.items):
+        if item.HasField("indices"):
+            idx = item.indices
+            spec(idx.dtype, idx.shape, f"row indices for {quote(item.name)}")
+            rows[i] = codec.decode_tensor(idx, max_bytes=1 << 62)
+    return [item.name for item in request.items], rows
 
 
 class _Filler:
@@ -402,8 +529,8 @@ class PullDecoder:
             arrays.append(target)
         return arrays
 
-    def messages(self, messages: Iterable[bytes]) -> tuple[list[np.ndarray], list[int]]:
-        """``(arrays, versions)`` of a reply in gRPC messages (unary or streamed).
+    def messages(self, messages: Iterable[bytes]) -> list[tuple[np.ndarray, int]]:
+        """``[(array, version), ...]`` of a reply in gRPC messages (unary or streamed).
 
         Raises:
             InvalidArgumentError: no header, a second one, or a payload of the wrong size.
@@ -422,7 +549,7 @@ class PullDecoder:
                 raise InvalidArgumentError("pull reply with a second header")
             filler.feed(payload)
         filler.finish()
-        return self.arrays, [t.version for t in self.header.tensors]
+        return list(zip(self.arrays, [t.version for t in self.header.tensors]))
 
     def sink(self, header_bytes: bytes, n: int) -> memoryview | None:
         """A data-plane sink: one tensor's payload lands straight in its array."""
@@ -436,8 +563,8 @@ class PullDecoder:
             )
         return memoryview(framing.byte_view(self.arrays[0]))
 
-    def frame(self, reply: tuple[bytes, memoryview]) -> tuple[list[np.ndarray], list[int]]:
-        """``(arrays, versions)`` of a data-plane reply read through :meth:`sink`:
+    def frame(self, reply: tuple[bytes, memoryview]) -> list[tuple[np.ndarray, int]]:
+        """``[(array, version), ...]`` of a data-plane reply read through :meth:`sink`:
         several tensors view one buffer (``out``'s are filled)."""
         _, payload = reply
         if self.arrays is None:
@@ -449,4 +576,85 @@ class PullDecoder:
                 filler.finish()
             else:
                 self.arrays = _views(payload, self._specs(self.header))
-        return self.arrays, [t.version for t in self.header.tensors]
+        return list(zip(self.arrays, [t.version for t in self.header.tensors]))
+
+
+# -- the variables' list and the counters --------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class VariableDescription:
+    """A variable as the PS describes it."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    trainable: bool
+    optimizer: dict[str, Any] | None
+    slot_names: tuple[str, ...]
+    version: int
+    optimizer_step: int
+    sync_step: int
+    # the PS's shared-memory mirror of the value (same host), or "": where, not what
+    shm_name: str = dataclasses.field(default="", compare=False)
+
+
+def variables_reply(infos: Iterable[Any]) -> ps_pb2.ListVariablesResponse:
+    """The ``ListVariablesResponse`` of a store's ``list_variables()``."""
+    return ps_pb2.ListVariablesResponse(
+        variables=[
+            ps_pb2.VariableInfo(
+                variable=ps_pb2.VariableSpec(
+                    name=i.meta.name,
+                    spec=codec.spec_to_proto(i.meta.dtype, i.meta.shape),
+                    trainable=i.meta.trainable,
+                    optimizer_json=i.optimizer_json,
+                ),
+                slot_names=i.slot_names,
+                version=i.version,
+                optimizer_step=i.optimizer_step,
+                sync_step=i.sync_step,
+                shm_name=i.shm_name,
+            )
+            for i in infos
+        ]
+    )
+
+
+def variable_descriptions(reply: ps_pb2.ListVariablesResponse) -> list[VariableDescription]:
+    """The variables a ``ListVariablesResponse`` describes."""
+    out = []
+    for info in reply.variables:
+        v = info.variable
+        dtype, shape, _ = codec.check_spec(v.spec.dtype, v.spec.shape, max_bytes=1 << 62)
+        rule = json.loads(v.optimizer_json) if v.optimizer_json else None
+        slots, steps = tuple(info.slot_names), (info.optimizer_step, info.sync_step)
+        out.append(
+            VariableDescription(
+                v.name, dtype, shape, v.trainable, rule, slots, info.version, *steps, info.shm_name
+            )
+        )
+    return out
+
+
+def stats_reply(snapshot: dict[str, Any]) -> ps_pb2.GetStatsResponse:
+    """The ``GetStatsResponse`` of a store's ``stats_snapshot()`` (its ``log`` entries included)."""
+    log = [
+        ps_pb2.PushLogEntry(
+            variable=e.variable,
+            client_id=e.client_id,
+            base_version=e.base_version,
+            applied_version=e.applied_version,
+        )
+        for e in snapshot.pop("log", [])
+    ]
+    return ps_pb2.GetStatsResponse(**snapshot, log=log)
+
+
+def stats_from_reply(reply: ps_pb2.GetStatsResponse, include_log: bool) -> dict[str, Any]:
+    """The counters of a ``GetStatsResponse`` (``log``: ``(variable, client, base, applied)``)."""
+    out = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "log"}
+    out.update(rejected=dict(reply.rejected), staleness_histogram=dict(reply.staleness_histogram))
+    if include_log:
+        out["log"] = [
+            (e.variable, e.client_id, e.base_version, e.applied_version) for e in reply.log
+        ]
+    return out

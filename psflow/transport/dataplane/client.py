@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import socket
@@ -143,8 +142,11 @@ class DataPlaneClient:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 sock = self._tls.wrap_socket(sock, server_hostname=self._server_name)
             conn = _Conn(sock, max_header=frames.MAX_HEADER_BYTES, max_payload=self.max_reply_bytes)
-            self._send(conn, hello, 0, 0, self._hello, (), deadline)
-            self._raise(self._receive(method, conn, hello, 0, deadline, None))
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn.send_frame(hello, header=self._hello)
+            refused = self._receive(method, conn, hello, 0, deadline, None)
+            if isinstance(refused, OpError):
+                raise refused
         return conn
 
     def _take(self, method: str, deadline: float) -> _Conn:
@@ -193,13 +195,15 @@ class DataPlaneClient:
         timeout: float = 60.0,
         *,
         sink: Sink | None = None,
+        read: Callable[[tuple[bytes, memoryview]], Any] | None = None,
+        recover: Callable[[OpError], Any] | None = None,
     ) -> Started:
         """Sends a call to ``method`` now and returns without reading its reply:
-        the started call's ``result()`` reads it (the reply's header bytes and
-        payload), ``cancel()`` closes its connection (a reply may still come on it).
-        A thread that sends to several servers before reading any reply has them
-        work at once with no thread of its own per call.  The call holds one of
-        the pooled connections until its result is read (or it is cancelled).
+        the started call's ``result()`` reads it, ``cancel()`` closes its connection
+        (a reply may still come on it).  A thread that sends to several servers
+        before reading any reply has them work at once with no thread of its own
+        per call.  The call holds one of the pooled connections until its result
+        is read (or it is cancelled).
 
         Args:
             method: the method name.
@@ -208,6 +212,10 @@ class DataPlaneClient:
             timeout: seconds until the deadline.
             sink: where the reply payload goes (default: a new buffer the
                 returned view owns).
+            read: the result is ``read(reply)`` (default: the reply's header
+                bytes and payload).
+            recover: where reading the reply failed, the result is
+                ``recover(error)`` (it may raise; default: the error is raised).
 
         Raises:
             OpError: the request could not be sent (as :meth:`call`).
@@ -218,57 +226,46 @@ class DataPlaneClient:
         try:
             conn = self._take(method, deadline)
             call_id = next(self._ids)
-            kind = frames.Kind.REQUEST
-            with self._failures(method, conn.close, kind):
-                self._send(conn, kind, frames.method_id(method), call_id, header, payload, deadline)
+            with self._failures(method, conn.close, frames.Kind.REQUEST):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                conn.settimeout(left)
+                conn.send_frame(
+                    frames.Kind.REQUEST,
+                    method=frames.method_id(method),
+                    call_id=call_id,
+                    header=header,
+                    buffers=payload,
+                    timeout_ms=frames.timeout_ms(left),
+                )
         except BaseException:
             self._slots.release()
             raise
-        return Started(
-            functools.partial(self._finish, method, conn, call_id, deadline, sink),
-            functools.partial(self._abandon, conn),
-            method,
-        )
 
-    def _finish(
-        self, method: str, conn: _Conn, call_id: int, deadline: float, sink: Sink | None
-    ) -> tuple[bytes, memoryview]:
-        """Reads a sent call's reply, then hands its connection and slot back."""
-        try:
-            with self._failures(method, conn.close, frames.Kind.REQUEST):
-                reply = self._receive(method, conn, frames.Kind.REQUEST, call_id, deadline, sink)
-            self._give_back(conn)  # an ERROR frame's too: the connection stays usable
-            return self._raise(reply)
-        finally:
+        def finish() -> Any:  # reads the reply, hands its connection and slot back
+            try:
+                try:
+                    with self._failures(method, conn.close, frames.Kind.REQUEST):
+                        reply = self._receive(
+                            method, conn, frames.Kind.REQUEST, call_id, deadline, sink
+                        )
+                    self._give_back(conn)  # an ERROR frame's too: the connection stays usable
+                finally:
+                    self._slots.release()  # before a recovery, which may take a slot again
+                if isinstance(reply, OpError):
+                    raise reply
+            except OpError as e:
+                if recover is None:
+                    raise
+                return recover(e)
+            return reply if read is None else read(reply)
+
+        def abandon() -> None:  # its connection is closed, its slot freed
+            conn.close()
             self._slots.release()
 
-    def _abandon(self, conn: _Conn) -> None:
-        """A sent call given up: its connection is closed, its slot freed."""
-        conn.close()
-        self._slots.release()
-
-    def _send(
-        self,
-        conn: _Conn,
-        kind: frames.Kind,
-        mid: int,
-        call_id: int,
-        header: bytes,
-        payload: Sequence[Any],
-        deadline: float,
-    ) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        conn.settimeout(left)
-        conn.send_frame(
-            kind,
-            method=mid,
-            call_id=call_id,
-            header=header,
-            buffers=payload,
-            timeout_ms=frames.timeout_ms(left),
-        )
+        return Started(finish, abandon, method)
 
     def _receive(
         self,
@@ -306,12 +303,6 @@ class DataPlaneClient:
             )
         conn.read_into(dest)
         return reply_header, dest
-
-    @staticmethod
-    def _raise(reply: tuple[bytes, memoryview] | OpError) -> tuple[bytes, memoryview]:
-        if isinstance(reply, OpError):
-            raise reply
-        return reply
 
     @contextlib.contextmanager
     def _failures(self, method: str, drop: Callable[[], Any], kind: frames.Kind) -> Iterator[None]:

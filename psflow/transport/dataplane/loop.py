@@ -45,7 +45,7 @@ import numpy as np
 from . import frames
 from .stream import FrameStream, readable_now
 
-__all__ = ["Connection", "EventLoop", "Limits", "available"]
+__all__ = ["Connection", "EventLoop", "Limits"]
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,6 @@ _EVICTABLE_IDLE = 2.0
 Frame = tuple[frames.FrameHead, bytes, memoryview]
 """A whole request: its fixed header, its protobuf header, its payload."""
 Dispatch = Callable[["Connection", frames.FrameHead, bytes, memoryview], bool]
-
-
-def available() -> bool:
-    """Whether this platform has ``epoll`` (Linux), which :class:`EventLoop` waits in.
-
-    Elsewhere (macOS, the BSDs, Windows) each connection is served on a thread of its own.
-    """
-    return hasattr(select, "epoll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +241,8 @@ class EventLoop:
         self._on_error = on_error
         self.max_threads = max(1, limits.max_connections)
         self.min_threads = min(max(1, min_threads), self.max_threads)
-        self._epoll = select.epoll() if available() else None
+        # epoll: Linux; elsewhere (macOS, the BSDs, Windows) a thread per connection
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
         self.nonblocking = self._epoll is not None  # its connections' sockets
         self._conns: dict[int, Connection] = {}  # by file descriptor
         self._lock = threading.Lock()

@@ -143,11 +143,17 @@ class DataPlaneServer:
         self.host = host
         self.security = security
         self.limits = Limits(**limits)
-        self._on_reject = on_reject
+        self._on_reject = on_reject or (lambda _reason: None)
         self._around = around or (lambda _request: contextlib.nullcontext())
         self._handlers: dict[int, tuple[str, Handler]] = {}
         for name, handler in handlers.items():
-            self.add_handler(name, handler)
+            mid = frames.method_id(name)
+            if mid in self._handlers:
+                known = self._handlers[mid][0]
+                raise InvalidArgumentError(
+                    f"data-plane methods {known!r} and {name!r} share wire id {mid}"
+                )
+            self._handlers[mid] = (name, handler)
         self._tls = None if security.tls is None else auth.server_context(security.tls)
         self._listener = self._bind(host, port)
         self.port = self._listener.getsockname()[1]
@@ -193,20 +199,6 @@ class DataPlaneServer:
         sock.settimeout(_ACCEPT_POLL)
         return sock
 
-    def add_handler(self, name: str, handler: Handler) -> None:
-        """Serves ``name`` with ``handler`` (before or after :meth:`start`).
-
-        Raises:
-            InvalidArgumentError: another method's name has the same wire id.
-        """
-        mid = frames.method_id(name)
-        known = self._handlers.get(mid)
-        if known is not None and known[0] != name:
-            raise InvalidArgumentError(
-                f"data-plane methods {known[0]!r} and {name!r} share wire id {mid}"
-            )
-        self._handlers[mid] = (name, handler)
-
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> DataPlaneServer:
         """Starts accepting connections; returns self."""
@@ -242,11 +234,6 @@ class DataPlaneServer:
     def connections(self) -> int:
         """Connections open now (handshakes under way included)."""
         return self._door.pending + self._loop.connections
-
-    @property
-    def pending_handshakes(self) -> int:
-        """Connections that have not finished their handshake."""
-        return self._door.pending
 
     # -- accepting -------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -288,12 +275,8 @@ class DataPlaneServer:
 
     def _refused(self, peer: str, why: str, reason: str = "handshake_incomplete") -> None:
         """Counts a refused connection (metrics) and logs it, rate-limited."""
-        self._rejected(reason)
+        self._on_reject(reason)
         self._refusals.refused(peer, why, reason)
-
-    def _rejected(self, reason: str) -> None:
-        if self._on_reject is not None:
-            self._on_reject(reason)
 
     # -- one connection ---------------------------------------------------------------
     def _serve(self, accepted: _Accepted, deadline: float) -> None:
@@ -341,7 +324,7 @@ class DataPlaneServer:
 
     def _read_failed(self, conn: Connection, error: BaseException) -> None:
         if isinstance(error, frames.FrameError):
-            self._rejected("malformed_frame")
+            self._on_reject("malformed_frame")
             log.warning("data plane closed the connection from %s: %s", conn.peer, error)
 
     # -- the handshake ----------------------------------------------------------------
