@@ -272,7 +272,13 @@ def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
                     for lo, hi in bounds
                 ]
             finish.append(lambda done, c=c: c)
-    done = _run_gemm(lambda i, _: tasks[i](), [(i, i + 1) for i in range(len(tasks))])
+    if len(tasks) > 1 and sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products) < (
+        GEMM_CHUNK_FLOPS
+    ):
+        # too small to be worth waking a thread (a last layer's pair): one after the other
+        done = _run_gemm(lambda lo, hi: [t() for t in tasks], [(0, len(tasks))])[0]
+    else:
+        done = _run_gemm(lambda i, _: tasks[i](), [(i, i + 1) for i in range(len(tasks))])
     return [f(done) for f in finish]
 
 
