@@ -348,3 +348,25 @@ def test_dense_backward_runs_both_products_and_skips_the_input_gradient_of_data(
     # (its input is data, not watched: no (64, 512) @ (512, 784) product)
     assert calls == [[((64, 10), (10, 512)), ((512, 64), (64, 10))]]
     assert single == [((784, 64), (64, 512))]
+
+
+@pytest.mark.parametrize("shape", [(256, 784, 512), (2000, 300, 64), (16, 100000, 32), (8, 8, 8)])
+@pytest.mark.parametrize(("with_bias", "relu"), [(True, True), (True, False), (False, True)])
+def test_dense_kernel_adds_bias_and_relu_per_chunk_with_the_bits_of_the_whole_array(
+    threads, shape, with_bias: bool, relu: bool
+) -> None:
+    m, k, n = shape  # a column cut, a row cut, a sum cut, one call
+    rng = np.random.default_rng(m + k)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    bias = rng.standard_normal(n, dtype=np.float32) if with_bias else None
+    threads(2)
+    want = kernel_pool.matmul(a, w)
+    if bias is not None:
+        want = want + bias
+    if relu:
+        want = np.maximum(want, 0)
+    got = kernel_pool.dense(a, w, bias, relu)
+    np.testing.assert_array_equal(got, want)
+    threads(1)
+    np.testing.assert_array_equal(kernel_pool.dense(a, w, bias, relu), want)

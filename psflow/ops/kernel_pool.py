@@ -237,6 +237,43 @@ def matmul(a: Any, b: Any) -> Any:
     return matmuls([(a, b)])[0]
 
 
+def dense(a: Any, w: Any, bias: Any = None, relu: bool = False) -> Any:
+    """``relu?(a @ w + bias)`` for NumPy matrices: :func:`matmul`, then the sum and the ReLU.
+
+    Where the product is cut into row or column chunks, the thread that computed a
+    chunk adds the bias and applies the ReLU to it at once, while it is in cache, in
+    parallel with the other chunks; otherwise they follow the product here. Either
+    way the bits are those of :func:`matmul`'s product, then ``+=`` and ``maximum``
+    on the whole array (elementwise operations, whoever runs them).
+    """
+    m, k = a.shape
+    n = w.shape[1]
+    kind, bounds = gemm_cut(m, k, n)
+    if len(bounds) == 1 or kind == "sum":
+        c = matmul(a, w)
+        _bias_relu(c, bias, relu)
+        return c
+    c = np.empty((m, n), dtype=np.result_type(a, w))
+
+    def chunk(lo: int, hi: int) -> None:
+        if kind == "rows":
+            np.matmul(a[lo:hi], w, out=c[lo:hi])
+            _bias_relu(c[lo:hi], bias, relu)
+        else:
+            np.matmul(a, w[:, lo:hi], out=c[:, lo:hi])
+            _bias_relu(c[:, lo:hi], None if bias is None else bias[lo:hi], relu)
+
+    _run_gemm(chunk, bounds)
+    return c
+
+
+def _bias_relu(c: Any, bias: Any, relu: bool) -> None:
+    if bias is not None:
+        c += bias
+    if relu:
+        np.maximum(c, 0, out=c)
+
+
 def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
     """``[a @ b for a, b in products]``, their chunks run side by side on the kernel threads.
 

@@ -54,11 +54,14 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
         inputs = (xn, kn, bn)
     # NumPy products go through the kernel threads (cut by shape: the same bits on any count)
     mm = kernel_pool.matmul if xp(a) is np else _product
-    z = mm(a, w)
-    if bias is not None:
-        z += b
-    if relu:
-        xp(z).maximum(z, 0, out=z)
+    if mm is kernel_pool.matmul:  # the sum and ReLU on each chunk, by the thread that made it
+        z = kernel_pool.dense(a, w, b if bias is not None else None, relu)
+    else:
+        z = mm(a, w)
+        if bias is not None:
+            z += b
+        if relu:
+            xp(z).maximum(z, 0, out=z)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
         if relu:
