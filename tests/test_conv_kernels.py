@@ -267,3 +267,106 @@ def test_fused_dense_equals_matmul_add_relu_bitwise_at_model_sizes(relu: bool) -
         results.append([y.numpy()] + [g.numpy() for g in tape.gradient(loss, [x, w, b])])
     for a, c in zip(*results):
         np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("share", [1, 2])
+def test_gemm_cut_is_even_long_enough_and_a_function_of_the_shapes(threads, share) -> None:
+    for m, k, n in [(256, 784, 512), (64, 784, 512), (784, 256, 512), (2000, 300, 64), (9, 9, 9)]:
+        threads(1)
+        kind, bounds = kernel_pool.gemm_cut(m, k, n, share)
+        threads(4)
+        assert kernel_pool.gemm_cut(m, k, n, share) == (kind, bounds)
+        along = m if kind == "rows" else n
+        assert kind == ("rows" if m >= n else "columns")
+        assert bounds[0][0] == 0 and bounds[-1][1] == along
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        parts = len(bounds)
+        assert parts & (parts - 1) == 0  # a power of two: even on 2 or 4 threads
+        if parts > 1:
+            assert min(hi - lo for lo, hi in bounds) >= kernel_pool.GEMM_MIN_SPAN // 2
+            assert 2 * m * k * n // parts >= kernel_pool.GEMM_CHUNK_FLOPS // share
+    # the sum over K keeps its cut (its order of partial sums) whatever the share
+    assert kernel_pool.gemm_cut(16, 100000, 32, 2) == kernel_pool.gemm_cut(16, 100000, 32)
+    assert kernel_pool.gemm_cut(16, 100000, 32)[0] == "sum"
+
+
+def test_products_side_by_side_match_numpy_and_keep_their_bits_with_any_thread_count(
+    threads,
+) -> None:
+    # a Dense layer's backward pair at batch 256 (input and weight gradients), and a sum-cut one
+    rng = np.random.default_rng(11)
+    g = rng.standard_normal((256, 512), dtype=np.float32)
+    w = rng.standard_normal((512, 512), dtype=np.float32)
+    a = rng.standard_normal((256, 512), dtype=np.float32)
+    s = rng.standard_normal((100000, 16), dtype=np.float32)
+    pairs = [[(g, w.T), (a.T, g)], [(s.T, s), (g, w)]]
+    for products in pairs:
+        threads(1)
+        one = kernel_pool.matmuls(products)
+        threads(2)
+        two = kernel_pool.matmuls(products)
+        again = kernel_pool.matmuls(products)
+        for p, q, r, (x, y) in zip(one, two, again, products):
+            np.testing.assert_array_equal(p, q)
+            np.testing.assert_array_equal(q, r)
+            exact = x.astype(np.float64) @ y.astype(np.float64)
+            bound = x.shape[1] * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(y))
+            assert np.all(np.abs(q - exact) <= bound)
+    # a sum-cut product alone and beside another: the same cut, the same bits
+    np.testing.assert_array_equal(kernel_pool.matmul(s.T, s), kernel_pool.matmuls(pairs[1])[0])
+
+
+def test_dense_backward_runs_both_products_and_skips_the_input_gradient_of_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(2)
+    x = pf.constant(rng.standard_normal((64, 784)).astype(np.float32))
+    w1 = pf.Variable(rng.standard_normal((784, 512)).astype(np.float32) * 0.05)
+    w2 = pf.Variable(rng.standard_normal((512, 10)).astype(np.float32) * 0.05)
+    calls: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
+    single: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real_pair, real_one = kernel_pool.matmuls, kernel_pool.matmul
+
+    def pair(products):
+        if len(products) > 1:  # kernel_pool.matmul comes here too, with one product
+            calls.append([(p.shape, q.shape) for p, q in products])
+        return real_pair(products)
+
+    def one(p, q):
+        single.append((p.shape, q.shape))
+        return real_one(p, q)
+
+    with pf.GradientTape() as tape:
+        monkeypatch.setattr(kernel_pool, "matmul", one)
+        monkeypatch.setattr(kernel_pool, "matmuls", pair)
+        h = nn_ops.dense(x, w1, relu=True)
+        loss = pf.reduce_sum(nn_ops.dense(h, w2) ** 2)
+    assert calls == []  # the forward pass: one product per layer
+    single.clear()
+    tape.gradient(loss, [w1, w2])
+    # the second layer: input and weight gradients side by side; the first: the weight's only
+    # (its input is data, not watched: no (64, 512) @ (512, 784) product)
+    assert calls == [[((64, 10), (10, 512)), ((512, 64), (64, 10))]]
+    assert single == [((784, 64), (64, 512))]
+
+
+@pytest.mark.parametrize("shape", [(256, 784, 512), (2000, 300, 64), (16, 100000, 32), (8, 8, 8)])
+@pytest.mark.parametrize(("with_bias", "relu"), [(True, True), (True, False), (False, True)])
+def test_dense_kernel_adds_bias_and_relu_per_chunk_with_the_bits_of_the_whole_array(
+    threads, shape, with_bias: bool, relu: bool
+) -> None:
+    m, k, n = shape  # a column cut, a row cut, a sum cut, one call
+    rng = np.random.default_rng(m + k)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    bias = rng.standard_normal(n, dtype=np.float32) if with_bias else None
+    threads(2)
+    want = kernel_pool.matmul(a, w)
+    if bias is not None:
+        want = want + bias
+    if relu:
+        want = np.maximum(want, 0)
+    got = kernel_pool.dense(a, w, bias, relu)
+    np.testing.assert_array_equal(got, want)
+    threads(1)
+    np.testing.assert_array_equal(kernel_pool.dense(a, w, bias, relu), want)

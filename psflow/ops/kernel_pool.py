@@ -26,6 +26,7 @@ NumPy's wheels, and its own threads wait for their slowest member spinning.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -34,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
+
+from psflow.ops import kernel_team
 
 T = TypeVar("T")
 
@@ -46,6 +49,7 @@ _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_width = 0
 _process_width: int | None = None  # the process's budget, read on first use
+_team_now: kernel_team.Team | None = None  # the kernels' threads (the executor is the fallback)
 
 
 def chunk_bounds(
@@ -107,24 +111,33 @@ def run_chunks(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -
     threads = min(width(), len(bounds))
     if threads <= 1:
         return [fn(lo, hi) for lo, hi in bounds]
-    return _spread(_executor(threads - 1), fn, bounds, threads)
+    return _spread(fn, bounds, threads)
 
 
 def _forget_pool_in_child() -> None:
     # a forked child has the pool object but not its threads: it starts its own when needed
-    global _pool, _pool_width, _process_width
-    _pool, _pool_width, _process_width = None, 0, None
+    global _pool, _pool_width, _process_width, _team_now
+    _pool, _pool_width, _process_width, _team_now = None, 0, None, None
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
+def _team(helpers: int) -> kernel_team.Team:
+    """The shared team, with at least ``helpers`` threads."""
+    global _team_now
+    with _pool_lock:
+        if _team_now is None or _team_now.helpers < helpers:
+            old = _team_now
+            _team_now = kernel_team.Team(helpers)
+            if old is not None:
+                old.close()
+        return _team_now
+
+
 def _spread(
-    pool: ThreadPoolExecutor,
-    fn: Callable[[int, int], T],
-    bounds: Sequence[tuple[int, int]],
-    threads: int,
+    fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]], threads: int
 ) -> list[T]:
     # Each thread claims the next chunk until none is left (the caller is one of them): on a
     # shared machine a descheduled thread then holds up one chunk, not a fixed share of them.
@@ -144,10 +157,12 @@ def _spread(
                 failed.append(e)
                 return
 
-    futures = [pool.submit(work) for _ in range(threads - 1)]
-    work()
-    for f in futures:
-        f.result()
+    # the team (cheap to wake); the executor while another thread has the team
+    if not _team(threads - 1).try_run(work, threads - 1):
+        futures = [_executor(threads - 1).submit(work) for _ in range(threads - 1)]
+        work()
+        for f in futures:
+            f.result()
     if failed:
         raise failed[0]
     return results
@@ -164,45 +179,152 @@ GEMM_MAX_CHUNKS = 8
 """The most chunks a GEMM is cut into: each chunk packs its operands again, and the
 MLP's b256 product ran 15% slower in 16 chunks than in 4 or 8 on 2 cores."""
 
+GEMM_MIN_SPAN = 128
+"""The fewest rows (row cut) or columns (column cut) a chunk of a product gets: each
+chunk packs the whole other operand again, which costs about 11 / span of the chunk's
+own work on a Haswell core (the MLP's 784-512 product at batch 256 took 20% more CPU
+in 8 column chunks than in 2; in 4, 10%)."""
+
 _blas_state = threading.Lock()
 _blas_narrowed = 0  # parallel GEMM sections running now
 _blas_before: int | None = None  # the BLAS thread count they narrowed from
 
 
+def gemm_cut(m: int, k: int, n: int, share: int = 1) -> tuple[str, list[tuple[int, int]]]:
+    """How an ``(m, k) @ (k, n)`` product is cut: ``("rows" | "columns" | "sum", bounds)``.
+
+    A function of the shapes (and ``share``, the products run side by side with it)
+    only, never of the thread count: a BLAS gives other bits for another cut, so the
+    cut fixes them. The sum over ``K`` is cut when it dominates (``K`` at least 8
+    times ``M`` and ``N``); otherwise the longer of ``M`` and ``N``, in a power of two
+    of chunks (even on 2 or 4 threads) of at least :data:`GEMM_MIN_SPAN` rows or
+    columns, divided among the ``share`` products.
+
+    Example:
+        >>> gemm_cut(256, 784, 512)
+        ('columns', [(0, 128), (128, 256), (256, 384), (384, 512)])
+        >>> gemm_cut(64, 784, 512)
+        ('columns', [(0, 256), (256, 512)])
+    """
+    flops = 2 * m * n * k
+    if k >= 8 * max(m, n):
+        # the summation order: kept as it was (partial sums added in chunk order)
+        kind, along = "sum", k
+        parts = min(GEMM_MAX_CHUNKS, flops // GEMM_CHUNK_FLOPS, k // 8)
+    else:
+        kind, along = ("rows", m) if m >= n else ("columns", n)
+        parts = min(GEMM_MAX_CHUNKS, flops // GEMM_CHUNK_FLOPS, along // GEMM_MIN_SPAN)
+        parts //= max(1, share)
+        parts = 1 << (parts.bit_length() - 1) if parts > 1 else 1
+    if parts < 2:
+        return kind, [(0, along)]
+    step = -(-along // parts)
+    return kind, [(lo, min(lo + step, along)) for lo in range(0, along, step)]
+
+
 def matmul(a: Any, b: Any) -> Any:
     """``a @ b`` for 2-D NumPy matrices, cut by shape into chunks run on the kernel threads.
 
-    Each chunk is one single-threaded BLAS call: rows of ``a`` (``M >= N``),
-    columns of ``b``, or, when the sum dominates (``K`` at least 8 times ``M``
-    and ``N``), slices of ``K`` whose partial products are added in chunk order.
-    Threads claim chunks one by one, so on a shared machine a descheduled thread
-    delays one chunk, where a BLAS's own threads wait for their slowest member
-    spinning (a product too small to cut is one call, also on one BLAS thread).
-    The cut depends on the shapes only: the same bits with any number of
+    Each chunk is one single-threaded BLAS call (:func:`gemm_cut`): rows of ``a``,
+    columns of ``b``, or slices of ``K`` whose partial products are added in chunk
+    order. Threads claim chunks one by one, so on a shared machine a descheduled
+    thread delays one chunk, where a BLAS's own threads wait for their slowest
+    member spinning (a product too small to cut is one call, also on one BLAS
+    thread). The cut depends on the shapes only: the same bits with any number of
     threads. Without a BLAS whose thread count can be set (or with one kernel
     thread) it is ``a @ b`` cut the same way, run in this thread.
     """
+    return matmuls([(a, b)])[0]
+
+
+def dense(a: Any, w: Any, bias: Any = None, relu: bool = False) -> Any:
+    """``relu?(a @ w + bias)`` for NumPy matrices: :func:`matmul`, then the sum and the ReLU.
+
+    Where the product is cut into row or column chunks, the thread that computed a
+    chunk adds the bias and applies the ReLU to it at once, while it is in cache, in
+    parallel with the other chunks; otherwise they follow the product here. Either
+    way the bits are those of :func:`matmul`'s product, then ``+=`` and ``maximum``
+    on the whole array (elementwise operations, whoever runs them).
+    """
     m, k = a.shape
-    n = b.shape[1]
-    split_k = k >= 8 * max(m, n)
-    along = k if split_k else max(m, n)
-    parts = min(GEMM_MAX_CHUNKS, (2 * m * n * k) // GEMM_CHUNK_FLOPS, along // 8)
-    if parts < 2:  # one call, still on one BLAS thread: small products gain nothing from more
-        return _run_gemm(lambda lo, hi: a @ b, [(0, along)])[0]
-    step = -(-along // parts)
-    bounds = [(lo, min(lo + step, along)) for lo in range(0, along, step)]
-    if split_k:
-        partials = _run_gemm(lambda lo, hi: a[:, lo:hi] @ b[lo:hi], bounds)
-        total = partials[0]
-        for p in partials[1:]:
-            total += p
-        return total
-    c = np.empty((m, n), dtype=np.result_type(a, b))
-    if m >= n:
-        _run_gemm(lambda lo, hi: np.matmul(a[lo:hi], b, out=c[lo:hi]), bounds)
-    else:
-        _run_gemm(lambda lo, hi: np.matmul(a, b[:, lo:hi], out=c[:, lo:hi]), bounds)
+    n = w.shape[1]
+    kind, bounds = gemm_cut(m, k, n)
+    if len(bounds) == 1 or kind == "sum":
+        c = matmul(a, w)
+        _bias_relu(c, bias, relu)
+        return c
+    c = np.empty((m, n), dtype=np.result_type(a, w))
+
+    def chunk(lo: int, hi: int) -> None:
+        if kind == "rows":
+            np.matmul(a[lo:hi], w, out=c[lo:hi])
+            _bias_relu(c[lo:hi], bias, relu)
+        else:
+            np.matmul(a, w[:, lo:hi], out=c[:, lo:hi])
+            _bias_relu(c[:, lo:hi], None if bias is None else bias[lo:hi], relu)
+
+    _run_gemm(chunk, bounds)
     return c
+
+
+def _bias_relu(c: Any, bias: Any, relu: bool) -> None:
+    if bias is not None:
+        c += bias
+    if relu:
+        np.maximum(c, 0, out=c)
+
+
+def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
+    """``[a @ b for a, b in products]``, their chunks run side by side on the kernel threads.
+
+    A layer's backward pass needs two independent products (the input's and the
+    weight's gradient): run together, each is cut in half as many chunks as alone
+    (:func:`gemm_cut` with ``share``), so fewer chunks pack their operands again,
+    and the threads never wait between the two. Each product's bits are those of
+    its cut: a function of the shapes and of ``len(products)`` only.
+    """
+    share = len(products)
+    tasks: list[Callable[[], Any]] = []
+    finish: list[Callable[[list[Any]], Any]] = []
+    for a, b in products:
+        m, k = a.shape
+        n = b.shape[1]
+        kind, bounds = gemm_cut(m, k, n, share)
+        first = len(tasks)
+        if len(bounds) == 1:
+            tasks.append(functools.partial(np.matmul, a, b))
+            finish.append(lambda done, i=first: done[i])
+        elif kind == "sum":
+            tasks += [functools.partial(np.matmul, a[:, lo:hi], b[lo:hi]) for lo, hi in bounds]
+            finish.append(functools.partial(_add_in_order, first=first, count=len(bounds)))
+        else:
+            c = np.empty((m, n), dtype=np.result_type(a, b))
+            if kind == "rows":
+                tasks += [
+                    functools.partial(np.matmul, a[lo:hi], b, out=c[lo:hi]) for lo, hi in bounds
+                ]
+            else:
+                tasks += [
+                    functools.partial(np.matmul, a, b[:, lo:hi], out=c[:, lo:hi])
+                    for lo, hi in bounds
+                ]
+            finish.append(lambda done, c=c: c)
+    if len(tasks) > 1 and sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products) < (
+        GEMM_CHUNK_FLOPS
+    ):
+        # too small to be worth waking a thread (a last layer's pair): one after the other
+        done = _run_gemm(lambda lo, hi: [t() for t in tasks], [(0, len(tasks))])[0]
+    else:
+        done = _run_gemm(lambda i, _: tasks[i](), [(i, i + 1) for i in range(len(tasks))])
+    return [f(done) for f in finish]
+
+
+def _add_in_order(done: list[Any], first: int, count: int) -> Any:
+    """The partial products ``done[first:first + count]`` summed in chunk order."""
+    total = done[first]
+    for p in done[first + 1 : first + count]:
+        total += p
+    return total
 
 
 def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
@@ -223,7 +345,7 @@ def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) ->
         threads = min(width(), len(bounds))
         if threads <= 1:
             return [fn(lo, hi) for lo, hi in bounds]
-        return _spread(_executor(threads - 1), fn, bounds, threads)
+        return _spread(fn, bounds, threads)
     finally:
         with _blas_state:
             _blas_narrowed -= 1

@@ -550,6 +550,9 @@ def _matmul_2d(x: Any, y: Any, A: Any, B: Any) -> Tensor:
     z = mm(A, B)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, Any]:
+        if needs[0] and needs[1] and mm is kernel_pool.matmul:  # side by side, as Dense's
+            ga, gb = kernel_pool.matmuls([(g, B.T), (A.T, g)])
+            return ga, gb
         return (mm(g, B.T) if needs[0] else None, mm(A.T, g) if needs[1] else None)
 
     return out(z, (x, y), backward)

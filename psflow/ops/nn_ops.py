@@ -54,16 +54,19 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
         inputs = (xn, kn, bn)
     # NumPy products go through the kernel threads (cut by shape: the same bits on any count)
     mm = kernel_pool.matmul if xp(a) is np else _product
-    z = mm(a, w)
-    if bias is not None:
-        z += b
-    if relu:
-        xp(z).maximum(z, 0, out=z)
+    if mm is kernel_pool.matmul:  # the sum and ReLU on each chunk, by the thread that made it
+        z = kernel_pool.dense(a, w, b if bias is not None else None, relu)
+    else:
+        z = mm(a, w)
+        if bias is not None:
+            z += b
+        if relu:
+            xp(z).maximum(z, 0, out=z)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
         if relu:
             g = g * (z > 0)
-        grads = (mm(g, w.T) if needs[0] else None, mm(a.T, g) if needs[1] else None)
+        grads = _input_and_weight_grads(g, a, w, needs, mm)
         if len(needs) == 3:
             return (*grads, g.sum(axis=0) if needs[2] else None)
         return grads
@@ -73,6 +76,16 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
 
 def _product(a: Any, b: Any) -> Any:
     return a @ b
+
+
+def _input_and_weight_grads(
+    g: Any, a: Any, w: Any, needs: tuple[bool, ...], mm: Any
+) -> tuple[Any, Any]:
+    """``(g @ w.T, a.T @ g)``, each only where ``needs`` asks; NumPy's two side by side."""
+    if needs[0] and needs[1] and mm is kernel_pool.matmul:
+        gx, gw = kernel_pool.matmuls([(g, w.T), (a.T, g)])
+        return gx, gw
+    return (mm(g, w.T) if needs[0] else None, mm(a.T, g) if needs[1] else None)
 
 
 def relu6(features: Any, name: str | None = None) -> Tensor:
