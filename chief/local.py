@@ -74,6 +74,7 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -298,11 +299,29 @@ def _socket_for(host: str) -> socket.socket:
     return sock
 
 
+_LOWEST_PICKED = 10000  # below it: well-known and registered services' usual ports
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the system takes a connection's local port from (Linux: its setting;
+    elsewhere IANA's dynamic range, which macOS and Windows use)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def pick_ports(count: int, host: str = "127.0.0.1", base: int | None = None) -> list[int]:
     """Returns ``count`` distinct ports that are free on ``host`` right now.
 
     With ``base``, the ports ``base .. base+count-1``, each checked; without,
-    ports the system picks (all held open together, so they are distinct).
+    free ports below the system's ephemeral range (all held open together, so
+    they are distinct): a slot reserved for a task started later (``--ps-max``,
+    ``--workers-max``) cannot be taken meanwhile by the local end of some
+    outgoing connection, as a port the system picks could (then, or where
+    that range leaves no room, the system picks).
 
     Raises:
         UnavailableError: a port from ``base`` is in use (the message names it).
@@ -315,9 +334,21 @@ def pick_ports(count: int, host: str = "127.0.0.1", base: int | None = None) -> 
                 except OSError as e:
                     raise UnavailableError(f"port {port} on {host} is not free: {e}") from None
         return list(range(base, base + count))
+    low = ephemeral_ports()[0]
+    candidates = list(range(_LOWEST_PICKED, low))
+    random.SystemRandom().shuffle(candidates)  # never a seeded sequence another launcher shares
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        for port in candidates[: 50 * count]:  # bounded: most are free
+            if len(ports) == count:
+                break
+            sock = stack.enter_context(_socket_for(host))
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+        while len(ports) < count:
             sock = stack.enter_context(_socket_for(host))
             sock.bind((host, 0))
             ports.append(sock.getsockname()[1])

@@ -130,7 +130,7 @@ def test_local_status_lists_the_ps_tasks_after_psflow_scale(launch, tmp_path):  
 
     mark = len(launcher.output)
     up = _scale("--ps", "3", "--cluster-dir", str(cdir))
-    assert up.returncode == 0, up.stderr
+    assert up.returncode == 0, up.stderr + launcher.output[mark:]  # how ps:2 ended, if it did
     line = _status_after(launcher, mark, r"ps:2 up")
     assert re.search(r"ps:0 up .*\| ps:1 up .*\| ps:2 up .*\| worker:0", line), line
 

@@ -364,8 +364,13 @@ def test_port_base_in_use_is_named_and_nothing_starts():
 
 
 def test_pick_ports_gives_distinct_free_ports():
+    from chief.local import ephemeral_ports
+
     ports = pick_ports(6)
     assert len(set(ports)) == 6
+    # below the range outgoing connections take their local port from: a reserved slot
+    # cannot be taken meanwhile by some connection's local end
+    assert all(10000 <= p < ephemeral_ports()[0] for p in ports), ports
     for port in ports:  # each is bindable now
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
