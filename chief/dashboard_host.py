@@ -36,7 +36,7 @@ from psflow.dashboard.job_status import (
 )
 from psflow.errors import OpError
 
-__all__ = ["LauncherDashboard"]
+__all__ = ["LauncherDashboard", "describe_exits", "job_status"]
 
 log = logging.getLogger("psflow.local")
 
@@ -63,23 +63,7 @@ class LauncherDashboard:
 
     def publish(self, roles: Iterable[RoleProcess], book: RestartBook) -> JobStatus:
         """Rewrites ``roles.json`` from every started role (the latest process per slot)."""
-        latest: dict[str, RoleProcess] = {}
-        for role in roles:
-            latest[role.name] = role  # started in order: the last one holds the slot
-        status = JobStatus(
-            self._restart.mode.value,
-            {
-                name: RoleStatus(
-                    name,
-                    role.pid,
-                    role.running,
-                    None if role.running else shell_status(role.returncode or 0),
-                    book.used(name),
-                )
-                for name, role in latest.items()
-            },
-            finished=self._finished,
-        )
+        status = job_status(roles, self._restart, book.used, self._finished)
         try:
             write_json(f"{self.directory}/{ROLES_FILE}", status.to_json())
         except OSError as e:  # the page loses detail, the job goes on
@@ -120,6 +104,33 @@ class LauncherDashboard:
             self._server.close()
             self._server = None
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def job_status(
+    roles: Iterable[RoleProcess],
+    restart: RestartPolicy,
+    restarts: Callable[[str], int],
+    finished: bool = False,
+) -> JobStatus:
+    """Every slot's latest process (roles started in order: the last one of a name
+    holds its slot), with ``restarts(name)`` restarts, as the dashboard shows it."""
+    latest: dict[str, RoleProcess] = {}
+    for role in roles:
+        latest[role.name] = role
+    return JobStatus(
+        restart.mode.value,
+        {
+            name: RoleStatus(
+                name,
+                role.pid,
+                role.running,
+                None if role.running else shell_status(role.returncode or 0),
+                restarts(name),
+            )
+            for name, role in latest.items()
+        },
+        finished=finished,
+    )
 
 
 def describe_exits(status: JobStatus) -> str:

@@ -10,14 +10,16 @@ done the page says so and stays up ``--dashboard-linger`` seconds.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from chief.dashboard_host import job_status
 from chief.restart import RestartPolicy
-from chief.supervisor import RoleProcess, Supervisor, shell_status
+from chief.supervisor import Supervisor
 from psflow.dashboard.group import GroupMonitor
-from psflow.dashboard.job_status import JobStatus, RoleStatus
+from psflow.dashboard.job_status import JobStatus
 from psflow.dashboard.server import DashboardServer
 from psflow.observability.events import EventLog
 from psflow.security.config import SecurityConfig
@@ -72,23 +74,9 @@ class GroupDashboard:
 
     def job_status(self) -> JobStatus:
         """Every slot's latest process as the launcher sees it (read by the monitor's thread)."""
-        latest: dict[str, RoleProcess] = {}
-        starts: dict[str, int] = {}
-        for supervisor in list(self._supervisors):
-            for role in list(supervisor.roles):
-                latest[role.name] = role  # started in order: the last one holds the slot
-                starts[role.name] = starts.get(role.name, 0) + 1
-        roles = {
-            name: RoleStatus(
-                name,
-                role.pid,
-                role.running,
-                None if role.running else shell_status(role.returncode or 0),
-                starts[name] - 1,
-            )
-            for name, role in latest.items()
-        }
-        return JobStatus(self._restart.mode.value, roles, finished=self._finished)
+        roles = [r for supervisor in list(self._supervisors) for r in list(supervisor.roles)]
+        starts = collections.Counter(r.name for r in roles)
+        return job_status(roles, self._restart, lambda name: starts[name] - 1, self._finished)
 
     def finish(self, linger: float, interrupted: Callable[[], bool]) -> None:
         """Says the job finished, serves its final state up to ``linger`` seconds, then closes."""

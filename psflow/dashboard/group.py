@@ -45,7 +45,7 @@ from psflow.security.config import SecurityConfig
 
 from .collector import ClusterMonitor, _Task
 from .job_status import JobStatus, apply_job_status
-from .probe import ClusterProbe
+from .probe import ClusterProbe, TaskAnswer
 
 __all__ = ["GroupMonitor"]
 
@@ -150,24 +150,21 @@ class GroupMonitor(ClusterMonitor):
         )
 
     def _fold_view(self, task: _Task, answer: View | str, member: bool, now: float) -> None:
-        """A worker's state from its door's answer (lock held)."""
+        """A worker's state from its door's answer, folded as any probe's (lock held)."""
         role = None if self._job is None else self._job.roles.get(task.task)
-        if isinstance(answer, str):
-            task.failures += 1
-            task.error = answer
-            seen = task.last_seen is not None
-            ended = role is not None and not role.running  # an exit event said it already
-            if ended:
-                task.state = "lost"  # the document shows how it ended
-            elif seen and task.failures >= self._lost_after and task.state != "lost":
-                task.state = "lost"
-                self.events.record(EventKind.WORKER_LOST, task.task, f"{task.task} lost: {answer}")
+        if isinstance(answer, str) and role is not None and not role.running:
+            # the launcher saw it end and said so (an exit event): no "lost" guess on top
+            task.failures, task.error, task.state = task.failures + 1, answer, "lost"
             return
-        task.failures, task.error = 0, None
-        task.state = "running" if member else "ready"
-        task.last_seen = now
-        if role is not None:
-            task.values = {"pid": role.pid}
+        if isinstance(answer, str):
+            self._fold(task, TaskAnswer("worker", task.index, task.address, now, error=answer))
+            return
+        values = {"pid": None if role is None else role.pid, "member": member}
+        self._fold(task, TaskAnswer("worker", task.index, task.address, now, values=values))
+
+    def _fold_worker(self, task: _Task, previous: Any, values: dict, was_lost: bool) -> None:
+        """A member of the current generation runs; a door that answers outside it waits."""
+        task.state = "running" if values["member"] else "ready"
 
     def finish(self) -> None:
         """Stops the rounds after one last one: from now on the document is the
