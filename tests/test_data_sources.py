@@ -248,3 +248,63 @@ def test_generator_structure_mismatch_and_lossy_values():
     text = Dataset.from_generator(lambda: iter(["a"]), output_types=pf.int32)
     with pytest.raises(TypeError, match="'a'"):
         list(text)
+
+
+# -- files: TextLineDataset, list_files, interleave ------------------------------------------
+
+
+def test_text_lines_plain_gzip_and_zlib_read_alike(tmp_path):
+    import gzip
+    import zlib
+
+    text = b"one\r\ntwo\n\nthree"  # CRLF and LF endings, an empty line, no final newline
+    (tmp_path / "a.txt").write_bytes(text)
+    (tmp_path / "a.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "a.z").write_bytes(zlib.compress(text))
+    want = ["one", "two", "", "three"]
+    for name, kind in (("a.txt", None), ("a.gz", "GZIP"), ("a.z", "ZLIB")):
+        ds = pf.data.TextLineDataset(str(tmp_path / name), compression_type=kind)
+        assert [x.numpy() for x in ds] == want, name
+
+
+def test_text_lines_bad_input_is_a_typed_error_naming_it(tmp_path):
+    with pytest.raises(pf.errors.InvalidArgumentError, match="'BZIP2'"):
+        pf.data.TextLineDataset("x.txt", compression_type="BZIP2")
+    with pytest.raises(pf.errors.InvalidArgumentError, match="must be strings, got 3"):
+        pf.data.TextLineDataset(["a.txt", 3])
+    with pytest.raises(pf.errors.InvalidArgumentError, match="buffer_size must be > 0"):
+        pf.data.TextLineDataset("x.txt", buffer_size=0)
+    missing = pf.data.TextLineDataset(str(tmp_path / "missing.txt"))  # nothing opened yet
+    with pytest.raises(pf.errors.NotFoundError, match=r"missing\.txt"):
+        list(missing)
+    (tmp_path / "cut.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(pf.errors.DataLossError, match=r"cut\.gz"):
+        list(pf.data.TextLineDataset(str(tmp_path / "cut.gz"), compression_type="GZIP"))
+    with pytest.raises(pf.errors.InvalidArgumentError, match="no files matched"):
+        pf.data.Dataset.list_files(str(tmp_path / "*.none"))
+
+
+def test_list_files_is_sorted_or_seeded_and_a_dataset_of_names_feeds_a_reader(tmp_path):
+    for i in (2, 0, 1):
+        (tmp_path / f"p{i}.txt").write_text(f"line{i}\n")
+    pattern = str(tmp_path / "p*.txt")
+    names = [x.numpy() for x in pf.data.Dataset.list_files(pattern, shuffle=False)]
+    assert names == [str(tmp_path / f"p{i}.txt") for i in range(3)]
+    a = [x.numpy() for x in pf.data.Dataset.list_files(pattern, seed=7)]
+    b = [x.numpy() for x in pf.data.Dataset.list_files(pattern, seed=7)]
+    assert a == b and sorted(a) == names
+    lines = pf.data.TextLineDataset(pf.data.Dataset.list_files(pattern, shuffle=False))
+    assert [x.numpy() for x in lines] == ["line0", "line1", "line2"]
+
+
+def test_interleave_follows_tensorflows_documented_order_and_checks_its_lengths():
+    # TF's interleave documentation: range(1, 6), each element repeated 6 times,
+    # cycle_length=2, block_length=4
+    ds = pf.data.Dataset.range(1, 6).interleave(
+        lambda x: pf.data.Dataset.from_tensors(x).repeat(6), cycle_length=2, block_length=4
+    )
+    assert [int(x) for x in ds] == (
+        [1] * 4 + [2] * 4 + [1] * 2 + [2] * 2 + [3] * 4 + [4] * 4 + [3] * 2 + [4] * 2 + [5] * 6
+    )
+    with pytest.raises(pf.errors.InvalidArgumentError, match="block_length"):
+        pf.data.Dataset.range(3).interleave(pf.data.Dataset.from_tensors, 1, 0)

@@ -499,6 +499,9 @@ def test_psflow_local_multi_worker_refuses_a_ps_resize():
     out = _local("--mode", "multi-worker", "--ps-max", "2", "--workers", "2", "x.py", timeout=60)
     assert out.returncode == 2, out.stderr
     assert "--ps-max 2" in out.stderr
+    out = _local("--mode", "multi-worker", "--ps", "-1", "--workers", "2", "x.py", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "--ps must be an integer >= 0, got -1" in out.stderr
 
 
 def test_psflow_local_multi_worker_starts_ps_tasks_for_the_hybrid_example():

@@ -53,6 +53,8 @@ def _names(filenames: Any, what: str) -> list[str]:
     """``filenames`` (a string, a list or 1-D array of strings) as a list of str."""
     if isinstance(filenames, (str, bytes)):
         values: list[Any] = [filenames]
+    elif isinstance(filenames, (list, tuple)):  # as given: an array would make 3 into "3"
+        values = list(filenames)
     else:
         array = to_host_array(filenames, what)
         if array.ndim > 1:
