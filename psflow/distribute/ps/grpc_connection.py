@@ -73,6 +73,15 @@ class GrpcPSConnection(PSConnection):
         self._mirrors: dict[str, shm.MirrorReader | None] = {}
         self._payload: shm.PayloadBuffer | None = None
         self._shm_lock = threading.Lock()
+        self._plain_pushes()
+
+    def _plain_pushes(self) -> None:
+        """Has a push that needs nothing of this adapter (no compression, no
+        payload segment) started by the client itself: the session's fan-out
+        calls :meth:`PSClient.start_push` with no layer between (it, too,
+        returns None where the data plane cannot take the push)."""
+        if self.compression is None and not self._shm:
+            self.start_push = self.client.start_push  # type: ignore[method-assign]
 
     # -- the shared-memory path ------------------------------------------------------------
     def _mirror(self, name: str) -> shm.MirrorReader | None:
@@ -159,14 +168,13 @@ class GrpcPSConnection(PSConnection):
         return self.client.start_pull(list(names))
 
     def start_push(self, grads: Sequence[Gradient], context: PushContext) -> Started | None:
-        """Sends a push on the data plane now and returns it started (its
-        ``result()`` reads the reply, ``cancel()`` gives it up); None where it
-        cannot go that way (:meth:`push` makes it).  Compressed pushes are not
-        started early: their error feedback is kept per push."""
+        """Sends a push through the payload segment now and returns it started
+        (its ``result()`` reads the reply, ``cancel()`` gives it up); None where
+        it cannot go that way (:meth:`push` makes it).  Compressed pushes are not
+        started early: their error feedback is kept per push.  (A plain push is
+        the client's own :meth:`PSClient.start_push`: see :meth:`_plain_pushes`.)"""
         if self.compression is not None or self.client.data_plane_address is None:
             return None
-        if not self._shm:
-            return self.client.start_push(grads, context=context)
         # the payload segment is this push's from the write until the PS answered
         self._shm_lock.acquire()
         try:
@@ -202,6 +210,7 @@ class GrpcPSConnection(PSConnection):
         applied nothing."""
         log.info("%s: pushes go over gRPC (%s)", self.task, e)
         self._shm = False
+        self._plain_pushes()
         return self.client.push(grads, context=context)
 
     def push(self, grads: Sequence[Gradient], context: PushContext) -> PushReply:
