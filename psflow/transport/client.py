@@ -335,7 +335,8 @@ class PSClient:
             deadline, one = time.monotonic() + left, decoder()
             try:
                 call = Call("Pull", raw, (), expected or 0, one.frame, over_grpc)
-                return self._end.attempt(call, left, sink=one.sink)
+                # without ``out`` the reply lands in a new buffer the arrays view
+                return self._end.attempt(call, left, sink=None if out is None else one.sink)
             except ResourceExhaustedError:  # larger than a data-plane frame: stream it
                 return stream(max(deadline - time.monotonic(), 0.001))
 
@@ -386,7 +387,6 @@ class PSClient:
             lambda left: self._pull(request, None, False, left),
             # a reply above the frame limit streams over gRPC, as pull() does
             (UnavailableError, DeadlineExceededError, ResourceExhaustedError),
-            sink=one.sink,
         )
 
     def pull_rows(

@@ -552,7 +552,9 @@ class PullDecoder:
         return list(zip(self.arrays, [t.version for t in self.header.tensors]))
 
     def sink(self, header_bytes: bytes, n: int) -> memoryview | None:
-        """A data-plane sink: one tensor's payload lands straight in its array."""
+        """A data-plane sink for a pull into ``out``: one tensor's payload lands
+        straight in its array.  (Without ``out`` none is needed: the reply lands
+        in a new buffer that :meth:`frame`'s arrays view.)"""
         self.header = header = ps_pb2.PullHeader.FromString(header_bytes)
         if len(header.tensors) != 1:
             return None
@@ -564,11 +566,12 @@ class PullDecoder:
         return memoryview(framing.byte_view(self.arrays[0]))
 
     def frame(self, reply: tuple[bytes, memoryview]) -> list[tuple[np.ndarray, int]]:
-        """``[(array, version), ...]`` of a data-plane reply read through :meth:`sink`:
-        several tensors view one buffer (``out``'s are filled)."""
-        _, payload = reply
+        """``[(array, version), ...]`` of a data-plane reply (read through
+        :meth:`sink` where given): the tensors view its one buffer (``out``'s are filled)."""
+        header_bytes, payload = reply
+        if self.header is None:  # no sink was asked
+            self.header = ps_pb2.PullHeader.FromString(header_bytes)
         if self.arrays is None:
-            assert self.header is not None
             if self._out is not None:
                 self.arrays = self._targets(self.header)
                 filler = _Filler([framing.byte_view(a) for a in self.arrays])
