@@ -468,25 +468,6 @@ class _Filler:
             )
 
 
-def _views(payload: memoryview, specs: list[tuple[np.dtype, tuple[int, ...]]]) -> list[np.ndarray]:
-    """Arrays of ``specs`` over consecutive slices of ``payload`` (a copy where a
-    slice would be misaligned for its dtype).
-
-    Raises:
-        InvalidArgumentError: the payload's size differs from the specs' total.
-    """
-    need = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
-    if len(payload) != need:
-        raise InvalidArgumentError(f"pull reply of {len(payload)} bytes for {need} announced")
-    arrays, pos = [], 0
-    for dtype, shape in specs:
-        n = math.prod(shape) * dtype.itemsize
-        arr = np.frombuffer(payload, dtype, math.prod(shape), pos).reshape(shape)
-        arrays.append(arr if pos % dtype.itemsize == 0 else arr.copy())
-        pos += n
-    return arrays
-
-
 class PullDecoder:
     """Decodes one pull reply into arrays (``out``'s, checked, or new ones).
 
@@ -571,14 +552,23 @@ class PullDecoder:
         header_bytes, payload = reply
         if self.header is None:  # no sink was asked
             self.header = ps_pb2.PullHeader.FromString(header_bytes)
-        if self.arrays is None:
-            if self._out is not None:
-                self.arrays = self._targets(self.header)
-                filler = _Filler([framing.byte_view(a) for a in self.arrays])
-                filler.feed(payload)
-                filler.finish()
-            else:
-                self.arrays = _views(payload, self._specs(self.header))
+        if self.arrays is None and self._out is not None:  # several tensors into out
+            self.arrays = self._targets(self.header)
+            filler = _Filler([framing.byte_view(a) for a in self.arrays])
+            filler.feed(payload)
+            filler.finish()
+        elif self.arrays is None:  # slices of the one buffer (a copy where misaligned)
+            specs = self._specs(self.header)
+            need = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
+            if len(payload) != need:
+                raise InvalidArgumentError(
+                    f"pull reply of {len(payload)} bytes for {need} announced"
+                )
+            self.arrays, pos = [], 0
+            for dtype, shape in specs:
+                arr = np.frombuffer(payload, dtype, math.prod(shape), pos).reshape(shape)
+                self.arrays.append(arr if pos % dtype.itemsize == 0 else arr.copy())
+                pos += arr.nbytes
         return list(zip(self.arrays, [t.version for t in self.header.tensors]))
 
 
