@@ -631,13 +631,14 @@ class PSSession(UpdateGroup, Routing):
             with self._watch.waiting(what, self.sync.timeout):
                 return call()
 
-        def send() -> dict[Any, tuple[list[Any], Any]]:
-            replies = self._routed(handles, push, start)
-            self.bytes_pushed += sum(
-                g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0)
-                for g in grads.values()
-            )
-            return replies
+        pushed = sum(
+            g.values.nbytes + (g.indices.nbytes if g.indices is not None else 0)
+            for g in grads.values()
+        )
+
+        def send() -> None:
+            self._routed(handles, push, start)
+            self.bytes_pushed += pushed
 
         if self._behind and not sync:
             # the step goes on (and ends); its reads of these variables wait for the push.
@@ -645,7 +646,9 @@ class PSSession(UpdateGroup, Routing):
             # its gradients must carry the versions they were computed from
             self._pushes.submit(grads, send)
             return
-        for hs, reply in send().values():
+        replies = self._routed(handles, push, start)  # in this thread: no wrapper
+        self.bytes_pushed += pushed
+        for hs, reply in replies.values():
             for h, version in zip(hs, reply.versions):
                 self._versions[h.key] = version
         self._invalidate()
