@@ -8,6 +8,8 @@ failure must raise the error class the gRPC path raises for it.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import signal
 import socket
@@ -17,6 +19,9 @@ import time
 import numpy as np
 import pytest
 
+from psflow import compression
+from psflow.distribute.ps.connection import VarSpec
+from psflow.distribute.ps.grpc_connection import GrpcPSConnection
 from psflow.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -26,6 +31,7 @@ from psflow.errors import (
     UnavailableError,
 )
 from psflow.proto import ps_pb2
+from psflow.ps.push_types import Gradient, PushContext
 from psflow.security.config import SecurityConfig
 from psflow.transport import codec
 from psflow.transport.client import PSClient
@@ -36,6 +42,7 @@ from tests.test_auth_tls import make_pki, tls
 pytestmark = pytest.mark.slow
 
 TOKEN = "dataplane-ps-test-token-0123456789"
+SGD = json.dumps({"name": "sgd", "learning_rate": 1.0}, sort_keys=True)
 
 
 def _clients(address, **kwargs):
@@ -151,6 +158,38 @@ def test_started_pushes_equal_pushes_and_a_resent_one_applies_once(ps):
         with pytest.raises(NotFoundError, match="started/none"):
             unknown.result()
         assert client.start_push({name: np.ones(64, np.float32)}).result().applied
+
+
+def test_a_connection_starts_plain_pushes_on_the_client_and_compressed_ones_itself(ps, monkeypatch):
+    # the session's fan-out calls connection.start_push: where the adapter adds nothing
+    # it is the client's own method; compression set after construction (as the strategy
+    # sets it) must take it back, or a started push would skip the encoding
+    monkeypatch.setenv("PSFLOW_SHM", "0")
+    conn = GrpcPSConnection(ps.address, task="ps:0", timeout=30.0)
+    name = f"conn/{id(conn)}"
+    g = np.full(64, 1 + 2.0**-10, np.float32)  # bf16 rounds it to 1.0
+
+    def push_as_the_session() -> bool:
+        context = PushContext(conn.client.next_request_id(), rule_json=SGD)
+        started = conn.start_push([Gradient(name, g, None, -1)], context)
+        if started is None:
+            conn.push([Gradient(name, g, None, -1)], context)
+        else:
+            assert started.result().applied
+        return started is not None
+
+    with contextlib.closing(conn):
+        conn.create([VarSpec(name, np.dtype(np.float32), (64,), True)], [np.zeros(64, "f4")])
+        conn.pull([name])  # asks for the data plane: pushes start from now on
+        assert getattr(conn.start_push, "__self__", None) is conn.client
+        assert push_as_the_session()
+        np.testing.assert_array_equal(conn.pull([name])[0][0], -g)
+        conn.compression = compression.feedback_from_option("bf16")
+        assert not push_as_the_session()  # pushed by push(), encoded
+        np.testing.assert_array_equal(conn.pull([name])[0][0], -g - 1.0)
+        conn.compression = None
+        assert push_as_the_session()
+        np.testing.assert_array_equal(conn.pull([name])[0][0], -2 * g - 1.0)
 
 
 def test_a_pending_sync_contribution_outlives_the_reused_receive_buffer(ps):

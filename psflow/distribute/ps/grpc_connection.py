@@ -57,7 +57,7 @@ class GrpcPSConnection(PSConnection):
         data_plane: bool | None = None,
     ) -> None:
         self.task = task
-        self.compression = compression
+        self._compression = compression
         self.address = address
         # One message up to 8 MB: a training step's few megabytes cost less unary than
         # streamed in 1 MB chunks (measured: benchmarks/pss_train.py); larger ones stream.
@@ -75,13 +75,26 @@ class GrpcPSConnection(PSConnection):
         self._shm_lock = threading.Lock()
         self._plain_pushes()
 
+    @property
+    def compression(self) -> ErrorFeedback | None:
+        """The error feedback dense gradients are encoded with (None: sent as they are)."""
+        return self._compression
+
+    @compression.setter
+    def compression(self, feedback: ErrorFeedback | None) -> None:
+        self._compression = feedback
+        self._plain_pushes()
+
     def _plain_pushes(self) -> None:
         """Has a push that needs nothing of this adapter (no compression, no
         payload segment) started by the client itself: the session's fan-out
         calls :meth:`PSClient.start_push` with no layer between (it, too,
-        returns None where the data plane cannot take the push)."""
-        if self.compression is None and not self._shm:
+        returns None where the data plane cannot take the push); any other
+        goes through this adapter's :meth:`start_push`."""
+        if self._compression is None and not self._shm:
             self.start_push = self.client.start_push  # type: ignore[method-assign]
+        else:
+            self.__dict__.pop("start_push", None)
 
     # -- the shared-memory path ------------------------------------------------------------
     def _mirror(self, name: str) -> shm.MirrorReader | None:
