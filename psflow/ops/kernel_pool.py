@@ -179,11 +179,13 @@ GEMM_MAX_CHUNKS = 8
 """The most chunks a GEMM is cut into: each chunk packs its operands again, and the
 MLP's b256 product ran 15% slower in 16 chunks than in 4 or 8 on 2 cores."""
 
-GEMM_MIN_SPAN = 128
+GEMM_MIN_SPAN = 256
 """The fewest rows (row cut) or columns (column cut) a chunk of a product gets: each
 chunk packs the whole other operand again, which costs about 11 / span of the chunk's
 own work on a Haswell core (the MLP's 784-512 product at batch 256 took 20% more CPU
-in 8 column chunks than in 2; in 4, 10%)."""
+in 8 column chunks than in 2; in 4, 10%). At 128 the 784-512-512-10 MLP's batch-256
+step cut its products in 4 and took 3-7% more CPU per step than at 256 (2 chunks per
+product, or one per product of a side-by-side pair: still one chunk per core)."""
 
 _blas_state = threading.Lock()
 _blas_narrowed = 0  # parallel GEMM sections running now
@@ -202,7 +204,9 @@ def gemm_cut(m: int, k: int, n: int, share: int = 1) -> tuple[str, list[tuple[in
 
     Example:
         >>> gemm_cut(256, 784, 512)
-        ('columns', [(0, 128), (128, 256), (256, 384), (384, 512)])
+        ('columns', [(0, 256), (256, 512)])
+        >>> gemm_cut(784, 256, 512)
+        ('rows', [(0, 392), (392, 784)])
         >>> gemm_cut(64, 784, 512)
         ('columns', [(0, 256), (256, 512)])
     """
