@@ -33,7 +33,12 @@ bus bandwidth cannot pass stream / N here (N workers each send and receive
 1.0 meaning the ring moves bytes as fast as the bare stream does.  The bare
 ring stream's bus bandwidth (2(N-1)/N * S / seconds) is the like-for-like
 bound on one host: same processes, directions and bytes, so psflow / ring
-stream is the share of the pattern's bare speed the all-reduce keeps.  The
+stream is the share of the pattern's bare speed the all-reduce keeps.  CPU
+ms/call (rank 0's process CPU, all threads, over the timed all-reduces or
+ring-stream transfers only) says what each costs: where psflow's is about the
+ring stream's but its wall time is longer, the gap is the ring's 2(N-1)
+dependent steps waiting on each other's processes, which N workers sharing 2
+cores with other work wait for; the bare ring stream has no such chain.  The
 issue's goals: bus bandwidth >= 0.8x the stream and >= 3x TensorFlow's; MLP
 steps/s >= 1.5x TensorFlow's.  psflow's workers get the BLAS threads ``psflow
 local`` gives them; TensorFlow runs with its defaults.  TensorFlow is not a
@@ -102,15 +107,17 @@ def _strategy(tf: Any) -> Any:
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=opts)
 
 
-def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> tuple[float, float]:
+    """The median wall seconds of ``repeats`` calls, and this process's CPU seconds per call."""
     for _ in range(warmup):
         fn()
     times = []
+    cpu = time.process_time()
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), (time.process_time() - cpu) / repeats
 
 
 def _tf_all_reduce(tf: Any, strategy: Any, tx: Any) -> Any:
@@ -132,7 +139,7 @@ def _child_allreduce(
     tf = _import(framework)
     strategy = strategy or _strategy(tf)
     rng = np.random.default_rng(1234)
-    out: dict[str, Any] = {"rank": None, "seconds": {}, "version": tf.__version__}
+    out: dict[str, Any] = {"rank": None, "seconds": {}, "cpu_s": {}, "version": tf.__version__}
     for size in sizes:
         x = rng.standard_normal(size // 4, dtype=np.float32)
         if framework == "tensorflow":
@@ -149,7 +156,7 @@ def _child_allreduce(
                 return ring.all_reduce([x])
 
             out["rank"] = ring.rank
-        out["seconds"][str(size)] = _time(call, 2, repeats)
+        out["seconds"][str(size)], out["cpu_s"][str(size)] = _time(call, 2, repeats)
     return out
 
 
@@ -273,7 +280,7 @@ def _child_ring_stream(sizes: list[int], repeats: int) -> dict[str, Any]:
         raise ConnectionError("the left neighbour did not connect")
     left = accepted[0]
     left.settimeout(60)
-    out = {}
+    out, cpu_out = {}, {}
     for size in sizes:
         nbytes = size * 2 * (n - 1) // n
         data = memoryview(os.urandom(nbytes))
@@ -290,7 +297,9 @@ def _child_ring_stream(sizes: list[int], repeats: int) -> dict[str, Any]:
 
         sender = threading.Thread(target=send_all, daemon=True)
         sender.start()
+        cpu = 0.0
         for i in range(repeats + 1):
+            cpu_start = time.process_time()  # both threads; the sender's sends start below
             start = time.perf_counter()
             go.release()
             got = 0
@@ -303,14 +312,16 @@ def _child_ring_stream(sizes: list[int], repeats: int) -> dict[str, Any]:
                 raise TimeoutError("the right neighbour did not take the data")
             if i:  # the first transfer of each size warms the connections up
                 times.append(time.perf_counter() - start)
+                cpu += time.process_time() - cpu_start
             right.sendall(b"k")  # the next round starts once the left neighbour is done too
             if left.recv(1) != b"k":
                 raise ConnectionError("the left neighbour closed early")
         sender.join(60)
         out[str(size)] = statistics.median(times)
+        cpu_out[str(size)] = cpu / repeats
     for sock in (left, right, server):
         sock.close()
-    return {"rank": rank, "seconds": out}
+    return {"rank": rank, "seconds": out, "cpu_s": cpu_out}
 
 
 # -- the parent: process groups, bounded, every child reaped ------------------------------------
@@ -425,8 +436,10 @@ def run_stream(net: Any, sizes: list[int], repeats: int) -> dict[str, float] | N
     return None if res is None else {int(k): v for k, v in res["seconds"].items()}
 
 
-def run_ring_stream(net: Any, n: int, sizes: list[int], repeats: int) -> dict[int, float] | None:
-    """Seconds per bare ring transfer of each size between ``n`` processes (rank 0's)."""
+def run_ring_stream(
+    net: Any, n: int, sizes: list[int], repeats: int
+) -> dict[int, tuple[float, float]] | None:
+    """Seconds and rank 0's CPU seconds per bare ring transfer of each size, ``n`` processes."""
     hosts, ports = _endpoints(net, n)
     cluster = {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]}
     args = ["--child", "ringstream", "--sizes", ",".join(map(str, sizes))]
@@ -442,7 +455,10 @@ def run_ring_stream(net: Any, n: int, sizes: list[int], repeats: int) -> dict[in
             }
         ),
     )
-    return None if res is None else {int(k): v for k, v in res["seconds"].items()}
+    if res is None:
+        return None
+    # size -> (median seconds per transfer, rank 0's CPU seconds per transfer)
+    return {int(k): (v, res["cpu_s"][k]) for k, v in res["seconds"].items()}
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -534,16 +550,19 @@ def main(argv: list[str] | None = None) -> int:
             streams: list[dict[int, float]] = []
             for n in counts:
                 runs: dict[str, list[dict[int, float]]] = {}
+                cpus: dict[str, list[dict[int, float]]] = {}
                 rings: list[dict[int, float]] = []
+                ring_cpus: list[dict[int, float]] = []
                 for rnd in range(rounds):
                     _progress(f"{net_name}: bare stream")
                     got = run_stream(net, sizes, repeats)
                     if got:
                         streams.append(got)
                     _progress(f"{net_name}: bare ring stream, {n} workers")
-                    got = run_ring_stream(net, n, sizes, repeats)
-                    if got:
-                        rings.append(got)
+                    ring_got = run_ring_stream(net, n, sizes, repeats)
+                    if ring_got:
+                        rings.append({s: v[0] for s, v in ring_got.items()})
+                        ring_cpus.append({s: v[1] for s, v in ring_got.items()})
                     for side in sides if (rnd + n // 2) % 2 else sides[::-1]:
                         _progress(f"{net_name}: {side} all-reduce, {n} workers, round {rnd + 1}")
                         both = fused and net_name == "loopback" and n == 2
@@ -563,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
                             )
                             secs = {int(k): v for k, v in res["seconds"].items()}
                             runs.setdefault(side, []).append(secs)
+                            cpus.setdefault(side, []).append(
+                                {int(k): v for k, v in res["cpu_s"].items()}
+                            )
                 seconds = {
                     side: {s: statistics.median(r[s] for r in rs) for s in sizes}
                     for side, rs in runs.items()
@@ -574,6 +596,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 ring_stream = (
                     {s: statistics.median(r[s] for r in rings) for s in sizes} if rings else None
+                )
+                # rank 0's CPU seconds per call (all its threads): what a loaded host inflates
+                # far less than wall time, so the two sides' costs compare across noisy rounds
+                cpu_of = {
+                    side: {s: statistics.median(r[s] for r in rs) for s in sizes}
+                    for side, rs in cpus.items()
+                }
+                ring_cpu = (
+                    {s: statistics.median(r[s] for r in ring_cpus) for s in sizes}
+                    if ring_cpus
+                    else None
                 )
                 for s in sizes:
                     bus: dict[str, float] = {}
@@ -588,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "unit": "GB/s",
                                 "algbw_GBps": round(algbw, 4),
                                 "seconds": secs[s],
+                                "cpu_ms_per_call": round(cpu_of[side][s] * 1e3, 3),
                                 **(tf_version if side == "tensorflow" else {}),
                             }
                         )
@@ -610,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "value": round(ring_bw, 4),
                                 "unit": "GB/s",
                                 "seconds": ring_stream[s],
+                                "cpu_ms_per_call": round(ring_cpu[s] * 1e3, 3)
+                                if ring_cpu
+                                else None,
                                 "formula": "each worker sends 2(N-1)/N * S to its right while "
                                 "receiving as much from its left; busbw = that / seconds",
                             }
@@ -630,6 +667,18 @@ def main(argv: list[str] | None = None) -> int:
                                     "value": round(num / den, 3),
                                 }
                             )
+                    ours_cpu = cpu_of.get("psflow", {}).get(s)
+                    if ours_cpu and ring_cpu and ring_cpu[s]:
+                        _emit(
+                            {
+                                "case": f"psflow_vs_ring_stream_cpu/{net_name}/workers={n}/"
+                                f"{s // MB}MB",
+                                "metric": "ratio",
+                                "value": round(ours_cpu / ring_cpu[s], 3),
+                                "numerator": "psflow CPU ms per all-reduce (rank 0, all threads)",
+                                "denominator": "bare ring stream CPU ms per transfer (rank 0)",
+                            }
+                        )
                     for side, bw in bus.items():
                         if stream_bw:  # every worker's bytes cross the one host's cores
                             _emit(
@@ -641,7 +690,10 @@ def main(argv: list[str] | None = None) -> int:
                                     "together move bytes as fast as the bare stream)",
                                 }
                             )
-                    table.append((net_name, n, s // MB, ours, theirs, stream_bw, ring_bw))
+                    cpu_ratio = ours_cpu / ring_cpu[s] if ours_cpu and ring_cpu else None
+                    table.append(
+                        (net_name, n, s // MB, ours, theirs, stream_bw, ring_bw, cpu_ratio)
+                    )
 
     train_rows = []
     if not args.no_train:
@@ -706,16 +758,17 @@ def main(argv: list[str] | None = None) -> int:
     _progress(
         f"{'net':>8} {'workers':>7} {'MB':>4} {'psflow':>8} {'TF':>8} {'stream':>8} "
         f"{'ringstr':>8} {'ps/stream':>9} {'N*ps/str':>8} {'ps/ring':>7} {'ps/TF':>6}"
-        "   (bus bandwidth, GB/s)"
+        f" {'cpu ps/ring':>11}   (bus bandwidth, GB/s; CPU per call, rank 0)"
     )
-    for net_name, n, mb, ours, theirs, stream_bw, ring_bw in table:
+    for net_name, n, mb, ours, theirs, stream_bw, ring_bw, cpu_ratio in table:
         _progress(
             f"{net_name:>8} {n:>7} {mb:>4} {cell(ours)} {cell(theirs)} {cell(stream_bw)} "
             f"{cell(ring_bw)} "
             f"{cell(ours / stream_bw if ours and stream_bw else None, '9.2f')} "
             f"{cell(n * ours / stream_bw if ours and stream_bw else None, '8.2f')} "
             f"{cell(ours / ring_bw if ours and ring_bw else None, '7.2f')} "
-            f"{cell(ours / theirs if ours and theirs else None, '6.2f')}"
+            f"{cell(ours / theirs if ours and theirs else None, '6.2f')} "
+            f"{cell(cpu_ratio, '11.2f')}"
         )
     for b, ours, theirs, cpu_ours, cpu_theirs in train_rows:
         ratio = cell(ours / theirs if ours and theirs else None, "6.2f")

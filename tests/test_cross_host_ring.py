@@ -152,7 +152,10 @@ def test_broadcast_of_many_frames_reaches_every_worker():
         assert got[1].shape == (2, 3) and got[1].dtype == np.int32
 
 
-def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_between_them():
+@pytest.mark.parametrize("size,count", [(200 << 10, 48), (2 << 20, 10)])
+def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_between_them(
+    size: int, count: int
+) -> None:
     import time
 
     rings = _rings(2)
@@ -160,9 +163,10 @@ def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_betwee
         sender, receiver = rings[0].links, rings[1].links
         sender.heartbeat = 0.005  # heartbeats try to go while a frame's rest waits
         sender.begin()
-        # 200 kB frames start from the caller's thread; 48 of them (9.6 MB) are more than
-        # the kernel takes while nobody reads, so a frame's rest goes to the sender thread
-        frames = [np.full(200 << 10, i, np.uint8) for i in range(48)]
+        # frames up to 2 MB start from the caller's thread; 48 of 200 kB (9.6 MB) or 10 of
+        # 2 MB (20 MB) are more than the kernel takes while nobody reads, so a frame's rest
+        # goes to the sender thread (the largest such frame, its rest the largest too)
+        frames = [np.full(size, i, np.uint8) for i in range(count)]
         deadline = time.monotonic() + 30
         sent = [sender.send([f], deadline) for f in frames]
         assert not all(s.is_set() for s in sent)

@@ -86,6 +86,10 @@ def test_multi_worker_benchmark_prints_bandwidths_and_training_against_the_strea
         assert r["value"] == pytest.approx(want, rel=1e-3, abs=1e-4)
     vs_ring = [r for r in records if r["case"].startswith("psflow_vs_ring_stream/")]
     assert len(vs_ring) == 2 and all(r["value"] > 0 for r in vs_ring)
+    # rank 0's CPU per call on both sides, and their ratio
+    assert all(r["cpu_ms_per_call"] > 0 for r in [*ours.values(), *rings.values()])
+    vs_cpu = [r for r in records if r["case"].startswith("psflow_vs_ring_stream_cpu/")]
+    assert len(vs_cpu) == 2 and all(r["value"] > 0 for r in vs_cpu)
     streams = [r for r in records if r["case"].startswith("stream/loopback/")]
     assert len(streams) == 2 and all(r["value"] > 0 for r in streams)
     shares = [r for r in records if r["case"].startswith("host_share/")]

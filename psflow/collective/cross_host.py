@@ -19,9 +19,11 @@ steps overlap, frame by frame, instead of each waiting for the previous
 one's whole chunk.  The bytes go from the arrays to the socket and from the
 socket into the result buffer (``recv_into``; only what comes in with a
 frame's header passes through the stream's staging buffer); the result
-buffers are reused once the caller has dropped the results.  Sends
-run on the links' sender thread while this one receives, so two neighbours
-never wait on each other's full socket buffers.  Inside a call each worker sends
+buffers are reused once the caller has dropped the results.  A frame of
+up to 2 MB starts from this thread without waiting (what the kernel does not
+take at once, and every larger frame, goes from the links' sender thread
+while this one receives), so two neighbours never wait on each other's full
+socket buffers.  Inside a call each worker sends
 heartbeats to its right: a worker blames its left neighbour when it stays
 silent for ``timeout`` seconds, and otherwise (the neighbour is alive and
 itself waiting) waits for the error that neighbour forwards, so every
