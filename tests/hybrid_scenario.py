@@ -12,6 +12,12 @@ TF_CONFIG (``worker`` and ``ps`` tasks) and PSFLOW_AUTH_TOKEN come from the test
              table gradient; a worker started again with the same TF_CONFIG joins the
              running group (``ALONE_SLEEP``: seconds a survivor alone waits after each
              step, time for it to start)
+             ``RESIZE`` ("3:2,6:1") resizes the PS tasks after the given global steps
+             (every worker at the same boundary; worker 0 first publishes ``RESIZE_PS``,
+             a JSON list, in the cluster file ``PSFLOW_CLUSTER_FILE`` the workers
+             resolve their cluster from, as a launcher would); ``RESIZE_TIMEOUT``
+             bounds each; a resize that fails is recorded under ``"resize_errors"``
+             and training goes on
   fit        the same model and data through Keras ``fit`` (no elastic, no fault)
   reference  one process (no strategy, the table in process) replaying the per-step
              global batches in ``SCHEDULE`` (a JSON file); ``REFERENCE_LOSS=mean``: the
@@ -164,6 +170,12 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
     dist = strategy.experimental_distribute_dataset(dataset)
     epochs: list[list[list[int]]] = []
     done = 0
+    resizes = dict(
+        (int(at), int(n))
+        for at, n in (p.split(":") for p in os.environ.get("RESIZE", "").split(",") if p)
+    )
+    resize_errors: list[dict] = []
+    ps_counts: list[int] = []
     # a worker that joined a running group starts in the group's epoch
     for _ in range(strategy.elastic.initial_epoch if elastic else 0, EPOCHS):
         steps: dict[int, list[int]] = {}
@@ -178,6 +190,9 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             done += 1
             print(f"step {done} done", flush=True)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+            if done in resizes:
+                _resize(strategy, rank, resizes[done], resize_errors)
+                ps_counts.append(len(strategy.hybrid.session.connections))
             if strategy.num_replicas_in_sync == 1:  # a survivor alone: time for a joiner
                 time.sleep(float(os.environ.get("ALONE_SLEEP", "0")))
         epochs.append([steps[k] for k in sorted(steps)])
@@ -191,7 +206,28 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "replicas": strategy.num_replicas_in_sync,
         "changes": [c.as_logs() for c in strategy.elastic.changes] if elastic else [],
         "run_id": strategy.hybrid.run_id,
+        "resize_errors": resize_errors,
+        "ps_counts": ps_counts,
     }
+
+
+def _resize(strategy: pf.distribute.Strategy, rank: int, num_ps: int, failed: list) -> None:
+    """Every worker: the PS tasks resized to ``num_ps`` between two steps."""
+    from psflow.distribute.cluster_resolver.cluster_file import write_cluster_file
+
+    if rank == 0:  # the launcher's part: the view lists the tasks started
+        cluster = strategy.cluster_resolver.cluster_spec().as_dict()
+        write_cluster_file(
+            os.environ["PSFLOW_CLUSTER_FILE"],
+            {**cluster, "ps": json.loads(os.environ["RESIZE_PS"])},
+        )
+    started = time.monotonic()
+    try:
+        strategy.resize_parameter_servers(num_ps, timeout=float(os.environ["RESIZE_TIMEOUT"]))
+    except pf.errors.OpError as e:
+        failed.append(
+            {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+        )
 
 
 def fit(strategy: pf.distribute.Strategy) -> dict:
@@ -222,9 +258,14 @@ def main() -> int:
     elastic = None
     if os.environ.get("ELASTIC"):
         elastic = pf.distribute.experimental.ElasticOptions(min_workers=1, rendezvous_seconds=3.0)
+    resolver = None
+    if os.environ.get("RESIZE"):
+        from psflow.distribute.cluster_resolver.cluster_file import ClusterFileResolver
+
+        resolver = ClusterFileResolver.from_environment()
     try:
         strategy = pf.distribute.MultiWorkerMirroredStrategy(
-            communication_options=options, elastic=elastic
+            resolver, communication_options=options, elastic=elastic
         )
         result = fit(strategy) if mode == "fit" else train(strategy, rank)
     except pf.errors.OpError as e:

@@ -19,7 +19,12 @@ process that trains on the same per-step global batches:
 * a worker killed and started again joins the running elastic hybrid group:
   it takes the group's run id with its state, trains with it, and the rows
   equal the reference's over the same membership;
-* a PS that dies for good ends every worker with a typed error, not a hang.
+* a PS that dies for good ends every worker with a typed error, not a hang;
+* the PS tasks resized 1 -> 2 -> 1 between steps (every worker calls
+  ``resize_parameter_servers`` at the same boundary, worker 0 moves the rows)
+  leave the rows equal to the reference's, and the task removed drains; a
+  resize naming a PS that is not running fails on every worker, typed, within
+  its timeout, and the group trains on over the old task.
 """
 
 from __future__ import annotations
@@ -319,3 +324,92 @@ def test_a_joiner_whose_state_came_without_a_run_id_gets_a_typed_error(start_ps,
     finally:
         tables.session.close()
         pf.distribute.ps.session.set_default(None)
+
+
+def _resize_workers(tmp: pathlib.Path, ps: list[str], env: dict[str, str]) -> tuple:
+    """Two workers resolving their cluster from a file that starts with ``ps[:1]``."""
+    from psflow.distribute.cluster_resolver.cluster_file import write_cluster_file
+
+    cluster = _cluster(ps[:1], 2)
+    path = tmp / "cluster.json"
+    write_cluster_file(str(path), cluster)
+    env = {**env, "PSFLOW_CLUSTER_FILE": str(path), "RESIZE_PS": json.dumps(ps)}
+    started = [_start_worker(tmp, cluster, i, env, "train", f"w{i}") for i in range(2)]
+    return tuple(list(x) for x in zip(*started))
+
+
+def test_hybrid_workers_resize_the_ps_tasks_between_steps_and_train_as_one_process(
+    tmp_path, start_ps
+):
+    ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
+    # 8 steps: 3 on ps:0, 3 on ps:0 and ps:1 (each worker pushes one task's part), 2 on ps:0
+    env = {"RESIZE": "3:2,6:1", "RESIZE_TIMEOUT": "30"}
+    procs, outs, logs = _resize_workers(tmp_path, [p.address for p in ps], env)
+    codes = _finish(procs, 90)
+    assert codes == [0, 0], _logs(logs) + ps[0].log_tail() + ps[1].log_tail()
+    results = [json.loads(o.read_text()) for o in outs]
+    for r in results:
+        assert r["resize_errors"] == [] and r["ps_counts"] == [2, 1], r
+    assert ps[1].proc.wait(30) == 0  # the task removed drained and exited
+    # a row applied under the wrong map, or a part pushed twice or lost, is off by an Adam step
+    _check(tmp_path, results, _logs(logs))
+
+
+def test_a_hybrid_resize_to_a_ps_that_is_not_running_fails_on_every_worker_and_training_goes_on(
+    tmp_path, start_ps
+):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    dead = f"127.0.0.1:{pick_free_port()}"  # listed, never started
+    env = {"RESIZE": "3:2", "RESIZE_TIMEOUT": "2"}
+    procs, outs, logs = _resize_workers(tmp_path, [ps.address, dead], env)
+    codes = _finish(procs, 90)
+    assert codes == [0, 0], _logs(logs) + ps.log_tail()
+    results = [json.loads(o.read_text()) for o in outs]
+    for r in results:
+        (failed,) = r["resize_errors"]
+        assert failed["error"] in ("PSUnavailableError", "UnavailableError"), failed
+        assert "ps:1" in failed["message"], failed
+        assert failed["seconds"] < 2 + 10, failed
+        assert r["ps_counts"] == [1], r  # still on the old task
+    # it trained on over ps:0 alone: the rows equal one process's
+    _check(tmp_path, results, _logs(logs))
+
+
+def test_a_hybrid_resize_refuses_bad_input_naming_it_and_changes_nothing(start_ps, monkeypatch):
+    monkeypatch.setenv("PSFLOW_AUTH_TOKEN", TOKEN)
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": [f"127.0.0.1:{pick_free_port()}"], "ps": [ps.address]}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    try:
+        with strategy.scope():
+            table = pf.keras.layers.DynamicEmbedding(2, table_name="resize_refused", seed=1)
+        ids = np.array([3, 10**12])
+        before = np.asarray(table(ids, training=False))
+        session = strategy.hybrid.session
+        with pytest.raises(pf.errors.InvalidArgumentError, match="got 0"):
+            strategy.resize_parameter_servers(0)
+        with pytest.raises(pf.errors.InvalidArgumentError, match="got True"):
+            strategy.resize_parameter_servers(True)
+        with pytest.raises(pf.errors.InvalidArgumentError, match=r"num_ps=2.*lists 1 ps task"):
+            strategy.resize_parameter_servers(2)
+        with pytest.raises(pf.errors.InvalidArgumentError, match="timeout -1"):
+            strategy.resize_parameter_servers(1, timeout=-1)
+        with pytest.raises(pf.errors.FailedPreconditionError, match=r"\(3\).*inside"):
+            strategy.run(lambda: strategy.resize_parameter_servers(3))
+        assert [c.address for c in session.connections] == [ps.address]
+        np.testing.assert_array_equal(table(ids, training=False), before)
+        report = strategy.resize_parameter_servers(1, timeout=10)  # the same tasks: a no-op
+        assert (report.old_num_ps, report.new_num_ps) == (1, 1)
+        np.testing.assert_array_equal(table(ids, training=False), before)
+    finally:
+        strategy.hybrid.session.close()
+        pf.distribute.ps.session.set_default(None)
+    mirrored = pf.distribute.MultiWorkerMirroredStrategy()  # no ps tasks: no tables to move
+    with pytest.raises(pf.errors.FailedPreconditionError, match="hybrid mode"):
+        mirrored.resize_parameter_servers(1)

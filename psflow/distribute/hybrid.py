@@ -59,6 +59,23 @@ The PS applies an id once and answers a repeat with its first reply.
   from the next step on the parts are cut over the new group, and the
   joiner pushes its own part once each step is committed, as any member.
 
+Resizing the PS tasks.  ``strategy.resize_parameter_servers(num_ps)``
+(:meth:`HybridTables.resize`), called by every worker at the same step
+boundary, moves the tables' rows onto PS tasks ``0..num_ps-1`` of the
+cluster as worker 0's resolver lists it then.  The workers pass a barrier
+(every member finished its step: an elastic group pushes its staged step
+there, which that barrier commits), so no lookup or push is in flight;
+worker 0 moves the rows with the PS mode's resize
+(:func:`psflow.distribute.ps.resize.resize`: the tables re-shard through
+:func:`~psflow.distribute.ps.table_moves.move_tables`, the tasks removed
+drain), while the group waits in short broadcasts of its progress (a
+resize may take longer than the ring's silence timeout); then the outcome
+reaches every worker over the ring, every worker re-points its session and
+table client at the new tasks, and the group goes on.  From then on the
+parts of a step are cut by the new PS count.  A resize that failed before
+any row switched (a PS that never answered) leaves every worker on the old
+tasks, with the same typed error on each.
+
 Example (a worker of a cluster with ``worker`` and ``ps`` tasks in ``TF_CONFIG``)::
 
     strategy = pf.distribute.MultiWorkerMirroredStrategy()
@@ -71,6 +88,10 @@ Example (a worker of a cluster with ``worker`` and ``ps`` tasks in ``TF_CONFIG``
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -85,7 +106,32 @@ from psflow.ps.key_index import shard_of, sum_rows, unique_ids
 
 __all__ = ["HybridTables", "SparseStep", "TableGradient"]
 
+log = logging.getLogger("psflow.distribute")
+
 _RUN_ID_BYTES = 16
+# while worker 0 resizes, the group hears from it this often (a one-number broadcast)
+_RESIZE_POLL_SECONDS = 0.05
+# how long past the resize's own deadline the group waits for worker 0's outcome
+_RESIZE_GRACE_SECONDS = 30.0
+
+
+def _share(ring: Any, payload: Any) -> Any:
+    """Every worker gets worker 0's JSON ``payload`` (the others pass None); None stays None
+    after one broadcast (its length, 0), anything else takes a second (its bytes)."""
+    raw = None
+    if ring.rank == 0 and payload is not None:
+        raw = np.frombuffer(json.dumps(payload).encode(), np.uint8)
+    (size,) = ring.broadcast([np.array([0 if raw is None else raw.size], np.int64)], root=0)
+    if int(size[0]) == 0:
+        return None
+    (raw,) = ring.broadcast([raw if raw is not None else np.empty(int(size[0]), np.uint8)], 0)
+    return json.loads(raw.tobytes().decode())
+
+
+def _error_payload(error: BaseException) -> dict:
+    if isinstance(error, errors.OpError):
+        return {"error": int(error.code), "message": str(error)}
+    return {"error": int(errors.Code.INTERNAL), "message": f"{type(error).__name__}: {error}"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +220,7 @@ class HybridTables:
 
     # -- setup -------------------------------------------------------------------------
     RUN_ID_KEY = "hybrid_run_id"  # the run id's key in the elastic state's extra values
+    PS_KEY = "hybrid_ps"  # the PS tasks after a resize, in the elastic state's extra values
 
     def take_run_id(self, state: Any) -> None:
         """A joiner: takes the group's run id, received with its state (a ``TrainingState``).
@@ -188,6 +235,9 @@ class HybridTables:
                 f"({self.RUN_ID_KEY!r} in {sorted(state.received_extra)})"
             )
         self.run_id = run_id
+        tasks = state.received_extra.get(self.PS_KEY)
+        if tasks is not None:  # the group resized its PS tasks since TF_CONFIG was written
+            self._repoint(tasks["addresses"], tasks["version"])
 
     def agree_run_id(self, ring: Any) -> None:
         """Takes worker 0's run id (every worker must call it, once, at the start)."""
@@ -309,3 +359,154 @@ class HybridTables:
         last = self._committed
         if last is not None:
             self.push(last, range(last.parts))
+
+    # -- resizing the PS tasks ----------------------------------------------------------
+    def settle(self, ring: Any) -> None:
+        """A resize's barrier: every worker finished its step, and every part of it is applied.
+
+        An elastic group's staged step is committed by this barrier: its parts
+        are pushed here (as the next step boundary would have), and nothing is
+        pushed again after a later re-form (every part was applied before the
+        rows moved; their records do not move with them).
+        """
+        ring.all_reduce([np.zeros(1, np.int64)])  # every member finished the step
+        staged = self._staged
+        if staged is not None:
+            self.push(staged, [ring.rank])
+            self._staged = None
+            ring.all_reduce([np.zeros(1, np.int64)])  # every part applied
+        self._committed = None
+
+    def _repoint(self, addresses: Sequence[str], version: int) -> None:
+        """This worker's session and table client route by ``addresses`` from now on."""
+        from psflow.keras.layers import dynamic_embedding
+
+        session = self.session
+        if list(addresses) != [c.address for c in session.connections]:
+            session.adopt_tasks(list(addresses), version=version)
+        elif session.placement.version != version:
+            session.announce_tasks(list(addresses), version)
+        found = dynamic_embedding._by_session.get(session)
+        if found is not None and found.client.addresses != list(addresses):
+            found.client.retarget(list(addresses))
+
+    def _ps_addresses(self, resolver: Any, num_ps: int) -> list[str]:
+        """Worker 0: the PS tasks ``0..num_ps-1`` as its resolver lists them now.
+
+        Raises:
+            InvalidArgumentError: the cluster lists fewer (both counts named).
+        """
+        refresh = getattr(resolver, "refresh", None)
+        spec = refresh() if callable(refresh) else resolver.cluster_spec()
+        listed = sorted(spec.task_indices("ps")) if "ps" in spec.jobs else []
+        if len(listed) < num_ps or listed[:num_ps] != list(range(num_ps)):
+            raise errors.InvalidArgumentError(
+                f"resizing to num_ps={num_ps} parameter servers, but the cluster spec "
+                f"lists {len(listed)} ps tasks ({listed}); it must list tasks 0..{num_ps - 1}"
+            )
+        return [spec.task_address("ps", i) for i in range(num_ps)]
+
+    def resize(self, ring: Any, resolver: Any, num_ps: int, timeout: float) -> Any:
+        """Every worker, at one step boundary: the rows move onto ``num_ps`` PS tasks.
+
+        See the module docstring.  Returns the resize's
+        :class:`~psflow.distribute.ps.placement.ResizeReport` (worker 0's, on every
+        worker).
+
+        Raises:
+            InvalidArgumentError: ``num_ps`` < 1 or not an integer, ``timeout`` not
+                finite and > 0, or more PS tasks than worker 0's cluster lists:
+                nothing changed.
+            UnavailableError, DeadlineExceededError: a PS task did not answer (on
+                every worker; before any row switched every worker stays on the old tasks).
+        """
+        from psflow.distribute.ps import resize as resize_lib
+        from psflow.distribute.ps.placement import ResizeReport
+
+        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
+            raise errors.InvalidArgumentError(f"num_ps must be an integer >= 1, got {num_ps!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise errors.InvalidArgumentError(f"resize timeout {timeout!r} must be a number")
+        if not 0 < timeout < float("inf"):
+            raise errors.InvalidArgumentError(f"resize timeout {timeout!r} must be finite and > 0")
+        # worker 0's view of the cluster decides, for every worker
+        plan: dict[str, Any] = {}
+        if ring.rank == 0:
+            try:
+                plan = {"addresses": self._ps_addresses(resolver, num_ps)}
+            except errors.OpError as e:
+                plan = _error_payload(e)
+        plan = _share(ring, plan)
+        if "error" in plan:
+            raise errors.error_class(plan["error"])(plan["message"])
+        self.settle(ring)
+        outcome = self._resize_on_worker_0(ring, plan["addresses"], timeout, resize_lib)
+        if outcome.get("moved"):
+            self._repoint(outcome["addresses"], outcome["version"])
+        if "error" in outcome:
+            raise errors.error_class(outcome["error"])(outcome["message"])
+        return ResizeReport(**outcome["report"])
+
+    def _resize_on_worker_0(
+        self, ring: Any, addresses: list[str], timeout: float, resize_lib: Any
+    ) -> dict:
+        """Worker 0 resizes in a thread; every worker polls for the outcome over the ring."""
+        session = self.session
+        box: dict[str, Any] = {}
+        thread = None
+        if ring.rank == 0:
+            old = session.placement
+            old_addresses = [c.address for c in session.connections]
+
+            def moved(deadline: float) -> None:
+                # every row is on the new tasks: whatever happens next, the group follows
+                box["moved"] = True
+
+            def work() -> None:
+                try:
+                    report = resize_lib.resize(
+                        session, addresses, timeout=timeout, before_drain=moved
+                    )
+                    box["outcome"] = {"report": dataclasses.asdict(report)}
+                except BaseException as e:  # every worker gets it, typed
+                    box["outcome"] = _error_payload(e)
+                    if not box.get("moved"):
+                        # no row switched (or the switch itself broke): back to the old tasks
+                        session.resize_origin = None
+                        try:
+                            session.adopt_tasks(old_addresses, version=old.version)
+                        except errors.OpError as again:
+                            log.warning(
+                                "hybrid resize: cannot go back to %s: %s", old_addresses, again
+                            )
+                if box.get("moved"):
+                    placement = session.placement
+                    box["outcome"].update(
+                        moved=True,
+                        addresses=list(placement.addresses),
+                        version=placement.version,
+                    )
+
+            thread = threading.Thread(target=work, name="hybrid-resize", daemon=True)
+            thread.start()
+        deadline = time.monotonic() + timeout + _RESIZE_GRACE_SECONDS
+        while True:  # bounded: worker 0's resize has a deadline, and so has this loop
+            outcome = None
+            if thread is not None:
+                thread.join(_RESIZE_POLL_SECONDS)
+                if not thread.is_alive():
+                    outcome = box["outcome"]
+                elif time.monotonic() > deadline:
+                    outcome = {
+                        "error": int(errors.Code.DEADLINE_EXCEEDED),
+                        "message": f"resizing to {len(addresses)} parameter servers did not "
+                        f"end within {timeout}s",
+                    }
+            outcome = _share(ring, outcome)
+            if outcome is not None:
+                return outcome
+            if time.monotonic() > deadline + _RESIZE_GRACE_SECONDS:
+                raise errors.DeadlineExceededError(
+                    f"worker 0 did not report its resize to {len(addresses)} parameter "
+                    f"servers within {timeout}s"
+                )

@@ -535,6 +535,56 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         its ``session`` reaches the PS tasks), or None without ``ps`` tasks."""
         return self._hybrid
 
+    def resize_parameter_servers(self, num_ps: int, *, timeout: float = 300.0) -> Any:
+        """Hybrid mode: moves the embedding tables' rows onto PS tasks ``0..num_ps-1``.
+
+        Every worker calls it at the same step boundary (outside ``run``), as
+        every worker runs the same program: the workers pass a barrier (an
+        elastic group pushes its committed step first), worker 0 moves the rows
+        with the parameter-server mode's resize (the tasks are read afresh
+        from worker 0's cluster resolver, job ``ps``; the tasks removed drain
+        and exit), the new tasks reach every worker over the ring and each
+        re-points its tables; then training goes on (see
+        :mod:`psflow.distribute.hybrid`).
+
+        Example (every worker of a hybrid cluster, between two steps)::
+
+            strategy.resize_parameter_servers(2, timeout=60)
+
+        Returns:
+            The resize's ``ResizeReport`` (the same on every worker).
+
+        Raises:
+            FailedPreconditionError: not the hybrid mode (no ``ps`` tasks), or
+                called inside ``run``.
+            InvalidArgumentError: ``num_ps`` < 1, a bad ``timeout``, or more PS
+                tasks than the cluster lists (each named; nothing changed).
+            UnavailableError, DeadlineExceededError: a PS task did not answer
+                within ``timeout`` (raised on every worker; the group stays on
+                the old tasks and can train on).
+        """
+        if self._hybrid is None:
+            raise errors.FailedPreconditionError(
+                "resize_parameter_servers needs the hybrid mode (ps tasks in the cluster); "
+                f"this MultiWorkerMirroredStrategy of {self._group.size} worker(s) has none, "
+                "its variables are all mirrored"
+            )
+        ctx = distribute_lib._current()
+        if ctx is not None and ctx.replica_context is not None:
+            raise errors.FailedPreconditionError(
+                f"resize_parameter_servers({num_ps!r}) was called inside strategy.run; "
+                "every worker calls it between steps"
+            )
+        try:
+            return self._hybrid.resize(self._ring, self._resolver, num_ps, timeout)
+        finally:
+            if self._elastic is not None:  # a later joiner takes the tasks with the state
+                placement = self._hybrid.session.placement
+                self._elastic.state.extra[self._hybrid.PS_KEY] = {
+                    "addresses": list(placement.addresses),
+                    "version": placement.version,
+                }
+
     @property
     def elastic(self) -> Any:
         """The elastic controller (membership changes in ``.changes``), or None when not elastic."""
