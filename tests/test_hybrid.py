@@ -338,12 +338,14 @@ def _resize_workers(tmp: pathlib.Path, ps: list[str], env: dict[str, str]) -> tu
     return tuple(list(x) for x in zip(*started))
 
 
+@pytest.mark.parametrize("elastic", ["", "1"], ids=["fixed", "elastic"])
 def test_hybrid_workers_resize_the_ps_tasks_between_steps_and_train_as_one_process(
-    tmp_path, start_ps
+    tmp_path, start_ps, elastic
 ):
     ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
-    # 8 steps: 3 on ps:0, 3 on ps:0 and ps:1 (each worker pushes one task's part), 2 on ps:0
-    env = {"RESIZE": "3:2,6:1", "RESIZE_TIMEOUT": "30"}
+    # 8 steps: 3 on ps:0, 3 on ps:0 and ps:1 (each worker pushes one task's part), 2 on ps:0;
+    # elastic: the step before each resize is staged, pushed at the resize's barrier
+    env = {"RESIZE": "3:2,6:1", "RESIZE_TIMEOUT": "30", "ELASTIC": elastic}
     procs, outs, logs = _resize_workers(tmp_path, [p.address for p in ps], env)
     codes = _finish(procs, 90)
     assert codes == [0, 0], _logs(logs) + ps[0].log_tail() + ps[1].log_tail()
