@@ -17,7 +17,8 @@ TF_CONFIG (``worker`` and ``ps`` tasks) and PSFLOW_AUTH_TOKEN come from the test
              a JSON list, in the cluster file ``PSFLOW_CLUSTER_FILE`` the workers
              resolve their cluster from, as a launcher would); ``RESIZE_TIMEOUT``
              bounds each; a resize that fails is recorded under ``"resize_errors"``
-             and training goes on
+             and training goes on; ``RESIZE_FILE=1`` alone: the cluster from that file, no
+             resize (a worker restarted after the group resized)
   fit        the same model and data through Keras ``fit`` (no elastic, no fault)
   reference  one process (no strategy, the table in process) replaying the per-step
              global batches in ``SCHEDULE`` (a JSON file); ``REFERENCE_LOSS=mean``: the
@@ -259,7 +260,7 @@ def main() -> int:
     if os.environ.get("ELASTIC"):
         elastic = pf.distribute.experimental.ElasticOptions(min_workers=1, rendezvous_seconds=3.0)
     resolver = None
-    if os.environ.get("RESIZE"):
+    if os.environ.get("RESIZE") or os.environ.get("RESIZE_FILE"):
         from psflow.distribute.cluster_resolver.cluster_file import ClusterFileResolver
 
         resolver = ClusterFileResolver.from_environment()

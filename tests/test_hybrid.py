@@ -24,7 +24,8 @@ process that trains on the same per-step global batches:
   ``resize_parameter_servers`` at the same boundary, worker 0 moves the rows)
   leave the rows equal to the reference's, and the task removed drains; a
   resize naming a PS that is not running fails on every worker, typed, within
-  its timeout, and the group trains on over the old task.
+  its timeout, and the group trains on over the old task; a worker restarted
+  after the group resized takes the group's PS tasks with its state.
 """
 
 from __future__ import annotations
@@ -415,3 +416,37 @@ def test_a_hybrid_resize_refuses_bad_input_naming_it_and_changes_nothing(start_p
     mirrored = pf.distribute.MultiWorkerMirroredStrategy()  # no ps tasks: no tables to move
     with pytest.raises(pf.errors.FailedPreconditionError, match="hybrid mode"):
         mirrored.resize_parameter_servers(1)
+
+
+def test_a_worker_restarted_after_a_hybrid_resize_takes_the_groups_ps_tasks(tmp_path, start_ps):
+    ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
+    addresses = [p.address for p in ps]
+    # resized 1 -> 2 -> 1 (ps:1 drained and gone, the file still lists it), then worker 1
+    # killed in its forward pass and started again: it must hash over ps:0 alone
+    env = {"ELASTIC": "1", "SCENARIO_TIMEOUT": "10", "ALONE_SLEEP": "1.0", "RESIZE_TIMEOUT": "30"}
+    fault = {"FAULT": "forward", "FAULT_RANK": "1", "FAULT_STEP": "3", "RESIZE": "2:2,3:1"}
+    procs, outs, logs = _resize_workers(tmp_path, addresses, {**env, **fault})
+    again = None
+    try:
+        assert procs[1].wait(60) == -signal.SIGKILL, _logs(logs)
+        assert ps[1].proc.wait(30) == 0, _logs(logs)  # drained by the resize back to 1
+        deadline = time.monotonic() + 60
+        while "generation 1: members [0]" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, _logs(logs)
+            time.sleep(0.1)
+        view = tmp_path / "cluster.json"  # as worker 0 published it: both PS tasks
+        joiner_env = {**env, "SCENARIO_SEED": "99", "RESIZE_FILE": "1"}
+        joiner_env["PSFLOW_CLUSTER_FILE"] = str(view)
+        cluster = json.loads(view.read_text())["cluster"]
+        again = _start_worker(tmp_path, cluster, 1, joiner_env, "train", "w1b")
+        codes = _finish([procs[0], again[0]], 120)
+    finally:
+        _finish([*procs, *([again[0]] if again else [])], 1)
+    text = _logs([*logs, again[2]])
+    assert codes == [0, 0], text
+    survivor, joiner = json.loads(outs[0].read_text()), json.loads(again[1].read_text())
+    assert survivor["ps_counts"] == [2, 1] and survivor["resize_errors"] == [], survivor
+    assert [c["reason"] for c in survivor["changes"]] == ["lost", "joined"], text
+    assert joiner["replicas"] == 2 and sum(len(e) for e in joiner["epochs"]) >= 1, text
+    _check(tmp_path, [survivor], text)
+    assert joiner["rows"] == survivor["rows"] and joiner["dense"] == survivor["dense"]
