@@ -502,7 +502,14 @@ class HybridTables:
                         "message": f"resizing to {len(addresses)} parameter servers did not "
                         f"end within {timeout}s",
                     }
-            outcome = _share(ring, outcome)
+            try:
+                outcome = _share(ring, outcome)
+            except errors.OpError:
+                if thread is not None:  # a peer is gone: nothing may move on under training
+                    thread.join(max(deadline - time.monotonic(), 0.0))
+                    if box.get("moved") and "outcome" in box:
+                        self._repoint(box["outcome"]["addresses"], box["outcome"]["version"])
+                raise
             if outcome is not None:
                 return outcome
             if time.monotonic() > deadline + _RESIZE_GRACE_SECONDS:
