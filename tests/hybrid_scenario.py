@@ -19,12 +19,17 @@ TF_CONFIG (``worker`` and ``ps`` tasks) and PSFLOW_AUTH_TOKEN come from the test
              bounds each; a resize that fails is recorded under ``"resize_errors"``
              and training goes on; ``RESIZE_FILE=1`` alone: the cluster from that file, no
              resize (a worker restarted after the group resized)
+             ``GATES`` ("2,5"): after each of those global steps every worker prints
+             ``gate N`` and waits (up to 60 s) for the file ``GATE_DIR/gateN``: a test
+             resizes the cluster from outside (``psflow scale``) meanwhile; each
+             worker records the PS tasks every step ran on (``"step_ps"``)
   fit        the same model and data through Keras ``fit`` (no elastic, no fault)
   reference  one process (no strategy, the table in process) replaying the per-step
              global batches in ``SCHEDULE`` (a JSON file); ``REFERENCE_LOSS=mean``: the
              batch's mean squared error, as ``fit`` computes it
 
-A worker writes the global batches it trained (example ids per step), its dense weights
+``OUT.json`` may hold ``{rank}`` (every worker of ``psflow local`` gets the same
+arguments).  A worker writes the global batches it trained (example ids per step), its dense weights
 and the rows of every id of the data, or ``{"error", "message"}`` when a psflow error
 ended it (exit code 3).
 """
@@ -177,6 +182,8 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
     )
     resize_errors: list[dict] = []
     ps_counts: list[int] = []
+    step_ps: list[int] = []
+    gates = {int(g) for g in os.environ.get("GATES", "").split(",") if g}
     # a worker that joined a running group starts in the group's epoch
     for _ in range(strategy.elastic.initial_epoch if elastic else 0, EPOCHS):
         steps: dict[int, list[int]] = {}
@@ -189,7 +196,10 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             key = strategy.elastic.completed if elastic else len(steps)
             steps[key] = np.asarray(seen).tolist()
             done += 1
+            step_ps.append(len(strategy.hybrid.session.connections))
             print(f"step {done} done", flush=True)
+            if done in gates:
+                _gate(done)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
             if done in resizes:
                 _resize(strategy, rank, resizes[done], resize_errors)
@@ -209,7 +219,19 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "run_id": strategy.hybrid.run_id,
         "resize_errors": resize_errors,
         "ps_counts": ps_counts,
+        "step_ps": step_ps,
     }
+
+
+def _gate(step: int) -> None:
+    """Waits (bounded) for the test to open gate ``step`` (a file in ``GATE_DIR``)."""
+    path = os.path.join(os.environ["GATE_DIR"], f"gate{step}")
+    print(f"gate {step}", flush=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise pf.errors.DeadlineExceededError(f"gate {step} was not opened within 60s")
+        time.sleep(0.02)
 
 
 def _resize(strategy: pf.distribute.Strategy, rank: int, num_ps: int, failed: list) -> None:
@@ -255,6 +277,7 @@ def main() -> int:
         return 0
     timeout = float(os.environ.get("SCENARIO_TIMEOUT", "20"))
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    out_path = out_path.replace("{rank}", str(rank))
     options = pf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
     elastic = None
     if os.environ.get("ELASTIC"):

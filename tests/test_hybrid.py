@@ -33,7 +33,9 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +46,7 @@ import pytest
 import psflow as pf
 from tests.conftest import ROOT, child_env, pick_free_port
 from tests.multi_worker_util import TOKEN, replay_reference
+from tests.test_local_cluster import launch  # noqa: F401  (a fixture)
 
 SCENARIO = ROOT / "tests" / "hybrid_scenario.py"
 ATOL, RTOL = 1e-6, 1e-5
@@ -450,3 +453,84 @@ def test_a_worker_restarted_after_a_hybrid_resize_takes_the_groups_ps_tasks(tmp_
     assert joiner["replicas"] == 2 and sum(len(e) for e in joiner["epochs"]) >= 1, text
     _check(tmp_path, [survivor], text)
     assert joiner["rows"] == survivor["rows"] and joiner["dense"] == survivor["dense"]
+
+
+# -- psflow local --ps-max and psflow scale --ps: the launcher resizes a hybrid job -------
+def _scale(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chief.scale", *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=90,
+    )
+
+
+def _view_ps(cdir: pathlib.Path) -> int:
+    return len(json.loads((cdir / "cluster.json").read_text())["cluster"]["ps"])
+
+
+def test_psflow_scale_resizes_a_running_hybrid_job_1_2_1_and_it_trains_as_one_process(
+    launch,  # noqa: F811
+    tmp_path,
+):
+    from tests.test_local_cluster import _env, _free_port_range
+
+    cdir = tmp_path / "control"
+    base = _free_port_range(4)  # worker:0, worker:1, ps:0, ps:1 (a reserved slot)
+    env = _env({"PSFLOW_NUM_CPU_DEVICES": "1", "GATES": "2,5", "GATE_DIR": str(tmp_path)})
+    launcher = launch(
+        "--mode", "multi-worker", "--ps", "1", "--ps-max", "2", "--workers", "2",
+        "--port-base", str(base), "--cluster-dir", str(cdir), "--drain-timeout", "60",
+        str(SCENARIO), "train", str(tmp_path / "w{rank}.json"), env=env,
+    )  # fmt: skip
+    for rank in (0, 1):
+        launcher.wait_for(rf"^\[worker:{rank}\] gate 2$", timeout=90)
+    over = _scale("--ps", "3", "--cluster-dir", str(cdir))
+    assert over.returncode == 2 and "--ps 3 is above the cluster's --ps-max 2" in over.stderr
+    # ps:1's port taken: its server cannot start; the job stays on ps:0 and says why
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", base + 3))
+        squatter.listen()
+        failed = _scale("--ps", "2", "--cluster-dir", str(cdir))
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "ps:1 exited with status" in failed.stderr and "still lists 1 PS" in failed.stderr
+    assert _view_ps(cdir) == 1
+    up = _scale("--ps", "2", "--cluster-dir", str(cdir))
+    assert up.returncode == 0 and "started ps:1" in up.stdout, up.stdout + up.stderr
+    assert _view_ps(cdir) == 2
+    (tmp_path / "gate2").write_text("")  # step 3's barrier carries the news to every worker
+    for rank in (0, 1):
+        launcher.wait_for(rf"^\[worker:{rank}\] gate 5$", timeout=60)
+    down = subprocess.Popen(  # answers once ps:1 drained: after the workers resized
+        [sys.executable, "-m", "chief.scale", "--ps", "1", "--cluster-dir", str(cdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while _view_ps(cdir) != 1:
+            assert time.monotonic() < deadline and down.poll() is None, down.communicate()
+            time.sleep(0.05)
+        time.sleep(0.6)  # worker 0 looks at the view at most every 0.5 s: the next step sees it
+        (tmp_path / "gate5").write_text("")
+        out, err = down.communicate(timeout=60)
+    finally:
+        if down.poll() is None:
+            down.kill()
+            down.wait()
+    assert down.returncode == 0 and "drained 1 PS; the view lists 1 PS" in out, out + err
+    assert launcher.finish(timeout=90) == 0, launcher.output
+    text = launcher.output
+    assert "ps:1 drained: exited 0 (PSFLOW_DRAINED); not restarting it" in text, text
+    assert re.search(r"^\[ps:1\] PSFLOW_DRAINED task=ps:1 ", text, re.M), text
+    results = [json.loads((tmp_path / f"w{rank}.json").read_text()) for rank in (0, 1)]
+    # the same PS tasks at the same steps on both workers: step 3's update carried the news,
+    # its next strategy.run (the scenario's gather of the step's ids) resized first
+    for r in results:
+        assert r["step_ps"] == [1, 1, 2, 2, 2, 1, 1, 1], (r["step_ps"], text)
+    _check(tmp_path, results, text)

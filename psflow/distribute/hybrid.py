@@ -76,6 +76,18 @@ parts of a step are cut by the new PS count.  A resize that failed before
 any row switched (a PS that never answered) leaves every worker on the old
 tasks, with the same typed error on each.
 
+Following the launcher's view.  A worker whose strategy built its resolver
+from ``PSFLOW_CLUSTER_FILE`` (``psflow local --mode multi-worker --ps-max N``
+sets it; ``psflow scale --ps K`` rewrites the file) resizes by itself: worker
+0 looks at the file (a ``stat``, at most every :data:`VIEW_CHECK_SECONDS`)
+and, when it changed, puts the PS count it lists into the one-number
+collective the step already does (the post-push barrier, or the elastic
+commit's), so every worker learns it in the same step; each then calls the
+resize at the start of its next ``strategy.run``.  A resize that fails is
+logged and training goes on over the old tasks (until the view changes
+again).  A job without that variable (``TF_CONFIG`` alone) sends the same
+zero it always did and checks no file.
+
 Example (a worker of a cluster with ``worker`` and ``ps`` tasks in ``TF_CONFIG``)::
 
     strategy = pf.distribute.MultiWorkerMirroredStrategy()
@@ -90,6 +102,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -104,7 +117,7 @@ from psflow.distribute.values import PerReplica
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.ps.key_index import shard_of, sum_rows, unique_ids
 
-__all__ = ["HybridTables", "SparseStep", "TableGradient"]
+__all__ = ["HybridTables", "SparseStep", "TableGradient", "ViewWatch"]
 
 log = logging.getLogger("psflow.distribute")
 
@@ -113,6 +126,52 @@ _RUN_ID_BYTES = 16
 _RESIZE_POLL_SECONDS = 0.05
 # how long past the resize's own deadline the group waits for worker 0's outcome
 _RESIZE_GRACE_SECONDS = 30.0
+VIEW_CHECK_SECONDS = 0.5
+"""How often, at most, worker 0 looks whether the launcher's cluster file changed."""
+
+
+class ViewWatch:
+    """Worker 0's look at the cluster file a launcher rewrites (see the module docstring).
+
+    Args:
+        resolver: a :class:`~psflow.distribute.cluster_resolver.ClusterFileResolver`.
+        interval: the least seconds between two looks.
+    """
+
+    def __init__(self, resolver: Any, interval: float = VIEW_CHECK_SECONDS) -> None:
+        self.resolver = resolver
+        self._interval = interval
+        self._next = 0.0
+        self._key = self._stat()  # the view the strategy started from is no news
+
+    def _stat(self) -> tuple | None:
+        try:
+            st = os.stat(self.resolver.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def forget(self) -> None:
+        """The next look reports the file's count even if it did not change (after a re-form)."""
+        self._key = None
+        self._next = 0.0
+
+    def news(self) -> int:
+        """The PS count the file lists when it changed since the last look, else 0."""
+        now = time.monotonic()
+        if now < self._next:
+            return 0
+        self._next = now + self._interval
+        key = self._stat()
+        if key is None or key == self._key:
+            return 0
+        self._key = key
+        try:
+            spec = self.resolver.refresh()
+        except errors.OpError as e:  # a half-edited file by hand: keep the old view
+            log.warning("cluster view %s not followed: %s", self.resolver.path, e)
+            return 0
+        return spec.num_tasks("ps") if "ps" in spec.jobs else 0
 
 
 def _share(ring: Any, payload: Any) -> Any:
@@ -217,6 +276,9 @@ class HybridTables:
         self._applies = 0  # apply_gradients calls so far (the step key without elastic)
         self._staged: SparseStep | None = None  # elastic: this step's, not yet committed
         self._committed: SparseStep | None = None  # elastic: the last committed step
+        self.watch: ViewWatch | None = None  # set when the launcher publishes the view
+        self.pending_ps: int | None = None  # the view's PS count, to resize to next step
+        self._pending_size = 0  # the group's size when it learned pending_ps
 
     # -- setup -------------------------------------------------------------------------
     RUN_ID_KEY = "hybrid_run_id"  # the run id's key in the elastic state's extra values
@@ -318,8 +380,9 @@ class HybridTables:
         if controller is None:
             self._applies += 1
             self.push(SparseStep(self._applies - 1, size, gradients), [rank])
-            # nobody looks rows up for the next step before every part is applied
-            strategy._ring.all_reduce([np.zeros(1, np.int64)])
+            # nobody looks rows up for the next step before every part is applied;
+            # the barrier carries worker 0's news of the cluster view
+            self._learn(strategy._ring.all_reduce([self._view_news(rank)]), size)
             return
         step = controller.completed
         staged = self._staged
@@ -342,7 +405,33 @@ class HybridTables:
             return
         self.push(staged, [ring.rank])
         self._committed, self._staged = staged, None
-        ring.all_reduce([np.zeros(1, np.int64)])
+        self._learn(ring.all_reduce([self._view_news(ring.rank)]), ring.size)
+
+    # -- following the launcher's view -------------------------------------------------
+    def _view_news(self, rank: int) -> np.ndarray:
+        """This worker's share of a barrier: worker 0's news of the view, others 0."""
+        news = self.watch.news() if self.watch is not None and rank == 0 else 0
+        return np.array([news], np.int64)
+
+    def _learn(self, reduced: Sequence[np.ndarray], size: int) -> None:
+        """Every worker: the view's PS count from the barrier's sum, kept if it differs."""
+        count = int(reduced[0][0])
+        if count > 0 and count != len(self.session.connections):
+            self.pending_ps, self._pending_size = count, size
+
+    def take_pending(self, size: int) -> int | None:
+        """The PS count to resize to now (every worker gets the same), or None.
+
+        ``size``: the group's size now.  A group that admitted a worker since it
+        learned the count drops it (the joiner did not learn it); worker 0 reports
+        the view again at the next barrier, to every member.
+        """
+        count, self.pending_ps = self.pending_ps, None
+        if count is not None and size != self._pending_size:
+            if self.watch is not None:
+                self.watch.forget()
+            return None
+        return count
 
     def reformed(self, completed: int) -> None:
         """The group re-formed and resumes at step ``completed``.
@@ -351,6 +440,9 @@ class HybridTables:
         worker had pushed are answered from the PS's memory, the rest applied
         now); a staged step the group redoes is dropped.
         """
+        self.pending_ps = None  # a member may not have learned it: the view is read again
+        if self.watch is not None:
+            self.watch.forget()
         staged = self._staged
         if staged is not None:
             if staged.step < completed:

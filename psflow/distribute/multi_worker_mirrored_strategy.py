@@ -33,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +62,8 @@ from psflow.framework.tensor import Tensor, to_array
 from psflow.util import nest
 
 __all__ = ["MultiWorkerMirroredStrategy", "WorkerGroup"]
+
+log = logging.getLogger("psflow.distribute")
 
 _GROUP_JOBS = ("chief", "worker")
 
@@ -401,10 +405,19 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if elastic is not None and not isinstance(elastic, ElasticOptions):
             raise errors.InvalidArgumentError(f"elastic must be an ElasticOptions, got {elastic!r}")
         self._elastic: Any = None
+        watched = False  # the cluster comes from the launcher's file: follow its PS count
         if cluster_resolver is None:
-            from psflow.distribute.cluster_resolver import TFConfigClusterResolver
+            from psflow.distribute.cluster_resolver import (
+                CLUSTER_FILE_ENV,
+                ClusterFileResolver,
+                TFConfigClusterResolver,
+            )
 
-            cluster_resolver = TFConfigClusterResolver()
+            if os.environ.get(CLUSTER_FILE_ENV):
+                cluster_resolver = ClusterFileResolver.from_environment()
+                watched = True
+            else:
+                cluster_resolver = TFConfigClusterResolver()
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
             raise errors.InvalidArgumentError(
@@ -496,6 +509,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 self._hybrid.take_run_id(self._elastic.state)
             else:
                 self._hybrid.agree_run_id(self._ring)
+            if watched:  # psflow scale --ps K rewrites the file: resize with it
+                from psflow.distribute.hybrid import ViewWatch
+
+                self._hybrid.watch = ViewWatch(cluster_resolver)
             if self._elastic is not None:
                 self._elastic.hybrid = self._hybrid
                 # it travels with every state broadcast: a later joiner names its pushes alike
@@ -585,6 +602,19 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     "version": placement.version,
                 }
 
+    def _follow_view(self) -> None:
+        """Every worker, at the same step boundary: resizes to the launcher's view."""
+        num_ps = self._hybrid.take_pending(self._ring.size)
+        if num_ps is None:
+            return
+        log.info("the cluster view lists %d ps tasks: resizing before this step", num_ps)
+        try:
+            report = self.resize_parameter_servers(num_ps)
+        except errors.OpError as e:  # every worker got it: train on over the old tasks
+            log.error("resizing to the view's %d ps tasks failed, training goes on: %s", num_ps, e)
+            return
+        log.info("resized the ps tasks %d -> %d", report.old_num_ps, report.new_num_ps)
+
     @property
     def elastic(self) -> Any:
         """The elastic controller (membership changes in ``.changes``), or None when not elastic."""
@@ -598,6 +628,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         options: Any = None,
     ) -> Any:
         """As :meth:`MirroredStrategy.run`; an elastic group redoes it on the re-formed group."""
+        if self._hybrid is not None and self._hybrid.pending_ps is not None:
+            self._follow_view()
         controller = self._elastic
         if controller is None:
             return super().run(fn, args, kwargs, options)
