@@ -471,15 +471,19 @@ def _view_ps(cdir: pathlib.Path) -> int:
     return len(json.loads((cdir / "cluster.json").read_text())["cluster"]["ps"])
 
 
+@pytest.mark.parametrize("elastic", ["", "1"], ids=["fixed", "elastic"])
 def test_psflow_scale_resizes_a_running_hybrid_job_1_2_1_and_it_trains_as_one_process(
     launch,  # noqa: F811
     tmp_path,
+    elastic,
 ):
     from tests.test_local_cluster import _env, _free_port_range
 
     cdir = tmp_path / "control"
     base = _free_port_range(4)  # worker:0, worker:1, ps:0, ps:1 (a reserved slot)
-    env = _env({"PSFLOW_NUM_CPU_DEVICES": "1", "GATES": "2,5", "GATE_DIR": str(tmp_path)})
+    # elastic: worker 0's news rides the commit's barrier (before the step), not the push's
+    env = {"PSFLOW_NUM_CPU_DEVICES": "1", "GATES": "2,5", "GATE_DIR": str(tmp_path)}
+    env = _env({**env, "ELASTIC": elastic})
     launcher = launch(
         "--mode", "multi-worker", "--ps", "1", "--ps-max", "2", "--workers", "2",
         "--port-base", str(base), "--cluster-dir", str(cdir), "--drain-timeout", "60",
@@ -529,8 +533,9 @@ def test_psflow_scale_resizes_a_running_hybrid_job_1_2_1_and_it_trains_as_one_pr
     assert "ps:1 drained: exited 0 (PSFLOW_DRAINED); not restarting it" in text, text
     assert re.search(r"^\[ps:1\] PSFLOW_DRAINED task=ps:1 ", text, re.M), text
     results = [json.loads((tmp_path / f"w{rank}.json").read_text()) for rank in (0, 1)]
-    # the same PS tasks at the same steps on both workers: step 3's update carried the news,
-    # its next strategy.run (the scenario's gather of the step's ids) resized first
+    # the same PS tasks at the same steps on both workers: step 3's update (elastic: its
+    # barrier) carried the news, the next strategy.run (fixed: the scenario's gather of the
+    # step's ids; elastic: the step's own) resized first
     for r in results:
         assert r["step_ps"] == [1, 1, 2, 2, 2, 1, 1, 1], (r["step_ps"], text)
     _check(tmp_path, results, text)

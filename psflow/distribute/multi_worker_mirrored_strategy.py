@@ -370,7 +370,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     Args:
         cluster_resolver: where the workers and this task are read (default:
-            ``TFConfigClusterResolver()``, i.e. ``TF_CONFIG``).
+            ``TFConfigClusterResolver()``, i.e. ``TF_CONFIG``; with
+            ``PSFLOW_CLUSTER_FILE`` set, as ``psflow local --ps-max`` does, a
+            ``ClusterFileResolver`` of that file, whose PS count a hybrid group
+            follows: see :mod:`psflow.distribute.hybrid`).
         communication_options: ``CommunicationOptions(bytes_per_pack,
             timeout_seconds, implementation)``; ``timeout_seconds`` bounds every
             collective and the initial connection to the neighbours.
