@@ -398,6 +398,7 @@ def test_a_hybrid_resize_refuses_bad_input_naming_it_and_changes_nothing(start_p
         ids = np.array([3, 10**12])
         before = np.asarray(table(ids, training=False))
         session = strategy.hybrid.session
+        assert strategy.hybrid.watch is None  # a resolver given: no view is followed, no file read
         with pytest.raises(pf.errors.InvalidArgumentError, match="got 0"):
             strategy.resize_parameter_servers(0)
         with pytest.raises(pf.errors.InvalidArgumentError, match="got True"):
@@ -539,3 +540,28 @@ def test_psflow_scale_resizes_a_running_hybrid_job_1_2_1_and_it_trains_as_one_pr
     for r in results:
         assert r["step_ps"] == [1, 1, 2, 2, 2, 1, 1, 1], (r["step_ps"], text)
     _check(tmp_path, results, text)
+
+
+def test_worker_0s_view_watch_reports_a_changed_ps_count_at_most_every_interval(tmp_path):
+    from psflow.distribute.cluster_resolver import ClusterFileResolver, write_cluster_file
+    from psflow.distribute.hybrid import ViewWatch
+
+    path = str(tmp_path / "cluster.json")
+    cluster = {"worker": ["127.0.0.1:5000"], "ps": ["127.0.0.1:5001"]}
+    write_cluster_file(path, cluster)
+    watch = ViewWatch(ClusterFileResolver(path, "worker", 0), interval=0.3)
+    assert watch.news() == 0  # the view the strategy started from is no news
+    write_cluster_file(path, {**cluster, "ps": ["127.0.0.1:5001", "127.0.0.1:5002"]})
+    assert watch.news() == 0  # looked 0.3 s ago at most: not again yet
+    time.sleep(0.35)
+    assert watch.news() == 2
+    time.sleep(0.35)
+    assert watch.news() == 0  # unchanged since
+    (tmp_path / "cluster.json").write_text("{not json")  # a broken view keeps the old one
+    time.sleep(0.35)
+    assert watch.news() == 0 and watch.resolver.cluster_spec().num_tasks("ps") == 2
+    write_cluster_file(path, cluster)
+    time.sleep(0.35)
+    assert watch.news() == 1
+    watch.forget()  # after a re-form: reported again, unchanged as it is, at once
+    assert watch.news() == 1
