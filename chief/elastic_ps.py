@@ -98,6 +98,11 @@ class PSScaler:
         """The PS tasks the published view lists."""
         return self._num_ps
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request is in flight (it ends by its own deadline)."""
+        return self._op is not None
+
     def view(self, num_ps: int) -> dict[str, list[str]]:
         """The cluster with ``ps:0..num_ps-1``."""
         return {**self._cluster, "ps": self._cluster["ps"][:num_ps]}
@@ -247,7 +252,7 @@ class PSScaler:
             self._finish(
                 False,
                 f"{late} still running {self._drain_timeout:g}s after the view dropped it: is the "
-                "chief watching the cluster (ClusterWatch)?",
+                "chief watching the cluster (ClusterWatch), or a hybrid group following it?",
             )
 
     def _finish(self, ok: bool, message: str) -> None:

@@ -953,7 +953,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="elastic parameter servers: reserve N PS slots; `psflow scale --ps K` starts or "
-        "drains them while the chief runs (its ClusterWatch resizes)",
+        "drains them while the chief runs (its ClusterWatch resizes; with --mode "
+        "multi-worker the workers resize at a step boundary)",
     )
     p.add_argument(
         "--cluster-dir",
@@ -1178,13 +1179,6 @@ def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, targe
     """``--mode multi-worker``: peer workers of the script (and ``--ps N`` PS tasks), no chief."""
     from chief.peers import run_peers
 
-    if args.ps_max:
-        parser.print_usage(sys.stderr)
-        sys.stderr.write(
-            "psflow local: --ps-max resizes the PS tasks of --mode ps; "
-            f"drop --ps-max {args.ps_max}\n"
-        )
-        return int(ExitCode.USAGE_ERROR)
     try:
         check_loopback(args.host)
         if args.workers < 1:
@@ -1204,6 +1198,8 @@ def _main_peers(parser: argparse.ArgumentParser, args: argparse.Namespace, targe
             ready_timeout=args.ready_timeout,
             dashboard_port=args.dashboard,
             dashboard_linger=_linger(args.dashboard_linger),
+            ps_max=args.ps_max,
+            drain_timeout=args.drain_timeout,
         )
     except InvalidArgumentError as e:
         parser.print_usage(sys.stderr)

@@ -34,6 +34,16 @@ worker gets ``PSFLOW_ELASTIC_MAX_WORKERS=N``, the bound of an
 group's ``DynamicEmbedding`` tables live on them), started and ready before
 the workers, kept across a restarted or rescaled group, stopped last
 (:mod:`chief.peer_servers`).  A server that exits is the job's failure.
+
+``--ps-max N`` (with ``--ps K``) reserves ports for N parameter servers,
+starts K and publishes the cluster view (``cluster.json`` in the control
+directory) that every worker gets as ``PSFLOW_CLUSTER_FILE``; ``psflow scale
+--ps K'`` starts servers (once ready, the view lists them) or drops the last
+ones from the view and waits for them to drain and exit 0, as in PS mode
+(:class:`chief.elastic_ps.PSScaler`).  The workers' strategy follows the
+view by itself at a step boundary (:mod:`psflow.distribute.hybrid`).
+``--ps-max`` and ``--workers-max`` are not combined (one control directory
+scales one kind of task).
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from chief.control import ControlDir, LauncherState, default_cluster_dir
+from chief.elastic_ps import DEFAULT_DRAIN_TIMEOUT, PSScaler
 from chief.group_dashboard import GroupDashboard
 from chief.local import (
     gpu_ids,
@@ -61,6 +72,7 @@ from chief.restart import RestartBook, RestartPolicy
 from chief.script import Target
 from chief.supervisor import RoleProcess, Supervisor, shell_status
 from chief.thread_plan import plan_threads
+from psflow.distribute.cluster_resolver import CLUSTER_FILE_ENV
 from psflow.distribute.elastic.options import MAX_WORKERS_ENV
 from psflow.errors import InvalidArgumentError
 from psflow.security.config import with_generated_token
@@ -116,6 +128,8 @@ def run_peers(
     ready_timeout: float = 60.0,
     dashboard_port: int | None = None,
     dashboard_linger: float = 0.0,
+    ps_max: int | None = None,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
 ) -> int:
     """Runs ``num_workers`` peers of ``target``; returns the launcher's exit status.
 
@@ -129,11 +143,14 @@ def run_peers(
     started first, each given ``ready_timeout`` seconds to be ready.
     ``dashboard_port``: the launcher serves the group's dashboard there
     (:mod:`chief.group_dashboard`; 0: a free port), and its final state
-    ``dashboard_linger`` seconds after the workers are done.
+    ``dashboard_linger`` seconds after the workers are done.  ``ps_max``: ports
+    for that many PS tasks, ``psflow scale --ps`` resizes (module docstring);
+    ``drain_timeout``: seconds a PS dropped from the view has to exit.
 
     Raises:
         InvalidArgumentError: see :func:`chief.local.worker_device_env`; ``workers_max``
-            below ``num_workers`` or without ``elastic``; ``num_ps`` below 0.
+            below ``num_workers`` or without ``elastic``; ``num_ps`` below 0;
+            ``ps_max`` below ``num_ps``, without PS tasks or with ``workers_max``.
         UnavailableError: a port from ``port_base`` is taken.
         FailedPreconditionError, DeadlineExceededError: a PS task did not start
             (:meth:`chief.peer_servers.PeerServers.start`).
@@ -147,15 +164,31 @@ def run_peers(
                 f"--workers-max {workers_max} needs --elastic and at least --workers {num_workers}"
             )
         slots = workers_max
+    if ps_max is not None:
+        if isinstance(ps_max, bool) or not isinstance(ps_max, int) or ps_max < max(num_ps, 1):
+            raise InvalidArgumentError(
+                f"--ps-max {ps_max!r} must be at least --ps {num_ps} (and --ps at least 1)"
+            )
+        if num_ps < 1:
+            raise InvalidArgumentError(f"--ps-max {ps_max} needs --ps K >= 1, got --ps {num_ps}")
+        if workers_max is not None:
+            raise InvalidArgumentError(
+                f"--ps-max {ps_max} and --workers-max {workers_max} are not combined: "
+                "scale the PS tasks or the workers"
+            )
+        if not drain_timeout > 0:
+            raise InvalidArgumentError(f"--drain-timeout {drain_timeout!r} must be > 0 seconds")
+    ps_slots = num_ps if ps_max is None else ps_max
     base_env = with_generated_token(os.environ if environ is None else environ)
     if workers_max is not None:
         base_env = {**base_env, MAX_WORKERS_ENV: str(workers_max)}
-    ports = pick_ports(slots + num_ps, host, port_base)
-    ps = [host_port(host, p) for p in ports[slots:]]
+    ports = pick_ports(slots + ps_slots, host, port_base)
+    reserved = [host_port(host, p) for p in ports[slots:]]  # every PS slot
+    ps = reserved[:num_ps]  # the ones running at start
     cluster = worker_cluster(num_workers, host, ports, ps)
     devices = worker_device_env(devices_per_worker, slots, gpu_ids(base_env))
     # N peers share the cores with the PS tasks (a group of "N - 1 workers and a chief")
-    threads = plan_threads(num_ps, num_workers - 1, None, base_env, cores=available_cores())
+    threads = plan_threads(ps_slots, num_workers - 1, None, base_env, cores=available_cores())
     log.info(
         "BLAS threads per worker: %d (%s, %d cores)",
         threads.threads["worker"],
@@ -165,7 +198,35 @@ def run_peers(
     servers = None
     if num_ps:
         server_env = {**threads.env("ps"), **base_env, "PYTHONUNBUFFERED": "1"}
-        servers = PeerServers(ps, host, server_env, ready_timeout)
+        servers = PeerServers(reserved, host, server_env, ready_timeout, num_started=num_ps)
+    control = None
+    if workers_max is not None or ps_max is not None:
+        control = ControlDir(cluster_dir or default_cluster_dir())
+        control.create()
+    ps_scaler = None
+    if ps_max is not None and servers is not None and control is not None:
+        ps_scaler = PSScaler(
+            control,
+            worker_cluster(num_workers, host, ports, reserved),
+            num_ps,
+            servers.start_slot,
+            servers.roles,
+            servers.is_ready,
+            ready_timeout=ready_timeout,
+            drain_timeout=drain_timeout,
+        )
+        servers.on_line, servers.claims = ps_scaler.on_line, ps_scaler.claims_exit
+        ps_scaler.publish()
+        # the workers' strategy resolves the cluster from the view, and follows it
+        base_env = {**base_env, CLUSTER_FILE_ENV: control.cluster_file}
+        log.info(
+            "elastic parameter servers: %d of up to %d running; control directory %s "
+            "(psflow scale --ps K --cluster-dir %s)",
+            num_ps,
+            ps_max,
+            control.path,
+            control.path,
+        )
     envs = [
         {
             **threads.env("worker"),
@@ -189,10 +250,7 @@ def run_peers(
         log.info("dashboard at %s", dashboard.url)
         if servers is not None:
             dashboard.watch(servers.supervisor)
-    control = None
-    if workers_max is not None:
-        control = ControlDir(cluster_dir or default_cluster_dir())
-        control.create()
+    if workers_max is not None and control is not None:
         log.info(
             "elastic workers: %d of up to %d running; control directory %s "
             "(psflow scale --workers K)",
@@ -215,10 +273,11 @@ def run_peers(
                     grace,
                     received,
                     elastic,
-                    control,
+                    control if workers_max is not None else None,
                     envs,
                     servers,
                     dashboard,
+                    ps_scaler,
                 )
                 if received:
                     return 128 + received[0]
@@ -241,6 +300,12 @@ def run_peers(
                 if received:
                     return 128 + received[0]
         finally:
+            if ps_scaler is not None and servers is not None:
+                # the workers are done: a drain they ended answers before the servers stop
+                while ps_scaler.busy and not received:
+                    servers.pump()
+                    ps_scaler.step()
+                    time.sleep(0.05)
             if servers is not None:
                 servers.stop(grace)
             if control is not None:
@@ -318,6 +383,7 @@ def _run_group(
     slots: list[dict[str, str]] | None = None,
     servers: PeerServers | None = None,
     dashboard: GroupDashboard | None = None,
+    ps_scaler: PSScaler | None = None,
 ) -> int:
     """Runs one generation of the workers; returns the first failure's status (0: none).
 
@@ -326,7 +392,8 @@ def _run_group(
     ``slots`` (the environment of every reserved worker slot) or drain them.
     ``servers``: the group's PS tasks, watched with it: one that exits fails
     the group (the workers get ``grace`` seconds to end on their own errors).
-    ``dashboard``: shows this generation's processes.
+    ``dashboard``: shows this generation's processes.  ``ps_scaler``: takes the
+    requests of ``psflow scale --ps``, stepped beside the servers' watch.
     """
     supervisor = Supervisor()
     if dashboard is not None:
@@ -350,6 +417,8 @@ def _run_group(
             supervisor.pump(0.1)
             if servers is not None and servers.pump() is not None and first_failure is None:
                 first_failure, failed_at = servers.failed, time.monotonic()
+            if ps_scaler is not None:
+                ps_scaler.step()
             for role in supervisor.poll():
                 status = shell_status(role.returncode or 0)
                 log.info("%s exited with status %d", role.name, status)

@@ -12,12 +12,24 @@ TF_CONFIG (``worker`` and ``ps`` tasks) and PSFLOW_AUTH_TOKEN come from the test
              table gradient; a worker started again with the same TF_CONFIG joins the
              running group (``ALONE_SLEEP``: seconds a survivor alone waits after each
              step, time for it to start)
+             ``RESIZE`` ("3:2,6:1") resizes the PS tasks after the given global steps
+             (every worker at the same boundary; worker 0 first publishes ``RESIZE_PS``,
+             a JSON list, in the cluster file ``PSFLOW_CLUSTER_FILE`` the workers
+             resolve their cluster from, as a launcher would); ``RESIZE_TIMEOUT``
+             bounds each; a resize that fails is recorded under ``"resize_errors"``
+             and training goes on; ``RESIZE_FILE=1`` alone: the cluster from that file, no
+             resize (a worker restarted after the group resized)
+             ``GATES`` ("2,5"): after each of those global steps every worker prints
+             ``gate N`` and waits (up to 60 s) for the file ``GATE_DIR/gateN``: a test
+             resizes the cluster from outside (``psflow scale``) meanwhile; each
+             worker records the PS tasks every step ran on (``"step_ps"``)
   fit        the same model and data through Keras ``fit`` (no elastic, no fault)
   reference  one process (no strategy, the table in process) replaying the per-step
              global batches in ``SCHEDULE`` (a JSON file); ``REFERENCE_LOSS=mean``: the
              batch's mean squared error, as ``fit`` computes it
 
-A worker writes the global batches it trained (example ids per step), its dense weights
+``OUT.json`` may hold ``{rank}`` (every worker of ``psflow local`` gets the same
+arguments).  A worker writes the global batches it trained (example ids per step), its dense weights
 and the rows of every id of the data, or ``{"error", "message"}`` when a psflow error
 ended it (exit code 3).
 """
@@ -164,6 +176,14 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
     dist = strategy.experimental_distribute_dataset(dataset)
     epochs: list[list[list[int]]] = []
     done = 0
+    resizes = dict(
+        (int(at), int(n))
+        for at, n in (p.split(":") for p in os.environ.get("RESIZE", "").split(",") if p)
+    )
+    resize_errors: list[dict] = []
+    ps_counts: list[int] = []
+    step_ps: list[int] = []
+    gates = {int(g) for g in os.environ.get("GATES", "").split(",") if g}
     # a worker that joined a running group starts in the group's epoch
     for _ in range(strategy.elastic.initial_epoch if elastic else 0, EPOCHS):
         steps: dict[int, list[int]] = {}
@@ -176,8 +196,14 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             key = strategy.elastic.completed if elastic else len(steps)
             steps[key] = np.asarray(seen).tolist()
             done += 1
+            step_ps.append(len(strategy.hybrid.session.connections))
             print(f"step {done} done", flush=True)
+            if done in gates:
+                _gate(done)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+            if done in resizes:
+                _resize(strategy, rank, resizes[done], resize_errors)
+                ps_counts.append(len(strategy.hybrid.session.connections))
             if strategy.num_replicas_in_sync == 1:  # a survivor alone: time for a joiner
                 time.sleep(float(os.environ.get("ALONE_SLEEP", "0")))
         epochs.append([steps[k] for k in sorted(steps)])
@@ -191,7 +217,40 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
         "replicas": strategy.num_replicas_in_sync,
         "changes": [c.as_logs() for c in strategy.elastic.changes] if elastic else [],
         "run_id": strategy.hybrid.run_id,
+        "resize_errors": resize_errors,
+        "ps_counts": ps_counts,
+        "step_ps": step_ps,
     }
+
+
+def _gate(step: int) -> None:
+    """Waits (bounded) for the test to open gate ``step`` (a file in ``GATE_DIR``)."""
+    path = os.path.join(os.environ["GATE_DIR"], f"gate{step}")
+    print(f"gate {step}", flush=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise pf.errors.DeadlineExceededError(f"gate {step} was not opened within 60s")
+        time.sleep(0.02)
+
+
+def _resize(strategy: pf.distribute.Strategy, rank: int, num_ps: int, failed: list) -> None:
+    """Every worker: the PS tasks resized to ``num_ps`` between two steps."""
+    from psflow.distribute.cluster_resolver.cluster_file import write_cluster_file
+
+    if rank == 0:  # the launcher's part: the view lists the tasks started
+        cluster = strategy.cluster_resolver.cluster_spec().as_dict()
+        write_cluster_file(
+            os.environ["PSFLOW_CLUSTER_FILE"],
+            {**cluster, "ps": json.loads(os.environ["RESIZE_PS"])},
+        )
+    started = time.monotonic()
+    try:
+        strategy.resize_parameter_servers(num_ps, timeout=float(os.environ["RESIZE_TIMEOUT"]))
+    except pf.errors.OpError as e:
+        failed.append(
+            {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+        )
 
 
 def fit(strategy: pf.distribute.Strategy) -> dict:
@@ -218,13 +277,19 @@ def main() -> int:
         return 0
     timeout = float(os.environ.get("SCENARIO_TIMEOUT", "20"))
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    out_path = out_path.replace("{rank}", str(rank))
     options = pf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
     elastic = None
     if os.environ.get("ELASTIC"):
         elastic = pf.distribute.experimental.ElasticOptions(min_workers=1, rendezvous_seconds=3.0)
+    resolver = None
+    if os.environ.get("RESIZE") or os.environ.get("RESIZE_FILE"):
+        from psflow.distribute.cluster_resolver.cluster_file import ClusterFileResolver
+
+        resolver = ClusterFileResolver.from_environment()
     try:
         strategy = pf.distribute.MultiWorkerMirroredStrategy(
-            communication_options=options, elastic=elastic
+            resolver, communication_options=options, elastic=elastic
         )
         result = fit(strategy) if mode == "fit" else train(strategy, rank)
     except pf.errors.OpError as e:

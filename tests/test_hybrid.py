@@ -19,7 +19,13 @@ process that trains on the same per-step global batches:
 * a worker killed and started again joins the running elastic hybrid group:
   it takes the group's run id with its state, trains with it, and the rows
   equal the reference's over the same membership;
-* a PS that dies for good ends every worker with a typed error, not a hang.
+* a PS that dies for good ends every worker with a typed error, not a hang;
+* the PS tasks resized 1 -> 2 -> 1 between steps (every worker calls
+  ``resize_parameter_servers`` at the same boundary, worker 0 moves the rows)
+  leave the rows equal to the reference's, and the task removed drains; a
+  resize naming a PS that is not running fails on every worker, typed, within
+  its timeout, and the group trains on over the old task; a worker restarted
+  after the group resized takes the group's PS tasks with its state.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +46,7 @@ import pytest
 import psflow as pf
 from tests.conftest import ROOT, child_env, pick_free_port
 from tests.multi_worker_util import TOKEN, replay_reference
+from tests.test_local_cluster import launch  # noqa: F401  (a fixture)
 
 SCENARIO = ROOT / "tests" / "hybrid_scenario.py"
 ATOL, RTOL = 1e-6, 1e-5
@@ -319,3 +328,240 @@ def test_a_joiner_whose_state_came_without_a_run_id_gets_a_typed_error(start_ps,
     finally:
         tables.session.close()
         pf.distribute.ps.session.set_default(None)
+
+
+def _resize_workers(tmp: pathlib.Path, ps: list[str], env: dict[str, str]) -> tuple:
+    """Two workers resolving their cluster from a file that starts with ``ps[:1]``."""
+    from psflow.distribute.cluster_resolver.cluster_file import write_cluster_file
+
+    cluster = _cluster(ps[:1], 2)
+    path = tmp / "cluster.json"
+    write_cluster_file(str(path), cluster)
+    env = {**env, "PSFLOW_CLUSTER_FILE": str(path), "RESIZE_PS": json.dumps(ps)}
+    started = [_start_worker(tmp, cluster, i, env, "train", f"w{i}") for i in range(2)]
+    return tuple(list(x) for x in zip(*started))
+
+
+@pytest.mark.parametrize("elastic", ["", "1"], ids=["fixed", "elastic"])
+def test_hybrid_workers_resize_the_ps_tasks_between_steps_and_train_as_one_process(
+    tmp_path, start_ps, elastic
+):
+    ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
+    # 8 steps: 3 on ps:0, 3 on ps:0 and ps:1 (each worker pushes one task's part), 2 on ps:0;
+    # elastic: the step before each resize is staged, pushed at the resize's barrier
+    env = {"RESIZE": "3:2,6:1", "RESIZE_TIMEOUT": "30", "ELASTIC": elastic}
+    procs, outs, logs = _resize_workers(tmp_path, [p.address for p in ps], env)
+    codes = _finish(procs, 90)
+    assert codes == [0, 0], _logs(logs) + ps[0].log_tail() + ps[1].log_tail()
+    results = [json.loads(o.read_text()) for o in outs]
+    for r in results:
+        assert r["resize_errors"] == [] and r["ps_counts"] == [2, 1], r
+    assert ps[1].proc.wait(30) == 0  # the task removed drained and exited
+    # a row applied under the wrong map, or a part pushed twice or lost, is off by an Adam step
+    _check(tmp_path, results, _logs(logs))
+
+
+def test_a_hybrid_resize_to_a_ps_that_is_not_running_fails_on_every_worker_and_training_goes_on(
+    tmp_path, start_ps
+):
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    dead = f"127.0.0.1:{pick_free_port()}"  # listed, never started
+    env = {"RESIZE": "3:2", "RESIZE_TIMEOUT": "2"}
+    procs, outs, logs = _resize_workers(tmp_path, [ps.address, dead], env)
+    codes = _finish(procs, 90)
+    assert codes == [0, 0], _logs(logs) + ps.log_tail()
+    results = [json.loads(o.read_text()) for o in outs]
+    for r in results:
+        (failed,) = r["resize_errors"]
+        assert failed["error"] in ("PSUnavailableError", "UnavailableError"), failed
+        assert "ps:1" in failed["message"], failed
+        assert failed["seconds"] < 2 + 10, failed
+        assert r["ps_counts"] == [1], r  # still on the old task
+    # it trained on over ps:0 alone: the rows equal one process's
+    _check(tmp_path, results, _logs(logs))
+
+
+def test_a_hybrid_resize_refuses_bad_input_naming_it_and_changes_nothing(start_ps, monkeypatch):
+    monkeypatch.setenv("PSFLOW_AUTH_TOKEN", TOKEN)
+    ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": [f"127.0.0.1:{pick_free_port()}"], "ps": [ps.address]}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    try:
+        with strategy.scope():
+            table = pf.keras.layers.DynamicEmbedding(2, table_name="resize_refused", seed=1)
+        ids = np.array([3, 10**12])
+        before = np.asarray(table(ids, training=False))
+        session = strategy.hybrid.session
+        assert strategy.hybrid.watch is None  # a resolver given: no view is followed, no file read
+        with pytest.raises(pf.errors.InvalidArgumentError, match="got 0"):
+            strategy.resize_parameter_servers(0)
+        with pytest.raises(pf.errors.InvalidArgumentError, match="got True"):
+            strategy.resize_parameter_servers(True)
+        with pytest.raises(pf.errors.InvalidArgumentError, match=r"num_ps=2.*lists 1 ps task"):
+            strategy.resize_parameter_servers(2)
+        with pytest.raises(pf.errors.InvalidArgumentError, match="timeout -1"):
+            strategy.resize_parameter_servers(1, timeout=-1)
+        with pytest.raises(pf.errors.FailedPreconditionError, match=r"\(3\).*inside"):
+            strategy.run(lambda: strategy.resize_parameter_servers(3))
+        assert [c.address for c in session.connections] == [ps.address]
+        np.testing.assert_array_equal(table(ids, training=False), before)
+        report = strategy.resize_parameter_servers(1, timeout=10)  # the same tasks: a no-op
+        assert (report.old_num_ps, report.new_num_ps) == (1, 1)
+        np.testing.assert_array_equal(table(ids, training=False), before)
+    finally:
+        strategy.hybrid.session.close()
+        pf.distribute.ps.session.set_default(None)
+    mirrored = pf.distribute.MultiWorkerMirroredStrategy()  # no ps tasks: no tables to move
+    with pytest.raises(pf.errors.FailedPreconditionError, match="hybrid mode"):
+        mirrored.resize_parameter_servers(1)
+
+
+def test_a_worker_restarted_after_a_hybrid_resize_takes_the_groups_ps_tasks(tmp_path, start_ps):
+    ps = [start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN}) for _ in range(2)]
+    addresses = [p.address for p in ps]
+    # resized 1 -> 2 -> 1 (ps:1 drained and gone, the file still lists it), then worker 1
+    # killed in its forward pass and started again: it must hash over ps:0 alone
+    env = {"ELASTIC": "1", "SCENARIO_TIMEOUT": "10", "ALONE_SLEEP": "1.0", "RESIZE_TIMEOUT": "30"}
+    fault = {"FAULT": "forward", "FAULT_RANK": "1", "FAULT_STEP": "3", "RESIZE": "2:2,3:1"}
+    procs, outs, logs = _resize_workers(tmp_path, addresses, {**env, **fault})
+    again = None
+    try:
+        assert procs[1].wait(60) == -signal.SIGKILL, _logs(logs)
+        assert ps[1].proc.wait(30) == 0, _logs(logs)  # drained by the resize back to 1
+        deadline = time.monotonic() + 60
+        while "generation 1: members [0]" not in logs[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, _logs(logs)
+            time.sleep(0.1)
+        view = tmp_path / "cluster.json"  # as worker 0 published it: both PS tasks
+        joiner_env = {**env, "SCENARIO_SEED": "99", "RESIZE_FILE": "1"}
+        joiner_env["PSFLOW_CLUSTER_FILE"] = str(view)
+        cluster = json.loads(view.read_text())["cluster"]
+        again = _start_worker(tmp_path, cluster, 1, joiner_env, "train", "w1b")
+        codes = _finish([procs[0], again[0]], 120)
+    finally:
+        _finish([*procs, *([again[0]] if again else [])], 1)
+    text = _logs([*logs, again[2]])
+    assert codes == [0, 0], text
+    survivor, joiner = json.loads(outs[0].read_text()), json.loads(again[1].read_text())
+    assert survivor["ps_counts"] == [2, 1] and survivor["resize_errors"] == [], survivor
+    assert [c["reason"] for c in survivor["changes"]] == ["lost", "joined"], text
+    assert joiner["replicas"] == 2 and sum(len(e) for e in joiner["epochs"]) >= 1, text
+    _check(tmp_path, [survivor], text)
+    assert joiner["rows"] == survivor["rows"] and joiner["dense"] == survivor["dense"]
+
+
+# -- psflow local --ps-max and psflow scale --ps: the launcher resizes a hybrid job -------
+def _scale(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chief.scale", *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=90,
+    )
+
+
+def _view_ps(cdir: pathlib.Path) -> int:
+    return len(json.loads((cdir / "cluster.json").read_text())["cluster"]["ps"])
+
+
+@pytest.mark.parametrize("elastic", ["", "1"], ids=["fixed", "elastic"])
+def test_psflow_scale_resizes_a_running_hybrid_job_1_2_1_and_it_trains_as_one_process(
+    launch,  # noqa: F811
+    tmp_path,
+    elastic,
+):
+    from tests.test_local_cluster import _env, _free_port_range
+
+    cdir = tmp_path / "control"
+    base = _free_port_range(4)  # worker:0, worker:1, ps:0, ps:1 (a reserved slot)
+    # elastic: worker 0's news rides the commit's barrier (before the step), not the push's
+    env = {"PSFLOW_NUM_CPU_DEVICES": "1", "GATES": "2,5", "GATE_DIR": str(tmp_path)}
+    env = _env({**env, "ELASTIC": elastic})
+    launcher = launch(
+        "--mode", "multi-worker", "--ps", "1", "--ps-max", "2", "--workers", "2",
+        "--port-base", str(base), "--cluster-dir", str(cdir), "--drain-timeout", "60",
+        str(SCENARIO), "train", str(tmp_path / "w{rank}.json"), env=env,
+    )  # fmt: skip
+    for rank in (0, 1):
+        launcher.wait_for(rf"^\[worker:{rank}\] gate 2$", timeout=90)
+    over = _scale("--ps", "3", "--cluster-dir", str(cdir))
+    assert over.returncode == 2 and "--ps 3 is above the cluster's --ps-max 2" in over.stderr
+    # ps:1's port taken: its server cannot start; the job stays on ps:0 and says why
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", base + 3))
+        squatter.listen()
+        failed = _scale("--ps", "2", "--cluster-dir", str(cdir))
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "ps:1 exited with status" in failed.stderr and "still lists 1 PS" in failed.stderr
+    assert _view_ps(cdir) == 1
+    up = _scale("--ps", "2", "--cluster-dir", str(cdir))
+    assert up.returncode == 0 and "started ps:1" in up.stdout, up.stdout + up.stderr
+    assert _view_ps(cdir) == 2
+    (tmp_path / "gate2").write_text("")  # step 3's barrier carries the news to every worker
+    for rank in (0, 1):
+        launcher.wait_for(rf"^\[worker:{rank}\] gate 5$", timeout=60)
+    down = subprocess.Popen(  # answers once ps:1 drained: after the workers resized
+        [sys.executable, "-m", "chief.scale", "--ps", "1", "--cluster-dir", str(cdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while _view_ps(cdir) != 1:
+            assert time.monotonic() < deadline and down.poll() is None, down.communicate()
+            time.sleep(0.05)
+        time.sleep(0.6)  # worker 0 looks at the view at most every 0.5 s: the next step sees it
+        (tmp_path / "gate5").write_text("")
+        out, err = down.communicate(timeout=60)
+    finally:
+        if down.poll() is None:
+            down.kill()
+            down.wait()
+    assert down.returncode == 0 and "drained 1 PS; the view lists 1 PS" in out, out + err
+    assert launcher.finish(timeout=90) == 0, launcher.output
+    text = launcher.output
+    assert "ps:1 drained: exited 0 (PSFLOW_DRAINED); not restarting it" in text, text
+    assert re.search(r"^\[ps:1\] PSFLOW_DRAINED task=ps:1 ", text, re.M), text
+    results = [json.loads((tmp_path / f"w{rank}.json").read_text()) for rank in (0, 1)]
+    # the same PS tasks at the same steps on both workers: step 3's update (elastic: its
+    # barrier) carried the news, the next strategy.run (fixed: the scenario's gather of the
+    # step's ids; elastic: the step's own) resized first
+    for r in results:
+        assert r["step_ps"] == [1, 1, 2, 2, 2, 1, 1, 1], (r["step_ps"], text)
+    _check(tmp_path, results, text)
+
+
+def test_worker_0s_view_watch_reports_a_changed_ps_count_at_most_every_interval(tmp_path):
+    from psflow.distribute.cluster_resolver import ClusterFileResolver, write_cluster_file
+    from psflow.distribute.hybrid import ViewWatch
+
+    path = str(tmp_path / "cluster.json")
+    cluster = {"worker": ["127.0.0.1:5000"], "ps": ["127.0.0.1:5001"]}
+    write_cluster_file(path, cluster)
+    watch = ViewWatch(ClusterFileResolver(path, "worker", 0), interval=0.3)
+    assert watch.news() == 0  # the view the strategy started from is no news
+    write_cluster_file(path, {**cluster, "ps": ["127.0.0.1:5001", "127.0.0.1:5002"]})
+    assert watch.news() == 0  # looked 0.3 s ago at most: not again yet
+    time.sleep(0.35)
+    assert watch.news() == 2
+    time.sleep(0.35)
+    assert watch.news() == 0  # unchanged since
+    (tmp_path / "cluster.json").write_text("{not json")  # a broken view keeps the old one
+    time.sleep(0.35)
+    assert watch.news() == 0 and watch.resolver.cluster_spec().num_tasks("ps") == 2
+    write_cluster_file(path, cluster)
+    time.sleep(0.35)
+    assert watch.news() == 1
+    watch.forget()  # after a re-form: reported again, unchanged as it is, at once
+    assert watch.news() == 1

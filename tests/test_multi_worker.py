@@ -495,10 +495,17 @@ def test_psflow_local_returns_the_status_of_the_worker_that_failed(tmp_path):
     assert "worker:1 exited with status 7" in out.stderr
 
 
-def test_psflow_local_multi_worker_refuses_a_ps_resize():
+def test_psflow_local_multi_worker_refuses_a_bad_ps_max_naming_it():
     out = _local("--mode", "multi-worker", "--ps-max", "2", "--workers", "2", "x.py", timeout=60)
     assert out.returncode == 2, out.stderr
-    assert "--ps-max 2" in out.stderr
+    assert "--ps-max 2 needs --ps K >= 1, got --ps 0" in out.stderr
+    args = ("--mode", "multi-worker", "--ps", "2", "--ps-max", "1", "--workers", "2", "x.py")
+    out = _local(*args, timeout=60)
+    assert out.returncode == 2 and "--ps-max 1 must be at least --ps 2" in out.stderr, out.stderr
+    args = ("--mode", "multi-worker", "--elastic", "--ps", "1", "--ps-max", "2", "--workers")
+    out = _local(*args, "2", "--workers-max", "3", "x.py", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "--ps-max 2 and --workers-max 3 are not combined" in out.stderr
     out = _local("--mode", "multi-worker", "--ps", "-1", "--workers", "2", "x.py", timeout=60)
     assert out.returncode == 2, out.stderr
     assert "--ps must be an integer >= 0, got -1" in out.stderr

@@ -33,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +62,8 @@ from psflow.framework.tensor import Tensor, to_array
 from psflow.util import nest
 
 __all__ = ["MultiWorkerMirroredStrategy", "WorkerGroup"]
+
+log = logging.getLogger("psflow.distribute")
 
 _GROUP_JOBS = ("chief", "worker")
 
@@ -366,7 +370,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     Args:
         cluster_resolver: where the workers and this task are read (default:
-            ``TFConfigClusterResolver()``, i.e. ``TF_CONFIG``).
+            ``TFConfigClusterResolver()``, i.e. ``TF_CONFIG``; with
+            ``PSFLOW_CLUSTER_FILE`` set, as ``psflow local --ps-max`` does, a
+            ``ClusterFileResolver`` of that file, whose PS count a hybrid group
+            follows: see :mod:`psflow.distribute.hybrid`).
         communication_options: ``CommunicationOptions(bytes_per_pack,
             timeout_seconds, implementation)``; ``timeout_seconds`` bounds every
             collective and the initial connection to the neighbours.
@@ -401,10 +408,19 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if elastic is not None and not isinstance(elastic, ElasticOptions):
             raise errors.InvalidArgumentError(f"elastic must be an ElasticOptions, got {elastic!r}")
         self._elastic: Any = None
+        watched = False  # the cluster comes from the launcher's file: follow its PS count
         if cluster_resolver is None:
-            from psflow.distribute.cluster_resolver import TFConfigClusterResolver
+            from psflow.distribute.cluster_resolver import (
+                CLUSTER_FILE_ENV,
+                ClusterFileResolver,
+                TFConfigClusterResolver,
+            )
 
-            cluster_resolver = TFConfigClusterResolver()
+            if os.environ.get(CLUSTER_FILE_ENV):
+                cluster_resolver = ClusterFileResolver.from_environment()
+                watched = True
+            else:
+                cluster_resolver = TFConfigClusterResolver()
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
             raise errors.InvalidArgumentError(
@@ -496,6 +512,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 self._hybrid.take_run_id(self._elastic.state)
             else:
                 self._hybrid.agree_run_id(self._ring)
+            if watched:  # psflow scale --ps K rewrites the file: resize with it
+                from psflow.distribute.hybrid import ViewWatch
+
+                self._hybrid.watch = ViewWatch(cluster_resolver)
             if self._elastic is not None:
                 self._elastic.hybrid = self._hybrid
                 # it travels with every state broadcast: a later joiner names its pushes alike
@@ -535,6 +555,69 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         its ``session`` reaches the PS tasks), or None without ``ps`` tasks."""
         return self._hybrid
 
+    def resize_parameter_servers(self, num_ps: int, *, timeout: float = 300.0) -> Any:
+        """Hybrid mode: moves the embedding tables' rows onto PS tasks ``0..num_ps-1``.
+
+        Every worker calls it at the same step boundary (outside ``run``), as
+        every worker runs the same program: the workers pass a barrier (an
+        elastic group pushes its committed step first), worker 0 moves the rows
+        with the parameter-server mode's resize (the tasks are read afresh
+        from worker 0's cluster resolver, job ``ps``; the tasks removed drain
+        and exit), the new tasks reach every worker over the ring and each
+        re-points its tables; then training goes on (see
+        :mod:`psflow.distribute.hybrid`).
+
+        Example (every worker of a hybrid cluster, between two steps)::
+
+            strategy.resize_parameter_servers(2, timeout=60)
+
+        Returns:
+            The resize's ``ResizeReport`` (the same on every worker).
+
+        Raises:
+            FailedPreconditionError: not the hybrid mode (no ``ps`` tasks), or
+                called inside ``run``.
+            InvalidArgumentError: ``num_ps`` < 1, a bad ``timeout``, or more PS
+                tasks than the cluster lists (each named; nothing changed).
+            UnavailableError, DeadlineExceededError: a PS task did not answer
+                within ``timeout`` (raised on every worker; the group stays on
+                the old tasks and can train on).
+        """
+        if self._hybrid is None:
+            raise errors.FailedPreconditionError(
+                "resize_parameter_servers needs the hybrid mode (ps tasks in the cluster); "
+                f"this MultiWorkerMirroredStrategy of {self._group.size} worker(s) has none, "
+                "its variables are all mirrored"
+            )
+        ctx = distribute_lib._current()
+        if ctx is not None and ctx.replica_context is not None:
+            raise errors.FailedPreconditionError(
+                f"resize_parameter_servers({num_ps!r}) was called inside strategy.run; "
+                "every worker calls it between steps"
+            )
+        try:
+            return self._hybrid.resize(self._ring, self._resolver, num_ps, timeout)
+        finally:
+            if self._elastic is not None:  # a later joiner takes the tasks with the state
+                placement = self._hybrid.session.placement
+                self._elastic.state.extra[self._hybrid.PS_KEY] = {
+                    "addresses": list(placement.addresses),
+                    "version": placement.version,
+                }
+
+    def _follow_view(self) -> None:
+        """Every worker, at the same step boundary: resizes to the launcher's view."""
+        num_ps = self._hybrid.take_pending(self._ring.size)
+        if num_ps is None:
+            return
+        log.info("the cluster view lists %d ps tasks: resizing before this step", num_ps)
+        try:
+            report = self.resize_parameter_servers(num_ps)
+        except errors.OpError as e:  # every worker got it: train on over the old tasks
+            log.error("resizing to the view's %d ps tasks failed, training goes on: %s", num_ps, e)
+            return
+        log.info("resized the ps tasks %d -> %d", report.old_num_ps, report.new_num_ps)
+
     @property
     def elastic(self) -> Any:
         """The elastic controller (membership changes in ``.changes``), or None when not elastic."""
@@ -548,6 +631,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         options: Any = None,
     ) -> Any:
         """As :meth:`MirroredStrategy.run`; an elastic group redoes it on the re-formed group."""
+        if self._hybrid is not None and self._hybrid.pending_ps is not None:
+            self._follow_view()
         controller = self._elastic
         if controller is None:
             return super().run(fn, args, kwargs, options)
