@@ -202,3 +202,73 @@ def test_a_step_that_followed_another_starts_from_its_pull_ahead_one_update_behi
     assert step(4, "f", followed=False).tolist() == [0.25, 0.25]
     step(5, "f", followed=True)  # pulls ahead (the value after step 4's update)
     assert step(6, "g", followed=True).tolist() == [-0.25, -0.25]
+
+
+def test_a_step_pulls_ahead_what_its_function_reads_not_every_variable_known():
+    strategy = pf.distribute.ParameterServerStrategy()  # embedded: an in-process PS
+    with strategy.scope():
+        unread = pf.Variable(np.zeros(4096, np.float32), name="ahead_unread")
+        v = pf.Variable(np.ones(2, np.float32), name="ahead_read")
+        optimizer = pf.keras.optimizers.SGD(0.25)
+    session = strategy._session
+
+    def step(n: int) -> None:
+        with session.step(closure_key=f"narrow/c{n}", scope="f", push_behind=True,
+                          pull_ahead=True):  # fmt: skip
+            with pf.GradientTape() as tape:
+                loss = pf.reduce_sum(v)
+            optimizer.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+            pushes = session.detach_pushes()
+        pushes.result()
+
+    # a new function's first step pulls every variable known, for itself and ahead
+    for n in (1, 2, 3):
+        step(n)
+    session._ahead[1].result()  # the pull ahead queued behind the last push
+    before = session.bytes_pulled
+    for n in (4, 5, 6):
+        step(n)
+    session._ahead[1].result()
+    # the steps read only `v`: the pulls ahead carry it alone, not the 16 KiB never read
+    assert session.bytes_pulled - before == 3 * v.numpy().nbytes
+    assert unread.numpy().nbytes == 4096 * 4
+
+
+def _pulled_bytes() -> int:
+    from psflow.distribute.ps import session as session_lib
+
+    return session_lib.current().bytes_pulled
+
+
+def test_a_function_key_of_a_new_coordinator_does_not_prefetch_what_the_old_one_read(
+    start_cluster,
+):
+    # every coordinator numbers its functions from fn-0: the worker must not take the
+    # reads of the first coordinator's fn-0 (a model built before) for the second's
+    cluster = start_cluster(num_ps=1, num_workers=1)
+    old_strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    with old_strategy.scope():
+        old = pf.Variable(np.zeros(1 << 16, np.float32), name="old_model_weights")
+    old_coordinator = pf.distribute.coordinator.ClusterCoordinator(old_strategy)
+
+    def read_old():
+        return float(pf.reduce_sum(old))
+
+    for _ in range(2):
+        assert old_coordinator.schedule(read_old).fetch() == 0.0
+    old_coordinator.shutdown()
+
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    with strategy.scope():
+        small = pf.Variable(np.ones(4, np.float32), name="new_model_weights")
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    def read_small():  # this coordinator's fn-0, as read_old was the old one's
+        return float(pf.reduce_sum(small))
+
+    assert coordinator.schedule(read_small).fetch() == 4.0  # its first step pulls all known
+    before = coordinator.schedule(_pulled_bytes).fetch()
+    for _ in range(3):
+        assert coordinator.schedule(read_small).fetch() == 4.0
+    after = coordinator.schedule(_pulled_bytes).fetch()
+    assert after - before == 3 * small.numpy().nbytes  # not the old model's 256 KiB each time

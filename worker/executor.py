@@ -311,8 +311,9 @@ class ClosureExecutor:
             pushes = None
             try:
                 key = f"{session_id}/c{closure_id}" if closure_id else None
-                # a one-off function's reads tell nothing about later steps
-                scope = None if function_key.startswith("once-") else function_key
+                # a one-off function's reads tell nothing about later steps; a key names
+                # a function only within its coordinator session (each numbers its own)
+                scope = None if function_key.startswith("once-") else f"{session_id}/{function_key}"
                 with ps.step(step or None, key, scope, push_behind=self.push_behind,
                              pull_ahead=followed):  # fmt: skip
                     value = fn(*args, **kwargs)

@@ -477,7 +477,16 @@ class PSSession(UpdateGroup, Routing):
             return None
         if handle.key not in pulled:
             return None
-        self._pull_ahead([self._handles[k] for k in pulled if k in self._handles])
+        # ahead for the next step: what this function's steps read, where known (a new
+        # function's first step pulled every variable; carried on, every later step would)
+        known = self._scopes.get(self._scope) if self._scope is not None else None
+        self._pull_ahead(
+            [
+                self._handles[k]
+                for k in pulled
+                if k in self._handles and (known is None or k in known or k == handle.key)
+            ]
+        )
         return pulled
 
     def _pull_ahead(self, handles: list[Any]) -> None:
