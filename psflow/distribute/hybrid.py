@@ -8,7 +8,8 @@ lives on the PS tasks (hashed over them by id, as under
 ``ParameterServerStrategy``).  Each worker looks its batch's rows up from
 the PS itself.  A step's table gradients travel with the dense ones: the
 rows every replica touched are all-gathered over the ring (the sparse path
-of :class:`~psflow.distribute.multi_worker_mirrored_strategy.MultiWorkerReplicaContext`),
+of :class:`~psflow.distribute.multi_worker_mirrored_strategy.MultiWorkerReplicaContext`:
+on CPU devices the dense gradients ride in the same gather, one ring round),
 so after the step's collective every worker holds the step's whole sparse
 gradient ``G`` (every replica's rows).  The workers then share its push:
 worker ``r`` of ``n`` sums per id, and sends, the rows held by the PS tasks

@@ -154,30 +154,36 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
         """Sums dense gradients; gathers sparse ones (``IndexedSlices``) instead of densifying.
 
         The replicas first agree, in one tiny all-reduce, which variables got a
-        dense gradient somewhere and which only sparse ones.  A sparse-only
-        variable's rows and indices are all-gathered in replica order (a
-        replica without a gradient adds no rows), so every worker applies the
-        same sparse update, as one process would with the global batch's
-        gradient; the others take the dense all-reduce (sparse ones densified).
+        dense gradient somewhere and which only sparse ones, and how many rows
+        each replica has.  A sparse-only variable's rows and indices are
+        gathered in replica order (a replica without a gradient adds no rows),
+        so every worker applies the same sparse update, as one process would
+        with the global batch's gradient; the others take the dense all-reduce
+        (sparse ones densified).  On CPU devices the dense sums ride in the
+        gather (see :meth:`_reduce_in_gather`): one ring round, not two.
         """
         strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
         comm = strategy._communicator
         group = strategy._group
-        # [dense count, sparse count, rows of each worker]: the sizes of the gathers below
+        me = strategy._global_replica(self._replica_id)
+        # [dense count, sparse count, rows of each replica]: the sizes of the gathers below
         # ride on this all-reduce instead of one more round per sparse variable
-        kinds = np.zeros((len(grads), 2 + group.size), np.int64)
+        kinds = np.zeros((len(grads), 2 + strategy.num_replicas_in_sync), np.int64)
         for i, g in enumerate(grads):
             if g is not None:
                 sparse_grad = isinstance(g, IndexedSlices)
                 kinds[i, 1 if sparse_grad else 0] = 1
                 if sparse_grad:
-                    kinds[i, 2 + group.rank] = int(np.prod(np.shape(to_array(g.indices))))
+                    kinds[i, 2 + me] = int(np.prod(np.shape(to_array(g.indices))))
         (counts,) = comm.all_reduce(self._replica_id, [kinds], "SUM")
         sparse = [i for i, (dense, rows, *_) in enumerate(counts) if dense == 0 and rows > 0]
         if not sparse:
             return super()._all_reduce_gradients(grads, variables)
-        out: list[Any] = [None] * len(grads)
         dense = [i for i in range(len(grads)) if i not in set(sparse)]
+        packed = self._reduce_in_gather(grads, variables, dense, sparse, counts, me)
+        if packed is not None:
+            return packed
+        out: list[Any] = [None] * len(grads)
         if dense:
             reduced = super()._all_reduce_gradients(
                 [grads[i] for i in dense], [variables[i] for i in dense]
@@ -202,13 +208,127 @@ class MultiWorkerReplicaContext(MirroredReplicaContext):
             )
             packed[:, row_bytes:] = indices.view(np.uint8).reshape(-1, 8)
             if isinstance(comm, HierarchicalCommunicator):
-                gathered = comm.all_gather(self._replica_id, packed, 0, counts[i, 2:])
+                lengths = counts[i, 2:].reshape(group.size, -1).sum(axis=1)  # per worker
+                gathered = comm.all_gather(self._replica_id, packed, 0, lengths)
             else:
                 gathered = comm.all_gather(self._replica_id, packed, 0)
             all_values = np.ascontiguousarray(gathered[:, :row_bytes]).view(values.dtype)
             all_indices = np.ascontiguousarray(gathered[:, row_bytes:]).view(np.int64).reshape(-1)
             out[i] = IndexedSlices(all_values.reshape(-1, *shape[1:]), all_indices, shape)
         return out
+
+    def _reduce_in_gather(
+        self,
+        grads: list[Any],
+        variables: list[Any],
+        dense: list[int],
+        sparse: list[int],
+        counts: np.ndarray,
+        me: int,
+    ) -> list[Any] | None:
+        """The dense sums and the sparse gathers in one all-gather; None where it cannot.
+
+        Each replica sends one block: its dense gradients (zeros where it has
+        none), a presence byte for each, then its rows and indices of each
+        sparse variable (``counts`` gave every replica's row count, so every
+        block's size is known beforehand).  Every worker then sums the dense
+        gradients itself, in replica order: the same bits on every worker, and
+        with two workers the same bits as the ring's all-reduce (``a + b`` is
+        ``b + a``).  One ring round a step instead of two, for the same bytes on
+        two workers; with more, each dense byte travels ``n - 1`` times instead
+        of about twice, so only a small dense model (``_PACK_DENSE_BYTES``, where
+        a step's time goes to the rounds, not the bytes) takes it.  CPU devices
+        only (NCCL reduces CuPy gradients itself).
+        """
+        strategy: MultiWorkerMirroredStrategy = self._strategy  # type: ignore[assignment]
+        comm = strategy._communicator
+        group = strategy._group
+        if (
+            not dense
+            or group.size < 2
+            or not isinstance(comm, HierarchicalCommunicator)
+            or any(d.is_gpu for d in strategy._devices)
+        ):
+            return None
+        # the layout depends on the variables alone: every replica decides alike
+        kinds = [np.dtype(variables[i].dtype.np) for i in dense]
+        shapes = [tuple(variables[i].shape) for i in dense]
+        sizes = [k.itemsize * int(np.prod(s, dtype=np.int64)) for k, s in zip(kinds, shapes)]
+        dense_bytes = sum(sizes)
+        if dense_bytes > _PACK_DENSE_BYTES and group.size > 2:
+            return None
+        row_bytes = [
+            np.dtype(variables[i].dtype.np).itemsize
+            * int(np.prod(tuple(variables[i].shape)[1:], dtype=np.int64))
+            for i in sparse
+        ]
+        head = dense_bytes + len(dense)
+        rows = counts[sparse, 2:]  # [sparse variable, replica]: rows
+        blocks = head + (rows * (np.asarray(row_bytes, np.int64) + 8)[:, None]).sum(axis=0)
+        block = np.empty(int(blocks[me]), np.uint8)
+        pos = 0
+        for i, kind, size in zip(dense, kinds, sizes):
+            g = grads[i]
+            if g is None:
+                block[pos : pos + size] = 0
+            else:
+                a = g.dense_array() if isinstance(g, IndexedSlices) else to_array(g)
+                a = np.ascontiguousarray(backend.to_numpy(a), kind)
+                block[pos : pos + size] = a.view(np.uint8).reshape(-1)
+            pos += size
+        block[pos : pos + len(dense)] = [grads[i] is not None for i in dense]
+        pos += len(dense)
+        for k, (i, width) in enumerate(zip(sparse, row_bytes)):
+            n = int(rows[k, me])
+            g = grads[i]
+            if g is None or n == 0:  # this replica's batch touched no row
+                continue
+            kind = np.dtype(variables[i].dtype.np)
+            values = np.ascontiguousarray(backend.to_numpy(to_array(g.values)), kind)
+            indices = np.asarray(backend.to_numpy(to_array(g.indices))).astype(np.int64)
+            block[pos : pos + n * width] = values.view(np.uint8).reshape(-1)
+            pos += n * width
+            block[pos : pos + 8 * n] = indices.reshape(-1).view(np.uint8)
+            pos += 8 * n
+        lengths = blocks.reshape(group.size, -1).sum(axis=1)  # per worker
+        gathered = comm.all_gather(self._replica_id, block, 0, lengths)
+        starts = np.concatenate([[0], np.cumsum(blocks)])
+        out: list[Any] = [None] * len(grads)
+        sums: list[Any] = [None] * len(dense)
+        for r in range(blocks.size):  # in replica order: the same sum on every worker
+            pos = int(starts[r])
+            flags = gathered[pos + dense_bytes : pos + head]
+            for j, (kind, shape, size) in enumerate(zip(kinds, shapes, sizes)):
+                if flags[j]:
+                    part = gathered[pos : pos + size].view(kind).reshape(shape)
+                    sums[j] = part.copy() if sums[j] is None else np.add(sums[j], part)
+                pos += size
+        for i, total in zip(dense, sums):
+            out[i] = None if total is None else Tensor._wrap(total)
+        offsets = starts[:-1] + head
+        for k, (i, width) in enumerate(zip(sparse, row_bytes)):
+            v = variables[i]
+            shape = tuple(v.shape)
+            total = int(rows[k].sum())
+            values = np.empty(total * width, np.uint8)
+            indices = np.empty(total * 8, np.uint8)
+            at = 0
+            for r in range(blocks.size):
+                n = int(rows[k, r])
+                pos = int(offsets[r])
+                values[at * width : (at + n) * width] = gathered[pos : pos + n * width]
+                indices[at * 8 : (at + n) * 8] = gathered[pos + n * width : pos + n * (width + 8)]
+                offsets[r] += n * (width + 8)
+                at += n
+            kind = np.dtype(v.dtype.np)
+            out[i] = IndexedSlices(
+                values.view(kind).reshape(-1, *shape[1:]), indices.view(np.int64), shape
+            )
+        return out
+
+
+# the largest dense gradient (bytes) gathered rather than all-reduced on more than 2 workers
+_PACK_DENSE_BYTES = 4 << 20
 
 
 class MultiWorkerExtended(MirroredExtended):
