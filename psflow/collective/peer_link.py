@@ -31,6 +31,7 @@ peer as ``worker:i at host:port``.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import select
 import socket
@@ -52,6 +53,7 @@ __all__ = ["PeerLinks", "listen", "peer_name", "split_address"]
 _METHOD = frames.method_id("psflow.collective.ring")
 _HEARTBEAT = frames.method_id("psflow.collective.heartbeat")
 _FIXED = frames.FIXED
+_WRITEV = hasattr(os, "writev")
 _REQUEST = int(frames.Kind.REQUEST)
 _MAX_PAYLOAD = 1 << 40
 _RETRY_SECONDS = 0.05
@@ -527,22 +529,28 @@ class PeerLinks:
         else:
             views = [memoryview(fixed)]
             views += [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-        writable = self._writable_right
+        sock = right.sock
         with self._writing:
             sent = 0
-            if writable():  # so the send below takes some bytes and returns at once
-                try:
-                    sent = right.sock.sendmsg(views[:IOV_MAX], [], socket.MSG_DONTWAIT)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                except OSError as e:
-                    self.fail(
-                        errors.UnavailableError(
-                            f"collective: {self.right_name} is unavailable: {e}",
-                            task=self._right_task,
-                        ),
-                        forward=False,
-                    )
+            try:
+                if _WRITEV and sock.gettimeout() is not None:
+                    # a socket with a timeout is non-blocking at the OS level (Python's
+                    # timeouts are polls around non-blocking calls): writev takes what the
+                    # kernel takes now, or raises BlockingIOError, without the two polls
+                    # (the writable check and Python's own) a sendmsg costs here
+                    sent = os.writev(sock.fileno(), views[:IOV_MAX])
+                elif self._writable_right():  # so the send below returns at once
+                    sent = sock.sendmsg(views[:IOV_MAX], [], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as e:
+                self.fail(
+                    errors.UnavailableError(
+                        f"collective: {self.right_name} is unavailable: {e}",
+                        task=self._right_task,
+                    ),
+                    forward=False,
+                )
             while sent:
                 if sent >= len(views[0]):
                     sent -= len(views.pop(0))
