@@ -152,7 +152,7 @@ def test_broadcast_of_many_frames_reaches_every_worker():
         assert got[1].shape == (2, 3) and got[1].dtype == np.int32
 
 
-@pytest.mark.parametrize("size,count", [(200 << 10, 48), (2 << 20, 10)])
+@pytest.mark.parametrize("size,count", [(200 << 10, 96), (2 << 20, 10)])
 def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_between_them(
     size: int, count: int
 ) -> None:
@@ -163,9 +163,9 @@ def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_betwee
         sender, receiver = rings[0].links, rings[1].links
         sender.heartbeat = 0.005  # heartbeats try to go while a frame's rest waits
         sender.begin()
-        # frames up to 2 MB start from the caller's thread; 48 of 200 kB (9.6 MB) or 10 of
-        # 2 MB (20 MB) are more than the kernel takes while nobody reads, so a frame's rest
-        # goes to the sender thread (the largest such frame, its rest the largest too)
+        # frames up to 2 MB start from the caller's thread; 96 of 200 kB (19 MB) or 10 of
+        # 2 MB (20 MB) are more than the kernel takes while nobody reads (its send and
+        # receive buffers, 8 MB each at most), so a frame's rest goes to the sender thread
         frames = [np.full(size, i, np.uint8) for i in range(count)]
         deadline = time.monotonic() + 30
         sent = [sender.send([f], deadline) for f in frames]
@@ -181,3 +181,69 @@ def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_betwee
     finally:
         for ring in rings:
             ring.close()
+
+
+def _two_links(generations: tuple[int, int] = (0, 0)) -> list[PeerLinks]:
+    listeners = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        listeners.append(s)
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    security = SecurityConfig(token="r" * 24)
+    links = [
+        PeerLinks(i, addresses, security, listener=listeners[i], generation=generations[i])
+        for i in range(2)
+    ]
+    threads = [threading.Thread(target=lk.connect, args=(10.0,)) for lk in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    return links
+
+
+@pytest.mark.parametrize(
+    "generations,nbytes,error",
+    [
+        ((0, 0), 300_000, pf.errors.InternalError),  # another size: another collective
+        ((1, 0), 200_000, pf.errors.AbortedError),  # another membership generation
+    ],
+)
+def test_a_frame_other_than_the_expected_one_is_a_typed_error_naming_the_left_neighbour(
+    generations: tuple[int, int], nbytes: int, error: type
+) -> None:
+    import time
+
+    links = _two_links(generations)
+    try:
+        deadline = time.monotonic() + 10
+        links[0].begin()
+        links[1].begin()
+        links[0].send([np.ones(nbytes, np.uint8)], deadline)  # starts without waiting
+        dest = np.zeros(200_000, np.uint8)
+        with pytest.raises(error) as caught:
+            links[1].receive_into(memoryview(dest), deadline)
+        assert caught.value.task == "worker:0"
+        assert not dest.any()  # nothing of the wrong frame landed in the destination
+    finally:
+        for lk in links:
+            lk.close()
+
+
+def test_a_frame_started_without_waiting_to_a_closed_neighbour_is_unavailable_naming_it() -> None:
+    import time
+
+    links = _two_links()
+    try:
+        links[1].close()
+        deadline = time.monotonic() + 10
+        frame = np.ones(256 << 10, np.uint8)
+        with pytest.raises(pf.errors.UnavailableError) as caught:
+            for _ in range(200):  # the first sends may still land in the kernel's buffer
+                links[0].send([frame], deadline)
+                time.sleep(0.005)
+        assert caught.value.task == "worker:1"
+    finally:
+        links[0].close()

@@ -72,6 +72,8 @@ _CACHE_BYTES = 256 << 20
 def _frames(flat: np.ndarray) -> list[np.ndarray]:
     """``flat`` cut into the views sent one frame each (one empty view for an empty array)."""
     step = max(1, _FRAME_BYTES // max(1, flat.itemsize))
+    if flat.size <= step:  # one frame (a call of up to a few MB): no slicing
+        return [flat]
     return [flat[lo : lo + step] for lo in range(0, flat.size, step)] or [flat]
 
 

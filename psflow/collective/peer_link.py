@@ -31,6 +31,7 @@ peer as ``worker:i at host:port``.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import select
 import socket
@@ -51,6 +52,9 @@ __all__ = ["PeerLinks", "listen", "peer_name", "split_address"]
 
 _METHOD = frames.method_id("psflow.collective.ring")
 _HEARTBEAT = frames.method_id("psflow.collective.heartbeat")
+_FIXED = frames.FIXED
+_WRITEV = hasattr(os, "writev")
+_REQUEST = int(frames.Kind.REQUEST)
 _MAX_PAYLOAD = 1 << 40
 _RETRY_SECONDS = 0.05
 _FORWARD_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
@@ -119,6 +123,29 @@ def _writable(sock: socket.socket) -> bool:
         return bool(select.select([], [sock], [], 0)[1])
     except (OSError, ValueError):
         return False
+
+
+def _writable_check(sock: socket.socket) -> Callable[[], bool]:
+    """:func:`_writable` for one socket, its ``poll`` object made once (one system call a look).
+
+    Only for one thread at a time (a poll object refuses concurrent polls): the caller's,
+    under the links' write lock.
+    """
+    if not hasattr(select, "poll"):
+        return lambda: _writable(sock)
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLOUT)
+    except (OSError, ValueError):
+        return lambda: False
+
+    def writable() -> bool:
+        try:
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return False
+
+    return writable
 
 
 _SENT = threading.Event()  # what send() returns for a frame already written (never cleared)
@@ -218,6 +245,7 @@ class PeerLinks:
         self.left_id, self.right_id = self.ids[self.left_rank], self.ids[self.right_rank]
         self.left_name = peer_name(self.left_id, self.addresses[self.left_rank])
         self.right_name = peer_name(self.right_id, self.addresses[self.right_rank])
+        self._left_task, self._right_task = f"worker:{self.left_id}", f"worker:{self.right_id}"
         self._incoming = incoming
         self._listener = (
             None if incoming is not None else listener if listener is not None else self._bind()
@@ -233,9 +261,13 @@ class PeerLinks:
         self._sender: threading.Thread | None = None
         self.silence = float(silence_seconds)
         self.heartbeat = min(1.0, self.silence / 4)
-        self._active = threading.Event()  # inside a collective: heartbeats flow rightwards
+        # inside a collective: heartbeats flow rightwards.  A plain flag, read by the sender
+        # thread only when its queue stays empty for a heartbeat interval (an Event's set
+        # and clear take its lock and condition on every call)
+        self._active = False
         self._partial = False  # a frame's rest waits for the sender thread (guarded by _writing)
         self._plain = False  # the right link is a plain socket: frames may start without waiting
+        self._writable_right: Callable[[], bool] = lambda: False  # set by connect()
         self._heard = 0.0  # when the left neighbour last sent a frame
 
     @property
@@ -297,6 +329,7 @@ class PeerLinks:
         self._left = outcome
         sock = self._right.sock
         self._plain = hasattr(socket, "MSG_DONTWAIT") and not isinstance(sock, ssl.SSLSocket)
+        self._writable_right = _writable_check(sock)
         if self._listener is not None:
             with contextlib.suppress(OSError):  # both links are up: nobody else may connect
                 self._listener.close()
@@ -444,9 +477,13 @@ class PeerLinks:
 
         The buffers must not change until the event is set (see :meth:`wait_sent`).
         """
-        self.check()
+        if self._broken is not None:
+            raise self._broken
         self._sent += 1
-        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        if len(buffers) == 1:  # the ring's frames: one array each
+            nbytes = memoryview(buffers[0]).nbytes
+        else:
+            nbytes = sum(memoryview(b).nbytes for b in buffers)
         if self._queued == 0 and nbytes <= _INLINE_BYTES:
             # small (a flag, a count): written from this thread, which saves a wake-up of the
             # sender thread per hop; the kernel takes it whole at once, so it cannot block
@@ -476,31 +513,44 @@ class PeerLinks:
         """
         right = self._right
         assert right is not None
-        fixed = frames.pack(
-            frames.Kind.REQUEST,
-            method=_METHOD,
-            call_id=self._call_id(self._sent),
-            header_len=0,
-            timeout=0,
-            payload_len=nbytes,
+        fixed = _FIXED.pack(
+            frames.MAGIC,
+            frames.VERSION,
+            _REQUEST,
+            0,
+            _METHOD,
+            self._call_id(self._sent),
+            0,
+            0,
+            nbytes,
         )
-        views = [memoryview(fixed)]
-        views += [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        if len(buffers) == 1:
+            views = [memoryview(fixed), memoryview(buffers[0]).cast("B")]
+        else:
+            views = [memoryview(fixed)]
+            views += [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        sock = right.sock
         with self._writing:
             sent = 0
-            if _writable(right.sock):  # so the send below takes some bytes and returns at once
-                try:
-                    sent = right.sock.sendmsg(views[:IOV_MAX], [], socket.MSG_DONTWAIT)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                except OSError as e:
-                    self.fail(
-                        errors.UnavailableError(
-                            f"collective: {self.right_name} is unavailable: {e}",
-                            task=f"worker:{self.right_id}",
-                        ),
-                        forward=False,
-                    )
+            try:
+                if _WRITEV and sock.gettimeout() is not None:
+                    # a socket with a timeout is non-blocking at the OS level (Python's
+                    # timeouts are polls around non-blocking calls): writev takes what the
+                    # kernel takes now, or raises BlockingIOError, without the two polls
+                    # (the writable check and Python's own) a sendmsg costs here
+                    sent = os.writev(sock.fileno(), views[:IOV_MAX])
+                elif self._writable_right():  # so the send below returns at once
+                    sent = sock.sendmsg(views[:IOV_MAX], [], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as e:
+                self.fail(
+                    errors.UnavailableError(
+                        f"collective: {self.right_name} is unavailable: {e}",
+                        task=self._right_task,
+                    ),
+                    forward=False,
+                )
             while sent:
                 if sent >= len(views[0]):
                     sent -= len(views.pop(0))
@@ -578,11 +628,11 @@ class PeerLinks:
     def begin(self) -> None:
         """A collective starts: heartbeats tell the right neighbour this worker is in it."""
         self._heard = time.monotonic()
-        self._active.set()
+        self._active = True
 
     def end(self) -> None:
         """The collective is over: no more heartbeats until the next one."""
-        self._active.clear()
+        self._active = False
 
     def _send_loop(self) -> None:
         right = self._right
@@ -591,7 +641,7 @@ class PeerLinks:
             try:
                 item = self._sends.get(timeout=self.heartbeat)
             except queue.Empty:
-                if self._active.is_set() and self._broken is None and _writable(right.sock):
+                if self._active and self._broken is None and _writable(right.sock):
                     with contextlib.suppress(OSError), self._writing:  # failures show on next send
                         if not self._partial:  # never inside another frame
                             right.settimeout(self.heartbeat)
@@ -659,68 +709,105 @@ class PeerLinks:
             DeadlineExceededError: the left neighbour was silent, or ``deadline`` passed.
             InternalError: a frame out of step (the ring's workers disagree).
         """
-        self.check()
+        if self._broken is not None:
+            raise self._broken
         stream = self._left
         assert stream is not None
-        who, task = self.left_name, f"worker:{self.left_id}"
+        nbytes = dest.nbytes
+        # the fixed header the next data frame must have, compared as one tuple: the common
+        # case then costs one unpack and one comparison, not the checks of frames.unpack
+        expected = (
+            frames.MAGIC,
+            frames.VERSION,
+            _REQUEST,
+            0,
+            _METHOD,
+            self._call_id(self._received + 1),
+            0,
+            0,
+            nbytes,
+        )
         try:
             while True:
                 stream.deadline = min(deadline, self._heard + self.silence)
                 try:
-                    head = stream.read_head()
+                    raw = stream.read_bytes(_FIXED.size)
                 except TimeoutError:
                     now = time.monotonic()
                     if now >= self._heard + self.silence:
-                        why = f"{who} sent nothing for {self.silence:g}s"
+                        why = f"{self.left_name} sent nothing for {self.silence:g}s"
                     else:
-                        why = f"{who} is alive but its data did not come before the deadline"
-                    self.fail(errors.DeadlineExceededError(f"collective: {why}", task=task))
+                        why = (
+                            f"{self.left_name} is alive but its data did not come before "
+                            "the deadline"
+                        )
+                    self.fail(
+                        errors.DeadlineExceededError(f"collective: {why}", task=self._left_task)
+                    )
                 self._heard = time.monotonic()
-                if head.kind is frames.Kind.REQUEST and head.method == _HEARTBEAT:
-                    stream.discard(head.header_len + head.payload_len)
+                if _FIXED.unpack(raw) == expected:
+                    break
+                if not self._unusual(stream, raw, nbytes, deadline):  # a heartbeat: read on
                     continue
-                break
             stream.deadline = deadline
-            if head.kind is frames.Kind.ERROR:
-                code, message, failed = _parse_status(stream.read_bytes(head.header_len))
-                self.fail(errors.error_class(code)(message, failed or task))
             self._received += 1
-            if head.kind is frames.Kind.REQUEST and head.call_id >> 32 != self.generation:
-                self.fail(
-                    errors.AbortedError(
-                        f"collective: {who} sent a frame of generation {head.call_id >> 32}; "
-                        f"this ring is generation {self.generation}",
-                        task=task,
-                    )
-                )
-            if (
-                head.kind is not frames.Kind.REQUEST
-                or head.call_id != self._call_id(self._received)
-                or head.payload_len != dest.nbytes
-            ):
-                self.fail(
-                    errors.InternalError(
-                        f"collective: frame {head.call_id & 0xFFFFFFFF} of {head.payload_len} bytes from {who}, "
-                        f"expected frame {self._received} of {dest.nbytes} bytes: the workers "
-                        "are running different collectives",
-                        task=task,
-                    )
-                )
-            stream.discard(head.header_len)
-            _read_payload(stream, dest.cast("B") if dest.nbytes else dest, on_segment, segment)
+            _read_payload(stream, dest.cast("B") if nbytes else dest, on_segment, segment)
             self._heard = time.monotonic()
         except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
             raise
         except TimeoutError:
             self.fail(
                 errors.DeadlineExceededError(
-                    f"collective: the data from {who} did not arrive in time", task=task
+                    f"collective: the data from {self.left_name} did not arrive in time",
+                    task=self._left_task,
                 )
             )
         except (OSError, frames.FrameError) as e:
-            self.fail(errors.UnavailableError(f"collective: {who} is unavailable: {e}", task=task))
+            self.fail(
+                errors.UnavailableError(
+                    f"collective: {self.left_name} is unavailable: {e}", task=self._left_task
+                )
+            )
         finally:
             stream.deadline = None
+
+    def _unusual(self, stream: FrameStream, raw: bytes, nbytes: int, deadline: float) -> bool:
+        """A fixed header that is not the expected data frame's: False for a heartbeat
+        (read and dropped), else raises what it means (fail() names the left neighbour).
+
+        Raises:
+            FrameError: a header that breaks the format or the limits.
+            UnavailableError and others: an ERROR frame forwarded from the left.
+            AbortedError: a frame of another generation.
+            InternalError: a frame out of step (the workers run different collectives).
+        """
+        head = frames.unpack(raw, max_header=stream.max_header, max_payload=stream.max_payload)
+        who, task = self.left_name, self._left_task
+        if head.kind is frames.Kind.REQUEST and head.method == _HEARTBEAT:
+            stream.discard(head.header_len + head.payload_len)
+            return False
+        stream.deadline = deadline
+        if head.kind is frames.Kind.ERROR:
+            code, message, failed = _parse_status(stream.read_bytes(head.header_len))
+            self.fail(errors.error_class(code)(message, failed or task))
+        received = self._received + 1
+        if head.kind is frames.Kind.REQUEST and head.call_id >> 32 != self.generation:
+            self.fail(
+                errors.AbortedError(
+                    f"collective: {who} sent a frame of generation {head.call_id >> 32}; "
+                    f"this ring is generation {self.generation}",
+                    task=task,
+                )
+            )
+        self.fail(
+            errors.InternalError(
+                f"collective: frame {head.call_id & 0xFFFFFFFF} of {head.payload_len} bytes "
+                f"from {who}, expected frame {received} of {nbytes} bytes: the workers "
+                "are running different collectives",
+                task=task,
+            )
+        )
+        return False  # not reached: fail() raises
 
     def fail(self, error: errors.OpError, *, forward: bool = True) -> None:
         """Marks the links broken with ``error``, tells the right neighbour, raises ``error``.
