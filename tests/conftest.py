@@ -9,8 +9,10 @@ names), ``ps_client`` a fresh client to it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 import pathlib
 import signal
@@ -18,6 +20,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -215,6 +218,33 @@ class Cluster:
         return SimpleClusterResolver(ClusterSpec(spec), task_type="chief", task_id=0)
 
 
+def _start_together(
+    starts: list[Callable[[], ServerProcess]], started: list[ServerProcess]
+) -> list[ServerProcess]:
+    """Runs ``starts`` at once and returns their servers, in order.
+
+    Each start is a process's launch and its bounded wait for the ready line: most
+    of it the child's imports, which overlap. Every server that came up is added to
+    ``started`` (so the test reaps it) before the first failure is raised.
+    """
+    if len(starts) <= 1:
+        servers = [start() for start in starts]
+        started.extend(servers)
+        return servers
+    with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    servers, failure = [], None
+    for future in futures:
+        try:
+            servers.append(future.result())
+        except Exception as e:  # the others still started: they are reaped too
+            failure = failure or e
+    started.extend(servers)
+    if failure is not None:
+        raise failure
+    return servers
+
+
 @pytest.fixture
 def start_cluster(tmp_path):
     """Factory: ``start_cluster(num_ps, num_workers, worker_env=None)`` -> a ready :class:`Cluster`.
@@ -227,37 +257,43 @@ def start_cluster(tmp_path):
     def start(
         num_ps: int = 1, num_workers: int = 1, worker_env: dict[str, str] | None = None
     ) -> Cluster:
-        ps = []
-        for i in range(num_ps):
-            server = start_server(
-                "ps_server",
-                ["--port", "0", "--task", f"ps:{i}"],
-                "PSFLOW_READY ps",
-                log_dir=tmp_path,
-            )
-            started.append(server)
-            ps.append(server)
+        ps = _start_together(
+            [
+                functools.partial(
+                    start_server,
+                    "ps_server",
+                    ["--port", "0", "--task", f"ps:{i}"],
+                    "PSFLOW_READY ps",
+                    log_dir=tmp_path,
+                )
+                for i in range(num_ps)
+            ],
+            started,
+        )
         addresses = ",".join(p.address for p in ps)
-        workers = []
-        for i in range(num_workers):
-            server = start_server(
-                "worker",
-                [
-                    "--port",
-                    "0",
-                    "--task",
-                    f"worker:{i}",
-                    "--ps",
-                    addresses,
-                    "--workers",
-                    str(num_workers),
-                ],
-                "PSFLOW_READY worker",
-                log_dir=tmp_path,
-                env=worker_env,
-            )
-            started.append(server)
-            workers.append(server)
+        workers = _start_together(
+            [
+                functools.partial(
+                    start_server,
+                    "worker",
+                    [
+                        "--port",
+                        "0",
+                        "--task",
+                        f"worker:{i}",
+                        "--ps",
+                        addresses,
+                        "--workers",
+                        str(num_workers),
+                    ],
+                    "PSFLOW_READY worker",
+                    log_dir=tmp_path,
+                    env=worker_env,
+                )
+                for i in range(num_workers)
+            ],
+            started,
+        )
         cluster = Cluster(ps, workers)
 
         def restart(role: str, index: int, *extra: str) -> ServerProcess:

@@ -658,7 +658,9 @@ def test_psflow_scale_adds_a_worker_to_a_running_group_and_drains_it(tmp_path):
                 sys.executable, "-m", "chief.local", "--mode", "multi-worker", "--workers", "2",
                 "--elastic", "--workers-max", "3", "--cluster-dir", str(control),
                 str(ROOT / "examples" / "multi_worker_elastic.py"),
-                "--epochs", "3", "--step-sleep", "0.5",
+                # 30 steps of 0.5 s: the join and the drain come within the first
+                # few steps; the rest is margin for a slow start on a loaded host
+                "--epochs", "2", "--step-sleep", "0.5",
             ],
             env=child_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
         )  # fmt: skip
