@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,8 @@ def small_frames(monkeypatch):
     monkeypatch.setattr(cross_host, "_FRAME_BYTES", 64 << 10)
 
 
-def _rings(n: int, timeout: float = 10.0) -> list[CrossHostRing]:
+def _links(n: int, timeout: float = 10.0, generations: Sequence[int] = ()) -> list[PeerLinks]:
+    """``n`` peer links on loopback, connected (worker ``i`` at ``generations[i]``, else 0)."""
     listeners = []
     for _ in range(n):
         s = socket.socket()
@@ -41,13 +42,26 @@ def _rings(n: int, timeout: float = 10.0) -> list[CrossHostRing]:
         listeners.append(s)
     addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
     security = SecurityConfig(token="r" * 24)
-    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(n)]
+    links = [
+        PeerLinks(
+            i,
+            addresses,
+            security,
+            listener=listeners[i],
+            generation=generations[i] if generations else 0,
+        )
+        for i in range(n)
+    ]
     threads = [threading.Thread(target=lk.connect, args=(timeout,)) for lk in links]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout + 5)
-    return [CrossHostRing(lk, timeout=timeout) for lk in links]
+    return links
+
+
+def _rings(n: int, timeout: float = 10.0) -> list[CrossHostRing]:
+    return [CrossHostRing(lk, timeout=timeout) for lk in _links(n, timeout)]
 
 
 def _on_all(rings: list[CrossHostRing], call: Callable[[int, CrossHostRing], Any]) -> list:
@@ -183,27 +197,6 @@ def test_frames_started_without_waiting_arrive_whole_with_heartbeats_only_betwee
             ring.close()
 
 
-def _two_links(generations: tuple[int, int] = (0, 0)) -> list[PeerLinks]:
-    listeners = []
-    for _ in range(2):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen(4)
-        listeners.append(s)
-    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
-    security = SecurityConfig(token="r" * 24)
-    links = [
-        PeerLinks(i, addresses, security, listener=listeners[i], generation=generations[i])
-        for i in range(2)
-    ]
-    threads = [threading.Thread(target=lk.connect, args=(10.0,)) for lk in links]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-    return links
-
-
 @pytest.mark.parametrize(
     "generations,nbytes,error",
     [
@@ -216,7 +209,7 @@ def test_a_frame_other_than_the_expected_one_is_a_typed_error_naming_the_left_ne
 ) -> None:
     import time
 
-    links = _two_links(generations)
+    links = _links(2, generations=generations)
     try:
         deadline = time.monotonic() + 10
         links[0].begin()
@@ -235,7 +228,7 @@ def test_a_frame_other_than_the_expected_one_is_a_typed_error_naming_the_left_ne
 def test_a_frame_started_without_waiting_to_a_closed_neighbour_is_unavailable_naming_it() -> None:
     import time
 
-    links = _two_links()
+    links = _links(2)
     try:
         links[1].close()
         deadline = time.monotonic() + 10

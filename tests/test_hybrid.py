@@ -123,6 +123,18 @@ def _check(tmp: pathlib.Path, results: list[dict], logs: str) -> None:
         np.testing.assert_allclose(r["rows"], want["rows"], atol=ATOL, rtol=RTOL)
 
 
+def _one_worker_strategy(ps_address: str) -> pf.distribute.MultiWorkerMirroredStrategy:
+    """A hybrid strategy in this process: the group's only worker, one PS task."""
+    resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
+        pf.distribute.cluster_resolver.ClusterSpec(
+            {"worker": [f"127.0.0.1:{pick_free_port()}"], "ps": [ps_address]}
+        ),
+        task_type="worker",
+        task_id=0,
+    )
+    return pf.distribute.MultiWorkerMirroredStrategy(resolver)
+
+
 def _logs(logs: list[pathlib.Path]) -> str:
     return "\n".join(p.read_text(errors="replace")[-3000:] for p in logs)
 
@@ -274,14 +286,7 @@ def test_a_table_gradient_without_aggregation_is_refused_naming_the_table(start_
     monkeypatch.setattr(config, "_logical", {})
     monkeypatch.setattr(config, "_visible", {})
     ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
-    resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
-        pf.distribute.cluster_resolver.ClusterSpec(
-            {"worker": [f"127.0.0.1:{pick_free_port()}"], "ps": [ps.address]}
-        ),
-        task_type="worker",
-        task_id=0,
-    )
-    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    strategy = _one_worker_strategy(ps.address)
     try:
         with strategy.scope():
             table = pf.keras.layers.DynamicEmbedding(2, table_name="refused", seed=1)
@@ -384,14 +389,7 @@ def test_a_hybrid_resize_to_a_ps_that_is_not_running_fails_on_every_worker_and_t
 def test_a_hybrid_resize_refuses_bad_input_naming_it_and_changes_nothing(start_ps, monkeypatch):
     monkeypatch.setenv("PSFLOW_AUTH_TOKEN", TOKEN)
     ps = start_ps(env={"PSFLOW_AUTH_TOKEN": TOKEN})
-    resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
-        pf.distribute.cluster_resolver.ClusterSpec(
-            {"worker": [f"127.0.0.1:{pick_free_port()}"], "ps": [ps.address]}
-        ),
-        task_type="worker",
-        task_id=0,
-    )
-    strategy = pf.distribute.MultiWorkerMirroredStrategy(resolver)
+    strategy = _one_worker_strategy(ps.address)
     try:
         with strategy.scope():
             table = pf.keras.layers.DynamicEmbedding(2, table_name="resize_refused", seed=1)
