@@ -585,29 +585,20 @@ def main(argv: list[str] | None = None) -> int:
                             cpus.setdefault(side, []).append(
                                 {int(k): v for k, v in res["cpu_s"].items()}
                             )
-                seconds = {
-                    side: {s: statistics.median(r[s] for r in rs) for s in sizes}
-                    for side, rs in runs.items()
-                }
-                stream = (
-                    {s: statistics.median(r[s] for r in streams) for s in sizes}
-                    if streams
-                    else None
-                )
-                ring_stream = (
-                    {s: statistics.median(r[s] for r in rings) for s in sizes} if rings else None
-                )
+
+                def medians(rs: list) -> dict | None:
+                    """Per size, the median over the rounds ``rs`` (None: no rounds)."""
+                    if not rs:
+                        return None
+                    return {s: statistics.median(r[s] for r in rs) for s in sizes}
+
+                seconds = {side: medians(rs) for side, rs in runs.items()}
+                stream = medians(streams)
+                ring_stream = medians(rings)
                 # rank 0's CPU seconds per call (all its threads): what a loaded host inflates
                 # far less than wall time, so the two sides' costs compare across noisy rounds
-                cpu_of = {
-                    side: {s: statistics.median(r[s] for r in rs) for s in sizes}
-                    for side, rs in cpus.items()
-                }
-                ring_cpu = (
-                    {s: statistics.median(r[s] for r in ring_cpus) for s in sizes}
-                    if ring_cpus
-                    else None
-                )
+                cpu_of = {side: medians(rs) for side, rs in cpus.items()}
+                ring_cpu = medians(ring_cpus)
                 for s in sizes:
                     bus: dict[str, float] = {}
                     for side, secs in seconds.items():
