@@ -134,7 +134,11 @@ def test_an_unusable_column_is_named_and_trains_nothing(
 
 
 @pytest.mark.slow
-def test_text_and_rank1_columns_train_on_a_ps_worker(start_cluster: Any) -> None:
+def test_text_and_rank1_columns_train_on_a_ps_worker(start_cluster: Any, monkeypatch) -> None:
+    # one closure in flight: with two, a loaded host can deliver the second after the one
+    # sent when the first ended, and the worker runs them in either order (async mode
+    # promises no order); this test compares with the batches' order
+    monkeypatch.setenv("PSFLOW_CLOSURES_IN_FLIGHT", "1")
     x, y = _columns()
     cluster = start_cluster(num_ps=1, num_workers=1)
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
