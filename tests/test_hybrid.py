@@ -123,6 +123,14 @@ def _check(tmp: pathlib.Path, results: list[dict], logs: str) -> None:
         np.testing.assert_allclose(r["rows"], want["rows"], atol=ATOL, rtol=RTOL)
 
 
+def _await_survivor_alone(procs: list, logs: list[pathlib.Path]) -> None:
+    """Waits (60 s at most) until worker 0 re-formed the group without worker 1."""
+    deadline = time.monotonic() + 60
+    while "generation 1: members [0]" not in logs[0].read_text(errors="replace"):
+        assert time.monotonic() < deadline and procs[0].poll() is None, _logs(logs)
+        time.sleep(0.1)
+
+
 def _one_worker_strategy(ps_address: str) -> pf.distribute.MultiWorkerMirroredStrategy:
     """A hybrid strategy in this process: the group's only worker, one PS task."""
     resolver = pf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -194,10 +202,7 @@ def test_a_restarted_worker_rejoins_an_elastic_hybrid_group_and_its_pushes_apply
     again = None
     try:
         assert procs[1].wait(60) == -signal.SIGKILL, _logs(logs)
-        deadline = time.monotonic() + 60
-        while "generation 1: members [0]" not in logs[0].read_text(errors="replace"):
-            assert time.monotonic() < deadline and procs[0].poll() is None, _logs(logs)
-            time.sleep(0.1)
+        _await_survivor_alone(procs, logs)
         # worker 1 again in its slot (same TF_CONFIG), as a restarted pod, with its own
         # initial values: the group's state must replace them
         again = _start_worker(tmp_path, cluster, 1, {**env, "SCENARIO_SEED": "99"}, "train", "w1b")
@@ -432,10 +437,7 @@ def test_a_worker_restarted_after_a_hybrid_resize_takes_the_groups_ps_tasks(tmp_
     try:
         assert procs[1].wait(60) == -signal.SIGKILL, _logs(logs)
         assert ps[1].proc.wait(30) == 0, _logs(logs)  # drained by the resize back to 1
-        deadline = time.monotonic() + 60
-        while "generation 1: members [0]" not in logs[0].read_text(errors="replace"):
-            assert time.monotonic() < deadline and procs[0].poll() is None, _logs(logs)
-            time.sleep(0.1)
+        _await_survivor_alone(procs, logs)
         view = tmp_path / "cluster.json"  # as worker 0 published it: both PS tasks
         joiner_env = {**env, "SCENARIO_SEED": "99", "RESIZE_FILE": "1"}
         joiner_env["PSFLOW_CLUSTER_FILE"] = str(view)
