@@ -62,6 +62,12 @@ AUC, and CPU milliseconds per ``--batch`` examples of the workers and the PS
 tasks over the timed steps (each worker's own, the PS tasks' read from
 ``/proc`` by worker 0; the async side's chief has no counterpart).
 
+``--seed N`` (default 0: the README's runs) draws other initial weights on every
+psflow side (the dense layers and the table's row seed) and shuffles the
+training examples, which every side then reads in that order (the async
+workers' shards are cut from it; TensorFlow's initial weights keep their own
+seeds): AUC differences between the sides can be told from one draw's luck.
+
 Prints JSON lines (stdout) and a table (stderr); ``--quick`` is the same cases
 with fewer steps.  Format: shared/BENCHMARKS.md.
 """
@@ -128,13 +134,20 @@ def cpu_ms_per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
     return out
 
 
-def make_data(path: str, train: int, test: int) -> None:
-    """Writes the train and test sets (and TensorFlow's hashed ids) to ``path``."""
+def make_data(path: str, train: int, test: int, seed: int = 0) -> None:
+    """Writes the train and test sets (and TensorFlow's hashed ids) to ``path``.
+
+    ``seed`` other than 0 shuffles the training examples (``--seed``): every side
+    reads them in that order (the async workers' shards are cut from it); the
+    examples themselves and the test set stay the same."""
     import numpy as np
 
     from psflow.keras.datasets import ctr
 
     x, y, _ = ctr.load_data(train, seed=1)
+    if seed:
+        order = np.random.default_rng(seed).permutation(train)
+        x, y = {k: v[order] for k, v in x.items()}, y[order]
     xt, yt, logit_t = ctr.load_data(test, seed=2)
     np.savez(
         path,
@@ -150,14 +163,15 @@ def make_data(path: str, train: int, test: int) -> None:
     )
 
 
-def psflow_model(pf, name: str, capacity: int = CAPACITY_PER_PS):
-    """The model, psflow side (``capacity``: rows each PS allocates up front)."""
+def psflow_model(pf, name: str, capacity: int = CAPACITY_PER_PS, seed: int = 0):
+    """The model, psflow side (``capacity``: rows each PS allocates up front; ``seed``
+    moves the table's row seed, ``--seed``: the dense layers follow ``pf.random``'s)."""
 
     class Model(pf.keras.Model):
         def __init__(self):
             super().__init__()
             self.emb = pf.keras.layers.DynamicEmbedding(
-                DIM, table_name=name, seed=3, capacity=capacity
+                DIM, table_name=name, seed=3 + seed, capacity=capacity
             )
             self.hidden = pf.keras.layers.Dense(HIDDEN, activation="relu")
             self.out = pf.keras.layers.Dense(1)
@@ -174,13 +188,13 @@ def _loss(pf, logits, y):
     return pf.reduce_mean(pf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits))
 
 
-def single_process_auc(data: dict, batch: int, steps: int) -> float:
+def single_process_auc(data: dict, batch: int, steps: int, seed: int = 0) -> float:
     """AUC of the same model trained in this process on the same batches."""
     import psflow as pf
     from psflow.keras.datasets import ctr
 
-    pf.random.set_seed(0)
-    model = psflow_model(pf, "single")
+    pf.random.set_seed(seed)
+    model = psflow_model(pf, "single", seed=seed)
     optimizer = pf.keras.optimizers.Adagrad(0.05)
     n = data["cat"].shape[0]
     for s in range(steps):
@@ -229,7 +243,7 @@ def ps_training(pf, strategy, model, optimizer, data: dict, batch: int):
 
 
 def run_psflow(
-    data: dict, cluster: dict, pids: dict[str, list[int]], batch: int, steps: int
+    data: dict, cluster: dict, pids: dict[str, list[int]], batch: int, steps: int, seed: int = 0
 ) -> dict:
     """Throughput, bytes per step, PS memory, AUC and hot-row bytes of the psflow side."""
 
@@ -243,10 +257,10 @@ def run_psflow(
     resolver = SimpleClusterResolver(
         ClusterSpec({**cluster, "chief": ["127.0.0.1:1"]}), task_type="chief", task_id=0
     )
-    pf.random.set_seed(0)
+    pf.random.set_seed(seed)
     strategy = pf.distribute.ParameterServerStrategy(resolver)
     with strategy.scope():
-        model = psflow_model(pf, "ctr")
+        model = psflow_model(pf, "ctr", seed=seed)
         optimizer = pf.keras.optimizers.Adagrad(0.05)
     coordinator, iterator, step_fn = ps_training(pf, strategy, model, optimizer, data, batch)
 
@@ -308,7 +322,13 @@ def run_psflow(
 
 
 def hybrid_worker(
-    path: str, global_batch: int, warmup: int, steps: int, out: str, lr: float = 0.05
+    path: str,
+    global_batch: int,
+    warmup: int,
+    steps: int,
+    out: str,
+    lr: float = 0.05,
+    seed: int = 0,
 ) -> None:
     """One worker of the hybrid side (``TF_CONFIG`` names it): MultiWorkerMirroredStrategy
     with the table on the PS tasks, global batches of ``global_batch`` cut over the workers,
@@ -321,10 +341,10 @@ def hybrid_worker(
     from psflow.keras.datasets import ctr
 
     data = dict(np.load(path))
-    pf.random.set_seed(0)  # worker 0's dense values win (broadcast), as the single process's
+    pf.random.set_seed(seed)  # worker 0's dense values win (broadcast), as the single process's
     strategy = pf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = psflow_model(pf, "ctr_hybrid")
+        model = psflow_model(pf, "ctr_hybrid", seed=seed)
         optimizer = pf.keras.optimizers.Adagrad(lr)
     ds = pf.data.Dataset.from_tensor_slices(((data["cat"], data["dense"]), data["y"]))
     iterator = iter(strategy.experimental_distribute_dataset(ds.batch(global_batch)))
@@ -374,6 +394,7 @@ def run_hybrid(
     steps: int,
     lr: float,
     batch: int,
+    seed: int = 0,
 ) -> dict:
     """The hybrid side: 2 PS + 2 MultiWorkerMirroredStrategy workers, worker 0's figures,
     and the CPU milliseconds of each role (both workers, both PS tasks) per ``batch``
@@ -390,6 +411,7 @@ def run_hybrid(
             args = [sys.executable, os.path.abspath(__file__), "--hybrid-worker", out]
             args += ["--data", path, "--batch", str(global_batch)]
             args += ["--warmup", str(warmup), "--steps", str(steps), "--lr", str(lr)]
+            args += ["--seed", str(seed)]
             extra = {"TF_CONFIG": json.dumps(tf_config), "RECSYS_PS_PIDS": ps_pids}
             proc, _ = procs.start(args, None, {**env, **extra})
             started.append(proc)
@@ -604,6 +626,12 @@ def main() -> int:
         help="the interpreter with TensorFlow (default: this one)",
     )
     p.add_argument("--batch", type=int, default=512, help="examples per step (both sides)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="psflow's initial weights and the training examples' order (0: the README's runs)",
+    )
     p.add_argument("--hybrid-worker", help=argparse.SUPPRESS)  # internal: one hybrid worker
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -612,7 +640,9 @@ def main() -> int:
     args = p.parse_args()
     batch = args.batch
     if args.hybrid_worker:
-        hybrid_worker(args.data, batch, args.warmup, args.steps, args.hybrid_worker, args.lr)
+        hybrid_worker(
+            args.data, batch, args.warmup, args.steps, args.hybrid_worker, args.lr, args.seed
+        )
         return 0
     steps = 30 if args.quick else 200
     rounds = 1 if args.quick else 3
@@ -631,6 +661,7 @@ def main() -> int:
         "hidden": HIDDEN,
         "dense_params": DENSE_PARAMS,
         "optimizer": "adagrad(0.05)",
+        "seed": args.seed,
         "rows_allocated_up_front": {
             "psflow": f"DynamicEmbedding capacity={CAPACITY_PER_PS} per PS (grows beyond)",
             "tensorflow": f"Embedding vocabulary {VOCAB} over 2 shards (fixed)",
@@ -647,7 +678,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ctr.npz")
         progress("generating data")
-        make_data(path, batch * (steps + 5), 20_000)
+        make_data(path, batch * (steps + 5), 20_000, args.seed)
         data = dict(np.load(path))
         has_tf = not args.no_tf and (
             args.tf_python != sys.executable or importlib.util.find_spec("tensorflow") is not None
@@ -675,13 +706,13 @@ def main() -> int:
                     "ps": [proc.pid for proc in procs.procs[:2]],
                     "worker": [proc.pid for proc in procs.procs[2:4]],
                 }
-                runs.append(run_psflow(data, cluster, pids, batch, steps))
+                runs.append(run_psflow(data, cluster, pids, batch, steps, args.seed))
             for name, global_batch, warmup, timed, lr in hybrid_cases:
                 progress(
                     f"round {r + 1}/{rounds}: psflow hybrid, global batch {global_batch}, lr {lr}"
                 )
                 hybrid_runs[name].append(
-                    run_hybrid(path, env, global_batch, warmup, timed, lr, batch)
+                    run_hybrid(path, env, global_batch, warmup, timed, lr, batch, args.seed)
                 )
             if has_tf:
                 progress(f"round {r + 1}/{rounds}: TensorFlow, 2 PS + 2 workers")
@@ -704,7 +735,7 @@ def main() -> int:
             theirs = dict(tf_runs[-1])
             theirs["examples_per_s"] = statistics.median(r["examples_per_s"] for r in tf_runs)
         progress("psflow: single process")
-        single = single_process_auc(data, batch, steps)
+        single = single_process_auc(data, batch, steps, args.seed)
         progress(f"dynamic table of {big_rows:,} rows")
         per_row, row_slot, fill_s = table_memory(big_rows)
 
