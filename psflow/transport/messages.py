@@ -300,7 +300,13 @@ def decode_push(
         # the sizes were checked against the header above: only a bool payload can
         # still be refused here, so its message is built only then
         what = _GradientWhat(item.name)
-        values = segments_from_pieces(wire, shape, pieces[k], what=what)
+        if view is not None and wire.kind != "b" and chunk_bytes % wire.itemsize == 0:
+            # whole elements per piece, sized by the header: viewed as they are
+            step = chunk_bytes // wire.itemsize
+            parts = [(j * step, np.frombuffer(p, wire)) for j, p in enumerate(pieces[k])]
+            values = Segments(wire, shape, parts or [(0, np.empty(0, wire))])
+        else:  # chunks as they came, or bool bytes to check: joined where misaligned
+            values = segments_from_pieces(wire, shape, pieces[k], what=what)
         if item.compression:
             values = compression.decode_segments(item.compression, values, dtype)
         indices = None
