@@ -1,4 +1,5 @@
-"""A push's payload decoded from one buffer (the data plane's) and from streamed chunks alike."""
+"""A push's payload decoded from one buffer (the data plane's) and from streamed chunks alike;
+a pull's reply viewed in its one buffer."""
 
 from __future__ import annotations
 
@@ -69,3 +70,33 @@ def test_a_bool_byte_other_than_0_or_1_in_one_buffer_is_refused_naming_the_gradi
         messages.decode_push(
             parsed, [], spec=_spec, shm_view=None, chunk_bytes=1 << 20, borrowed=bad
         )
+
+
+def _pull_reply(tensors):
+    class T:
+        def __init__(self, name, value):
+            self.name, self.value, self.version = name, value, 3
+
+    header = messages.pull_header([T(n, v) for n, v in tensors])
+    return header, b"".join(v.tobytes() for _, v in tensors)
+
+
+def test_a_pull_reply_in_one_buffer_is_viewed_per_tensor_and_its_specs_are_told():
+    tensors = [("h", np.arange(3, dtype=np.float16)), ("w", np.arange(6.0).reshape(2, 3))]
+    header, payload = _pull_reply(tensors)
+    seen = []
+    pulled = messages.PullDecoder(None, False, lambda *spec: seen.append(spec)).frame(
+        (header, memoryview(bytearray(payload)))
+    )
+    for (_, sent), (got, version) in zip(tensors, pulled, strict=True):
+        np.testing.assert_array_equal(got, sent)
+        assert got.dtype == sent.dtype and version == 3
+    assert seen == [(n, v.dtype, v.shape) for n, v in tensors]
+
+
+@pytest.mark.parametrize("cut", [-1, 1])
+def test_a_pull_reply_of_the_wrong_size_is_refused(cut):
+    header, payload = _pull_reply([("a", np.ones(4, np.float32)), ("b", np.ones(2, np.int64))])
+    wrong = memoryview(bytearray(payload[:cut] if cut < 0 else payload + b"x"))
+    with pytest.raises(InvalidArgumentError, match="2 tensors its header announced"):
+        messages.PullDecoder(None, False, lambda *spec: None).frame((header, wrong))
