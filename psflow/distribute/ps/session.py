@@ -449,7 +449,15 @@ class PSSession(UpdateGroup, Routing):
                             and k not in self._gone
                             and self._prefetchable(h)
                         ]
-                    pulled = self._prefetch(handle, others)
+                    try:  # one pull of them all (see _probe_gone for a NotFound)
+                        pulled = self._pull_into_cache([handle, *others])
+                    except errors.NotFoundError:
+                        if not others:
+                            raise
+                        pulled = self._probe_gone(handle, others)
+                    if handle.key in self._gone:  # read again: it exists (again)
+                        with self._handles_lock:
+                            self._gone.discard(handle.key)
                     if self._prefetchable(handle):
                         self._pull_ahead([handle, *others])
                 for key, (value, version) in pulled.items():
@@ -496,10 +504,11 @@ class PSSession(UpdateGroup, Routing):
             pull = functools.partial(self._pull_into_cache, handles)
             self._ahead = (self._scope, self._pushes.queue(pull))
 
-    def _prefetch(self, handle: Any, others: list[Any]) -> dict[str, tuple[np.ndarray, int]]:
-        """``handle``'s value and those of ``others`` (a step's first read pulls them all).
+    def _probe_gone(self, handle: Any, others: list[Any]) -> dict[str, tuple[np.ndarray, int]]:
+        """``handle``'s value and those of ``others`` where a step's first read, pulling
+        them all, met a NotFound.
 
-        A NotFound caused by one of ``others`` is no failure of this read: a
+        Such a NotFound caused by one of ``others`` is no failure of this read: a
         restore may have dropped variables another model (an earlier function
         this worker ran) left in this session.  Those are probed one by one,
         the missing ones left out of later prefetches, and the rest kept.
@@ -507,17 +516,7 @@ class PSSession(UpdateGroup, Routing):
         Raises:
             NotFoundError: ``handle`` itself is missing on its PS task.
         """
-        try:
-            out = self._pull_into_cache([handle, *others])
-        except errors.NotFoundError:
-            if not others:
-                raise
-            out = self._pull_into_cache([handle])  # its own NotFound is the caller's error
-        else:
-            if handle.key in self._gone:  # read again: it exists (again)
-                with self._handles_lock:
-                    self._gone.discard(handle.key)
-            return out
+        out = self._pull_into_cache([handle])  # its own NotFound is the caller's error
         missing = []
         for h in others:  # bounded: once per variable, and only after such a restore
             try:
