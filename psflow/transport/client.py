@@ -474,8 +474,7 @@ class PSClient:
         """A push's message, on the data plane or as a stream or one unary gRPC call."""
         views, total = [framing.byte_view(a) for a in arrays], sum(a.nbytes for a in arrays)
         return Call(
-            "Push", header, views, total,
-            lambda reply: messages.push_reply(ps_pb2.PushResponse.FromString(reply[0])),
+            "Push", header, views, total, _push_reply,
             lambda left: messages.push_reply(self._framed("Push", header, arrays, left)),
         )  # fmt: skip
 
@@ -505,18 +504,23 @@ class PSClient:
         Raises:
             InvalidArgumentError: as :meth:`push` (nothing is sent).
         """
-        if self._end.link.known is None or self._end.closed:
+        link = self._end.link
+        plane = link.known
+        if plane is None or self._end.closed:
             return None
         context = context or self._context(**fields)
         items = messages.as_gradients(grads, None) if isinstance(grads, Mapping) else grads
         header, arrays = messages.encode_push(items, context, None, shm_buffer)
-        call = self._push_call(header, arrays)
-        return self._end.link.start(
-            call,
-            self.timeout if context.timeout is None else context.timeout,
-            lambda left: self._push(call, left),
+        if sum(a.nbytes for a in arrays) > link.max_payload:
+            return None
+        timeout = self.timeout if context.timeout is None else context.timeout
+        recover = link.recovery(
+            plane, "Push", timeout,
+            lambda left: self._push(self._push_call(header, arrays), left),
             (UnavailableError, DeadlineExceededError),
-        )
+        )  # fmt: skip
+        views = [framing.byte_view(a) for a in arrays]
+        return plane.send("Push", header, views, timeout, read=_push_reply, recover=recover)
 
     def push_async(self, grads: Mapping[str, Any], **kwargs: Any) -> concurrent.futures.Future:
         """:meth:`push` on the client's thread pool; returns a future (its push id
@@ -650,3 +654,8 @@ class PSClient:
             f"{self.task} at {self.address} not SERVING after {timeout}s (last: {status})",
             task=self.task,
         )
+
+
+def _push_reply(reply: tuple[bytes, memoryview]) -> PushReply:
+    """A push's reply on the data plane (a ``PushResponse`` header, no payload)."""
+    return messages.push_reply(ps_pb2.PushResponse.FromString(reply[0]))

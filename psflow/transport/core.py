@@ -282,18 +282,38 @@ class PlaneLink:
         budget: float | None = None,
     ) -> Started | None:
         """``call`` sent on the plane now, its reply read by the result's
-        ``result()`` (``call.read(reply)``); where sending or that reply failed
-        with one of ``retried``, ``again(time_left)`` makes the call anew (the
-        same request, exactly-once id included) within ``budget`` seconds from
-        now (default ``timeout``).  None, having sent nothing, where the plane
-        is not known yet (or there is none) or the payload is above its limit.
+        ``result()`` (``call.read(reply)``; see :meth:`recovery` for a failure).
+        None, having sent nothing, where the plane is not known yet (or there
+        is none) or the payload is above its limit.
         """
-        plane, method = self.known, call.method
+        plane = self.known
         if plane is None or call.nbytes > self.max_payload:
             return None
+        recover = self.recovery(plane, call.method, timeout, again, retried, budget)
+        return plane.send(
+            call.method, call.header, call.payload, timeout,
+            sink=sink, read=call.read, recover=recover,
+        )  # fmt: skip
+
+    def recovery(
+        self,
+        plane: DataPlaneClient,
+        method: str,
+        timeout: float,
+        again: Callable[[float], Any],
+        retried: tuple[type[OpError], ...],
+        budget: float | None = None,
+    ) -> Callable[[OpError], Any]:
+        """What a call to ``method`` on ``plane`` does where sending it or its
+        reply failed: with one of ``retried``, ``again(time_left)`` makes the
+        call anew (the same request, exactly-once id included) within
+        ``budget`` seconds from now (default ``timeout``); else the error is raised."""
         deadline = time.monotonic() + (timeout if budget is None else budget)
 
-        def anew() -> Any:
+        def recover(e: OpError) -> Any:
+            if not isinstance(e, retried):
+                raise e
+            self.failed(plane, e)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeadlineExceededError(
@@ -302,25 +322,7 @@ class PlaneLink:
                 )
             return again(left)
 
-        def recover(e: OpError) -> Any:
-            if not isinstance(e, retried):
-                raise e
-            self.failed(plane, e)
-            return anew()
-
-        try:  # the plane's started call is the one returned: its result reads, or recovers
-            return plane.send(
-                method,
-                call.header,
-                call.payload,
-                timeout,
-                sink=sink,
-                read=call.read,
-                recover=recover,
-            )
-        except retried as e:
-            self.failed(plane, e)
-            return Started(anew, what=method)
+        return recover
 
     def failed(self, plane: DataPlaneClient | None, error: BaseException) -> None:
         """After an UNAVAILABLE failure on ``plane`` the next call asks the PS again."""

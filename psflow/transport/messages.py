@@ -300,7 +300,13 @@ def decode_push(
         # the sizes were checked against the header above: only a bool payload can
         # still be refused here, so its message is built only then
         what = _GradientWhat(item.name)
-        values = segments_from_pieces(wire, shape, pieces[k], what=what)
+        if view is not None and wire.kind != "b" and chunk_bytes % wire.itemsize == 0:
+            # whole elements per piece, sized by the header: viewed as they are
+            step = chunk_bytes // wire.itemsize
+            parts = [(j * step, np.frombuffer(p, wire)) for j, p in enumerate(pieces[k])]
+            values = Segments(wire, shape, parts or [(0, np.empty(0, wire))])
+        else:  # chunks as they came, or bool bytes to check: joined where misaligned
+            values = segments_from_pieces(wire, shape, pieces[k], what=what)
         if item.compression:
             values = compression.decode_segments(item.compression, values, dtype)
         indices = None
@@ -558,17 +564,22 @@ class PullDecoder:
             filler.feed(payload)
             filler.finish()
         elif self.arrays is None:  # slices of the one buffer (a copy where misaligned)
-            specs = self._specs(self.header)
-            need = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
-            if len(payload) != need:
-                raise InvalidArgumentError(
-                    f"pull reply of {len(payload)} bytes for {need} announced"
-                )
             self.arrays, pos = [], 0
-            for dtype, shape in specs:
+            for t in self.header.tensors:  # each spec read, told and sliced in one pass
+                dtype, shape = codec.dtype_from_wire(t.spec.dtype), tuple(t.spec.shape)
+                if not self._rows:
+                    self._seen(t.name, dtype, shape)
+                end = pos + math.prod(shape) * dtype.itemsize
+                if end > len(payload):
+                    break
                 arr = np.frombuffer(payload, dtype, math.prod(shape), pos).reshape(shape)
                 self.arrays.append(arr if pos % dtype.itemsize == 0 else arr.copy())
-                pos += arr.nbytes
+                pos = end
+            if len(self.arrays) != len(self.header.tensors) or pos != len(payload):
+                raise InvalidArgumentError(
+                    f"pull reply of {len(payload)} bytes does not hold the "
+                    f"{len(self.header.tensors)} tensors its header announced"
+                )
         return list(zip(self.arrays, [t.version for t in self.header.tensors]))
 
 

@@ -204,6 +204,7 @@ class Routing:
         handles: Sequence[Any],
         call: Callable[[int, list[Any], int], Any],
         start: Callable[[int, list[Any], int], Any] | None = None,
+        first_attempt: int = 0,
     ) -> dict[int, tuple[list[Any], Any]]:
         """Runs ``call(ps, handles_there, attempt)`` once per owning task, following redirects.
 
@@ -212,14 +213,16 @@ class Routing:
 
         A task that answers ``MovedError`` applied nothing of that call: its
         handles are regrouped by the updated map and sent again (``attempt``
-        counts the resends, so exactly-once ids can tell them apart).
+        counts the resends, so exactly-once ids can tell them apart; from
+        ``first_attempt``, for handles redirected once already).
 
         Returns:
             ``{(ps, attempt): (handles, result)}`` of every call that succeeded.
         """
         results: dict[Any, tuple[list[Any], Any]] = {}
         pending = list(handles)
-        for attempt in range(len(handles) + MAX_EXTRA_REDIRECTS):
+        attempts = len(handles) + MAX_EXTRA_REDIRECTS
+        for attempt in range(first_attempt, first_attempt + attempts):
             by_ps: dict[int, list[Any]] = {}
             for h in pending:
                 by_ps.setdefault(h.ps_index, []).append(h)
@@ -240,5 +243,5 @@ class Routing:
                 return results
         raise errors.AbortedError(
             f"{self.task}: {[h.key for h in pending][:5]} kept being redirected "
-            f"({len(handles) + MAX_EXTRA_REDIRECTS} attempts)"
+            f"({attempts} attempts)"
         )

@@ -44,7 +44,7 @@ from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
-from psflow.transport.started import Started, fan_out, gather
+from psflow.transport.started import Started, fan_out, gather, settle
 
 PREFETCH_LIMIT_BYTES = 16 << 20
 MAX_SCOPES = 64
@@ -449,7 +449,15 @@ class PSSession(UpdateGroup, Routing):
                             and k not in self._gone
                             and self._prefetchable(h)
                         ]
-                    pulled = self._prefetch(handle, others)
+                    try:  # one pull of them all (see _probe_gone for a NotFound)
+                        pulled = self._pull_into_cache([handle, *others])
+                    except errors.NotFoundError:
+                        if not others:
+                            raise
+                        pulled = self._probe_gone(handle, others)
+                    if handle.key in self._gone:  # read again: it exists (again)
+                        with self._handles_lock:
+                            self._gone.discard(handle.key)
                     if self._prefetchable(handle):
                         self._pull_ahead([handle, *others])
                 for key, (value, version) in pulled.items():
@@ -496,10 +504,11 @@ class PSSession(UpdateGroup, Routing):
             pull = functools.partial(self._pull_into_cache, handles)
             self._ahead = (self._scope, self._pushes.queue(pull))
 
-    def _prefetch(self, handle: Any, others: list[Any]) -> dict[str, tuple[np.ndarray, int]]:
-        """``handle``'s value and those of ``others`` (a step's first read pulls them all).
+    def _probe_gone(self, handle: Any, others: list[Any]) -> dict[str, tuple[np.ndarray, int]]:
+        """``handle``'s value and those of ``others`` where a step's first read, pulling
+        them all, met a NotFound.
 
-        A NotFound caused by one of ``others`` is no failure of this read: a
+        Such a NotFound caused by one of ``others`` is no failure of this read: a
         restore may have dropped variables another model (an earlier function
         this worker ran) left in this session.  Those are probed one by one,
         the missing ones left out of later prefetches, and the rest kept.
@@ -507,17 +516,7 @@ class PSSession(UpdateGroup, Routing):
         Raises:
             NotFoundError: ``handle`` itself is missing on its PS task.
         """
-        try:
-            out = self._pull_into_cache([handle, *others])
-        except errors.NotFoundError:
-            if not others:
-                raise
-            out = self._pull_into_cache([handle])  # its own NotFound is the caller's error
-        else:
-            if handle.key in self._gone:  # read again: it exists (again)
-                with self._handles_lock:
-                    self._gone.discard(handle.key)
-            return out
+        out = self._pull_into_cache([handle])  # its own NotFound is the caller's error
         missing = []
         for h in others:  # bounded: once per variable, and only after such a restore
             try:
@@ -655,7 +654,35 @@ class PSSession(UpdateGroup, Routing):
             # its gradients must carry the versions they were computed from
             self._pushes.submit(grads, send)
             return
-        replies = self._routed(handles, push, start)  # in this thread: no wrapper
+        # routed here: each owner's push sent at once, no wrapper per call.  What the data
+        # plane cannot start (a sync push, no plane known yet) and what a task answers
+        # with a redirect take the general route, ``_routed``; every call sent finishes
+        # before an error propagates (``gather``'s rule)
+        by_ps: dict[int, list[Any]] = {}
+        for h in handles:
+            by_ps.setdefault(h.ps_index, []).append(h)
+        calls: dict[int, Started] = {}
+        rest: list[Any] = list(handles) if sync else []
+        try:
+            for ps, hs in () if sync else by_ps.items():
+                call = self.connections[ps].start_push([grads[h.key] for h in hs], context(0))
+                if call is None:
+                    rest += hs
+                else:
+                    calls[ps] = call
+            replies = self._routed(rest, push, start) if rest else {}
+        except BaseException:
+            settle(calls.values())
+            raise
+        moved: list[Any] = []
+        for ps, reply in gather(calls, errors.MovedError).items():
+            if isinstance(reply, errors.MovedError):
+                self._learn(reply)
+                moved += by_ps[ps]
+            else:
+                replies[(ps, 0)] = (by_ps[ps], reply)
+        if moved:  # applied nowhere: sent again under a fresh id (attempt 1 on)
+            replies.update(self._routed(moved, push, start, first_attempt=1))
         self.bytes_pushed += pushed
         for hs, reply in replies.values():
             for h, version in zip(hs, reply.versions):

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import socket
@@ -214,34 +215,40 @@ class DataPlaneClient:
                 returned view owns).
             read: the result is ``read(reply)`` (default: the reply's header
                 bytes and payload).
-            recover: where reading the reply failed, the result is
-                ``recover(error)`` (it may raise; default: the error is raised).
+            recover: where sending the request or reading the reply failed, the
+                result is ``recover(error)`` (it may raise; default: the error
+                is raised, by this method where sending failed).
 
         Raises:
-            OpError: the request could not be sent (as :meth:`call`).
+            OpError: the request could not be sent (as :meth:`call`; without ``recover``).
         """
         deadline = time.monotonic() + timeout
-        if not self._slots.acquire(timeout=max(timeout, 0.0)):
-            raise self._error(method, Code.DEADLINE_EXCEEDED, "no free data-plane connection")
         try:
-            conn = self._take(method, deadline)
-            call_id = next(self._ids)
-            with self._failures(method, conn.close, frames.Kind.REQUEST):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                conn.settimeout(left)
-                conn.send_frame(
-                    frames.Kind.REQUEST,
-                    method=frames.method_id(method),
-                    call_id=call_id,
-                    header=header,
-                    buffers=payload,
-                    timeout_ms=frames.timeout_ms(left),
-                )
-        except BaseException:
-            self._slots.release()
-            raise
+            if not self._slots.acquire(timeout=max(timeout, 0.0)):
+                raise self._error(method, Code.DEADLINE_EXCEEDED, "no free data-plane connection")
+            try:
+                conn = self._take(method, deadline)
+                call_id = next(self._ids)
+                with self._failures(method, conn.close, frames.Kind.REQUEST):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    conn.settimeout(left)
+                    conn.send_frame(
+                        frames.Kind.REQUEST,
+                        method=frames.method_id(method),
+                        call_id=call_id,
+                        header=header,
+                        buffers=payload,
+                        timeout_ms=frames.timeout_ms(left),
+                    )
+            except BaseException:
+                self._slots.release()
+                raise
+        except OpError as e:
+            if recover is None:
+                raise
+            return Started(functools.partial(recover, e), what=method)
 
         def finish() -> Any:  # reads the reply, hands its connection and slot back
             try:

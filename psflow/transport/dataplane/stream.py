@@ -219,11 +219,19 @@ class FrameStream:
         timeout_ms: int = 0,
         release: Callable[[], None] | None = None,
     ) -> None:
-        """Sends one frame: its fixed header, ``header`` and ``buffers`` back to back.
+        """Sends one frame whole: its fixed header, ``header`` and ``buffers`` back to back.
 
         ``release`` (a snapshot's lock, say) is called once ``buffers`` may change:
-        after the send, or before it when the send might wait for a slow reader,
+        after the send, or as soon as the send might wait for a slow reader,
         which then gets a copy instead (a reader never holds a lock).
+
+        A non-blocking plain socket (the event loop's) sends what the kernel
+        takes at once, one ``sendmsg`` for every small reply; when its buffer is
+        full the rest goes from a copy, ``release``d, blocking, each operation
+        bounded by ``io_timeout`` (switching modes around every reply cost three
+        system calls per call).  Any other socket waits from the start, copying
+        first what might not fit the kernel's buffer.  The socket's timeout is
+        put back afterwards.
         """
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if len(v)]
@@ -239,27 +247,8 @@ class FrameStream:
         if views and len(views[0]) <= DIRECT_BYTES:
             small.append(views.pop(0))  # a small payload rides in the same piece
         views.insert(0, memoryview(b"".join(small)))
-        if release is None:
-            self._send(views, None)
-            return
-        once = functools.cache(release)  # called early by _send, or here, never twice
-        try:
-            self._send(views, once)
-        finally:
-            once()
-
-    def _send(self, views: list[memoryview], release: Callable[[], None] | None) -> None:
-        """Sends ``views`` whole, ``release`` called as soon as the send might wait.
-
-        A non-blocking plain socket (the event loop's) sends what the kernel
-        takes at once, one ``sendmsg`` for every small reply; when its buffer is
-        full the rest goes from a copy, ``release``d, blocking, each operation
-        bounded by ``io_timeout`` (switching modes around every reply cost three
-        system calls per call).  Any other socket waits from the start, copying
-        first what might not fit the kernel's buffer.  The socket's timeout is
-        put back afterwards.
-        """
-        mode = self.sock.gettimeout()
+        once = None if release is None else functools.cache(release)  # early, or last
+        release, mode = once, self.sock.gettimeout()
         waiting = not (self._gather and mode == 0.0)
         if waiting and release is not None and sum(map(len, views)) > _send_buffer(self.sock) // 2:
             views = [memoryview(b"".join(views))]  # a copy: the reader may take its time
@@ -291,6 +280,8 @@ class FrameStream:
         finally:
             if waiting:
                 self.sock.settimeout(mode)
+            if once is not None:
+                once()
 
 
 def _send_buffer(sock: socket.socket) -> int:
