@@ -247,6 +247,55 @@ def test_split_matmul_puts_the_blas_thread_count_back(threads) -> None:
     assert replica_pool.blas_thread_count() == before
 
 
+def test_blas_held_to_one_nests_restores_and_keeps_the_products_bits(threads) -> None:
+    from psflow.distribute import replica_pool
+
+    before = replica_pool.blas_thread_count()
+    if before is None:
+        pytest.skip("the loaded BLAS has no settable thread count")
+    threads(2)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((600, 300), dtype=np.float32)
+    b = rng.standard_normal((300, 64), dtype=np.float32)
+    small = rng.standard_normal((8, 300), dtype=np.float32)
+    alone = [kernel_pool.matmul(a, b), kernel_pool.matmul(small, b)]
+    with kernel_pool.blas_held_to_one() as held:
+        assert held and replica_pool.blas_thread_count() == 1
+        with kernel_pool.blas_held_to_one():  # nested: still held, nothing restored
+            inside = [kernel_pool.matmul(a, b), kernel_pool.matmul(small, b)]
+        assert replica_pool.blas_thread_count() == 1
+        pair = kernel_pool.matmuls([(small, b), (small.T, small)])
+    assert replica_pool.blas_thread_count() == before
+    for x, y in zip(alone, inside):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+    np.testing.assert_array_equal(pair[0].view(np.uint32), alone[1].view(np.uint32))
+    with pytest.raises(ZeroDivisionError), kernel_pool.blas_held_to_one():
+        1 / 0  # noqa: B018 - an error inside the block
+    assert replica_pool.blas_thread_count() == before
+
+
+def test_fit_holds_the_blas_to_one_thread_per_step_and_puts_it_back() -> None:
+    from psflow.distribute import replica_pool
+
+    before = replica_pool.blas_thread_count()
+    if before is None:
+        pytest.skip("the loaded BLAS has no settable thread count")
+    seen: list[int | None] = []
+
+    class Probe(pf.keras.layers.Layer):
+        def call(self, x, training=None):  # type: ignore[no-untyped-def]
+            if training:  # a training step (not the model's build)
+                seen.append(replica_pool.blas_thread_count())
+            return x
+
+    model = pf.keras.Sequential([pf.keras.Input((4,)), Probe(), pf.keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((8, 4), np.float32)
+    model.fit(x, np.zeros((8, 3), np.float32), batch_size=4, verbose=0)
+    assert seen and all(c == 1 for c in seen)
+    assert replica_pool.blas_thread_count() == before
+
+
 @pytest.mark.parametrize("relu", [True, False])
 def test_fused_dense_equals_matmul_add_relu_bitwise_at_model_sizes(relu: bool) -> None:
     # big enough that the products are cut into chunks (tests/test_gradients.py has small ones)

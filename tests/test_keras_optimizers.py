@@ -405,3 +405,119 @@ def test_three_float32_steps_match_keras(tf_keras: object, case: str) -> None:
         ours.apply_gradients([(pf.constant(g32), v_ours)])
         theirs.apply_gradients([(g32, v_theirs)])
         np.testing.assert_allclose(v_ours.numpy(), np.asarray(v_theirs), rtol=2e-6, atol=1e-6)
+
+
+# -- large variables: updated in chunks on the kernel threads ------------------------------
+
+BIG = (640, 512)  # 1.25 MiB of float32: above CHUNKED_UPDATE_MIN_BYTES, several chunks
+
+
+def _big_steps(make: Callable[[], keras.optimizers.Optimizer], width: int) -> list[np.ndarray]:
+    """Three updates of a large float32 variable (and a small one beside it), with the
+    kernels of this thread given ``width`` threads; the large variable after each."""
+    from psflow.ops import kernel_pool
+
+    rng = np.random.default_rng(7)
+    big = pf.Variable(rng.standard_normal(BIG, dtype=np.float32))
+    small = pf.Variable(rng.standard_normal(5, dtype=np.float32))
+    opt = make()
+    out = []
+    kernel_pool.set_thread_width(width)
+    try:
+        for _ in range(3):
+            g_big = rng.standard_normal(BIG, dtype=np.float32)
+            g_small = rng.standard_normal(5, dtype=np.float32)
+            opt.apply_gradients([(pf.constant(g_big), big), (pf.constant(g_small), small)])
+            out.append(big.numpy().copy())
+    finally:
+        kernel_pool.set_thread_width(None)
+    return out
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.SGD(0.1),
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+        lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+        lambda: keras.optimizers.Adagrad(0.1),
+        lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    ],
+    ids=["sgd", "nesterov", "amsgrad", "adagrad", "rmsprop"],
+)
+def test_large_variables_update_in_chunks_with_the_bits_of_one_pass(
+    make: Callable[[], keras.optimizers.Optimizer],
+) -> None:
+    from psflow.keras.optimizers import optimizer as optimizer_lib
+
+    assert np.prod(BIG) * 4 >= optimizer_lib.CHUNKED_UPDATE_MIN_BYTES
+    chunked, whole = _big_steps(make, width=2), _big_steps(make, width=1)
+    for a, b in zip(chunked, whole):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_chunked_update_runs_on_several_threads_and_then_the_constraint() -> None:
+    import threading
+    import time
+
+    from psflow import update_rules
+
+    seen: set[str] = set()
+    real = update_rules.SGD.apply_dense
+
+    def spy(self, var, grad, slots, step):  # type: ignore[no-untyped-def]
+        seen.add(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.002)  # leaves the helper time to wake and claim a chunk
+        return real(self, var, grad, slots, step)
+
+    big = pf.Variable(np.ones(BIG, np.float32), constraint=lambda w: pf.clip_by_value(w, 0.0, 0.5))
+    opt = keras.optimizers.SGD(1.0)
+    from psflow.ops import kernel_pool
+
+    kernel_pool.set_thread_width(2)
+    update_rules.SGD.apply_dense = spy  # type: ignore[method-assign]
+    try:
+        for _ in range(20):  # a helper thread claims a chunk in some call (not in every one)
+            opt.apply_gradients([(pf.constant(np.full(BIG, 0.25, np.float32)), big)])
+            if len(seen) > 1:
+                break
+    finally:
+        update_rules.SGD.apply_dense = real  # type: ignore[method-assign]
+        kernel_pool.set_thread_width(None)
+    assert len(seen) > 1
+    # 1 - 0.25 = 0.75, clipped to 0.5 by the constraint after the chunks; then 0.25 each step
+    assert float(big.numpy().max()) <= 0.5
+
+
+def test_the_same_large_variable_twice_gets_both_updates_in_order() -> None:
+    from psflow.ops import kernel_pool
+
+    v = pf.Variable(np.ones(BIG, np.float32))
+    opt = keras.optimizers.SGD(1.0)
+    kernel_pool.set_thread_width(2)
+    try:
+        opt.apply_gradients(
+            [
+                (pf.constant(np.full(BIG, 0.25, np.float32)), v),
+                (pf.constant(np.full(BIG, 0.5, np.float32)), v),
+            ]
+        )
+    finally:
+        kernel_pool.set_thread_width(None)
+    np.testing.assert_array_equal(v.numpy(), np.full(BIG, 0.25, np.float32))
+    assert int(opt.iterations) == 1
+
+
+def test_an_invalid_update_of_a_large_variable_names_the_problem() -> None:
+    from psflow.ops import kernel_pool
+
+    v = pf.Variable(np.ones(BIG, np.float32))
+    opt = keras.optimizers.SGD(1.0)
+    kernel_pool.set_thread_width(2)
+    try:
+        with pytest.raises(pf.errors.InvalidArgumentError, match="does not match"):
+            opt.apply_gradients([(pf.constant(np.ones((BIG[0], 3), np.float32)), v)])
+    finally:
+        kernel_pool.set_thread_width(None)
+    np.testing.assert_array_equal(v.numpy(), np.ones(BIG, np.float32))

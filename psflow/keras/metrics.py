@@ -40,6 +40,10 @@ def on_host(structure: Any) -> Any:
     before every metric reads them, keeps a GPU step to one device sync per
     array instead of one per metric.
     """
+    if type(structure) is tuple and all(
+        v is None or (type(v) is Tensor and type(v._array()) is np.ndarray) for v in structure
+    ):
+        return structure  # a step's outputs on the host already (a CPU step): nothing to copy
     from psflow.util import nest
 
     return nest.map_structure(lambda v: None if v is None else Tensor._wrap(_host(v)), structure)
@@ -184,6 +188,9 @@ class _TotalCount(Metric):
             total, count = float(values.sum()), float(values.size)
         else:
             w = np.asarray(weights, dtype=np.float64)
+            if values.ndim == 0 and w.ndim == 0:  # a step's mean loss and its batch size
+                self._accumulate([np.float64(float(values * w)), np.float64(float(w))])
+                return
             while w.ndim > values.ndim and w.shape[-1] == 1:
                 w = w[..., 0]
             w = np.broadcast_to(w, values.shape)

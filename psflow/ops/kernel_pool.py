@@ -26,11 +26,12 @@ NumPy's wheels, and its own threads wait for their slowest member spinning.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -238,6 +239,9 @@ def matmul(a: Any, b: Any) -> Any:
     threads. Without a BLAS whose thread count can be set (or with one kernel
     thread) it is ``a @ b`` cut the same way, run in this thread.
     """
+    if len(gemm_cut(a.shape[0], a.shape[1], b.shape[1])[1]) == 1:
+        with blas_held_to_one():  # one chunk: the call matmuls would make, without its setup
+            return np.matmul(a, b)
     return matmuls([(a, b)])[0]
 
 
@@ -253,8 +257,13 @@ def dense(a: Any, w: Any, bias: Any = None, relu: bool = False) -> Any:
     m, k = a.shape
     n = w.shape[1]
     kind, bounds = gemm_cut(m, k, n)
-    if len(bounds) == 1 or kind == "sum":
-        c = matmul(a, w)
+    if len(bounds) == 1:
+        with blas_held_to_one():
+            c = np.matmul(a, w)
+        _bias_relu(c, bias, relu)
+        return c
+    if kind == "sum":
+        c = matmuls([(a, w)])[0]
         _bias_relu(c, bias, relu)
         return c
     c = np.empty((m, n), dtype=np.result_type(a, w))
@@ -288,12 +297,17 @@ def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
     its cut: a function of the shapes and of ``len(products)`` only.
     """
     share = len(products)
+    cuts = [gemm_cut(a.shape[0], a.shape[1], b.shape[1], share) for a, b in products]
+    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products)
+    if flops < GEMM_CHUNK_FLOPS and all(len(bounds) == 1 for _, bounds in cuts):
+        # too small to be worth waking a thread (a last layer's pair): one after the other,
+        # the calls the general path below makes, without building its tasks
+        with blas_held_to_one():
+            return [np.matmul(a, b) for a, b in products]
     tasks: list[Callable[[], Any]] = []
     finish: list[Callable[[list[Any]], Any]] = []
-    for a, b in products:
-        m, k = a.shape
-        n = b.shape[1]
-        kind, bounds = gemm_cut(m, k, n, share)
+    for (a, b), (kind, bounds) in zip(products, cuts):
+        m, n = a.shape[0], b.shape[1]
         first = len(tasks)
         if len(bounds) == 1:
             tasks.append(functools.partial(np.matmul, a, b))
@@ -313,13 +327,8 @@ def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
                     for lo, hi in bounds
                 ]
             finish.append(lambda done, c=c: c)
-    if len(tasks) > 1 and sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products) < (
-        GEMM_CHUNK_FLOPS
-    ):
-        # too small to be worth waking a thread (a last layer's pair): one after the other
-        done = _run_gemm(lambda lo, hi: [t() for t in tasks], [(0, len(tasks))])[0]
-    else:
-        done = _run_gemm(lambda i, _: tasks[i](), [(i, i + 1) for i in range(len(tasks))])
+    # (a product cut in several chunks has at least twice GEMM_CHUNK_FLOPS: never that small)
+    done = _run_gemm(lambda i, _: tasks[i](), [(i, i + 1) for i in range(len(tasks))])
     return [f(done) for f in finish]
 
 
@@ -331,10 +340,35 @@ def _add_in_order(done: list[Any], first: int, count: int) -> Any:
     return total
 
 
-def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
-    """:func:`run_chunks` for chunks that call BLAS, its own threads held to one meanwhile
-    (also with one kernel thread: a BLAS may pick another kernel, another summation order,
-    for another thread count, and the bits must not depend on it)."""
+class _Held(threading.local):
+    """Per thread: how deep this thread is in :func:`blas_held_to_one` sections."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_held = _Held()
+
+
+@contextlib.contextmanager
+def blas_held_to_one() -> Iterator[bool]:
+    """Holds the BLAS to one thread inside the block; yields whether it could.
+
+    The products (:func:`matmul`) each hold it while they run. A caller that runs
+    many of them in a row (a ``fit`` step runs six for a three-layer MLP) can hold
+    it once around them all: a product inside the block then skips the library
+    calls that narrow and restore the count (~15 us per product with OpenBLAS).
+    Any BLAS call of this thread inside the block runs on one BLAS thread.
+    Nested blocks of one thread cost a counter; the count is restored when the
+    last block of any thread ends.
+    """
+    if _held.depth:  # this thread holds it already: nothing to set or restore
+        _held.depth += 1
+        try:
+            yield True
+        finally:
+            _held.depth -= 1
+        return
     from psflow.distribute.replica_pool import blas_thread_count, set_blas_thread_count
 
     global _blas_narrowed, _blas_before
@@ -342,16 +376,31 @@ def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) ->
         if _blas_narrowed == 0:
             _blas_before = blas_thread_count()
         if _blas_before is None:  # no control over the BLAS's threads: do not fight them
-            return [fn(lo, hi) for lo, hi in bounds]
-        _blas_narrowed += 1
-        set_blas_thread_count(1)
+            held = False
+        else:
+            held = True
+            _blas_narrowed += 1
+            set_blas_thread_count(1)
+    if not held:
+        yield False
+        return
+    _held.depth = 1
     try:
-        threads = min(width(), len(bounds))
-        if threads <= 1:
-            return [fn(lo, hi) for lo, hi in bounds]
-        return _spread(fn, bounds, threads)
+        yield True
     finally:
+        _held.depth = 0
         with _blas_state:
             _blas_narrowed -= 1
             if _blas_narrowed == 0 and _blas_before is not None:
                 set_blas_thread_count(_blas_before)
+
+
+def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
+    """:func:`run_chunks` for chunks that call BLAS, its own threads held to one meanwhile
+    (also with one kernel thread: a BLAS may pick another kernel, another summation order,
+    for another thread count, and the bits must not depend on it)."""
+    with blas_held_to_one() as held:
+        threads = min(width(), len(bounds)) if held else 1
+        if threads <= 1:
+            return [fn(lo, hi) for lo, hi in bounds]
+        return _spread(fn, bounds, threads)

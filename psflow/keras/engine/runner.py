@@ -144,9 +144,17 @@ class LocalRunner(Runner):
         return None
 
     def _execute(self, fn: Callable[[Any], Any], batches: list[Any]) -> list[Any]:
-        """``fn`` on each of ``batches`` in one call into the strategy; the results in order."""
+        """``fn`` on each of ``batches`` in one call into the strategy; the results in order.
+
+        The BLAS is held to one thread for the whole execution, as each of the step's
+        products would hold it (:func:`psflow.ops.kernel_pool.blas_held_to_one`): once
+        per execution rather than once per product.
+        """
+        from psflow.ops import kernel_pool
+
         on_device = [_on_device(b) for b in batches]
-        return self.strategy.run(functools.partial(_each, fn), args=(on_device,))
+        with kernel_pool.blas_held_to_one():
+            return self.strategy.run(functools.partial(_each, fn), args=(on_device,))
 
     def train_epoch(
         self,

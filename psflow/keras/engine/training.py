@@ -205,7 +205,7 @@ class Model(Layer):
             )
         if self._unwrap_single:
             y, y_pred, sample_weight = (_unwrap(v) for v in (y, y_pred, sample_weight))
-        loss = self.loss(_match_rank(y, y_pred), y_pred, sample_weight)
+        loss = self.loss(_match_rank(y, y_pred, self.loss), y_pred, sample_weight)
         extra = self.losses
         if extra:
             loss = math_ops.add(loss, math_ops.add_n([math_ops.cast(e, loss.dtype) for e in extra]))
@@ -633,10 +633,16 @@ def _single_output_entries(metrics: Any) -> Any:
     return metrics
 
 
-def _match_rank(y: Any, y_pred: Any) -> Any:
+def _match_rank(y: Any, y_pred: Any, loss: Any = None) -> Any:
     """Labels ``(n,)`` against predictions ``(n, k)`` become ``(n, 1)``, as Keras's compiled
-    loss makes them (so ``mse`` broadcasts a label over ``k`` outputs as in TensorFlow)."""
+    loss makes them (so ``mse`` broadcasts a label over ``k`` outputs as in TensorFlow).
+
+    Not for a sparse categorical cross-entropy ``loss``: it takes ``(n,)`` class ids as
+    they are (and would squeeze ``(n, 1)`` back), so two ops per step are saved.
+    """
     if not (isinstance(y, Tensor) and isinstance(y_pred, Tensor)):
+        return y
+    if getattr(loss, "fn", None) is losses_lib.sparse_categorical_crossentropy:
         return y
     if y.shape.rank == 1 and y_pred.shape.rank == 2:
         from psflow.ops import array_ops

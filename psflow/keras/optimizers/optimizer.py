@@ -22,7 +22,7 @@ from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
 from psflow.keras.optimizers.learning_rate import LearningRate
 from psflow.keras.optimizers.schedules import LearningRateSchedule
-from psflow.ops import clip_ops
+from psflow.ops import clip_ops, kernel_pool
 from psflow.train.trackable import Kind, Trackable
 
 
@@ -290,7 +290,17 @@ class Optimizer(Trackable):
                 extended = distribute_lib.get_strategy().extended
                 extended.prepare_optimizer(self)
                 step = self._iterations + 1
-                if extended.apply_update(self, step, list(zip(grads, [v for _, v in pairs]))):
+                # the large dense updates wait, and then run together on the kernel threads
+                batch = _ChunkedUpdates()
+                _collecting.batch = batch
+                try:
+                    updated = extended.apply_update(
+                        self, step, list(zip(grads, [v for _, v in pairs]))
+                    )
+                finally:  # the local updates land even where a group's update failed
+                    _collecting.batch = None
+                    batch.run()
+                if updated:
                     self._iterations = step
             return self.iterations
         # Several replicas: each keeps its None gradients in place, so that all of them
@@ -337,10 +347,11 @@ class Optimizer(Trackable):
             g = to_array(grad)
             if g.dtype != arr.dtype:
                 g = g.astype(arr.dtype)
+            batch = _collecting.batch
+            if batch is not None and batch.add(rule, arr, g, slots, step, var.constraint):
+                return  # applied (and constrained) with the batch's other large updates
             rule.apply_dense(arr, g, slots, step)
-        if var.constraint is not None:
-            projected = to_array(var.constraint(Tensor._wrap(arr)))
-            backend.xp_of(arr).copyto(arr, projected)
+        _constrain(var.constraint, arr)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Tensor:
         """Keras 3's form: gradients and variables as two lists."""
@@ -374,6 +385,112 @@ class Optimizer(Trackable):
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._lock = threading.Lock()
+
+
+_ELEMENTWISE_RULES = (
+    update_rules.SGD,
+    update_rules.Adam,
+    update_rules.Adagrad,
+    update_rules.RMSprop,
+)
+"""Rules whose dense update computes each element from the same element of the variable,
+the gradient and the slots, with correctly rounded operations only (``+ - * /``, square
+root): applied slice by slice they give the bits they give on the whole array."""
+
+CHUNKED_UPDATE_MIN_BYTES = 1 << 20
+"""The smallest variable whose update joins the chunked batch: below it the update takes
+tens of microseconds, no more than handing chunks to another thread."""
+
+CHUNKED_UPDATE_CHUNK_BYTES = 512 * 1024
+"""Bytes of variable, gradient and slots a chunk of an update covers: a few chunks per
+thread (threads claim them one at a time), each a few Python calls for ~100 us of work."""
+
+
+class _Collecting(threading.local):
+    """Per thread: the batch that large dense updates join during a local apply, or None."""
+
+    def __init__(self) -> None:
+        self.batch: _ChunkedUpdates | None = None
+
+
+_collecting = _Collecting()
+
+
+def _constrain(constraint: Any, arr: Any) -> None:
+    if constraint is not None:
+        projected = to_array(constraint(Tensor._wrap(arr)))
+        backend.xp_of(arr).copyto(arr, projected)
+
+
+class _ChunkedUpdates:
+    """The large dense updates of one ``apply_gradients``, run together in chunks.
+
+    An update is elementwise and memory-bound: one thread streams the variable,
+    the gradient and the slots through memory, with a temporary as large as the
+    variable per operation. Cut into chunks, the temporaries stay in cache, and
+    the chunks of every variable run in one pass over the kernel threads
+    (:func:`psflow.ops.kernel_pool.run_chunks`: one hand-off per step, not one
+    per variable). Each chunk is ``rule.apply_dense`` on slices, so the bits are
+    those of the rule on the whole array (elementwise rules only), and the
+    variables are independent, so their order does not matter.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: list[tuple[Any, tuple[Any, ...], tuple[str, ...], int, int, int]] = []
+        self._constraints: list[tuple[Any, Any]] = []
+        self._taken: set[int] = set()  # ids of the variables' arrays taken
+
+    def add(
+        self,
+        rule: update_rules.UpdateRule,
+        arr: Any,
+        grad: Any,
+        slots: dict[str, Any],
+        step: int,
+        constraint: Any,
+    ) -> bool:
+        """Takes the update of ``arr`` (then its constraint) into the batch; False where it
+        does not apply (another rule or array type, a small or non-contiguous variable, one
+        kernel thread): the caller then applies the rule to the whole array itself."""
+        if (
+            type(rule) not in _ELEMENTWISE_RULES
+            or type(arr) is not np.ndarray
+            or arr.nbytes < CHUNKED_UPDATE_MIN_BYTES
+            or kernel_pool.width() < 2
+        ):
+            return False
+        arrays = (arr, grad, *slots.values())
+        for a in arrays:
+            if type(a) is not np.ndarray or a.shape != arr.shape or not a.flags.c_contiguous:
+                return False  # the whole-array path checks (and names) what is wrong
+        if id(arr) in self._taken:  # the same variable twice: its first update lands first
+            self.run()
+        self._taken.add(id(arr))
+        flat = tuple(a.reshape(-1) for a in arrays)  # views: contiguous arrays reshape in place
+        names = tuple(slots)
+        per_item = sum(a.itemsize for a in arrays)
+        for lo, hi in kernel_pool.chunk_bounds(arr.size, per_item, CHUNKED_UPDATE_CHUNK_BYTES):
+            self._tasks.append((rule, flat, names, step, lo, hi))
+        if constraint is not None:
+            self._constraints.append((constraint, arr))
+        return True
+
+    def run(self) -> None:
+        """Applies every update taken, then their constraints (in the order taken); empties
+        the batch."""
+        tasks, constraints = self._tasks, self._constraints
+        self._tasks, self._constraints, self._taken = [], [], set()
+        if not tasks:
+            return
+
+        def chunk(i: int, _: int) -> None:
+            rule, flat, names, step, lo, hi = tasks[i]
+            part = {n: f[lo:hi] for n, f in zip(names, flat[2:])}
+            rule.apply_dense(flat[0][lo:hi], flat[1][lo:hi], part, step)
+
+        kernel_pool.run_chunks(chunk, [(i, i + 1) for i in range(len(tasks))])
+        for constraint, arr in constraints:
+            _constrain(constraint, arr)
 
 
 def _copy_slots(slots: dict[str, Any], saved: dict[str, np.ndarray]) -> None:
