@@ -323,17 +323,20 @@ class DynamicTable:
             return out if unique is ids else out[inverse]
         with self._lock:
             self._check_tier()
-            found = self._bring_in(unique, self._index.find(unique))
+            found, free = self._index.find_free(unique)
+            found = self._bring_in(unique, found)
+            absent = np.flatnonzero(found < 0)
             if owned is not None:
-                owned(unique[found < 0])
+                owned(unique[absent])
             self._counters["lookups"] += 1
             slots = self._evict_met(found)
-            missing = slots < 0
-            if missing.any():
-                admit = self._count_candidates(unique[missing])
-                new_ids = unique[missing][admit]
-                if new_ids.size:
-                    slots[np.flatnonzero(missing)[admit]] = self._create(new_ids)
+            missing = absent if slots is found else np.flatnonzero(slots < 0)
+            if missing.size:
+                at = missing if self.config.min_count <= 1 else None
+                if at is None:  # admission: the ids seen often enough
+                    at = missing[self._count_candidates(unique[missing])]
+                if at.size:
+                    slots[at] = self._create(unique[at], (free[0][at], free[1]))
             have = slots >= 0
             if have.all():
                 self._touched[slots] = self.step
@@ -410,16 +413,25 @@ class DynamicTable:
             self._touched = _grown(self._touched, cap)
             self._traffic = _grown(self._traffic, cap)
 
-    def _create(self, ids: np.ndarray) -> np.ndarray:
+    def _create(self, ids: np.ndarray, free: tuple[np.ndarray, int] | None = None) -> np.ndarray:
         self._reserve(ids.shape[0])
-        slots = self._index.insert(ids)
+        slots = self._index.insert(ids, free)
         c = self.config
         rows = initial_rows(c.initializer, c.seed, ids, c.dim, c.init_scale, self.dtype)
-        put_rows(self._rows, slots, rows)
+        # new slots are mostly one run (freed ones are reused first): then each
+        # array takes its rows in one sequential copy instead of a scatter
+        run = _run_of(slots)
+        if run is None:
+            put_rows(self._rows, slots, rows)
+        else:
+            self._rows[run] = rows
         if self.rule is not None:
             for k, v in self.rule.init_slots(rows).items():
-                put_rows(self._slots[k], slots, v)
-        self._traffic[slots] = 0
+                if run is None:
+                    put_rows(self._slots[k], slots, v)
+                else:
+                    self._slots[k][run] = v
+        self._traffic[slots if run is None else run] = 0
         self._counters["created"] += ids.shape[0]
         return slots
 
@@ -736,6 +748,16 @@ class DynamicTable:
             )
             fresh._settle(np.zeros(0, np.int64))
         return fresh
+
+
+def _run_of(slots: np.ndarray) -> slice | None:
+    """``slots`` as a slice when they are consecutive and increasing, else None."""
+    n = slots.shape[0]
+    if n == 0 or int(slots[-1]) - int(slots[0]) != n - 1:
+        return None
+    if n > 1 and not bool((slots[1:] - slots[:-1] == 1).all()):
+        return None
+    return slice(int(slots[0]), int(slots[0]) + n)
 
 
 def _grown(array: np.ndarray, rows: int) -> np.ndarray:
