@@ -340,16 +340,18 @@ class DynamicTable:
             have = slots >= 0
             if have.all():
                 self._touched[slots] = self.step
-                self._traffic[slots] += 1
+                _count(self._traffic, slots)
                 out = take_rows(self._rows, slots)
                 # a copy: the ids may view a request buffer that is reused
                 self._recent.append((unique.copy(), slots, self._index.removals))
+                kept = slots
             else:  # candidates read the default row (zeros)
-                self._touched[slots[have]] = self.step
-                self._traffic[slots[have]] += 1
+                kept = slots[have]
+                self._touched[kept] = self.step
+                self._traffic[kept] += 1
                 out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-                out[have] = take_rows(self._rows, slots[have])
-            self._settle(slots[have])
+                out[have] = take_rows(self._rows, kept)
+            self._settle(kept)
         return out if unique is ids else out[inverse]
 
     def _read(self, unique: np.ndarray, owned: IdCheck | None) -> np.ndarray:
@@ -489,14 +491,14 @@ class DynamicTable:
             if have.all():  # slots of unique ids: unique, in range
                 self.rule.apply_rows(self._rows, slots, summed, self._slots, self.step)
                 self._touched[slots] = self.step
-                self._traffic[slots] += 1
+                _count(self._traffic, slots)
             elif have.any():
                 self.rule.apply_rows(self._rows, slots[have], summed[have], self._slots, self.step)
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
             if self.step >= self._next_scan:
                 self._evict()
-            self._settle(slots[have])
+            self._settle(slots if have.all() else slots[have])
             return self.step
 
     # -- hooks for a tier below memory (psflow.ps.tiered_table); here: no tier ----------
@@ -748,6 +750,12 @@ class DynamicTable:
             )
             fresh._settle(np.zeros(0, np.int64))
         return fresh
+
+
+def _count(counts: np.ndarray, slots: np.ndarray) -> None:
+    """``counts[slots] += 1`` for unique ``slots``, in one pass (a scalar of the
+    counts' own dtype keeps ``np.add.at`` on its fast path)."""
+    np.add.at(counts, slots, counts.dtype.type(1))
 
 
 def _run_of(slots: np.ndarray) -> slice | None:
