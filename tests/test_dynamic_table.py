@@ -12,7 +12,7 @@ import pytest
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
-from psflow.ps.key_index import KeyIndex, mix64, shard_of, sum_rows
+from psflow.ps.key_index import MAX_LOAD, KeyIndex, mix64, shard_of, sum_rows
 from psflow.ps.tables import TableRegistry
 from psflow.update_rules import rule_from_config
 
@@ -245,6 +245,48 @@ def test_key_index_matches_a_dict_under_inserts_and_removals():
         every = np.array(list(ref), np.int64)
         np.testing.assert_array_equal(index.find(every), [ref[k] for k in every.tolist()])
         assert index.size == len(ref)
+
+
+def test_key_index_inserts_at_probed_entries_only_while_they_hold():
+    # find_free's entries let insert skip the probe; one taken since (another
+    # insert), a rebuild since, or keys of one batch racing for the same entry
+    # must still leave every key found at its slot, once.
+    rng = np.random.default_rng(3)
+    index, ref = KeyIndex(8), {}
+    size = index._table.shape[0]
+    for r in range(80):
+        pool = rng.integers(-(2**63), 2**63 - 1, size=int(rng.integers(1, 120)), dtype=np.int64)
+        if r % 4 == 1:  # keys sharing two home entries: they race for the same free ones
+            pool = pool[np.isin(mix64(pool) & np.uint64(size - 1), [0, 1])]
+        keys = np.unique(np.concatenate([pool, np.array(list(ref)[:7], np.int64)]))
+        found, free = index.find_free(keys)
+        np.testing.assert_array_equal(found, [ref.get(k, -1) for k in keys.tolist()])
+        new = keys[found < 0]
+        hint = (free[0][found < 0], free[1])
+        if r % 5 == 2 and new.size > 1:  # another insert takes entries first
+            first = index.insert(new[:1])
+            ref[int(new[0])] = int(first[0])
+            new, hint = new[1:], (hint[0][1:], hint[1])
+        if r % 7 == 3:  # a rebuild makes the probed entries stale
+            index.reserve(int(index._table.shape[0] * MAX_LOAD))
+            size = index._table.shape[0]
+        for k, slot in zip(new.tolist(), index.insert(new, hint).tolist()):
+            ref[k] = slot
+        if r % 3 == 0 and ref:
+            victims = rng.choice(list(ref), size=min(10, len(ref)), replace=False)
+            index.remove(np.array([ref.pop(int(v)) for v in victims], np.int64))
+        every = np.array(list(ref), np.int64)
+        np.testing.assert_array_equal(index.find(every), [ref[k] for k in every.tolist()])
+        assert (index._table >= 0).sum() == index.size == len(ref)
+    assert index.rebuilds > 0
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 8])
+def test_shard_of_is_the_mixed_id_modulo_the_shards(num_shards):
+    ids = np.random.default_rng(4).integers(-(2**63), 2**63 - 1, size=5000, dtype=np.int64)
+    owner = shard_of(ids, num_shards)
+    assert owner.dtype == np.int64
+    np.testing.assert_array_equal(owner, mix64(mix64(ids)) % np.uint64(num_shards))
 
 
 def test_memory_per_row_stays_within_row_and_slot_bytes_plus_32():

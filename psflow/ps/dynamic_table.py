@@ -323,30 +323,35 @@ class DynamicTable:
             return out if unique is ids else out[inverse]
         with self._lock:
             self._check_tier()
-            found = self._bring_in(unique, self._index.find(unique))
+            found, free = self._index.find_free(unique)
+            found = self._bring_in(unique, found)
+            absent = np.flatnonzero(found < 0)
             if owned is not None:
-                owned(unique[found < 0])
+                owned(unique[absent])
             self._counters["lookups"] += 1
             slots = self._evict_met(found)
-            missing = slots < 0
-            if missing.any():
-                admit = self._count_candidates(unique[missing])
-                new_ids = unique[missing][admit]
-                if new_ids.size:
-                    slots[np.flatnonzero(missing)[admit]] = self._create(new_ids)
+            missing = absent if slots is found else np.flatnonzero(slots < 0)
+            if missing.size:
+                at = missing if self.config.min_count <= 1 else None
+                if at is None:  # admission: the ids seen often enough
+                    at = missing[self._count_candidates(unique[missing])]
+                if at.size:
+                    slots[at] = self._create(unique[at], (free[0][at], free[1]))
             have = slots >= 0
             if have.all():
                 self._touched[slots] = self.step
-                self._traffic[slots] += 1
+                _count(self._traffic, slots)
                 out = take_rows(self._rows, slots)
                 # a copy: the ids may view a request buffer that is reused
                 self._recent.append((unique.copy(), slots, self._index.removals))
+                kept = slots
             else:  # candidates read the default row (zeros)
-                self._touched[slots[have]] = self.step
-                self._traffic[slots[have]] += 1
+                kept = slots[have]
+                self._touched[kept] = self.step
+                self._traffic[kept] += 1
                 out = np.zeros((unique.shape[0], self.config.dim), self.dtype)
-                out[have] = take_rows(self._rows, slots[have])
-            self._settle(slots[have])
+                out[have] = take_rows(self._rows, kept)
+            self._settle(kept)
         return out if unique is ids else out[inverse]
 
     def _read(self, unique: np.ndarray, owned: IdCheck | None) -> np.ndarray:
@@ -410,16 +415,25 @@ class DynamicTable:
             self._touched = _grown(self._touched, cap)
             self._traffic = _grown(self._traffic, cap)
 
-    def _create(self, ids: np.ndarray) -> np.ndarray:
+    def _create(self, ids: np.ndarray, free: tuple[np.ndarray, int] | None = None) -> np.ndarray:
         self._reserve(ids.shape[0])
-        slots = self._index.insert(ids)
+        slots = self._index.insert(ids, free)
         c = self.config
         rows = initial_rows(c.initializer, c.seed, ids, c.dim, c.init_scale, self.dtype)
-        put_rows(self._rows, slots, rows)
+        # new slots are mostly one run (freed ones are reused first): then each
+        # array takes its rows in one sequential copy instead of a scatter
+        run = _run_of(slots)
+        if run is None:
+            put_rows(self._rows, slots, rows)
+        else:
+            self._rows[run] = rows
         if self.rule is not None:
             for k, v in self.rule.init_slots(rows).items():
-                put_rows(self._slots[k], slots, v)
-        self._traffic[slots] = 0
+                if run is None:
+                    put_rows(self._slots[k], slots, v)
+                else:
+                    self._slots[k][run] = v
+        self._traffic[slots if run is None else run] = 0
         self._counters["created"] += ids.shape[0]
         return slots
 
@@ -477,14 +491,14 @@ class DynamicTable:
             if have.all():  # slots of unique ids: unique, in range
                 self.rule.apply_rows(self._rows, slots, summed, self._slots, self.step)
                 self._touched[slots] = self.step
-                self._traffic[slots] += 1
+                _count(self._traffic, slots)
             elif have.any():
                 self.rule.apply_rows(self._rows, slots[have], summed[have], self._slots, self.step)
                 self._touched[slots[have]] = self.step
                 self._traffic[slots[have]] += 1
             if self.step >= self._next_scan:
                 self._evict()
-            self._settle(slots[have])
+            self._settle(slots if have.all() else slots[have])
             return self.step
 
     # -- hooks for a tier below memory (psflow.ps.tiered_table); here: no tier ----------
@@ -736,6 +750,22 @@ class DynamicTable:
             )
             fresh._settle(np.zeros(0, np.int64))
         return fresh
+
+
+def _count(counts: np.ndarray, slots: np.ndarray) -> None:
+    """``counts[slots] += 1`` for unique ``slots``, in one pass (a scalar of the
+    counts' own dtype keeps ``np.add.at`` on its fast path)."""
+    np.add.at(counts, slots, counts.dtype.type(1))
+
+
+def _run_of(slots: np.ndarray) -> slice | None:
+    """``slots`` as a slice when they are consecutive and increasing, else None."""
+    n = slots.shape[0]
+    if n == 0 or int(slots[-1]) - int(slots[0]) != n - 1:
+        return None
+    if n > 1 and not bool((slots[1:] - slots[:-1] == 1).all()):
+        return None
+    return slice(int(slots[0]), int(slots[0]) + n)
 
 
 def _grown(array: np.ndarray, rows: int) -> np.ndarray:

@@ -113,7 +113,13 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     It mixes the key twice so it is independent of the index position a shard
     uses (which mixes once): a shard's keys still spread over its whole index.
     """
-    return (mix64(mix64(keys)) % np.uint64(num_shards)).astype(np.int64)
+    mixed = mix64(mix64(keys))
+    # a power of two (the usual count): the same bits as the remainder, no division
+    if num_shards > 0 and num_shards & (num_shards - 1) == 0:
+        mixed &= np.uint64(num_shards - 1)
+    else:
+        mixed %= np.uint64(num_shards)
+    return mixed.view(np.int64)
 
 
 def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -217,6 +223,8 @@ class KeyIndex:
         self.size = 0
         # keys removed so far: a slot found before is still the key's while it is unchanged
         self.removals = 0
+        # rebuilds so far: entries probed before one are stale
+        self.rebuilds = 0
 
     @property
     def capacity(self) -> int:
@@ -244,23 +252,46 @@ class KeyIndex:
         a few rounds rather than one per ``WINDOW`` entries."""
         return min(WINDOW << min(r, 40), self._table.shape[0])
 
-    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(slot, index position)`` of each key; ``-1`` for both when absent."""
-        n = keys.shape[0]
-        slots = np.full(n, -1, np.int64)
-        where = np.full(n, -1, np.int64)
+    def _probe(self, keys: np.ndarray, want: str = "") -> tuple[np.ndarray, np.ndarray | None]:
+        """``(slot, positions)`` of each key, slot ``-1`` where absent.  ``positions``
+        (None unless asked): ``want="found"``, where each present key sits in the
+        index; ``want="free"``, the EMPTY entry at which each absent key's probe
+        ended, where it may be placed (:meth:`insert`'s ``free``); ``-1`` elsewhere."""
         size = self._table.shape[0]
-        pos = (mix64(keys) & np.uint64(size - 1)).astype(np.int64)
+        mix = mix64(keys)
+        mix &= np.uint64(size - 1)
+        pos = mix.view(np.int64)  # below the table size: the same values
         # Round one reads each key's home entry (most keys end there); the few
         # left read a window per round, doubling from WINDOW entries, so the
         # Python loop runs about log2(longest probe / WINDOW) times. An empty
         # entry always exists (load < 1), so every probe ends within the table.
         entry = self._table[pos]
-        hit = (entry >= 0) & (self.keys[np.maximum(entry, 0)] == keys)
-        slots[hit] = entry[hit]
-        where[hit] = pos[hit]
-        pending = np.flatnonzero(~hit & (entry != EMPTY))
-        pos = (pos[pending] + 1) & (size - 1)
+        hit = self.keys[np.maximum(entry, 0)] == keys
+        hit &= entry >= 0
+        slots = np.where(hit, entry, np.int64(-1))  # one pass each, no masked writes
+        empty = entry == EMPTY
+        where = None
+        if want == "found":
+            where = np.where(hit, pos, np.int64(-1))
+        elif want == "free":
+            where = np.where(empty, pos, np.int64(-1))
+        empty |= hit
+        pending = np.flatnonzero(~empty)
+        if pending.size:
+            self._probe_on(keys, pending, (pos[pending] + 1) & (size - 1), slots, where, want)
+        return slots, where
+
+    def _probe_on(
+        self,
+        keys: np.ndarray,
+        pending: np.ndarray,
+        pos: np.ndarray,
+        slots: np.ndarray,
+        where: np.ndarray | None,
+        want: str,
+    ) -> None:
+        """The probe's later rounds: each of ``keys[pending]`` from ``pos`` on."""
+        size = self._table.shape[0]
         for r in range(size // WINDOW + 1):
             if pending.size == 0:
                 break
@@ -273,21 +304,31 @@ class KeyIndex:
             rows = np.arange(pending.shape[0])
             found = hit[rows, first]
             slots[pending[found]] = entry[rows[found], first[found]]
-            where[pending[found]] = at[rows[found], first[found]]
+            if want == "found":
+                where[pending[found]] = at[rows[found], first[found]]
             go_on = ~stop[rows, first]
+            if want == "free":  # ended on an EMPTY entry: absent, and free there
+                ended = ~(found | go_on)
+                where[pending[ended]] = at[rows[ended], first[ended]]
             pending = pending[go_on]
             pos = (pos[go_on] + width) & (size - 1)
-        return slots, where
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """The slot of each key in ``keys`` (int64, 1-D), ``-1`` where absent."""
         return self._probe(keys)[0]
 
+    def find_free(self, keys: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, int]]:
+        """:meth:`find`'s slots, and where each absent key may go: an :meth:`insert`
+        of absent ones among them with this ``free`` (its entries taken where
+        they are still free) skips their probe while the index was not rebuilt."""
+        slots, free = self._probe(keys, "free")
+        return slots, (free, self.rebuilds)
+
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, entries)`` of ``keys``: :meth:`find`'s slots and where each sits
         in the index (``-1`` where absent), for a :meth:`remove` with no probe
         while nothing changed in between."""
-        return self._probe(keys)
+        return self._probe(keys, "found")
 
     # -- changes ----------------------------------------------------------------------
     def reserve(self, extra: int) -> bool:
@@ -322,18 +363,21 @@ class KeyIndex:
             self._next += n
         return np.concatenate(taken) if taken else np.zeros(0, np.int64)
 
-    def insert(self, keys: np.ndarray) -> np.ndarray:
+    def insert(self, keys: np.ndarray, free: tuple[np.ndarray, int] | None = None) -> np.ndarray:
         """Adds ``keys`` (unique, absent, int64); returns their slots.
 
-        The caller has checked absence with :meth:`find`; call :meth:`reserve` first
-        when it keeps per-slot arrays of its own.
+        The caller has checked absence with :meth:`find` (or :meth:`find_free`,
+        whose ``free``, cut to these keys, saves placing them anew); call
+        :meth:`reserve` first when it keeps per-slot arrays of its own.
         """
         n = keys.shape[0]
         self.reserve(n)
         slots = self._allocate(n)
         self.keys[slots] = keys
         self.live[slots] = True
-        self._place(keys, slots)
+        # entries found free before a rebuild mean nothing now
+        at = None if free is None or free[1] != self.rebuilds else free[0]
+        self._place(keys, slots, at)
         self.size += n
         return slots
 
@@ -346,11 +390,18 @@ class KeyIndex:
         self._tombstones -= int(np.count_nonzero(before[won] == TOMBSTONE))
         return won
 
-    def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:
+    def _place(self, keys: np.ndarray, slots: np.ndarray, at: np.ndarray | None = None) -> None:
         size = self._table.shape[0]
-        pos = (mix64(keys) & np.uint64(size - 1)).astype(np.int64)
-        # Round one: a key whose home entry is free takes it, one key per entry
-        # (most do at a load below MAX_LOAD).
+        mix = mix64(keys)
+        mix &= np.uint64(size - 1)
+        pos = mix.view(np.int64)
+        if at is not None:
+            # where a probe since the last rebuild ended (-1: none): every entry before
+            # it on the key's path was taken then and is not EMPTY now (only a rebuild
+            # makes EMPTY entries), so the key is found there
+            pos = np.where(at >= 0, at, pos)
+        # Round one: a key whose home (or probed) entry is free takes it, one key per
+        # entry (most do at a load below MAX_LOAD).
         home_free = np.flatnonzero(self._table[pos] < 0)
         won = np.zeros(keys.shape[0], bool)
         won[home_free] = self._claim(pos[home_free], slots[home_free])
@@ -381,7 +432,7 @@ class KeyIndex:
         nothing changed (saves probing for them again)."""
         if slots.size == 0:
             return
-        where = self._probe(self.keys[slots])[1] if entries is None else entries
+        where = self._probe(self.keys[slots], "found")[1] if entries is None else entries
         self._table[where] = TOMBSTONE
         self._tombstones += slots.size
         self.live[slots] = False
@@ -391,6 +442,7 @@ class KeyIndex:
         self.removals += slots.size
 
     def _rebuild(self, size: int) -> None:
+        self.rebuilds += 1
         live = self.live_slots()
         self._table = np.full(max(size, _index_size(live.size)), EMPTY, np.int32)
         self._tombstones = 0

@@ -322,9 +322,9 @@ class EmbeddingClient(TableClient):
         else:  # no ids: the width comes from the config
             dim, dtype = self._dim(table), np.dtype(self._configs[table].dtype)
         out = np.empty((unique.shape[0], dim), dtype)
-        at = np.arange(unique.shape[0]) if cached is None else np.flatnonzero(~cached[0])
+        at = None if cached is None else np.flatnonzero(~cached[0])  # None: every id asked
         for s, rows in replies.items():
-            put_rows(out, at[parts[s]], rows)
+            put_rows(out, parts[s] if at is None else at[parts[s]], rows)
         if hit:
             out[cached[0]] = cached[1]
         return (out if unique is flat else take_rows(out, inverse)).reshape(*ids.shape, dim)
