@@ -484,10 +484,11 @@ class PeerLinks:
             nbytes = memoryview(buffers[0]).nbytes
         else:
             nbytes = sum(memoryview(b).nbytes for b in buffers)
-        if self._queued == 0 and nbytes <= _INLINE_BYTES:
-            # small (a flag, a count): written from this thread, which saves a wake-up of the
-            # sender thread per hop; the kernel takes it whole at once, so it cannot block
-            # on a neighbour that is itself sending
+        if self._queued == 0 and nbytes <= _INLINE_BYTES and not self._plain:
+            # small (a flag, a count) on TLS: written from this thread, which saves a wake-up
+            # of the sender thread per hop; the kernel takes it whole at once, so it cannot
+            # block on a neighbour that is itself sending (on a plain socket _send_now below
+            # does the same with less: one writev, no polls, no frame builder)
             self._send_inline(buffers, deadline)
             return _SENT  # an Event costs a lock and a condition: the sent ones share one
         kind: frames.Kind | None = frames.Kind.REQUEST
@@ -551,6 +552,8 @@ class PeerLinks:
                     ),
                     forward=False,
                 )
+            if sent == nbytes + _FIXED.size:  # all of it (mostly): nothing to hand over
+                return None
             while sent:
                 if sent >= len(views[0]):
                     sent -= len(views.pop(0))
@@ -751,7 +754,10 @@ class PeerLinks:
                     continue
             stream.deadline = deadline
             self._received += 1
-            _read_payload(stream, dest.cast("B") if nbytes else dest, on_segment, segment)
+            if on_segment is None:
+                stream.read_into(dest.cast("B") if nbytes else dest)
+            else:
+                _read_payload(stream, dest.cast("B") if nbytes else dest, on_segment, segment)
             self._heard = time.monotonic()
         except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
             raise

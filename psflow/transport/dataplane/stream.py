@@ -181,6 +181,10 @@ class FrameStream:
 
     def read_bytes(self, n: int) -> bytes:
         """The next ``n`` bytes."""
+        if self._start == self._end and 0 < n < DIRECT_BYTES:
+            # nothing staged (a frame's head, mostly): refill first, sparing the copy
+            # through a buffer of its own
+            self._start, self._end = 0, self._recv(self._view)
         if self._end - self._start >= n:
             out = bytes(self._view[self._start : self._start + n])
             self._start += n
