@@ -92,11 +92,14 @@ def _assert_sum(got: np.ndarray, xs: list[np.ndarray], divisor: int = 1) -> None
     assert np.all(np.abs(got.astype(np.float64) - exact) <= bound / divisor + 1e-30)
 
 
+@pytest.mark.parametrize("segment", [256 << 10, 12 << 10])
 @pytest.mark.parametrize("pack", [0, 200_000])
-def test_three_workers_sum_multi_frame_chunks_to_the_same_bits(pack):
+def test_three_workers_sum_multi_frame_chunks_to_the_same_bits(pack, segment, monkeypatch):
     # 0.64 MB per worker: chunks of 3.25 frames, so every step is several frames and a
     # ragged one; packs of 200 kB make 4 rings, each running while the previous pack's
-    # last frames leave
+    # last frames leave.  Frames of up to a segment are summed once they are whole, larger
+    # ones a segment at a time as they arrive (12 kB: 5.33 segments a frame, one ragged)
+    monkeypatch.setattr(cross_host, "_SEGMENT_BYTES", segment)
     frame_items = cross_host._FRAME_BYTES // 4
     size = 9 * frame_items + 12_345
     rng = np.random.default_rng(21)
