@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import psflow as pf
-from psflow.collective import cross_host
+from psflow.collective import cross_host, peer_link
 from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.security.config import SecurityConfig
@@ -92,11 +92,17 @@ def _assert_sum(got: np.ndarray, xs: list[np.ndarray], divisor: int = 1) -> None
     assert np.all(np.abs(got.astype(np.float64) - exact) <= bound / divisor + 1e-30)
 
 
+@pytest.mark.parametrize("segment", [256 << 10, 12 << 10])
 @pytest.mark.parametrize("pack", [0, 200_000])
-def test_three_workers_sum_multi_frame_chunks_to_the_same_bits(pack):
+def test_three_workers_sum_multi_frame_chunks_to_the_same_bits(pack, segment, monkeypatch):
     # 0.64 MB per worker: chunks of 3.25 frames, so every step is several frames and a
     # ragged one; packs of 200 kB make 4 rings, each running while the previous pack's
-    # last frames leave
+    # last frames leave.  Frames of up to a segment are summed once they are whole, larger
+    # ones a segment at a time as they arrive (12 kB: 5.33 segments a frame, one ragged);
+    # with small segments every frame's head is also read alone (as a large frame's is)
+    monkeypatch.setattr(cross_host, "_SEGMENT_BYTES", segment)
+    if segment < cross_host._FRAME_BYTES:
+        monkeypatch.setattr(peer_link, "_ALONE_BYTES", 0)
     frame_items = cross_host._FRAME_BYTES // 4
     size = 9 * frame_items + 12_345
     rng = np.random.default_rng(21)

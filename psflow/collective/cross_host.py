@@ -18,7 +18,7 @@ reduce-scatter, sums) is queued at once as a frame of the next step: the
 steps overlap, frame by frame, instead of each waiting for the previous
 one's whole chunk.  The bytes go from the arrays to the socket and from the
 socket into the result buffer (``recv_into``; only what comes in with a
-frame's header passes through the stream's staging buffer); the result
+small frame's header passes through the stream's staging buffer); the result
 buffers are reused once the caller has dropped the results.  A frame of
 up to 2 MB starts from this thread without waiting (what the kernel does not
 take at once, and every larger frame, goes from the links' sender thread
@@ -156,15 +156,19 @@ class CrossHostRing:
                     parts = [arrays[i].reshape(-1) for i in members]
                     src = self._empty(sum(p.size for p in parts), kind)
                     np.concatenate(parts, out=src)
-                src = src.astype(kind, copy=False)
+                if src.dtype != kind:
+                    src = src.astype(kind)
                 if self.size > 1 and src.size:
                     flat = self._empty(src.size, kind)  # the sums land here; src is only read
                     step = src.size
                     if bytes_per_pack > 0:
                         step = max(1, bytes_per_pack // src.itemsize)
-                    for lo in range(0, src.size, step):
-                        hi = lo + step
-                        self._ring_reduce(src[lo:hi], flat[lo:hi], divisor, deadline, sending)
+                    if step >= src.size:  # one pack (mostly): no slicing
+                        self._ring_reduce(src, flat, divisor, deadline, sending)
+                    else:
+                        for lo in range(0, src.size, step):
+                            hi = lo + step
+                            self._ring_reduce(src[lo:hi], flat[lo:hi], divisor, deadline, sending)
                 else:
                     flat = src.copy() if len(members) == 1 else src  # new arrays, always
                     if divisor is not None and divisor != 1:
@@ -240,7 +244,12 @@ class CrossHostRing:
                     links.wait_sent(done, deadline)
             forward = []
             for k, piece in enumerate(sums[c]):
-                if reducing:
+                if reducing and piece.nbytes <= _SEGMENT_BYTES:  # one piece: summed once here
+                    links.receive_into(memoryview(piece), deadline)
+                    np.add(piece, mine[c][k], out=piece)
+                    if t == n - 2 and scale is not None:
+                        np.divide(piece, scale, out=piece)
+                elif reducing:
                     own = mine[c][k]
 
                     def add(
@@ -261,7 +270,9 @@ class CrossHostRing:
                     forward.append(links.send([piece], deadline))
             sent.append(forward)
         for step in sent:
-            sending.extend(done for done in step if not done.is_set())
+            for done in step:
+                if not done.is_set():
+                    sending.append(done)
 
     # -- all-gather and broadcast ----------------------------------------------------------
     def all_gather(

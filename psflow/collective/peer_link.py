@@ -72,6 +72,10 @@ _INLINE_BYTES = 64 << 10  # sends up to this size go out from the caller's threa
 # Larger frames (4 MB, from 16 MB calls) keep the sender thread, whose copy into the
 # kernel then overlaps this thread's receive of the next one.
 _NOW_BYTES = 2 << 20
+# Payloads from this size on are received with their frame's head read alone: the head's
+# receive would otherwise bring up to 64 kB of the payload into the stream's staging
+# buffer, copied again from there (the same two receives, one copy of 64 kB less)
+_ALONE_BYTES = 256 << 10
 
 
 def peer_name(rank: int, address: str) -> str:
@@ -484,10 +488,11 @@ class PeerLinks:
             nbytes = memoryview(buffers[0]).nbytes
         else:
             nbytes = sum(memoryview(b).nbytes for b in buffers)
-        if self._queued == 0 and nbytes <= _INLINE_BYTES:
-            # small (a flag, a count): written from this thread, which saves a wake-up of the
-            # sender thread per hop; the kernel takes it whole at once, so it cannot block
-            # on a neighbour that is itself sending
+        if self._queued == 0 and nbytes <= _INLINE_BYTES and not self._plain:
+            # small (a flag, a count) on TLS: written from this thread, which saves a wake-up
+            # of the sender thread per hop; the kernel takes it whole at once, so it cannot
+            # block on a neighbour that is itself sending (on a plain socket _send_now below
+            # does the same with less: one writev, no polls, no frame builder)
             self._send_inline(buffers, deadline)
             return _SENT  # an Event costs a lock and a condition: the sent ones share one
         kind: frames.Kind | None = frames.Kind.REQUEST
@@ -551,6 +556,8 @@ class PeerLinks:
                     ),
                     forward=False,
                 )
+            if sent == nbytes + _FIXED.size:  # all of it (mostly): nothing to hand over
+                return None
             while sent:
                 if sent >= len(views[0]):
                     sent -= len(views.pop(0))
@@ -727,11 +734,13 @@ class PeerLinks:
             0,
             nbytes,
         )
+        large = nbytes >= _ALONE_BYTES
         try:
             while True:
                 stream.deadline = min(deadline, self._heard + self.silence)
                 try:
-                    raw = stream.read_bytes(_FIXED.size)
+                    # a large payload is read straight into dest, none through staging
+                    raw = stream.read_bytes(_FIXED.size, alone=large)
                 except TimeoutError:
                     now = time.monotonic()
                     if now >= self._heard + self.silence:
@@ -751,7 +760,10 @@ class PeerLinks:
                     continue
             stream.deadline = deadline
             self._received += 1
-            _read_payload(stream, dest.cast("B") if nbytes else dest, on_segment, segment)
+            if on_segment is None:
+                stream.read_into(dest.cast("B") if nbytes else dest)
+            else:
+                _read_payload(stream, dest.cast("B") if nbytes else dest, on_segment, segment)
             self._heard = time.monotonic()
         except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
             raise
