@@ -399,3 +399,22 @@ def test_rules_on_the_store_match_local_application():
             store.push([Gradient("w", g)], push_id=("c", step))
             rule.apply_dense(local, g, slots, step)
         assert value(store, "w").tobytes() == local.tobytes(), cfg
+
+
+def test_a_refused_push_of_several_variables_leaves_none_of_their_locks_held():
+    # the staleness bound is checked with every lock of the push held (name order);
+    # a refusal must release them all, or the next push of either variable hangs
+    store = make_store(b=np.zeros(2, F32), a=np.zeros(3, F32))
+    store.configure_optimizer(["a", "b"], {"name": "sgd", "learning_rate": 1.0})
+    store.push([Gradient("a", np.ones(3, F32)), Gradient("b", np.ones(2, F32))], push_id=("c", 1))
+    store.push([Gradient("a", np.ones(3, F32)), Gradient("b", np.ones(2, F32))], push_id=("c", 2))
+    stale = [Gradient("b", np.ones(2, F32), base_version=0), Gradient("a", np.ones(3, F32))]
+    with pytest.raises(AbortedError, match="2 versions stale"):
+        store.push(stale, push_id=("c", 3), max_staleness=1)
+    for name in ("a", "b"):
+        lock = store._get(name).lock
+        assert lock.acquire(timeout=5), f"{name}'s lock is still held"
+        lock.release()
+    store.push([Gradient("b", np.ones(2, F32)), Gradient("a", np.ones(3, F32))], push_id=("c", 4))
+    np.testing.assert_array_equal(value(store, "a"), -3 * np.ones(3))
+    np.testing.assert_array_equal(value(store, "b"), -3 * np.ones(2))

@@ -127,12 +127,19 @@ class Variable:
         """One optimizer update with a dense gradient, segment by segment."""
         step = self.optimizer_step + 1
         flat = self.writable().reshape(-1)
-        flat_slots = {k: s.reshape(-1) for k, s in self.slots.items()}
-        for offset, part in as_segments(grad):
-            end = offset + part.size
+        segments = as_segments(grad)
+        if len(segments.parts) == 1 and segments.parts[0][1].size == flat.size:
+            # the common whole-variable gradient: no slicing of the value or the slots
             self.rule.apply_dense(
-                flat[offset:end], part, {k: s[offset:end] for k, s in flat_slots.items()}, step
+                flat, segments.parts[0][1], {k: s.reshape(-1) for k, s in self.slots.items()}, step
             )
+        else:
+            flat_slots = {k: s.reshape(-1) for k, s in self.slots.items()}
+            for offset, part in segments:
+                end = offset + part.size
+                self.rule.apply_dense(
+                    flat[offset:end], part, {k: s[offset:end] for k, s in flat_slots.items()}, step
+                )
         self.optimizer_step = step
         self._changed()
 
