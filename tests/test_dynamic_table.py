@@ -227,6 +227,20 @@ def test_two_shards_restore_onto_three_with_every_row_and_slot():
     assert max(t.stats().step for t in new) == 3
 
 
+def _remove_some(index, ref, rng, most):
+    """Remove up to ``most`` random keys of ``ref`` from ``index`` and from ``ref``."""
+    if ref:
+        victims = rng.choice(list(ref), size=min(most, len(ref)), replace=False)
+        index.remove(np.array([ref.pop(int(v)) for v in victims], np.int64))
+
+
+def _assert_finds_every_key(index, ref):
+    """``index`` finds every key of ``ref`` at its slot and holds nothing else."""
+    every = np.array(list(ref), np.int64)
+    np.testing.assert_array_equal(index.find(every), [ref[k] for k in every.tolist()])
+    assert index.size == len(ref)
+
+
 def test_key_index_matches_a_dict_under_inserts_and_removals():
     rng = np.random.default_rng(0)
     index, ref = KeyIndex(4), {}
@@ -239,12 +253,9 @@ def test_key_index_matches_a_dict_under_inserts_and_removals():
         new = np.unique(keys[found < 0])
         for k, slot in zip(new.tolist(), index.insert(new).tolist()):
             ref[k] = slot
-        if r % 3 == 0 and ref:
-            victims = rng.choice(list(ref), size=min(15, len(ref)), replace=False)
-            index.remove(np.array([ref.pop(int(v)) for v in victims], np.int64))
-        every = np.array(list(ref), np.int64)
-        np.testing.assert_array_equal(index.find(every), [ref[k] for k in every.tolist()])
-        assert index.size == len(ref)
+        if r % 3 == 0:
+            _remove_some(index, ref, rng, 15)
+        _assert_finds_every_key(index, ref)
 
 
 def test_key_index_inserts_at_probed_entries_only_while_they_hold():
@@ -272,12 +283,10 @@ def test_key_index_inserts_at_probed_entries_only_while_they_hold():
             size = index._table.shape[0]
         for k, slot in zip(new.tolist(), index.insert(new, hint).tolist()):
             ref[k] = slot
-        if r % 3 == 0 and ref:
-            victims = rng.choice(list(ref), size=min(10, len(ref)), replace=False)
-            index.remove(np.array([ref.pop(int(v)) for v in victims], np.int64))
-        every = np.array(list(ref), np.int64)
-        np.testing.assert_array_equal(index.find(every), [ref[k] for k in every.tolist()])
-        assert (index._table >= 0).sum() == index.size == len(ref)
+        if r % 3 == 0:
+            _remove_some(index, ref, rng, 10)
+        _assert_finds_every_key(index, ref)
+        assert (index._table >= 0).sum() == index.size
     assert index.rebuilds > 0
 
 
