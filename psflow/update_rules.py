@@ -524,8 +524,15 @@ class Adagrad(UpdateRule):
         xp = array_module(var)
         dt = var.dtype
         acc = slots["accumulator"]
-        acc += xp.square(grad)
-        var -= (_scalar(self.learning_rate, dt) * grad) / xp.sqrt(acc + _scalar(self.epsilon, dt))
+        # the same operations in the same order as
+        # ``var -= lr * g / sqrt(acc + eps)``, in two scratch arrays instead of five
+        scratch = xp.square(grad)
+        acc += scratch
+        xp.add(acc, _scalar(self.epsilon, dt), out=scratch)
+        xp.sqrt(scratch, out=scratch)
+        step_size = xp.multiply(_scalar(self.learning_rate, dt), grad)
+        step_size /= scratch
+        var -= step_size
 
 
 @_register

@@ -296,20 +296,23 @@ class KeyIndex:
             if pending.size == 0:
                 break
             width = self._width(r)
-            at, entry = self._window(pos, width)
+            _, entry = self._window(pos, width)
             hit = self.keys[np.maximum(entry, 0)] == keys[pending][:, None]
             hit &= entry >= 0
             stop = hit | (entry == EMPTY)
             first = stop.argmax(axis=1)
-            rows = np.arange(pending.shape[0])
-            found = hit[rows, first]
-            slots[pending[found]] = entry[rows[found], first[found]]
+            # each key's first stopping entry, read through flat positions: one
+            # 1-D take per array instead of 2-D fancy indexing
+            flat = np.arange(0, pending.shape[0] * width, width)
+            flat += first
+            found = hit.reshape(-1).take(flat)
+            slots[pending[found]] = entry.reshape(-1).take(flat[found])
             if want == "found":
-                where[pending[found]] = at[rows[found], first[found]]
-            go_on = ~stop[rows, first]
+                where[pending[found]] = (pos[found] + first[found]) & (size - 1)
+            go_on = ~stop.reshape(-1).take(flat)
             if want == "free":  # ended on an EMPTY entry: absent, and free there
                 ended = ~(found | go_on)
-                where[pending[ended]] = at[rows[ended], first[ended]]
+                where[pending[ended]] = (pos[ended] + first[ended]) & (size - 1)
             pending = pending[go_on]
             pos = (pos[go_on] + width) & (size - 1)
 
@@ -392,14 +395,17 @@ class KeyIndex:
 
     def _place(self, keys: np.ndarray, slots: np.ndarray, at: np.ndarray | None = None) -> None:
         size = self._table.shape[0]
-        mix = mix64(keys)
-        mix &= np.uint64(size - 1)
-        pos = mix.view(np.int64)
-        if at is not None:
-            # where a probe since the last rebuild ended (-1: none): every entry before
-            # it on the key's path was taken then and is not EMPTY now (only a rebuild
-            # makes EMPTY entries), so the key is found there
-            pos = np.where(at >= 0, at, pos)
+        if at is not None and at.shape[0] and at.min() >= 0:
+            # where a probe since the last rebuild ended: every entry before it on
+            # the key's path was taken then and is not EMPTY now (only a rebuild
+            # makes EMPTY entries), so the key is found there; no key needs its hash
+            pos = at
+        else:
+            mix = mix64(keys)
+            mix &= np.uint64(size - 1)
+            pos = mix.view(np.int64)
+            if at is not None:  # -1: no probe ended for that key
+                pos = np.where(at >= 0, at, pos)
         # Round one: a key whose home (or probed) entry is free takes it, one key per
         # entry (most do at a load below MAX_LOAD).
         home_free = np.flatnonzero(self._table[pos] < 0)
