@@ -12,7 +12,15 @@ import pytest
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
-from psflow.ps.key_index import MAX_LOAD, KeyIndex, mix64, shard_of, sum_rows
+from psflow.ps.key_index import (
+    _PACKED_MAX,
+    MAX_LOAD,
+    KeyIndex,
+    mix64,
+    shard_of,
+    sum_rows,
+    unique_ids,
+)
 from psflow.ps.tables import TableRegistry
 from psflow.update_rules import rule_from_config
 
@@ -462,6 +470,34 @@ def test_sum_rows_equals_add_at_bit_for_bit():
     np.add.at(expected, inverse, values)
     got = sum_rows(values, inverse, inverse.max() + 1)
     assert got.tobytes() == expected.tobytes()
+
+
+def _id_cases() -> list[np.ndarray]:
+    rng = np.random.default_rng(11)
+    hashed = rng.integers(-(2**63), 2**63 - 1, size=600, dtype=np.int64)
+    twins = np.concatenate([hashed, hashed ^ 1, hashed[:50]])  # equal high bits, distinct ids
+    rng.shuffle(twins)
+    extremes = np.array([2**63 - 1, -(2**63), 0, -(2**63), 2**63 - 1], np.int64)
+    return [
+        rng.choice(hashed, size=13_312),  # a CTR batch: hashed ids, repeats
+        rng.integers(0, 50, size=1000),  # small ids: the exact (shifted) keys
+        rng.integers(-(2**40), 2**40, size=_PACKED_MAX),  # as many as the positions allow
+        rng.integers(0, 1000, size=_PACKED_MAX + 1),  # past them: np.unique itself
+        twins,  # high bits shared: the sort's order is checked and np.unique taken
+        extremes,
+        np.array([7, 7, 7], np.int64),
+        np.array([5, 3], np.int64),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_id_cases())))
+def test_unique_ids_equals_numpy_unique(case):
+    ids = _id_cases()[case].astype(np.int64)
+    unique, inverse = unique_ids(ids)
+    expected, expected_inverse = np.unique(ids, return_inverse=True)
+    np.testing.assert_array_equal(unique, expected)
+    np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
+    assert inverse.dtype == np.intp
 
 
 def test_key_index_finds_every_key_near_full_load_with_long_clusters():

@@ -127,8 +127,52 @@ def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     when ``ids`` is already strictly increasing (clients send sorted unique ids)."""
     if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
         return ids, np.arange(ids.shape[0])
+    found = _packed_unique(ids) if ids.shape[0] <= _PACKED_MAX else None
+    if found is not None:
+        return found
     unique, inverse = np.unique(ids, return_inverse=True)
     return unique, inverse.reshape(-1)
+
+
+# Up to this many ids, :func:`_packed_unique` packs each one's position into the
+# low bits of a sort key (16 bits: a batch of ids, never a whole table).
+_PACKED_MAX = 1 << 16
+
+
+def _packed_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``np.unique``'s result of int64 ``ids`` (2 to ``_PACKED_MAX`` of them), or
+    None where this way cannot tell.
+
+    ``np.unique`` sorts ``ids`` by ``argsort``; sorting plain int64 values is
+    about three times faster (a vectorised sort), so each id's position rides in
+    the low bits of its key and the sorted keys give the permutation.  Ids
+    within a span that leaves room for the position are shifted up (exact);
+    others keep their high bits only, the order holds unless two distinct ids
+    share those bits, which the sorted ids show (then: None).
+    """
+    n = ids.shape[0]
+    bits = (n - 1).bit_length()
+    low = np.int64((1 << bits) - 1)
+    lo, hi = int(ids.min()), int(ids.max())
+    if hi - lo < 1 << (63 - bits):  # the span fits above the position: exact
+        key = ids - np.int64(lo)
+        key <<= np.int64(bits)
+    else:  # equal high bits sort by position, not by id: checked below
+        key = ids & ~low
+    key |= np.arange(n, dtype=np.int64)
+    key.sort()
+    perm = key & low
+    ordered = ids.take(perm)
+    if not bool((ordered[1:] >= ordered[:-1]).all()):
+        return None
+    first = np.empty(n, bool)  # where a new id starts in the sorted ids
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    rank = np.cumsum(first)
+    rank -= 1
+    inverse = np.empty(n, np.intp)
+    inverse[perm] = rank
+    return ordered[first], inverse
 
 
 def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
