@@ -127,7 +127,8 @@ def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     when ``ids`` is already strictly increasing (clients send sorted unique ids)."""
     if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
         return ids, np.arange(ids.shape[0])
-    found = _packed_unique(ids) if ids.shape[0] <= _PACKED_MAX else None
+    packs = ids.dtype == np.int64 and ids.shape[0] <= _PACKED_MAX
+    found = _packed_unique(ids) if packs else None
     if found is not None:
         return found
     unique, inverse = np.unique(ids, return_inverse=True)
