@@ -224,9 +224,9 @@ class Routing:
         by_ps: Mapping[int, list[Any]],
         call: Callable[[int, list[Any], int], Any],
         start: Callable[[int, list[Any], int], Any] | None = None,
-    ) -> dict[Any, tuple[list[Any], Any]]:
-        """The replies of one call per owner the caller started itself (the common
-        case: every owner's data plane known, no redirect), as :meth:`_routed`'s.
+    ) -> list[tuple[list[Any], Any]]:
+        """``[(handles, reply), ...]`` of one call per owner the caller started itself
+        (the common case: every owner's data plane known, no redirect).
 
         ``calls[ps]`` is ``by_ps[ps]``'s call, or None where it could not be
         started: those handles go the general way, :meth:`_routed`, as do the
@@ -241,11 +241,11 @@ class Routing:
         learn: list[errors.MovedError] = []
         done = 0
         try:
-            replies = self._routed(rest, call, start) if rest else {}
+            replies = list(self._routed(rest, call, start).values()) if rest else []
             for ps, started in sent:
                 done += 1
                 try:
-                    replies[(ps, 0)] = (by_ps[ps], started.result())
+                    replies.append((by_ps[ps], started.result()))
                 except errors.MovedError as e:  # a value: the other calls finish
                     learn.append(e)
                     moved += by_ps[ps]
@@ -255,7 +255,7 @@ class Routing:
         for e in learn:
             self._learn(e)
         if moved:  # applied nowhere: sent again under a fresh id (attempt 1 on)
-            replies.update(self._routed(moved, call, start, first_attempt=1))
+            replies += self._routed(moved, call, start, first_attempt=1).values()
         return replies
 
     def _routed(

@@ -412,7 +412,7 @@ class PSSession(UpdateGroup, Routing):
             for ps, hs in by_ps.items():
                 calls[ps] = start(ps, hs, 0)
         out: dict[str, tuple[np.ndarray, int]] = {}
-        for hs, pulled in self._answers(calls, by_ps, pull, start).values():
+        for hs, pulled in self._answers(calls, by_ps, pull, start):
             for h, (value, version) in zip(hs, pulled):
                 out[h.key] = (value, version)
                 self.bytes_pulled += value.nbytes
@@ -672,7 +672,7 @@ class PSSession(UpdateGroup, Routing):
                 )
         replies = self._answers(calls, by_ps, push, start)
         self.bytes_pushed += pushed
-        for hs, reply in replies.values():
+        for hs, reply in replies:
             for h, version in zip(hs, reply.versions):
                 self._versions[h.key] = version
         self._invalidate()
