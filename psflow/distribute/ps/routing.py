@@ -12,16 +12,17 @@ batch; workers take the chief's map before their next closure.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from psflow import errors
 from psflow.distribute.ps.connection import PSConnection
 from psflow.distribute.ps.placement import PlacementMap
-from psflow.transport.started import fan_out, gather
+from psflow.transport.started import Started, fan_out, gather, settle
 
 __all__ = ["MAX_EXTRA_REDIRECTS", "Routing"]
 
@@ -198,6 +199,64 @@ class Routing:
                 {moved.key: moved.owner}, addresses=tuple(addresses)
             )
         log.info("%s: %s moved to ps:%d (%s)", self.task, moved.key, moved.owner, moved.address)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _starting(
+        handles: Sequence[Any],
+    ) -> Iterator[tuple[dict[int, list[Any]], dict[int, Started | None]]]:
+        """``(by_ps, calls)``: ``handles`` grouped by owner, and the dict a loop
+        starts one call per owner into.  A start that raises lets the calls sent
+        before it finish first (``gather``'s rule)."""
+        by_ps: dict[int, list[Any]] = {}
+        for h in handles:
+            by_ps.setdefault(h.ps_index, []).append(h)
+        calls: dict[int, Started | None] = {}
+        try:
+            yield by_ps, calls
+        except BaseException:
+            settle(c for c in calls.values() if c is not None)
+            raise
+
+    def _answers(
+        self,
+        calls: Mapping[int, Started | None],
+        by_ps: Mapping[int, list[Any]],
+        call: Callable[[int, list[Any], int], Any],
+        start: Callable[[int, list[Any], int], Any] | None = None,
+    ) -> list[tuple[list[Any], Any]]:
+        """``[(handles, reply), ...]`` of one call per owner the caller started itself
+        (the common case: every owner's data plane known, no redirect).
+
+        ``calls[ps]`` is ``by_ps[ps]``'s call, or None where it could not be
+        started: those handles go the general way, :meth:`_routed`, as do the
+        handles of a task that answered ``MovedError`` (from attempt 1, so that
+        exactly-once ids tell the resend apart).  Every call sent finishes
+        before an error propagates, and the error is the first in ``calls``'
+        order (:func:`~psflow.transport.started.gather`'s rule).
+        """
+        sent = [(ps, c) for ps, c in calls.items() if c is not None]
+        rest = [h for ps, c in calls.items() if c is None for h in by_ps[ps]]
+        moved: list[Any] = []
+        learn: list[errors.MovedError] = []
+        done = 0
+        try:
+            replies = list(self._routed(rest, call, start).values()) if rest else []
+            for ps, started in sent:
+                done += 1
+                try:
+                    replies.append((by_ps[ps], started.result()))
+                except errors.MovedError as e:  # a value: the other calls finish
+                    learn.append(e)
+                    moved += by_ps[ps]
+        except BaseException:
+            settle(c for _, c in sent[done:])
+            raise
+        for e in learn:
+            self._learn(e)
+        if moved:  # applied nowhere: sent again under a fresh id (attempt 1 on)
+            replies += self._routed(moved, call, start, first_attempt=1).values()
+        return replies
 
     def _routed(
         self,

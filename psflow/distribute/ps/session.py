@@ -44,7 +44,7 @@ from psflow.distribute.ps.routing import Routing
 from psflow.framework.indexed_slices import IndexedSlices
 from psflow.framework.tensor import to_array
 from psflow.ps.push_types import Gradient, PushContext
-from psflow.transport.started import Started, fan_out, gather, settle
+from psflow.transport.started import Started, fan_out, gather
 
 PREFETCH_LIMIT_BYTES = 16 << 20
 MAX_SCOPES = 64
@@ -406,8 +406,13 @@ class PSSession(UpdateGroup, Routing):
         def start(ps: int, hs: list[Any], attempt: int) -> Any:
             return self.connections[ps].start_pull([h.key for h in hs])
 
+        # each owner's pull sent at once, its reply read here (``_answers``); what the
+        # data plane cannot start, or a task redirects, goes the general way
+        with self._starting(handles) as (by_ps, calls):
+            for ps, hs in by_ps.items():
+                calls[ps] = start(ps, hs, 0)
         out: dict[str, tuple[np.ndarray, int]] = {}
-        for hs, pulled in self._routed(handles, pull, start).values():
+        for hs, pulled in self._answers(calls, by_ps, pull, start):
             for h, (value, version) in zip(hs, pulled):
                 out[h.key] = (value, version)
                 self.bytes_pulled += value.nbytes
@@ -658,33 +663,16 @@ class PSSession(UpdateGroup, Routing):
         # plane cannot start (a sync push, no plane known yet) and what a task answers
         # with a redirect take the general route, ``_routed``; every call sent finishes
         # before an error propagates (``gather``'s rule)
-        by_ps: dict[int, list[Any]] = {}
-        for h in handles:
-            by_ps.setdefault(h.ps_index, []).append(h)
-        calls: dict[int, Started] = {}
-        rest: list[Any] = list(handles) if sync else []
-        try:
-            for ps, hs in () if sync else by_ps.items():
-                call = self.connections[ps].start_push([grads[h.key] for h in hs], context(0))
-                if call is None:
-                    rest += hs
-                else:
-                    calls[ps] = call
-            replies = self._routed(rest, push, start) if rest else {}
-        except BaseException:
-            settle(calls.values())
-            raise
-        moved: list[Any] = []
-        for ps, reply in gather(calls, errors.MovedError).items():
-            if isinstance(reply, errors.MovedError):
-                self._learn(reply)
-                moved += by_ps[ps]
-            else:
-                replies[(ps, 0)] = (by_ps[ps], reply)
-        if moved:  # applied nowhere: sent again under a fresh id (attempt 1 on)
-            replies.update(self._routed(moved, push, start, first_attempt=1))
+        with self._starting(handles) as (by_ps, calls):
+            for ps, hs in by_ps.items():
+                calls[ps] = (
+                    None  # a sync push waits at the barrier, watched: on the pool
+                    if sync
+                    else self.connections[ps].start_push([grads[h.key] for h in hs], context(0))
+                )
+        replies = self._answers(calls, by_ps, push, start)
         self.bytes_pushed += pushed
-        for hs, reply in replies.values():
+        for hs, reply in replies:
             for h, version in zip(hs, reply.versions):
                 self._versions[h.key] = version
         self._invalidate()

@@ -145,9 +145,13 @@ class DataPlaneClient:
             conn = _Conn(sock, max_header=frames.MAX_HEADER_BYTES, max_payload=self.max_reply_bytes)
             conn.settimeout(max(deadline - time.monotonic(), 0.001))
             conn.send_frame(hello, header=self._hello)
-            refused = self._receive(method, conn, hello, 0, deadline, None)
-            if isinstance(refused, OpError):
-                raise refused
+            head = conn.read_head()
+            header = conn.read_bytes(head.header_len)
+            conn.discard(head.payload_len)
+            if head.kind is frames.Kind.ERROR:
+                raise self._status(method, header)
+            if head.kind is not frames.Kind.WELCOME:
+                raise frames.FrameError(f"a {head.kind.name} frame where WELCOME was due")
         return conn
 
     def _take(self, method: str, deadline: float) -> _Conn:
@@ -250,66 +254,66 @@ class DataPlaneClient:
                 raise
             return Started(functools.partial(recover, e), what=method)
 
-        def finish() -> Any:  # reads the reply, hands its connection and slot back
-            try:
-                try:
-                    with self._failures(method, conn.close, frames.Kind.REQUEST):
-                        reply = self._receive(
-                            method, conn, frames.Kind.REQUEST, call_id, deadline, sink
-                        )
-                    self._give_back(conn)  # an ERROR frame's too: the connection stays usable
-                finally:
-                    self._slots.release()  # before a recovery, which may take a slot again
-                if isinstance(reply, OpError):
-                    raise reply
-            except OpError as e:
-                if recover is None:
-                    raise
-                return recover(e)
-            return reply if read is None else read(reply)
-
         def abandon() -> None:  # its connection is closed, its slot freed
             conn.close()
             self._slots.release()
 
-        return Started(finish, abandon, method)
+        end = functools.partial(self._reply, method, conn, call_id, deadline, sink, read, recover)
+        return Started(end, abandon, method)
 
-    def _receive(
+    def _reply(
         self,
         method: str,
         conn: _Conn,
-        kind: frames.Kind,
         call_id: int,
         deadline: float,
         sink: Sink | None,
-    ) -> tuple[bytes, memoryview] | OpError:
-        """Reads the answer to call ``call_id``: the reply, or an ERROR frame's typed
-        error (returned, not raised: the connection is still usable)."""
-        conn.settimeout(max(deadline - time.monotonic(), 0.001))
-        head = conn.read_head()
-        reply_header = conn.read_bytes(head.header_len)
-        if head.call_id != call_id:
-            raise frames.FrameError(
-                f"a reply to call {head.call_id} where call {call_id}'s was due"
-            )
-        if head.kind is frames.Kind.ERROR:
-            conn.discard(head.payload_len)
-            status = dataplane_pb2.DataPlaneStatus.FromString(reply_header)
-            code = Code.__members__.get(status.code, Code.UNKNOWN)
-            metadata = [(m.key, m.value) for m in status.metadata]
-            return self._error(method, code, status.message, metadata)
-        expected = frames.Kind.WELCOME if kind is frames.Kind.HELLO else frames.Kind.REPLY
-        if head.kind is not expected:
-            raise frames.FrameError(f"a {head.kind.name} frame where {expected.name} was due")
-        dest = None if sink is None else sink(reply_header, head.payload_len)
-        if dest is None:
-            dest = memoryview(np.empty(head.payload_len, np.uint8))
-        elif len(dest) != head.payload_len:
-            raise InvalidArgumentError(
-                f"the sink gave {len(dest)} bytes for a payload of {head.payload_len}"
-            )
-        conn.read_into(dest)
-        return reply_header, dest
+        read: Callable[[tuple[bytes, memoryview]], Any] | None,
+        recover: Callable[[OpError], Any] | None,
+    ) -> Any:
+        """The started call's ``result()`` (see :meth:`send`): reads the answer to call
+        ``call_id``, then hands its connection (kept after an ERROR frame) and slot back."""
+        try:
+            try:
+                with self._failures(method, conn.close, frames.Kind.REQUEST):
+                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                    head = conn.read_head()
+                    header = conn.read_bytes(head.header_len)
+                    if head.call_id != call_id:
+                        raise frames.FrameError(
+                            f"a reply to call {head.call_id} where call {call_id}'s was due"
+                        )
+                    if head.kind is frames.Kind.ERROR:
+                        conn.discard(head.payload_len)
+                        reply: Any = self._status(method, header)
+                    elif head.kind is not frames.Kind.REPLY:
+                        raise frames.FrameError(f"a {head.kind.name} frame where REPLY was due")
+                    else:
+                        dest = None if sink is None else sink(header, head.payload_len)
+                        if dest is None:
+                            dest = memoryview(np.empty(head.payload_len, np.uint8))
+                        elif len(dest) != head.payload_len:
+                            n = head.payload_len
+                            raise InvalidArgumentError(f"the sink gave {len(dest)} bytes for {n}")
+                        conn.read_into(dest)
+                        reply = (header, dest)
+                self._give_back(conn)
+            finally:
+                self._slots.release()  # before a recovery, which may take a slot again
+            if isinstance(reply, OpError):
+                raise reply
+        except OpError as e:
+            if recover is None:
+                raise
+            return recover(e)
+        return reply if read is None else read(reply)
+
+    def _status(self, method: str, header: bytes) -> OpError:
+        """The typed error an ERROR frame's status header names."""
+        status = dataplane_pb2.DataPlaneStatus.FromString(header)
+        code = Code.__members__.get(status.code, Code.UNKNOWN)
+        metadata = [(m.key, m.value) for m in status.metadata]
+        return self._error(method, code, status.message, metadata)
 
     @contextlib.contextmanager
     def _failures(self, method: str, drop: Callable[[], Any], kind: frames.Kind) -> Iterator[None]:
