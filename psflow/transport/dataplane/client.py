@@ -292,8 +292,7 @@ class DataPlaneClient:
                         dest = None if sink is None else sink(header, head.payload_len)
                         if dest is None:
                             dest = memoryview(np.empty(head.payload_len, np.uint8))
-                        elif len(dest) != head.payload_len:
-                            n = head.payload_len
+                        elif len(dest) != (n := head.payload_len):
                             raise InvalidArgumentError(f"the sink gave {len(dest)} bytes for {n}")
                         conn.read_into(dest)
                         reply = (header, dest)

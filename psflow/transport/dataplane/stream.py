@@ -180,15 +180,9 @@ class FrameStream:
             self._start, self._end = 0, self._recv(self._view)
 
     def read_bytes(self, n: int, *, alone: bool = False) -> bytes:
-        """The next ``n`` bytes.
-
-        ``alone``: when nothing is staged, take only these bytes from the socket (a
-        frame's head whose large payload then goes straight to its destination, none
-        of it through the staging buffer).
-        """
-        if self._start == self._end and 0 < n < DIRECT_BYTES:
-            # nothing staged (a frame's head, mostly): refill first, sparing the copy
-            # through a buffer of its own
+        """The next ``n`` bytes (``alone``: if nothing is staged, read only these, so
+        the large payload after a frame's head skips the staging buffer)."""
+        if self._start == self._end and 0 < n < DIRECT_BYTES:  # refill: no copy of its own
             self._start, self._end = 0, self._recv(self._view[:n] if alone else self._view)
         if self._end - self._start >= n:
             out = bytes(self._view[self._start : self._start + n])
