@@ -208,9 +208,7 @@ class Routing:
         """``(by_ps, calls)``: ``handles`` grouped by owner, and the dict a loop
         starts one call per owner into.  A start that raises lets the calls sent
         before it finish first (``gather``'s rule)."""
-        by_ps: dict[int, list[Any]] = {}
-        for h in handles:
-            by_ps.setdefault(h.ps_index, []).append(h)
+        by_ps = _by_owner(handles)
         calls: dict[int, Started | None] = {}
         try:
             yield by_ps, calls
@@ -282,9 +280,7 @@ class Routing:
         pending = list(handles)
         attempts = len(handles) + MAX_EXTRA_REDIRECTS
         for attempt in range(first_attempt, first_attempt + attempts):
-            by_ps: dict[int, list[Any]] = {}
-            for h in pending:
-                by_ps.setdefault(h.ps_index, []).append(h)
+            by_ps = _by_owner(pending)
             work = {ps: functools.partial(call, ps, hs, attempt) for ps, hs in by_ps.items()}
             starts = {}
             if start is not None:
@@ -304,3 +300,11 @@ class Routing:
             f"{self.task}: {[h.key for h in pending][:5]} kept being redirected "
             f"({attempts} attempts)"
         )
+
+
+def _by_owner(handles: Sequence[Any]) -> dict[int, list[Any]]:
+    """``handles`` grouped by the PS task that owns each (``ps_index``), in order."""
+    by_ps: dict[int, list[Any]] = {}
+    for h in handles:
+        by_ps.setdefault(h.ps_index, []).append(h)
+    return by_ps
