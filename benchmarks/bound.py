@@ -28,7 +28,11 @@ ClusterCoordinator), in async and sync mode, with the parameter servers'
 shared memory on (``--shm auto``, the default) and off. ``async-waiting`` is
 async mode with the workers' ``PSFLOW_PUSH_BEHIND=off`` (each closure's push
 applied before the next closure starts, as before pushes went behind the
-compute); its ratio to ``async`` is printed per round. A PS case's
+compute); its ratio to ``async`` is printed per round.  ``fit`` and ``fit-spe``
+are the path users take: Keras ``fit`` in async mode from the same dataset
+function (each worker builds its own pipeline), with ``steps_per_execution`` 1
+and ``--steps-per-execution`` (default 4: that many batches per closure, so the
+chief's and the worker's cost per closure is paid once per that many batches). A PS case's
 ``steps/s`` counts batches trained per second by all workers together (a sync
 step of 2 workers is 2 batches), as the bound counts them; its ``share`` is
 that over the bound's ``budget`` side (the bound BENCHMARKS.md defines: each
@@ -69,8 +73,11 @@ from _common import emit, progress, table
 BENCH = "bound"
 SIDES = ("default", "budget")
 # "async-waiting": async with the workers' pushes waited for before the next closure
-# (PSFLOW_PUSH_BEHIND=off), what async was before pushes went behind the compute
-PS_MODES = ("async", "async-waiting", "sync")
+# (PSFLOW_PUSH_BEHIND=off), what async was before pushes went behind the compute;
+# "fit" / "fit-spe": Keras fit (async, a dataset function, the path users take) with
+# steps_per_execution 1 / --steps-per-execution
+PS_MODES = ("async", "async-waiting", "sync", "fit", "fit-spe")
+FIT_MODES = ("fit", "fit-spe")
 PS_SHM = ("auto", "off")
 DIMS = (784, 512, 512, 10)
 SEED = 1234
@@ -211,6 +218,8 @@ class PSCluster:
 
     def __init__(self, shm: str, behind: bool, ps_threads: int, compute_threads: int) -> None:
         self.shm = shm
+        self.strategy: Any = None  # the fit cases' (built on first use)
+        self.fit_models: dict[tuple[int, int], Any] = {}
         self.procs = _cluster.Processes()
         self.roles: dict[str, list[int]] = {"ps": [], "worker": []}
         self.spec: dict[str, list[str]] = {"ps": [], "worker": []}
@@ -266,14 +275,71 @@ def _ps_rate(cluster: PSCluster, batch: int, mode: str, steps: int) -> tuple[flo
     return rate, {role: round(ms, 2) for role, ms in used.items()}
 
 
+def _fit_rate(cluster: PSCluster, batch: int, spe: int, steps: int) -> tuple[float, dict]:
+    """Batches/s of Keras ``fit`` (async, ``steps_per_execution=spe``) on ``cluster`` and
+    the CPU ms per batch of each role: one epoch of ``steps`` batches from a dataset
+    function (each worker builds its own pipeline, as pss_train.py's loop does).
+
+    The model is built once per (batch, spe) on the cluster's strategy, and warmed up."""
+    import numpy as np
+    from pss_train import MODEL_CODE
+
+    import psflow as pf
+
+    key = (batch, spe)
+    if key not in cluster.fit_models:
+        from psflow.distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+
+        if cluster.strategy is None:
+            resolver = SimpleClusterResolver(
+                ClusterSpec({**cluster.spec, "chief": ["127.0.0.1:1"]}),
+                task_type="chief",
+                task_id=0,
+            )
+            cluster.strategy = pf.distribute.ParameterServerStrategy(resolver, mode="async")
+        namespace: dict = {}
+        exec(MODEL_CODE, namespace)
+        x, y = namespace["make_data"](np)
+        pf.random.set_seed(0)
+        with cluster.strategy.scope():
+            model = namespace["make_model"](pf)
+            model.compile(
+                optimizer=pf.keras.optimizers.SGD(0.1),
+                loss=pf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=spe,
+            )
+
+        def dataset_fn(ctx: Any) -> Any:
+            ds = pf.data.Dataset.from_tensor_slices((x, y)).shard(
+                ctx.num_input_pipelines, ctx.input_pipeline_id
+            )
+            return ds.repeat().batch(batch)
+
+        model.fit(dataset_fn, epochs=1, steps_per_epoch=10 * spe, verbose=0)  # warm-up
+        cluster.fit_models[key] = (model, dataset_fn)
+    model, dataset_fn = cluster.fit_models[key]
+    steps = max(spe, steps // spe * spe)  # whole executions
+    before = cluster.cpu()
+    start = time.perf_counter()
+    model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
+    rate = steps / (time.perf_counter() - start)
+    after = cluster.cpu()
+    return rate, {role: round((after[role] - before[role]) * 1e3 / steps, 2) for role in after}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 rounds, fewer steps")
     p.add_argument("--processes", type=int, default=2, help="trainer processes per side")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for any one answer")
     p.add_argument("--no-ps", action="store_true", help="the compute-only bound alone")
+    p.add_argument("--no-fit", action="store_true", help="no Keras fit PS cases")
+    p.add_argument("--steps-per-execution", type=int, default=4, metavar="N",
+                   help="steps_per_execution of the fit-spe case (default 4)")  # fmt: skip
     p.add_argument("--trainer", choices=SIDES, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.steps_per_execution < 1:
+        p.error(f"--steps-per-execution must be >= 1, got {args.steps_per_execution}")
     if args.trainer:
         trainer(args.trainer)
         return 0
@@ -286,7 +352,8 @@ def main() -> int:
     ps_threads, compute_threads = share_cores(cores, 2, 3)
     rounds = 2 if args.quick else 5
     steps = {64: 120, 256: 40} if args.quick else {64: 400, 256: 120}
-    ps_cases = [] if args.no_ps else [(m, shm) for m in PS_MODES for shm in PS_SHM]
+    modes = [m for m in PS_MODES if not (args.no_fit and m in FIT_MODES)]
+    ps_cases = [] if args.no_ps else [(m, shm) for m in modes for shm in PS_SHM]
     sides: dict[str, list[Trainer]] = {}
     clusters: dict[tuple[str, bool], PSCluster] = {}
     ps_rates: dict[tuple[str, str, int], list[float]] = {}
@@ -329,8 +396,12 @@ def main() -> int:
                     time.sleep(0.2)  # the other side's spinning BLAS threads go to sleep
                 for mode, shm in ps_cases:
                     behind = mode != "async-waiting"
-                    run_mode = "async" if mode == "async-waiting" else mode
-                    rate, cpu = _ps_rate(clusters[shm, behind], batch, run_mode, n)
+                    if mode in FIT_MODES:
+                        spe = args.steps_per_execution if mode == "fit-spe" else 1
+                        rate, cpu = _fit_rate(clusters[shm, behind], batch, spe, n)
+                    else:
+                        run_mode = "async" if mode == "async-waiting" else mode
+                        rate, cpu = _ps_rate(clusters[shm, behind], batch, run_mode, n)
                     key = (mode, shm, batch)
                     ps_rates.setdefault(key, []).append(rate)
                     ps_cpu.setdefault(key, []).append(cpu)
