@@ -277,10 +277,15 @@ def _ps_rate(cluster: PSCluster, batch: int, mode: str, steps: int) -> tuple[flo
 
 def _fit_rate(cluster: PSCluster, batch: int, spe: int, steps: int) -> tuple[float, dict]:
     """Batches/s of Keras ``fit`` (async, ``steps_per_execution=spe``) on ``cluster`` and
-    the CPU ms per batch of each role: one epoch of ``steps`` batches from a dataset
-    function (each worker builds its own pipeline, as pss_train.py's loop does).
+    the CPU ms per batch of each role, over ``steps`` batches of one epoch from a
+    dataset function (each worker builds its own pipeline, as pss_train.py's loop does).
 
-    The model is built once per (batch, spe) on the cluster's strategy, and warmed up."""
+    The model is built once per (batch, spe) on the cluster's strategy, and warmed
+    up.  Only the epoch's steady state is timed, from the end of its first
+    ``2 * spe`` batches (at least 8) to its last: each ``fit`` call sends the
+    dataset function, with the arrays it captures (12.8 MB), to every worker, a
+    cost per call that a short benchmark epoch would otherwise spread over its
+    few batches."""
     import numpy as np
     from pss_train import MODEL_CODE
 
@@ -318,13 +323,23 @@ def _fit_rate(cluster: PSCluster, batch: int, spe: int, steps: int) -> tuple[flo
         model.fit(dataset_fn, epochs=1, steps_per_epoch=10 * spe, verbose=0)  # warm-up
         cluster.fit_models[key] = (model, dataset_fn)
     model, dataset_fn = cluster.fit_models[key]
-    steps = max(spe, steps // spe * spe)  # whole executions
-    before = cluster.cpu()
-    start = time.perf_counter()
-    model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
-    rate = steps / (time.perf_counter() - start)
-    after = cluster.cpu()
-    return rate, {role: round((after[role] - before[role]) * 1e3 / steps, 2) for role in after}
+    warm = -(-max(8, 2 * spe) // spe) * spe  # whole executions
+    steps = max(spe, steps // spe * spe)
+    marks: list[tuple[int, float, dict[str, float]]] = []
+
+    class Mark(pf.keras.callbacks.Callback):
+        """Takes the time and each role's CPU after the warm batches and after the last."""
+
+        def on_train_batch_end(self, index: int, logs: Any = None) -> None:
+            if (not marks and index >= warm - 1) or index >= warm + steps - 1:
+                marks.append((index, time.perf_counter(), cluster.cpu()))
+
+    model.fit(dataset_fn, epochs=1, steps_per_epoch=warm + steps, verbose=0, callbacks=[Mark()])
+    (first, start, before), (last, end, after) = marks[0], marks[-1]
+    n = last - first
+    return n / (end - start), {
+        role: round((after[role] - before[role]) * 1e3 / n, 2) for role in after
+    }
 
 
 def main() -> int:
