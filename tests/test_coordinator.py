@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -131,6 +133,33 @@ def test_closures_spread_over_remote_workers(start_cluster):
     values = [coordinator.schedule(pid) for _ in range(40)]
     pids = {v.fetch() for v in values}
     assert pids == {w.proc.pid for w in cluster.workers}
+
+
+@pytest.mark.slow
+def test_closures_scheduled_together_run_on_idle_workers_side_by_side(start_cluster):
+    """A worker's second closure in flight never takes work another idle worker could
+    run: two closures scheduled together on two idle workers run at once, one each."""
+    cluster = start_cluster(num_ps=1, num_workers=2)
+    strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
+    coordinator = pf.distribute.coordinator.ClusterCoordinator(strategy)
+    assert len(_dispatchers(coordinator)) == 4  # two in flight per worker
+
+    def nap():
+        import os
+        import time
+
+        time.sleep(0.5)
+        return os.getpid()
+
+    coordinator.schedule(nap)
+    coordinator.join()  # both workers warm and idle
+    for _ in range(4):  # one worker taking both closures showed in about half the rounds
+        start = time.monotonic()
+        values = [coordinator.schedule(nap), coordinator.schedule(nap)]
+        coordinator.join()
+        took = time.monotonic() - start
+        assert {v.fetch() for v in values} == {w.proc.pid for w in cluster.workers}
+        assert took < 0.95, f"two 0.5 s closures on two idle workers took {took:.2f}s"
 
 
 def _dispatchers(coordinator) -> list[str]:

@@ -557,7 +557,13 @@ class ClusterCoordinator(Recovery):
                 if self._closed:
                     return None
                 if state.up and not (
-                    extra and (state.targeted or state.resources_in_flight or state.rebuilding)
+                    extra
+                    and (
+                        state.targeted
+                        or state.resources_in_flight
+                        or state.rebuilding
+                        or self._another_idle(state)
+                    )
                 ):
                     if state.targeted and not extra:
                         closure = state.targeted.popleft()
@@ -570,6 +576,16 @@ class ClusterCoordinator(Recovery):
                         return self._start(state, closure)
                 self._check_all_down()
                 self._cond.wait(1.0)
+
+    def _another_idle(self, state: WorkerState) -> bool:
+        """Whether a worker other than ``state``'s is up and runs nothing (lock held).
+
+        A second closure in flight is queued behind the one its worker runs; while
+        another worker idles, that closure is that worker's to take (its dispatcher
+        is woken by the same notify), else two closures scheduled together could run
+        one after the other on one worker while the other waits.
+        """
+        return any(s is not state and s.up and not s.running for s in self._states)
 
     def _next_general(self, state: WorkerState) -> Closure | None:
         """Takes the first queued closure this worker should run (under the lock).
@@ -591,6 +607,10 @@ class ClusterCoordinator(Recovery):
     def _start(self, state: WorkerState, closure: Closure) -> tuple[int, Closure]:
         attempt = next(self._attempt_ids)
         closure.running += 1
+        if not state.running and self._queue:
+            # no longer idle: a second-in-flight dispatcher that left a queued closure
+            # to this worker (_another_idle) may take one now
+            self._cond.notify_all()
         state.running[attempt] = (closure, time.monotonic())
         return attempt, closure
 
