@@ -53,7 +53,8 @@ class CoordinatorConfig:
 
     Attributes:
         closures_in_flight: closures sent to one remote worker at once in async
-            mode (``PSFLOW_CLOSURES_IN_FLIGHT``).
+            mode (``PSFLOW_CLOSURES_IN_FLIGHT``); one beyond the first only while
+            no other worker is idle.
         worker_unavailable_timeout: seconds with no worker reachable before the
             queued closures fail with a ``WorkerUnavailableError`` naming the lost
             workers (``PSFLOW_WORKER_UNAVAILABLE_TIMEOUT``).
