@@ -41,6 +41,7 @@ __all__ = [
     "as_ids",
     "gradient_rows",
     "mix64",
+    "mix64_in_place",
     "shard_of",
     "sum_rows",
     "unique_gradients",
@@ -95,7 +96,12 @@ def mix64(keys: np.ndarray) -> np.ndarray:
     """
     # In place over one scratch array: two allocations instead of nine (the
     # hash of every new row's columns runs it over tens of thousands of words).
-    z = np.ascontiguousarray(keys).view(np.uint64) + _GOLDEN
+    return mix64_in_place(np.ascontiguousarray(keys).view(np.uint64) + _GOLDEN)
+
+
+def mix64_in_place(z: np.ndarray) -> np.ndarray:
+    """:func:`mix64` of ``z - golden`` (uint64, C-contiguous), written over ``z``:
+    for a caller whose last pass over its words can add the golden ratio itself."""
     t = np.right_shift(z, _S30)
     z ^= t
     z *= _M1
@@ -113,7 +119,9 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     It mixes the key twice so it is independent of the index position a shard
     uses (which mixes once): a shard's keys still spread over its whole index.
     """
-    mixed = mix64(mix64(keys))
+    mixed = mix64(keys)
+    mixed += _GOLDEN  # the second mix over the first's array
+    mix64_in_place(mixed)
     # a power of two (the usual count): the same bits as the remainder, no division
     if num_shards > 0 and num_shards & (num_shards - 1) == 0:
         mixed &= np.uint64(num_shards - 1)
@@ -182,12 +190,30 @@ def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
     ``np.add.at(out, inverse, values)``).
 
     One 1-D ``np.add.at`` per column: NumPy's fast path takes only 1-D
-    operands, and the 2-D form is about six times slower.
+    operands, and the 2-D form is about six times slower.  Each call costs
+    about as much as a pass over its elements whatever its width, so float32
+    and float64 columns go in pairs, as the parts of one complex column: a
+    complex sum adds its real and imaginary parts apart, each rounded as the
+    float sum it stands for (the same bits, half the calls).
     """
     out = np.zeros((n, values.shape[1]), values.dtype)
-    for column in range(values.shape[1]):
+    pair = _PAIRED.get(values.dtype)
+    paired = 0 if pair is None else values.shape[1] // 2 * 2
+    if paired:
+        values = np.ascontiguousarray(values)
+        both, pairs = out[:, :paired].view(pair), values[:, :paired].view(pair)
+        for column in range(paired // 2):
+            np.add.at(both[:, column], inverse, pairs[:, column])
+    for column in range(paired, values.shape[1]):
         np.add.at(out[:, column], inverse, values[:, column])
     return out
+
+
+# float dtypes whose column pairs :func:`sum_rows` adds as one complex column
+_PAIRED = {
+    np.dtype(np.float32): np.dtype(np.complex64),
+    np.dtype(np.float64): np.dtype(np.complex128),
+}
 
 
 def unique_gradients(ids: Any, grads: Any) -> tuple[np.ndarray, np.ndarray]:
