@@ -315,7 +315,7 @@ class KeyIndex:
     def _window(self, pos: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """``(index positions, entries)`` of the ``width`` entries from each of ``pos``."""
         at = (pos[:, None] + np.arange(width, dtype=np.int64)) & (self._table.shape[0] - 1)
-        return at, self._table[at]
+        return at, self._table.take(at)
 
     def _width(self, r: int) -> int:
         """The window width of probe round ``r`` after the first: ``WINDOW``, then
@@ -336,8 +336,10 @@ class KeyIndex:
         # left read a window per round, doubling from WINDOW entries, so the
         # Python loop runs about log2(longest probe / WINDOW) times. An empty
         # entry always exists (load < 1), so every probe ends within the table.
-        entry = self._table[pos]
-        hit = self.keys[np.maximum(entry, 0)] == keys
+        # ``take`` rather than indexing (a fifth faster), clipped: an EMPTY or
+        # TOMBSTONE entry reads slot 0's key, which ``entry >= 0`` then discards
+        entry = self._table.take(pos)
+        hit = self.keys.take(entry, mode="clip") == keys
         hit &= entry >= 0
         slots = np.where(hit, entry, np.int64(-1))  # one pass each, no masked writes
         empty = entry == EMPTY
@@ -368,7 +370,7 @@ class KeyIndex:
                 break
             width = self._width(r)
             _, entry = self._window(pos, width)
-            hit = self.keys[np.maximum(entry, 0)] == keys[pending][:, None]
+            hit = self.keys.take(entry, mode="clip") == keys[pending][:, None]
             hit &= entry >= 0
             stop = hit | (entry == EMPTY)
             first = stop.argmax(axis=1)
@@ -458,9 +460,9 @@ class KeyIndex:
     def _claim(self, targets: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Writes ``slots`` into the free index entries ``targets``; where several
         want the same entry one takes it (read back: no sort). Returns who won."""
-        before = self._table[targets]
+        before = self._table.take(targets)
         self._table[targets] = slots
-        won = self._table[targets] == slots
+        won = self._table.take(targets) == slots
         self._tombstones -= int(np.count_nonzero(before[won] == TOMBSTONE))
         return won
 
@@ -479,7 +481,7 @@ class KeyIndex:
                 pos = np.where(at >= 0, at, pos)
         # Round one: a key whose home (or probed) entry is free takes it, one key per
         # entry (most do at a load below MAX_LOAD).
-        home_free = np.flatnonzero(self._table[pos] < 0)
+        home_free = np.flatnonzero(self._table.take(pos) < 0)
         won = np.zeros(keys.shape[0], bool)
         won[home_free] = self._claim(pos[home_free], slots[home_free])
         pending = np.flatnonzero(~won)
