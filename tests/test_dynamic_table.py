@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
-from psflow.ps.dynamic_table import DynamicTable, TableConfig, initial_rows
+from psflow.ps.dynamic_table import DynamicTable, TableConfig, _uniform_bits, initial_rows
 from psflow.ps.key_index import (
     _PACKED_MAX,
     MAX_LOAD,
@@ -459,17 +459,48 @@ def test_amortised_eviction_scan_observes_exactly_what_a_per_push_scan_gives():
     assert table.eviction_scans <= pushes // (ttl // 8) + 10
 
 
-def test_sum_rows_equals_add_at_bit_for_bit():
+@pytest.mark.parametrize(
+    "dtype, width",
+    [("float32", DIM), ("float32", 8), ("float32", 5), ("float64", 3), ("float16", 4)],
+)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_sum_rows_equals_add_at_bit_for_bit(dtype, width, contiguous):
     rng = np.random.default_rng(3)
     ids = rng.zipf(1.3, size=5000)
     _, inverse = np.unique(ids, return_inverse=True)
     # magnitudes far apart: any other summation order would round differently
-    values = rng.standard_normal((5000, DIM)).astype(np.float32)
-    values *= (10.0 ** rng.integers(-4, 5, size=(5000, 1))).astype(np.float32)
-    expected = np.zeros((inverse.max() + 1, DIM), np.float32)
-    np.add.at(expected, inverse, values)
-    got = sum_rows(values, inverse, inverse.max() + 1)
-    assert got.tobytes() == expected.tobytes()
+    values = rng.standard_normal((5000, width)).astype(dtype)
+    values *= (10.0 ** rng.integers(-4, 5, size=(5000, 1))).astype(dtype)
+    # signed zeros (a sum starts at +0.0), infinities and NaNs ride along
+    values[::97] = -0.0
+    values[5::389, 0] = np.inf
+    values[7::401, -1] = np.nan
+    if not contiguous:  # a column-major copy: paired columns need a C-contiguous copy
+        values = np.asfortranarray(values)
+    expected = np.zeros((inverse.max() + 1, width), dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.add.at(expected, inverse, values)
+        got = sum_rows(values, inverse, inverse.max() + 1)
+    assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3000, 9000])
+@pytest.mark.parametrize("dim", [1, 3, 8, 33])
+def test_uniform_initial_rows_equal_the_float_formula_bit_for_bit(rows, dim):
+    """The uniform rows are ``(2u - 1) * scale`` of the hashed ``u``, computed as
+    integers then one product: bit for bit the float formula's rounding (sizes
+    within and past the held column offsets)."""
+    ids = np.random.default_rng(rows + dim).integers(-(2**63), 2**63 - 1, rows, np.int64)
+    for scale in (0.05, 1.0, -0.5, 3e-300, 1e300):
+        for dtype in (np.dtype("float32"), np.dtype("float64")):
+            u = _uniform_bits(7, ids, dim, 0)
+            u *= 2.0
+            u -= 1.0
+            u *= scale
+            with np.errstate(over="ignore"):
+                expected = u.astype(dtype)
+                got = initial_rows("uniform", 7, ids, dim, scale, dtype)
+            assert got.shape == (rows, dim) and got.tobytes() == expected.tobytes()
 
 
 def _id_cases() -> list[np.ndarray]:

@@ -254,3 +254,15 @@ def test_a_rerun_closures_table_push_is_applied_once(start_cluster, tmp_path):
     start = initial_rows("uniform", SEED, np.array([7], np.int64), DIM, 0.05, np.dtype("float32"))
     got = layer.table.backend.client.lookup(layer.config.name, np.array([7], np.int64))
     np.testing.assert_allclose(got, start - 3.0, atol=1e-6)
+
+
+def test_each_table_push_carries_the_rule_of_its_step():
+    """A table binds its first push's rule; a later step's rate (a schedule) is
+    refused by name, never pushed with the first step's rule (kept per rule)."""
+    ids, y = _data()
+    model = _dynamic_model()
+    schedule = pf.keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    optimizer = pf.keras.optimizers.SGD(schedule)
+    _custom_loop(model, optimizer, ids, y, 8, 1)
+    with pytest.raises(pf.errors.FailedPreconditionError, match=r"0\.05"):
+        _custom_loop(model, optimizer, ids[8:], y[8:], 8, 1)

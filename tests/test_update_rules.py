@@ -362,3 +362,22 @@ def test_take_and_put_rows_equal_indexing():
         expected[rows] = values
         put_rows(array, rows, values)
         np.testing.assert_array_equal(array, expected)
+
+
+def test_put_rows_refuses_what_indexing_refuses():
+    """Rows are put by ``put`` on contiguous arrays, which would repeat short
+    values and wrap nothing: the same errors as ``array[rows] = values``."""
+    array = np.zeros((10, 4), np.float32)
+    with pytest.raises(ValueError):
+        put_rows(array, np.array([1, 2, 3]), np.ones((2, 4), np.float32))
+    with pytest.raises(IndexError, match="20"):
+        put_rows(array, np.array([1, 20]), np.ones((2, 4), np.float32))
+    with pytest.raises(IndexError, match="10"):
+        take_rows(array, np.array([10]))
+    assert not array.any()
+    put_rows(array, np.array([-1]), np.full((1, 4), 2.0))  # negative: from the end, as indexing
+    np.testing.assert_array_equal(array[9], 2.0)
+    put_rows(array, np.array([0, 1]), np.full((1, 4), 3.0))  # one row broadcast, as indexing
+    np.testing.assert_array_equal(array[:2], 3.0)
+    assert take_rows(np.zeros((5, 0)), np.array([1, 2])).shape == (2, 0)
+    assert take_rows(array, np.zeros(0, np.intp)).shape == (0, 4)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +53,7 @@ import numpy as np
 from psflow.errors import FailedPreconditionError, InvalidArgumentError
 from psflow.update_rules import UpdateRule, put_rows, rule_from_config, take_rows
 
-from .key_index import KeyIndex, mix64, sum_rows, unique_ids
+from .key_index import _GOLDEN, KeyIndex, mix64, mix64_in_place, sum_rows, unique_ids
 
 __all__ = ["INITIALIZERS", "DynamicTable", "IdCheck", "TableConfig", "TableStats", "initial_rows"]
 
@@ -66,15 +67,45 @@ IdCheck = Callable[[np.ndarray], None]
 """``check(ids)``: raises for ids (int64, 1-D) a table shard must not hold."""
 
 
-def _uniform_bits(seed: int, ids: np.ndarray, dim: int, stream: int) -> np.ndarray:
-    """Uniform floats in ``[0, 1)``, shape ``(len(ids), dim)``: a counter-based hash
-    of ``(seed, stream, id, column)``, so each row depends on its id alone."""
+def _hashed_bits(seed: int, ids: np.ndarray, dim: int, stream: int) -> np.ndarray:
+    """53 random bits per word, int64 of shape ``(len(ids), dim)``: a counter-based
+    hash of ``(seed, stream, id, column)``, so each row depends on its id alone."""
     base = mix64(ids ^ np.int64(seed))
-    base ^= np.uint64(stream) * _SEED_MIX
-    cols = np.arange(1, dim + 1, dtype=np.uint64) * _COLUMN_MIX
-    bits = mix64((base[:, None] + cols[None, :]).view(np.int64))
+    if stream:
+        base ^= np.uint64(stream) * _SEED_MIX
+    # Each word is its row's base plus its column's offset, the mix's own
+    # golden-ratio step added in (mod 2**64, the same words): one pass fewer.
+    # The bases repeated then the tiled offsets added: both passes run along
+    # the whole array, where a broadcast (rows, 1) + (1, dim) runs one short
+    # inner loop per row, about twice as slow.
+    bits = np.repeat(base, dim)
+    bits += _column_offsets(dim, ids.shape[0])
+    mix64_in_place(bits)
     bits >>= np.uint64(11)
-    out = bits.astype(np.float64)
+    return bits.view(np.int64).reshape(ids.shape[0], dim)
+
+
+# Tiled column offsets by width, at most this many words each (more: tiled per call).
+_OFFSETS_HELD = 1 << 16
+_offsets: dict[int, np.ndarray] = {}
+
+
+def _column_offsets(dim: int, rows: int) -> np.ndarray:
+    """``rows`` copies of the ``dim`` column offsets (with the golden-ratio step), flat."""
+    held = _offsets.get(dim)
+    if held is None or held.shape[0] < rows * dim:
+        cols = np.arange(1, dim + 1, dtype=np.uint64) * _COLUMN_MIX + _GOLDEN
+        if rows * dim > _OFFSETS_HELD:
+            return np.tile(cols, rows)
+        held = np.tile(cols, max(_OFFSETS_HELD // dim, 1))
+        held.flags.writeable = False  # shared by every table of this width
+        _offsets[dim] = held
+    return held[: rows * dim]
+
+
+def _uniform_bits(seed: int, ids: np.ndarray, dim: int, stream: int) -> np.ndarray:
+    """Uniform floats in ``[0, 1)``, shape ``(len(ids), dim)``, from :func:`_hashed_bits`."""
+    out = _hashed_bits(seed, ids, dim, stream).astype(np.float64)
     out *= 1.0 / (1 << 53)
     return out
 
@@ -89,6 +120,17 @@ def initial_rows(
     """
     if initializer == "zeros":
         return np.zeros((ids.shape[0], dim), dtype)
+    step = math.ldexp(scale, -52)
+    if initializer == "uniform" and math.ldexp(step, 52) == scale:
+        # (2u - 1) * scale for u = b / 2**53 (53 bits b): 2u - 1 is (b - 2**52) / 2**52
+        # exactly, and a power of two moves into the scale exactly (checked above:
+        # no underflow), so one rounding of the same product, as in three passes
+        # of floats, in one pass of integers
+        bits = _hashed_bits(seed, ids, dim, 0)
+        bits -= np.int64(1 << 52)
+        u = bits.astype(np.float64)
+        u *= step
+        return u.astype(dtype)
     u = _uniform_bits(seed, ids, dim, 0)
     if initializer == "uniform":  # (2u - 1) * scale, in place
         u *= 2.0

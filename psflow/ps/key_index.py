@@ -41,6 +41,7 @@ __all__ = [
     "as_ids",
     "gradient_rows",
     "mix64",
+    "mix64_in_place",
     "shard_of",
     "sum_rows",
     "unique_gradients",
@@ -95,7 +96,12 @@ def mix64(keys: np.ndarray) -> np.ndarray:
     """
     # In place over one scratch array: two allocations instead of nine (the
     # hash of every new row's columns runs it over tens of thousands of words).
-    z = np.ascontiguousarray(keys).view(np.uint64) + _GOLDEN
+    return mix64_in_place(np.ascontiguousarray(keys).view(np.uint64) + _GOLDEN)
+
+
+def mix64_in_place(z: np.ndarray) -> np.ndarray:
+    """:func:`mix64` of ``z - golden`` (uint64, C-contiguous), written over ``z``:
+    for a caller whose last pass over its words can add the golden ratio itself."""
     t = np.right_shift(z, _S30)
     z ^= t
     z *= _M1
@@ -113,7 +119,9 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     It mixes the key twice so it is independent of the index position a shard
     uses (which mixes once): a shard's keys still spread over its whole index.
     """
-    mixed = mix64(mix64(keys))
+    mixed = mix64(keys)
+    mixed += _GOLDEN  # the second mix over the first's array
+    mix64_in_place(mixed)
     # a power of two (the usual count): the same bits as the remainder, no division
     if num_shards > 0 and num_shards & (num_shards - 1) == 0:
         mixed &= np.uint64(num_shards - 1)
@@ -182,12 +190,30 @@ def sum_rows(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
     ``np.add.at(out, inverse, values)``).
 
     One 1-D ``np.add.at`` per column: NumPy's fast path takes only 1-D
-    operands, and the 2-D form is about six times slower.
+    operands, and the 2-D form is about six times slower.  Each call costs
+    about as much as a pass over its elements whatever its width, so float32
+    and float64 columns go in pairs, as the parts of one complex column: a
+    complex sum adds its real and imaginary parts apart, each rounded as the
+    float sum it stands for (the same bits, half the calls).
     """
     out = np.zeros((n, values.shape[1]), values.dtype)
-    for column in range(values.shape[1]):
+    pair = _PAIRED.get(values.dtype)
+    paired = 0 if pair is None else values.shape[1] // 2 * 2
+    if paired:
+        values = np.ascontiguousarray(values)
+        both, pairs = out[:, :paired].view(pair), values[:, :paired].view(pair)
+        for column in range(paired // 2):
+            np.add.at(both[:, column], inverse, pairs[:, column])
+    for column in range(paired, values.shape[1]):
         np.add.at(out[:, column], inverse, values[:, column])
     return out
+
+
+# float dtypes whose column pairs :func:`sum_rows` adds as one complex column
+_PAIRED = {
+    np.dtype(np.float32): np.dtype(np.complex64),
+    np.dtype(np.float64): np.dtype(np.complex128),
+}
 
 
 def unique_gradients(ids: Any, grads: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -289,7 +315,7 @@ class KeyIndex:
     def _window(self, pos: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """``(index positions, entries)`` of the ``width`` entries from each of ``pos``."""
         at = (pos[:, None] + np.arange(width, dtype=np.int64)) & (self._table.shape[0] - 1)
-        return at, self._table[at]
+        return at, self._table.take(at)
 
     def _width(self, r: int) -> int:
         """The window width of probe round ``r`` after the first: ``WINDOW``, then
@@ -310,8 +336,10 @@ class KeyIndex:
         # left read a window per round, doubling from WINDOW entries, so the
         # Python loop runs about log2(longest probe / WINDOW) times. An empty
         # entry always exists (load < 1), so every probe ends within the table.
-        entry = self._table[pos]
-        hit = self.keys[np.maximum(entry, 0)] == keys
+        # ``take`` rather than indexing (a fifth faster), clipped: an EMPTY or
+        # TOMBSTONE entry reads slot 0's key, which ``entry >= 0`` then discards
+        entry = self._table.take(pos)
+        hit = self.keys.take(entry, mode="clip") == keys
         hit &= entry >= 0
         slots = np.where(hit, entry, np.int64(-1))  # one pass each, no masked writes
         empty = entry == EMPTY
@@ -342,7 +370,7 @@ class KeyIndex:
                 break
             width = self._width(r)
             _, entry = self._window(pos, width)
-            hit = self.keys[np.maximum(entry, 0)] == keys[pending][:, None]
+            hit = self.keys.take(entry, mode="clip") == keys[pending][:, None]
             hit &= entry >= 0
             stop = hit | (entry == EMPTY)
             first = stop.argmax(axis=1)
@@ -432,9 +460,9 @@ class KeyIndex:
     def _claim(self, targets: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Writes ``slots`` into the free index entries ``targets``; where several
         want the same entry one takes it (read back: no sort). Returns who won."""
-        before = self._table[targets]
+        before = self._table.take(targets)
         self._table[targets] = slots
-        won = self._table[targets] == slots
+        won = self._table.take(targets) == slots
         self._tombstones -= int(np.count_nonzero(before[won] == TOMBSTONE))
         return won
 
@@ -453,7 +481,7 @@ class KeyIndex:
                 pos = np.where(at >= 0, at, pos)
         # Round one: a key whose home (or probed) entry is free takes it, one key per
         # entry (most do at a load below MAX_LOAD).
-        home_free = np.flatnonzero(self._table[pos] < 0)
+        home_free = np.flatnonzero(self._table.take(pos) < 0)
         won = np.zeros(keys.shape[0], bool)
         won[home_free] = self._claim(pos[home_free], slots[home_free])
         pending = np.flatnonzero(~won)

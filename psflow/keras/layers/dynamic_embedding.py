@@ -64,6 +64,9 @@ class _Backend(UpdateGroup):
         # the PS session's ids: a closure re-run on another worker pushes with the
         # same ids as its first run, so the PS applies its table gradients once
         self.request_ids = request_ids
+        # the last update rule pushed with and its config: an optimizer hands out
+        # the same (frozen) rule while its learning rate stays
+        self._config: tuple[Any, dict] | None = None
 
     def apply_optimizer(self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int) -> None:
         """Pushes each table's gradient rows with ``optimizer``'s update rule."""
@@ -73,7 +76,10 @@ class _Backend(UpdateGroup):
         self, optimizer: Any, pairs: list[tuple[Any, Any]], step: int
     ) -> Callable[[], None]:
         """Sends each table's gradient rows; the result waits for every shard's answer."""
-        config = optimizer.rule.get_config()
+        rule, held = optimizer.rule, self._config
+        if held is None or held[0] is not rule:
+            held = self._config = (rule, rule.get_config())
+        config = held[1]
         finishes = []
         for grad, handle in pairs:
             if not isinstance(grad, IndexedSlices):
