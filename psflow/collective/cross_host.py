@@ -17,8 +17,10 @@ in frames of at most 4 MiB, and every frame a step receives (and, in the
 reduce-scatter, sums) is queued at once as a frame of the next step: the
 steps overlap, frame by frame, instead of each waiting for the previous
 one's whole chunk.  The bytes go from the arrays to the socket and from the
-socket into the result buffer (``recv_into``; only what comes in with a
-small frame's header passes through the stream's staging buffer); the result
+socket into the result buffer (``recv_into``; on a plain link a frame's head and
+each payload piece come in one blocking receive each, on a TLS link only what
+comes in with a small frame's header passes through the stream's staging
+buffer); the result
 buffers are reused once the caller has dropped the results.  A frame of
 up to 2 MB starts from this thread without waiting (what the kernel does not
 take at once, and every larger frame, goes from the links' sender thread
