@@ -21,6 +21,7 @@ from psflow.collective import cross_host, peer_link
 from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.security.config import SecurityConfig
+from psflow.transport.dataplane import frames
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
@@ -246,3 +247,64 @@ def test_a_frame_started_without_waiting_to_a_closed_neighbour_is_unavailable_na
         assert caught.value.task == "worker:1"
     finally:
         links[0].close()
+
+
+def _half_frame(links: PeerLinks, nbytes: int) -> None:
+    """Writes the head of the next data frame of ``nbytes`` and half its payload, no more."""
+    head = peer_link._FIXED.pack(
+        frames.MAGIC, frames.VERSION, int(frames.Kind.REQUEST), 0, peer_link._METHOD,
+        links._call_id(links._sent + 1), 0, 0, nbytes,
+    )  # fmt: skip
+    links._right.sock.sendall(head + bytes(nbytes // 2))
+
+
+@pytest.mark.parametrize("how", ["silent", "closed"])
+def test_a_left_neighbour_stopping_inside_a_frame_is_a_typed_error_naming_it_in_time(
+    how: str,
+) -> None:
+    # the plain links' receive blocks in the kernel (MSG_WAITALL): a payload that stops
+    # half way still ends by the deadline (a silent peer) or at once (a closed one)
+    import time
+
+    links = _links(2)
+    try:
+        links[0].begin()
+        links[1].begin()
+        _half_frame(links[0], 1 << 20)
+        if how == "closed":
+            links[0].close()
+        start = time.monotonic()
+        dest = np.zeros(1 << 20, np.uint8)
+        error = pf.errors.DeadlineExceededError if how == "silent" else pf.errors.UnavailableError
+        with pytest.raises(error) as caught:
+            links[1].receive_into(memoryview(dest), start + 0.6)
+        took = time.monotonic() - start
+        assert caught.value.task == "worker:0"
+        assert (0.55 <= took < 1.0) if how == "silent" else took < 0.5, took
+    finally:
+        for lk in links:
+            lk.close()
+
+
+def test_heartbeats_between_blocking_receives_keep_a_slow_left_neighbour_alive() -> None:
+    # the left neighbour sends its frame only after several of the receiver's ticks and
+    # more than its silence bound: its heartbeats keep it from being blamed meanwhile
+    import time
+
+    links = _links(2)
+    try:
+        links[1].silence = 0.3
+        links[0].heartbeat = 0.05
+        links[0].begin()
+        time.sleep(1.1)  # the sender thread's first wait (1 s) is over: heartbeats flow
+        links[1].begin()
+        frame = np.arange(300_000, dtype=np.float32)
+        timer = threading.Timer(0.8, lambda: links[0].send([frame], time.monotonic() + 5))
+        timer.start()
+        dest = np.zeros_like(frame)
+        links[1].receive_into(memoryview(dest), time.monotonic() + 5)
+        timer.join()
+        assert np.array_equal(dest, frame)
+    finally:
+        for lk in links:
+            lk.close()

@@ -36,6 +36,7 @@ import queue
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,7 +55,13 @@ _METHOD = frames.method_id("psflow.collective.ring")
 _HEARTBEAT = frames.method_id("psflow.collective.heartbeat")
 _FIXED = frames.FIXED
 _WRITEV = hasattr(os, "writev")
+# A plain left link is read blocking with MSG_WAITALL: one receive takes a frame's head or a
+# whole payload piece, the kernel waiting for its bytes (a socket with a Python timeout polls
+# before every receive and hands each arrival back to a Python loop)
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_TICK_SECONDS = 0.25  # the most a blocked receive sleeps before it looks at the clock
 _REQUEST = int(frames.Kind.REQUEST)
+_MAGIC, _VERSION = frames.MAGIC, frames.VERSION
 _MAX_PAYLOAD = 1 << 40
 _RETRY_SECONDS = 0.05
 _FORWARD_SECONDS = 2.0  # how long a failing worker tries to tell its right neighbour
@@ -273,6 +280,9 @@ class PeerLinks:
         self._plain = False  # the right link is a plain socket: frames may start without waiting
         self._writable_right: Callable[[], bool] = lambda: False  # set by connect()
         self._heard = 0.0  # when the left neighbour last sent a frame
+        self._plain_left = False  # the left link is read blocking, by _fill (set by connect())
+        self._rcvtimeo = 0.0  # the left socket's SO_RCVTIMEO now (0: none set)
+        self._head = bytearray(_FIXED.size)  # where _receive_plain reads a frame's head
 
     @property
     def port(self) -> int:
@@ -331,6 +341,11 @@ class PeerLinks:
                 task=f"worker:{self.left_id}",
             )
         self._left = outcome
+        self._plain_left = (
+            bool(_WAITALL)
+            and hasattr(socket, "MSG_DONTWAIT")  # not Windows: its SO_RCVTIMEO is a DWORD
+            and not isinstance(outcome.sock, ssl.SSLSocket)
+        )
         sock = self._right.sock
         self._plain = hasattr(socket, "MSG_DONTWAIT") and not isinstance(sock, ssl.SSLSocket)
         self._writable_right = _writable_check(sock)
@@ -488,6 +503,14 @@ class PeerLinks:
             nbytes = memoryview(buffers[0]).nbytes
         else:
             nbytes = sum(memoryview(b).nbytes for b in buffers)
+        if not self._queued and self._plain and nbytes <= _NOW_BYTES:
+            # mid-sized: what the kernel takes at once goes from this thread (never waiting,
+            # so two neighbours cannot block on each other); only a rest, if any, is handed
+            # to the sender thread, as the frame's continuation
+            rest = self._send_now(buffers, nbytes)
+            if rest is None:
+                return _SENT
+            return self._hand_over(None, rest, deadline)
         if self._queued == 0 and nbytes <= _INLINE_BYTES and not self._plain:
             # small (a flag, a count) on TLS: written from this thread, which saves a wake-up
             # of the sender thread per hop; the kernel takes it whole at once, so it cannot
@@ -495,15 +518,12 @@ class PeerLinks:
             # does the same with less: one writev, no polls, no frame builder)
             self._send_inline(buffers, deadline)
             return _SENT  # an Event costs a lock and a condition: the sent ones share one
-        kind: frames.Kind | None = frames.Kind.REQUEST
-        if self._queued == 0 and self._plain and nbytes <= _NOW_BYTES:
-            # mid-sized: what the kernel takes at once goes from this thread (never waiting,
-            # so two neighbours cannot block on each other); only a rest, if any, is handed
-            # to the sender thread, as the frame's continuation
-            rest = self._send_now(buffers, nbytes)
-            if rest is None:
-                return _SENT
-            kind, buffers = None, rest
+        return self._hand_over(frames.Kind.REQUEST, buffers, deadline)
+
+    def _hand_over(
+        self, kind: frames.Kind | None, buffers: Sequence[Any], deadline: float
+    ) -> threading.Event:
+        """Queues a frame (or, ``kind`` None, a frame's rest) for the sender thread."""
         done = threading.Event()
         with self._counting:
             self._queued += 1
@@ -518,22 +538,12 @@ class PeerLinks:
         """
         right = self._right
         assert right is not None
-        fixed = _FIXED.pack(
-            frames.MAGIC,
-            frames.VERSION,
-            _REQUEST,
-            0,
-            _METHOD,
-            self._call_id(self._sent),
-            0,
-            0,
-            nbytes,
+        call_id = (self.generation << 32) | (self._sent & 0xFFFFFFFF)
+        fixed = _FIXED.pack(_MAGIC, _VERSION, _REQUEST, 0, _METHOD, call_id, 0, 0, nbytes)
+        # writev and sendmsg take any contiguous buffer; byte views only for a rest
+        views: list[Any] = (
+            [fixed, *buffers] if len(buffers) < IOV_MAX else [fixed, *buffers][:IOV_MAX]
         )
-        if len(buffers) == 1:
-            views = [memoryview(fixed), memoryview(buffers[0]).cast("B")]
-        else:
-            views = [memoryview(fixed)]
-            views += [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
         sock = right.sock
         with self._writing:
             sent = 0
@@ -543,9 +553,9 @@ class PeerLinks:
                     # timeouts are polls around non-blocking calls): writev takes what the
                     # kernel takes now, or raises BlockingIOError, without the two polls
                     # (the writable check and Python's own) a sendmsg costs here
-                    sent = os.writev(sock.fileno(), views[:IOV_MAX])
+                    sent = os.writev(sock.fileno(), views)
                 elif self._writable_right():  # so the send below returns at once
-                    sent = sock.sendmsg(views[:IOV_MAX], [], socket.MSG_DONTWAIT)
+                    sent = sock.sendmsg(views, [], socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as e:
@@ -558,6 +568,8 @@ class PeerLinks:
                 )
             if sent == nbytes + _FIXED.size:  # all of it (mostly): nothing to hand over
                 return None
+            views = [memoryview(fixed)]
+            views += [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
             while sent:
                 if sent >= len(views[0]):
                     sent -= len(views.pop(0))
@@ -720,6 +732,9 @@ class PeerLinks:
             raise self._broken
         stream = self._left
         assert stream is not None
+        if self._plain_left and not stream.pending():
+            self._receive_plain(stream, dest, deadline, on_segment, segment)
+            return
         nbytes = dest.nbytes
         # the fixed header the next data frame must have, compared as one tuple: the common
         # case then costs one unpack and one comparison, not the checks of frames.unpack
@@ -782,6 +797,118 @@ class PeerLinks:
             )
         finally:
             stream.deadline = None
+
+    def _receive_plain(
+        self,
+        stream: FrameStream,
+        dest: memoryview,
+        deadline: float,
+        on_segment: Callable[[int, int], None] | None,
+        segment: int,
+    ) -> None:
+        """:meth:`receive_into` on a plain link with nothing staged: the head and each
+        payload piece in one blocking receive each, straight into their places."""
+        sock = stream.sock
+        if sock.gettimeout() is not None:
+            sock.settimeout(None)  # blocking (a TLS link, or a staged rest, reads as before)
+        nbytes = dest.nbytes
+        call_id = (self.generation << 32) | ((self._received + 1) & 0xFFFFFFFF)
+        expected = _FIXED.pack(_MAGIC, _VERSION, _REQUEST, 0, _METHOD, call_id, 0, 0, nbytes)
+        head = self._head
+        try:
+            while True:
+                try:
+                    quiet = self._heard + self.silence
+                    self._fill(sock, head, _FIXED.size, deadline if deadline < quiet else quiet)
+                except TimeoutError:
+                    if time.monotonic() >= self._heard + self.silence:
+                        why = f"{self.left_name} sent nothing for {self.silence:g}s"
+                    else:
+                        why = (
+                            f"{self.left_name} is alive but its data did not come before "
+                            "the deadline"
+                        )
+                    self.fail(
+                        errors.DeadlineExceededError(f"collective: {why}", task=self._left_task)
+                    )
+                self._heard = time.monotonic()
+                if head == expected:
+                    break
+                stream.deadline = deadline  # a heartbeat has no body; an ERROR frame's is read
+                self._unusual(stream, bytes(head), nbytes, deadline)  # returns on a heartbeat
+                if sock.gettimeout() is not None:
+                    sock.settimeout(None)
+            self._received += 1
+            if on_segment is None:
+                self._fill(sock, dest, nbytes, deadline)
+            else:
+                view = dest.cast("B")
+                for lo in range(0, nbytes, segment):
+                    hi = min(lo + segment, nbytes)
+                    self._fill(sock, view[lo:hi], hi - lo, deadline)
+                    on_segment(lo, hi)
+            self._heard = time.monotonic()
+        except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
+            raise
+        except TimeoutError:
+            self.fail(
+                errors.DeadlineExceededError(
+                    f"collective: the data from {self.left_name} did not arrive in time",
+                    task=self._left_task,
+                )
+            )
+        except (OSError, frames.FrameError) as e:
+            self.fail(
+                errors.UnavailableError(
+                    f"collective: {self.left_name} is unavailable: {e}", task=self._left_task
+                )
+            )
+        finally:
+            stream.deadline = None
+
+    def _fill(self, sock: socket.socket, dest: Any, size: int, limit: float) -> None:
+        """Fills ``dest`` (any writable buffer) from the blocking left socket by ``limit``.
+
+        One ``recv`` with ``MSG_WAITALL`` takes it whole in the common case.  The
+        socket's ``SO_RCVTIMEO`` (a tick, or what is left before ``limit`` if less)
+        wakes a receive that waits long, so that ``limit`` is kept.
+
+        Raises:
+            TimeoutError: ``limit`` passed first.  ConnectionError: the peer closed.
+        """
+        got, view = 0, None
+        if self._rcvtimeo == _TICK_SECONDS and time.monotonic() + _TICK_SECONDS < limit:
+            # the common case: a full tick before the limit, so one receive cannot pass it
+            try:
+                got = sock.recv_into(dest, size, _WAITALL)
+            except BlockingIOError:  # a tick with nothing
+                got = -1
+            if got == size:
+                return
+            if not got:
+                raise ConnectionError("the data-plane connection was closed by its peer")
+            got = max(got, 0)
+        while got < size:
+            left = limit - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the rest of the frame did not arrive in time")
+            tick = left if left < _TICK_SECONDS else _TICK_SECONDS
+            if tick != self._rcvtimeo:  # only near a limit, or after one
+                sec = int(tick)
+                usec = max(1, int((tick - sec) * 1e6)) if sec == 0 else int((tick - sec) * 1e6)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
+                self._rcvtimeo = tick
+            try:
+                if got:  # the rest of a receive the tick cut short
+                    view = view or memoryview(dest).cast("B")
+                    k = sock.recv_into(view[got:], size - got, _WAITALL)
+                else:
+                    k = sock.recv_into(dest, size, _WAITALL)
+            except BlockingIOError:  # a tick passed with nothing: look at the clock again
+                continue
+            if not k:
+                raise ConnectionError("the data-plane connection was closed by its peer")
+            got += k
 
     def _unusual(self, stream: FrameStream, raw: bytes, nbytes: int, deadline: float) -> bool:
         """A fixed header that is not the expected data frame's: False for a heartbeat
