@@ -60,6 +60,60 @@ class _Conn(FrameStream):
     last_used = 0.0
 
 
+class _Sent(Started):
+    """A call sent on a pooled connection (see :meth:`DataPlaneClient.send`):
+    :meth:`result` reads its reply, then hands the connection (kept after an
+    ERROR frame) and the slot back; :meth:`cancel` closes the connection."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, client: DataPlaneClient, *call: Any) -> None:
+        def abandon() -> None:  # its connection is closed, its slot freed
+            call[1].close()
+            client._slots.release()
+
+        super().__init__(abandon, abandon, call[0])  # ``_read``: set while unread
+        self._call = (client, *call)
+
+    def result(self) -> Any:
+        """The reply, read once: ``read(reply)``, or ``recover(error)`` (see ``send``)."""
+        self._claim()
+        client, method, conn, call_id, deadline, sink, read, recover = self._call
+        try:
+            try:
+                with client._failures(method, conn.close, frames.Kind.REQUEST):
+                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                    head = conn.read_head()
+                    header = conn.read_bytes(head.header_len)
+                    if head.call_id != call_id:
+                        raise frames.FrameError(
+                            f"a reply to call {head.call_id} where call {call_id}'s was due"
+                        )
+                    if head.kind is frames.Kind.ERROR:
+                        conn.discard(head.payload_len)
+                        reply: Any = client._status(method, header)
+                    elif head.kind is not frames.Kind.REPLY:
+                        raise frames.FrameError(f"a {head.kind.name} frame where REPLY was due")
+                    else:
+                        dest = None if sink is None else sink(header, head.payload_len)
+                        if dest is None:
+                            dest = memoryview(np.empty(head.payload_len, np.uint8))
+                        elif len(dest) != (n := head.payload_len):
+                            raise InvalidArgumentError(f"the sink gave {len(dest)} bytes for {n}")
+                        conn.read_into(dest)
+                        reply = (header, dest)
+                client._give_back(conn)
+            finally:
+                client._slots.release()  # before a recovery, which may take a slot again
+            if isinstance(reply, OpError):
+                raise reply
+        except OpError as e:
+            if recover is None:
+                raise
+            return recover(e)
+        return reply if read is None else read(reply)
+
+
 class DataPlaneClient:
     """A client of one :class:`~.server.DataPlaneServer`.
 
@@ -254,58 +308,7 @@ class DataPlaneClient:
                 raise
             return Started(functools.partial(recover, e), what=method)
 
-        def abandon() -> None:  # its connection is closed, its slot freed
-            conn.close()
-            self._slots.release()
-
-        end = functools.partial(self._reply, method, conn, call_id, deadline, sink, read, recover)
-        return Started(end, abandon, method)
-
-    def _reply(
-        self,
-        method: str,
-        conn: _Conn,
-        call_id: int,
-        deadline: float,
-        sink: Sink | None,
-        read: Callable[[tuple[bytes, memoryview]], Any] | None,
-        recover: Callable[[OpError], Any] | None,
-    ) -> Any:
-        """The started call's ``result()`` (see :meth:`send`): reads the answer to call
-        ``call_id``, then hands its connection (kept after an ERROR frame) and slot back."""
-        try:
-            try:
-                with self._failures(method, conn.close, frames.Kind.REQUEST):
-                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                    head = conn.read_head()
-                    header = conn.read_bytes(head.header_len)
-                    if head.call_id != call_id:
-                        raise frames.FrameError(
-                            f"a reply to call {head.call_id} where call {call_id}'s was due"
-                        )
-                    if head.kind is frames.Kind.ERROR:
-                        conn.discard(head.payload_len)
-                        reply: Any = self._status(method, header)
-                    elif head.kind is not frames.Kind.REPLY:
-                        raise frames.FrameError(f"a {head.kind.name} frame where REPLY was due")
-                    else:
-                        dest = None if sink is None else sink(header, head.payload_len)
-                        if dest is None:
-                            dest = memoryview(np.empty(head.payload_len, np.uint8))
-                        elif len(dest) != (n := head.payload_len):
-                            raise InvalidArgumentError(f"the sink gave {len(dest)} bytes for {n}")
-                        conn.read_into(dest)
-                        reply = (header, dest)
-                self._give_back(conn)
-            finally:
-                self._slots.release()  # before a recovery, which may take a slot again
-            if isinstance(reply, OpError):
-                raise reply
-        except OpError as e:
-            if recover is None:
-                raise
-            return recover(e)
-        return reply if read is None else read(reply)
+        return _Sent(self, method, conn, call_id, deadline, sink, read, recover)
 
     def _status(self, method: str, header: bytes) -> OpError:
         """The typed error an ERROR frame's status header names."""
