@@ -166,7 +166,7 @@ class DataPlaneServer:
         self._refusals = door.Refusals(log)
         self._accept_thread: threading.Thread | None = None
         self._next_sweep = 0.0
-        self._loop = EventLoop(f"dataplane-{self.port}", self._call, self.limits, self._read_failed)
+        self._loop = EventLoop(f"dataplane-{self.port}", self._call, self.limits)
         if not self._loop.nonblocking:
             log.info(
                 "data plane on %s:%d: no epoll on this platform (%s); "
@@ -322,11 +322,6 @@ class DataPlaneServer:
                 _shutdown(sock)
                 sock.close()
 
-    def _read_failed(self, conn: Connection, error: BaseException) -> None:
-        if isinstance(error, frames.FrameError):
-            self._on_reject("malformed_frame")
-            log.warning("data plane closed the connection from %s: %s", conn.peer, error)
-
     # -- the handshake ----------------------------------------------------------------
     def _authenticate(self, sock: socket.socket, peer: str, deadline: float) -> bool:
         """Reads the HELLO (at most :data:`auth.HELLO_LIMIT` bytes, by ``deadline``)
@@ -345,11 +340,21 @@ class DataPlaneServer:
         return True
 
     # -- one call: every connection's --------------------------------------------------
-    def _call(
-        self, conn: Connection, head: frames.FrameHead, header: bytes, payload: memoryview
-    ) -> bool:
-        """Runs one request with its handler and sends the reply or the error's status;
-        False when the connection is to be closed (its peer is gone, or the server stops)."""
+    def _call(self, conn: Connection) -> bool | None:
+        """Reads the connection's next request, runs it with its handler and sends the
+        reply or the error's status.  None: no whole request yet; False: the
+        connection is to be closed (a bad frame, its peer gone, the server stopping)."""
+        try:
+            frame = conn.receive()
+        except BaseException as e:  # FrameError, ConnectionError, OSError
+            if isinstance(e, frames.FrameError):
+                self._on_reject("malformed_frame")
+                log.warning("data plane closed the connection from %s: %s", conn.peer, e)
+            log.debug("data plane connection from %s ended: %s", conn.peer, e)
+            return False
+        if frame is None:
+            return None
+        head, header, payload = frame
         deadline = None
         if head.timeout_ms:  # the client's time left when it sent the frame's first byte
             deadline = conn.began + head.timeout_ms / 1000.0
