@@ -208,10 +208,10 @@ class ParameterServerServicer:
             sizes = [(t.name, t.value.nbytes) for t in tensors]
             self.metrics.record_pull(sizes, time.perf_counter() - start)
 
-    def _pull(self, request: Request, limit: int | None = None) -> Reply:
+    def _pull(self, request: Request, limit: int | None = None) -> Reply | None:
         """Reads variables: the data plane's Pull (``limit``: its payload limit unless
-        given), and gRPC's.  The snapshot stays consistent until ``release``, once the
-        buffers are sent (writers copy meanwhile)."""
+        given; replied from here), and gRPC's (returned).  The snapshot stays
+        consistent until ``release``, once the buffers are sent (writers copy)."""
         start = time.perf_counter() if self.metrics is not None else 0.0
         names, rows = messages.pull_items(
             framing.parse_header(request.header, ps_pb2.PullRequest), self._spec
@@ -232,7 +232,7 @@ class ParameterServerServicer:
         except BaseException:
             stack.close()
             raise
-        return Reply(header, buffers, stack.close)
+        return request.respond(header=header, buffers=buffers, release=stack.close)
 
     def Pull(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Reads variables; header and payload in one message."""

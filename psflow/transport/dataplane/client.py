@@ -61,9 +61,8 @@ class _Conn(FrameStream):
 
 
 class _Sent(Started):
-    """A call sent on a pooled connection (see :meth:`DataPlaneClient.send`):
-    :meth:`result` reads its reply, then hands the connection (kept after an
-    ERROR frame) and the slot back; :meth:`cancel` closes the connection."""
+    """A call sent on a pooled connection (:meth:`DataPlaneClient.send`): :meth:`result`
+    reads its reply, then hands the connection (kept after an ERROR) and slot back."""
 
     __slots__ = ("_call",)
 

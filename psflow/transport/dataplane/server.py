@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import socket
 import ssl
@@ -61,6 +62,15 @@ _ACCEPT_POLL = 0.2
 _SWEEP = 0.5
 
 
+class Reply(NamedTuple):
+    """A handler's answer: a header, payload buffers sent as they are, and an
+    optional ``release`` called once they are sent (a snapshot's lock, say)."""
+
+    header: bytes = b""
+    buffers: Sequence[Any] = ()
+    release: Callable[[], None] | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One call as a handler sees it.
@@ -75,6 +85,8 @@ class Request:
         peer_gone: whether the client has left (closed or reset its connection):
             a handler that waits (a synchronous step) asks it now and then and
             stops waiting for nobody.  One system call; cheap, not free.
+        respond: ``respond(header=, buffers=, release=)``: the data plane's sends the
+            REPLY frame now (the handler returns None); by default a :class:`Reply`.
     """
 
     method: str
@@ -83,22 +95,14 @@ class Request:
     peer: str
     deadline: float | None
     peer_gone: Callable[[], bool] = lambda: False
+    respond: Callable[..., Reply | None] = Reply
 
     def time_remaining(self) -> float | None:
         """Seconds until the client's deadline (None: it gave none)."""
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-class Reply(NamedTuple):
-    """A handler's answer: a header, payload buffers sent as they are, and an
-    optional ``release`` called once they are sent (a snapshot's lock, say)."""
-
-    header: bytes = b""
-    buffers: Sequence[Any] = ()
-    release: Callable[[], None] | None = None
-
-
-Handler = Callable[[Request], Reply]
+Handler = Callable[[Request], "Reply | None"]
 
 
 class _Accepted:
@@ -369,23 +373,26 @@ class DataPlaneServer:
                         f"data plane: {name}'s deadline of {head.timeout_ms} ms passed "
                         "before it ran"
                     )
-                request = Request(name, header, payload, conn.peer, deadline, conn.peer_gone)
+                respond = functools.partial(
+                    conn.send_frame, frames.Kind.REPLY, method=head.method, call_id=head.call_id
+                )
+                request = Request(
+                    name, header, payload, conn.peer, deadline, conn.peer_gone, respond
+                )
                 with self._around(request):
-                    reply = Reply(*handler(request))
+                    reply = handler(request)
             except OpError as e:
+                if isinstance(e.__cause__, OSError):  # the handler's reply failed: peer gone
+                    raise e.__cause__ from None
                 status = status_of(e)
+            except OSError:  # as above, where no edge typed it
+                raise
             except Exception as e:
                 log.exception("data plane %s failed", known[0] if known else head.method)
                 status = status_of(InternalError(f"{known[0]}: {type(e).__name__}: {e}"))
             else:
-                conn.send_frame(
-                    frames.Kind.REPLY,
-                    method=head.method,
-                    call_id=head.call_id,
-                    header=reply.header,
-                    buffers=reply.buffers,
-                    release=reply.release,
-                )
+                if reply is not None:  # a handler that did not send its reply itself
+                    respond(header=reply.header, buffers=reply.buffers, release=reply.release)
                 status = None
             if status is not None:
                 header = _status_header(status.code, status.details, status.metadata)
