@@ -54,7 +54,7 @@ from . import auth, door, frames
 from .loop import Connection, EventLoop, Limits
 from .stream import tune
 
-__all__ = ["DataPlaneServer", "Handler", "Limits", "Reply", "Request"]
+__all__ = ["DataPlaneServer", "Handler", "Limits", "Reply", "Request", "Route"]
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,17 @@ class Request:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-Handler = Callable[[Request], "Reply | None"]
+class Route(NamedTuple):
+    """A handler in steps, so that a request's data goes from its decoder straight to
+    the function that applies it: ``finish(decoded, apply(*decoded.args))`` where
+    ``decoded = decode(request)``."""
+
+    decode: Callable[[Request], Any]
+    apply: Callable[..., Any]
+    finish: Callable[[Any, Any], Reply | None]
+
+
+Handler = Callable[[Request], "Reply | None"] | Route
 
 
 class _Accepted:
@@ -121,7 +131,7 @@ class DataPlaneServer:
         host: the address to bind (the gRPC server's).
         port: the port (0: any free one; see :attr:`port`).
         security: the token and TLS material clients must present.
-        handlers: method name -> handler.
+        handlers: method name -> handler (a function of the request, or a :class:`Route`).
         on_reject: called with a reason for every refused connection or frame
             (``"unauthenticated"``, ``"malformed_frame"``, ``"too_many_connections"``).
         around: ``around(request)``, a context every call runs in (the PS task's
@@ -380,7 +390,11 @@ class DataPlaneServer:
                     name, header, payload, conn.peer, deadline, conn.peer_gone, respond
                 )
                 with self._around(request):
-                    reply = handler(request)
+                    if type(handler) is Route:
+                        decoded = handler.decode(request)
+                        reply = handler.finish(decoded, handler.apply(*decoded.args))
+                    else:
+                        reply = handler(request)
             except OpError as e:
                 if isinstance(e.__cause__, OSError):  # the handler's reply failed: peer gone
                     raise e.__cause__ from None
