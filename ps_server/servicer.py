@@ -91,6 +91,12 @@ class ParameterServerServicer:
         # (dtype code, shape) -> checked (dtype, shape, nbytes): a worker pushes the same
         # few specs every step, and checking one costs more than the rest of a small push
         self._checked_specs: dict[tuple[int, tuple[int, ...]], tuple[np.dtype, tuple, int]] = {}
+        self._decode_push = functools.partial(
+            messages.decode_push,
+            spec=self._gradient_spec,
+            shm_view=self._shm_payloads.view,
+            chunk_bytes=chunk_bytes,
+        )
         # where this task's data plane listens (port 0: none), for DataPlaneInfo
         self._data_plane = ps_pb2.DataPlaneInfoResponse()
 
@@ -130,10 +136,8 @@ class ParameterServerServicer:
         """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves
         (in the edge's :meth:`~ps_server.edge.Edge.plane_call`): Pull, and Push as a
         :class:`Route`, its gradients from the decoder straight to the store."""
-        return {
-            "Push": Route(self._decode_push(), self.store.push, self._pushed),
-            "Pull": self._pull,
-        }
+        push = Route(self._decode_push, self.store.push, self._pushed)
+        return {"Push": push, "Pull": self._pull}
 
     def DataPlaneInfo(
         self, request: Any, context: grpc.ServicerContext
@@ -260,17 +264,8 @@ class ParameterServerServicer:
     def PushStream(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> bytes:
         """Applies gradients (the payload in one message or streamed)."""
         header, chunks = _framed(request_iterator)
-        decoded = self._decode_push()(_grpc_request("Push", header, context), chunks)
+        decoded = self._decode_push(_grpc_request("Push", header, context), chunks)
         return self._pushed(decoded, self.store.push(*decoded.args)).header
-
-    def _decode_push(self) -> Callable[..., messages.DecodedPush]:
-        """The push decoder, with this servicer's spec check, segments and chunk size."""
-        return functools.partial(
-            messages.decode_push,
-            spec=self._gradient_spec,
-            shm_view=self._shm_payloads.view,
-            chunk_bytes=self.chunk_bytes,
-        )
 
     def _pushed(self, decoded: messages.DecodedPush, result: PushReply) -> Reply:
         """A push applied (or answered from the exactly-once record): its metrics, its reply."""

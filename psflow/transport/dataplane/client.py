@@ -237,12 +237,8 @@ class DataPlaneClient:
 
     # -- calls -----------------------------------------------------------------------
     def call(self, *args: Any, **kwargs: Any) -> tuple[bytes, memoryview]:
-        """Calls ``method``; returns the reply's header bytes and payload
-        (:meth:`send`'s arguments, its reply read at once).
-
-        Raises:
-            OpError: the typed error of the failure (see the module docstring).
-        """
+        """:meth:`send`'s call, its reply read at once: the reply's header bytes and
+        payload, or the failure's typed error raised (see the module docstring)."""
         return self.send(*args, **kwargs).result()
 
     def send(

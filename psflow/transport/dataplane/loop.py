@@ -61,8 +61,6 @@ _EVICTABLE_IDLE = 2.0
 Frame = tuple[frames.FrameHead, bytes, memoryview]
 """A whole request: its fixed header, its protobuf header, its payload."""
 Dispatch = Callable[["Connection"], "bool | None"]
-"""Reads a connection's next request (:meth:`Connection.receive`) and runs it: None
-when no whole request is here yet, False when the connection is to be closed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +220,8 @@ class EventLoop:
 
     Args:
         name: names the threads.
-        call: reads a connection's next request and runs it (see :data:`Dispatch`).
+        call: reads a connection's next request (:meth:`Connection.receive`) and runs it:
+            None when none is whole yet, False when the connection is to be closed.
         limits: the server's limits.
         min_threads: event-loop threads started at once and never retired.
     """

@@ -103,9 +103,8 @@ class Request:
 
 
 class Route(NamedTuple):
-    """A handler in steps, so that a request's data goes from its decoder straight to
-    the function that applies it: ``finish(decoded, apply(*decoded.args))`` where
-    ``decoded = decode(request)``."""
+    """A handler in steps, a request's data going from its decoder straight to the function
+    applying it: ``finish(decoded, apply(*decoded.args))``, ``decoded = decode(request)``."""
 
     decode: Callable[[Request], Any]
     apply: Callable[..., Any]
