@@ -133,9 +133,8 @@ class ParameterServerServicer:
         )
 
     def data_plane_handlers(self) -> dict[str, Handler]:
-        """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves
-        (in the edge's :meth:`~ps_server.edge.Edge.plane_call`): Pull, and Push as a
-        :class:`Route`, its gradients from the decoder straight to the store."""
+        """The data plane's handlers (run in :meth:`~ps_server.edge.Edge.plane_call`): Pull,
+        and Push as a :class:`Route`, its gradients from the decoder straight to the store."""
         push = Route(self._decode_push, self.store.push, self._pushed)
         return {"Push": push, "Pull": self._pull}
 
@@ -270,8 +269,7 @@ class ParameterServerServicer:
     def _pushed(self, decoded: messages.DecodedPush, result: PushReply) -> Reply:
         """A push applied (or answered from the exactly-once record): its metrics, its reply."""
         if self.metrics is not None:  # only now: a rejected push leaves no series behind
-            push_id, step = decoded.args[1].push_id, decoded.args[1].step
-            self.metrics.record_push_seen(push_id[0], step)
+            self.metrics.record_push_seen(decoded.args[1].push_id[0], decoded.args[1].step)
             if not result.duplicate:
                 seconds = time.perf_counter() - decoded.start
                 self.metrics.record_push(decoded.item_bytes, seconds, result.staleness)

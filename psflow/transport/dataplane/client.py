@@ -41,7 +41,7 @@ from psflow.transport.started import Started
 from psflow.transport.status import status_error
 
 from . import auth, frames
-from .stream import FrameStream, readable_now, tune
+from .stream import DIRECT_BYTES, IOV_MAX, FrameStream, readable_now, tune
 
 __all__ = ["DataPlaneClient", "Sink"]
 
@@ -252,22 +252,18 @@ class DataPlaneClient:
         read: Callable[[tuple[bytes, memoryview]], Any] | None = None,
         recover: Callable[[OpError], Any] | None = None,
     ) -> Started:
-        """Sends a call to ``method`` now and returns without reading its reply:
-        the started call's ``result()`` reads it, ``cancel()`` closes its connection
-        (a reply may still come on it).  A thread that sends to several servers
-        before reading any reply has them work at once with no thread of its own
-        per call.  The call holds one of the pooled connections until its result
-        is read (or it is cancelled).
+        """Sends a call to ``method`` now, its reply left to the started call's
+        ``result()`` (``cancel()`` closes its connection): a thread sending to several
+        servers before reading a reply has them work at once, with no thread per call.
+        The call holds a pooled connection until its result is read or it is cancelled.
 
         Args:
             method: the method name.
             header: the serialized request header.
-            payload: buffers sent back to back as the payload (not joined).
+            payload: buffers sent back to back (joined to the headers only if small).
             timeout: seconds until the deadline.
-            sink: where the reply payload goes (default: a new buffer the
-                returned view owns).
-            read: the result is ``read(reply)`` (default: the reply's header
-                bytes and payload).
+            sink: where the reply payload goes (default: a new buffer the view owns).
+            read: the result is ``read(reply)`` (default: the reply's header and payload).
             recover: where sending the request or reading the reply failed, the
                 result is ``recover(error)`` (it may raise; default: the error
                 is raised, by this method where sending failed).
@@ -287,14 +283,21 @@ class DataPlaneClient:
                     if left <= 0:
                         raise TimeoutError
                     conn.settimeout(left)
-                    conn.send_frame(
-                        frames.Kind.REQUEST,
-                        method=frames.method_id(method),
-                        call_id=call_id,
-                        header=header,
-                        buffers=payload,
-                        timeout_ms=frames.timeout_ms(left),
-                    )
+                    # written here, blocking, nothing to release (the stream's send_frame
+                    # serves the replies): one gathered write, a small payload joined
+                    views = [memoryview(b).cast("B") for b in payload]
+                    n, mid = sum(map(len, views)), frames.method_id(method)
+                    head = frames.pack(frames.Kind.REQUEST, method=mid, call_id=call_id,
+                        header_len=len(header), timeout=frames.timeout_ms(left), payload_len=n)  # fmt: skip
+                    if n <= DIRECT_BYTES:  # a small payload rides with the headers
+                        views = [memoryview(b"".join([head, header, *views]))]
+                    else:
+                        views.insert(0, memoryview(head + header))
+                    sent = conn.sock.sendmsg(views[:IOV_MAX]) if conn.gather else 0
+                    for view in views:  # what that left (on TLS: everything), sent whole
+                        if sent < len(view):
+                            conn.sock.sendall(view[sent:])
+                        sent = max(0, sent - len(view))
             except BaseException:
                 self._slots.release()
                 raise

@@ -4,15 +4,14 @@ A connection starts with a HELLO carrying the shared token (see
 :mod:`.auth`; TLS first when configured), read by a short-lived thread of its
 own within ``hello_timeout`` (see :mod:`.door`); a refused one gets an
 UNAUTHENTICATED ERROR frame and is closed.  A welcomed connection, plain or
-TLS, then has one request path (:mod:`.loop`), and every REQUEST one dispatch,
-:meth:`DataPlaneServer._call`: the handler its method id names runs (inside
-``around``, the caller's wrapper of every call), and its REPLY goes out with
-one ``sendmsg``.  A handler that raises a psflow :class:`OpError` answers an
-ERROR frame with the status gRPC would have carried
-(:func:`~psflow.errors.status_of`: the code, the message and a
-:class:`MovedError`'s redirect); so do an unknown method (UNIMPLEMENTED) and a
-call whose deadline passed before it ran (DEADLINE_EXCEEDED, counted from the
-frame's first byte).
+TLS, then has one request path (:mod:`.loop`): :meth:`DataPlaneServer._call`
+reads each REQUEST and runs the handler its method id names (a function, or
+a :class:`Route`, inside ``around``, the caller's wrapper of every call); the
+REPLY goes out in one ``sendmsg``, sent by the handler or after it.  A psflow
+:class:`OpError` answers an ERROR frame with the status gRPC would carry
+(:func:`~psflow.errors.status_of`: code, message, a :class:`MovedError`'s
+redirect); so do an unknown method (UNIMPLEMENTED) and a call whose deadline
+passed before it ran (DEADLINE_EXCEEDED, from the frame's first byte).
 
 A frame that breaks the format or the limits closes its connection with a
 logged reason before any handler runs; other connections are not affected.
