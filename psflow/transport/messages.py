@@ -17,8 +17,8 @@ same way.
 
 The client (:class:`~psflow.transport.PSClient`) encodes with
 :func:`encode_push` and decodes with :class:`PullDecoder`; the server
-(``ps_server.servicer``) decodes with :func:`push_context` and
-:func:`decode_push` and encodes with :func:`pull_header`.  The variables'
+(``ps_server.servicer``) decodes with :func:`decode_push` (the request
+context too, :func:`push_context`) and encodes with :func:`pull_header`.  The variables'
 list and the counters are encoded and decoded here too.  A change of the
 format touches this file (and the ``.proto``) only.  The request context is
 one :class:`~psflow.ps.push_types.PushContext` from the session to the store.
