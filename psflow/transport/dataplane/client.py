@@ -286,9 +286,9 @@ class DataPlaneClient:
                     # written here, blocking, nothing to release (the stream's send_frame
                     # serves the replies): one gathered write, a small payload joined
                     views = [memoryview(b).cast("B") for b in payload]
-                    n, mid = sum(map(len, views)), frames.method_id(method)
-                    head = frames.pack(frames.Kind.REQUEST, method=mid, call_id=call_id,
-                        header_len=len(header), timeout=frames.timeout_ms(left), payload_len=n)  # fmt: skip
+                    n, ms = sum(map(len, views)), frames.timeout_ms(left)
+                    fixed = (frames.Kind.REQUEST, frames.method_id(method), call_id, len(header))
+                    head = frames.pack(*fixed, ms, n)
                     if n <= DIRECT_BYTES:  # a small payload rides with the headers
                         views = [memoryview(b"".join([head, header, *views]))]
                     else:
