@@ -156,6 +156,33 @@ def test_a_request_of_more_pieces_than_one_sendmsg_takes_and_handlers_replying_t
         assert client.call("Respond", b"", timeout=10)[0] == b"!"  # the connection goes on
 
 
+def test_a_handler_whose_own_reply_fails_ends_only_its_connection(caplog):
+    gate, failed = threading.Event(), []
+
+    def big(request: Request) -> None:  # replies itself, to a client that left meanwhile
+        gate.wait(10)
+        try:
+            return request.respond(buffers=[np.zeros(64 << 20, np.uint8)])
+        except OSError as e:
+            failed.append(e)
+            raise
+
+    handlers = {"Big": big, "Echo": Recorder().echo}
+    server = DataPlaneServer("127.0.0.1", 0, SecurityConfig(token=TOKEN), handlers).start()
+    try:
+        with _client(server) as client:
+            client.send("Big", b"", timeout=10).cancel()  # its connection closed
+            gate.set()
+            assert client.call("Echo", b"ok", timeout=10)[0] == b"ko"
+            deadline = time.monotonic() + 10
+            while (not failed or server.connections > 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert failed and server.connections == 1  # the echo's, pooled
+        assert not [r for r in caplog.records if "Big failed" in r.getMessage()]
+    finally:
+        server.stop()
+
+
 def test_reply_goes_into_the_sink(served):
     server, _ = served
     data = np.arange(1000, dtype=np.float32)
