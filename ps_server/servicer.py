@@ -19,21 +19,18 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psflow.errors import (
-    InvalidArgumentError,
-    ResourceExhaustedError,
-)
-from psflow.observability.logs import set_log_context
+from psflow.errors import InvalidArgumentError, ResourceExhaustedError
 from psflow.proto import ps_pb2
 from psflow.ps import write_ops
 from psflow.ps.checkpoint import restore_shard, save_shard
 from psflow.ps.names import quote
+from psflow.ps.push_types import PushReply
 from psflow.ps.rule_cache import parse_config
 from psflow.ps.store import VariableMeta, VariableStore
 from psflow.ps.tensors import check_extent
 from psflow.security.limits import limit_exceeded
 from psflow.transport import codec, framing, messages, shm
-from psflow.transport.dataplane import Handler, Reply, Request
+from psflow.transport.dataplane import Handler, Reply, Request, Route
 from psflow.transport.options import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from psflow.transport.service import METHODS, SERVICE, Kind
 
@@ -94,6 +91,12 @@ class ParameterServerServicer:
         # (dtype code, shape) -> checked (dtype, shape, nbytes): a worker pushes the same
         # few specs every step, and checking one costs more than the rest of a small push
         self._checked_specs: dict[tuple[int, tuple[int, ...]], tuple[np.dtype, tuple, int]] = {}
+        self._decode_push = functools.partial(
+            messages.decode_push,
+            spec=self._gradient_spec,
+            shm_view=self._shm_payloads.view,
+            chunk_bytes=chunk_bytes,
+        )
         # where this task's data plane listens (port 0: none), for DataPlaneInfo
         self._data_plane = ps_pb2.DataPlaneInfoResponse()
 
@@ -130,9 +133,10 @@ class ParameterServerServicer:
         )
 
     def data_plane_handlers(self) -> dict[str, Handler]:
-        """The handlers a :class:`~psflow.transport.dataplane.DataPlaneServer` serves:
-        Push and Pull (run in the edge's :meth:`~ps_server.edge.Edge.plane_call`)."""
-        return {"Push": self._push, "Pull": self._pull}
+        """The data plane's handlers (run in :meth:`~ps_server.edge.Edge.plane_call`): Pull,
+        and Push as a :class:`Route`, its gradients from the decoder straight to the store."""
+        push = Route(self._decode_push, self.store.push, self._pushed)
+        return {"Push": push, "Pull": self._pull}
 
     def DataPlaneInfo(
         self, request: Any, context: grpc.ServicerContext
@@ -208,10 +212,10 @@ class ParameterServerServicer:
             sizes = [(t.name, t.value.nbytes) for t in tensors]
             self.metrics.record_pull(sizes, time.perf_counter() - start)
 
-    def _pull(self, request: Request, limit: int | None = None) -> Reply:
+    def _pull(self, request: Request, limit: int | None = None) -> Reply | None:
         """Reads variables: the data plane's Pull (``limit``: its payload limit unless
-        given), and gRPC's.  The snapshot stays consistent until ``release``, once the
-        buffers are sent (writers copy meanwhile)."""
+        given; replied from here), and gRPC's (returned).  The snapshot stays
+        consistent until ``release``, once the buffers are sent (writers copy)."""
         start = time.perf_counter() if self.metrics is not None else 0.0
         names, rows = messages.pull_items(
             framing.parse_header(request.header, ps_pb2.PullRequest), self._spec
@@ -232,7 +236,7 @@ class ParameterServerServicer:
         except BaseException:
             stack.close()
             raise
-        return Reply(header, buffers, stack.close)
+        return request.respond(header=header, buffers=buffers, release=stack.close)
 
     def Pull(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Reads variables; header and payload in one message."""
@@ -259,33 +263,16 @@ class ParameterServerServicer:
     def PushStream(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> bytes:
         """Applies gradients (the payload in one message or streamed)."""
         header, chunks = _framed(request_iterator)
-        return self._push(_grpc_request("Push", header, context), chunks).header
+        decoded = self._decode_push(_grpc_request("Push", header, context), chunks)
+        return self._pushed(decoded, self.store.push(*decoded.args)).header
 
-    def _push(self, request: Request, chunks: Iterable[memoryview] | None = None) -> Reply:
-        """Applies a push: the data plane's handler, and gRPC's with ``chunks``, the
-        payload's chunks as received.  Without them ``request.payload`` is the whole
-        payload, in a buffer the data plane reuses once this returns;
-        ``request.peer_gone``: a synchronous push stops waiting for nobody."""
-        start = time.perf_counter()
-        header = framing.parse_header(request.header, ps_pb2.PushHeader)
-        context = messages.push_context(header, request.time_remaining())
-        push_id = context.push_id
-        set_log_context(step=context.step, request_id=f"{push_id[0][:64]}:{push_id[1]}")
-        decoded = messages.decode_push(
-            header,
-            chunks or (),
-            spec=self._gradient_spec,
-            shm_view=self._shm_payloads.view,
-            chunk_bytes=self.chunk_bytes,
-            borrowed=request.payload if chunks is None else None,
-        )
-        result = self.store.push(decoded.grads, context, client_gone=request.peer_gone)
+    def _pushed(self, decoded: messages.DecodedPush, result: PushReply) -> Reply:
+        """A push applied (or answered from the exactly-once record): its metrics, its reply."""
         if self.metrics is not None:  # only now: a rejected push leaves no series behind
-            self.metrics.record_push_seen(push_id[0], context.step)
-        if self.metrics is not None and not result.duplicate:
-            self.metrics.record_push(
-                decoded.item_bytes, time.perf_counter() - start, result.staleness
-            )
+            self.metrics.record_push_seen(decoded.args[1].push_id[0], decoded.args[1].step)
+            if not result.duplicate:
+                seconds = time.perf_counter() - decoded.start
+                self.metrics.record_push(decoded.item_bytes, seconds, result.staleness)
         return Reply(messages.push_reply_bytes(result))
 
     # -- the rest -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from psflow.transport.dataplane import (
     DataPlaneServer,
     Reply,
     Request,
+    Route,
     auth,
     frames,
 )
@@ -74,14 +76,31 @@ class Recorder:
     def deadline(self, request: Request) -> Reply:
         return Reply(repr(round(request.time_remaining() or -1.0)).encode())
 
+    def respond(self, request: Request) -> None:  # sends its reply itself
+        payload = np.frombuffer(request.payload, np.uint8).copy()
+        return request.respond(header=request.header + b"!", buffers=[payload])
+
     def handlers(self) -> dict:
+        sum_route = Route(  # decode, apply, finish; a payload not of int64s refused typed
+            _int64s,
+            np.sum,
+            lambda decoded, total: Reply(str(int(total)).encode()),
+        )
         return {
+            "Respond": self.respond,
+            "Sum": sum_route,
             "Echo": self.echo,
             "Fail": self.fail,
             "Moved": self.moved,
             "Stall": self.stall,
             "Deadline": self.deadline,
         }
+
+
+def _int64s(request: Request) -> types.SimpleNamespace:
+    if len(request.payload) % 8:
+        raise InvalidArgumentError(f"{len(request.payload)} bytes are no int64s")
+    return types.SimpleNamespace(args=(np.frombuffer(request.payload, np.int64),))
 
 
 def _server(security=None, **kwargs) -> tuple[DataPlaneServer, Recorder]:
@@ -119,6 +138,49 @@ def test_echo_small_and_large_payloads_bit_exact(served):
             assert header == b"h"
             np.testing.assert_array_equal(np.frombuffer(payload, np.uint8), data)
     assert rec.calls == 5
+
+
+def test_a_request_of_more_pieces_than_one_sendmsg_takes_and_handlers_replying_themselves(
+    served,
+):
+    server, _ = served
+    with _client(server) as client:
+        parts = [np.full(100, i % 251, np.uint8) for i in range(700)]  # > IOV_MAX pieces
+        header, payload = client.call("Respond", b"h", parts, timeout=10)
+        assert header == b"h!"
+        np.testing.assert_array_equal(np.frombuffer(payload, np.uint8), np.concatenate(parts))
+        values = np.arange(5000, dtype=np.int64)  # 40 kB: not joined to the headers
+        assert client.call("Sum", b"", [values], timeout=10)[0] == str(values.sum()).encode()
+        with pytest.raises(InvalidArgumentError, match="3 bytes are no int64s"):
+            client.call("Sum", b"", [np.zeros(3, np.uint8)], timeout=10)
+        assert client.call("Respond", b"", timeout=10)[0] == b"!"  # the connection goes on
+
+
+def test_a_handler_whose_own_reply_fails_ends_only_its_connection(caplog):
+    gate, failed = threading.Event(), []
+
+    def big(request: Request) -> None:  # replies itself, to a client that left meanwhile
+        gate.wait(10)
+        try:
+            return request.respond(buffers=[np.zeros(64 << 20, np.uint8)])
+        except OSError as e:
+            failed.append(e)
+            raise
+
+    handlers = {"Big": big, "Echo": Recorder().echo}
+    server = DataPlaneServer("127.0.0.1", 0, SecurityConfig(token=TOKEN), handlers).start()
+    try:
+        with _client(server) as client:
+            client.send("Big", b"", timeout=10).cancel()  # its connection closed
+            gate.set()
+            assert client.call("Echo", b"ok", timeout=10)[0] == b"ko"
+            deadline = time.monotonic() + 10
+            while (not failed or server.connections > 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert failed and server.connections == 1  # the echo's, pooled
+        assert not [r for r in caplog.records if "Big failed" in r.getMessage()]
+    finally:
+        server.stop()
 
 
 def test_reply_goes_into_the_sink(served):

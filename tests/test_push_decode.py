@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from psflow.errors import InvalidArgumentError
-from psflow.proto import ps_pb2
 from psflow.ps.push_types import Gradient, PushContext
 from psflow.transport import codec, messages
+from psflow.transport.dataplane import Request
 
 
 def _spec(proto, name):
@@ -18,15 +18,13 @@ def _spec(proto, name):
 
 def _decode(header, arrays, *, one_buffer, chunk_bytes):
     payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-    parsed = ps_pb2.PushHeader.FromString(header)
     view = memoryview(bytearray(payload))
     return messages.decode_push(
-        parsed,
-        [] if one_buffer else [view[i : i + 7] for i in range(0, len(view), 7)],
+        Request("Push", header, view if one_buffer else memoryview(b""), "test", None),
+        None if one_buffer else [view[i : i + 7] for i in range(0, len(view), 7)],
         spec=_spec,
         shm_view=None,
         chunk_bytes=chunk_bytes,
-        borrowed=view if one_buffer else None,
     ), view
 
 
@@ -44,7 +42,7 @@ def test_one_buffer_and_streamed_chunks_decode_to_the_same_gradients(chunk_bytes
     header, arrays = messages.encode_push(GRADS, PushContext(("c", 1)))
     whole, buffer = _decode(header, arrays, one_buffer=True, chunk_bytes=chunk_bytes)
     chunked, _ = _decode(header, arrays, one_buffer=False, chunk_bytes=chunk_bytes)
-    for sent, a, b in zip(GRADS, whole.grads, chunked.grads, strict=True):
+    for sent, a, b in zip(GRADS, whole.args[0], chunked.args[0], strict=True):
         got = [
             g.values if isinstance(g.values, np.ndarray) else g.values.to_array() for g in (a, b)
         ]
@@ -55,7 +53,7 @@ def test_one_buffer_and_streamed_chunks_decode_to_the_same_gradients(chunk_bytes
             np.testing.assert_array_equal(a.indices, sent.indices)
             np.testing.assert_array_equal(b.indices, sent.indices)
     # the one buffer's dense items are views of it, not copies
-    parts = whole.grads[1].values.parts
+    parts = whole.args[0][1].values.parts
     assert all(np.shares_memory(arr, np.frombuffer(buffer, np.uint8)) for _, arr in parts)
     assert [off for off, _ in parts] == list(range(0, 40, max(chunk_bytes // 4, 1)))[: len(parts)]
 
@@ -64,11 +62,13 @@ def test_a_bool_byte_other_than_0_or_1_in_one_buffer_is_refused_naming_the_gradi
     header, _ = messages.encode_push(
         [Gradient("flag", np.array([True, False]))], PushContext(("c", 1))
     )
-    parsed = ps_pb2.PushHeader.FromString(header)
     bad = memoryview(bytearray(b"\x01\x02"))
     with pytest.raises(InvalidArgumentError, match=r"flag.*bool"):
         messages.decode_push(
-            parsed, [], spec=_spec, shm_view=None, chunk_bytes=1 << 20, borrowed=bad
+            Request("Push", header, bad, "test", None),
+            spec=_spec,
+            shm_view=None,
+            chunk_bytes=1 << 20,
         )
 
 

@@ -566,7 +566,6 @@ class VariableStore:
         self,
         grads: Sequence[Gradient],
         context: PushContext | None = None,
-        *,
         client_gone: Callable[[], bool] | None = None,
         **fields: Any,
     ) -> PushReply:

@@ -17,8 +17,8 @@ same way.
 
 The client (:class:`~psflow.transport.PSClient`) encodes with
 :func:`encode_push` and decodes with :class:`PullDecoder`; the server
-(``ps_server.servicer``) decodes with :func:`push_context` and
-:func:`decode_push` and encodes with :func:`pull_header`.  The variables'
+(``ps_server.servicer``) decodes with :func:`decode_push` (the request
+context too, :func:`push_context`) and encodes with :func:`pull_header`.  The variables'
 list and the counters are encoded and decoded here too.  A change of the
 format touches this file (and the ``.proto``) only.  The request context is
 one :class:`~psflow.ps.push_types.PushContext` from the session to the store.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from psflow import compression
 from psflow.errors import InvalidArgumentError
+from psflow.observability.logs import set_log_context
 from psflow.proto import ps_pb2
 from psflow.ps import write_ops
 from psflow.ps.names import quote
@@ -204,10 +206,13 @@ def push_context(header: ps_pb2.PushHeader, timeout: float | None) -> PushContex
 
 @dataclasses.dataclass(frozen=True)
 class DecodedPush:
-    """A push's gradients as received, and each one's payload bytes (for metrics)."""
+    """A push as received: ``args``, what the store's ``push`` takes (the gradients,
+    the one request context, the client's ``peer_gone``); each gradient's payload
+    bytes and when decoding began (for metrics)."""
 
-    grads: list[Gradient]
+    args: tuple[list[Gradient], PushContext, Callable[[], bool]]
     item_bytes: list[tuple[str, int]]
+    start: float
 
 
 class _GradientWhat:
@@ -236,31 +241,39 @@ def payload_pieces(sizes: Sequence[int], payloads: Iterable[memoryview]) -> list
 
 
 def decode_push(
-    header: ps_pb2.PushHeader,
-    payloads: Iterable[memoryview],
+    request: Any,
+    payloads: Iterable[memoryview] | None = None,
     *,
     spec: Callable[[Any, str], tuple[np.dtype, tuple, int]],
     shm_view: Callable[[str, int], memoryview],
     chunk_bytes: int,
-    borrowed: memoryview | None = None,
 ) -> DecodedPush:
-    """A push's gradients from its header and payload.
+    """A push's gradients and request context from its header and payload, the
+    request named in the log context as soon as its id is read.
 
     Args:
-        payloads: the payload's chunks as received.
+        request: a :class:`~psflow.transport.dataplane.Request`: its header, its
+            time left; its ``payload``, without ``payloads``, is the whole payload in
+            a buffer the caller reuses once the push is applied (the data plane's;
+            the store copies what it keeps past the call: a pending sync contribution).
+        payloads: the payload's chunks as received (a gRPC stream's).
         spec: ``spec(tensor_spec, name)`` checks an item's spec against the
             receiver's limits: ``(dtype, shape, nbytes)``.
         shm_view: ``shm_view(segment, nbytes)``, the payload in a shared-memory
             segment the header names.
         chunk_bytes: a payload in one buffer is applied in pieces this large
             (the optimizer then updates cache-sized blocks).
-        borrowed: instead of ``payloads``, the whole payload in a buffer the
-            caller reuses once the push is applied (the data plane's; the store
-            copies what it keeps past the call: a pending sync contribution).
 
     Raises:
-        InvalidArgumentError: a malformed item, or a payload of the wrong size.
+        InvalidArgumentError: a malformed item, no request id, or a payload of the
+            wrong size.
     """
+    start = time.perf_counter()
+    header = framing.parse_header(request.header, ps_pb2.PushHeader)
+    context = push_context(header, request.time_remaining())
+    client, sequence = context.push_id
+    set_log_context(step=context.step, request_id=f"{client[:64]}:{sequence}")
+    borrowed = request.payload if payloads is None else None
     layout, sizes = [], []
     for item in header.items:
         dtype, shape, nbytes = spec(item.values, item.name)
@@ -283,7 +296,7 @@ def decode_push(
             )
         view = shm_view(header.shm_payload, sum(sizes))
     if view is None:
-        pieces = payload_pieces(sizes, payloads)
+        pieces = payload_pieces(sizes, payloads or ())
     else:  # one buffer, cut per item in chunks (a 64 MB SGD step: 17 ms whole, 13 ms in 1 MB)
         total, pieces, pos = sum(sizes), [], 0
         if len(view) != total:
@@ -320,7 +333,7 @@ def decode_push(
             values = values.to_array()
         grads.append(Gradient(item.name, values, indices, item.base_version))
         item_bytes.append((item.name, sizes[k] + (sizes[k - 1] if item.sparse else 0)))
-    return DecodedPush(grads, item_bytes)
+    return DecodedPush((grads, context, request.peer_gone), item_bytes, start)
 
 
 def push_reply_bytes(reply: PushReply) -> bytes:

@@ -63,10 +63,14 @@ class Started:
             InvalidArgumentError: read or given up already.
             OpError: the call failed (its typed error).
         """
+        return self._claim()()
+
+    def _claim(self) -> Callable[[], Any]:
+        """The reading function, taken once (for :meth:`result` and its overrides)."""
         read, self._read, self._on_cancel = self._read, None, None
         if read is None:
             raise InvalidArgumentError(f"the reply of {self._what} was read or given up already")
-        return read()
+        return read
 
     def cancel(self) -> None:
         """Gives up on the reply (a push sent may still be applied); idempotent."""

@@ -16,7 +16,7 @@ TLS material.  One concept per module:
 
 from .client import DataPlaneClient, Sink
 from .frames import FrameError
-from .server import DataPlaneServer, Handler, Reply, Request
+from .server import DataPlaneServer, Handler, Reply, Request, Route
 
 __all__ = [
     "DataPlaneClient",
@@ -25,5 +25,6 @@ __all__ = [
     "Handler",
     "Reply",
     "Request",
+    "Route",
     "Sink",
 ]

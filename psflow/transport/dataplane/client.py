@@ -41,7 +41,7 @@ from psflow.transport.started import Started
 from psflow.transport.status import status_error
 
 from . import auth, frames
-from .stream import FrameStream, readable_now, tune
+from .stream import DIRECT_BYTES, IOV_MAX, FrameStream, readable_now, tune
 
 __all__ = ["DataPlaneClient", "Sink"]
 
@@ -58,6 +58,59 @@ class _Conn(FrameStream):
     """A pooled connection: its frames, and when it was last handed back."""
 
     last_used = 0.0
+
+
+class _Sent(Started):
+    """A call sent on a pooled connection (:meth:`DataPlaneClient.send`): :meth:`result`
+    reads its reply, then hands the connection (kept after an ERROR) and slot back."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, client: DataPlaneClient, *call: Any) -> None:
+        def abandon() -> None:  # its connection is closed, its slot freed
+            call[1].close()
+            client._slots.release()
+
+        super().__init__(abandon, abandon, call[0])  # ``_read``: set while unread
+        self._call = (client, *call)
+
+    def result(self) -> Any:
+        """The reply, read once: ``read(reply)``, or ``recover(error)`` (see ``send``)."""
+        self._claim()
+        client, method, conn, call_id, deadline, sink, read, recover = self._call
+        try:
+            try:
+                with client._failures(method, conn.close, frames.Kind.REQUEST):
+                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                    head = conn.read_head()
+                    header = conn.read_bytes(head.header_len)
+                    if head.call_id != call_id:
+                        raise frames.FrameError(
+                            f"a reply to call {head.call_id} where call {call_id}'s was due"
+                        )
+                    if head.kind is frames.Kind.ERROR:
+                        conn.discard(head.payload_len)
+                        reply: Any = client._status(method, header)
+                    elif head.kind is not frames.Kind.REPLY:
+                        raise frames.FrameError(f"a {head.kind.name} frame where REPLY was due")
+                    else:
+                        dest = None if sink is None else sink(header, head.payload_len)
+                        if dest is None:
+                            dest = memoryview(np.empty(head.payload_len, np.uint8))
+                        elif len(dest) != (n := head.payload_len):
+                            raise InvalidArgumentError(f"the sink gave {len(dest)} bytes for {n}")
+                        conn.read_into(dest)
+                        reply = (header, dest)
+                client._give_back(conn)
+            finally:
+                client._slots.release()  # before a recovery, which may take a slot again
+            if isinstance(reply, OpError):
+                raise reply
+        except OpError as e:
+            if recover is None:
+                raise
+            return recover(e)
+        return reply if read is None else read(reply)
 
 
 class DataPlaneClient:
@@ -184,12 +237,8 @@ class DataPlaneClient:
 
     # -- calls -----------------------------------------------------------------------
     def call(self, *args: Any, **kwargs: Any) -> tuple[bytes, memoryview]:
-        """Calls ``method``; returns the reply's header bytes and payload
-        (:meth:`send`'s arguments, its reply read at once).
-
-        Raises:
-            OpError: the typed error of the failure (see the module docstring).
-        """
+        """:meth:`send`'s call, its reply read at once: the reply's header bytes and
+        payload, or the failure's typed error raised (see the module docstring)."""
         return self.send(*args, **kwargs).result()
 
     def send(
@@ -203,22 +252,18 @@ class DataPlaneClient:
         read: Callable[[tuple[bytes, memoryview]], Any] | None = None,
         recover: Callable[[OpError], Any] | None = None,
     ) -> Started:
-        """Sends a call to ``method`` now and returns without reading its reply:
-        the started call's ``result()`` reads it, ``cancel()`` closes its connection
-        (a reply may still come on it).  A thread that sends to several servers
-        before reading any reply has them work at once with no thread of its own
-        per call.  The call holds one of the pooled connections until its result
-        is read (or it is cancelled).
+        """Sends a call to ``method`` now, its reply left to the started call's
+        ``result()`` (``cancel()`` closes its connection): a thread sending to several
+        servers before reading a reply has them work at once, with no thread per call.
+        The call holds a pooled connection until its result is read or it is cancelled.
 
         Args:
             method: the method name.
             header: the serialized request header.
-            payload: buffers sent back to back as the payload (not joined).
+            payload: buffers sent back to back (joined to the headers only if small).
             timeout: seconds until the deadline.
-            sink: where the reply payload goes (default: a new buffer the
-                returned view owns).
-            read: the result is ``read(reply)`` (default: the reply's header
-                bytes and payload).
+            sink: where the reply payload goes (default: a new buffer the view owns).
+            read: the result is ``read(reply)`` (default: the reply's header and payload).
             recover: where sending the request or reading the reply failed, the
                 result is ``recover(error)`` (it may raise; default: the error
                 is raised, by this method where sending failed).
@@ -238,14 +283,21 @@ class DataPlaneClient:
                     if left <= 0:
                         raise TimeoutError
                     conn.settimeout(left)
-                    conn.send_frame(
-                        frames.Kind.REQUEST,
-                        method=frames.method_id(method),
-                        call_id=call_id,
-                        header=header,
-                        buffers=payload,
-                        timeout_ms=frames.timeout_ms(left),
-                    )
+                    # written here, blocking, nothing to release (the stream's send_frame
+                    # serves the replies): one gathered write, a small payload joined
+                    views = [memoryview(b).cast("B") for b in payload]
+                    n, ms = sum(map(len, views)), frames.timeout_ms(left)
+                    fixed = (frames.Kind.REQUEST, frames.method_id(method), call_id, len(header))
+                    head = frames.pack(*fixed, ms, n)
+                    if n <= DIRECT_BYTES:  # a small payload rides with the headers
+                        views = [memoryview(b"".join([head, header, *views]))]
+                    else:
+                        views.insert(0, memoryview(head + header))
+                    sent = conn.sock.sendmsg(views[:IOV_MAX]) if conn.gather else 0
+                    for view in views:  # what that left (on TLS: everything), sent whole
+                        if sent < len(view):
+                            conn.sock.sendall(view[sent:])
+                        sent = max(0, sent - len(view))
             except BaseException:
                 self._slots.release()
                 raise
@@ -254,58 +306,7 @@ class DataPlaneClient:
                 raise
             return Started(functools.partial(recover, e), what=method)
 
-        def abandon() -> None:  # its connection is closed, its slot freed
-            conn.close()
-            self._slots.release()
-
-        end = functools.partial(self._reply, method, conn, call_id, deadline, sink, read, recover)
-        return Started(end, abandon, method)
-
-    def _reply(
-        self,
-        method: str,
-        conn: _Conn,
-        call_id: int,
-        deadline: float,
-        sink: Sink | None,
-        read: Callable[[tuple[bytes, memoryview]], Any] | None,
-        recover: Callable[[OpError], Any] | None,
-    ) -> Any:
-        """The started call's ``result()`` (see :meth:`send`): reads the answer to call
-        ``call_id``, then hands its connection (kept after an ERROR frame) and slot back."""
-        try:
-            try:
-                with self._failures(method, conn.close, frames.Kind.REQUEST):
-                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                    head = conn.read_head()
-                    header = conn.read_bytes(head.header_len)
-                    if head.call_id != call_id:
-                        raise frames.FrameError(
-                            f"a reply to call {head.call_id} where call {call_id}'s was due"
-                        )
-                    if head.kind is frames.Kind.ERROR:
-                        conn.discard(head.payload_len)
-                        reply: Any = self._status(method, header)
-                    elif head.kind is not frames.Kind.REPLY:
-                        raise frames.FrameError(f"a {head.kind.name} frame where REPLY was due")
-                    else:
-                        dest = None if sink is None else sink(header, head.payload_len)
-                        if dest is None:
-                            dest = memoryview(np.empty(head.payload_len, np.uint8))
-                        elif len(dest) != (n := head.payload_len):
-                            raise InvalidArgumentError(f"the sink gave {len(dest)} bytes for {n}")
-                        conn.read_into(dest)
-                        reply = (header, dest)
-                self._give_back(conn)
-            finally:
-                self._slots.release()  # before a recovery, which may take a slot again
-            if isinstance(reply, OpError):
-                raise reply
-        except OpError as e:
-            if recover is None:
-                raise
-            return recover(e)
-        return reply if read is None else read(reply)
+        return _Sent(self, method, conn, call_id, deadline, sink, read, recover)
 
     def _status(self, method: str, header: bytes) -> OpError:
         """The typed error an ERROR frame's status header names."""

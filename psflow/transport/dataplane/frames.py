@@ -92,7 +92,6 @@ def timeout_ms(seconds: float | None) -> int:
 
 def pack(
     kind: Kind,
-    *,
     method: int = 0,
     call_id: int = 0,
     header_len: int = 0,

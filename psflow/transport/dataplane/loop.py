@@ -60,7 +60,7 @@ _EVICTABLE_IDLE = 2.0
 
 Frame = tuple[frames.FrameHead, bytes, memoryview]
 """A whole request: its fixed header, its protobuf header, its payload."""
-Dispatch = Callable[["Connection", frames.FrameHead, bytes, memoryview], bool]
+Dispatch = Callable[["Connection"], "bool | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +204,7 @@ class Connection(FrameStream):
                 self._payload = memoryview(held)[:n]
                 self._parts = [p for p in (memoryview(self._header), self._payload) if len(p)]
         request = (self._head, bytes(self._header), self._payload)
+        self.busy = True  # served now: not swept, not evicted
         self.began = self.last if self.frame_start is None else self.frame_start
         # the next frame's clock starts with its first bytes (already here if pipelined)
         self.frame_start = self.last if self._start < self._end else None
@@ -219,11 +220,9 @@ class EventLoop:
 
     Args:
         name: names the threads.
-        call: runs one request and sends its reply; False when the connection
-            is to be closed.
+        call: reads a connection's next request (:meth:`Connection.receive`) and runs it:
+            None when none is whole yet, False when the connection is to be closed.
         limits: the server's limits.
-        on_error: called with (connection, exception) when reading fails; the
-            loop then closes the connection.
         min_threads: event-loop threads started at once and never retired.
     """
 
@@ -232,13 +231,11 @@ class EventLoop:
         name: str,
         call: Dispatch,
         limits: Limits,
-        on_error: Callable[[Connection, BaseException], None],
         min_threads: int = 2,
     ) -> None:
         self.name = name
         self.limits = limits
         self._call = call
-        self._on_error = on_error
         self.max_threads = max(1, limits.max_connections)
         self.min_threads = min(max(1, min_threads), self.max_threads)
         # epoll: Linux; elsewhere (macOS, the BSDs, Windows) a thread per connection
@@ -372,39 +369,29 @@ class EventLoop:
 
     # -- serving -----------------------------------------------------------------------
     def _serve(self, conn: Connection) -> None:
-        """Reads a connection and runs each request it completes: on epoll, until it
-        has nothing more now (then re-armed); without, until it ends."""
+        """Runs the calls a connection's bytes complete (the dispatch reads each frame):
+        on epoll, until it has nothing more now (then re-armed); without, until it ends."""
         while not self._stopping.is_set():
+            with self._lock:
+                self._waiting -= 1
+                if self._waiting == 0:
+                    self._starved_since = time.monotonic()
             try:
-                request = conn.receive()
-            except BaseException as e:  # FrameError, ConnectionError, OSError
-                self._on_error(conn, e)
-                self.close(conn, e)
-                return
-            if request is not None:
-                conn.busy = True
+                keep = self._call(conn)
+            except Exception:
+                log.exception("data plane call from %s failed", conn.peer)
+                keep = False
+            finally:
                 with self._lock:
-                    self._waiting -= 1
-                    if self._waiting == 0:
-                        self._starved_since = time.monotonic()
-                try:
-                    keep = self._call(conn, *request)
-                except Exception:
-                    log.exception("data plane call from %s failed", conn.peer)
-                    keep = False
-                finally:
-                    with self._lock:
-                        self._waiting += 1
-                        self._starved_since = None
-                if not keep:
-                    break
-                if self._epoll is None:  # its own thread: it reads on, blocking
-                    conn.busy = False
-                    continue
-                if conn.pending():
-                    continue
-            self._arm(conn)  # nothing more now: epoll wakes a thread for the rest
-            return
+                    self._waiting += 1
+                    self._starved_since = None
+            if keep is False:
+                break
+            if self._epoll is None:  # its own thread: it reads on, blocking
+                conn.busy = False
+            elif keep is None or not conn.pending():
+                self._arm(conn)  # nothing more now: epoll wakes a thread for the rest
+                return
         self.close(conn)
 
     def _arm(self, conn: Connection) -> None:

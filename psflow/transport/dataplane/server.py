@@ -4,15 +4,14 @@ A connection starts with a HELLO carrying the shared token (see
 :mod:`.auth`; TLS first when configured), read by a short-lived thread of its
 own within ``hello_timeout`` (see :mod:`.door`); a refused one gets an
 UNAUTHENTICATED ERROR frame and is closed.  A welcomed connection, plain or
-TLS, then has one request path (:mod:`.loop`), and every REQUEST one dispatch,
-:meth:`DataPlaneServer._call`: the handler its method id names runs (inside
-``around``, the caller's wrapper of every call), and its REPLY goes out with
-one ``sendmsg``.  A handler that raises a psflow :class:`OpError` answers an
-ERROR frame with the status gRPC would have carried
-(:func:`~psflow.errors.status_of`: the code, the message and a
-:class:`MovedError`'s redirect); so do an unknown method (UNIMPLEMENTED) and a
-call whose deadline passed before it ran (DEADLINE_EXCEEDED, counted from the
-frame's first byte).
+TLS, then has one request path (:mod:`.loop`): :meth:`DataPlaneServer._call`
+reads each REQUEST and runs the handler its method id names (a function, or
+a :class:`Route`, inside ``around``, the caller's wrapper of every call); the
+REPLY goes out in one ``sendmsg``, sent by the handler or after it.  A psflow
+:class:`OpError` answers an ERROR frame with the status gRPC would carry
+(:func:`~psflow.errors.status_of`: code, message, a :class:`MovedError`'s
+redirect); so do an unknown method (UNIMPLEMENTED) and a call whose deadline
+passed before it ran (DEADLINE_EXCEEDED, from the frame's first byte).
 
 A frame that breaks the format or the limits closes its connection with a
 logged reason before any handler runs; other connections are not affected.
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import socket
 import ssl
@@ -53,12 +53,21 @@ from . import auth, door, frames
 from .loop import Connection, EventLoop, Limits
 from .stream import tune
 
-__all__ = ["DataPlaneServer", "Handler", "Limits", "Reply", "Request"]
+__all__ = ["DataPlaneServer", "Handler", "Limits", "Reply", "Request", "Route"]
 
 log = logging.getLogger(__name__)
 
 _ACCEPT_POLL = 0.2
 _SWEEP = 0.5
+
+
+class Reply(NamedTuple):
+    """A handler's answer: a header, payload buffers sent as they are, and an
+    optional ``release`` called once they are sent (a snapshot's lock, say)."""
+
+    header: bytes = b""
+    buffers: Sequence[Any] = ()
+    release: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +84,8 @@ class Request:
         peer_gone: whether the client has left (closed or reset its connection):
             a handler that waits (a synchronous step) asks it now and then and
             stops waiting for nobody.  One system call; cheap, not free.
+        respond: ``respond(header=, buffers=, release=)``: the data plane's sends the
+            REPLY frame now (the handler returns None); by default a :class:`Reply`.
     """
 
     method: str
@@ -83,22 +94,23 @@ class Request:
     peer: str
     deadline: float | None
     peer_gone: Callable[[], bool] = lambda: False
+    respond: Callable[..., Reply | None] = Reply
 
     def time_remaining(self) -> float | None:
         """Seconds until the client's deadline (None: it gave none)."""
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-class Reply(NamedTuple):
-    """A handler's answer: a header, payload buffers sent as they are, and an
-    optional ``release`` called once they are sent (a snapshot's lock, say)."""
+class Route(NamedTuple):
+    """A handler in steps, a request's data going from its decoder straight to the function
+    applying it: ``finish(decoded, apply(*decoded.args))``, ``decoded = decode(request)``."""
 
-    header: bytes = b""
-    buffers: Sequence[Any] = ()
-    release: Callable[[], None] | None = None
+    decode: Callable[[Request], Any]
+    apply: Callable[..., Any]
+    finish: Callable[[Any, Any], Reply | None]
 
 
-Handler = Callable[[Request], Reply]
+Handler = Callable[[Request], "Reply | None"] | Route
 
 
 class _Accepted:
@@ -117,7 +129,7 @@ class DataPlaneServer:
         host: the address to bind (the gRPC server's).
         port: the port (0: any free one; see :attr:`port`).
         security: the token and TLS material clients must present.
-        handlers: method name -> handler.
+        handlers: method name -> handler (a function of the request, or a :class:`Route`).
         on_reject: called with a reason for every refused connection or frame
             (``"unauthenticated"``, ``"malformed_frame"``, ``"too_many_connections"``).
         around: ``around(request)``, a context every call runs in (the PS task's
@@ -166,7 +178,7 @@ class DataPlaneServer:
         self._refusals = door.Refusals(log)
         self._accept_thread: threading.Thread | None = None
         self._next_sweep = 0.0
-        self._loop = EventLoop(f"dataplane-{self.port}", self._call, self.limits, self._read_failed)
+        self._loop = EventLoop(f"dataplane-{self.port}", self._call, self.limits)
         if not self._loop.nonblocking:
             log.info(
                 "data plane on %s:%d: no epoll on this platform (%s); "
@@ -322,11 +334,6 @@ class DataPlaneServer:
                 _shutdown(sock)
                 sock.close()
 
-    def _read_failed(self, conn: Connection, error: BaseException) -> None:
-        if isinstance(error, frames.FrameError):
-            self._on_reject("malformed_frame")
-            log.warning("data plane closed the connection from %s: %s", conn.peer, error)
-
     # -- the handshake ----------------------------------------------------------------
     def _authenticate(self, sock: socket.socket, peer: str, deadline: float) -> bool:
         """Reads the HELLO (at most :data:`auth.HELLO_LIMIT` bytes, by ``deadline``)
@@ -345,11 +352,21 @@ class DataPlaneServer:
         return True
 
     # -- one call: every connection's --------------------------------------------------
-    def _call(
-        self, conn: Connection, head: frames.FrameHead, header: bytes, payload: memoryview
-    ) -> bool:
-        """Runs one request with its handler and sends the reply or the error's status;
-        False when the connection is to be closed (its peer is gone, or the server stops)."""
+    def _call(self, conn: Connection) -> bool | None:
+        """Reads the connection's next request, runs it with its handler and sends the
+        reply or the error's status.  None: no whole request yet; False: the
+        connection is to be closed (a bad frame, its peer gone, the server stopping)."""
+        try:
+            frame = conn.receive()
+        except BaseException as e:  # FrameError, ConnectionError, OSError
+            if isinstance(e, frames.FrameError):
+                self._on_reject("malformed_frame")
+                log.warning("data plane closed the connection from %s: %s", conn.peer, e)
+            log.debug("data plane connection from %s ended: %s", conn.peer, e)
+            return False
+        if frame is None:
+            return None
+        head, header, payload = frame
         deadline = None
         if head.timeout_ms:  # the client's time left when it sent the frame's first byte
             deadline = conn.began + head.timeout_ms / 1000.0
@@ -364,23 +381,30 @@ class DataPlaneServer:
                         f"data plane: {name}'s deadline of {head.timeout_ms} ms passed "
                         "before it ran"
                     )
-                request = Request(name, header, payload, conn.peer, deadline, conn.peer_gone)
+                respond = functools.partial(
+                    conn.send_frame, frames.Kind.REPLY, method=head.method, call_id=head.call_id
+                )
+                request = Request(
+                    name, header, payload, conn.peer, deadline, conn.peer_gone, respond
+                )
                 with self._around(request):
-                    reply = Reply(*handler(request))
+                    if type(handler) is Route:
+                        decoded = handler.decode(request)
+                        reply = handler.finish(decoded, handler.apply(*decoded.args))
+                    else:
+                        reply = handler(request)
             except OpError as e:
+                if isinstance(e.__cause__, OSError):  # the handler's reply failed: peer gone
+                    raise e.__cause__ from None
                 status = status_of(e)
+            except OSError:  # as above, where no edge typed it
+                raise
             except Exception as e:
                 log.exception("data plane %s failed", known[0] if known else head.method)
                 status = status_of(InternalError(f"{known[0]}: {type(e).__name__}: {e}"))
             else:
-                conn.send_frame(
-                    frames.Kind.REPLY,
-                    method=head.method,
-                    call_id=head.call_id,
-                    header=reply.header,
-                    buffers=reply.buffers,
-                    release=reply.release,
-                )
+                if reply is not None:  # a handler that did not send its reply itself
+                    respond(header=reply.header, buffers=reply.buffers, release=reply.release)
                 status = None
             if status is not None:
                 header = _status_header(status.code, status.details, status.metadata)

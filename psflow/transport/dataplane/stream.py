@@ -99,7 +99,7 @@ class FrameStream:
         self.io_timeout = io_timeout
         self._tls = isinstance(sock, ssl.SSLSocket)
         # TLS sockets have no sendmsg: their pieces go through sendall
-        self._gather = hasattr(sock, "sendmsg") and not self._tls
+        self.gather = hasattr(sock, "sendmsg") and not self._tls
         self._view = memoryview(bytearray(STAGING_BYTES))
         self._start = self._end = 0
         self.deadline: float | None = None
@@ -252,7 +252,7 @@ class FrameStream:
         views.insert(0, memoryview(b"".join(small)))
         once = None if release is None else functools.cache(release)  # early, or last
         release, mode = once, self.sock.gettimeout()
-        waiting = not (self._gather and mode == 0.0)
+        waiting = not (self.gather and mode == 0.0)
         if waiting and release is not None and sum(map(len, views)) > _send_buffer(self.sock) // 2:
             views = [memoryview(b"".join(views))]  # a copy: the reader may take its time
             release()
@@ -262,7 +262,7 @@ class FrameStream:
             waiting = False  # nothing to put back
         try:
             while views:
-                if not self._gather:
+                if not self.gather:
                     self.sock.sendall(views.pop(0))
                     continue
                 try:
