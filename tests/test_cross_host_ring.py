@@ -280,7 +280,7 @@ def test_a_left_neighbour_stopping_inside_a_frame_is_a_typed_error_naming_it_in_
             links[1].receive_into(memoryview(dest), start + 0.6)
         took = time.monotonic() - start
         assert caught.value.task == "worker:0"
-        assert (0.55 <= took < 1.0) if how == "silent" else took < 0.5, took
+        assert (0.55 <= took < 1.5) if how == "silent" else took < 0.5, took
     finally:
         for lk in links:
             lk.close()

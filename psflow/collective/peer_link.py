@@ -757,17 +757,7 @@ class PeerLinks:
                     # a large payload is read straight into dest, none through staging
                     raw = stream.read_bytes(_FIXED.size, alone=large)
                 except TimeoutError:
-                    now = time.monotonic()
-                    if now >= self._heard + self.silence:
-                        why = f"{self.left_name} sent nothing for {self.silence:g}s"
-                    else:
-                        why = (
-                            f"{self.left_name} is alive but its data did not come before "
-                            "the deadline"
-                        )
-                    self.fail(
-                        errors.DeadlineExceededError(f"collective: {why}", task=self._left_task)
-                    )
+                    self._fail_silent()
                 self._heard = time.monotonic()
                 if _FIXED.unpack(raw) == expected:
                     break
@@ -782,19 +772,8 @@ class PeerLinks:
             self._heard = time.monotonic()
         except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
             raise
-        except TimeoutError:
-            self.fail(
-                errors.DeadlineExceededError(
-                    f"collective: the data from {self.left_name} did not arrive in time",
-                    task=self._left_task,
-                )
-            )
-        except (OSError, frames.FrameError) as e:
-            self.fail(
-                errors.UnavailableError(
-                    f"collective: {self.left_name} is unavailable: {e}", task=self._left_task
-                )
-            )
+        except (OSError, frames.FrameError) as e:  # TimeoutError is an OSError
+            self.fail(self._left_error(e))
         finally:
             stream.deadline = None
 
@@ -821,16 +800,7 @@ class PeerLinks:
                     quiet = self._heard + self.silence
                     self._fill(sock, head, _FIXED.size, deadline if deadline < quiet else quiet)
                 except TimeoutError:
-                    if time.monotonic() >= self._heard + self.silence:
-                        why = f"{self.left_name} sent nothing for {self.silence:g}s"
-                    else:
-                        why = (
-                            f"{self.left_name} is alive but its data did not come before "
-                            "the deadline"
-                        )
-                    self.fail(
-                        errors.DeadlineExceededError(f"collective: {why}", task=self._left_task)
-                    )
+                    self._fail_silent()
                 self._heard = time.monotonic()
                 if head == expected:
                     break
@@ -850,19 +820,8 @@ class PeerLinks:
             self._heard = time.monotonic()
         except errors.OpError:  # raised by fail() above (some are TimeoutError/OSError too)
             raise
-        except TimeoutError:
-            self.fail(
-                errors.DeadlineExceededError(
-                    f"collective: the data from {self.left_name} did not arrive in time",
-                    task=self._left_task,
-                )
-            )
-        except (OSError, frames.FrameError) as e:
-            self.fail(
-                errors.UnavailableError(
-                    f"collective: {self.left_name} is unavailable: {e}", task=self._left_task
-                )
-            )
+        except (OSError, frames.FrameError) as e:  # TimeoutError is an OSError
+            self.fail(self._left_error(e))
         finally:
             stream.deadline = None
 
@@ -947,6 +906,26 @@ class PeerLinks:
             )
         )
         return False  # not reached: fail() raises
+
+    def _fail_silent(self) -> None:
+        """Fails the links for a frame head that did not come: the left neighbour either
+        sent nothing for ``silence`` seconds or, heard from, missed the deadline."""
+        if time.monotonic() >= self._heard + self.silence:
+            why = f"{self.left_name} sent nothing for {self.silence:g}s"
+        else:
+            why = f"{self.left_name} is alive but its data did not come before the deadline"
+        self.fail(errors.DeadlineExceededError(f"collective: {why}", task=self._left_task))
+
+    def _left_error(self, e: OSError | frames.FrameError) -> errors.OpError:
+        """The typed error for a failed read from the left neighbour."""
+        if isinstance(e, TimeoutError):
+            return errors.DeadlineExceededError(
+                f"collective: the data from {self.left_name} did not arrive in time",
+                task=self._left_task,
+            )
+        return errors.UnavailableError(
+            f"collective: {self.left_name} is unavailable: {e}", task=self._left_task
+        )
 
     def fail(self, error: errors.OpError, *, forward: bool = True) -> None:
         """Marks the links broken with ``error``, tells the right neighbour, raises ``error``.
