@@ -432,7 +432,8 @@ class _ChunkedUpdates:
     (:func:`psflow.ops.kernel_pool.run_chunks`: one hand-off per step, not one
     per variable). Each chunk is ``rule.apply_dense`` on slices, so the bits are
     those of the rule on the whole array (elementwise rules only), and the
-    variables are independent, so their order does not matter.
+    variables are independent, so their order does not matter. The rule's checks run
+    once per variable (:meth:`add`), its formula once per chunk.
     """
 
     def __init__(self) -> None:
@@ -461,8 +462,16 @@ class _ChunkedUpdates:
             return False
         arrays = (arr, grad, *slots.values())
         for a in arrays:
-            if type(a) is not np.ndarray or a.shape != arr.shape or not a.flags.c_contiguous:
+            if (
+                type(a) is not np.ndarray
+                or a.shape != arr.shape
+                or a.dtype != arr.dtype
+                or not a.flags.c_contiguous
+            ):
                 return False  # the whole-array path checks (and names) what is wrong
+        # checked once here, so that each chunk runs the rule's formula alone (the chunks
+        # are slices of arrays of one shape and dtype: nothing a chunk could find wrong)
+        rule._check_slots(arr, slots, step)
         if id(arr) in self._taken:  # the same variable twice: its first update lands first
             self.run()
         self._taken.add(id(arr))
@@ -486,7 +495,7 @@ class _ChunkedUpdates:
         def chunk(i: int, _: int) -> None:
             rule, flat, names, step, lo, hi = tasks[i]
             part = {n: f[lo:hi] for n, f in zip(names, flat[2:])}
-            rule.apply_dense(flat[0][lo:hi], flat[1][lo:hi], part, step)
+            rule._update(flat[0][lo:hi], flat[1][lo:hi], part, step)
 
         kernel_pool.run_chunks(chunk, [(i, i + 1) for i in range(len(tasks))])
         for constraint, arr in constraints:
