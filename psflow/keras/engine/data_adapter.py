@@ -415,6 +415,9 @@ class _Reiterable:
 
 def batch_size_of(x: Any) -> int:
     """Examples in a batch: the first dimension of its first array."""
+    if type(x) is Tensor:  # a step's single input (every fit step asks): no flattening
+        shape = x._value.shape
+        return int(shape[0]) if shape else 1
     leaf = nest.flatten(x)[0]
     return int(leaf.shape[0]) if len(leaf.shape) else 1
 

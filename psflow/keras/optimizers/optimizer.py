@@ -68,6 +68,8 @@ class Optimizer(Trackable):
         self._pending_slots: dict[int, tuple[Any, dict[str, Any], Callable[[], None]]] = {}
         self._lock = threading.Lock()
         self._rule_cache: tuple[float, update_rules.UpdateRule] | None = None
+        # id(slots) -> (array, rule) whose dense update passed the rule's checks
+        self._checked: dict[int, tuple[Any, update_rules.UpdateRule]] = {}
         _ = self.rule  # validates the hyperparameters now, naming a bad one
 
     @staticmethod
@@ -350,7 +352,21 @@ class Optimizer(Trackable):
             batch = _collecting.batch
             if batch is not None and batch.add(rule, arr, g, slots, step, var.constraint):
                 return  # applied (and constrained) with the batch's other large updates
-            rule.apply_dense(arr, g, slots, step)
+            checked = self._checked.get(id(slots))
+            if (
+                checked is not None
+                and checked[0] is arr
+                and checked[1] is rule
+                and g.shape == arr.shape
+                and type(step) is int
+                and step >= 1
+            ):
+                # this array, its slots and this rule passed the rule's checks at an earlier
+                # step (a step's small updates: the checks cost more than the arithmetic)
+                rule._update(arr, g, slots, step)
+            else:
+                rule.apply_dense(arr, g, slots, step)
+                self._checked[id(slots)] = (arr, rule)
         _constrain(var.constraint, arr)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Tensor:
@@ -380,6 +396,7 @@ class Optimizer(Trackable):
         d["_slot_owner"] = {}
         d["_pending_slots"] = {}
         d["_rule_cache"] = None
+        d["_checked"] = {}
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
