@@ -44,7 +44,15 @@ CHUNK_BYTES = 256 * 1024
 """Bytes of working set a chunk aims for: a fraction of a core's L2 cache, so that a
 chunk's input, output and temporaries stay in cache across the kernel's passes."""
 
-_local = threading.local()  # per thread: ``width``, set by set_thread_width
+
+class _Width(threading.local):
+    """Per thread: ``width``, set by :func:`set_thread_width` (None: the process's)."""
+
+    def __init__(self) -> None:
+        self.width: int | None = None
+
+
+_local = _Width()
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_width = 0
@@ -75,7 +83,7 @@ def set_thread_width(threads: int | None) -> None:
 
 def width() -> int:
     """The threads a kernel called from this thread may use."""
-    own = getattr(_local, "width", None)
+    own = _local.width
     if own is not None:
         return own
     global _process_width
