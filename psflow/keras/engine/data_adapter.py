@@ -156,6 +156,8 @@ def _num_examples(arrays: Any, names: list[str]) -> int:
 
 
 def _take(structure: Any, idx: Any) -> Any:
+    if type(structure) is np.ndarray:  # one array (the common x and y): no structure to map
+        return Tensor._wrap(structure[idx])
     return nest.map_structure(lambda a: None if a is None else Tensor._wrap(a[idx]), structure)
 
 
