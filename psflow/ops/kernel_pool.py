@@ -328,8 +328,9 @@ def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
     """
     share = len(products)
     cuts = [_cut(a.shape[0], a.shape[1], b.shape[1], share) for a, b in products]
-    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products)
-    if flops < GEMM_CHUNK_FLOPS and all(len(bounds) == 1 for _, bounds in cuts):
+    if all(len(bounds) == 1 for _, bounds in cuts) and (
+        sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products) < GEMM_CHUNK_FLOPS
+    ):
         # too small to be worth waking a thread (a last layer's pair): one after the other,
         # the calls the general path below makes, without building its tasks
         with blas_held_to_one():
