@@ -364,3 +364,25 @@ def test_binary_crossentropy_of_a_sigmoid_activation_works_from_its_logits() -> 
     # a probability that is not a sigmoid's output is still clipped, as in Keras
     clipped = pf.keras.losses.binary_crossentropy(y, pf.constant([[1.0]]))
     assert 15.0 < float(clipped[0]) < 17.0  # -log(1e-7) in float32
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_batch_mean_is_the_sum_divided_by_the_count_bit_for_bit(dtype: type) -> None:
+    # "sum_over_batch_size" reduces in one op (reduce_mean): its value and gradient must be
+    # those of the sum divided by the count, which it replaced
+    from psflow.keras.losses import reduce_values
+
+    rng = np.random.default_rng(7)
+    for n in (1, 3, 64, 255, 4097):
+        v = pf.Variable((rng.standard_normal(n) * rng.uniform(0.1, 100)).astype(dtype))
+        sw = pf.constant(rng.uniform(0.5, 1.5, n).astype(dtype))
+        for weights in (None, sw):
+            with pf.GradientTape(persistent=True) as tape:
+                fast = reduce_values(v, weights, "sum_over_batch_size")
+                x = v if weights is None else pf.multiply(v, weights)
+                slow = pf.divide(pf.reduce_sum(x), float(n))
+            assert fast.dtype == slow.dtype == pf.as_dtype(dtype)
+            assert fast.numpy().tobytes() == slow.numpy().tobytes()
+            assert np.array_equal(tape.gradient(fast, v).numpy(), tape.gradient(slow, v).numpy())
+    empty = reduce_values(pf.constant(np.zeros(0, np.float32)), None, "sum_over_batch_size")
+    assert float(empty) == 0.0  # no examples: zero, not the mean's nan

@@ -261,3 +261,17 @@ def test_metric_matches_keras(
         ours.update_state(y_true[sl], y_pred[sl], sample_weight=None if w is None else w[sl])
         theirs.update_state(y_true[sl], y_pred[sl], sample_weight=None if w is None else w[sl])
     assert _value(ours) == pytest.approx(float(theirs.result()), rel=1e-5, abs=1e-6)
+
+
+def test_a_steps_weighted_mean_loss_accumulates_as_the_general_path_does() -> None:
+    # fit's loss tracker gets a float32 scalar tensor and the batch size as np.float64: a
+    # fast path, whose state must be bit for bit the general path's (values as an array)
+    rng = np.random.default_rng(3)
+    fast, general = keras.metrics.Mean(), keras.metrics.Mean()
+    for _ in range(50):
+        loss = np.float32(rng.standard_normal() * 10)
+        batch = np.float64(rng.integers(1, 300))
+        fast.update_state(pf.constant(np.asarray(loss)), sample_weight=batch)
+        general.update_state(np.asarray(loss), sample_weight=np.asarray(batch))
+    assert [a.tobytes() for a in fast.get_state()] == [a.tobytes() for a in general.get_state()]
+    assert fast.result().numpy().tobytes() == general.result().numpy().tobytes()

@@ -463,7 +463,7 @@ def test_chunked_update_runs_on_several_threads_and_then_the_constraint() -> Non
     from psflow import update_rules
 
     seen: set[str] = set()
-    real = update_rules.SGD.apply_dense
+    real = update_rules.SGD._update
 
     def spy(self, var, grad, slots, step):  # type: ignore[no-untyped-def]
         seen.add(threading.current_thread().name)
@@ -476,14 +476,14 @@ def test_chunked_update_runs_on_several_threads_and_then_the_constraint() -> Non
     from psflow.ops import kernel_pool
 
     kernel_pool.set_thread_width(2)
-    update_rules.SGD.apply_dense = spy  # type: ignore[method-assign]
+    update_rules.SGD._update = spy  # type: ignore[method-assign]
     try:
         for _ in range(20):  # a helper thread claims a chunk in some call (not in every one)
             opt.apply_gradients([(pf.constant(np.full(BIG, 0.25, np.float32)), big)])
             if len(seen) > 1:
                 break
     finally:
-        update_rules.SGD.apply_dense = real  # type: ignore[method-assign]
+        update_rules.SGD._update = real  # type: ignore[method-assign]
         kernel_pool.set_thread_width(None)
     assert len(seen) > 1
     # 1 - 0.25 = 0.75, clipped to 0.5 by the constraint after the chunks; then 0.25 each step

@@ -109,7 +109,11 @@ class CallbackList:
         def call(*args: Any, **kwargs: Any) -> None:
             if "logs" in kwargs:
                 args = (*args, kwargs.pop("logs"))
-            for cb in self.callbacks:
+            if len(args) >= arity:  # every hook fit calls: nothing to pad
+                for cb in self.callbacks:
+                    getattr(cb, hook)(*args, **kwargs)
+                return
+            for cb in self.callbacks:  # each callback gets its own empty logs
                 padded = args + tuple({} for _ in range(arity - len(args)))
                 getattr(cb, hook)(*padded, **kwargs)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from psflow import errors
 from psflow.framework.tensor import Tensor
 from psflow.keras import activations
@@ -271,6 +273,9 @@ class Loss:
         return cls(**config)
 
 
+_MEAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def reduce_values(values: Any, sample_weight: Any, reduction: str) -> Tensor:
     """Applies sample weights and reduces per-example losses (Keras's rules)."""
     values = node(values)
@@ -281,6 +286,11 @@ def reduce_values(values: Any, sample_weight: Any, reduction: str) -> Tensor:
         values = math_ops.multiply(values, sw)
     if reduction == Reduction.NONE:
         return values
+    a = values._array()
+    if reduction == Reduction.SUM_OVER_BATCH_SIZE and a.size and a.dtype in _MEAN_DTYPES:
+        # the sum divided by the count in one op: the same bits as the two below (both
+        # divide the float32 or float64 sum by the count in that dtype)
+        return math_ops.reduce_mean(values)
     total = math_ops.reduce_sum(values)
     if reduction == Reduction.SUM:
         return total

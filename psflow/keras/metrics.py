@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,7 +97,7 @@ class Metric:
         """The metric's value for a state."""
         raise NotImplementedError
 
-    def _accumulate(self, deltas: list[np.ndarray]) -> None:
+    def _accumulate(self, deltas: Sequence[Any]) -> None:
         with self._lock:
             for arr, d in zip(self._state, deltas):
                 arr += d
@@ -203,6 +203,14 @@ class Mean(_TotalCount):
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:
         """Adds values (with optional weights)."""
+        if type(values) is Tensor and type(sample_weight) is np.float64:
+            v = values._value
+            if type(v) is np.ndarray and v.ndim == 0 and v.dtype.kind == "f":
+                # a step's mean loss weighted by its batch size (every fit step): the sums
+                # _add makes, in Python floats (the same float64 roundings) without its arrays
+                w = float(sample_weight)
+                self._accumulate((float(v) * w, w))
+                return
         self._add(_host(values), _host(sample_weight))
 
     def _result_from(self, state: tuple[np.ndarray, ...]) -> Tensor:

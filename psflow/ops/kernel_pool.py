@@ -26,12 +26,11 @@ NumPy's wheels, and its own threads wait for their slowest member spinning.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -45,7 +44,15 @@ CHUNK_BYTES = 256 * 1024
 """Bytes of working set a chunk aims for: a fraction of a core's L2 cache, so that a
 chunk's input, output and temporaries stay in cache across the kernel's passes."""
 
-_local = threading.local()  # per thread: ``width``, set by set_thread_width
+
+class _Width(threading.local):
+    """Per thread: ``width``, set by :func:`set_thread_width` (None: the process's)."""
+
+    def __init__(self) -> None:
+        self.width: int | None = None
+
+
+_local = _Width()
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_width = 0
@@ -76,7 +83,7 @@ def set_thread_width(threads: int | None) -> None:
 
 def width() -> int:
     """The threads a kernel called from this thread may use."""
-    own = getattr(_local, "width", None)
+    own = _local.width
     if own is not None:
         return own
     global _process_width
@@ -128,6 +135,9 @@ if hasattr(os, "register_at_fork"):  # not on Windows
 def _team(helpers: int) -> kernel_team.Team:
     """The shared team, with at least ``helpers`` threads."""
     global _team_now
+    team = _team_now
+    if team is not None and team.helpers >= helpers:  # every call after the first
+        return team
     with _pool_lock:
         if _team_now is None or _team_now.helpers < helpers:
             old = _team_now
@@ -211,6 +221,26 @@ def gemm_cut(m: int, k: int, n: int, share: int = 1) -> tuple[str, list[tuple[in
         >>> gemm_cut(64, 784, 512)
         ('columns', [(0, 256), (256, 512)])
     """
+    kind, bounds = _cut(m, k, n, share)
+    return kind, list(bounds)
+
+
+_cuts: dict[tuple[int, ...], tuple[str, tuple[tuple[int, int], ...]]] = {}
+
+
+def _cut(m: int, k: int, n: int, share: int = 1) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """:func:`gemm_cut` with the bounds as a tuple, worked out once per shape (a step asks
+    for the same few shapes every time; the constants are part of the key)."""
+    key = (m, k, n, share, GEMM_CHUNK_FLOPS, GEMM_MAX_CHUNKS, GEMM_MIN_SPAN)
+    cut = _cuts.get(key)
+    if cut is None:
+        if len(_cuts) >= 4096:  # bounded where shapes keep changing (one entry each)
+            _cuts.clear()
+        cut = _cuts[key] = _compute_cut(m, k, n, share)
+    return cut
+
+
+def _compute_cut(m: int, k: int, n: int, share: int) -> tuple[str, tuple[tuple[int, int], ...]]:
     flops = 2 * m * n * k
     if k >= 8 * max(m, n):
         # the summation order: kept as it was (partial sums added in chunk order)
@@ -222,9 +252,9 @@ def gemm_cut(m: int, k: int, n: int, share: int = 1) -> tuple[str, list[tuple[in
         parts //= max(1, share)
         parts = 1 << (parts.bit_length() - 1) if parts > 1 else 1
     if parts < 2:
-        return kind, [(0, along)]
+        return kind, ((0, along),)
     step = -(-along // parts)
-    return kind, [(lo, min(lo + step, along)) for lo in range(0, along, step)]
+    return kind, tuple((lo, min(lo + step, along)) for lo in range(0, along, step))
 
 
 def matmul(a: Any, b: Any) -> Any:
@@ -239,7 +269,7 @@ def matmul(a: Any, b: Any) -> Any:
     threads. Without a BLAS whose thread count can be set (or with one kernel
     thread) it is ``a @ b`` cut the same way, run in this thread.
     """
-    if len(gemm_cut(a.shape[0], a.shape[1], b.shape[1])[1]) == 1:
+    if len(_cut(a.shape[0], a.shape[1], b.shape[1])[1]) == 1:
         with blas_held_to_one():  # one chunk: the call matmuls would make, without its setup
             return np.matmul(a, b)
     return matmuls([(a, b)])[0]
@@ -256,7 +286,7 @@ def dense(a: Any, w: Any, bias: Any = None, relu: bool = False) -> Any:
     """
     m, k = a.shape
     n = w.shape[1]
-    kind, bounds = gemm_cut(m, k, n)
+    kind, bounds = _cut(m, k, n)
     if len(bounds) == 1:
         with blas_held_to_one():
             c = np.matmul(a, w)
@@ -297,9 +327,10 @@ def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
     its cut: a function of the shapes and of ``len(products)`` only.
     """
     share = len(products)
-    cuts = [gemm_cut(a.shape[0], a.shape[1], b.shape[1], share) for a, b in products]
-    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products)
-    if flops < GEMM_CHUNK_FLOPS and all(len(bounds) == 1 for _, bounds in cuts):
+    cuts = [_cut(a.shape[0], a.shape[1], b.shape[1], share) for a, b in products]
+    if all(len(bounds) == 1 for _, bounds in cuts) and (
+        sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products) < GEMM_CHUNK_FLOPS
+    ):
         # too small to be worth waking a thread (a last layer's pair): one after the other,
         # the calls the general path below makes, without building its tasks
         with blas_held_to_one():
@@ -350,8 +381,7 @@ class _Held(threading.local):
 _held = _Held()
 
 
-@contextlib.contextmanager
-def blas_held_to_one() -> Iterator[bool]:
+def blas_held_to_one() -> _HeldToOne:
     """Holds the BLAS to one thread inside the block; yields whether it could.
 
     The products (:func:`matmul`) each hold it while they run. A caller that runs
@@ -362,32 +392,46 @@ def blas_held_to_one() -> Iterator[bool]:
     Nested blocks of one thread cost a counter; the count is restored when the
     last block of any thread ends.
     """
-    if _held.depth:  # this thread holds it already: nothing to set or restore
-        _held.depth += 1
-        try:
-            yield True
-        finally:
-            _held.depth -= 1
-        return
-    from psflow.distribute.replica_pool import blas_thread_count, set_blas_thread_count
+    return _HeldToOne()
 
-    global _blas_narrowed, _blas_before
-    with _blas_state:
-        if _blas_narrowed == 0:
-            _blas_before = blas_thread_count()
-        if _blas_before is None:  # no control over the BLAS's threads: do not fight them
-            held = False
-        else:
-            held = True
+
+class _HeldToOne:
+    """The block of :func:`blas_held_to_one` (a class, not a generator: a step enters a
+    dozen of them, nearly all nested, where a generator's machinery cost more than the
+    counter they change)."""
+
+    __slots__ = ("_outer",)
+
+    def __enter__(self) -> bool:
+        if _held.depth:  # this thread holds it already: nothing to set or restore
+            _held.depth += 1
+            self._outer = False
+            return True
+        from psflow.distribute.replica_pool import blas_thread_count, set_blas_thread_count
+
+        global _blas_narrowed, _blas_before
+        with _blas_state:
+            if _blas_narrowed == 0:
+                _blas_before = blas_thread_count()
+            if _blas_before is None:  # no control over the BLAS's threads: do not fight them
+                self._outer = None
+                return False
             _blas_narrowed += 1
             set_blas_thread_count(1)
-    if not held:
-        yield False
-        return
-    _held.depth = 1
-    try:
-        yield True
-    finally:
+        _held.depth = 1
+        self._outer = True
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        outer = self._outer
+        if outer is None:
+            return
+        if not outer:
+            _held.depth -= 1
+            return
+        from psflow.distribute.replica_pool import set_blas_thread_count
+
+        global _blas_narrowed
         _held.depth = 0
         with _blas_state:
             _blas_narrowed -= 1

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 from psflow import backend, errors
 from psflow.distribute.protocols import Readable
+from psflow.keras.engine import data_adapter
+from psflow.ops import kernel_pool
 
 
 class Runner(abc.ABC):
@@ -150,9 +152,7 @@ class LocalRunner(Runner):
         products would hold it (:func:`psflow.ops.kernel_pool.blas_held_to_one`): once
         per execution rather than once per product.
         """
-        from psflow.ops import kernel_pool
-
-        on_device = [_on_device(b) for b in batches]
+        on_device = [data_adapter.on_device(b) for b in batches]
         with kernel_pool.blas_held_to_one():
             return self.strategy.run(functools.partial(_each, fn), args=(on_device,))
 
@@ -205,8 +205,6 @@ def _each(fn: Callable[[Any], Any], batches: list[Any]) -> list[Any]:
 
 def _on_device(batch: Any) -> Any:
     """The batch on the step's device, so that an overridden ``train_step`` gets it there too."""
-    from psflow.keras.engine import data_adapter
-
     return data_adapter.on_device(batch)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from psflow import errors
 from psflow.framework.tensor import TensorShape
+from psflow.keras.engine import input_spec
 from psflow.keras.engine.keras_tensor import KerasTensor
 from psflow.keras.engine.training import Model
 from psflow.keras.layers.base import Layer
@@ -111,8 +112,6 @@ class Sequential(Model):
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         x = inputs
         if self._declared_input is not None and not isinstance(inputs, (dict, list, tuple)):
-            from psflow.keras.engine import input_spec
-
             shape, dtype = self._declared_input
             # an input_shape on a layer (no Input): that layer checks the dimensions itself
             first = self._layers[0]

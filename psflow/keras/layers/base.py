@@ -172,7 +172,9 @@ class Layer(Trackable):
         if not self._trainable:
             return []
         own = [v for v in _expand(self._own_weights) if v.trainable]
-        return own + [w for layer in self._sublayers for w in layer.trainable_weights]
+        for layer in self._sublayers:
+            own.extend(layer.trainable_weights)
+        return own
 
     @property
     def trainable_variables(self) -> list[Variable]:
@@ -407,6 +409,9 @@ def _expand(weights: list[Any]) -> list[Any]:
     """Weights with every sharded variable replaced by its shards (TensorFlow lists shards too)."""
     out = []
     for w in weights:
+        if type(w) is Variable:  # a plain variable has no shards (every step asks)
+            out.append(w)
+            continue
         shards = getattr(w, "_shard_variables", None)
         out.extend(shards if shards is not None else [w])
     return out

@@ -68,6 +68,8 @@ class Optimizer(Trackable):
         self._pending_slots: dict[int, tuple[Any, dict[str, Any], Callable[[], None]]] = {}
         self._lock = threading.Lock()
         self._rule_cache: tuple[float, update_rules.UpdateRule] | None = None
+        # id(slots) -> (array, rule) whose dense update passed the rule's checks
+        self._checked: dict[int, tuple[Any, update_rules.UpdateRule]] = {}
         _ = self.rule  # validates the hyperparameters now, naming a bad one
 
     @staticmethod
@@ -350,7 +352,21 @@ class Optimizer(Trackable):
             batch = _collecting.batch
             if batch is not None and batch.add(rule, arr, g, slots, step, var.constraint):
                 return  # applied (and constrained) with the batch's other large updates
-            rule.apply_dense(arr, g, slots, step)
+            checked = self._checked.get(id(slots))
+            if (
+                checked is not None
+                and checked[0] is arr
+                and checked[1] is rule
+                and g.shape == arr.shape
+                and type(step) is int
+                and step >= 1
+            ):
+                # this array, its slots and this rule passed the rule's checks at an earlier
+                # step (a step's small updates: the checks cost more than the arithmetic)
+                rule._update(arr, g, slots, step)
+            else:
+                rule.apply_dense(arr, g, slots, step)
+                self._checked[id(slots)] = (arr, rule)
         _constrain(var.constraint, arr)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Tensor:
@@ -380,6 +396,7 @@ class Optimizer(Trackable):
         d["_slot_owner"] = {}
         d["_pending_slots"] = {}
         d["_rule_cache"] = None
+        d["_checked"] = {}
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -432,7 +449,8 @@ class _ChunkedUpdates:
     (:func:`psflow.ops.kernel_pool.run_chunks`: one hand-off per step, not one
     per variable). Each chunk is ``rule.apply_dense`` on slices, so the bits are
     those of the rule on the whole array (elementwise rules only), and the
-    variables are independent, so their order does not matter.
+    variables are independent, so their order does not matter. The rule's checks run
+    once per variable (:meth:`add`), its formula once per chunk.
     """
 
     def __init__(self) -> None:
@@ -461,8 +479,16 @@ class _ChunkedUpdates:
             return False
         arrays = (arr, grad, *slots.values())
         for a in arrays:
-            if type(a) is not np.ndarray or a.shape != arr.shape or not a.flags.c_contiguous:
+            if (
+                type(a) is not np.ndarray
+                or a.shape != arr.shape
+                or a.dtype != arr.dtype
+                or not a.flags.c_contiguous
+            ):
                 return False  # the whole-array path checks (and names) what is wrong
+        # checked once here, so that each chunk runs the rule's formula alone (the chunks
+        # are slices of arrays of one shape and dtype: nothing a chunk could find wrong)
+        rule._check_slots(arr, slots, step)
         if id(arr) in self._taken:  # the same variable twice: its first update lands first
             self.run()
         self._taken.add(id(arr))
@@ -486,7 +512,7 @@ class _ChunkedUpdates:
         def chunk(i: int, _: int) -> None:
             rule, flat, names, step, lo, hi = tasks[i]
             part = {n: f[lo:hi] for n, f in zip(names, flat[2:])}
-            rule.apply_dense(flat[0][lo:hi], flat[1][lo:hi], part, step)
+            rule._update(flat[0][lo:hi], flat[1][lo:hi], part, step)
 
         kernel_pool.run_chunks(chunk, [(i, i + 1) for i in range(len(tasks))])
         for constraint, arr in constraints:
