@@ -138,6 +138,20 @@ def _ps_factory(log_dir: pathlib.Path):
             server.reap()
 
 
+@pytest.fixture(autouse=True)
+def _no_global_seed_left_behind():
+    """Each test starts and ends without a global seed: ``pf.random.set_seed(s)`` in one test
+    must not make the next one's unseeded ops (``Dataset.shuffle`` without a seed, initializers)
+    replayable, or a test's outcome would depend on which tests ran before it."""
+    from psflow import random as pf_random
+
+    pf_random.set_seed(None)
+    try:
+        yield
+    finally:
+        pf_random.set_seed(None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_shared_memory_left_behind():
     """Tests kill servers with SIGKILL; remove the shared-memory segments they leave."""

@@ -20,15 +20,6 @@ def values(ds):
     return [int(x) for x in ds.as_numpy_iterator()]
 
 
-@pytest.fixture(autouse=True)
-def _no_global_seed():
-    pf.random.set_seed(None)
-    try:
-        yield
-    finally:
-        pf.random.set_seed(None)
-
-
 def test_buffer_of_one_is_the_identity():
     assert values(Dataset.range(20).shuffle(1, seed=5)) == list(range(20))
     assert values(Dataset.range(20).shuffle(1)) == list(range(20))
