@@ -126,6 +126,28 @@ class _Fault:
         PeerLinks.send = hooked  # type: ignore[method-assign]
 
 
+def _hold_for_admits(controller: object) -> None:
+    """After step ``HOLD_AT``: the group waits until rank 0 holds ``HOLD_ADMITS`` queued
+    requests to join, so where the joiners come in does not depend on how long their
+    processes take to start (seconds on a loaded machine); rank 0 tells the others by
+    creating the file ``HOLD_FILE``.  Bounded: 120 s, then the worker fails."""
+    gate = os.environ["HOLD_FILE"]
+    want = int(os.environ.get("HOLD_ADMITS", "1"))
+    door = controller.door  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 120
+    while not os.path.exists(gate):
+        if controller.rank == 0:  # type: ignore[attr-defined]
+            with door._cond:  # the door's queue of requests to join (read only)
+                queued = len(door._admits)
+            if queued >= want:
+                with open(gate, "w"):
+                    pass
+                break
+        if time.monotonic() > deadline:
+            raise pf.errors.DeadlineExceededError(f"no {want} requests to join in 120 s")
+        time.sleep(0.05)
+
+
 def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
     x, y, ids = data()
     fault = _Fault(rank)
@@ -157,6 +179,7 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             )
     epochs: list[dict[str, list[int]]] = []
     step_times: list[float] = []
+    held = strategy.elastic.changes != []  # a joiner never holds the group
     # a worker that joined a running group starts in the group's epoch
     for _ in range(strategy.elastic.initial_epoch, EPOCHS):
         steps: dict[str, list[int]] = {}
@@ -176,6 +199,9 @@ def train(strategy: pf.distribute.Strategy, rank: int) -> dict:
             if os.environ.get("PRINT_STEPS"):
                 print(f"step {strategy.elastic.completed + 1} done", flush=True)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+            if not held and strategy.elastic.completed + 1 == int(os.environ.get("HOLD_AT", 0)):
+                held = True
+                _hold_for_admits(strategy.elastic)
         epochs.append(steps)
     return {
         "epochs": [[s[k] for k in sorted(s, key=int)] for s in epochs],

@@ -328,9 +328,11 @@ def _start_new_worker(
 def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
     """The job scaled up: two workers start with TF_CONFIG listing 2 and max_workers 3; two
     more start with longer lists (ids 2 and 3). One is admitted at a step boundary (the
-    group learns its address from its request), the other is refused naming max_workers."""
-    env = {"SCENARIO_TIMEOUT": "10", "STEP_SLEEP": "1.0", "MAX_WORKERS": "3"}
-    env["PRINT_STEPS"] = "1"
+    group learns its address from its request), the other is refused naming max_workers.
+    The group waits after step 1 until both requests are queued (HOLD_AT), so both come in
+    at the barrier of step 2 however long the new processes take to start."""
+    env = {"SCENARIO_TIMEOUT": "10", "STEP_SLEEP": "0.2", "MAX_WORKERS": "3"}
+    env.update(PRINT_STEPS="1", HOLD_AT="1", HOLD_ADMITS="2", HOLD_FILE=str(tmp_path / "go"))
     procs, outs, logs = _start(tmp_path, 2, env)
     ports = [*_ports(tmp_path, 2), pick_free_port(), pick_free_port()]
     extra_procs, extra_outs, extra_logs = [], [], []
@@ -355,6 +357,7 @@ def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
     _check_training(tmp_path, results[:2], texts[0][-3000:])
     (change,) = results[0]["changes"]
     assert change["members"] == [0, 1, joined] and change["reason"] == "joined"
+    assert change["resumed_step"] == 1
     assert results[1]["changes"] == results[0]["changes"]
     again = results[joined]
     assert again["weights"] == results[0]["weights"]
@@ -368,6 +371,44 @@ def test_new_workers_beyond_the_tf_config_list_join_up_to_max_workers(tmp_path):
             if step >= change["resumed_step"] and k < len(epoch) - 1:
                 assert len(ids) == 18, results[0]["epochs"]
             step += 1
+
+
+@pytest.mark.parametrize("at", [4, 8])
+def test_a_joiner_that_asks_at_an_epochs_end_is_admitted_where_a_step_follows(tmp_path, at):
+    """A request to join queued when the group is at an epoch's end (after step 4: epoch 1's
+    last, after step 8: the run's last) is not admitted there, where the joiner would have no
+    step to train and its optimizer would never take the group's step count (it ended with 0
+    iterations): it waits for the next epoch's first barrier, or, when no step follows,
+    fails with a typed error when the group finishes, and the group changes nothing."""
+    env = {"SCENARIO_TIMEOUT": "10", "STEP_SLEEP": "0", "MAX_WORKERS": "3", "PRINT_STEPS": "1"}
+    env.update(HOLD_AT=str(at), HOLD_FILE=str(tmp_path / "go"))
+    procs, outs, logs = _start(tmp_path, 2, env)
+    joiner = None
+    try:
+        _wait_for(logs[0], f"step {at} done", procs[0], 60)
+        joiner, out, log = _start_new_worker(
+            tmp_path, [*_ports(tmp_path, 2), pick_free_port()], 2, env
+        )
+        codes = _wait([*procs, joiner], {0, 1, 2}, time.monotonic() + 120)
+    finally:
+        _reap([*procs, *([joiner] if joiner else [])])
+    results, texts = _results([*outs, out], [*logs, log])
+    why = "\n---\n".join(t[-3000:] for t in texts)
+    assert codes[0] == codes[1] == 0, why
+    _check_training(tmp_path, results[:2], texts[0][-3000:])
+    # after a join at step 4, epoch 2 takes 18 examples a step: 18 + 18 + 12, 7 steps in all
+    assert results[0]["iterations"] == results[1]["iterations"] == (8 if at == 8 else 7)
+    if at == 8:
+        assert codes[2] == 3 and results[2]["error"] == "UnavailableError", why
+        assert results[0]["changes"] == results[1]["changes"] == []
+        return
+    assert codes[2] == 0, why
+    (change,) = results[0]["changes"]
+    assert change["members"] == [0, 1, 2] and change["resumed_step"] == 4, change
+    assert results[1]["changes"] == results[0]["changes"]
+    assert results[2]["weights"] == results[0]["weights"]
+    assert results[2]["iterations"] == 7
+    assert [len(e) for e in results[2]["epochs"]] == [3]  # it starts in epoch 2
 
 
 def test_a_joiner_beyond_the_list_without_a_usable_address_is_refused_and_nothing_changes(

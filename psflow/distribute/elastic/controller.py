@@ -25,7 +25,8 @@ barrier: the others go on without it, with no step lost and no state moved.
 
 A worker that starts while its group already trains (a restarted one) asks
 the group's rank 0 to admit it (:func:`~psflow.collective.membership.ask_to_join`);
-rank 0 says so in the next barrier, every member adds it to the next
+rank 0 says so in the next barrier that a step follows (never at an epoch's
+end: the joiner would have nothing to train), every member adds it to the next
 generation, and the joiner receives the state before its program creates
 its variables (:class:`.state.TrainingState` keeps it pending), then takes
 the next step with the others (:attr:`initial_epoch` says which epoch).
@@ -235,7 +236,12 @@ class ElasticController:
         flags = np.zeros(2 * n + 1, np.int64)
         if self.draining:
             flags[self.me] = 1
-        admits = self._admissions() if self.rank == 0 else {}
+        # rank 0 admits only where a step follows: a joiner admitted at an epoch's end would
+        # resume with no step left, and its optimizers, never updated, would never take the
+        # group's step count and slots (it ended reporting 0 iterations).  Its request waits
+        # for the next epoch's first barrier; when training ends there, the door's close
+        # fails its wait with a typed error.
+        admits = self._admissions() if self.rank == 0 and iterator.has_step() else {}
         for member in admits:
             if member < n:
                 flags[n + member] = 1

@@ -156,6 +156,10 @@ class _ElasticIterator:
             raise errors.InternalError("elastic input: the resumed step has no examples")
         return [(old, new)]
 
+    def has_step(self) -> bool:
+        """Whether this epoch has a step left from where the iterator stands."""
+        return self._rows.next_batch_rows() > 0
+
     # -- steps -----------------------------------------------------------------------
     def _size(self) -> int:
         ctl = self._ds._controller
