@@ -521,3 +521,19 @@ def test_an_invalid_update_of_a_large_variable_names_the_problem() -> None:
     finally:
         kernel_pool.set_thread_width(None)
     np.testing.assert_array_equal(v.numpy(), np.ones(BIG, np.float32))
+
+
+def test_a_gradient_of_another_dtype_is_cast_first_at_every_step() -> None:
+    # float64 gradients, new every step, on a float32 variable: each step is the update with
+    # the gradient cast to float32 first, the later steps too (not float64 arithmetic)
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal((3, 4)) for _ in range(4)]
+    weights = []
+    for cast in (False, True):
+        var = pf.Variable(np.ones((3, 4), np.float32))
+        opt = keras.optimizers.SGD(0.1, momentum=0.9)
+        for g in grads:
+            opt.apply_gradients([(g.astype(np.float32) if cast else g, var)])
+        weights.append(var.numpy())
+    assert weights[0].dtype == np.float32
+    assert np.array_equal(weights[0], weights[1])
