@@ -16,9 +16,11 @@ import types
 import numpy as np
 import pytest
 
+from ps_server.edge import Edge
 from psflow.errors import (
     AbortedError,
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     MovedError,
     ResourceExhaustedError,
@@ -179,6 +181,30 @@ def test_a_handler_whose_own_reply_fails_ends_only_its_connection(caplog):
                 time.sleep(0.01)
             assert failed and server.connections == 1  # the echo's, pooled
         assert not [r for r in caplog.records if "Big failed" in r.getMessage()]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("edge", [False, True], ids=["bare", "ps-edge"])
+def test_a_handler_failing_with_an_os_error_answers_internal_and_keeps_the_connection(edge):
+    """A handler's own OSError (a disk tier's read, say) is a server error to answer, not
+    a client gone: the caller gets INTERNAL naming it at once, and its connection lives on."""
+
+    def read_disk(request: Request) -> Reply:
+        raise OSError(5, "Input/output error", "table.tier")
+
+    handlers = {"Read": read_disk, "Echo": Recorder().echo}
+    around = Edge("ps:0").plane_call if edge else None
+    server = DataPlaneServer(
+        "127.0.0.1", 0, SecurityConfig(token=TOKEN), handlers, around=around
+    ).start()
+    try:
+        with _client(server) as client:
+            for _ in range(2):  # the same connection, twice
+                with pytest.raises(InternalError, match=r"Read: OSError: .*table\.tier"):
+                    client.call("Read", b"", timeout=10)
+            assert client.call("Echo", b"ok", timeout=10)[0] == b"ko"
+            assert server.connections == 1
     finally:
         server.stop()
 

@@ -393,15 +393,13 @@ class DataPlaneServer:
                         reply = handler.finish(decoded, handler.apply(*decoded.args))
                     else:
                         reply = handler(request)
-            except OpError as e:
-                if isinstance(e.__cause__, OSError):  # the handler's reply failed: peer gone
-                    raise e.__cause__ from None
-                status = status_of(e)
-            except OSError:  # as above, where no edge typed it
-                raise
             except Exception as e:
-                log.exception("data plane %s failed", known[0] if known else head.method)
-                status = status_of(InternalError(f"{known[0]}: {type(e).__name__}: {e}"))
+                if conn.broken:  # the handler's own reply failed part-way: the peer is gone
+                    raise ConnectionError(f"the reply to {conn.peer} failed") from e
+                if not isinstance(e, OpError):  # no edge typed it
+                    log.exception("data plane %s failed", known[0] if known else head.method)
+                    e = InternalError(f"{known[0]}: {type(e).__name__}: {e}")
+                status = status_of(e)
             else:
                 if reply is not None:  # a handler that did not send its reply itself
                     respond(header=reply.header, buffers=reply.buffers, release=reply.release)

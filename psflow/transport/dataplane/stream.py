@@ -102,6 +102,7 @@ class FrameStream:
         self.gather = hasattr(sock, "sendmsg") and not self._tls
         self._view = memoryview(bytearray(STAGING_BYTES))
         self._start = self._end = 0
+        self.broken = False  # whether the last send failed
         self.deadline: float | None = None
         """``time.monotonic()`` by which every read must be done (None: each read
         waits up to the socket's timeout): a frame's absolute deadline, which a
@@ -263,7 +264,8 @@ class FrameStream:
         try:
             while views:
                 if not self.gather:
-                    self.sock.sendall(views.pop(0))
+                    self.sock.sendall(views[0])
+                    del views[0]  # only once sent: a failed send leaves the stream broken
                     continue
                 try:
                     sent = self.sock.sendmsg(views[:IOV_MAX])
@@ -281,6 +283,7 @@ class FrameStream:
                     else:
                         views[0], sent = views[0][sent:], 0
         finally:
+            self.broken = bool(views)  # a send failed: the stream may hold part of a frame
             if waiting:
                 self.sock.settimeout(mode)
             if once is not None:
