@@ -89,9 +89,10 @@ def test_a_chief_task_is_worker_0_of_the_group(tmp_path, reference):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_all_reduce_matches_a_float64_numpy_sum(tmp_path, workers):
-    codes, results, logs = run_workers(tmp_path, "allreduce", workers)
+# PSFLOW_SHM: on one host the workers' all-reduce goes through shared memory, unless off
+@pytest.mark.parametrize(("workers", "shm"), [(2, "1"), (3, "1"), (3, "0")])
+def test_all_reduce_matches_a_float64_numpy_sum(tmp_path, workers, shm):
+    codes, results, logs = run_workers(tmp_path, "allreduce", workers, env={"PSFLOW_SHM": shm})
     _ok(codes, logs)
     for k in range(4):  # sizes 0, 1, 7 and 1 MB
         want = sum(np.asarray(r["inputs"][k], np.float64) for r in results)
@@ -131,21 +132,27 @@ def test_uneven_last_batch_ends_the_epoch_on_every_worker(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("fault", "errors_allowed"),
+    ("fault", "errors_allowed", "shm"),
     [
-        ("SIGKILL", ("UnavailableError", "DeadlineExceededError")),  # dead: found at once
-        ("SIGSTOP", ("DeadlineExceededError",)),  # frozen for good: found at the deadline
+        ("SIGKILL", ("UnavailableError", "DeadlineExceededError"), "1"),  # dead: found at once
+        ("SIGKILL", ("UnavailableError", "DeadlineExceededError"), "0"),  # on the TCP ring
+        ("SIGSTOP", ("DeadlineExceededError",), "1"),  # frozen for good: found at the deadline
     ],
 )
 def test_a_lost_worker_gives_every_survivor_a_typed_error_naming_it(
-    tmp_path, fault, errors_allowed
+    tmp_path, fault, errors_allowed, shm
 ):
     timeout = 4.0
     codes, results, logs = run_workers(
         tmp_path,
         "kill",
         3,
-        env={"KILL_RANK": "1", "KILL_SIGNAL": fault, "SCENARIO_TIMEOUT": str(timeout)},
+        env={
+            "KILL_RANK": "1",
+            "KILL_SIGNAL": fault,
+            "SCENARIO_TIMEOUT": str(timeout),
+            "PSFLOW_SHM": shm,
+        },
         timeout=60,
         wait_for={0, 2},
     )
@@ -624,7 +631,9 @@ def _on_both(links: list[PeerLinks], calls: list) -> list:
     return out
 
 
-def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
+@pytest.mark.parametrize("shm", ["1", "0"])  # through shared memory, or the TCP ring
+def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit(shm, monkeypatch):
+    monkeypatch.setenv("PSFLOW_SHM", shm)
     rng = np.random.default_rng(5)
     xs = [[rng.standard_normal(n).astype(np.float32) for n in (5, 0, 33, 1000)] for _ in range(2)]
     links = _ring_pair(10.0)
@@ -642,7 +651,9 @@ def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
             assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone():
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, monkeypatch):
+    monkeypatch.setenv("PSFLOW_SHM", shm)
     # one array of several receive pieces (and a ragged last one) takes the path that reads
     # the caller's array in place and sums each piece as it arrives: the inputs must come
     # back unchanged, the sums exact (two workers: one float32 addition per element)
@@ -666,7 +677,9 @@ def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone():
     assert np.array_equal(mean[0], want / np.float32(2))
 
 
-def test_workers_calling_different_collectives_fail_with_internal_error():
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_workers_calling_different_collectives_fail_with_internal_error(shm, monkeypatch):
+    monkeypatch.setenv("PSFLOW_SHM", shm)
     links = _ring_pair(10.0)
     try:
         out = _on_both(
