@@ -5,7 +5,7 @@
 ring's links, runs MODE through ``CrossHostRing`` and writes ``OUT.json`` (and, for
 ``sums``, the inputs and results to ``OUT.npz``).  ``SHM_RING_MIN`` / ``SHM_RING_CAP``
 set the slots' smallest and largest sizes, so that small arrays grow the segments
-and go in pieces.
+and go in pieces; ``SHM_RING_SMALL`` the size under which a buffer takes the TCP ring.
 
 Modes:
     sums: every dtype, packs, a mean, empty and odd sizes, calls larger than the cap.
@@ -109,6 +109,8 @@ def main() -> int:
         shm_ring._MIN_SLOT_BYTES = int(os.environ["SHM_RING_MIN"])
     if "SHM_RING_CAP" in os.environ:
         shm_ring._MAX_SLOT_BYTES = int(os.environ["SHM_RING_CAP"])
+    if "SHM_RING_SMALL" in os.environ:
+        shm_ring._SMALL_BYTES = int(os.environ["SHM_RING_SMALL"])
     addresses = os.environ["RING_ADDRESSES"].split(",")
     rank = int(os.environ["RING_RANK"])
     timeout = float(os.environ.get("RING_TIMEOUT", "20"))

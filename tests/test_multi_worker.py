@@ -132,27 +132,21 @@ def test_uneven_last_batch_ends_the_epoch_on_every_worker(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("fault", "errors_allowed", "shm"),
+    ("fault", "errors_allowed"),
     [
-        ("SIGKILL", ("UnavailableError", "DeadlineExceededError"), "1"),  # dead: found at once
-        ("SIGKILL", ("UnavailableError", "DeadlineExceededError"), "0"),  # on the TCP ring
-        ("SIGSTOP", ("DeadlineExceededError",), "1"),  # frozen for good: found at the deadline
+        ("SIGKILL", ("UnavailableError", "DeadlineExceededError")),  # dead: found at once
+        ("SIGSTOP", ("DeadlineExceededError",)),  # frozen for good: found at the deadline
     ],
 )
 def test_a_lost_worker_gives_every_survivor_a_typed_error_naming_it(
-    tmp_path, fault, errors_allowed, shm
+    tmp_path, fault, errors_allowed
 ):
     timeout = 4.0
     codes, results, logs = run_workers(
         tmp_path,
         "kill",
         3,
-        env={
-            "KILL_RANK": "1",
-            "KILL_SIGNAL": fault,
-            "SCENARIO_TIMEOUT": str(timeout),
-            "PSFLOW_SHM": shm,
-        },
+        env={"KILL_RANK": "1", "KILL_SIGNAL": fault, "SCENARIO_TIMEOUT": str(timeout)},
         timeout=60,
         wait_for={0, 2},
     )
@@ -631,9 +625,7 @@ def _on_both(links: list[PeerLinks], calls: list) -> list:
     return out
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])  # through shared memory, or the TCP ring
-def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit(shm, monkeypatch):
-    monkeypatch.setenv("PSFLOW_SHM", shm)
+def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
     rng = np.random.default_rng(5)
     xs = [[rng.standard_normal(n).astype(np.float32) for n in (5, 0, 33, 1000)] for _ in range(2)]
     links = _ring_pair(10.0)
@@ -651,7 +643,7 @@ def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit(shm, monkeypatch):
             assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("shm", ["1", "0"])  # through shared memory, or the TCP ring
 def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, monkeypatch):
     monkeypatch.setenv("PSFLOW_SHM", shm)
     # one array of several receive pieces (and a ragged last one) takes the path that reads
@@ -677,9 +669,7 @@ def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, 
     assert np.array_equal(mean[0], want / np.float32(2))
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
-def test_workers_calling_different_collectives_fail_with_internal_error(shm, monkeypatch):
-    monkeypatch.setenv("PSFLOW_SHM", shm)
+def test_workers_calling_different_collectives_fail_with_internal_error():
     links = _ring_pair(10.0)
     try:
         out = _on_both(

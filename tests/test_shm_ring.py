@@ -13,6 +13,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 
 import psflow as pf
 from psflow.collective import shm_ring
+from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.security.config import SecurityConfig
 from psflow.transport import shm
@@ -139,11 +141,16 @@ def _check_sums(tmp: pathlib.Path, n: int) -> None:
         assert np.array_equal(data[0]["mean"], (inputs("mean")[0] + inputs("mean")[1]) / 2)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_workers_sum_every_dtype_pack_and_size_to_the_same_bits_through_shared_memory(tmp_path, n):
+@pytest.mark.parametrize(("n", "small"), [(2, 0), (3, 0), (2, None)])
+def test_workers_sum_every_dtype_pack_and_size_to_the_same_bits_through_shared_memory(
+    tmp_path, n, small
+):
     # slots of 16 kB growing to 64 kB: the small calls grow the segments (agreed again),
-    # the 2.4 MB one goes in 38 pieces, alternating the slots
+    # the 2.4 MB one goes in 38 pieces, alternating the slots.  Every buffer through
+    # shared memory (small=0), or (by default) those under 128 kB on the TCP ring between
     env = {"SHM_RING_MIN": str(16 << 10), "SHM_RING_CAP": str(64 << 10)}
+    if small is not None:
+        env["SHM_RING_SMALL"] = str(small)
     codes, results, logs, pids = _run(tmp_path, "sums", n, env)
     assert codes == [0] * n, "\n---\n".join(lg[-3000:] for lg in logs)
     for r in results:
@@ -238,3 +245,51 @@ def test_a_peer_segment_without_its_token_or_through_a_link_is_refused(tmp_path)
         if os.path.lexists(os.path.join(shm.SHM_DIR, link)):
             os.unlink(os.path.join(shm.SHM_DIR, link))
         links.close()
+
+
+def test_workers_calling_different_all_reduces_fail_with_internal_error(monkeypatch):
+    # both above the small-buffer size, so both take shared memory: their barrier frames
+    # (same size) say which piece of how many bytes each worker is at
+    monkeypatch.setattr(shm_ring, "_SMALL_BYTES", 0)
+    links = _pair()
+    out: list = [None, None]
+    sizes = (100_000, 100_002)
+
+    def run(i: int) -> None:
+        ring = CrossHostRing(links[i], timeout=5.0)
+        try:
+            out[i] = ring.all_reduce([np.ones(sizes[i], np.float32)])
+        except pf.errors.OpError as e:
+            out[i] = (e, ring.shm.active)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for lk in links:
+            lk.close()
+    assert all(isinstance(o, tuple) and o[1] is True for o in out), out
+    assert all(isinstance(o[0], pf.errors.InternalError) for o in out), out
+    assert any("different collectives" in str(o[0]) for o in out), out
+
+
+def _pair() -> list[PeerLinks]:
+    """Two connected links on loopback (one thread each in the test)."""
+    listeners = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        listeners.append(s)
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    security = SecurityConfig(token="p" * 24)
+    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(2)]
+    threads = [threading.Thread(target=lk.connect, args=(10.0,)) for lk in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    return links
