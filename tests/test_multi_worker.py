@@ -561,7 +561,9 @@ def test_a_ps_task_that_dies_for_good_fails_the_hybrid_group_with_its_status(tmp
     assert "[worker:0] failed" in out.stdout or "[worker:1] failed" in out.stdout
 
 
-def test_the_ring_runs_over_mutual_tls_and_refuses_a_rogue_certificate(tmp_path):
+@pytest.mark.parametrize("shm", ["0", "1"])  # the TCP ring's frames, or the barriers', on TLS
+def test_the_ring_runs_over_mutual_tls_and_refuses_a_rogue_certificate(tmp_path, shm, monkeypatch):
+    monkeypatch.setenv("PSFLOW_SHM", shm)
     from tests.test_auth_tls import make_pki, tls
 
     pki = make_pki(tmp_path)
