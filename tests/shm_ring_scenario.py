@@ -5,7 +5,9 @@
 ring's links, runs MODE through ``CrossHostRing`` and writes ``OUT.json`` (and, for
 ``sums``, the inputs and results to ``OUT.npz``).  ``SHM_RING_MIN`` / ``SHM_RING_CAP``
 set the slots' smallest and largest sizes, so that small arrays grow the segments
-and go in pieces; ``SHM_RING_SMALL`` the size under which a buffer takes the TCP ring.
+and go in pieces; ``SHM_RING_SMALL`` the size under which a buffer takes the TCP ring;
+``SHM_RING_DIR`` another directory for this worker's segments (a ``/dev/shm`` the
+others do not see, as a worker in another container on the host's network has).
 
 Modes:
     sums: every dtype, packs, a mean, empty and odd sizes, calls larger than the cap.
@@ -30,6 +32,7 @@ from psflow.collective import shm_ring
 from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.security.config import SecurityConfig
+from psflow.transport import shm
 
 # (dtype, size) of the sums mode's calls: odd sizes, fewer elements than workers, empty
 DTYPES = ("float32", "float64", "float16", "int32", "int64", "uint8", "complex64")
@@ -109,6 +112,8 @@ def main() -> int:
         shm_ring._MIN_SLOT_BYTES = int(os.environ["SHM_RING_MIN"])
     if "SHM_RING_CAP" in os.environ:
         shm_ring._MAX_SLOT_BYTES = int(os.environ["SHM_RING_CAP"])
+    if "SHM_RING_DIR" in os.environ:  # a /dev/shm of its own, as in another container
+        shm.SHM_DIR = os.environ["SHM_RING_DIR"]
     if "SHM_RING_SMALL" in os.environ:
         shm_ring._SMALL_BYTES = int(os.environ["SHM_RING_SMALL"])
     addresses = os.environ["RING_ADDRESSES"].split(",")

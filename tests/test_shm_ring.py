@@ -177,6 +177,23 @@ def test_shared_memory_off_on_one_worker_keeps_every_worker_on_tcp(tmp_path, off
     assert _leftovers(pids) == []
 
 
+def test_workers_that_do_not_share_dev_shm_agree_on_tcp(tmp_path):
+    # loopback addresses but separate /dev/shm (containers on the host's network): each
+    # worker made its segment, neither finds the other's, so both stay on TCP
+    own = tmp_path / "shm"
+    own.mkdir()
+    codes, results, logs, pids = _run(tmp_path, "sums", 2, per_rank={1: {"SHM_RING_DIR": str(own)}})
+    assert codes == [0, 0], "\n---\n".join(lg[-3000:] for lg in logs)
+    assert [r["active"] for r in results] == [False, False]
+    assert "worker:1's segment cannot be used here" in results[0]["reason"]
+    assert "worker:0's segment cannot be used here" in results[1]["reason"]
+    assert list(own.iterdir()) == []  # worker 1's segment unlinked all the same
+    for log in logs:  # one line each, saying why
+        assert log.count("stay on TCP") == 1, log
+    _check_sums(tmp_path, 2)  # the TCP ring's results, as exact
+    assert _leftovers(pids) == []
+
+
 @pytest.mark.parametrize(
     ("fault", "errors_allowed"),
     [

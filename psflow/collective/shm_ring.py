@@ -192,10 +192,7 @@ class SharedMemoryRing:
 
     def _agree(self, deadline: float) -> None:
         """Every worker decides the same: the path on (segments mapped) or off (one log line)."""
-        why = self._local_reason()
-        if why is None:
-            shm.remove_stale()  # what killed workers of earlier runs left, if any
-        made, why = self._exchange(_MIN_SLOT_BYTES, why, deadline)
+        made, why = self._exchange(_MIN_SLOT_BYTES, self._local_reason(), deadline)
         n = self.links.size
         if made is not None:
             self._set = made
