@@ -310,3 +310,30 @@ def _pair() -> list[PeerLinks]:
     for t in threads:
         t.join(15)
     return links
+
+
+def test_close_unmaps_the_segments_and_a_later_call_is_cancelled(monkeypatch):
+    # what an elastic re-form does to the old ring before it forms the new one
+    monkeypatch.setattr(shm_ring, "_SMALL_BYTES", 0)
+    links = _pair()
+    rings = [CrossHostRing(lk, timeout=5.0) for lk in links]
+    out: list = [None, None]
+    xs = [np.full(1000, i + 1.0, np.float32) for i in range(2)]
+
+    def run(i: int) -> None:
+        out[i] = rings[i].all_reduce([xs[i]])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    held = [r.shm._set.slots[0][0] for r in rings]  # a view keeps its mapping alive
+    for r in rings:
+        r.close()
+    assert all(np.array_equal(o, np.full(1000, 3.0, np.float32)) for o in out), out
+    assert [r.shm.active for r in rings] == [True, True]
+    assert [r.shm._set for r in rings] == [None, None]
+    assert held[0].nbytes > 0 and held[0].sum() >= 0  # still readable after close
+    with pytest.raises(pf.errors.CancelledError, match="closed"):
+        rings[0].all_reduce([xs[0]])
