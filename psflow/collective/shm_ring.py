@@ -43,7 +43,9 @@ token; a second round tells every worker whether all of them succeeded.  Each
 name is unlinked as soon as that round is over (the mappings stay), so a
 killed worker leaves nothing in ``/dev/shm``.  Otherwise every worker stays
 on TCP, and says why in one log line.  Segments start small and grow (the
-same exchange) when a call needs a larger slot, up to a cap.
+same exchange) when a call needs a larger slot, up to a cap.  Buffers under
+128 kB take the TCP ring even then: its frames carry them in as many round
+trips as the barriers take.
 
 Example (a single worker has no peers: the path stays off and nothing is mapped):
     >>> SharedMemoryRing(None).active is None
@@ -100,7 +102,7 @@ def _slot_size(nbytes: int) -> int:
     size = _MIN_SLOT_BYTES
     while size < nbytes and size < _MAX_SLOT_BYTES:
         size *= 2
-    return min(size, max(_MAX_SLOT_BYTES, _MIN_SLOT_BYTES))
+    return size
 
 
 def _text(raw: bytes) -> str:
@@ -153,6 +155,7 @@ class SharedMemoryRing:
         self._lock = threading.Lock()  # a call against close()
         self._frame = bytearray(_BARRIER.size)
         self._record = bytearray(_RECORD.size)
+        self._reduce: Callable[..., None] | None = None  # what reducer() hands out when on
 
     # -- agreement --------------------------------------------------------------------------
     def reducer(self, deadline: float, fallback: Callable[..., None]) -> Callable[..., None]:
@@ -168,16 +171,18 @@ class SharedMemoryRing:
             self._agree(deadline)
         if not self.active:
             return fallback
+        if self._reduce is None:
 
-        def reduce(
-            src: np.ndarray, dst: np.ndarray, divisor: int | None, dl: float, sending: list
-        ) -> None:
-            if src.nbytes < _SMALL_BYTES or src.dtype.hasobject:  # objects: in no byte buffer
-                fallback(src, dst, divisor, dl, sending)
-            else:
-                self.reduce(src, dst, divisor, dl)
+            def reduce(
+                src: np.ndarray, dst: np.ndarray, divisor: int | None, dl: float, sending: list
+            ) -> None:
+                if src.nbytes < _SMALL_BYTES or src.dtype.hasobject:  # objects: no byte buffer
+                    fallback(src, dst, divisor, dl, sending)
+                else:
+                    self.reduce(src, dst, divisor, dl)
 
-        return reduce
+            self._reduce = reduce
+        return self._reduce
 
     def _local_reason(self) -> str | None:
         """Why this worker cannot take the path, by its own rules (None: it can)."""
