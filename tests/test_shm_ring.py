@@ -337,3 +337,39 @@ def test_close_unmaps_the_segments_and_a_later_call_is_cancelled(monkeypatch):
     assert held[0].nbytes > 0 and held[0].sum() >= 0  # still readable after close
     with pytest.raises(pf.errors.CancelledError, match="closed"):
         rings[0].all_reduce([xs[0]])
+
+
+def test_a_full_dev_shm_on_one_worker_keeps_both_on_tcp_and_leaves_nothing(monkeypatch):
+    # /dev/shm without room for worker 1's segment (a container's small /dev/shm): its
+    # reservation fails at once, as ENOSPC, and the half-made file is removed
+    monkeypatch.setattr(shm_ring, "_SMALL_BYTES", 0)
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, size: int) -> None:
+        if "-ring1-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        real(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    links = _pair()
+    rings = [CrossHostRing(lk, timeout=5.0) for lk in links]
+    out: list = [None, None]
+    xs = [np.full(100_000, i + 1.0, np.float32) for i in range(2)]
+
+    def run(i: int) -> None:
+        out[i] = rings[i].all_reduce([xs[i]])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for r in rings:
+            r.close()
+    assert all(np.array_equal(o, np.full(100_000, 3.0, np.float32)) for o in out), out
+    assert [r.shm.active for r in rings] == [False, False]
+    assert rings[1].shm.reason.startswith("no room for")
+    assert rings[0].shm.reason.startswith("off on worker:1 (no room for")
+    assert _leftovers([os.getpid()]) == []
