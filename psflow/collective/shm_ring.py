@@ -209,7 +209,7 @@ class SharedMemoryRing:
         self.active = False
         self.reason = why
         log.info(
-            "collective: all-reduces between the %d workers stay on TCP: shared memory %s",
+            "collective: all-reduces between the %d workers stay on TCP, not shared memory: %s",
             n,
             why,
         )
