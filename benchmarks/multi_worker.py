@@ -81,6 +81,9 @@ BENCH = "multi_worker"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROUP_TIMEOUT_S = 240.0
 SIDES = ("psflow", "tensorflow")
+# psflow with its same-host all-reduce off: the TCP ring, measured on loopback beside the
+# default (shared memory when every worker is on this host; veth is TCP either way)
+TCP_SIDE = "psflow-tcp"
 MB = 1 << 20
 VETH_PORT = 23411  # a fresh namespace has no other listeners
 
@@ -99,7 +102,7 @@ def _import(framework: str) -> Any:
         import tensorflow as tf
 
         return tf
-    import psflow as tf
+    import psflow as tf  # psflow and TCP_SIDE (PSFLOW_SHM=0 in its environment)
 
     return tf
 
@@ -410,6 +413,8 @@ def _endpoints(net: Any, n: int) -> tuple[list[str], list[int]]:
 
 def _worker_env(framework: str, n: int) -> dict[str, str]:
     """What ``psflow local`` adds to a peer's environment (its BLAS threads); nothing for TF."""
+    if framework == TCP_SIDE:
+        return {**_worker_env("psflow", n), "PSFLOW_SHM": "0"}
     if framework != "psflow":
         return {}
     token = {"PSFLOW_AUTH_TOKEN": os.environ.get("PSFLOW_AUTH_TOKEN") or os.urandom(16).hex()}
@@ -514,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("allreduce", "train", "both", "stream", "ringstream", "ringstream-tuned"),
         help=argparse.SUPPRESS,
     )
-    parser.add_argument("--framework", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--framework", choices=(*SIDES, TCP_SIDE), help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
     parser.add_argument("--batches", default="64,256", help="global batch sizes")
     parser.add_argument("--repeats", type=int, default=None)
@@ -606,7 +611,9 @@ def main(argv: list[str] | None = None) -> int:
                     ):
                         rings.append(best[0])
                         ring_cpus.append(best[1])
-                    for side in sides if (rnd + n // 2) % 2 else sides[::-1]:
+                    # on loopback psflow runs twice: shared memory (its default) and TCP
+                    group = [*sides, TCP_SIDE] if net_name == "loopback" else sides
+                    for side in group if (rnd + n // 2) % 2 else group[::-1]:
                         _progress(f"{net_name}: {side} all-reduce, {n} workers, round {rnd + 1}")
                         both = fused and net_name == "loopback" and n == 2
                         res = run_workers(
@@ -693,9 +700,12 @@ def main(argv: list[str] | None = None) -> int:
                             }
                         )
                     ours, theirs = bus.get("psflow"), bus.get("tensorflow")
+                    tcp = bus.get(TCP_SIDE)
                     for name, num, den in (
                         ("psflow_vs_stream", ours, stream_bw),
                         ("psflow_vs_ring_stream", ours, ring_bw),
+                        ("psflow_tcp_vs_stream", tcp, stream_bw),
+                        ("psflow_tcp_vs_ring_stream", tcp, ring_bw),
                         ("psflow_vs_tensorflow", ours, theirs),
                         ("tensorflow_vs_stream", theirs, stream_bw),
                         ("tensorflow_vs_ring_stream", theirs, ring_bw),
@@ -733,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                             )
                     cpu_ratio = ours_cpu / ring_cpu[s] if ours_cpu and ring_cpu else None
                     table.append(
-                        (net_name, n, s // MB, ours, theirs, stream_bw, ring_bw, cpu_ratio)
+                        (net_name, n, s // MB, ours, tcp, theirs, stream_bw, ring_bw, cpu_ratio)
                     )
 
     train_rows = []
@@ -797,13 +807,14 @@ def main(argv: list[str] | None = None) -> int:
         return format(v, fmt) if v else f"{'-':>8}"
 
     _progress(
-        f"{'net':>8} {'workers':>7} {'MB':>4} {'psflow':>8} {'TF':>8} {'stream':>8} "
+        f"{'net':>8} {'workers':>7} {'MB':>4} {'psflow':>8} {'ps-tcp':>8} {'TF':>8} {'stream':>8} "
         f"{'ringstr':>8} {'ps/stream':>9} {'N*ps/str':>8} {'ps/ring':>7} {'ps/TF':>6}"
         f" {'cpu ps/ring':>11}   (bus bandwidth, GB/s; CPU per call, rank 0)"
     )
-    for net_name, n, mb, ours, theirs, stream_bw, ring_bw, cpu_ratio in table:
+    for net_name, n, mb, ours, tcp, theirs, stream_bw, ring_bw, cpu_ratio in table:
         _progress(
-            f"{net_name:>8} {n:>7} {mb:>4} {cell(ours)} {cell(theirs)} {cell(stream_bw)} "
+            f"{net_name:>8} {n:>7} {mb:>4} {cell(ours)} {cell(tcp)} {cell(theirs)} "
+            f"{cell(stream_bw)} "
             f"{cell(ring_bw)} "
             f"{cell(ours / stream_bw if ours and stream_bw else None, '9.2f')} "
             f"{cell(n * ours / stream_bw if ours and stream_bw else None, '8.2f')} "

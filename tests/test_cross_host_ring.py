@@ -31,6 +31,9 @@ EPS32 = float(np.finfo(np.float32).eps)
 @pytest.fixture(autouse=True)
 def small_frames(monkeypatch):
     monkeypatch.setattr(cross_host, "_FRAME_BYTES", 64 << 10)
+    # the TCP ring's data path: its all-reduces stay off the same-host shared memory
+    # (tests/test_shm_ring.py covers that)
+    monkeypatch.setenv("PSFLOW_SHM", "0")
 
 
 def _links(n: int, timeout: float = 10.0, generations: Sequence[int] = ()) -> list[PeerLinks]:
@@ -124,7 +127,9 @@ def test_three_workers_sum_multi_frame_chunks_to_the_same_bits(pack, segment, mo
         _assert_sum(results[0], xs, divisor)
 
 
-def test_a_result_buffer_is_reused_only_once_the_caller_dropped_it():
+@pytest.mark.parametrize("shm", ["0", "1"])  # the TCP ring's results, or shared memory's
+def test_a_result_buffer_is_reused_only_once_the_caller_dropped_it(shm, monkeypatch):
+    monkeypatch.setenv("PSFLOW_SHM", shm)
     size = 3 * cross_host._FRAME_BYTES // 4 + 7  # two workers: chunks of 1.5 frames
     rng = np.random.default_rng(4)
     first = [rng.standard_normal(size).astype(np.float32) for _ in range(2)]

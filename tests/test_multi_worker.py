@@ -89,9 +89,10 @@ def test_a_chief_task_is_worker_0_of_the_group(tmp_path, reference):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_all_reduce_matches_a_float64_numpy_sum(tmp_path, workers):
-    codes, results, logs = run_workers(tmp_path, "allreduce", workers)
+# PSFLOW_SHM: on one host the workers' all-reduce goes through shared memory, unless off
+@pytest.mark.parametrize(("workers", "shm"), [(2, "1"), (3, "1"), (3, "0")])
+def test_all_reduce_matches_a_float64_numpy_sum(tmp_path, workers, shm):
+    codes, results, logs = run_workers(tmp_path, "allreduce", workers, env={"PSFLOW_SHM": shm})
     _ok(codes, logs)
     for k in range(4):  # sizes 0, 1, 7 and 1 MB
         want = sum(np.asarray(r["inputs"][k], np.float64) for r in results)
@@ -560,7 +561,9 @@ def test_a_ps_task_that_dies_for_good_fails_the_hybrid_group_with_its_status(tmp
     assert "[worker:0] failed" in out.stdout or "[worker:1] failed" in out.stdout
 
 
-def test_the_ring_runs_over_mutual_tls_and_refuses_a_rogue_certificate(tmp_path):
+@pytest.mark.parametrize("shm", ["0", "1"])  # the TCP ring's frames, or the barriers', on TLS
+def test_the_ring_runs_over_mutual_tls_and_refuses_a_rogue_certificate(tmp_path, shm, monkeypatch):
+    monkeypatch.setenv("PSFLOW_SHM", shm)
     from tests.test_auth_tls import make_pki, tls
 
     pki = make_pki(tmp_path)
@@ -642,7 +645,9 @@ def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
             assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone():
+@pytest.mark.parametrize("shm", ["1", "0"])  # through shared memory, or the TCP ring
+def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, monkeypatch):
+    monkeypatch.setenv("PSFLOW_SHM", shm)
     # one array of several receive pieces (and a ragged last one) takes the path that reads
     # the caller's array in place and sums each piece as it arrives: the inputs must come
     # back unchanged, the sums exact (two workers: one float32 addition per element)

@@ -51,6 +51,7 @@ from psflow import errors
 from psflow.collective.buffers import BufferPool
 from psflow.collective.options import DEFAULT_TIMEOUT_SECONDS
 from psflow.collective.peer_link import PeerLinks
+from psflow.collective.shm_ring import SharedMemoryRing
 
 __all__ = ["CrossHostRing"]
 
@@ -121,6 +122,8 @@ class CrossHostRing:
         self._lock = threading.Lock()
         # the results are views of these buffers: one comes back once the caller drops them
         self._pool = BufferPool(_CACHE_BYTES)
+        #: all-reduces through shared memory when every worker is on this host (shm_ring.py)
+        self.shm = SharedMemoryRing(links)
 
     @contextlib.contextmanager
     def _call(self) -> Iterator[float]:
@@ -166,6 +169,7 @@ class CrossHostRing:
             # frames still in the sender's queue: a pack's last ones leave while the next
             # pack starts; the call returns once none is left (they are views of the inputs)
             sending: list[threading.Event] = []
+            reduce = self.shm.reducer(deadline, self._ring_reduce)  # or TCP's, per the agreement
             for dtype, members in groups.items():
                 kind = np.dtype(dtype)
                 if len(members) == 1:  # one array: read in place, no packing copy
@@ -182,11 +186,11 @@ class CrossHostRing:
                     if bytes_per_pack > 0:
                         step = max(1, bytes_per_pack // src.itemsize)
                     if step >= src.size:  # one pack (mostly): no slicing
-                        self._ring_reduce(src, flat, divisor, deadline, sending)
+                        reduce(src, flat, divisor, deadline, sending)
                     else:
                         for lo in range(0, src.size, step):
                             hi = lo + step
-                            self._ring_reduce(src[lo:hi], flat[lo:hi], divisor, deadline, sending)
+                            reduce(src[lo:hi], flat[lo:hi], divisor, deadline, sending)
                 else:
                     flat = src.copy() if len(members) == 1 else src  # new arrays, always
                     if divisor is not None and divisor != 1:
@@ -406,4 +410,5 @@ class CrossHostRing:
         """Closes the links (the ring cannot be used afterwards)."""
         if self.links is not None:
             self.links.close()
+        self.shm.close()  # after the links: a call still under way fails first
         self._pool.clear()  # results still held stay valid; free buffers are released

@@ -80,13 +80,27 @@ def enabled() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why the shared-memory path may not be used in this process; None when it may."""
-    if not settings.current().shm:
-        return "turned off (PSFLOW_SHM=0)"
+    why = sharing_unavailable_reason()
+    if why is not None:
+        return why
     # The seqlock relies on x86's store and load ordering (no reordering of stores
     # with stores, nor loads with loads); elsewhere the data goes over the wire.
     machine = platform.machine()
     if machine.lower() not in ("x86_64", "amd64"):
         return f"it needs x86-64 (Linux), this machine is {machine or 'unknown'}"
+    return None
+
+
+def sharing_unavailable_reason() -> str | None:
+    """Why this process may not share segments with the others of its host at all;
+    None when it may.
+
+    :func:`unavailable_reason` without the seqlock's x86 rule: for users whose
+    readers wait for a socket round trip (which orders memory on every CPU)
+    instead of reading a counter, such as the workers' same-host all-reduce.
+    """
+    if not settings.current().shm:
+        return "turned off (PSFLOW_SHM=0)"
     if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
         return f"{SHM_DIR} is not a writable directory on this platform"
     return None
@@ -154,13 +168,18 @@ def _open_existing(name: str, flags: int) -> int:
 class Segment:
     """A shared-memory file mapped into this process.
 
+    ``reserve`` (a new segment): its pages are allocated at once, so that a
+    ``/dev/shm`` too small for it is an ``OSError`` here, not a ``SIGBUS`` later.
+
     Raises:
         FileNotFoundError, InvalidArgumentError, PermissionDeniedError: opening
             an existing segment that is missing or not to be trusted (see
             :func:`_open_existing`).
     """
 
-    def __init__(self, name: str, size: int, *, create: bool, writable: bool = True) -> None:
+    def __init__(
+        self, name: str, size: int, *, create: bool, writable: bool = True, reserve: bool = False
+    ) -> None:
         self.name = check_name(name)
         flags = os.O_RDWR if writable else os.O_RDONLY
         if create:
@@ -170,10 +189,19 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                if reserve and size and hasattr(os, "posix_fallocate"):
+                    # the pages now: a full /dev/shm (a container's 64 MB) fails here with
+                    # ENOSPC instead of killing the process with SIGBUS at a later touch
+                    os.posix_fallocate(fd, 0, size)
             else:
                 size = os.fstat(fd).st_size
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, prot) if size else None
+        except BaseException:
+            if create and reserve:  # nothing half-made is left behind
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+            raise
         finally:
             os.close(fd)
         self.size = size
@@ -190,14 +218,18 @@ class Segment:
         count = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(self._mmap, dtype=dtype, count=count, offset=offset).reshape(shape)
 
+    def unlink(self) -> None:
+        """Removes the file (idempotent); the mappings of it, here and elsewhere, stay."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, self.name))
+
     def close(self, unlink: bool = False) -> None:
         """Unmaps (views still alive keep the mapping until they go); optionally removes the file."""
         if self._mmap is not None:
             with contextlib.suppress(BufferError):
                 self._mmap.close()
         if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.name))
+            self.unlink()
 
 
 class Mirror:
