@@ -5,7 +5,10 @@ Three measurements, each side by side in one run:
 * **all-reduce**: N worker processes (``TF_CONFIG`` as ``psflow local --mode
   multi-worker`` sets it) each all-reduce one seeded float32 array of S bytes,
   timed after warm-up calls.  psflow times ``CrossHostRing.all_reduce`` (the
-  strategy's cross-process collective); TensorFlow 2.21's
+  strategy's cross-process collective: on loopback its default, the same-host
+  path through shared memory, and ``psflow-tcp``, the TCP ring with
+  ``PSFLOW_SHM=0``, in the same run; across the veth link, the TCP ring);
+  TensorFlow 2.21's
   ``MultiWorkerMirroredStrategy`` (``CommunicationOptions(implementation=RING)``)
   times a ``tf.function`` running ``ReplicaContext.all_reduce("SUM", x)``.
 * **bare stream**: one process ``sendall``s S bytes to another, which

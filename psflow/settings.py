@@ -12,7 +12,8 @@ Variables:
 
 * ``PSFLOW_NUM_CPU_DEVICES`` — logical CPU devices (default 1);
 * ``PSFLOW_MALLOC_TUNING`` — ``0`` keeps glibc's malloc defaults;
-* ``PSFLOW_SHM`` — ``0`` turns the shared-memory data path off;
+* ``PSFLOW_SHM`` — ``0`` turns the shared-memory paths off (the PS's mirrors and
+  push segments, the same-host workers' all-reduce);
 * ``PSFLOW_PROGBAR`` — ``plain``: progress bars print lines, never redraw;
 * ``PSFLOW_CLOSURE_TIMEOUT`` — seconds one closure may run on a worker (3600);
 * ``PSFLOW_DATA_PLANE`` — ``off``: clients push and pull over gRPC even where a
