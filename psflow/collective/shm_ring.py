@@ -395,8 +395,6 @@ class SharedMemoryRing:
             InternalError: the workers called different collectives.
             CancelledError: the ring was closed.
         """
-        if isinstance(src, np.ndarray):
-            src = Packed([src])
         with self._lock:
             if self._set is None:
                 self.links.check()
@@ -429,7 +427,9 @@ class SharedMemoryRing:
             self._set.close()
         self._set = made
 
-    def _piece(self, src: Packed, dst: np.ndarray, scale: Any, deadline: float) -> None:
+    def _piece(
+        self, src: np.ndarray | Packed, dst: np.ndarray, scale: Any, deadline: float
+    ) -> None:
         """One piece (of at most a slot): stage, barrier, sum, barrier, gather."""
         links = self.links
         n, r = links.size, links.rank
@@ -443,7 +443,14 @@ class SharedMemoryRing:
         mine = slots[r]
         # stage: this worker's part of every other worker's chunk (the chunks before and
         # after its own), straight from its arrays into its slot
-        for start, part in src.views(0, lo) + src.views(hi, size):
+        if isinstance(src, Packed):
+            staged, owned = src.views(0, lo) + src.views(hi, size), src.views(lo, hi)
+        else:  # one array (most calls): its slices, with no Packed's Python
+            staged = [(0, src[:lo])] if lo else []
+            if hi < size:
+                staged.append((hi, src[hi:]))
+            owned = [(lo, src[lo:hi])]
+        for start, part in staged:
             np.copyto(mine[start : start + part.size], part)
         self._barrier(b"S1", dtype, nbytes, deadline)
         # sum chunk r in rank order, a cache-sized tile at a time (and never across one of
@@ -451,7 +458,7 @@ class SharedMemoryRing:
         # the cache.  This worker's own part is read from its arrays.
         tile = max(1, _TILE_BYTES // src.itemsize)
         others = slots[:r], slots[r + 1 :]
-        for start, own in src.views(lo, hi):
+        for start, own in owned:
             for a in range(start, start + own.size, tile):
                 b = min(a + tile, start + own.size)
                 parts = [s[a:b] for s in others[0]]
