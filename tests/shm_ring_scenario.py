@@ -10,7 +10,8 @@ and go in pieces; ``SHM_RING_SMALL`` the size under which a buffer takes the TCP
 others do not see, as a worker in another container on the host's network has).
 
 Modes:
-    sums: every dtype, packs, a mean, empty and odd sizes, calls larger than the cap.
+    sums: every dtype, packs, several arrays straight into the slots, a mean, empty and
+        odd sizes, calls larger than the cap.
     kill: all-reduces until ``KILL_RANK`` sends itself ``KILL_SIGNAL`` in the middle of
         one (its arrays staged, before the first barrier's frame); the others report
         the error they get.
@@ -68,6 +69,20 @@ def sums(ring: CrossHostRing, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
     for pack in (0, 1000):
         for i, y in enumerate(ring.all_reduce(mixed, bytes_per_pack=pack)):
             arrays[f"sum/mixed/{pack}/{i}"] = y
+    # several arrays over the small-buffer size: written straight into the slots, a piece
+    # spanning several arrays and an array several pieces; whole, and in packs of 150 kB
+    # (the last one short of it); the same bits as their concatenation in one array
+    sizes = (30_001, 7, 20_000, 3, 9_000, 1)
+    spread = [_seeded(rank, "float32", k, 4) for k in sizes] + [_seeded(rank, "float64", 5, 4)]
+    for i, x in enumerate(spread):
+        arrays[f"in/spread/{i}"] = x
+    same = []
+    for pack in (0, 150_000):
+        got = ring.all_reduce(spread, bytes_per_pack=pack)
+        for i, y in enumerate(got):
+            arrays[f"sum/spread/{pack}/{i}"] = y
+        whole = ring.all_reduce([np.concatenate(spread[:-1])], bytes_per_pack=pack)[0]
+        same.append(bool(np.array_equal(np.concatenate(got[:-1]), whole)))
     # a mean of floats (divided once, by each chunk's owner)
     x = _seeded(rank, "float32", 70_001, 2)
     arrays["in/mean"] = x
@@ -81,6 +96,7 @@ def sums(ring: CrossHostRing, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
         "reason": ring.shm.reason,
         "slot_bytes": ring.shm._set.slot_bytes if ring.shm._set is not None else None,
         "leftover": leftover,
+        "spread_same_bits": same,
     }
     return meta, arrays
 

@@ -105,11 +105,13 @@ def _check_sums(tmp: pathlib.Path, n: int) -> None:
     """Every worker's results: the same bits, and NumPy's sum of the inputs (in float64)."""
     data = [np.load(tmp / f"sums-{rank}.npz") for rank in range(n)]
     keys = [k for k in data[0].files if not k.startswith("in/")]
-    assert len(keys) == len(DTYPES) * len(SIZES) + 8
+    assert len(keys) == len(DTYPES) * len(SIZES) + 8 + 14
 
     def inputs(key: str) -> list[np.ndarray]:
         if key.startswith("sum/mixed/"):
             key = "in/mixed/" + key.rsplit("/", 1)[1]
+        elif key.startswith("sum/spread/"):
+            key = "in/spread/" + key.rsplit("/", 1)[1]
         elif key == "mean":
             key = "in/mean"
         else:
@@ -157,6 +159,7 @@ def test_workers_sum_every_dtype_pack_and_size_to_the_same_bits_through_shared_m
         assert r["active"] is True and r["reason"] is None, r
         assert r["slot_bytes"] == 64 << 10
         assert r["leftover"] == []  # every name unlinked once every peer had mapped it
+        assert r["spread_same_bits"] == [True, True]  # arrays straight in == one buffer
     _check_sums(tmp_path, n)
     assert _leftovers(pids) == []
     for log in logs:

@@ -51,7 +51,7 @@ from psflow import errors
 from psflow.collective.buffers import BufferPool
 from psflow.collective.options import DEFAULT_TIMEOUT_SECONDS
 from psflow.collective.peer_link import PeerLinks
-from psflow.collective.shm_ring import SharedMemoryRing
+from psflow.collective.shm_ring import Packed, SharedMemoryRing
 
 __all__ = ["CrossHostRing"]
 
@@ -172,14 +172,21 @@ class CrossHostRing:
             reduce = self.shm.reducer(deadline, self._ring_reduce)  # or TCP's, per the agreement
             for dtype, members in groups.items():
                 kind = np.dtype(dtype)
+                src: Any
                 if len(members) == 1:  # one array: read in place, no packing copy
                     src = np.ascontiguousarray(arrays[members[0]]).reshape(-1)
+                    if src.dtype != kind:
+                        src = src.astype(kind)
                 else:
-                    parts = [arrays[i].reshape(-1) for i in members]
-                    src = self._empty(sum(p.size for p in parts), kind)
-                    np.concatenate(parts, out=src)
-                if src.dtype != kind:
-                    src = src.astype(kind)
+                    parts = [np.ascontiguousarray(arrays[i]).reshape(-1) for i in members]
+                    total = sum(p.size for p in parts)
+                    if self.shm.packs(total * kind.itemsize, kind, bytes_per_pack):
+                        # through shared memory: each piece's arrays go straight into the
+                        # slot, with no packing copy before it
+                        src = Packed(parts)
+                    else:
+                        src = self._empty(total, kind)
+                        np.concatenate(parts, out=src)
                 if self.size > 1 and src.size:
                     flat = self._empty(src.size, kind)  # the sums land here; src is only read
                     step = src.size

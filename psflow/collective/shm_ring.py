@@ -10,9 +10,10 @@ One all-reduce of ``S`` bytes on ``N`` workers, in pieces of at most a slot,
 each piece split into ``N`` chunks, chunk ``c`` owned by worker ``c``:
 
 1. **stage**: worker ``r`` copies its part of every chunk but its own into
-   its segment's slot; *barrier*;
+   its segment's slot (a call of several arrays straight from the arrays, a
+   :class:`Packed`: no packing copy into one buffer first); *barrier*;
 2. **sum**: the owner of chunk ``r`` adds the ``N`` parts in rank order (its
-   own straight from its input, the others' from their segments), divides a
+   own straight from its input arrays, the others' from their segments), divides a
    mean once, and writes the sum into its slot and its output; *barrier*;
 3. **gather**: it copies every other chunk's sum from its owner's slot.
 
@@ -54,6 +55,7 @@ Example (a single worker has no peers: the path stays off and nothing is mapped)
 
 from __future__ import annotations
 
+import bisect
 import logging
 import secrets
 import struct
@@ -66,7 +68,7 @@ import numpy as np
 from psflow import errors
 from psflow.transport import shm
 
-__all__ = ["SharedMemoryRing"]
+__all__ = ["Packed", "SharedMemoryRing"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,59 @@ class _Segments:
         self.segments = []
 
 
+class Packed:
+    """Arrays of one dtype read as their concatenation, without copying them into one buffer.
+
+    What :class:`~psflow.collective.cross_host.CrossHostRing` hands this path for a call of
+    several arrays: each piece's stage copies its arrays' slices straight into the slot.
+    Sliced as the one buffer would be (``packed[lo:hi]``, a step of one).
+
+    Args:
+        parts: one-dimensional contiguous arrays, all of one dtype (at least one).
+
+    Example:
+        >>> p = Packed([np.arange(3.0), np.arange(2.0)])[2:4]
+        >>> [(start, view.tolist()) for start, view in p.views(0, p.size)]
+        [(0, [2.0]), (1, [0.0])]
+    """
+
+    __slots__ = ("dtype", "itemsize", "nbytes", "parts", "size", "starts")
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.dtype = parts[0].dtype
+        self.itemsize = self.dtype.itemsize
+        self.parts = [p for p in parts if p.size] or parts[:1]
+        self.starts = [0]
+        for p in self.parts:
+            self.starts.append(self.starts[-1] + p.size)
+        self.size = self.starts[-1]
+        self.nbytes = self.size * self.itemsize
+
+    def __getitem__(self, key: slice) -> Packed:
+        lo, hi, _ = key.indices(self.size)
+        views = [v for _, v in self.views(lo, hi)]
+        return Packed(views or [self.parts[0][:0]])
+
+    def views(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+        """The arrays' slices covering ``[lo, hi)``: (start in the concatenation, view)."""
+        out = []
+        starts = self.starts
+        i = bisect.bisect_right(starts, lo) - 1
+        while i < len(self.parts) and starts[i] < hi:
+            s = starts[i]
+            a, b = max(lo - s, 0), min(hi - s, self.parts[i].size)
+            if b > a:
+                out.append((s + a, self.parts[i][a:b]))
+            i += 1
+        return out
+
+    def concatenate(self) -> np.ndarray:
+        """The arrays copied into one new buffer."""
+        out = np.empty(self.size, self.dtype)
+        np.concatenate(self.parts, out=out)
+        return out
+
+
 class SharedMemoryRing:
     """The all-reduce of a :class:`~psflow.collective.cross_host.CrossHostRing` through
     shared memory, on when every worker of the ring is on this host.
@@ -176,9 +231,15 @@ class SharedMemoryRing:
         if self._reduce is None:
 
             def reduce(
-                src: np.ndarray, dst: np.ndarray, divisor: int | None, dl: float, sending: list
+                src: np.ndarray | Packed,
+                dst: np.ndarray,
+                divisor: int | None,
+                dl: float,
+                sending: list,
             ) -> None:
                 if src.nbytes < _SMALL_BYTES or src.dtype.hasobject:  # objects: no byte buffer
+                    if isinstance(src, Packed):  # a call's last, short pack of several arrays
+                        src = src.concatenate()  # the sender holds it while it is sent
                     fallback(src, dst, divisor, dl, sending)
                 else:
                     self.reduce(src, dst, divisor, dl)
@@ -310,8 +371,19 @@ class SharedMemoryRing:
         return got
 
     # -- the all-reduce -------------------------------------------------------------------
+    def packs(self, nbytes: int, dtype: np.dtype, bytes_per_pack: int) -> bool:
+        """Whether a call's ``nbytes`` of ``dtype`` in several arrays should come as a
+        :class:`Packed` (each piece's arrays written straight into the slot) rather than
+        packed into one buffer first: the path is on and its packs take it."""
+        return (
+            self.active is True
+            and nbytes >= _SMALL_BYTES
+            and not dtype.hasobject
+            and (bytes_per_pack <= 0 or bytes_per_pack >= _SMALL_BYTES)
+        )
+
     def reduce(
-        self, src: np.ndarray, dst: np.ndarray, divisor: int | None, deadline: float
+        self, src: np.ndarray | Packed, dst: np.ndarray, divisor: int | None, deadline: float
     ) -> None:
         """All-reduces ``src`` into ``dst`` (same size and dtype, not overlapping).
 
@@ -333,6 +405,9 @@ class SharedMemoryRing:
             if divisor is not None and divisor != 1 and src.dtype.kind not in "iu":
                 scale = src.dtype.type(divisor)
             step = self._set.slot_bytes // src.itemsize
+            if step >= src.size:  # one piece (mostly): no slicing
+                self._piece(src, dst, scale, deadline)
+                return
             for lo in range(0, src.size, step):
                 self._piece(src[lo : lo + step], dst[lo : lo + step], scale, deadline)
 
@@ -352,7 +427,9 @@ class SharedMemoryRing:
             self._set.close()
         self._set = made
 
-    def _piece(self, src: np.ndarray, dst: np.ndarray, scale: Any, deadline: float) -> None:
+    def _piece(
+        self, src: np.ndarray | Packed, dst: np.ndarray, scale: Any, deadline: float
+    ) -> None:
         """One piece (of at most a slot): stage, barrier, sum, barrier, gather."""
         links = self.links
         n, r = links.size, links.rank
@@ -365,26 +442,35 @@ class SharedMemoryRing:
         lo, hi = bounds[r]
         mine = slots[r]
         # stage: this worker's part of every other worker's chunk (the chunks before and
-        # after its own are two contiguous ranges)
-        if lo:
-            np.copyto(mine[:lo], src[:lo])
-        if hi < size:
-            np.copyto(mine[hi:], src[hi:])
+        # after its own), straight from its arrays into its slot
+        if isinstance(src, Packed):
+            staged, owned = src.views(0, lo) + src.views(hi, size), src.views(lo, hi)
+        else:  # one array (most calls): its slices, with no Packed's Python
+            staged = [(0, src[:lo])] if lo else []
+            if hi < size:
+                staged.append((hi, src[hi:]))
+            owned = [(lo, src[lo:hi])]
+        for start, part in staged:
+            np.copyto(mine[start : start + part.size], part)
         self._barrier(b"S1", dtype, nbytes, deadline)
-        # sum chunk r in rank order, a cache-sized tile at a time: the tile's N-1 additions,
-        # division and copy out read it from the cache
-        parts = [src[lo:hi] if k == r else slots[k][lo:hi] for k in range(n)]
-        acc, out = mine[lo:hi], dst[lo:hi]
+        # sum chunk r in rank order, a cache-sized tile at a time (and never across one of
+        # its arrays' ends): the tile's N-1 additions, division and copy out read it from
+        # the cache.  This worker's own part is read from its arrays.
         tile = max(1, _TILE_BYTES // src.itemsize)
-        for a in range(0, hi - lo, tile):
-            b = a + tile
-            t = acc[a:b]
-            np.add(parts[0][a:b], parts[1][a:b], out=t)
-            for k in range(2, n):
-                np.add(t, parts[k][a:b], out=t)
-            if scale is not None:
-                np.divide(t, scale, out=t)
-            np.copyto(out[a:b], t)
+        others = slots[:r], slots[r + 1 :]
+        for start, own in owned:
+            for a in range(start, start + own.size, tile):
+                b = min(a + tile, start + own.size)
+                parts = [s[a:b] for s in others[0]]
+                parts.append(own[a - start : b - start])
+                parts.extend(s[a:b] for s in others[1])
+                t = mine[a:b]
+                np.add(parts[0], parts[1], out=t)
+                for k in range(2, n):
+                    np.add(t, parts[k], out=t)
+                if scale is not None:
+                    np.divide(t, scale, out=t)
+                np.copyto(dst[a:b], t)
         self._barrier(b"S2", dtype, nbytes, deadline)
         # gather: every other chunk's sum from its owner's slot
         for c, (clo, chi) in enumerate(bounds):
