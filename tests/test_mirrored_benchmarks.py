@@ -74,7 +74,12 @@ def test_multi_worker_benchmark_prints_bandwidths_and_training_against_the_strea
     assert skipped == {"tensorflow"}
     bus = {r["case"]: r for r in records if r["metric"] == "busbw"}
     ours = {c: r for c, r in bus.items() if c.startswith("allreduce/")}
-    assert set(ours) == {f"allreduce/loopback/workers=2/{mb}MB/psflow" for mb in (1, 16)}
+    # on loopback psflow twice: its default (the same-host shared memory) and the TCP ring
+    assert set(ours) == {
+        f"allreduce/loopback/workers=2/{mb}MB/{side}"
+        for mb in (1, 16)
+        for side in ("psflow", "psflow-tcp")
+    }
     for r in ours.values():  # busbw = algbw * 2(N-1)/N, N = 2
         assert r["value"] > 0 and r["value"] == pytest.approx(r["algbw_GBps"], rel=1e-3)
     # the bare ring stream: the same 2 processes each send 2(N-1)/N * S = S right
@@ -86,6 +91,8 @@ def test_multi_worker_benchmark_prints_bandwidths_and_training_against_the_strea
         assert r["value"] == pytest.approx(want, rel=1e-3, abs=1e-4)
     vs_ring = [r for r in records if r["case"].startswith("psflow_vs_ring_stream/")]
     assert len(vs_ring) == 2 and all(r["value"] > 0 for r in vs_ring)
+    tcp_vs_ring = [r for r in records if r["case"].startswith("psflow_tcp_vs_ring_stream/")]
+    assert len(tcp_vs_ring) == 2 and all(r["value"] > 0 for r in tcp_vs_ring)
     # rank 0's CPU per call on both sides, and their ratio
     assert all(r["cpu_ms_per_call"] > 0 for r in [*ours.values(), *rings.values()])
     vs_cpu = [r for r in records if r["case"].startswith("psflow_vs_ring_stream_cpu/")]
@@ -93,7 +100,11 @@ def test_multi_worker_benchmark_prints_bandwidths_and_training_against_the_strea
     streams = [r for r in records if r["case"].startswith("stream/loopback/")]
     assert len(streams) == 2 and all(r["value"] > 0 for r in streams)
     shares = [r for r in records if r["case"].startswith("host_share/")]
-    assert len(shares) == 2 and all(r["value"] > 0 for r in shares)
+    assert len(shares) == 4 and all(r["value"] > 0 for r in shares)  # psflow, psflow-tcp
     train = {r["case"]: r for r in records if r["case"].startswith("train/")}
-    assert set(train) == {f"train/mlp/workers=2/batch={b}/psflow" for b in (64, 256)}
+    assert set(train) == {
+        f"train/mlp/workers=2/batch={b}/{side}"
+        for b in (64, 256)
+        for side in ("psflow", "psflow-tcp")
+    }
     assert all(r["value"] > 0 and r["cpu_ms_per_step"] > 0 for r in train.values())
