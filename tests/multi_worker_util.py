@@ -8,14 +8,43 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
+import threading
 import time
 
+from psflow.collective.peer_link import PeerLinks
+from psflow.security.config import SecurityConfig
 from tests.conftest import ROOT, child_env, pick_free_port
 
 SCENARIO = ROOT / "tests" / "multi_worker_scenario.py"
 TOKEN = "multi-worker-test-token-0123456789"
+
+
+# A peer lost for good mid-call (the signal sent to it), and the typed errors every
+# survivor may see: a dead peer is seen at once, a frozen one at the deadline.
+LOST_PEER_FAULTS = [
+    ("SIGKILL", ("UnavailableError", "DeadlineExceededError")),
+    ("SIGSTOP", ("DeadlineExceededError",)),
+]
+
+
+def assert_survivors_name_the_lost_peer(
+    codes: list[int | None],
+    results: list[dict],
+    logs: list[str],
+    errors_allowed: tuple[str, ...],
+    within: float,
+) -> None:
+    """Workers 0 and 2 of 3 (worker 1 lost) each ended with exit code 3 and a typed
+    error naming ``worker:1`` within ``within`` seconds."""
+    for rank in (0, 2):
+        assert codes[rank] == 3, logs[rank][-3000:]
+        result = results[rank]
+        assert result["error"] in errors_allowed, result
+        assert "worker:1 at 127.0.0.1:" in result["message"], result
+        assert result["seconds"] < within, result
 
 
 def tf_config(ports: list[int], index: int, chief: bool = False) -> str:
@@ -30,6 +59,48 @@ def tf_config(ports: list[int], index: int, chief: bool = False) -> str:
             {"type": "chief", "index": 0} if index == 0 else {"type": "worker", "index": index - 1}
         )
     return json.dumps({"cluster": cluster, "task": task})
+
+
+def run_processes(
+    argvs: list[list[str]],
+    envs: list[dict[str, str]],
+    logs: list[pathlib.Path],
+    *,
+    timeout: float,
+    wait_for: set[int] | None = None,
+) -> tuple[list[int | None], list[int]]:
+    """Starts one process per ``argvs`` entry (its extra environment, its log file),
+    waits up to ``timeout`` in all for those in ``wait_for`` (default: all), then kills
+    and reaps every one still running.
+
+    Returns:
+        (exit codes, None for a process that had not exited; the processes' pids).
+    """
+    procs: list[subprocess.Popen] = []
+    try:
+        for argv, extra, log in zip(argvs, envs, logs):
+            with open(log, "wb") as f:
+                procs.append(
+                    subprocess.Popen(
+                        argv, env=child_env(extra), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for i, p in enumerate(procs):
+            if wait_for is not None and i not in wait_for:
+                codes.append(None)
+                continue
+            try:
+                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return codes, [p.pid for p in procs]
 
 
 def run_workers(
@@ -50,46 +121,21 @@ def run_workers(
     killed once those exited (code None: it had not exited).
     """
     ports = [pick_free_port() for _ in range(workers)]
-    procs, logs, outs = [], [], []
-    try:
-        for i in range(workers):
-            out = tmp / f"{mode}-{i}.json"
-            log = tmp / f"{mode}-{i}.log"
-            extra = {
-                "TF_CONFIG": tf_config(ports, i, chief),
-                "PSFLOW_NUM_CPU_DEVICES": str(devices),
-                "PSFLOW_AUTH_TOKEN": TOKEN,
-                "SCENARIO_SEED": str(1 + i),  # worker 0 has the reference's seed
-                **(env or {}),
-                **((per_worker_env or {}).get(i, {})),
-            }
-            with open(log, "wb") as f:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(SCENARIO), mode, str(out)],
-                        env=child_env(extra),
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        cwd=ROOT,
-                    )
-                )
-            outs.append(out)
-            logs.append(log)
-        deadline = time.monotonic() + timeout
-        codes: list[int | None] = []
-        for i, p in enumerate(procs):
-            if wait_for is not None and i not in wait_for:
-                codes.append(None)
-                continue
-            try:
-                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    outs = [tmp / f"{mode}-{i}.json" for i in range(workers)]
+    logs = [tmp / f"{mode}-{i}.log" for i in range(workers)]
+    envs = [
+        {
+            "TF_CONFIG": tf_config(ports, i, chief),
+            "PSFLOW_NUM_CPU_DEVICES": str(devices),
+            "PSFLOW_AUTH_TOKEN": TOKEN,
+            "SCENARIO_SEED": str(1 + i),  # worker 0 has the reference's seed
+            **(env or {}),
+            **((per_worker_env or {}).get(i, {})),
+        }
+        for i in range(workers)
+    ]
+    argvs = [[sys.executable, str(SCENARIO), mode, str(out)] for out in outs]
+    codes, _ = run_processes(argvs, envs, logs, timeout=timeout, wait_for=wait_for)
     results = [json.loads(o.read_text()) if o.exists() else {} for o in outs]
     return codes, results, [log.read_text(errors="replace") for log in logs]
 
@@ -131,3 +177,22 @@ def replay_reference(
         stdout=subprocess.DEVNULL,
     )
     return json.loads(out.read_text())
+
+
+def ring_pair(timeout: float) -> list[PeerLinks]:
+    """Two connected ring links on loopback, ranks 0 and 1 (one thread each in a test)."""
+    listeners = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        listeners.append(s)
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    security = SecurityConfig(token="t" * 20)
+    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(2)]
+    threads = [threading.Thread(target=lk.connect, args=(timeout,)) for lk in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return links

@@ -26,7 +26,13 @@ from psflow.collective.peer_link import PeerLinks
 from psflow.distribute.cluster_resolver import SimpleClusterResolver
 from psflow.security.config import SecurityConfig
 from tests.conftest import ROOT, child_env
-from tests.multi_worker_util import run_reference, run_workers
+from tests.multi_worker_util import (
+    LOST_PEER_FAULTS,
+    assert_survivors_name_the_lost_peer,
+    ring_pair,
+    run_reference,
+    run_workers,
+)
 
 # a ring thread that dies with an exception fails the test that left it behind
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
@@ -131,13 +137,7 @@ def test_uneven_last_batch_ends_the_epoch_on_every_worker(tmp_path):
     assert results[1]["from_function"] == [[[0, 1]], [[]], [[]]]
 
 
-@pytest.mark.parametrize(
-    ("fault", "errors_allowed"),
-    [
-        ("SIGKILL", ("UnavailableError", "DeadlineExceededError")),  # dead: found at once
-        ("SIGSTOP", ("DeadlineExceededError",)),  # frozen for good: found at the deadline
-    ],
-)
+@pytest.mark.parametrize(("fault", "errors_allowed"), LOST_PEER_FAULTS)
 def test_a_lost_worker_gives_every_survivor_a_typed_error_naming_it(
     tmp_path, fault, errors_allowed
 ):
@@ -150,12 +150,7 @@ def test_a_lost_worker_gives_every_survivor_a_typed_error_naming_it(
         timeout=60,
         wait_for={0, 2},
     )
-    for rank in (0, 2):
-        assert codes[rank] == 3, logs[rank][-3000:]
-        result = results[rank]
-        assert result["error"] in errors_allowed, result
-        assert "worker:1 at 127.0.0.1:" in result["message"]
-        assert result["seconds"] < timeout + 5
+    assert_survivors_name_the_lost_peer(codes, results, logs, errors_allowed, timeout + 5)
 
 
 def test_cross_replica_collectives_span_every_worker(tmp_path):
@@ -200,26 +195,8 @@ def test_a_wrong_token_is_refused_with_unauthenticated(tmp_path):
 # -- in one process ----------------------------------------------------------------------
 
 
-def _ring_pair(timeout: float) -> list[PeerLinks]:
-    listeners = []
-    for _ in range(2):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen(4)
-        listeners.append(s)
-    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
-    security = SecurityConfig(token="t" * 20)
-    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(2)]
-    threads = [threading.Thread(target=lk.connect, args=(timeout,)) for lk in links]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 5)
-    return links
-
-
 def test_a_silent_peer_fails_the_collective_at_its_deadline_naming_it():
-    links = _ring_pair(10.0)
+    links = ring_pair(10.0)
     try:
         ring = CrossHostRing(links[0], timeout=0.5)  # worker 1 never joins the call
         with pytest.raises(pf.errors.DeadlineExceededError, match=r"worker:1 at 127\.0\.0\.1:"):
@@ -233,7 +210,7 @@ def test_a_silent_peer_fails_the_collective_at_its_deadline_naming_it():
 
 
 def test_all_gather_with_agreed_lengths_skips_their_round_and_checks_them():
-    links = _ring_pair(10.0)
+    links = ring_pair(10.0)
     try:
         rings = [CrossHostRing(lk, timeout=10.0) for lk in links]
         parts = [np.arange(6, dtype=np.uint8).reshape(3, 2), np.full((1, 2), 9, np.uint8)]
@@ -630,7 +607,7 @@ def _on_both(links: list[PeerLinks], calls: list) -> list:
 def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
     rng = np.random.default_rng(5)
     xs = [[rng.standard_normal(n).astype(np.float32) for n in (5, 0, 33, 1000)] for _ in range(2)]
-    links = _ring_pair(10.0)
+    links = ring_pair(10.0)
     try:
         packed = _on_both(
             links, [lambda r, i=i: r.all_reduce(xs[i], bytes_per_pack=64) for i in (0, 1)]
@@ -654,7 +631,7 @@ def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, 
     rng = np.random.default_rng(9)
     xs = [rng.standard_normal(300_007).astype(np.float32) for _ in range(2)]
     kept = [x.copy() for x in xs]
-    links = _ring_pair(10.0)
+    links = ring_pair(10.0)
     try:
         got = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]])[0] for i in (0, 1)])
         mean = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]], divisor=2)[0] for i in (0, 1)])
@@ -672,7 +649,7 @@ def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, 
 
 
 def test_workers_calling_different_collectives_fail_with_internal_error():
-    links = _ring_pair(10.0)
+    links = ring_pair(10.0)
     try:
         out = _on_both(
             links,

@@ -11,10 +11,10 @@ import json
 import os
 import pathlib
 import socket
-import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +25,13 @@ from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.security.config import SecurityConfig
 from psflow.transport import shm
-from tests.conftest import ROOT, child_env, pick_free_port
+from tests.conftest import ROOT, pick_free_port
+from tests.multi_worker_util import (
+    LOST_PEER_FAULTS,
+    assert_survivors_name_the_lost_peer,
+    ring_pair,
+    run_processes,
+)
 from tests.shm_ring_scenario import DTYPES, SIZES
 
 SCENARIO = ROOT / "tests" / "shm_ring_scenario.py"
@@ -51,48 +57,24 @@ def _run(
     once those exited (code None).
     """
     addresses = ",".join(f"127.0.0.1:{pick_free_port()}" for _ in range(n))
-    procs, logs = [], []
-    try:
-        for rank in range(n):
-            extra = {
-                "RING_ADDRESSES": addresses,
-                "RING_RANK": str(rank),
-                "RING_TOKEN": TOKEN,
-                **(env or {}),
-                **(per_rank or {}).get(rank, {}),
-            }
-            log = tmp / f"{mode}-{rank}.log"
-            logs.append(log)
-            with open(log, "wb") as f:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(SCENARIO), mode, str(tmp / f"{mode}-{rank}")],
-                        env=child_env(extra),
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        cwd=ROOT,
-                    )
-                )
-        deadline = time.monotonic() + timeout
-        codes: list[int | None] = []
-        for rank, p in enumerate(procs):
-            if wait_for is not None and rank not in wait_for:
-                codes.append(None)
-                continue
-            try:
-                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    envs = [
+        {
+            "RING_ADDRESSES": addresses,
+            "RING_RANK": str(rank),
+            "RING_TOKEN": TOKEN,
+            **(env or {}),
+            **(per_rank or {}).get(rank, {}),
+        }
+        for rank in range(n)
+    ]
+    logs = [tmp / f"{mode}-{rank}.log" for rank in range(n)]
+    argvs = [[sys.executable, str(SCENARIO), mode, str(tmp / f"{mode}-{r}")] for r in range(n)]
+    codes, pids = run_processes(argvs, envs, logs, timeout=timeout, wait_for=wait_for)
     results = []
     for rank in range(n):
         path = tmp / f"{mode}-{rank}.json"
         results.append(json.loads(path.read_text()) if path.exists() else {})
-    return codes, results, [lg.read_text(errors="replace") for lg in logs], [p.pid for p in procs]
+    return codes, results, [lg.read_text(errors="replace") for lg in logs], pids
 
 
 def _leftovers(pids: list[int]) -> list[str]:
@@ -197,13 +179,7 @@ def test_workers_that_do_not_share_dev_shm_agree_on_tcp(tmp_path):
     assert _leftovers(pids) == []
 
 
-@pytest.mark.parametrize(
-    ("fault", "errors_allowed"),
-    [
-        ("SIGKILL", ("UnavailableError", "DeadlineExceededError")),  # dead: seen at once
-        ("SIGSTOP", ("DeadlineExceededError",)),  # frozen for good: seen at the deadline
-    ],
-)
+@pytest.mark.parametrize(("fault", "errors_allowed"), LOST_PEER_FAULTS)
 def test_a_worker_lost_mid_call_gives_every_survivor_a_typed_error_naming_it(
     tmp_path, fault, errors_allowed
 ):
@@ -216,12 +192,7 @@ def test_a_worker_lost_mid_call_gives_every_survivor_a_typed_error_naming_it(
         wait_for={0, 2},
         timeout=40,
     )
-    for rank in (0, 2):
-        assert codes[rank] == 3, logs[rank][-3000:]
-        result = results[rank]
-        assert result["error"] in errors_allowed, result
-        assert "worker:1 at 127.0.0.1:" in result["message"], result
-        assert result["seconds"] < 2 * timeout + 3, result
+    assert_survivors_name_the_lost_peer(codes, results, logs, errors_allowed, 2 * timeout + 3)
     # the victim died with its segment mapped by everyone: nothing of it (or of the
     # survivors, closed since) is left in /dev/shm
     assert _leftovers(pids) == []
@@ -271,7 +242,7 @@ def test_workers_calling_different_all_reduces_fail_with_internal_error(monkeypa
     # both above the small-buffer size, so both take shared memory: their barrier frames
     # (same size) say which piece of how many bytes each worker is at
     monkeypatch.setattr(shm_ring, "_SMALL_BYTES", 0)
-    links = _pair()
+    links = ring_pair(10.0)
     out: list = [None, None]
     sizes = (100_000, 100_002)
 
@@ -282,6 +253,15 @@ def test_workers_calling_different_all_reduces_fail_with_internal_error(monkeypa
         except pf.errors.OpError as e:
             out[i] = (e, ring.shm.active)
 
+    _on_both(run, closing=links)
+    assert all(isinstance(o, tuple) and o[1] is True for o in out), out
+    assert all(isinstance(o[0], pf.errors.InternalError) for o in out), out
+    assert any("different collectives" in str(o[0]) for o in out), out
+
+
+def _on_both(run: Callable[[int], None], closing: Sequence[Any] = ()) -> None:
+    """``run(0)`` and ``run(1)`` on two threads, each joined within 30 s; then every
+    object in ``closing`` closed, whatever happened."""
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     try:
         for t in threads:
@@ -289,36 +269,14 @@ def test_workers_calling_different_all_reduces_fail_with_internal_error(monkeypa
         for t in threads:
             t.join(30)
     finally:
-        for lk in links:
-            lk.close()
-    assert all(isinstance(o, tuple) and o[1] is True for o in out), out
-    assert all(isinstance(o[0], pf.errors.InternalError) for o in out), out
-    assert any("different collectives" in str(o[0]) for o in out), out
-
-
-def _pair() -> list[PeerLinks]:
-    """Two connected links on loopback (one thread each in the test)."""
-    listeners = []
-    for _ in range(2):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen(4)
-        listeners.append(s)
-    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
-    security = SecurityConfig(token="p" * 24)
-    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(2)]
-    threads = [threading.Thread(target=lk.connect, args=(10.0,)) for lk in links]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-    return links
+        for c in closing:
+            c.close()
 
 
 def test_close_unmaps_the_segments_and_a_later_call_is_cancelled(monkeypatch):
     # what an elastic re-form does to the old ring before it forms the new one
     monkeypatch.setattr(shm_ring, "_SMALL_BYTES", 0)
-    links = _pair()
+    links = ring_pair(10.0)
     rings = [CrossHostRing(lk, timeout=5.0) for lk in links]
     out: list = [None, None]
     xs = [np.full(1000, i + 1.0, np.float32) for i in range(2)]
@@ -326,11 +284,7 @@ def test_close_unmaps_the_segments_and_a_later_call_is_cancelled(monkeypatch):
     def run(i: int) -> None:
         out[i] = rings[i].all_reduce([xs[i]])[0]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _on_both(run)
     held = [r.shm._set.slots[0][0] for r in rings]  # a view keeps its mapping alive
     for r in rings:
         r.close()
@@ -354,7 +308,7 @@ def test_a_full_dev_shm_on_one_worker_keeps_both_on_tcp_and_leaves_nothing(monke
         real(fd, offset, size)
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    links = _pair()
+    links = ring_pair(10.0)
     rings = [CrossHostRing(lk, timeout=5.0) for lk in links]
     out: list = [None, None]
     xs = [np.full(100_000, i + 1.0, np.float32) for i in range(2)]
@@ -362,15 +316,7 @@ def test_a_full_dev_shm_on_one_worker_keeps_both_on_tcp_and_leaves_nothing(monke
     def run(i: int) -> None:
         out[i] = rings[i].all_reduce([xs[i]])[0]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    finally:
-        for r in rings:
-            r.close()
+    _on_both(run, closing=rings)
     assert all(np.array_equal(o, np.full(100_000, 3.0, np.float32)) for o in out), out
     assert [r.shm.active for r in rings] == [False, False]
     assert rings[1].shm.reason.startswith("no room for")
