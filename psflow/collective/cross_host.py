@@ -1,5 +1,9 @@
 """Collectives between worker processes: a ring over :class:`~.peer_link.PeerLinks`.
 
+When every worker is on this host, an all-reduce of 128 kB or more goes through
+shared memory instead (:mod:`psflow.collective.shm_ring`: a call's arrays are
+written straight into the segments there).  Otherwise:
+
 All-reduce, for each dtype of a call (its arrays flattened into one buffer,
 cut into packs of at most ``bytes_per_pack`` when that is set), on ``N``
 workers, each pack split into ``N`` chunks:
