@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 from psflow.collective.peer_link import PeerLinks
 from psflow.security.config import SecurityConfig
@@ -179,17 +180,27 @@ def replay_reference(
     return json.loads(out.read_text())
 
 
-def ring_pair(timeout: float) -> list[PeerLinks]:
-    """Two connected ring links on loopback, ranks 0 and 1 (one thread each in a test)."""
+def ring_links(n: int, timeout: float = 10.0, generations: Sequence[int] = ()) -> list[PeerLinks]:
+    """``n`` ring links on loopback, connected (one thread each in a test; worker ``i``
+    at ``generations[i]``, else 0)."""
     listeners = []
-    for _ in range(2):
+    for _ in range(n):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         s.listen(4)
         listeners.append(s)
     addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
-    security = SecurityConfig(token="t" * 20)
-    links = [PeerLinks(i, addresses, security, listener=listeners[i]) for i in range(2)]
+    security = SecurityConfig(token="r" * 24)
+    links = [
+        PeerLinks(
+            i,
+            addresses,
+            security,
+            listener=listeners[i],
+            generation=generations[i] if generations else 0,
+        )
+        for i in range(n)
+    ]
     threads = [threading.Thread(target=lk.connect, args=(timeout,)) for lk in links]
     for t in threads:
         t.start()

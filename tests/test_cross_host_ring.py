@@ -8,9 +8,8 @@ still arrives, on arrays of a few MB.
 
 from __future__ import annotations
 
-import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,8 +19,8 @@ import psflow as pf
 from psflow.collective import cross_host, peer_link
 from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
-from psflow.security.config import SecurityConfig
 from psflow.transport.dataplane import frames
+from tests.multi_worker_util import ring_links
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
@@ -36,36 +35,8 @@ def small_frames(monkeypatch):
     monkeypatch.setenv("PSFLOW_SHM", "0")
 
 
-def _links(n: int, timeout: float = 10.0, generations: Sequence[int] = ()) -> list[PeerLinks]:
-    """``n`` peer links on loopback, connected (worker ``i`` at ``generations[i]``, else 0)."""
-    listeners = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen(4)
-        listeners.append(s)
-    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
-    security = SecurityConfig(token="r" * 24)
-    links = [
-        PeerLinks(
-            i,
-            addresses,
-            security,
-            listener=listeners[i],
-            generation=generations[i] if generations else 0,
-        )
-        for i in range(n)
-    ]
-    threads = [threading.Thread(target=lk.connect, args=(timeout,)) for lk in links]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 5)
-    return links
-
-
 def _rings(n: int, timeout: float = 10.0) -> list[CrossHostRing]:
-    return [CrossHostRing(lk, timeout=timeout) for lk in _links(n, timeout)]
+    return [CrossHostRing(lk, timeout=timeout) for lk in ring_links(n, timeout)]
 
 
 def _on_all(rings: list[CrossHostRing], call: Callable[[int, CrossHostRing], Any]) -> list:
@@ -221,7 +192,7 @@ def test_a_frame_other_than_the_expected_one_is_a_typed_error_naming_the_left_ne
 ) -> None:
     import time
 
-    links = _links(2, generations=generations)
+    links = ring_links(2, generations=generations)
     try:
         deadline = time.monotonic() + 10
         links[0].begin()
@@ -240,7 +211,7 @@ def test_a_frame_other_than_the_expected_one_is_a_typed_error_naming_the_left_ne
 def test_a_frame_started_without_waiting_to_a_closed_neighbour_is_unavailable_naming_it() -> None:
     import time
 
-    links = _links(2)
+    links = ring_links(2)
     try:
         links[1].close()
         deadline = time.monotonic() + 10
@@ -271,7 +242,7 @@ def test_a_left_neighbour_stopping_inside_a_frame_is_a_typed_error_naming_it_in_
     # half way still ends by the deadline (a silent peer) or at once (a closed one)
     import time
 
-    links = _links(2)
+    links = ring_links(2)
     try:
         links[0].begin()
         links[1].begin()
@@ -296,7 +267,7 @@ def test_heartbeats_between_blocking_receives_keep_a_slow_left_neighbour_alive()
     # more than its silence bound: its heartbeats keep it from being blamed meanwhile
     import time
 
-    links = _links(2)
+    links = ring_links(2)
     try:
         links[1].silence = 0.3
         links[0].heartbeat = 0.05

@@ -29,7 +29,7 @@ from tests.conftest import ROOT, child_env
 from tests.multi_worker_util import (
     LOST_PEER_FAULTS,
     assert_survivors_name_the_lost_peer,
-    ring_pair,
+    ring_links,
     run_reference,
     run_workers,
 )
@@ -196,7 +196,7 @@ def test_a_wrong_token_is_refused_with_unauthenticated(tmp_path):
 
 
 def test_a_silent_peer_fails_the_collective_at_its_deadline_naming_it():
-    links = ring_pair(10.0)
+    links = ring_links(2)
     try:
         ring = CrossHostRing(links[0], timeout=0.5)  # worker 1 never joins the call
         with pytest.raises(pf.errors.DeadlineExceededError, match=r"worker:1 at 127\.0\.0\.1:"):
@@ -210,7 +210,7 @@ def test_a_silent_peer_fails_the_collective_at_its_deadline_naming_it():
 
 
 def test_all_gather_with_agreed_lengths_skips_their_round_and_checks_them():
-    links = ring_pair(10.0)
+    links = ring_links(2)
     try:
         rings = [CrossHostRing(lk, timeout=10.0) for lk in links]
         parts = [np.arange(6, dtype=np.uint8).reshape(3, 2), np.full((1, 2), 9, np.uint8)]
@@ -607,7 +607,7 @@ def _on_both(links: list[PeerLinks], calls: list) -> list:
 def test_packed_all_reduce_equals_the_float32_sum_bit_for_bit():
     rng = np.random.default_rng(5)
     xs = [[rng.standard_normal(n).astype(np.float32) for n in (5, 0, 33, 1000)] for _ in range(2)]
-    links = ring_pair(10.0)
+    links = ring_links(2)
     try:
         packed = _on_both(
             links, [lambda r, i=i: r.all_reduce(xs[i], bytes_per_pack=64) for i in (0, 1)]
@@ -631,7 +631,7 @@ def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, 
     rng = np.random.default_rng(9)
     xs = [rng.standard_normal(300_007).astype(np.float32) for _ in range(2)]
     kept = [x.copy() for x in xs]
-    links = ring_pair(10.0)
+    links = ring_links(2)
     try:
         got = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]])[0] for i in (0, 1)])
         mean = _on_both(links, [lambda r, i=i: r.all_reduce([xs[i]], divisor=2)[0] for i in (0, 1)])
@@ -649,7 +649,7 @@ def test_a_large_array_is_summed_as_it_arrives_and_its_input_is_left_alone(shm, 
 
 
 def test_workers_calling_different_collectives_fail_with_internal_error():
-    links = ring_pair(10.0)
+    links = ring_links(2)
     try:
         out = _on_both(
             links,

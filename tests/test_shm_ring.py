@@ -29,7 +29,7 @@ from tests.conftest import ROOT, pick_free_port
 from tests.multi_worker_util import (
     LOST_PEER_FAULTS,
     assert_survivors_name_the_lost_peer,
-    ring_pair,
+    ring_links,
     run_processes,
 )
 from tests.shm_ring_scenario import DTYPES, SIZES
@@ -242,7 +242,7 @@ def test_workers_calling_different_all_reduces_fail_with_internal_error(monkeypa
     # both above the small-buffer size, so both take shared memory: their barrier frames
     # (same size) say which piece of how many bytes each worker is at
     monkeypatch.setattr(shm_ring, "_SMALL_BYTES", 0)
-    links = ring_pair(10.0)
+    links = ring_links(2)
     out: list = [None, None]
     sizes = (100_000, 100_002)
 
@@ -276,7 +276,7 @@ def _on_both(run: Callable[[int], None], closing: Sequence[Any] = ()) -> None:
 def test_close_unmaps_the_segments_and_a_later_call_is_cancelled(monkeypatch):
     # what an elastic re-form does to the old ring before it forms the new one
     monkeypatch.setattr(shm_ring, "_SMALL_BYTES", 0)
-    links = ring_pair(10.0)
+    links = ring_links(2)
     rings = [CrossHostRing(lk, timeout=5.0) for lk in links]
     out: list = [None, None]
     xs = [np.full(1000, i + 1.0, np.float32) for i in range(2)]
@@ -308,7 +308,7 @@ def test_a_full_dev_shm_on_one_worker_keeps_both_on_tcp_and_leaves_nothing(monke
         real(fd, offset, size)
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    links = ring_pair(10.0)
+    links = ring_links(2)
     rings = [CrossHostRing(lk, timeout=5.0) for lk in links]
     out: list = [None, None]
     xs = [np.full(100_000, i + 1.0, np.float32) for i in range(2)]
