@@ -12,7 +12,12 @@ machine (loopback addresses), bulk bytes can skip it:
   ``idle`` seconds goes *dormant* and its variable's updates cost no copy.  A
   read of a dormant mirror fails (:class:`MirrorDormantError`) and the reader
   pulls over gRPC instead; that pull (:meth:`Mirror.wake`) brings the mirror
-  back, so the next read is served from shared memory again;
+  back, so the next read is served from shared memory again.  Once a live
+  mirror holds its variable's current value, the variable's value *moves into
+  the segment*: each update is applied there in place, the whole update inside
+  the seqlock's odd phase (:meth:`Mirror.begin_update`), so no copy follows it;
+  the value moves out again (one copy) when a reader on the PS's side would
+  hold it past the lock (a pull over gRPC) and before the segment is retired;
 * **pushes**: a client writes its gradients into a segment of its own and the
   Push RPC names the segment instead of carrying the bytes; the PS reads them
   in place, applies them, and only then replies, so the client may reuse the
@@ -70,7 +75,10 @@ _PAYLOAD_TOKEN = re.compile(r"-(?P<token>[0-9a-f]{32})$")
 _OPEN_EXISTING = (
     getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 )
-_READ_RETRIES = 10_000
+# a read spins this many times on a writer, then yields the CPU between tries, and
+# after this long falls back to gRPC (a PS stopped half-way through a write)
+_SPINS = 100
+_READ_PATIENCE_NS = 1_000_000_000
 
 
 def enabled() -> bool:
@@ -236,8 +244,14 @@ class Mirror:
     """A variable's value published for readers on this host (PS side).
 
     Layout: a 64-byte header (see :data:`HEADER_BYTES`) then the value's
-    bytes.  :meth:`publish` and :meth:`wake` are called with the variable's
-    lock held (one writer at a time).
+    bytes.  Every method that writes is called with the variable's lock held
+    (one writer at a time).
+
+    Two ways in: :meth:`publish` copies a changed value in; an update taken
+    *in place* writes the segment itself (:meth:`begin_update`, then
+    :meth:`end_update`), the variable's value being :attr:`array` from then
+    on.  A version names one value: the mirror remembers which version its
+    bytes hold, so a value it already holds is never copied in again.
 
     Args:
         name: the segment's name.
@@ -253,6 +267,9 @@ class Mirror:
         self.segment = Segment(name, HEADER_BYTES + value.nbytes, create=True)
         self._header = self.segment.array(np.int64, (8,))
         self._data = self.segment.array(np.uint8, (value.nbytes,), HEADER_BYTES)
+        #: the segment's bytes as the variable's array (what an update in place writes)
+        self.array = self.segment.array(value.dtype, value.shape, HEADER_BYTES)
+        self._held: int | None = None  # the version whose bytes the segment holds
         self._header[_NBYTES] = value.nbytes
         self._header[_PID] = os.getpid()
         self._idle_ns = None if idle is None else int(idle * 1e9)
@@ -267,7 +284,8 @@ class Mirror:
 
     @property
     def copies(self) -> int:
-        """Values copied in so far: what the mirror cost its PS."""
+        """Values the mirror took in while live (each copy in, update in place or
+        wake): what it cost its PS."""
         return int(self._header[_COPIES])
 
     @property
@@ -287,6 +305,7 @@ class Mirror:
         header = self._header
         header[_SEQ] += 1  # odd: a write is in progress
         np.copyto(self._data, value.reshape(-1).view(np.uint8))
+        self._held = version
         header[_VERSION] = version
         header[_LIVE] = 1
         header[_COPIES] += 1
@@ -311,15 +330,74 @@ class Mirror:
     def wake(self, value: np.ndarray, version: int) -> bool:
         """A dormant mirror a reader asked for copies ``value`` in (the PS calls this on a
         pull over gRPC, which is how a reader of a dormant mirror gets its value);
-        returns whether it did."""
-        if self._header[_LIVE] or not self._asked():
+        returns whether it did.  A segment that holds ``version`` already (the value
+        lived in it while the mirror was dormant) is only marked live."""
+        header = self._header
+        if header[_LIVE] or not self._asked():
             return False
-        self._copy(value, version)
+        if self._held != version:
+            self._copy(value, version)
+            return True
+        header[_SEQ] += 1
+        header[_VERSION] = version
+        header[_LIVE] = 1
+        header[_COPIES] += 1
+        header[_SEQ] += 1
         return True
 
+    def begin_update(self, value: np.ndarray, version: int) -> np.ndarray | None:
+        """Starts an update of the variable in place: returns :attr:`array`, which
+        the caller writes and keeps as the variable's value, with the seqlock odd
+        until :meth:`end_update` (or :meth:`abandon_update`); None where the
+        update must go to ``value`` and :meth:`publish` instead.
+
+        In place when ``value`` is :attr:`array` already (it is written under the
+        seqlock, live or not: a reader may be copying it), or when a reader asked
+        lately and the segment holds ``version`` (the value moves in, no copy).
+        Nobody asking, or a segment behind: None (the next :meth:`publish` copies).
+        """
+        if value is not self.array and (self._held != version or not self._asked()):
+            return None
+        self._held = None  # the bytes change: no version until end_update names one
+        self._header[_SEQ] += 1  # odd: readers retry until end_update
+        return self.array
+
+    def end_update(self, version: int) -> bool:
+        """Ends an update begun by :meth:`begin_update`: the segment holds ``version``;
+        live if a reader asked lately (dormant otherwise, as after :meth:`publish`).
+        Returns whether it is live."""
+        header = self._header
+        self._held = version
+        live = self._asked()
+        if live:
+            header[_VERSION] = version
+            header[_LIVE] = 1
+            header[_COPIES] += 1
+        else:
+            header[_LIVE] = 0
+        header[_SEQ] += 1  # even again: consistent
+        return live
+
+    def abandon_update(self) -> None:
+        """Ends an update begun by :meth:`begin_update` that failed part way: the
+        bytes match no version, so the mirror goes dormant (a reader pulls over
+        gRPC, whose :meth:`wake` copies the value in again)."""
+        header = self._header
+        header[_LIVE] = 0
+        header[_SEQ] += 1
+
+    def backs(self, value: np.ndarray) -> bool:
+        """Whether ``value`` is the segment's own array (the variable lives in it)."""
+        return value is self.array
+
     def close(self) -> None:
-        """Retires the mirror (readers still mapping it see that) and removes the segment."""
+        """Retires the mirror (readers still mapping it see that) and removes the segment.
+
+        A variable whose value :meth:`backs` must have moved it out first: the
+        segment is never written again.
+        """
         self._header[0] = 0
+        self._held = None
         self.segment.close(unlink=True)
 
 
@@ -328,7 +406,7 @@ class MirrorState:
     """What a mirror's header says (see :func:`peek`)."""
 
     live: bool  # it follows its variable: readers may use it
-    copies: int  # values its writer copied in so far (each update while live)
+    copies: int  # values its writer took in so far (each update while live, each wake)
     version: int  # the variable's version it holds
 
 
@@ -401,10 +479,13 @@ class MirrorSet:
         variable.mirror = Mirror(name, value, idle=self.idle)
 
     def detach(self, variable: Any) -> None:
-        """Removes a variable's mirror."""
+        """Removes a variable's mirror (its lock held), moving its value out of the
+        segment first if it lives there."""
         mirror = getattr(variable, "mirror", None)
         if mirror is not None:
             variable.mirror = None
+            if mirror.backs(variable.value):
+                variable.value = variable.value.copy()
             mirror.close()
 
 
@@ -446,23 +527,30 @@ class MirrorReader:
         out = np.empty(self.shape, self.dtype)
         flat = out.reshape(-1).view(np.uint8)
         header = self._header
-        for attempt in range(_READ_RETRIES):
+        retries, deadline = 0, 0
+        while True:
             before = int(header[_SEQ])
-            if before & 1:
-                if attempt > 100:
-                    time.sleep(0)
-                continue
-            # read under the seqlock too: a mirror that went dormant mid-copy is retried
-            # and then refused, never returned stale
-            if not header[_LIVE]:
-                raise MirrorDormantError(
-                    f"shared-memory mirror {self.segment.name} is dormant (no reader lately)"
-                )
-            np.copyto(flat, self._data)
-            version = int(header[_VERSION])
-            if int(header[_SEQ]) == before:
-                return out, version
-        raise errors.UnavailableError("shared-memory read kept racing with the writer")
+            if not before & 1:
+                # read under the seqlock too: a mirror that went dormant mid-copy is
+                # retried and then refused, never returned stale
+                if not header[_LIVE]:
+                    raise MirrorDormantError(
+                        f"shared-memory mirror {self.segment.name} is dormant (no reader lately)"
+                    )
+                np.copyto(flat, self._data)
+                version = int(header[_VERSION])
+                if int(header[_SEQ]) == before:
+                    return out, version
+            # the PS is writing: an update applied in place holds the seqlock for the
+            # whole apply, so the patience is a time, not a number of tries
+            retries += 1
+            if retries > _SPINS:
+                now = time.monotonic_ns()
+                if not deadline:
+                    deadline = now + _READ_PATIENCE_NS
+                elif now > deadline:
+                    raise errors.UnavailableError("shared-memory read kept racing with the writer")
+                time.sleep(0)
 
     def close(self) -> None:
         """Unmaps."""
