@@ -61,13 +61,15 @@ def _store(dtype, config, mirrored: bool) -> VariableStore:
     return store
 
 
-def _follow(store: VariableStore) -> shm.MirrorReader:
-    """A reader of ``w``'s mirror that woke it (its first read asked, a pull woke it)."""
+def _follow(store: VariableStore, wake: bool = True) -> shm.MirrorReader:
+    """A reader of ``w``'s mirror that asked for it (its first read) and, with ``wake``,
+    woke it (the reader's fallback pull over gRPC); else the next update will."""
     (info,) = [i for i in store.list_variables() if i.meta.name == "w"]
     reader = shm.MirrorReader(info.shm_name, info.meta.dtype, info.meta.shape)
     with pytest.raises(shm.MirrorDormantError):
         reader.read()
-    store.pull(["w"])  # the reader's fallback pull over gRPC
+    if wake:
+        store.pull(["w"])
     return reader
 
 
@@ -102,7 +104,9 @@ def _state(store: VariableStore) -> tuple:
 @pytest.mark.parametrize("config", RULES, ids=lambda c: "-".join(map(str, c.values())))
 def test_updates_in_place_give_the_bits_of_a_store_without_mirrors(dtype, config):
     mirrored, plain = _store(dtype, config, True), _store(dtype, config, False)
-    reader = _follow(mirrored)
+    # asked, not woken: the first update copies the value in (the segment is behind),
+    # the others go in place
+    reader = _follow(mirrored, wake=False)
     try:
         for k, (kind, item, extra) in enumerate(_pushes(dtype, 15)):
             for store in (mirrored, plain):
@@ -111,17 +115,34 @@ def test_updates_in_place_give_the_bits_of_a_store_without_mirrors(dtype, config
                 else:
                     store.assign("assign_add", ["w"], [item])
             with mirrored.exporting() as (var,):
-                assert var.mirror.backs(var.value), "the update was not applied in place"
+                assert var.mirror.backs(var.value) == (k > 0), "not applied in place"
             assert _state(mirrored) == _state(plain), (k, kind)
             got, version = reader.read()
             assert got.tobytes() == _state(plain)[0] and version == k + 1
             if k % 4 == 3:  # a pull over gRPC moves the value out; the next update back in
                 np.testing.assert_array_equal(mirrored.pull(["w"])[0].value, got)
         assert mirrored.list_variables()[0].version == 15
-        assert shm.peek(reader.segment.name).copies == 16  # the wake, then 15 updates
+        assert shm.peek(reader.segment.name).copies == 15  # each update
     finally:
         reader.close()
         mirrored.close()
+
+
+def test_a_snapshot_taken_for_a_pull_stays_while_the_next_update_goes_in_place():
+    store = _store(np.float32, {"name": "sgd", "learning_rate": 1.0}, True)
+    reader = _follow(store)
+    try:
+        store.push([Gradient("w", np.ones(SHAPE, "float32"))], push_id=("c", 1))
+        with store.reading(["w"]) as (snap,):  # a pull over gRPC, its bytes still to send
+            held = snap.value.tobytes()
+            store.push([Gradient("w", np.ones(SHAPE, "float32"))], push_id=("c", 2))
+            assert snap.value.tobytes() == held and snap.version == 1
+            with store.exporting() as (var,):
+                assert var.mirror.backs(var.value)  # moved back in, without a copy
+        assert reader.read()[1] == 2
+    finally:
+        reader.close()
+        store.close()
 
 
 _READER = textwrap.dedent(
