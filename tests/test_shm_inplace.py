@@ -61,6 +61,14 @@ def _store(dtype, config, mirrored: bool) -> VariableStore:
     return store
 
 
+def _sgd_store(size: int, dtype: str = "float32", idle: float = 60.0) -> VariableStore:
+    """A store with mirrors holding zeros ``w`` of ``size`` elements, SGD at rate 1."""
+    store = VariableStore(mirrors=shm.MirrorSet(idle=idle))
+    meta = VariableMeta("w", np.dtype(dtype), (size,))
+    store.create([meta], [np.zeros(size, dtype)], [{"name": "sgd", "learning_rate": 1.0}])
+    return store
+
+
 def _follow(store: VariableStore, wake: bool = True) -> shm.MirrorReader:
     """A reader of ``w``'s mirror that asked for it (its first read) and, with ``wake``,
     woke it (the reader's fallback pull over gRPC); else the next update will."""
@@ -174,9 +182,7 @@ _READER = textwrap.dedent(
 
 def test_a_reader_in_another_process_never_sees_a_torn_value_while_updates_go_in_place():
     size, updates = 1 << 18, 1500  # 1 MB: an update takes long enough to overlap reads
-    store = VariableStore(mirrors=shm.MirrorSet(idle=30.0))
-    store.create([VariableMeta("w", np.dtype("float32"), (size,))], [np.zeros(size, "float32")])
-    store.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 1.0})
+    store = _sgd_store(size, idle=30.0)
     (info,) = store.list_variables()
     proc = subprocess.Popen(
         [sys.executable, "-c", _READER, info.shm_name, str(size), str(updates)],
@@ -213,9 +219,7 @@ def _mirror_bytes(reader: shm.MirrorReader) -> bytes:
 
 
 def test_a_dormant_mirror_keeps_the_value_in_place_and_a_wake_copies_only_what_it_lacks():
-    store = VariableStore(mirrors=shm.MirrorSet(idle=0.3))
-    store.create([VariableMeta("w", np.dtype("float64"), (8,))], [np.zeros(8)])
-    store.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 1.0})
+    store = _sgd_store(8, "float64", idle=0.3)
     reader = _follow(store)
     try:
         for k in range(1, 4):
@@ -250,9 +254,7 @@ def test_a_dormant_mirror_keeps_the_value_in_place_and_a_wake_copies_only_what_i
 
 
 def test_a_retired_segment_is_never_written_after_a_restore_or_a_close(tmp_path):
-    store = VariableStore(mirrors=shm.MirrorSet(idle=60.0))
-    store.create([VariableMeta("w", np.dtype("float32"), (16,))], [np.zeros(16, "float32")])
-    store.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 1.0})
+    store = _sgd_store(16)
     first = _follow(store)
     try:
         store.push([Gradient("w", -np.ones(16, "float32"))], push_id=("c", 1))
@@ -330,9 +332,7 @@ class _FailingHalfWay(SGD):
 
 
 def test_an_update_failing_half_way_leaves_the_mirror_dormant_not_torn():
-    store = VariableStore(mirrors=shm.MirrorSet(idle=60.0))
-    store.create([VariableMeta("w", np.dtype("float32"), (8,))], [np.zeros(8, "float32")])
-    store.configure_optimizer(["w"], {"name": "sgd", "learning_rate": 1.0})
+    store = _sgd_store(8)
     reader = _follow(store)
     try:
         store.push([Gradient("w", -np.ones(8, "float32"))], push_id=("c", 1))
