@@ -15,9 +15,12 @@ machine (loopback addresses), bulk bytes can skip it:
   back, so the next read is served from shared memory again.  Once a live
   mirror holds its variable's current value, the variable's value *moves into
   the segment*: each update is applied there in place, the whole update inside
-  the seqlock's odd phase (:meth:`Mirror.begin_update`), so no copy follows it;
-  the value moves out again (one copy) when a reader on the PS's side would
-  hold it past the lock (a pull over gRPC) and before the segment is retired;
+  the seqlock's odd phase (:meth:`Mirror.begin_update`), so no copy follows it
+  (a reader waits for the apply, not for a copy).  It stays there, written under
+  the seqlock, while the mirror is dormant (a wake then copies nothing); it
+  moves out again (one copy) when a reader on the PS's side would hold it past
+  the variable's lock (a pull over gRPC), and before the segment is retired,
+  which is never written again;
 * **pushes**: a client writes its gradients into a segment of its own and the
   Push RPC names the segment instead of carrying the bytes; the PS reads them
   in place, applies them, and only then replies, so the client may reuse the
