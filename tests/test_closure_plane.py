@@ -33,8 +33,6 @@ from tests.test_auth import BAD_CLIENTS, GOOD, TOKEN
 from tests.test_auth_tls import pki, tls, tls_cluster  # noqa: F401  (fixtures)
 from tests.test_metrics import scrape, value
 
-pytestmark = pytest.mark.slow
-
 
 def _data_address(server) -> str:
     """The data plane a worker named in its ready line."""
@@ -99,6 +97,17 @@ def test_the_switch_is_on_by_default_and_off_names():
         assert not settings.ProcessSettings.from_environment(env).closure_plane
 
 
+@pytest.mark.parametrize(
+    "flags", [["--data-port", "-1"], ["--data-port", "70000"], ["--data-advertise", "nohost"]]
+)
+def test_a_worker_refuses_a_bad_data_plane_flag_naming_it(flags, capsys):
+    from worker.__main__ import main
+
+    assert main(["--port", "0", "--ps", "127.0.0.1:1", *flags]) == 2
+    assert flags[0] in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_closures_over_the_data_plane_give_what_grpc_gives(start_cluster, monkeypatch):
     """The same closures through a coordinator, the plane on then off: the same values, the
     same typed errors, a per-worker iterator read once per element."""
@@ -150,6 +159,7 @@ def test_closures_over_the_data_plane_give_what_grpc_gives(start_cluster, monkey
     ]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_closure_is_lost_and_its_closures_finish_elsewhere(start_cluster):
     cluster = start_cluster(num_ps=1, num_workers=2)
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver())
@@ -172,6 +182,7 @@ def test_a_worker_killed_mid_closure_is_lost_and_its_closures_finish_elsewhere(s
     coordinator.shutdown()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_during_a_closure_and_for_good_raises_worker_unavailable(
     start_ps, tmp_path
 ):
@@ -207,6 +218,7 @@ def test_a_worker_killed_during_a_closure_and_for_good_raises_worker_unavailable
         client.close()
 
 
+@pytest.mark.slow
 def test_the_data_plane_refuses_a_wrong_token_with_a_typed_error(start_ps, tmp_path, caplog):
     env = {"PSFLOW_AUTH_TOKEN": TOKEN}
     ps = start_server("ps_server", ["--port", "0"], "PSFLOW_READY ps", log_dir=tmp_path, env=env)
@@ -244,6 +256,7 @@ def test_the_data_plane_refuses_a_wrong_token_with_a_typed_error(start_ps, tmp_p
         good.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["unreachable", "unimplemented", "switched_off"])
 def test_a_plane_that_cannot_run_closures_leaves_them_to_grpc_with_one_log_line(
     start_ps, tmp_path, caplog, monkeypatch, how
@@ -276,6 +289,7 @@ def test_a_plane_that_cannot_run_closures_leaves_them_to_grpc_with_one_log_line(
         client.close()
 
 
+@pytest.mark.slow
 def test_closures_over_a_mutual_tls_data_plane(tls_cluster, pki):  # noqa: F811
     _, worker = tls_cluster
     client = GrpcWorker(0, worker.address, security=tls(pki))
@@ -290,6 +304,7 @@ def test_closures_over_a_mutual_tls_data_plane(tls_cluster, pki):  # noqa: F811
             plane.connect(10)
 
 
+@pytest.mark.slow
 def test_sigterm_lets_the_running_closure_finish_and_refuses_new_ones(start_ps, tmp_path):
     worker = _start_worker(start_ps(), tmp_path, "--grace", "20")
     client = GrpcWorker(0, worker.address)
@@ -312,6 +327,7 @@ def test_sigterm_lets_the_running_closure_finish_and_refuses_new_ones(start_ps, 
         client.close()
 
 
+@pytest.mark.slow
 def test_the_plane_keeps_the_closure_limits_and_the_metrics(start_ps, tmp_path):
     worker = _start_worker(
         start_ps(), tmp_path, "--max-closure-bytes", "10000", "--metrics-port", "auto"
