@@ -360,3 +360,22 @@ def test_the_plane_keeps_the_closure_limits_and_the_metrics(start_ps, tmp_path):
         assert client.data_plane_address is not None  # still on the plane
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_a_malformed_closure_on_the_plane_is_an_invalid_argument_and_harms_nothing(
+    start_ps, tmp_path
+):
+    worker = _start_worker(start_ps(), tmp_path)
+    with DataPlaneClient(_data_address(worker), SecurityConfig(), task="worker:0") as plane:
+        for payload, match in (
+            (b"\xff\xfe not a protobuf", "malformed RunClosureRequest"),
+            (worker_pb2.RunClosureRequest(function_key="f").SerializeToString(), "session_id"),
+        ):
+            with pytest.raises(errors.InvalidArgumentError, match=match):
+                plane.call("RunClosure", b"", (payload,), 10)
+        good = worker_pb2.RunClosureRequest(
+            session_id="s", closure_id=1, function_key="once-f", function=cloudpickle.dumps(int)
+        )
+        _, reply = plane.call("RunClosure", b"", (good.SerializeToString(),), 10)
+        assert cloudpickle.loads(worker_pb2.RunClosureResponse.FromString(reply).result) == 0
