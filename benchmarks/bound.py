@@ -203,16 +203,6 @@ def _together(trainers: list[Trainer], batch: int, steps: int) -> tuple[float, f
 
 
 # -- PS training on the same host ------------------------------------------------------------
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (0 where /proc cannot say)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class PSCluster:
     """2 parameter servers and 2 workers on loopback, budgeted as ``psflow local`` does."""
 
@@ -250,7 +240,9 @@ class PSCluster:
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds used so far per role (the chief: this process)."""
-        out = {role: sum(_cpu_seconds(p) for p in pids) for role, pids in self.roles.items()}
+        out = {
+            role: sum(_cluster.cpu_seconds(p) for p in pids) for role, pids in self.roles.items()
+        }
         out["chief"] = time.process_time()
         return out
 

@@ -23,8 +23,12 @@ Variables:
   ``psflow.distribute.ps.push_behind``); off by default: a closure's pushes
   are applied before the next starts;
 * ``PSFLOW_DATA_PLANE_ROUTES`` — ``GRPC=DATA[,...]`` (``host:port`` each): a PS
-  reached at ``GRPC`` has its data plane dialled at ``DATA``, whatever it
-  announces (a client behind its own relay or tunnel to that PS).
+  (or a worker) reached at ``GRPC`` has its data plane dialled at ``DATA``,
+  whatever it announces (a client behind its own relay or tunnel to that task);
+* ``PSFLOW_CLOSURE_PLANE`` — ``off``: a worker serves no data plane for closures
+  and the chief sends every closure over gRPC's ``RunClosure`` (on by default: a
+  worker serves ``RunClosure`` on a raw TCP port too, which costs both processes
+  less CPU per closure, and the chief uses it where the worker announces one).
 
 Example:
     >>> s = ProcessSettings.from_environment({"PSFLOW_NUM_CPU_DEVICES": "4", "PSFLOW_SHM": "off"})
@@ -42,6 +46,7 @@ from typing import Any, Generic, TypeVar
 from psflow.errors import InvalidArgumentError
 
 __all__ = [
+    "ENV_CLOSURE_PLANE",
     "ENV_CLOSURE_TIMEOUT",
     "ENV_DATA_PLANE",
     "ENV_DATA_PLANE_ROUTES",
@@ -64,6 +69,7 @@ ENV_CLOSURE_TIMEOUT = "PSFLOW_CLOSURE_TIMEOUT"
 ENV_DATA_PLANE = "PSFLOW_DATA_PLANE"
 ENV_DATA_PLANE_ROUTES = "PSFLOW_DATA_PLANE_ROUTES"
 ENV_PUSH_BEHIND = "PSFLOW_PUSH_BEHIND"
+ENV_CLOSURE_PLANE = "PSFLOW_CLOSURE_PLANE"
 _NAMES = (
     ENV_NUM_CPU_DEVICES,
     ENV_MALLOC_TUNING,
@@ -73,6 +79,7 @@ _NAMES = (
     ENV_DATA_PLANE,
     ENV_DATA_PLANE_ROUTES,
     ENV_PUSH_BEHIND,
+    ENV_CLOSURE_PLANE,
 )
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
@@ -149,6 +156,7 @@ class ProcessSettings:
     data_plane: bool = True
     data_plane_routes: tuple[tuple[str, str], ...] = ()
     push_behind: bool = False
+    closure_plane: bool = True
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -169,6 +177,7 @@ class ProcessSettings:
             data_plane=_switch(env, ENV_DATA_PLANE),
             data_plane_routes=_routes(env.get(ENV_DATA_PLANE_ROUTES, "")),
             push_behind=_switch(env, ENV_PUSH_BEHIND, default="0"),
+            closure_plane=_switch(env, ENV_CLOSURE_PLANE),
         )
 
 

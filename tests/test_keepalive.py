@@ -6,8 +6,10 @@ the chief -> worker path leaves a RunClosure waiting for its own deadline (an
 hour by default) unless something pings the connection.  The chief's channel
 to each worker pings as its channels to the PS do; a ping unanswered for the
 keepalive timeout drops the connection, the closure fails as a lost worker's
-and is re-queued.  The health probe would notice too, after its grace: the
-tests set that grace far beyond the fault, so keepalive alone must do it.
+and is re-queued.  A closure on the worker's data plane fails the same way
+once a health probe goes unanswered with the worker silent for the keepalive
+timeout.  The health probe would mark the worker down too, after its grace:
+the tests set that grace far beyond the fault, so keepalive alone must do it.
 """
 
 from __future__ import annotations
@@ -59,11 +61,18 @@ def test_a_worker_partitioned_from_the_chief_is_noticed_by_keepalive_and_its_clo
     monkeypatch.setenv("PSFLOW_WORKER_KEEPALIVE_TIME", str(KEEPALIVE))
     monkeypatch.setenv("PSFLOW_WORKER_KEEPALIVE_TIMEOUT", str(KEEPALIVE))
     strategy = pf.distribute.ParameterServerStrategy(cluster.resolver)
-    to_worker = cluster.paths[1][0]  # chief -> worker:1 only: worker:1 still reaches the PS
-    result = scenario.run_fault(strategy, to_worker.stall, to_worker.heal, 8.0)
+    # chief -> worker:1 only (its gRPC port and its data plane): worker:1 still reaches the PS
+    to_worker = cluster.paths[1][:2]
+    result = scenario.run_fault(
+        strategy,
+        lambda: [r.stall() for r in to_worker],
+        lambda: [r.heal() for r in to_worker],
+        8.0,
+    )
     # exact counts: every closure applied once, worker:1's moved to worker:0, worker:1 back
     scenario.check(result)
-    assert to_worker.stats()["resets"] == 0  # a silent partition: no reset told anyone
+    assert all(r.stats()["resets"] == 0 for r in to_worker)  # silent: no reset told anyone
+    assert to_worker[1].stats()["bytes_up"] > 0  # the closures took the data plane
     noticed = min(t for t, up in result["workers_up"] if t > result["down"] and up == 1)
     # a ping at most KEEPALIVE after the stall, unanswered for KEEPALIVE; slack for a
     # loaded machine, still far below the probe's grace and the closure's deadline

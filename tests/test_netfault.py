@@ -3,10 +3,11 @@
 A PS and two workers run as processes on 127.0.0.1 with shared memory off
 (``PSFLOW_SHM=0``: every byte crosses TCP); the chief is this process.  Each
 path goes through its own :class:`_netfault.ChaosRelay`: chief -> PS, chief ->
-each worker, each worker -> PS, and beside each path to the PS one to its data
-plane (the raw TCP port pushes and pulls take: ``PSFLOW_DATA_PLANE_ROUTES``
-sends each client to its own data relay, and the PS advertises a dead address
-so that no client reaches it around the relays).  A fault on one worker's
+each worker, each worker -> PS, and beside each path one to the data plane of
+its server (the raw TCP port pushes, pulls and closures take:
+``PSFLOW_DATA_PLANE_ROUTES`` sends each client to its own data relay, and
+every server advertises a dead address so that no client reaches it around
+the relays).  A fault on one worker's
 relays is a fault on that worker's network, and nothing else's.
 
 The scenarios (tests/netfault_scenario.py) count exactly: closure ``i`` pushes
@@ -146,14 +147,15 @@ class RelayedCluster:
     """The resolver the chief uses and the relays of each worker's path."""
 
     resolver: SimpleClusterResolver
-    # per worker: [chief -> worker, worker -> PS, worker -> PS data plane]
+    # per worker: [chief -> worker, chief -> worker data plane, worker -> PS,
+    # worker -> PS data plane]
     paths: list[list[_netfault.ChaosRelay]]
     relays: list[_netfault.ChaosRelay]
     ps: ServerProcess
 
     def fault(self, worker: int, action: str, only_to_ps: bool = False) -> None:
         """``stall``, ``cut`` or ``heal`` every relay on ``worker``'s path (or its path to the PS)."""
-        for relay in self.paths[worker][1:] if only_to_ps else self.paths[worker]:
+        for relay in self.paths[worker][2:] if only_to_ps else self.paths[worker]:
             getattr(relay, action)()
 
 
@@ -187,7 +189,8 @@ def relayed_cluster(tmp_path, monkeypatch):
             return start_server(
                 "worker",
                 ["--port", "0", "--task", f"worker:{i}", "--ps", to_ps[i].address,
-                 "--workers", str(workers), "--ps-timeout", str(ps_timeout)],
+                 "--workers", str(workers), "--ps-timeout", str(ps_timeout),
+                 "--data-advertise", f"127.0.0.1:{pick_free_port()}"],
                 "PSFLOW_READY worker", log_dir=tmp_path, env={**env, **route},
             )  # fmt: skip
 
@@ -197,13 +200,15 @@ def relayed_cluster(tmp_path, monkeypatch):
             for future in started:
                 with contextlib.suppress(Exception):  # reaped below; raised by result()
                     servers.append(future.result())
-        paths = [
-            [relay(f.result().address, delay_ms), to_ps[i], to_data[i]]
-            for i, f in enumerate(started)
-        ]
+        paths = []
+        for i, f in enumerate(started):
+            worker_data = f"127.0.0.1:{f.result().ready_line.split('data_port=')[1].split()[0]}"
+            to_worker = [relay(f.result().address, delay_ms), relay(worker_data, delay_ms)]
+            paths.append([*to_worker, to_ps[i], to_data[i]])
         chief_to_ps, chief_to_data = relay(ps.address, delay_ms), relay(data, delay_ms)
+        routes = [(chief_to_ps, chief_to_data)] + [(p[0], p[1]) for p in paths]
         monkeypatch.setenv(
-            "PSFLOW_DATA_PLANE_ROUTES", f"{chief_to_ps.address}={chief_to_data.address}"
+            "PSFLOW_DATA_PLANE_ROUTES", ",".join(f"{g.address}={d.address}" for g, d in routes)
         )
         spec = {
             "ps": [chief_to_ps.address],

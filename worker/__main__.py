@@ -7,10 +7,16 @@ Examples::
                 "task": {"type": "worker", "index": 0}}' python -m worker
 
 Once bound it prints ``PSFLOW_READY worker port=<port> task=<task> pid=<pid>``
-(plus `` metrics_port=<port>`` with ``--metrics-port``, and `` blas_threads=<n>``)
-on stdout; logs go to stderr (``--log-format json``: one JSON object per line).
-SIGTERM: health NOT_SERVING, the running closure finishes (``--grace``
-seconds), exit 0.
+(plus `` data_port=<port>``, `` metrics_port=<port>`` with ``--metrics-port``,
+and `` blas_threads=<n>``) on stdout; logs go to stderr (``--log-format json``:
+one JSON object per line).  SIGTERM: health NOT_SERVING, the running closure
+finishes (``--grace`` seconds), exit 0.
+
+Data plane (:mod:`worker.plane`): beside the gRPC port the worker serves
+RunClosure on a raw TCP port (``--data-port``, any free one by default),
+announced to the chief in its GetStatus reply (``--data-advertise HOST:PORT``
+where the chief must dial another address); ``PSFLOW_CLOSURE_PLANE=off``
+serves none (every closure then comes over gRPC).
 
 BLAS threads (:mod:`psflow.thread_budget`): the cores of its container
 (affinity, capped by a cgroup v2 ``cpu.max`` quota) unless
@@ -34,6 +40,7 @@ import sys
 from psflow import serving
 from psflow.errors import OpError
 from psflow.security.limits import WorkerLimits
+from psflow.security.probe import split_host_port
 from worker.executor import ClosureExecutor
 from worker.server import serve
 
@@ -51,7 +58,25 @@ def _parser() -> argparse.ArgumentParser:
         default=60.0,
         help="deadline in seconds of each call to a parameter server (a push, a pull)",
     )
+    p.add_argument(
+        "--data-port", type=int, default=0, help="the closures' data-plane port (0: any)"
+    )
+    p.add_argument(
+        "--data-advertise",
+        default="",
+        metavar="HOST:PORT",
+        help="address the chief dials for the data plane (default: the gRPC host, --data-port)",
+    )
     return p
+
+
+def _data_plane_problem(port: int, advertise: str) -> str | None:
+    """What is wrong with ``--data-port`` / ``--data-advertise`` (None: nothing)."""
+    if not 0 <= port <= 65535:
+        return f"--data-port {port} is not a port (0..65535)"
+    if advertise and split_host_port(advertise) is None:
+        return f"--data-advertise {advertise!r} is not host:port"
+    return None
 
 
 def _from_tf_config() -> tuple[str, int, str, list[str], int]:
@@ -92,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         ps, num_workers = ps or tf_ps, num_workers or tf_workers
     if not 0 < args.ps_timeout < float("inf"):
         return serving.usage_error("worker", f"--ps-timeout must be > 0, got {args.ps_timeout}")
+    problem = _data_plane_problem(args.data_port, args.data_advertise)
+    if problem is not None:
+        return serving.usage_error("worker", problem)
     try:
         bind, task, security = serving.setup_process(args, "worker", task, bind)
     except OpError as e:
@@ -124,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             limits=limits,
             metrics_port=args.metrics_port,
             metrics_bind=args.metrics_bind,
+            data_port=args.data_port,
+            data_advertise=args.data_advertise,
         )
     except OpError as e:
         log.error("worker failed: %s", e)

@@ -1,4 +1,5 @@
-"""Building the worker's gRPC server (:func:`create_server`) and running it (:func:`serve`)."""
+"""Building the worker's gRPC server (:func:`create_server`) and running it (:func:`serve`),
+with its data plane for closures (:mod:`worker.plane`) beside it."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import threading
 import grpc
 from grpc_health.v1 import health
 
-from psflow import serving
+from psflow import serving, settings
 from psflow.observability.metrics import Registry
 from psflow.observability.services import WorkerMetrics
 from psflow.security.config import SecurityConfig
 from psflow.security.limits import WorkerLimits
 from worker.executor import ClosureExecutor
+from worker.plane import WorkerPlane
 from worker.servicer import SERVICE, WorkerServicer
 
 __all__ = ["MAX_MESSAGE_BYTES", "SERVICE", "create_server", "serve"]
 
 MAX_MESSAGE_BYTES = 2**31 - 1  # closure results are whatever the user returns
 _SLACK = 1 << 20
+_RPC_THREADS = 16
 
 
 def create_server(
@@ -27,7 +30,7 @@ def create_server(
     port: int = 0,
     *,
     health_servicer: health.HealthServicer | None = None,
-    max_workers: int = 16,
+    max_workers: int = _RPC_THREADS,
     security: SecurityConfig | None = None,
     insecure: bool = False,
     limits: WorkerLimits | None = None,
@@ -45,10 +48,33 @@ def create_server(
             authenticates nobody and ``insecure`` is False.
         UnavailableError: the address cannot be bound.
     """
+    *_, server, bound = _build(
+        executor, bind, port, health_servicer, max_workers, security, insecure, limits, metrics
+    )
+    return server, bound
+
+
+def _receive_limit(limits: WorkerLimits) -> int:
+    """The largest request either transport accepts (the servicer names the limit
+    up to twice ``max_closure_bytes``; beyond, the transport refuses it)."""
+    return min(MAX_MESSAGE_BYTES, 2 * limits.max_closure_bytes + _SLACK)
+
+
+def _build(
+    executor: ClosureExecutor,
+    bind: str,
+    port: int,
+    health_servicer: health.HealthServicer | None,
+    max_workers: int,
+    security: SecurityConfig | None,
+    insecure: bool,
+    limits: WorkerLimits | None,
+    metrics: WorkerMetrics | None,
+) -> tuple[WorkerServicer, grpc.Server, int]:
+    """:func:`create_server`, also returning the servicer (the data plane calls it)."""
     limits = limits or WorkerLimits()
-    receive_limit = min(MAX_MESSAGE_BYTES, 2 * limits.max_closure_bytes + _SLACK)
     servicer = WorkerServicer(executor, limits=limits, metrics=metrics)
-    return serving.build_server(
+    server, bound = serving.build_server(
         (servicer.generic_handler(),),
         SERVICE,
         bind=bind,
@@ -62,12 +88,13 @@ def create_server(
         health_servicer=health_servicer,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", receive_limit),
+            ("grpc.max_receive_message_length", _receive_limit(limits)),
             ("grpc.so_reuseport", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
+    return servicer, server, bound
 
 
 def serve(
@@ -82,12 +109,22 @@ def serve(
     limits: WorkerLimits | None = None,
     metrics_port: int | None = None,
     metrics_bind: str | None = None,
+    data_plane: bool | None = None,
+    data_port: int = 0,
+    data_advertise: str = "",
 ) -> int:
     """Runs a worker until SIGTERM/SIGINT (or ``stop_event``); returns 0.
 
     ``metrics_port`` (0: any free port, None: no metrics) serves Prometheus
     metrics on ``metrics_bind`` (default ``bind``); the ready line then ends
-    with `` metrics_port=<port>``.
+    with `` metrics_port=<port>``.  ``data_plane`` (None: ``PSFLOW_CLOSURE_PLANE``,
+    on unless ``off``) also serves RunClosure on a data plane at ``data_port``
+    (0: any free one), announced as ``data_advertise`` if given, and the ready
+    line names its port (`` data_port=<port>``); on the signal it refuses new
+    closures and gives those running ``grace`` seconds, as the gRPC server does.
+
+    Raises:
+        UnavailableError: a port cannot be bound.
     """
     health_servicer = health.HealthServicer()
     metrics = None
@@ -95,25 +132,38 @@ def serve(
         metrics = WorkerMetrics(
             Registry(), executor.task, sessions=lambda: len(executor.session_ids())
         )
-    server, bound = create_server(
-        executor,
-        bind,
-        port,
-        health_servicer=health_servicer,
-        security=security,
-        insecure=insecure,
-        limits=limits,
-        metrics=metrics,
+    limits = limits or WorkerLimits()
+    servicer, server, bound = _build(
+        executor, bind, port, health_servicer, _RPC_THREADS, security, insecure, limits, metrics
     )
-    return serving.serve_until_stopped(
-        server,
-        bound,
-        health_servicer,
-        SERVICE,
-        role="worker",
-        task=executor.task,
-        grace=grace,
-        stop_event=stop_event,
-        metrics=metrics,
-        metrics_address=(metrics_bind or bind, metrics_port),
-    )
+    stop = stop_event or threading.Event()
+    plane = None
+    if settings.current().closure_plane if data_plane is None else data_plane:
+        plane = WorkerPlane(
+            servicer,
+            bind,
+            data_port,
+            security or SecurityConfig(),
+            stop,
+            advertise=data_advertise,
+            max_payload=_receive_limit(limits),
+            on_reject=None if metrics is None else metrics.record_rejection,
+        ).start()
+    try:
+        return serving.serve_until_stopped(
+            server,
+            bound,
+            health_servicer,
+            SERVICE,
+            role="worker",
+            task=executor.task,
+            grace=grace,
+            stop_event=stop,
+            metrics=metrics,
+            metrics_address=(metrics_bind or bind, metrics_port),
+            after_drain=None if plane is None else lambda: plane.drain(grace),
+            ready_extra="" if plane is None else f"data_port={plane.port}",
+        )
+    finally:
+        if plane is not None:
+            plane.stop(1.0)

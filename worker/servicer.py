@@ -1,12 +1,18 @@
-"""The Worker gRPC servicer: translates RPCs into calls on the :class:`ClosureExecutor`."""
+"""The Worker servicer: translates calls into calls on the :class:`ClosureExecutor`.
+
+The calls come over gRPC (every method) or over the worker's data plane
+(``RunClosure`` only, see :mod:`worker.plane`): both go through
+:meth:`WorkerServicer.run_closure` and :meth:`WorkerServicer.recorded`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -16,8 +22,9 @@ from psflow import errors
 from psflow.distribute.ps import session as session_lib
 from psflow.observability.logs import log_context
 from psflow.observability.services import WorkerMetrics
-from psflow.proto import worker_pb2, worker_pb2_grpc
+from psflow.proto import ps_pb2, worker_pb2, worker_pb2_grpc
 from psflow.security.limits import WorkerLimits, limit_exceeded
+from psflow.transport.dataplane import Handler, Reply, Request
 from worker.executor import ClosureExecutor
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -73,6 +80,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._executor = executor
         self._limits = limits or WorkerLimits()
         self._metrics = metrics
+        # where this worker's data plane serves RunClosure (port 0: none), for GetStatus
+        self._data_plane = ps_pb2.DataPlaneInfoResponse()
+        self._parse_closure = _lenient(worker_pb2.RunClosureRequest)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Every method of the Worker service, with lenient request parsing and metrics."""
@@ -91,34 +101,62 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
-    def _edge(self, name: str, fn: Callable) -> Callable:
-        metrics = self._metrics
+    # -- the data plane ---------------------------------------------------------------
+    def announce_data_plane(self, port: int, address: str, max_payload: int) -> None:
+        """Where this worker's data plane serves RunClosure, as GetStatus answers it."""
+        self._data_plane = ps_pb2.DataPlaneInfoResponse(
+            port=port, address=address, max_payload_bytes=max_payload
+        )
 
+    def data_plane_handlers(self) -> dict[str, Handler]:
+        """The data plane's one method, RunClosure: the serialized request is the
+        frame's payload, and the serialized reply the reply's."""
+        return {"RunClosure": self._plane_run_closure}
+
+    def _plane_run_closure(self, request: Request) -> Reply | None:
+        parsed = self._parse_closure(request.payload)
+        if isinstance(parsed, _Malformed):
+            raise errors.InvalidArgumentError(parsed.reason)
+        # sent from here, inside the call's edge: a drain on SIGTERM waits for the reply
+        return request.respond(buffers=(self.run_closure(parsed).SerializeToString(),))
+
+    @contextlib.contextmanager
+    def recorded(self, name: str, gone: Callable[[], bool]) -> Iterator[None]:
+        """Records one call of ``name`` (its status code; a refusal's reason) in the
+        metrics, whichever transport brought it; ``gone``: whether its caller left."""
+        code = "OK"
+        try:
+            yield
+        except errors.OpError as e:
+            code = e.code.name
+            if self._metrics is not None:
+                self._metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
+            raise
+        except Exception:
+            code = "CANCELLED" if gone() else "INTERNAL"
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.record_rpc(name, code)
+
+    def _edge(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
-            code = "OK"
             try:
-                if isinstance(request, _Malformed):
-                    raise errors.InvalidArgumentError(request.reason)
-                return fn(request, context)
+                with self.recorded(name, lambda: not context.is_active()):
+                    if isinstance(request, _Malformed):
+                        raise errors.InvalidArgumentError(request.reason)
+                    return fn(request, context)
             except errors.OpError as e:
-                code = e.code.name
-                if metrics is not None:
-                    metrics.record_rejection(getattr(e, "reason", None) or e.code.name.lower())
                 context.abort(errors.to_grpc_code(e), _details(str(e)))
             except Exception as e:
                 if not context.is_active():  # the caller gave up: not a worker error
-                    code = "CANCELLED"
                     log.debug("%s ended by its client: %s", name, e)
                     context.abort(grpc.StatusCode.CANCELLED, "the call ended on the client side")
-                code = "INTERNAL"
                 log.exception("%s failed", name)
                 context.abort(
                     grpc.StatusCode.INTERNAL, _details(f"{name}: {type(e).__name__}: {e}")
                 )
-            finally:
-                if metrics is not None:
-                    metrics.record_rpc(name, code)
 
         return handle
 
@@ -126,6 +164,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.RunClosureRequest, context: grpc.ServicerContext
     ) -> worker_pb2.RunClosureResponse:
         """Runs one closure (its own exception comes back in the reply)."""
+        return self.run_closure(request)
+
+    def run_closure(self, request: worker_pb2.RunClosureRequest) -> worker_pb2.RunClosureResponse:
+        """Checks and runs one closure, whichever transport brought it (gRPC's
+        ``RunClosure``, the data plane's).
+
+        Raises:
+            InvalidArgumentError: no session id or function key, a bad training mode.
+            ResourceExhaustedError: the closure is above ``max_closure_bytes``.
+        """
         if not request.session_id:
             raise errors.InvalidArgumentError("RunClosure needs a session_id")
         if not request.function_key:
@@ -196,6 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             closures_failed=ex.closures_failed,
             pid=os.getpid(),
             started_at=ex.started_at,
+            data_plane=self._data_plane,
         )
 
 

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from . import ps_pb2 as psflow_dot_v1_dot_ps__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16psflow/v1/worker.proto\x12\tpsflow.v1\"\xc5\x01\n\x11RunClosureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nclosure_id\x18\x02 \x01(\x04\x12\x14\n\x0c\x66unction_key\x18\x03 \x01(\t\x12\x10\n\x08\x66unction\x18\x04 \x01(\x0c\x12\x11\n\targuments\x18\x05 \x01(\x0c\x12\x14\n\x0cresource_key\x18\x06 \x01(\t\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12)\n\x08training\x18\x08 \x01(\x0b\x32\x17.psflow.v1.TrainingMode\"\xef\x01\n\x0cTrainingMode\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\x14\n\x0csync_timeout\x18\x03 \x01(\x01\x12\x13\n\x0b\x63ompression\x18\x04 \x01(\t\x12S\n\x17\x63ompression_by_variable\x18\x05 \x03(\x0b\x32\x32.psflow.v1.TrainingMode.CompressionByVariableEntry\x1a<\n\x1a\x43ompressionByVariableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"_\n\x0c\x43losureError\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x0f\n\x07pickled\x18\x04 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\"\x95\x01\n\x12RunClosureResponse\x12\x0e\n\x06result\x18\x01 \x01(\x0c\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.psflow.v1.ClosureError\x12\x18\n\x10\x66unction_missing\x18\x03 \x01(\x08\x12\x18\n\x10missing_resource\x18\x04 \x01(\t\x12\x13\n\x0brun_seconds\x18\x05 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x86\x01\n\x11GetStatusResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x03 \x01(\x04\x12\x17\n\x0f\x63losures_failed\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x32\xe6\x01\n\x06Worker\x12I\n\nRunClosure\x12\x1c.psflow.v1.RunClosureRequest\x1a\x1d.psflow.v1.RunClosureResponse\x12I\n\nEndSession\x12\x1c.psflow.v1.EndSessionRequest\x1a\x1d.psflow.v1.EndSessionResponse\x12\x46\n\tGetStatus\x12\x1b.psflow.v1.GetStatusRequest\x1a\x1c.psflow.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16psflow/v1/worker.proto\x12\tpsflow.v1\x1a\x12psflow/v1/ps.proto\"\xc5\x01\n\x11RunClosureRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nclosure_id\x18\x02 \x01(\x04\x12\x14\n\x0c\x66unction_key\x18\x03 \x01(\t\x12\x10\n\x08\x66unction\x18\x04 \x01(\x0c\x12\x11\n\targuments\x18\x05 \x01(\x0c\x12\x14\n\x0cresource_key\x18\x06 \x01(\t\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12)\n\x08training\x18\x08 \x01(\x0b\x32\x17.psflow.v1.TrainingMode\"\xef\x01\n\x0cTrainingMode\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\x14\n\x0csync_timeout\x18\x03 \x01(\x01\x12\x13\n\x0b\x63ompression\x18\x04 \x01(\t\x12S\n\x17\x63ompression_by_variable\x18\x05 \x03(\x0b\x32\x32.psflow.v1.TrainingMode.CompressionByVariableEntry\x1a<\n\x1a\x43ompressionByVariableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"_\n\x0c\x43losureError\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x0f\n\x07pickled\x18\x04 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\"\x95\x01\n\x12RunClosureResponse\x12\x0e\n\x06result\x18\x01 \x01(\x0c\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.psflow.v1.ClosureError\x12\x18\n\x10\x66unction_missing\x18\x03 \x01(\x08\x12\x18\n\x10missing_resource\x18\x04 \x01(\t\x12\x13\n\x0brun_seconds\x18\x05 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\xbc\x01\n\x11GetStatusResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x03 \x01(\x04\x12\x17\n\x0f\x63losures_failed\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x12\x34\n\ndata_plane\x18\x07 \x01(\x0b\x32 .psflow.v1.DataPlaneInfoResponse2\xe6\x01\n\x06Worker\x12I\n\nRunClosure\x12\x1c.psflow.v1.RunClosureRequest\x1a\x1d.psflow.v1.RunClosureResponse\x12I\n\nEndSession\x12\x1c.psflow.v1.EndSessionRequest\x1a\x1d.psflow.v1.EndSessionResponse\x12\x46\n\tGetStatus\x12\x1b.psflow.v1.GetStatusRequest\x1a\x1c.psflow.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAININGMODE_COMPRESSIONBYVARIABLEENTRY']._loaded_options = None
   _globals['_TRAININGMODE_COMPRESSIONBYVARIABLEENTRY']._serialized_options = b'8\001'
-  _globals['_RUNCLOSUREREQUEST']._serialized_start=38
-  _globals['_RUNCLOSUREREQUEST']._serialized_end=235
-  _globals['_TRAININGMODE']._serialized_start=238
-  _globals['_TRAININGMODE']._serialized_end=477
-  _globals['_TRAININGMODE_COMPRESSIONBYVARIABLEENTRY']._serialized_start=417
-  _globals['_TRAININGMODE_COMPRESSIONBYVARIABLEENTRY']._serialized_end=477
-  _globals['_CLOSUREERROR']._serialized_start=479
-  _globals['_CLOSUREERROR']._serialized_end=574
-  _globals['_RUNCLOSURERESPONSE']._serialized_start=577
-  _globals['_RUNCLOSURERESPONSE']._serialized_end=726
-  _globals['_ENDSESSIONREQUEST']._serialized_start=728
-  _globals['_ENDSESSIONREQUEST']._serialized_end=767
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=769
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=806
-  _globals['_GETSTATUSREQUEST']._serialized_start=808
-  _globals['_GETSTATUSREQUEST']._serialized_end=826
-  _globals['_GETSTATUSRESPONSE']._serialized_start=829
-  _globals['_GETSTATUSRESPONSE']._serialized_end=963
-  _globals['_WORKER']._serialized_start=966
-  _globals['_WORKER']._serialized_end=1196
+  _globals['_RUNCLOSUREREQUEST']._serialized_start=58
+  _globals['_RUNCLOSUREREQUEST']._serialized_end=255
+  _globals['_TRAININGMODE']._serialized_start=258
+  _globals['_TRAININGMODE']._serialized_end=497
+  _globals['_TRAININGMODE_COMPRESSIONBYVARIABLEENTRY']._serialized_start=437
+  _globals['_TRAININGMODE_COMPRESSIONBYVARIABLEENTRY']._serialized_end=497
+  _globals['_CLOSUREERROR']._serialized_start=499
+  _globals['_CLOSUREERROR']._serialized_end=594
+  _globals['_RUNCLOSURERESPONSE']._serialized_start=597
+  _globals['_RUNCLOSURERESPONSE']._serialized_end=746
+  _globals['_ENDSESSIONREQUEST']._serialized_start=748
+  _globals['_ENDSESSIONREQUEST']._serialized_end=787
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=789
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=826
+  _globals['_GETSTATUSREQUEST']._serialized_start=828
+  _globals['_GETSTATUSREQUEST']._serialized_end=846
+  _globals['_GETSTATUSRESPONSE']._serialized_start=849
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1037
+  _globals['_WORKER']._serialized_start=1040
+  _globals['_WORKER']._serialized_end=1270
 # @@protoc_insertion_point(module_scope)

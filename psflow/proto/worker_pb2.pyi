@@ -1,3 +1,4 @@
+from . import ps_pb2 as _ps_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -92,17 +93,19 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("task", "session_ids", "closures_run", "closures_failed", "pid", "started_at")
+    __slots__ = ("task", "session_ids", "closures_run", "closures_failed", "pid", "started_at", "data_plane")
     TASK_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     CLOSURES_RUN_FIELD_NUMBER: _ClassVar[int]
     CLOSURES_FAILED_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     task: str
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     closures_run: int
     closures_failed: int
     pid: int
     started_at: float
-    def __init__(self, task: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., closures_run: _Optional[int] = ..., closures_failed: _Optional[int] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+    data_plane: _ps_pb2.DataPlaneInfoResponse
+    def __init__(self, task: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., closures_run: _Optional[int] = ..., closures_failed: _Optional[int] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., data_plane: _Optional[_Union[_ps_pb2.DataPlaneInfoResponse, _Mapping]] = ...) -> None: ...

@@ -199,6 +199,8 @@ class PlaneLink:
         ask: the ``DataPlaneInfo`` call (seconds left -> reply; raises ``grpc.RpcError``).
         enabled: False: always gRPC.
         route: an address to reach the plane at instead of the announced one.
+        client: makes the plane's client (a :class:`DataPlaneClient` or a subclass).
+        carries: what goes over gRPC instead when the plane cannot be used (the log line).
     """
 
     def __init__(
@@ -211,9 +213,12 @@ class PlaneLink:
         *,
         enabled: bool,
         route: str = "",
+        client: Callable[..., DataPlaneClient] = DataPlaneClient,
+        carries: str = "its pushes, pulls and table calls",
     ) -> None:
         self.address, self.task, self._security = address, task, security
         self._client_name, self._ask, self._route = client_name, ask, route
+        self._client, self._carries = client, carries
         self._plane: DataPlaneClient | bool | None = None if enabled else False
         self._lock = threading.Lock()
         self._worked = False
@@ -250,9 +255,7 @@ class PlaneLink:
         if not info.port and not info.address:
             return False
         address = self._route or info.address or f"{self.address.rpartition(':')[0]}:{info.port}"
-        plane = DataPlaneClient(
-            address, self._security, task=self.task, client_name=self._client_name
-        )
+        plane = self._client(address, self._security, task=self.task, client_name=self._client_name)
         try:
             plane.connect(min(left, PLANE_CONNECT_TIMEOUT))
         except OpError as e:
@@ -260,11 +263,11 @@ class PlaneLink:
             if self._worked:  # not the first use: an ordinary transport failure
                 raise
             log.warning(
-                "%s announces a data plane at %s, which cannot be used (%s): its pushes, "
-                "pulls and table calls go over gRPC",
+                "%s announces a data plane at %s, which cannot be used (%s): %s go over gRPC",
                 self.task,
                 address,
                 e,
+                self._carries,
             )
             return False
         self.max_payload = info.max_payload_bytes

@@ -3,7 +3,10 @@
 Both run a :class:`Closure` and return its value or raise its error; they
 differ only in transport. A gRPC worker that cannot be reached raises
 :class:`psflow.errors.WorkerUnavailableError` naming its task, so the
-coordinator can re-queue the closure elsewhere.
+coordinator can re-queue the closure elsewhere.  A remote worker's closures
+go over its data plane where it announces one (see
+:mod:`~psflow.distribute.coordinator.closure_plane`), the same messages and
+outcomes as over gRPC.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import grpc
 
 from psflow import errors, settings
 from psflow.distribute.coordinator import closure as closure_lib
+from psflow.distribute.coordinator.closure_plane import ClosurePlane, worker_error
 from psflow.distribute.coordinator.remote_value import (
     PerWorkerArgument,
     PerWorkerValues,
@@ -182,14 +186,16 @@ class InProcessWorker(Worker):
 
 class GrpcWorker(Worker):
     """A worker process reached over gRPC (it runs one closure at a time: see
-    ``worker.executor``, so a second one may wait there).
+    ``worker.executor``, so a second one may wait there), its closures over its
+    data plane where it announces one.
 
     Args:
         index: the worker's task index.
         address: ``host:port``.
         security: token and TLS material to present (a
             ``psflow.security.config.SecurityConfig``; default: the environment's).
-        credentials: channel credentials overriding ``security``'s TLS.
+        credentials: channel credentials overriding ``security``'s TLS (closures
+            then go over gRPC only: the data plane presents ``security``'s).
         metadata: extra metadata sent with every call (after ``security``'s token).
         training: the strategy's training mode (a ``SyncConfig``), sent with
             every closure; None: the worker keeps its own.
@@ -199,7 +205,11 @@ class GrpcWorker(Worker):
         keepalive_timeout: seconds a ping may go unanswered before the channel
             drops its connection: a closure in flight then fails with
             ``WorkerUnavailableError`` (its worker's host vanished, or a
-            partition holds every byte) instead of waiting for its deadline.
+            partition holds every byte) instead of waiting for its deadline;
+            on the data plane, once a health probe fails with nothing heard
+            from the worker for this long (see ``closure_plane``).
+        data_plane: whether closures may go over the worker's data plane
+            (None: ``PSFLOW_CLOSURE_PLANE``, on unless ``off``).
     """
 
     def __init__(
@@ -214,6 +224,7 @@ class GrpcWorker(Worker):
         compression: Any = None,
         keepalive_time: float = KEEPALIVE_TIME_MS / 1000,
         keepalive_timeout: float = KEEPALIVE_TIMEOUT_MS / 1000,
+        data_plane: bool | None = None,
     ) -> None:
         super().__init__(index, f"worker:{index}")
         self.max_in_flight = 2
@@ -249,13 +260,22 @@ class GrpcWorker(Worker):
         self._sent: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._timeout = closure_timeout()
+        self._keepalive_timeout = keepalive_timeout
+        if data_plane is None:
+            data_plane = settings.current().closure_plane
+        self._plane = ClosurePlane(
+            address,
+            self.task,
+            self._security,
+            self.status,
+            enabled=data_plane and credentials is None,
+        )
 
     def _call(self, method: Any, request: Any, timeout: float) -> Any:
         try:
             return method(request, timeout=timeout, metadata=self._metadata or None)
         except grpc.RpcError as e:
-            code = e.code()
-            if code == grpc.StatusCode.UNAVAILABLE:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
                 from psflow.security.probe import diagnose_unavailable
 
                 # A worker refusing our certificate is not a lost worker: no re-queueing.
@@ -264,16 +284,9 @@ class GrpcWorker(Worker):
                     raise errors.UnauthenticatedError(
                         f"{self.task} at {self.address}: {reason}", task=self.task
                     ) from None
-            if code in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.CANCELLED,
-            ):
-                raise errors.WorkerUnavailableError(
-                    f"{self.task} at {self.address} is unavailable: {code.name}: {e.details()}",
-                    task=self.task,
-                ) from None
-            raise errors.from_grpc(e, task=self.task) from None
+            raise worker_error(
+                errors.from_grpc(e, task=self.task), self.task, self.address
+            ) from None
 
     def run(
         self,
@@ -298,9 +311,10 @@ class GrpcWorker(Worker):
                 step=closure.step,
                 training=self._training,
             )
-            reply = self._call(
-                self._stub.RunClosure, request, self._timeout if timeout is None else timeout
-            )
+            left = self._timeout if timeout is None else timeout
+            reply = self._plane.run(request, left)
+            if reply is None:  # no data plane (or a closure above its limit): gRPC's call
+                reply = self._call(self._stub.RunClosure, request, left)
             if reply.function_missing:
                 with self._lock:
                     self._sent.discard((session_id, key))
@@ -315,6 +329,12 @@ class GrpcWorker(Worker):
                 return closure_lib.ResourceHandle(closure.resource_key)
             return cloudpickle.loads(reply.result) if reply.result else None
         raise errors.InternalError(f"{self.task} kept losing function {key!r}", task=self.task)
+
+    @property
+    def data_plane_address(self) -> str | None:
+        """Where its closures go over the worker's data plane (None: over gRPC, or
+        no closure sent yet)."""
+        return self._plane.address_in_use
 
     def forget_functions(self) -> None:
         """The worker restarted: every function must be sent again."""
@@ -334,9 +354,12 @@ class GrpcWorker(Worker):
     def healthy(self, timeout: float = 2.0) -> bool:
         try:
             self.status(timeout)
-            return True
         except errors.OpError:
+            # the probe is the data plane's keepalive ping (see closure_plane)
+            self._plane.unanswered(self._keepalive_timeout)
             return False
+        self._plane.answered()
+        return True
 
     def wait_ready(self, timeout: float) -> None:
         """Waits until the worker answers.
@@ -358,4 +381,5 @@ class GrpcWorker(Worker):
                     ) from None
 
     def close(self) -> None:
+        self._plane.close()
         self._channel.close()
