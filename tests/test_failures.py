@@ -88,14 +88,23 @@ def test_killed_worker_is_replaced_and_updates_are_applied_once(start_cluster):
     counter = _StepCounter(at=20, action=kill_and_restart)
     history = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[counter])
     assert len(history.history["loss"]) == 4
+    from psflow.distribute.coordinator.workers import GrpcWorker
+
+    replacement = GrpcWorker(1, cluster.workers[1].address)
+    # The replacement's first closure imports the model's modules (seconds on a loaded
+    # machine) while the survivor may run every step left: train on, a bounded number
+    # of epochs, until it has finished one.
+    for _ in range(20):
+        if replacement.status().closures_run > 0:
+            break
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[counter])
     stats = strategy.ps_stats()
     for s in stats:  # every step pushes once to each PS task; retries are deduplicated
         assert s["pushes_applied"] == counter.steps, (s, counter.steps)
-    from psflow.distribute.coordinator.workers import GrpcWorker
-
-    status = GrpcWorker(1, cluster.workers[1].address).status()
+    status = replacement.status()
     assert status.pid == cluster.workers[1].proc.pid
     assert status.closures_run > 0  # the replacement worker took part again
+    replacement.close()
 
 
 def _ps_fit(cluster, backup_dir, epochs=4, kill=None):
