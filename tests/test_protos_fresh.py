@@ -4,12 +4,38 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# The generator's version stamps: grpcio-tools writes its own version into every
+# *_pb2_grpc.py and its protoc's into every *_pb2.py. A newer grpcio-tools on the
+# machine (a patch release appears, CI installs it) changes only these lines; what they
+# demand of the runtime is checked against pyproject.toml's floors below instead.
+_STAMPS = (
+    re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M),
+    re.compile(r"^# Protobuf Python Version: .*$", re.M),
+    re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.\w+,)[\s\d,]*"),
+)
+
+
+def _unstamped(text: str) -> str:
+    for stamp in _STAMPS:
+        text = stamp.sub(lambda m: m.group(1) if m.groups() else "<version>", text)
+    return text
+
+
+def _floor(requirement: str) -> tuple[int, ...]:
+    """pyproject.toml's lowest allowed version of ``requirement`` (a ``>=`` floor)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    found = re.search(rf'"{re.escape(requirement)}>=([\d.]+)', text)
+    assert found, f"pyproject.toml has no '{requirement}>=' floor"
+    return tuple(int(x) for x in found.group(1).split("."))
 
 
 def _load_generator():
@@ -37,8 +63,31 @@ def test_committed_generated_code_is_fresh(tmp_path):
         if p.name.endswith(gen.SUFFIXES)
     }
     assert sorted(fresh) == sorted(committed), "generated file set differs; run gen_protos.py"
-    stale = [name for name in fresh if fresh[name] != committed[name]]
+    stale = [name for name in fresh if _unstamped(fresh[name]) != _unstamped(committed[name])]
     assert not stale, f"{stale} differ from protos/; run python scripts/gen_protos.py"
+
+
+def test_the_generated_codes_version_stamps_are_within_pyproject_floors():
+    # Generated code refuses a runtime older than the generator that wrote it: a floor
+    # below the stamp would let pip install a grpcio or protobuf the import then refuses.
+    grpc_floor, protobuf_floor = _floor("grpcio"), _floor("protobuf")
+    for path in sorted((ROOT / "psflow" / "proto").glob("*_pb2_grpc.py")):
+        stamp = re.search(r"^GRPC_GENERATED_VERSION = '([\d.]+)'$", path.read_text(), re.M)
+        assert stamp, path.name
+        needed = tuple(int(x) for x in stamp.group(1).split("."))
+        assert needed <= grpc_floor, (
+            f"{path.name} needs grpcio {needed}, pyproject allows {grpc_floor}"
+        )
+    for path in sorted((ROOT / "psflow" / "proto").glob("*_pb2.py")):
+        stamp = re.search(
+            r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.\w+,\s*(\d+),\s*(\d+),\s*(\d+),",
+            path.read_text(),
+        )
+        assert stamp, path.name
+        needed = tuple(int(x) for x in stamp.groups())
+        assert needed <= protobuf_floor, (
+            f"{path.name} needs protobuf {needed}, pyproject allows {protobuf_floor}"
+        )
 
 
 def test_generated_imports_are_package_relative():
