@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -27,10 +28,11 @@ from psflow.distribute.coordinator.remote_value import RemoteValue
 from psflow.distribute.coordinator.workers import Closure, GrpcWorker
 from psflow.proto import worker_pb2
 from psflow.security.config import SecurityConfig
-from psflow.transport.dataplane import DataPlaneClient
+from psflow.transport.dataplane import DataPlaneClient, frames
 from tests.conftest import pick_free_port, start_server
 from tests.test_auth import BAD_CLIENTS, GOOD, TOKEN
 from tests.test_auth_tls import pki, tls, tls_cluster  # noqa: F401  (fixtures)
+from tests.test_dataplane_ps import _closed, _hello, _read_frame
 from tests.test_metrics import scrape, value
 
 
@@ -378,4 +380,56 @@ def test_a_malformed_closure_on_the_plane_is_an_invalid_argument_and_harms_nothi
             session_id="s", closure_id=1, function_key="once-f", function=cloudpickle.dumps(int)
         )
         _, reply = plane.call("RunClosure", b"", (good.SerializeToString(),), 10)
+        assert cloudpickle.loads(worker_pb2.RunClosureResponse.FromString(reply).result) == 0
+
+
+@pytest.mark.slow
+def test_hostile_bytes_on_the_workers_data_port_before_and_after_the_hello_run_nothing(
+    start_ps, tmp_path
+):
+    worker = _start_worker(start_ps(), tmp_path, env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    host, port = _data_address(worker).rsplit(":", 1)
+    closure = worker_pb2.RunClosureRequest(
+        session_id="s", closure_id=1, function_key="f", function=cloudpickle.dumps(int)
+    ).SerializeToString()
+    run_closure = frames.pack(
+        frames.Kind.REQUEST, method=frames.method_id("RunClosure"), payload_len=len(closure)
+    )
+    # before the hello: bytes that are no frame, a request instead of a hello, a hello
+    # announcing a header past every limit, a wrong token: each connection is closed
+    for hostile in (
+        b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,
+        run_closure + closure,
+        frames.pack(frames.Kind.HELLO, header_len=1 << 30),
+    ):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(hostile)
+            assert _closed(sock)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        _hello(sock, "not-the-token-not-the-token-0000")
+        assert _read_frame(sock)[0].kind is frames.Kind.ERROR
+        assert _closed(sock)
+    # after it: an unknown method is UNIMPLEMENTED and the connection lives; a payload
+    # past every limit closes it before anything is read
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        _hello(sock, TOKEN)
+        assert _read_frame(sock)[0].kind is frames.Kind.WELCOME
+        sock.sendall(frames.pack(frames.Kind.REQUEST, method=frames.method_id("Shutdown")))
+        head, body = _read_frame(sock)
+        assert head.kind is frames.Kind.ERROR and b"UNIMPLEMENTED" in body
+        sock.sendall(
+            frames.pack(
+                frames.Kind.REQUEST, method=frames.method_id("RunClosure"), payload_len=1 << 50
+            )
+        )
+        assert _closed(sock)
+    client = GrpcWorker(0, worker.address, security=SecurityConfig(token=TOKEN))
+    try:
+        assert client.status().closures_run == 0  # nothing hostile ran
+    finally:
+        client.close()
+    with DataPlaneClient(
+        _data_address(worker), SecurityConfig(token=TOKEN), task="worker:0"
+    ) as plane:  # and it still serves
+        _, reply = plane.call("RunClosure", b"", (closure,), 10)
         assert cloudpickle.loads(worker_pb2.RunClosureResponse.FromString(reply).result) == 0
