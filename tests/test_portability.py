@@ -179,6 +179,8 @@ def test_local_cluster_trains_without_epoll_or_shared_memory(tmp_path) -> None:
     # both PS tasks served their data plane without epoll and set up no shared memory ...
     assert len(re.findall(r"\[ps:\d\].*no epoll on this platform", out)) == 2, out[-4000:]
     assert len(re.findall(r"\[ps:\d\].*shared memory is off: it needs x86-64", out)) == 2
+    # ... and so did the worker, for the chief's closures
+    assert re.search(r"\[worker:0\].*no epoll on this platform", out), out[-4000:]
     # ... and the clients used the data plane (no fall-back to gRPC)
     assert "which cannot be used" not in out, out[-4000:]
     assert "stopped: ps:0=0, ps:1=0, worker:0=0, chief=0" in out
