@@ -309,10 +309,15 @@ class Mirror:
         header[_SEQ] += 1  # odd: a write is in progress
         np.copyto(self._data, value.reshape(-1).view(np.uint8))
         self._held = version
+        self._taken(version)
+        header[_SEQ] += 1  # even again: consistent
+
+    def _taken(self, version: int) -> None:
+        """Inside the seqlock's odd phase: the segment holds ``version``, live."""
+        header = self._header
         header[_VERSION] = version
         header[_LIVE] = 1
         header[_COPIES] += 1
-        header[_SEQ] += 1  # even again: consistent
 
     def publish(self, value: np.ndarray, version: int) -> bool:
         """After a change: copies ``value`` in if a reader asked lately; returns whether it did.
@@ -342,9 +347,7 @@ class Mirror:
             self._copy(value, version)
             return True
         header[_SEQ] += 1
-        header[_VERSION] = version
-        header[_LIVE] = 1
-        header[_COPIES] += 1
+        self._taken(version)
         header[_SEQ] += 1
         return True
 
@@ -373,9 +376,7 @@ class Mirror:
         self._held = version
         live = self._asked()
         if live:
-            header[_VERSION] = version
-            header[_LIVE] = 1
-            header[_COPIES] += 1
+            self._taken(version)
         else:
             header[_LIVE] = 0
         header[_SEQ] += 1  # even again: consistent
