@@ -33,6 +33,9 @@ from psflow.security.grpc_auth import add_port, server_interceptors
 
 log = logging.getLogger("psflow.serving")
 
+# how soon the serving loop notices a stop signal (the handler only records it)
+_STOP_POLL_SECONDS = 0.1
+
 
 def host_port(bind: str, port: int) -> str:
     """``host:port``, with IPv6 hosts bracketed."""
@@ -243,11 +246,35 @@ def _register_and_bind(
     return bound
 
 
-def install_stop_signals(stop: threading.Event) -> None:
-    """SIGTERM and SIGINT set ``stop`` (only from the main thread, where Python allows it)."""
+def install_stop_signals(stop: threading.Event) -> Callable[[], bool]:
+    """SIGTERM and SIGINT ask for a stop; returns whether one came (check it with
+    :func:`stop_requested`).  Handlers are set only from the main thread, where
+    Python allows it; elsewhere the returned check is always False.
+
+    The handler only records the signal, it does not set ``stop``: Python runs it in
+    the main thread between two bytecodes, which may be inside ``stop.wait()`` while
+    that thread holds the event's own lock, and setting the event there would wait
+    for that lock forever (the process then ignored every later SIGTERM).
+    """
+    received: list[int] = []
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
+            signal.signal(sig, lambda signum, frame: received.append(signum))
+    return lambda: bool(received)
+
+
+def stop_requested(stop: threading.Event, signalled: Callable[[], bool], poll: float) -> bool:
+    """Waits up to ``poll`` seconds for ``stop``; a stop signal sets it (outside the handler).
+
+    Returns:
+        Whether the caller should stop.
+    """
+    if stop.wait(poll):
+        return True
+    if signalled():
+        stop.set()
+        return True
+    return False
 
 
 def serve_until_stopped(
@@ -316,7 +343,7 @@ def run_until_stopped(
     followed by ``blas_threads=N``: the BLAS threads this process runs with.
     """
     stop = stop_event or threading.Event()
-    install_stop_signals(stop)
+    signalled = install_stop_signals(stop)
     set_health(health_servicer, services, serving=False)
     server.start()
     ready = READY_FORMAT.format(role=role, port=port, task=task, pid=os.getpid())
@@ -331,7 +358,7 @@ def run_until_stopped(
         raise
     set_health(health_servicer, services, serving=True)
     log.info("serving on port %d", port)
-    while not stop.wait(1.0):
+    while not stop_requested(stop, signalled, _STOP_POLL_SECONDS):
         pass
     log.info("stopping: health NOT_SERVING, draining in-flight calls for up to %.1fs", grace)
     start = time.monotonic()
