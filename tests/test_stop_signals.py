@@ -37,9 +37,10 @@ _HELD_LOCK = textwrap.dedent(
 )
 
 
-def test_a_signal_while_the_main_thread_holds_the_events_lock_stops_without_a_hang():
+def _run(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a child Python (bounded: a hang fails the test, it never blocks it)."""
     result = subprocess.run(
-        [sys.executable, "-c", _HELD_LOCK],
+        [sys.executable, "-c", code],
         env=child_env(),
         cwd=ROOT,
         capture_output=True,
@@ -47,6 +48,11 @@ def test_a_signal_while_the_main_thread_holds_the_events_lock_stops_without_a_ha
         timeout=30,
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_a_signal_while_the_main_thread_holds_the_events_lock_stops_without_a_hang():
+    result = _run(_HELD_LOCK)
     assert result.stdout.strip() == "stopped True"
 
 
@@ -65,15 +71,7 @@ def test_a_signal_between_waits_is_seen_within_the_poll():
         print(round(time.monotonic() - started, 3) < 1.0, stop.is_set(), flush=True)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env=child_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run(code)
     assert result.stdout.split() == ["True", "True"]
 
 
