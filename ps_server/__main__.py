@@ -37,7 +37,6 @@ dial instead (NAT, relays, Kubernetes); open that port between hosts too.
 from __future__ import annotations
 
 import logging
-import sys
 
 from psflow import serving
 from psflow.errors import OpError
@@ -95,4 +94,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    serving.exit_process(main())

@@ -221,9 +221,10 @@ def serve(
                 restore_dir,
             )
 
-    def finish() -> None:
-        if plane is not None:  # no push may land after the final checkpoint
-            plane.stop(grace)
+    def finish(left: float) -> None:
+        if plane is not None:  # no push may land after the final checkpoint: a push
+            # being applied gets what the grace has left (at least a second) to finish
+            plane.stop(max(left, 1.0))
         if checkpoint_dir:
             result = save_shard(store, checkpoint_dir, prefix)
             log.info("final checkpoint %s (%d bytes)", result.manifest_path, result.bytes_written)

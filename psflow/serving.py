@@ -12,6 +12,7 @@ in-flight calls finish within a grace period before exiting.
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import logging
 import os
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +36,8 @@ log = logging.getLogger("psflow.serving")
 
 # how soon the serving loop notices a stop signal (the handler only records it)
 _STOP_POLL_SECONDS = 0.1
+# how long a stopped server's exit may wait for threads still running calls
+_EXIT_LINGER_SECONDS = 2.0
 
 
 def host_port(bind: str, port: int) -> str:
@@ -277,6 +280,38 @@ def stop_requested(stop: threading.Event, signalled: Callable[[], bool], poll: f
     return False
 
 
+def exit_process(code: int, linger: float = _EXIT_LINGER_SECONDS) -> NoReturn:
+    """Ends a server process that stopped serving with ``code``, within ``linger`` seconds.
+
+    Python's exit waits for every non-daemon thread, gRPC's handler pool among them,
+    so a call still running when the drain's grace ran out (a closure that sleeps,
+    a read from a PS that is gone) kept a stopped worker alive until it returned,
+    or until a supervisor's SIGKILL.  Past ``linger`` the exit stops waiting: it
+    says so, runs the exit handlers (they remove shared-memory segments and
+    temporary files) and leaves.
+    """
+
+    def leave() -> None:
+        time.sleep(linger)
+        busy = [t.name for t in threading.enumerate() if not t.daemon and t.is_alive()]
+        log.warning(
+            "exiting %.1fs after serving stopped, not waiting for %d thread(s) still running: %s",
+            linger,
+            len(busy),
+            ", ".join(sorted(busy)[:5]),
+        )
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    threading.Thread(target=leave, name="psflow-exit", daemon=True).start()
+    sys.exit(code)
+
+
 def serve_until_stopped(
     server: grpc.Server,
     port: int,
@@ -290,7 +325,7 @@ def serve_until_stopped(
     metrics: HasRegistry | None = None,
     metrics_address: tuple[str, int | None] = ("127.0.0.1", None),
     before_serving: Callable[[], None] | None = None,
-    after_drain: Callable[[], None] | None = None,
+    after_drain: Callable[[float], None] | None = None,
     ready_extra: str = "",
 ) -> int:
     """Serves ``metrics`` on ``metrics_address`` (``(bind, port)``; port None: no
@@ -332,14 +367,16 @@ def run_until_stopped(
     grace: float = 10.0,
     stop_event: threading.Event | None = None,
     before_serving: Callable[[], None] | None = None,
-    after_drain: Callable[[], None] | None = None,
+    after_drain: Callable[[float], None] | None = None,
     ready_extra: str = "",
 ) -> int:
     """Starts ``server``, announces readiness, serves until a stop signal, drains; returns 0.
 
     ``before_serving`` runs after the ready line and before health turns SERVING
     (e.g. a restore); ``after_drain`` runs once in-flight calls finished (e.g. a
-    final checkpoint).  ``ready_extra`` (``key=value`` fields) ends the ready line,
+    final checkpoint), given the seconds left of ``grace`` since the stop: what
+    another transport's calls may still take, so that the whole drain keeps to one
+    grace (a supervisor's kill comes after it).  ``ready_extra`` (``key=value`` fields) ends the ready line,
     followed by ``blas_threads=N``: the BLAS threads this process runs with.
     """
     stop = stop_event or threading.Event()
@@ -369,5 +406,5 @@ def run_until_stopped(
     drained.wait(grace + 5.0)
     log.info("drained in %.2fs", time.monotonic() - start)
     if after_drain is not None:
-        after_drain()
+        after_drain(max(0.0, grace - (time.monotonic() - start)))
     return 0

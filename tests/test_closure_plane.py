@@ -11,6 +11,7 @@ closure finish as gRPC's drain does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -327,6 +328,47 @@ def test_sigterm_lets_the_running_closure_finish_and_refuses_new_ones(start_ps, 
         assert worker.proc.wait(30) == 0
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_both_transports_within_one_grace(start_ps, tmp_path):
+    """Closures running on the plane and on gRPC at once share one grace: the plane's
+    drain gets what gRPC's left, not a grace of its own after it; and the process then
+    exits (``serving.exit_process``) instead of waiting for the closures to return."""
+    grace = 5.0
+    worker = _start_worker(start_ps(), tmp_path, "--grace", str(grace))
+    plane, grpc_only = (
+        GrpcWorker(0, worker.address),
+        GrpcWorker(0, worker.address, data_plane=False),
+    )
+    runners = [_Runner(plane), _Runner(grpc_only)]
+    threads = []
+    try:
+        for run in runners:
+            run(_double, 0)
+        assert plane.data_plane_address is not None and grpc_only.data_plane_address is None
+        for run in runners:  # each outlives the grace; how they end does not matter here
+            thread = threading.Thread(target=_swallow, args=(run, _nap, 60.0), daemon=True)
+            thread.start()
+            threads.append(thread)
+        time.sleep(1.0)
+        signalled = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(30) == 0
+        # one grace, the exit's 2 s linger, slack: two graces would be >= 12 s, and waiting
+        # for the closures 60 s
+        assert time.monotonic() - signalled < grace + 4.5
+        assert "not waiting for" in worker.log_tail()
+    finally:
+        plane.close()
+        grpc_only.close()
+        for thread in threads:
+            thread.join(30)
+
+
+def _swallow(run, fn, *args) -> None:
+    with contextlib.suppress(Exception):
+        run(fn, *args, timeout=40.0)
 
 
 @pytest.mark.slow

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from psflow import serving
 from psflow.errors import OpError
@@ -161,4 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    serving.exit_process(main())

@@ -161,7 +161,7 @@ def serve(
             stop_event=stop,
             metrics=metrics,
             metrics_address=(metrics_bind or bind, metrics_port),
-            after_drain=None if plane is None else lambda: plane.drain(grace),
+            after_drain=None if plane is None else plane.drain,
             ready_extra="" if plane is None else f"data_port={plane.port}",
         )
     finally:
