@@ -54,6 +54,8 @@ class ServerProcess:
     port: int
     log_path: pathlib.Path
     ready_line: str
+    #: started for a module's or the session's tests, not the one test running now
+    outlives_test: bool = False
 
     @property
     def address(self) -> str:
@@ -112,11 +114,32 @@ def start_server(
             )
         except errors.OpError as e:
             raise RuntimeError(f"{e}:\n{_log_tail(log_path)}") from None
-    return ServerProcess(proc, ready.port, log_path, ready.line)
+    server = ServerProcess(proc, ready.port, log_path, ready.line)
+    _STARTED.append(server)
+    return server
+
+
+# every server start_server started, so that none outlives the test that started it
+_STARTED: list[ServerProcess] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_server_left_running(request):
+    """A server a test started and did not stop is killed and reaped when the test ends (and
+    the test fails, naming it): a leaked worker keeps heartbeating for the rest of the run."""
+    before = len(_STARTED)
+    yield
+    leaked = [s for s in _STARTED[before:] if not s.outlives_test and s.proc.poll() is None]
+    for server in leaked:
+        server.reap()
+    del _STARTED[before:]  # the earlier ones belong to module and session fixtures
+    if leaked:
+        names = ", ".join(" ".join(s.proc.args[2:4]) for s in leaked)
+        pytest.fail(f"{request.node.nodeid} left {len(leaked)} server(s) running: {names}")
 
 
 @contextlib.contextmanager
-def _ps_factory(log_dir: pathlib.Path):
+def _ps_factory(log_dir: pathlib.Path, outlives_test: bool = False):
     started: list[ServerProcess] = []
 
     def start(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None):
@@ -128,6 +151,7 @@ def _ps_factory(log_dir: pathlib.Path):
             timeout=timeout,
             env=env,
         )
+        server.outlives_test = outlives_test
         started.append(server)
         return server
 
@@ -171,7 +195,7 @@ def start_ps(tmp_path):
 @pytest.fixture(scope="module")
 def start_ps_module(tmp_path_factory):
     """Like ``start_ps``, but the processes live until the module's tests are done."""
-    with _ps_factory(tmp_path_factory.mktemp("ps")) as start:
+    with _ps_factory(tmp_path_factory.mktemp("ps"), outlives_test=True) as start:
         yield start
 
 
@@ -180,6 +204,7 @@ def ps_server():
     """One PS process shared by the session (use unique variable names)."""
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="psflow-ps-"))
     server = start_server("ps_server", ["--port", "0"], "PSFLOW_READY ps", log_dir=log_dir)
+    server.outlives_test = True
     try:
         yield server
     finally:

@@ -43,14 +43,27 @@ def _data_address(server) -> str:
     return f"127.0.0.1:{fields['data_port']}"
 
 
-def _start_worker(ps, tmp_path, *args: str, env: dict[str, str] | None = None):
-    return start_server(
-        "worker",
-        ["--port", "0", "--ps", ps.address, "--workers", "1", *args],
-        "PSFLOW_READY worker",
-        log_dir=tmp_path,
-        env=env,
-    )
+@pytest.fixture
+def start_worker(tmp_path):
+    """Factory: ``start_worker(ps, *flags, env=None)`` -> a ready worker, reaped after the test."""
+    started = []
+
+    def start(ps, *args: str, env: dict[str, str] | None = None):
+        worker = start_server(
+            "worker",
+            ["--port", "0", "--ps", ps.address, "--workers", "1", *args],
+            "PSFLOW_READY worker",
+            log_dir=tmp_path,
+            env=env,
+        )
+        started.append(worker)
+        return worker
+
+    try:
+        yield start
+    finally:
+        for worker in started:
+            worker.reap()
 
 
 class _Runner:
@@ -187,9 +200,9 @@ def test_a_worker_killed_mid_closure_is_lost_and_its_closures_finish_elsewhere(s
 
 @pytest.mark.slow
 def test_a_worker_killed_during_a_closure_and_for_good_raises_worker_unavailable(
-    start_ps, tmp_path
+    start_ps, tmp_path, start_worker
 ):
-    worker = _start_worker(start_ps(), tmp_path)
+    worker = start_worker(start_ps())
     client = GrpcWorker(0, worker.address)
     run = _Runner(client)
     try:
@@ -222,10 +235,12 @@ def test_a_worker_killed_during_a_closure_and_for_good_raises_worker_unavailable
 
 
 @pytest.mark.slow
-def test_the_data_plane_refuses_a_wrong_token_with_a_typed_error(start_ps, tmp_path, caplog):
+def test_the_data_plane_refuses_a_wrong_token_with_a_typed_error(
+    start_ps, tmp_path, caplog, start_worker
+):
     env = {"PSFLOW_AUTH_TOKEN": TOKEN}
-    ps = start_server("ps_server", ["--port", "0"], "PSFLOW_READY ps", log_dir=tmp_path, env=env)
-    worker = _start_worker(ps, tmp_path, env=env)
+    ps = start_ps(env=env)
+    worker = start_worker(ps, env=env)
     for security in BAD_CLIENTS.values():
         plane = DataPlaneClient(_data_address(worker), security, task="worker:0")
         with plane, pytest.raises(errors.UnauthenticatedError, match="token"):
@@ -262,18 +277,18 @@ def test_the_data_plane_refuses_a_wrong_token_with_a_typed_error(start_ps, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["unreachable", "unimplemented", "switched_off"])
 def test_a_plane_that_cannot_run_closures_leaves_them_to_grpc_with_one_log_line(
-    start_ps, tmp_path, caplog, monkeypatch, how
+    start_ps, tmp_path, caplog, monkeypatch, how, start_worker
 ):
     ps = start_ps()
     if how == "unreachable":  # announced where nothing listens
-        worker = _start_worker(ps, tmp_path, "--data-advertise", f"127.0.0.1:{pick_free_port()}")
+        worker = start_worker(ps, "--data-advertise", f"127.0.0.1:{pick_free_port()}")
         expected = "cannot be used"
     elif how == "unimplemented":  # announced at a plane that serves no RunClosure: the PS's
         data_port = ps.ready_line.split("data_port=")[1].split()[0]
-        worker = _start_worker(ps, tmp_path, "--data-advertise", f"127.0.0.1:{data_port}")
+        worker = start_worker(ps, "--data-advertise", f"127.0.0.1:{data_port}")
         expected = "runs no closures"
     else:
-        worker = _start_worker(ps, tmp_path, env={settings.ENV_CLOSURE_PLANE: "off"})
+        worker = start_worker(ps, env={settings.ENV_CLOSURE_PLANE: "off"})
         assert "data_port=" not in worker.ready_line
         expected = None
     client = GrpcWorker(0, worker.address)
@@ -308,8 +323,10 @@ def test_closures_over_a_mutual_tls_data_plane(tls_cluster, pki):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_sigterm_lets_the_running_closure_finish_and_refuses_new_ones(start_ps, tmp_path):
-    worker = _start_worker(start_ps(), tmp_path, "--grace", "20")
+def test_sigterm_lets_the_running_closure_finish_and_refuses_new_ones(
+    start_ps, tmp_path, start_worker
+):
+    worker = start_worker(start_ps(), "--grace", "20")
     client = GrpcWorker(0, worker.address)
     run = _Runner(client)
     try:
@@ -331,12 +348,12 @@ def test_sigterm_lets_the_running_closure_finish_and_refuses_new_ones(start_ps, 
 
 
 @pytest.mark.slow
-def test_sigterm_drains_both_transports_within_one_grace(start_ps, tmp_path):
+def test_sigterm_drains_both_transports_within_one_grace(start_ps, tmp_path, start_worker):
     """Closures running on the plane and on gRPC at once share one grace: the plane's
     drain gets what gRPC's left, not a grace of its own after it; and the process then
     exits (``serving.exit_process``) instead of waiting for the closures to return."""
     grace = 5.0
-    worker = _start_worker(start_ps(), tmp_path, "--grace", str(grace))
+    worker = start_worker(start_ps(), "--grace", str(grace))
     plane, grpc_only = (
         GrpcWorker(0, worker.address),
         GrpcWorker(0, worker.address, data_plane=False),
@@ -372,10 +389,8 @@ def _swallow(run, fn, *args) -> None:
 
 
 @pytest.mark.slow
-def test_the_plane_keeps_the_closure_limits_and_the_metrics(start_ps, tmp_path):
-    worker = _start_worker(
-        start_ps(), tmp_path, "--max-closure-bytes", "10000", "--metrics-port", "auto"
-    )
+def test_the_plane_keeps_the_closure_limits_and_the_metrics(start_ps, tmp_path, start_worker):
+    worker = start_worker(start_ps(), "--max-closure-bytes", "10000", "--metrics-port", "auto")
     client = GrpcWorker(0, worker.address)
     run = _Runner(client)
     try:
@@ -408,9 +423,9 @@ def test_the_plane_keeps_the_closure_limits_and_the_metrics(start_ps, tmp_path):
 
 @pytest.mark.slow
 def test_a_malformed_closure_on_the_plane_is_an_invalid_argument_and_harms_nothing(
-    start_ps, tmp_path
+    start_ps, tmp_path, start_worker
 ):
-    worker = _start_worker(start_ps(), tmp_path)
+    worker = start_worker(start_ps())
     with DataPlaneClient(_data_address(worker), SecurityConfig(), task="worker:0") as plane:
         for payload, match in (
             (b"\xff\xfe not a protobuf", "malformed RunClosureRequest"),
@@ -427,9 +442,9 @@ def test_a_malformed_closure_on_the_plane_is_an_invalid_argument_and_harms_nothi
 
 @pytest.mark.slow
 def test_hostile_bytes_on_the_workers_data_port_before_and_after_the_hello_run_nothing(
-    start_ps, tmp_path
+    start_ps, tmp_path, start_worker
 ):
-    worker = _start_worker(start_ps(), tmp_path, env={"PSFLOW_AUTH_TOKEN": TOKEN})
+    worker = start_worker(start_ps(), env={"PSFLOW_AUTH_TOKEN": TOKEN})
     host, port = _data_address(worker).rsplit(":", 1)
     closure = worker_pb2.RunClosureRequest(
         session_id="s", closure_id=1, function_key="f", function=cloudpickle.dumps(int)
