@@ -7,8 +7,6 @@ compared with NumPy and with each other, faults real signals sent mid-call.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 import psflow as pf
@@ -18,7 +16,7 @@ from psflow.collective.shm_hier import _groups, host_key
 from psflow.security.config import SecurityConfig
 from psflow.transport import shm
 from tests.multi_worker_util import LOST_PEER_FAULTS
-from tests.test_shm_ring import _check_sums, _leftovers, _run
+from tests.test_shm_ring import _check_sums, _leftovers, _on_both, _run
 
 pytestmark = pytest.mark.skipif(
     shm.sharing_unavailable_reason() is not None, reason="no shared memory on this platform"
@@ -68,32 +66,48 @@ def test_hosts_of_several_workers_sum_to_the_same_bits_through_the_hierarchy(tmp
         assert "stay on TCP" not in log and "no host hierarchy" not in log
 
 
-def test_hosts_of_different_sizes_keep_the_one_host_rules_and_say_why(tmp_path):
-    codes, results, logs, pids = _run(tmp_path, "sums", 4, _SUMS_ENV, _hosts("aaab"))
-    assert codes == [0] * 4, "\n---\n".join(lg[-3000:] for lg in logs)
+def _sums_off(tmp_path, n: int, env: dict, per_rank: dict, *lines: str) -> list[dict]:
+    """Runs the sums mode where the hierarchy must be off: every worker exits 0 with
+    NumPy's sums in the same bits, logs each of ``lines`` once (and no other word of the
+    hierarchy), leaves nothing in /dev/shm; each worker's result record."""
+    codes, results, logs, pids = _run(tmp_path, "sums", n, env, per_rank)
+    assert codes == [0] * n, "\n---\n".join(lg[-3000:] for lg in logs)
     for r in results:
-        assert r["hier"] is False and "different numbers of workers ([3, 1])" in r["hier_reason"]
-        assert r["active"] is True  # every worker on loopback: the one-host rule, as before
+        assert r["hier"] is False, r
     for log in logs:
-        assert log.count("no host hierarchy") == 1, log
-    _check_sums(tmp_path, 4)
+        assert all(log.count(line) == 1 for line in lines), log
+        assert "on each of" not in log and log.count("host hierarchy") == lines.count(
+            "no host hierarchy"
+        )
+    _check_sums(tmp_path, n)
     assert _leftovers(pids) == []
+    return results
+
+
+def test_workers_of_one_host_keep_the_one_host_path_without_a_word(tmp_path):
+    # one host key (this host's boot id, network namespace and /dev/shm): G = 1; the
+    # one-host path says nothing when on
+    results = _sums_off(tmp_path, 3, _SUMS_ENV, {})
+    for r in results:
+        assert r["hier_reason"] is None and r["groups"] == [[0, 1, 2]], r
+        assert r["active"] is True, r
+
+
+def test_hosts_of_different_sizes_keep_the_one_host_rules_and_say_why(tmp_path):
+    results = _sums_off(tmp_path, 4, _SUMS_ENV, _hosts("aaab"), "no host hierarchy")
+    for r in results:
+        assert "different numbers of workers ([3, 1])" in r["hier_reason"], r
+        assert r["active"] is True, r  # every worker on loopback: the one-host rule, as before
 
 
 def test_shared_memory_off_on_one_worker_keeps_every_worker_on_the_flat_tcp_ring(tmp_path):
     per_rank = _hosts("aabb")
     per_rank[2]["PSFLOW_SHM"] = "0"
-    codes, results, logs, pids = _run(tmp_path, "sums", 4, _SUMS_ENV, per_rank)
-    assert codes == [0] * 4, "\n---\n".join(lg[-3000:] for lg in logs)
+    results = _sums_off(tmp_path, 4, _SUMS_ENV, per_rank, "no host hierarchy", "stay on TCP")
     for rank, r in enumerate(results):
-        assert r["hier"] is False and r["active"] is False, r
-        assert "PSFLOW_SHM=0" in r["hier_reason"], r
-        if rank != 2:
-            assert "off on worker:2" in r["hier_reason"], r
-    for log in logs:
-        assert log.count("no host hierarchy") == 1 and log.count("stay on TCP") == 1, log
-    _check_sums(tmp_path, 4)
-    assert _leftovers(pids) == []
+        assert r["active"] is False and "PSFLOW_SHM=0" in r["hier_reason"], r
+        assert rank == 2 or "off on worker:2" in r["hier_reason"], r
+        assert "PSFLOW_SHM=0" in r["reason"], r  # the flat TCP ring, said once as before
 
 
 def test_a_ring_between_the_hosts_that_does_not_connect_turns_the_hierarchy_off_everywhere(
@@ -101,21 +115,16 @@ def test_a_ring_between_the_hosts_that_does_not_connect_turns_the_hierarchy_off_
 ):
     # worker 3's group and rail ports accept nobody: 2 (its group) and 1 (its rail) cannot
     # dial it, 3 accepts nothing; every worker learns it and keeps the one-host rules
-    env = {**_SUMS_ENV, "RING_TIMEOUT": "3"}
     per_rank = _hosts("aabb")
     per_rank[3]["HIER_DEAF"] = "1"
-    codes, results, logs, pids = _run(tmp_path, "sums", 4, env, per_rank)
-    assert codes == [0] * 4, "\n---\n".join(lg[-3000:] for lg in logs)
+    env = {**_SUMS_ENV, "RING_TIMEOUT": "3"}
+    results = _sums_off(tmp_path, 4, env, per_rank, "no host hierarchy")
     for rank, r in enumerate(results):
-        assert r["hier"] is False and r["active"] is True, r
-        if rank in (0,):  # its own rings came up: it names the first worker whose did not
+        assert r["active"] is True, r
+        if rank == 0:  # its own rings came up: it names the first worker whose did not
             assert "off on worker:1" in r["hier_reason"], r
         else:
             assert "did not connect" in r["hier_reason"], r
-    for log in logs:
-        assert log.count("no host hierarchy") == 1, log
-    _check_sums(tmp_path, 4)
-    assert _leftovers(pids) == []
 
 
 @pytest.mark.parametrize("where", ["barrier", "rail"])
@@ -157,15 +166,7 @@ def test_the_group_and_rail_listeners_refuse_a_wrong_token():
         except pf.errors.OpError as e:
             out[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-    finally:
-        for ring in rings:
-            ring.close()
+    _on_both(run, closing=rings)
     assert [type(e) for e in out] == [pf.errors.UnauthenticatedError] * 2, out
     assert "worker:3" in str(out[0]) and "worker:0" in str(out[1]), out
 

@@ -33,17 +33,20 @@ group).  Every worker learns every outcome (all-gathers), so all decide the same
 Otherwise the one-host rules apply unchanged (every worker on loopback: shared
 memory; else the flat TCP ring), with one log line saying why the hierarchy is
 off where ``G >= 2`` and some group has several members.  An elastic ring
-(its links come through a :class:`~psflow.collective.door.Door`) keeps the
-one-host rules, and says so once.
+(its links come through a :class:`~psflow.collective.door.Door`, its members
+change at every re-form) keeps the one-host rules, and says so in one log line.
 
 **Links.** The group ring (for the barriers) and the rail ring are plain
 :class:`~psflow.collective.peer_link.PeerLinks`, made once at the agreement:
 each on a new port of this worker's own address (its ports all-gathered over
-the ring), the same token or TLS, deadlines and heartbeats, errors naming the
-workers' global ids.  A failure on any of the three link sets is forwarded to
-the other two, so a worker killed or frozen mid-call gives every survivor, in
-its host and in the others, the typed error naming it (the rail tells the
-groups, the groups tell the rails).  :meth:`HostHierarchy.close` closes them.
+the ring; both connect at once, by half of what the first call has left), the
+same token or TLS, deadlines and heartbeats, errors naming the workers' global
+ids.  While one link set is in use the others lie unread (their heartbeats queue
+up), so a neighbour's silence counts from when this worker reads its link again.
+A failure on any of the three link sets is forwarded to the other two, so a
+worker killed or frozen mid-call gives every survivor, in its host and in the
+others, the typed error naming it (the rail tells the groups, the groups tell
+the rails).  :meth:`HostHierarchy.close` closes them.
 
 Example (a single worker has no peers: nothing is agreed, the flat path is used):
     >>> HostHierarchy(None, SharedMemoryRing(None), 5.0, lambda *a: None).active is None
@@ -160,15 +163,12 @@ class HostHierarchy:
         Raises:
             UnavailableError / DeadlineExceededError: a peer failed during the agreement.
         """
-        if self.links is None:
-            return fallback
-        if self.active is None:
+        if self.active is None and self.links is not None:
             self._agree(deadline)
-        if not self.active:
-            return self.flat.reducer(deadline, fallback)
-        if self._reduce is None:
-            self._reduce = by_size(self.reduce, fallback)
-        return self._reduce
+        if self.active:
+            self._reduce = self._reduce or by_size(self.reduce, fallback)
+            return self._reduce
+        return self.flat.reducer(deadline, fallback)  # off, or a single worker
 
     def packs(self, nbytes: int, dtype: np.dtype, bytes_per_pack: int) -> bool:
         """Whether a call of several arrays should come as a :class:`Packed`."""
@@ -357,6 +357,7 @@ class HostHierarchy:
         rail.links.begin()
         try:
             host.reduce(src, dst, None, deadline, across)
+            self.links.begin()  # the ring lay unread meanwhile: a later buffer may take it
         except errors.OpError as e:
             # one link set saw it: the others' peers may be waiting on this worker there
             for other in (group, rail.links, self.links):
