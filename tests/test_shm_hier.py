@@ -7,10 +7,15 @@ compared with NumPy and with each other, faults real signals sent mid-call.
 
 from __future__ import annotations
 
+import ssl
+import threading
+
+import numpy as np
 import pytest
 
 import psflow as pf
-from psflow.collective import peer_link
+from psflow.collective import peer_link, shm_hier
+from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.collective.shm_hier import _groups, host_key
 from psflow.security.config import SecurityConfig
@@ -181,3 +186,48 @@ def test_the_host_id_overrides_the_host_key(monkeypatch):
     assert host_key() == "id:rack7-node3"
     monkeypatch.delenv("PSFLOW_HOST_ID")
     assert host_key() != "id:rack7-node3"
+
+
+def test_the_hierarchy_runs_over_mutual_tls(tmp_path, monkeypatch):
+    # four workers on threads of this process, hosts {0, 1} and {2, 3} by the thread's
+    # name: the group and rail rings are TLS links as the ring's are
+    from tests.test_auth_tls import make_pki, tls
+
+    monkeypatch.setattr(shm_hier, "host_key", lambda: threading.current_thread().name[:-1])
+    security = tls(make_pki(tmp_path))
+    listeners = [peer_link.listen("127.0.0.1:0", security, f"worker:{i}") for i in range(4)]
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(4)]
+    rings: list = [None] * 4
+    out: list = [None] * 4
+
+    def worker(i: int) -> None:
+        links = PeerLinks(i, addresses, security, listener=listeners[i])
+        rings[i] = CrossHostRing(links, 10.0)
+        try:
+            links.connect(10.0)
+            out[i] = rings[i].all_reduce([inputs[i]], divisor=4)[0]
+        except pf.errors.OpError as e:
+            out[i] = e
+
+    names = ["a0", "a1", "b0", "b1"]
+    threads = [threading.Thread(target=worker, args=(i,), name=names[i]) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for ring in rings:
+            if ring is not None:
+                ring.close()
+    assert all(isinstance(o, np.ndarray) for o in out), out
+    assert [r.hier.active for r in rings] == [True] * 4
+    assert [r.hier.groups for r in rings] == [[[0, 1], [2, 3]]] * 4
+    for r in rings:  # both new rings' links are TLS sockets
+        for links in (r.hier.group_links, r.hier.rail.links):
+            assert isinstance(links._right.sock, ssl.SSLSocket), links
+    assert all(np.array_equal(o, out[0]) for o in out[1:])
+    exact = np.sum([x.astype(np.float64) for x in inputs], axis=0) / 4
+    np.testing.assert_allclose(out[0], exact, rtol=1e-5, atol=1e-6)
