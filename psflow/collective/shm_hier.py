@@ -70,7 +70,7 @@ import numpy as np
 
 from psflow import errors, settings
 from psflow.collective import peer_link
-from psflow.collective.shm_ring import Packed, SharedMemoryRing, by_size
+from psflow.collective.shm_ring import Packed, SharedMemoryRing, _text, by_size
 from psflow.transport import shm
 
 __all__ = ["HostHierarchy", "host_key"]
@@ -108,10 +108,6 @@ def _groups(keys: list[bytes]) -> list[list[int]]:
     for rank, key in enumerate(keys):
         found.setdefault(key, []).append(rank)
     return list(found.values())
-
-
-def _text(raw: bytes) -> str:
-    return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
 def _address(host: str, port: int) -> str:
