@@ -193,35 +193,28 @@ def test_the_hierarchy_runs_over_mutual_tls(tmp_path, monkeypatch):
     # name: the group and rail rings are TLS links as the ring's are
     from tests.test_auth_tls import make_pki, tls
 
-    monkeypatch.setattr(shm_hier, "host_key", lambda: threading.current_thread().name[:-1])
+    where = threading.local()  # each worker thread's host
+    monkeypatch.setattr(shm_hier, "host_key", lambda: where.host)
     security = tls(make_pki(tmp_path))
     listeners = [peer_link.listen("127.0.0.1:0", security, f"worker:{i}") for i in range(4)]
     addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
     rng = np.random.default_rng(5)
     inputs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(4)]
-    rings: list = [None] * 4
+    rings = [
+        CrossHostRing(PeerLinks(i, addresses, security, listener=s), 10.0)
+        for i, s in enumerate(listeners)
+    ]
     out: list = [None] * 4
 
     def worker(i: int) -> None:
-        links = PeerLinks(i, addresses, security, listener=listeners[i])
-        rings[i] = CrossHostRing(links, 10.0)
+        where.host = "ab"[i // 2]
         try:
-            links.connect(10.0)
+            rings[i].links.connect(10.0)
             out[i] = rings[i].all_reduce([inputs[i]], divisor=4)[0]
         except pf.errors.OpError as e:
             out[i] = e
 
-    names = ["a0", "a1", "b0", "b1"]
-    threads = [threading.Thread(target=worker, args=(i,), name=names[i]) for i in range(4)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        for ring in rings:
-            if ring is not None:
-                ring.close()
+    _on_both(worker, closing=rings, count=4)
     assert all(isinstance(o, np.ndarray) for o in out), out
     assert [r.hier.active for r in rings] == [True] * 4
     assert [r.hier.groups for r in rings] == [[[0, 1], [2, 3]]] * 4
