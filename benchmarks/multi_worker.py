@@ -7,7 +7,10 @@ Three measurements, each side by side in one run:
   timed after warm-up calls.  psflow times ``CrossHostRing.all_reduce`` (the
   strategy's cross-process collective: on loopback its default, the same-host
   path through shared memory, and ``psflow-tcp``, the TCP ring with
-  ``PSFLOW_SHM=0``, in the same run; across the veth link, the TCP ring);
+  ``PSFLOW_SHM=0``, in the same run; across the veth link with 2 workers, the
+  TCP ring; with 4, two in each namespace, the hierarchy of
+  :mod:`psflow.collective.shm_hier` (shared memory inside each namespace, TCP
+  rings across the veth), beside ``psflow-tcp``, the flat TCP ring);
   TensorFlow 2.21's
   ``MultiWorkerMirroredStrategy`` (``CommunicationOptions(implementation=RING)``)
   times a ``tf.function`` running ``ReplicaContext.all_reduce("SUM", x)``.
@@ -60,6 +63,8 @@ Usage::
     # (--quick: one round per case, and the loopback all-reduce group trains the MLP too,
     # so each side's processes start once for both; ~40 s with TensorFlow on 2 cores)
     python benchmarks/multi_worker.py --no-tf --no-veth
+    # the 4-worker veth all-reduce only, at 1-64 MB (as root)
+    python benchmarks/multi_worker.py --no-tf --no-train --no-loopback --workers 4
 
 stdout: one JSON object per measurement; stderr: progress and a table.
 """
@@ -84,8 +89,9 @@ BENCH = "multi_worker"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROUP_TIMEOUT_S = 240.0
 SIDES = ("psflow", "tensorflow")
-# psflow with its same-host all-reduce off: the TCP ring, measured on loopback beside the
-# default (shared memory when every worker is on this host; veth is TCP either way)
+# psflow with its shared-memory all-reduces off: the flat TCP ring, measured beside the
+# default on loopback (shared memory when every worker is on this host) and on veth from 4
+# workers (the hierarchy: two namespaces of 2 or more workers each; 2 workers are TCP)
 TCP_SIDE = "psflow-tcp"
 MB = 1 << 20
 VETH_PORT = 23411  # a fresh namespace has no other listeners
@@ -169,6 +175,15 @@ def _child_allreduce(
 
             out["rank"] = ring.rank
         out["seconds"][str(size)], out["cpu_s"][str(size)] = _time(call, 2, repeats)
+        if framework != "tensorflow":  # which path the agreement took (known after a call)
+            hier = getattr(ring, "hier", None)
+            out["path"] = (
+                "hierarchy"
+                if hier is not None and hier.active
+                else "shared memory"
+                if ring.shm.active
+                else "tcp ring"
+            )
     return out
 
 
@@ -515,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-tf", action="store_true", help="leave TensorFlow out")
     parser.add_argument("--no-veth", action="store_true", help="loopback only")
+    parser.add_argument("--no-loopback", action="store_true", help="veth only (as root)")
+    parser.add_argument("--workers", default="", help="worker counts (default 2,4; --quick 2)")
+    parser.add_argument("--mb", default="", help="all-reduce sizes in MB (default 1,4,16,64)")
     parser.add_argument("--no-train", action="store_true", help="leave the MLP out")
     parser.add_argument("--no-allreduce", action="store_true", help="the MLP only")
     parser.add_argument(
@@ -559,14 +577,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sizes = [1 * MB, 16 * MB] if args.quick else [1 * MB, 4 * MB, 16 * MB, 64 * MB]
+    if args.mb:
+        sizes = [int(m) * MB for m in args.mb.split(",") if m]
     counts = [2] if args.quick else [2, 4]
+    if args.workers:
+        counts = [int(n) for n in args.workers.split(",") if n]
     with_tf = not args.no_tf and importlib.util.find_spec("tensorflow") is not None
     if not with_tf:
         why = "--no-tf" if args.no_tf else "tensorflow is not installed"
         _emit({"case": "tensorflow", "metric": "skipped", "value": None, "reason": why})
     sides = list(SIDES) if with_tf else ["psflow"]
     tf_version = {"tf_version": None}
-    nets: list[str] = ["loopback"]
+    nets: list[str] = [] if args.no_loopback else ["loopback"]
     if not args.no_veth:
         sys.path.insert(0, str(ROOT))
         from benchmarks import _netns
@@ -599,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             streams: list[dict[int, float]] = []
             for n in counts:
                 runs: dict[str, list[dict[int, float]]] = {}
+                paths: dict[str, str | None] = {}
                 cpus: dict[str, list[dict[int, float]]] = {}
                 rings: list[dict[int, float]] = []
                 ring_cpus: list[dict[int, float]] = []
@@ -614,8 +637,10 @@ def main(argv: list[str] | None = None) -> int:
                     ):
                         rings.append(best[0])
                         ring_cpus.append(best[1])
-                    # on loopback psflow runs twice: shared memory (its default) and TCP
-                    group = [*sides, TCP_SIDE] if net_name == "loopback" else sides
+                    # psflow runs twice where its default is not the flat TCP ring: shared
+                    # memory on loopback, the hierarchy on veth from 4 workers
+                    twice = net_name == "loopback" or n >= 4
+                    group = [*sides, TCP_SIDE] if twice else sides
                     for side in group if (rnd + n // 2) % 2 else group[::-1]:
                         _progress(f"{net_name}: {side} all-reduce, {n} workers, round {rnd + 1}")
                         both = fused and net_name == "loopback" and n == 2
@@ -635,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
                             )
                             secs = {int(k): v for k, v in res["seconds"].items()}
                             runs.setdefault(side, []).append(secs)
+                            paths[side] = res.get("path")
                             cpus.setdefault(side, []).append(
                                 {int(k): v for k, v in res["cpu_s"].items()}
                             )
@@ -671,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "algbw_GBps": round(algbw, 4),
                                 "seconds": secs[s],
                                 "cpu_ms_per_call": round(cpu_of[side][s] * 1e3, 3),
+                                **({"path": paths[side]} if paths.get(side) else {}),
                                 **(tf_version if side == "tensorflow" else {}),
                             }
                         )

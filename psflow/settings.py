@@ -28,7 +28,11 @@ Variables:
 * ``PSFLOW_CLOSURE_PLANE`` — ``off``: a worker serves no data plane for closures
   and the chief sends every closure over gRPC's ``RunClosure`` (on by default: a
   worker serves ``RunClosure`` on a raw TCP port too, which costs both processes
-  less CPU per closure, and the chief uses it where the worker announces one).
+  less CPU per closure, and the chief uses it where the worker announces one);
+* ``PSFLOW_HOST_ID`` — the host this worker counts as for the workers' all-reduce
+  (as NCCL's ``NCCL_HOSTID``): workers of one id share memory, one id with another
+  talks TCP (``psflow.collective.shm_hier``); unset, the boot id, network namespace
+  and ``/dev/shm`` say it.
 
 Example:
     >>> s = ProcessSettings.from_environment({"PSFLOW_NUM_CPU_DEVICES": "4", "PSFLOW_SHM": "off"})
@@ -50,6 +54,7 @@ __all__ = [
     "ENV_CLOSURE_TIMEOUT",
     "ENV_DATA_PLANE",
     "ENV_DATA_PLANE_ROUTES",
+    "ENV_HOST_ID",
     "ENV_MALLOC_TUNING",
     "ENV_NUM_CPU_DEVICES",
     "ENV_PROGBAR",
@@ -70,6 +75,7 @@ ENV_DATA_PLANE = "PSFLOW_DATA_PLANE"
 ENV_DATA_PLANE_ROUTES = "PSFLOW_DATA_PLANE_ROUTES"
 ENV_PUSH_BEHIND = "PSFLOW_PUSH_BEHIND"
 ENV_CLOSURE_PLANE = "PSFLOW_CLOSURE_PLANE"
+ENV_HOST_ID = "PSFLOW_HOST_ID"
 _NAMES = (
     ENV_NUM_CPU_DEVICES,
     ENV_MALLOC_TUNING,
@@ -80,6 +86,7 @@ _NAMES = (
     ENV_DATA_PLANE_ROUTES,
     ENV_PUSH_BEHIND,
     ENV_CLOSURE_PLANE,
+    ENV_HOST_ID,
 )
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
@@ -157,6 +164,7 @@ class ProcessSettings:
     data_plane_routes: tuple[tuple[str, str], ...] = ()
     push_behind: bool = False
     closure_plane: bool = True
+    host_id: str = ""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -178,6 +186,7 @@ class ProcessSettings:
             data_plane_routes=_routes(env.get(ENV_DATA_PLANE_ROUTES, "")),
             push_behind=_switch(env, ENV_PUSH_BEHIND, default="0"),
             closure_plane=_switch(env, ENV_CLOSURE_PLANE),
+            host_id=env.get(ENV_HOST_ID, "").strip(),
         )
 
 

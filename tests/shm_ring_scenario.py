@@ -8,12 +8,15 @@ set the slots' smallest and largest sizes, so that small arrays grow the segment
 and go in pieces; ``SHM_RING_SMALL`` the size under which a buffer takes the TCP ring;
 ``SHM_RING_DIR`` another directory for this worker's segments (a ``/dev/shm`` the
 others do not see, as a worker in another container on the host's network has).
+``PSFLOW_HOST_ID`` makes "hosts" of loopback workers (``tests/test_shm_hier.py``);
+``HIER_DEAF=1`` gives this worker's host-group and rail rings ports that accept nobody.
 
 Modes:
     sums: every dtype, packs, several arrays straight into the slots, a mean, empty and
         odd sizes, calls larger than the cap.
     kill: all-reduces until ``KILL_RANK`` sends itself ``KILL_SIGNAL`` in the middle of
-        one (its arrays staged, before the first barrier's frame); the others report
+        one (its arrays staged, before the first barrier's frame; with ``KILL_IN=rail``,
+        its chunk summed, before its all-reduce across the hosts); the others report
         the error they get.
 """
 
@@ -23,13 +26,14 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
 import numpy as np
 
 import psflow as pf
-from psflow.collective import shm_ring
+from psflow.collective import peer_link, shm_ring
 from psflow.collective.cross_host import CrossHostRing
 from psflow.collective.peer_link import PeerLinks
 from psflow.security.config import SecurityConfig
@@ -91,10 +95,14 @@ def sums(ring: CrossHostRing, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
     x = _seeded(rank, "float32", 600_007, 3)
     arrays["in/large"] = x
     arrays["sum/large"] = ring.all_reduce([x])[0]
+    segments = ring.hier.host if ring.hier.active else ring.shm
     meta = {
         "active": ring.shm.active,
         "reason": ring.shm.reason,
-        "slot_bytes": ring.shm._set.slot_bytes if ring.shm._set is not None else None,
+        "hier": ring.hier.active,
+        "hier_reason": ring.hier.reason,
+        "groups": ring.hier.groups,
+        "slot_bytes": segments._set.slot_bytes if segments._set is not None else None,
         "leftover": leftover,
         "spread_same_bits": same,
     }
@@ -113,12 +121,28 @@ def kill(ring: CrossHostRing, rank: int) -> dict:
             os.kill(os.getpid(), fault)
         return barrier(self, *args, **kwargs)
 
-    shm_ring.SharedMemoryRing._barrier = barrier_then_die
+    def rail_then_die(self, *args, **kwargs):  # the victim dies with its chunk summed
+        calls[0] += 1
+        if rank == victim and calls[0] == 4:
+            os.kill(os.getpid(), fault)
+        return ring_reduce(self, *args, **kwargs)
+
+    if os.environ.get("KILL_IN") == "rail":  # the flat ring's is not used: 400 kB a call
+        ring_reduce = CrossHostRing._ring_reduce
+        CrossHostRing._ring_reduce = rail_then_die
+    else:
+        shm_ring.SharedMemoryRing._barrier = barrier_then_die
     x = np.ones(100_000, np.float32)
     for _ in range(1000):
         ring.all_reduce([x])
         time.sleep(0.01)
     return {"calls": calls[0]}
+
+
+def _deaf(address: str, security: SecurityConfig, who: str) -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def main() -> int:
@@ -142,6 +166,8 @@ def main() -> int:
     try:
         links.connect(timeout)
         started = time.monotonic()
+        if os.environ.get("HIER_DEAF") == "1":  # bound, not listening: dials are refused
+            peer_link.listen = _deaf
         if mode == "sums":
             meta, arrays = sums(ring, rank)
             result.update(meta)

@@ -259,10 +259,10 @@ def test_workers_calling_different_all_reduces_fail_with_internal_error(monkeypa
     assert any("different collectives" in str(o[0]) for o in out), out
 
 
-def _on_both(run: Callable[[int], None], closing: Sequence[Any] = ()) -> None:
-    """``run(0)`` and ``run(1)`` on two threads, each joined within 30 s; then every
-    object in ``closing`` closed, whatever happened."""
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+def _on_both(run: Callable[[int], None], closing: Sequence[Any] = (), count: int = 2) -> None:
+    """``run(0)`` and ``run(1)`` (to ``run(count - 1)``) on threads of their own, each
+    joined within 30 s; then every object in ``closing`` closed, whatever happened."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     try:
         for t in threads:
             t.start()

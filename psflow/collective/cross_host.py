@@ -2,7 +2,9 @@
 
 When every worker is on this host, an all-reduce of 128 kB or more goes through
 shared memory instead (:mod:`psflow.collective.shm_ring`: a call's arrays are
-written straight into the segments there).  Otherwise:
+written straight into the segments there); when several hosts have several
+workers each, through shared memory inside each host and this ring's steps
+across them (:mod:`psflow.collective.shm_hier`).  Otherwise:
 
 All-reduce, for each dtype of a call (its arrays flattened into one buffer,
 cut into packs of at most ``bytes_per_pack`` when that is set), on ``N``
@@ -55,6 +57,7 @@ from psflow import errors
 from psflow.collective.buffers import BufferPool
 from psflow.collective.options import DEFAULT_TIMEOUT_SECONDS
 from psflow.collective.peer_link import PeerLinks
+from psflow.collective.shm_hier import HostHierarchy
 from psflow.collective.shm_ring import Packed, SharedMemoryRing
 
 __all__ = ["CrossHostRing"]
@@ -128,6 +131,9 @@ class CrossHostRing:
         self._pool = BufferPool(_CACHE_BYTES)
         #: all-reduces through shared memory when every worker is on this host (shm_ring.py)
         self.shm = SharedMemoryRing(links)
+        #: through shared memory inside each host, TCP across them, where several hosts
+        #: have several workers each (shm_hier.py); else :attr:`shm`'s rules
+        self.hier = HostHierarchy(links, self.shm, timeout, CrossHostRing)
 
     @contextlib.contextmanager
     def _call(self) -> Iterator[float]:
@@ -173,7 +179,7 @@ class CrossHostRing:
             # frames still in the sender's queue: a pack's last ones leave while the next
             # pack starts; the call returns once none is left (they are views of the inputs)
             sending: list[threading.Event] = []
-            reduce = self.shm.reducer(deadline, self._ring_reduce)  # or TCP's, per the agreement
+            reduce = self.hier.reducer(deadline, self._ring_reduce)  # or TCP's, per the agreement
             for dtype, members in groups.items():
                 kind = np.dtype(dtype)
                 src: Any
@@ -184,7 +190,7 @@ class CrossHostRing:
                 else:
                     parts = [np.ascontiguousarray(arrays[i]).reshape(-1) for i in members]
                     total = sum(p.size for p in parts)
-                    if self.shm.packs(total * kind.itemsize, kind, bytes_per_pack):
+                    if self.hier.packs(total * kind.itemsize, kind, bytes_per_pack):
                         # through shared memory: each piece's arrays go straight into the
                         # slot, with no packing copy before it
                         src = Packed(parts)
@@ -421,5 +427,6 @@ class CrossHostRing:
         """Closes the links (the ring cannot be used afterwards)."""
         if self.links is not None:
             self.links.close()
+        self.hier.close()
         self.shm.close()  # after the links: a call still under way fails first
         self._pool.clear()  # results still held stay valid; free buffers are released

@@ -290,6 +290,11 @@ class PeerLinks:
         assert self._listener is not None
         return self._listener.getsockname()[1]
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the left neighbour comes through a door (an elastic ring)."""
+        return self._incoming is not None
+
     def client_name(self, rank: int) -> str:
         """What worker ``rank`` says in its HELLO (with the generation on an elastic ring)."""
         name = f"worker:{self.ids[rank]}"
@@ -426,7 +431,7 @@ class PeerLinks:
     def _accept_left(self, deadline: float) -> FrameStream | BaseException | None:
         """The left neighbour's authenticated stream (None when it did not come in time)."""
         assert self._listener is not None
-        expected = f"worker:{self.left_rank}"
+        expected = self.client_name(self.left_rank)  # its id: a sub-ring's are the global ones
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -471,7 +476,7 @@ class PeerLinks:
             return None
         client = dataplane_pb2.DataPlaneHello.FromString(raw).client
         if client != expected:  # a worker of another ring order (a bad TF_CONFIG)
-            why = f"this is worker:{self.rank}; its left neighbour is {expected}, not {client!r}"
+            why = f"this is worker:{self.ids[self.rank]}; its left neighbour is {expected}, not {client!r}"
             stream.send_frame(frames.Kind.ERROR, header=_status(Code.INVALID_ARGUMENT, why))
             return None
         stream.deadline = None

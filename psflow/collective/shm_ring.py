@@ -68,7 +68,7 @@ import numpy as np
 from psflow import errors
 from psflow.transport import shm
 
-__all__ = ["Packed", "SharedMemoryRing"]
+__all__ = ["Packed", "SharedMemoryRing", "by_size"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,26 @@ def _slot_size(nbytes: int) -> int:
 
 def _text(raw: bytes) -> str:
     return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def by_size(
+    large: Callable[[Any, np.ndarray, int | None, float], None], fallback: Callable[..., None]
+) -> Callable[..., None]:
+    """What all-reduces one buffer of a call: ``large(src, dst, divisor, deadline)`` from
+    :data:`_SMALL_BYTES` up, the TCP ring's ``fallback`` (which also takes the call's
+    ``sending`` list) under it and for Python objects (they live in no byte buffer)."""
+
+    def reduce(
+        src: np.ndarray | Packed, dst: np.ndarray, divisor: int | None, dl: float, sending: list
+    ) -> None:
+        if src.nbytes < _SMALL_BYTES or src.dtype.hasobject:
+            if isinstance(src, Packed):  # a call's last, short pack of several arrays
+                src = src.concatenate()  # the sender holds it while it is sent
+            fallback(src, dst, divisor, dl, sending)
+        else:
+            large(src, dst, divisor, dl)
+
+    return reduce
 
 
 class _Segments:
@@ -195,12 +215,25 @@ class SharedMemoryRing:
     Used by the ring's ``all_reduce`` only, under its lock, inside its calls (heartbeats
     on, the call's deadline given).
 
+    Also one host's part of :mod:`psflow.collective.shm_hier`'s all-reduce: ``members``
+    then names the workers of this host (their segments are mapped, the others' are not),
+    ``barrier_links`` their own ring, and a ``hook`` of :meth:`reduce` all-reduces each
+    owner's chunk across the hosts between the sum and the gather.
+
     Args:
-        links: the ring's connected links (None: a single worker, never on).
+        links: the ring's connected links (None: a single worker, never on); the
+            agreement's records go round them.
+        members: the ranks (in ``links``) whose segments this one maps, in order
+            (default: all); this worker must be one.
+        barrier_links: the members' own ring, for the barriers (default: ``links``).
     """
 
-    def __init__(self, links: Any) -> None:
+    def __init__(
+        self, links: Any, *, members: list[int] | None = None, barrier_links: Any = None
+    ) -> None:
         self.links = links
+        self.members = members if members is not None or links is None else list(range(links.size))
+        self.barrier_links = barrier_links if barrier_links is not None else links
         #: None until the first all-reduce agreed; then whether the path is on
         self.active: bool | None = None
         #: why the path is off (None while on or not agreed yet)
@@ -229,46 +262,36 @@ class SharedMemoryRing:
         if not self.active:
             return fallback
         if self._reduce is None:
-
-            def reduce(
-                src: np.ndarray | Packed,
-                dst: np.ndarray,
-                divisor: int | None,
-                dl: float,
-                sending: list,
-            ) -> None:
-                if src.nbytes < _SMALL_BYTES or src.dtype.hasobject:  # objects: no byte buffer
-                    if isinstance(src, Packed):  # a call's last, short pack of several arrays
-                        src = src.concatenate()  # the sender holds it while it is sent
-                    fallback(src, dst, divisor, dl, sending)
-                else:
-                    self.reduce(src, dst, divisor, dl)
-
-            self._reduce = reduce
+            self._reduce = by_size(self.reduce, fallback)
         return self._reduce
 
     def _local_reason(self) -> str | None:
         """Why this worker cannot take the path, by its own rules (None: it can)."""
         why = shm.sharing_unavailable_reason()
-        if why is not None:
-            return why
+        if why is not None or len(self.members) < self.links.size:
+            return why  # a host's group: its members' host keys said they share this host
         links = self.links
         for rank, address in enumerate(links.addresses):
             if not shm.is_local_address(address):
                 return f"worker:{links.ids[rank]} at {address} is not on this host's loopback"
         return None
 
+    def join(self, deadline: float) -> str | None:
+        """Agrees on the path with every worker of ``links`` (each must call it); None when
+        it is on (the members' segments mapped), else why it is off, on every worker."""
+        made, why = self._exchange(_MIN_SLOT_BYTES, self._local_reason(), deadline)
+        self.active = made is not None
+        self._set = made
+        self.reason = why
+        return why
+
     def _agree(self, deadline: float) -> None:
         """Every worker decides the same: the path on (segments mapped) or off (one log line)."""
-        made, why = self._exchange(_MIN_SLOT_BYTES, self._local_reason(), deadline)
+        why = self.join(deadline)
         n = self.links.size
-        if made is not None:
-            self._set = made
-            self.active = True
+        if why is None:
             log.debug("collective: the %d workers' all-reduces go through shared memory", n)
             return
-        self.active = False
-        self.reason = why
         log.info(
             "collective: all-reduces between the %d workers stay on TCP, not shared memory: %s",
             n,
@@ -285,11 +308,14 @@ class SharedMemoryRing:
         tokens (or why a worker has none), then whether each worker mapped every other
         one.  Every worker sees every record, so all decide the same.  Each worker's
         name is unlinked once the second round is over: every peer has mapped it.
+        Only :attr:`members`' segments are opened (every worker's flag counts).
         """
         links = self.links
-        n, r = links.size, links.rank
+        r = links.rank
+        place = {k: i for i, k in enumerate(self.members)}
         token = secrets.token_bytes(16)
-        segments: list[shm.Segment | None] = [None] * n
+        segments: list[shm.Segment | None] = [None] * len(self.members)
+        own = place[r]
         try:
             if why is None:
                 self._made += 1
@@ -301,32 +327,32 @@ class SharedMemoryRing:
                 except OSError as e:
                     why = f"no room for {2 * slot_bytes} bytes in {shm.SHM_DIR} ({e})"
                 else:
-                    segments[r] = mine
+                    segments[own] = mine
                     head = struct.pack("<8s16sQ", _MAGIC, token, slot_bytes)
                     mine.view()[: len(head)] = head
                     record = _RECORD.pack(1, slot_bytes, token, name.encode(), b"")
             if why is not None:
                 record = _RECORD.pack(0, 0, b"", b"", why.encode()[:160])
-            for k, raw in enumerate(self._all_gather(record, deadline)):
+            for k, raw in enumerate(self.all_gather(record, deadline)):
                 ok, size, tok, seg_name, text = _RECORD.unpack(raw)
-                if k == r or why is not None:
+                if k == r or k not in place or why is not None:
                     continue
                 if not ok:
                     why = f"off on worker:{links.ids[k]} ({_text(text)})"
                     continue
                 try:
-                    segments[k] = self._open(_text(seg_name), tok, size, slot_bytes)
+                    segments[place[k]] = self._open(_text(seg_name), tok, size, slot_bytes)
                 except (OSError, errors.OpError) as e:
                     why = f"worker:{links.ids[k]}'s segment cannot be used here ({e})"
             flag = _RECORD.pack(why is None, 0, b"", b"", (why or "").encode()[:160])
-            flags = [_RECORD.unpack(raw) for raw in self._all_gather(flag, deadline)]
+            flags = [_RECORD.unpack(raw) for raw in self.all_gather(flag, deadline)]
         except BaseException:
             for seg in segments:
                 if seg is not None:
                     seg.close(unlink=seg.owner)
             raise
-        if segments[r] is not None:
-            segments[r].unlink()  # every peer has mapped it (or given up): the mappings stay
+        if segments[own] is not None:
+            segments[own].unlink()  # every peer has mapped it (or given up): the mappings stay
         refused = [k for k, f in enumerate(flags) if not f[0]]
         if not refused:
             return _Segments(segments, slot_bytes), None  # type: ignore[arg-type]
@@ -354,14 +380,15 @@ class SharedMemoryRing:
             )
         return seg
 
-    def _all_gather(self, record: bytes, deadline: float) -> list[bytes]:
-        """Every worker's ``record`` (all of :data:`_RECORD`'s size), in rank order."""
+    def all_gather(self, record: bytes, deadline: float) -> list[bytes]:
+        """Every worker's ``record`` (each of the same size), in rank order, through
+        ``links`` (one round of ``N-1`` small frames; every worker must call it)."""
         links = self.links
         n, r = links.size, links.rank
         got: list[bytes] = [b""] * n
         got[r] = record
         sent = []
-        inbox = self._record
+        inbox = self._record if len(record) == _RECORD.size else bytearray(len(record))
         for s in range(n - 1):  # pass every record once round the ring
             sent.append(links.send([got[(r - s) % n]], deadline))
             links.receive_into(memoryview(inbox), deadline)
@@ -383,12 +410,19 @@ class SharedMemoryRing:
         )
 
     def reduce(
-        self, src: np.ndarray | Packed, dst: np.ndarray, divisor: int | None, deadline: float
+        self,
+        src: np.ndarray | Packed,
+        dst: np.ndarray,
+        divisor: int | None,
+        deadline: float,
+        hook: Callable[[np.ndarray, np.ndarray], None] | None = None,
     ) -> None:
         """All-reduces ``src`` into ``dst`` (same size and dtype, not overlapping).
 
         A mean (``divisor``) of floats is divided once, by each chunk's owner; integers
-        are summed only, as on the TCP ring.
+        are summed only, as on the TCP ring.  ``hook(chunk, out)``, where given, runs on
+        each owner's non-empty chunk once summed (in its slot, not yet in ``dst``): it
+        must leave the chunk's final value in both (what the others gather is ``chunk``).
 
         Raises:
             UnavailableError / DeadlineExceededError: a peer failed (named).
@@ -406,10 +440,10 @@ class SharedMemoryRing:
                 scale = src.dtype.type(divisor)
             step = self._set.slot_bytes // src.itemsize
             if step >= src.size:  # one piece (mostly): no slicing
-                self._piece(src, dst, scale, deadline)
+                self._piece(src, dst, scale, deadline, hook)
                 return
             for lo in range(0, src.size, step):
-                self._piece(src[lo : lo + step], dst[lo : lo + step], scale, deadline)
+                self._piece(src[lo : lo + step], dst[lo : lo + step], scale, deadline, hook)
 
     def _grow(self, slot_bytes: int, deadline: float) -> None:
         """Larger segments for every worker (every worker asks at the same call: the sizes
@@ -428,11 +462,15 @@ class SharedMemoryRing:
         self._set = made
 
     def _piece(
-        self, src: np.ndarray | Packed, dst: np.ndarray, scale: Any, deadline: float
+        self,
+        src: np.ndarray | Packed,
+        dst: np.ndarray,
+        scale: Any,
+        deadline: float,
+        hook: Callable[[np.ndarray, np.ndarray], None] | None = None,
     ) -> None:
-        """One piece (of at most a slot): stage, barrier, sum, barrier, gather."""
-        links = self.links
-        n, r = links.size, links.rank
+        """One piece (of at most a slot): stage, barrier, sum, (hook,) barrier, gather."""
+        n, r = len(self.members), self.members.index(self.links.rank)
         dtype, size = src.dtype, src.size
         slot = self._pieces & 1
         self._pieces += 1
@@ -470,7 +508,10 @@ class SharedMemoryRing:
                     np.add(t, parts[k], out=t)
                 if scale is not None:
                     np.divide(t, scale, out=t)
-                np.copyto(dst[a:b], t)
+                if hook is None:  # else the hook's result lands in both
+                    np.copyto(dst[a:b], t)
+        if hook is not None and hi > lo:
+            hook(mine[lo:hi], dst[lo:hi])
         self._barrier(b"S2", dtype, nbytes, deadline)
         # gather: every other chunk's sum from its owner's slot
         for c, (clo, chi) in enumerate(bounds):
@@ -483,7 +524,7 @@ class SharedMemoryRing:
         Raises:
             InternalError: the left neighbour is at another point (a different collective).
         """
-        links = self.links
+        links = self.barrier_links
         mine = _BARRIER.pack(phase, dtype.char.encode(), self._pieces & 0xFFFFFFFF, nbytes)
         inbox = self._frame
         for _ in range(links.size - 1):
