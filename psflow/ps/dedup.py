@@ -179,8 +179,12 @@ class TouchLog:
         """Remembers that the push ``request_id`` applied to ``names``."""
         key = (str(request_id[0]), int(request_id[1]))
         with self._lock:
-            self._names[key] = self._names.get(key, frozenset()) | frozenset(names)
-            self._names.move_to_end(key)
+            known = self._names.get(key)
+            if known is None:  # the usual case: a new id goes last by itself
+                self._names[key] = frozenset(names)
+            else:
+                self._names[key] = known | frozenset(names)
+                self._names.move_to_end(key)
             while len(self._names) > self._capacity:
                 old, _ = self._names.popitem(last=False)
                 self._adopted.discard(old)

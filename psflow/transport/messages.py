@@ -304,9 +304,13 @@ def decode_push(
                 f"payload of {len(view)} bytes where its header announced {total}"
             )
         for n in sizes:
-            pieces.append(
-                [view[i : min(i + chunk_bytes, pos + n)] for i in range(pos, pos + n, chunk_bytes)]
-            )
+            if 0 < n <= chunk_bytes:  # most items of a step: one piece, no range to walk
+                pieces.append([view[pos : pos + n]])
+            else:
+                end = pos + n
+                pieces.append(
+                    [view[i : min(i + chunk_bytes, end)] for i in range(pos, end, chunk_bytes)]
+                )
             pos += n
     grads, item_bytes = [], []
     for item, dtype, shape, wire, k in layout:
@@ -338,12 +342,12 @@ def decode_push(
 
 def push_reply_bytes(reply: PushReply) -> bytes:
     """A push's ``PushResponse``, serialized."""
-    return ps_pb2.PushResponse(
-        versions=reply.versions,
-        applied=reply.applied,
-        duplicate=reply.duplicate,
-        staleness=reply.staleness,
-    ).SerializeToString()
+    # filled field by field: the constructor's keyword path costs ~4 us more per reply
+    # (upb converts each repeated keyword on its own), the same bytes
+    message = ps_pb2.PushResponse(applied=reply.applied, duplicate=reply.duplicate)
+    message.versions.extend(reply.versions)
+    message.staleness.extend(reply.staleness)
+    return message.SerializeToString()
 
 
 def push_reply(reply: ps_pb2.PushResponse) -> PushReply:

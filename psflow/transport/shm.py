@@ -268,7 +268,9 @@ class Mirror:
         if idle is not None and not idle > 0:
             raise errors.InvalidArgumentError(f"mirror idle time must be > 0 s, got {idle!r}")
         self.segment = Segment(name, HEADER_BYTES + value.nbytes, create=True)
-        self._header = self.segment.array(np.int64, (8,))
+        # the header's fields as Python ints: every update reads and writes several,
+        # and a NumPy scalar per access cost more than the rest of a small update
+        self._header = memoryview(self.segment.array(np.int64, (8,)))
         self._data = self.segment.array(np.uint8, (value.nbytes,), HEADER_BYTES)
         #: the segment's bytes as the variable's array (what an update in place writes)
         self.array = self.segment.array(value.dtype, value.shape, HEADER_BYTES)
@@ -631,15 +633,17 @@ class SegmentCache:
             PermissionDeniedError: a segment of another user, or open to others.
             SegmentUnreachableError: no such segment on this host.
         """
-        check_name(name)
-        token = _PAYLOAD_TOKEN.search(name)
-        if token is None:
-            raise errors.InvalidArgumentError(
-                f"{name!r} is not a push segment name (no token at its end)"
-            )
         with self._lock:
+            # a name found here passed the checks below when its segment was opened
+            # (a client pushes through the same segment every step)
             seg = self._segments.get(name)
         if seg is None:
+            check_name(name)
+            token = _PAYLOAD_TOKEN.search(name)
+            if token is None:
+                raise errors.InvalidArgumentError(
+                    f"{name!r} is not a push segment name (no token at its end)"
+                )
             try:
                 seg = Segment(name, 0, create=False, writable=False)
             except FileNotFoundError:
