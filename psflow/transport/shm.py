@@ -612,7 +612,8 @@ class PayloadBuffer:
 
 
 class SegmentCache:
-    """Push segments a PS opened to read from (read-only, by name, least recent evicted).
+    """Push segments a PS opened to read from (read-only, by name; past ``limit`` open, the
+    one opened first is closed: a client whose segment it was opens it again on its next push).
 
     Opening happens outside the cache's lock, so a slow or hostile file never
     stalls the pushes of other clients.
