@@ -655,9 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                         if res is not None and both:
                             add_train(side, res)
                         if res is not None:
-                            tf_version["tf_version"] = (
-                                res.get("version") or tf_version["tf_version"]
-                            )
+                            if side == "tensorflow":
+                                tf_version["tf_version"] = res.get("version")
                             secs = {int(k): v for k, v in res["seconds"].items()}
                             runs.setdefault(side, []).append(secs)
                             paths[side] = res.get("path")
