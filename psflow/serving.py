@@ -293,7 +293,8 @@ def exit_process(code: int, linger: float = _EXIT_LINGER_SECONDS) -> NoReturn:
 
     def leave() -> None:
         time.sleep(linger)
-        busy = [t.name for t in threading.enumerate() if not t.daemon and t.is_alive()]
+        main = threading.main_thread()  # waiting for the others, in Python's exit
+        busy = [t.name for t in threading.enumerate() if t is not main and not t.daemon]
         log.warning(
             "exiting %.1fs after serving stopped, not waiting for %d thread(s) still running: %s",
             linger,
