@@ -181,6 +181,24 @@ def test_host_groups_order_and_keys():
     assert host_key() == host_key()
 
 
+def test_a_host_without_proc_groups_nobody(monkeypatch):
+    """macOS and Windows have no /proc: every worker is a host of its own (no grouping, so
+    the hierarchy stays off), the same key for the whole process."""
+    monkeypatch.delenv("PSFLOW_HOST_ID", raising=False)
+    real_stat = shm_hier.os.stat
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(shm_hier.os, "stat", no_proc)
+    key = host_key()
+    assert key.startswith("process:") and key == host_key()
+    monkeypatch.undo()
+    assert host_key() != key
+
+
 def test_the_host_id_overrides_the_host_key(monkeypatch):
     monkeypatch.setenv("PSFLOW_HOST_ID", "rack7-node3")
     assert host_key() == "id:rack7-node3"
