@@ -1,4 +1,5 @@
-"""The CPU window kernels: both im2col layouts, the bias inside the GEMM, the chunked max pool.
+"""The CPU window kernels: both im2col layouts, the bias inside the GEMM, chunks of images,
+the chunked max pool.
 
 References: the direct float64 loop of tests/test_conv_ops.py (the definition),
 central differences (tests/gradcheck.py), and the whole-batch patch-view product
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import psflow as pf
-from psflow.ops import conv_cpu, conv_ops, kernel_pool, nn_ops
+from psflow.ops import conv_cpu, conv_ops, kernel_pool, nn_ops, pool_ops
 from psflow.ops.window_geometry import patch_view
 from tests.gradcheck import check_gradients
 from tests.numerics import assert_close_across_splits
@@ -31,6 +32,15 @@ def _layer(x, w, b, stride, padding, dil, relu):
     return conv_ops.conv_layer(x, w, b, 2, (stride, stride), padding, (dil, dil), relu)
 
 
+@pytest.fixture(params=["whole batch", "chunks of one image"])
+def chunking(request, monkeypatch):
+    """Runs a test on both convolution paths: the batch as one chunk (the small tests' shapes
+    take it by default) and chunks of one image each (what large batches take)."""
+    if request.param == "chunks of one image":
+        monkeypatch.setattr(conv_cpu, "IMAGE_CHUNK_BYTES", 1)
+    return request.param
+
+
 @pytest.fixture
 def threads():
     """Sets this thread's kernel width for one test, and puts the default back."""
@@ -41,7 +51,7 @@ def threads():
 @pytest.mark.parametrize("cin", CHANNELS)
 @pytest.mark.parametrize(("stride", "padding", "dil"), GEOMETRY)
 def test_fused_conv_matches_the_direct_loop_and_finite_differences(
-    cin: int, stride: int, padding: str, dil: int
+    chunking, cin: int, stride: int, padding: str, dil: int
 ) -> None:
     rng = np.random.default_rng(cin * 31 + stride * 7 + dil)
     x = rng.standard_normal((2, 7, 6, cin))
@@ -55,7 +65,7 @@ def test_fused_conv_matches_the_direct_loop_and_finite_differences(
 
 
 @pytest.mark.parametrize("cin", CHANNELS)
-def test_fused_conv_relu_gradient_masks_where_the_output_is_zero(cin: int) -> None:
+def test_fused_conv_relu_gradient_masks_where_the_output_is_zero(chunking, cin: int) -> None:
     rng = np.random.default_rng(cin)
     x, w, b = (pf.constant(rng.standard_normal(s)) for s in ((3, 6, 6, cin), (3, 3, cin, 4), (4,)))
     u = rng.standard_normal((3, 4, 4, 4))
@@ -84,7 +94,7 @@ def _whole_batch_patch_product(x, w, b, u):
 
 
 @pytest.mark.parametrize("cin", (1, 8))
-def test_fused_conv_agrees_with_the_whole_batch_product_it_replaced(cin: int) -> None:
+def test_fused_conv_agrees_with_the_whole_batch_product_it_replaced(chunking, cin: int) -> None:
     rng = np.random.default_rng(40 + cin)
     x = rng.standard_normal((16, 12, 12, cin), dtype=np.float32)
     w = rng.standard_normal((3, 3, cin, 8), dtype=np.float32)
@@ -109,7 +119,9 @@ def _conv_and_pool_step(x, w, b):
 
 
 @pytest.mark.parametrize("cin", (1, 8))
-def test_kernels_give_the_same_bits_every_run_and_with_any_thread_count(threads, cin: int) -> None:
+def test_kernels_give_the_same_bits_every_run_and_with_any_thread_count(
+    chunking, threads, cin: int
+) -> None:
     rng = np.random.default_rng(cin)
     x = rng.standard_normal((64, 15, 13, cin), dtype=np.float32)
     w = rng.standard_normal((3, 3, cin, 16), dtype=np.float32)
@@ -122,6 +134,38 @@ def test_kernels_give_the_same_bits_every_run_and_with_any_thread_count(threads,
     for a, c, d in zip(one, two, again):
         np.testing.assert_array_equal(a, c)
         np.testing.assert_array_equal(c, d)
+
+
+def test_large_batches_take_chunks_of_whole_images_and_small_ones_the_whole_batch() -> None:
+    # the tutorial CNN's first layer at batch 256: several chunks, each of whole images
+    bounds = conv_cpu.image_chunks(256, 26 * 26, 10, 32, 4)
+    assert len(bounds) > 1 and bounds[0][0] == 0 and bounds[-1][1] == 256
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert len(conv_cpu.image_chunks(2, 7 * 6, 7, 3, 8)) == 1
+
+
+@pytest.mark.parametrize("cin", (1, 8))
+def test_chunks_of_images_give_what_the_whole_batch_gives(monkeypatch, cin: int) -> None:
+    rng = np.random.default_rng(70 + cin)
+    x = rng.standard_normal((9, 11, 10, cin), dtype=np.float32)
+    w = rng.standard_normal((3, 3, cin, 8), dtype=np.float32)
+    b = rng.standard_normal(8, dtype=np.float32)
+
+    def step():
+        xv, kv, bv = pf.constant(x), pf.Variable(w), pf.Variable(b)
+        with pf.GradientTape() as tape:
+            tape.watch(xv)
+            y = _layer(xv, kv, bv, 2, "SAME", 1, relu=True)
+            loss = pf.reduce_sum(y * y)
+        return [y.numpy()] + [g.numpy() for g in tape.gradient(loss, [xv, kv, bv])]
+
+    whole = step()
+    monkeypatch.setattr(conv_cpu, "IMAGE_CHUNK_BYTES", 1)
+    chunked = step()
+    # the output: the same products row by row; the gradients: another order of the sums
+    np.testing.assert_array_equal(chunked[0], whole[0])
+    for got, want in zip(chunked[1:], whole[1:]):
+        assert_close_across_splits(got, want)
 
 
 def _first_max_routing(x, k, s, pads, g):
@@ -145,7 +189,11 @@ def _first_max_routing(x, k, s, pads, g):
         ((3, 9, 8, 2), 2, 3, "VALID", ((0, 0), (0, 0))),  # gaps between windows
     ],
 )
-def test_disjoint_max_pool_routes_ties_to_the_first_maximum(shape, k, s, padding, pads) -> None:
+@pytest.mark.parametrize("chunk_bytes", [pool_ops.POOL_CHUNK_BYTES, 1])
+def test_disjoint_max_pool_routes_ties_to_the_first_maximum(
+    monkeypatch, shape, k, s, padding, pads, chunk_bytes
+) -> None:
+    monkeypatch.setattr(pool_ops, "POOL_CHUNK_BYTES", chunk_bytes)  # 1: a chunk per image
     rng = np.random.default_rng(sum(shape))
     # a ReLU's output: many zero windows, so ties are common
     x = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)

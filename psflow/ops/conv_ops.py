@@ -21,6 +21,7 @@ from psflow.ops.window_geometry import (
     Pads,
     check_format,
     col2im,
+    crop_padding,
     float_input,
     out_sizes,
     pad_input,
@@ -110,11 +111,23 @@ def _conv_cpu(
     relu: bool,
     inputs: tuple[Any, ...],
 ) -> Tensor:
-    """:func:`_conv` on NumPy arrays (:mod:`psflow.ops.conv_cpu`): the bias rides in the GEMM."""
+    """:func:`_conv` on NumPy arrays (:mod:`psflow.ops.conv_cpu`): the bias rides in the GEMM;
+    a batch of several chunks of images runs chunk by chunk."""
     kh, kw, cin, cout = kshape
     n, k = padded.shape[0], kh * kw * cin
+    kmat = conv_cpu.kernel_matrix(wm, b)
+    bounds = conv_cpu.image_chunks(
+        n, out_hw[0] * out_hw[1], kmat.shape[0], cout, padded.dtype.itemsize
+    )
+    if len(bounds) > 1:
+        return _conv_cpu_chunked(
+            conv_cpu.ChunkedConv(padded, kmat, (kh, kw), strides, dilations, out_hw, relu, bounds),
+            kshape,
+            pads,
+            inputs,
+        )
     cols = conv_cpu.im2col(padded, (kh, kw), strides, dilations, out_hw, ones=b is not None)
-    z2 = kernel_pool.matmul(cols, conv_cpu.kernel_matrix(wm, b))
+    z2 = kernel_pool.matmul(cols, kmat)
     if relu:
         conv_cpu.relu_in_place(z2)
     padded_shape = padded.shape
@@ -137,6 +150,29 @@ def _conv_cpu(
         return (dx, dw, db) if len(needs) == 3 else (dx, dw)
 
     return out(z2.reshape(n, *out_hw, cout), inputs, backward)
+
+
+def _conv_cpu_chunked(
+    conv: conv_cpu.ChunkedConv,
+    kshape: tuple[int, ...],
+    pads: Pads,
+    inputs: tuple[Any, ...],
+) -> Tensor:
+    """:func:`_conv_cpu` for a batch of several chunks of images (:class:`conv_cpu.ChunkedConv`)."""
+    n, (oh, ow), cout, k = conv.padded.shape[0], conv.out_hw, kshape[3], conv.k
+    z2 = conv.forward()
+
+    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
+        want_db = len(needs) == 3 and needs[2]
+        dpadded, dwb = conv.backward(
+            g.reshape(n * oh * ow, cout), z2, needs[0], needs[1] or want_db
+        )
+        dx = None if dpadded is None else crop_padding(dpadded, pads)
+        dw = dwb[:k].reshape(kshape) if needs[1] else None
+        db = dwb[k].copy() if want_db else None
+        return (dx, dw, db) if len(needs) == 3 else (dx, dw)
+
+    return out(z2.reshape(n, oh, ow, cout), inputs, backward)
 
 
 def conv_layer(

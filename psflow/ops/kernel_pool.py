@@ -306,7 +306,7 @@ def dense(a: Any, w: Any, bias: Any = None, relu: bool = False) -> Any:
             np.matmul(a, w[:, lo:hi], out=c[:, lo:hi])
             _bias_relu(c[:, lo:hi], None if bias is None else bias[lo:hi], relu)
 
-    _run_gemm(chunk, bounds)
+    run_gemm_chunks(chunk, bounds)
     return c
 
 
@@ -359,7 +359,7 @@ def matmuls(products: Sequence[tuple[Any, Any]]) -> list[Any]:
                 ]
             finish.append(lambda done, c=c: c)
     # (a product cut in several chunks has at least twice GEMM_CHUNK_FLOPS: never that small)
-    done = _run_gemm(lambda i, _: tasks[i](), [(i, i + 1) for i in range(len(tasks))])
+    done = run_gemm_chunks(lambda i, _: tasks[i](), [(i, i + 1) for i in range(len(tasks))])
     return [f(done) for f in finish]
 
 
@@ -439,7 +439,7 @@ class _HeldToOne:
                 set_blas_thread_count(_blas_before)
 
 
-def _run_gemm(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
+def run_gemm_chunks(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
     """:func:`run_chunks` for chunks that call BLAS, its own threads held to one meanwhile
     (also with one kernel thread: a BLAS may pick another kernel, another summation order,
     for another thread count, and the bits must not depend on it)."""

@@ -201,12 +201,19 @@ def col2im(
     dilations: tuple[int, int],
 ) -> Any:
     """The adjoint of :func:`patch_view` followed by the crop of the padding."""
-    m = xp(dpatches)
+    dx = xp(dpatches).zeros(padded_shape, dtype=dpatches.dtype)
+    add_patches(dpatches, dx, strides, dilations)
+    return crop_padding(dx, pads)
+
+
+def add_patches(
+    dpatches: Any, dx: Any, strides: tuple[int, int], dilations: tuple[int, int]
+) -> None:
+    """Adds the ``(N, OH, OW, KH, KW, C)`` patches into the padded ``dx`` (NHWC) where the
+    patch view reads them (:func:`col2im` without the allocation and the crop)."""
     _, oh, ow, kh, kw, _ = dpatches.shape
-    dx = m.zeros(padded_shape, dtype=dpatches.dtype)
     for i, j, rows, cols in window_slabs((oh, ow), (kh, kw), strides, dilations):
         dx[:, rows, cols, :] += dpatches[:, :, :, i, j, :]
-    return crop_padding(dx, pads)
 
 
 def crop_padding(dx: Any, pads: Pads) -> Any:
