@@ -16,6 +16,12 @@ On a machine where CuPy imports and sees a GPU it checks, each on its own
 * ``gpu/mirrored``: MirroredStrategy over N logical GPUs split from GPU 0
   (``psflow.config.set_logical_device_configuration``), a few steps of TF's
   custom loop against NumPy on the global batches; every replica's copy equal;
+* ``gpu/conv_cudnn``: convolutions through cuDNN (``psflow/ops/conv_gpu.py``):
+  the fused layer's output and its input, kernel and bias gradients on
+  ``/GPU:0`` against the CPU path for several geometries (float64), and the
+  tutorial CNN's first layer (forward and backward, batch 256, float32)
+  timed through cuDNN and through the im2col path (``PSFLOW_CUDNN=0``);
+  *skipped* where CuPy has no cuDNN;
 * ``gpu/ring``: the ring all-reduce of N replicas' CuPy arrays on GPU 0
   against a NumPy sum, with its bus bandwidth next to a device-to-device copy
   bandwidth measured here;
@@ -465,6 +471,83 @@ def check_mirrored(kind: str, replicas: int, global_batch: int, steps: int) -> d
     }
 
 
+CONV_GEOMETRY = [  # (input hw, kernel hw, stride, padding, dilation), as tests/test_conv_cudnn.py
+    ((7, 6), (3, 3), 1, "SAME", 1),
+    ((8, 8), (3, 3), 2, "SAME", 1),
+    ((9, 7), (2, 3), 1, "SAME", 2),
+    ((10, 9), (3, 3), 3, "VALID", 1),
+]
+
+
+def _conv_layer_and_grads(device: str, x, w, b, stride, padding, dil) -> list[np.ndarray]:
+    import psflow as pf
+    from psflow.ops import conv_ops
+
+    with pf.device(device):
+        xv, wv, bv = pf.constant(x), pf.constant(w), pf.constant(b)
+        with pf.GradientTape() as tape:
+            tape.watch([xv, wv, bv])
+            y = conv_ops.conv_layer(xv, wv, bv, 2, (stride,) * 2, padding, (dil,) * 2, True)
+            loss = pf.reduce_sum(y * y)
+        grads = tape.gradient(loss, [xv, wv, bv])
+    return [pf.backend.to_numpy(t._array()) for t in (y, *grads)]
+
+
+def check_conv_cudnn(batch: int, reps: int) -> dict[str, Any]:
+    """cuDNN's convolutions against the CPU path, then timed against the GPU's im2col path."""
+    import os
+
+    import psflow as pf
+    from psflow import settings
+    from psflow.ops import conv_gpu, conv_ops
+
+    if conv_gpu.cudnn_or_none("float32") is None:
+        return {"ok": True, "skipped": "CuPy has no cuDNN (cupyx.cudnn does not import)"}
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for hw, khw, stride, padding, dil in CONV_GEOMETRY:
+        x = rng.standard_normal((2, *hw, 3))
+        w = rng.standard_normal((*khw, 3, 4))
+        b = rng.standard_normal(4)
+        got = _conv_layer_and_grads("/gpu:0", x, w, b, stride, padding, dil)
+        want = _conv_layer_and_grads("/cpu:0", x, w, b, stride, padding, dil)
+        worst = max([worst, *(rel_err(g, r) for g, r in zip(got, want))])
+    cp = pf.backend.cupy_or_none()
+    x = rng.standard_normal((batch, 28, 28, 1)).astype(np.float32)
+    w = (rng.standard_normal((3, 3, 1, 32)) * 0.3).astype(np.float32)
+    b = np.zeros(32, np.float32)
+
+    def layer_step() -> None:
+        with pf.device("/gpu:0"):
+            xv, wv, bv = pf.constant(x), pf.Variable(w), pf.Variable(b)
+            with pf.GradientTape() as tape:
+                y = conv_ops.conv_layer(xv, wv, bv, 2, (1, 1), "VALID", (1, 1), True)
+            tape.gradient(y, [wv, bv])
+
+    def sync() -> None:
+        cp.cuda.get_current_stream().synchronize()
+
+    timings = {}
+    for name, value in (("cudnn", None), ("im2col", "0")):
+        if value is None:
+            os.environ.pop(settings.ENV_CUDNN, None)
+        else:
+            os.environ[settings.ENV_CUDNN] = value
+        try:
+            layer_step()
+            timings[name] = _median_seconds(layer_step, sync, reps)
+        finally:
+            os.environ.pop(settings.ENV_CUDNN, None)
+    return {
+        "ok": worst < 1e-10,
+        "max_rel_err_vs_cpu": worst,
+        "layer_ms_cudnn": timings["cudnn"] * 1e3,
+        "layer_ms_im2col": timings["im2col"] * 1e3,
+        "im2col_over_cudnn": timings["im2col"] / timings["cudnn"],
+        "batch": batch,
+    }
+
+
 def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
     fn()  # warm-up (CuPy compiles kernels on first use)
     sync()
@@ -734,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         if ps is not None:
             run_check("gpu/ps_worker", lambda: check_ps_worker("/gpu:0", ps.address, batch, steps))
         run_check("gpu/mirrored", lambda: check_mirrored("GPU", replicas, batch, steps))
+        run_check("gpu/conv_cudnn", lambda: check_conv_cudnn(64 if args.quick else 256, reps))
         run_check("gpu/ring", lambda: check_all_reduce("GPU", "ring", replicas, elements, reps))
         gpus = pf.backend.gpu_count()
         if gpus < 2:  # one GPU proves nothing about NCCL: say so, do not pass it

@@ -32,7 +32,9 @@ Variables:
 * ``PSFLOW_HOST_ID`` — the host this worker counts as for the workers' all-reduce
   (as NCCL's ``NCCL_HOSTID``): workers of one id share memory, one id with another
   talks TCP (``psflow.collective.shm_hier``); unset, the boot id, network namespace
-  and ``/dev/shm`` say it.
+  and ``/dev/shm`` say it;
+* ``PSFLOW_CUDNN`` — ``0`` keeps convolutions on CuPy arrays on the im2col path
+  where CuPy has cuDNN (``psflow.ops.conv_gpu``).
 
 Example:
     >>> s = ProcessSettings.from_environment({"PSFLOW_NUM_CPU_DEVICES": "4", "PSFLOW_SHM": "off"})
@@ -52,6 +54,7 @@ from psflow.errors import InvalidArgumentError
 __all__ = [
     "ENV_CLOSURE_PLANE",
     "ENV_CLOSURE_TIMEOUT",
+    "ENV_CUDNN",
     "ENV_DATA_PLANE",
     "ENV_DATA_PLANE_ROUTES",
     "ENV_HOST_ID",
@@ -76,6 +79,7 @@ ENV_DATA_PLANE_ROUTES = "PSFLOW_DATA_PLANE_ROUTES"
 ENV_PUSH_BEHIND = "PSFLOW_PUSH_BEHIND"
 ENV_CLOSURE_PLANE = "PSFLOW_CLOSURE_PLANE"
 ENV_HOST_ID = "PSFLOW_HOST_ID"
+ENV_CUDNN = "PSFLOW_CUDNN"
 _NAMES = (
     ENV_NUM_CPU_DEVICES,
     ENV_MALLOC_TUNING,
@@ -87,6 +91,7 @@ _NAMES = (
     ENV_PUSH_BEHIND,
     ENV_CLOSURE_PLANE,
     ENV_HOST_ID,
+    ENV_CUDNN,
 )
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
@@ -165,6 +170,7 @@ class ProcessSettings:
     push_behind: bool = False
     closure_plane: bool = True
     host_id: str = ""
+    cudnn: bool = True
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -187,6 +193,7 @@ class ProcessSettings:
             push_behind=_switch(env, ENV_PUSH_BEHIND, default="0"),
             closure_plane=_switch(env, ENV_CLOSURE_PLANE),
             host_id=env.get(ENV_HOST_ID, "").strip(),
+            cudnn=_switch(env, ENV_CUDNN),
         )
 
 

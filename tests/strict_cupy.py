@@ -13,7 +13,9 @@ peer copies and raw pointers), array functions and ufuncs, ``cupy.cuda``
 (``Device``, ``Stream``, ``Event``, ``get_current_stream``,
 ``runtime.getDeviceCount``/``getDevice``), ``cupyx.scatter_add`` and
 ``cupyx.scipy.special.erf``; with ``nccl=True``, ``cupy.cuda.nccl`` across
-processes (``tests/strict_nccl.py``).
+processes (``tests/strict_nccl.py``); with ``cudnn=True``, ``cupyx.cudnn``'s
+convolutions (``tests/strict_cudnn.py``; without it ``cupyx.cudnn`` does not
+import, as on a CuPy without cuDNN's libraries).
 
 Kernels run at once; only NCCL collectives are asynchronous, as on a GPU:
 an ``Event`` recorded after one is ``done`` once it has finished, and
@@ -728,11 +730,13 @@ def _runtime() -> types.ModuleType:
     return rt
 
 
-def build_modules(nccl: bool = False) -> dict[str, types.ModuleType]:
+def build_modules(nccl: bool = False, cudnn: bool = False) -> dict[str, types.ModuleType]:
     """The ``cupy``/``cupyx`` modules (and submodules) to put in ``sys.modules``.
 
     With ``nccl``, ``cupy.cuda.nccl`` is the strict NCCL double (``tests/strict_nccl.py``);
     without it, importing ``cupy.cuda.nccl`` fails as on a CuPy built without NCCL.
+    With ``cudnn``, ``cupyx.cudnn`` is the strict cuDNN double (``tests/strict_cudnn.py``);
+    without it, importing ``cupyx.cudnn`` fails as without cuDNN's libraries.
     """
     cupy = types.ModuleType("cupy")
     cupy.__file__ = __file__
@@ -769,14 +773,19 @@ def build_modules(nccl: bool = False) -> dict[str, types.ModuleType]:
         from tests import strict_nccl
 
         cuda.nccl = modules["cupy.cuda.nccl"] = strict_nccl.build_module()
+    if cudnn:
+        from tests import strict_cudnn
+
+        cupyx.cudnn = modules["cupyx.cudnn"] = strict_cudnn.build_module()
     return modules
 
 
 @contextlib.contextmanager
-def installed(devices: int = 2, nccl: bool = False) -> Iterator[Transfers]:
+def installed(devices: int = 2, nccl: bool = False, cudnn: bool = False) -> Iterator[Transfers]:
     """Makes ``import cupy`` give the double (``devices`` GPUs) and psflow see it.
 
     ``nccl``: ``cupy.cuda.nccl`` is the strict NCCL double (else it does not import).
+    ``cudnn``: ``cupyx.cudnn`` is the strict cuDNN double (else it does not import).
 
     psflow caches whether CuPy is present (``psflow.backend``); that cache is
     reset on entry and on exit, and the device configuration (visible and
@@ -786,12 +795,13 @@ def installed(devices: int = 2, nccl: bool = False) -> Iterator[Transfers]:
     global _state
     from psflow import backend, config
 
-    saved = {name: sys.modules.get(name) for name in [*build_modules(), "cupy.cuda.nccl"]}
+    names = [*build_modules(), "cupy.cuda.nccl", "cupyx.cudnn"]
+    saved = {name: sys.modules.get(name) for name in names}
     saved_map = backend._gpu_map
     # device configuration made while the fake GPUs exist must not outlive them
     saved_config = [(d, dict(d)) for d in (config._visible, config._logical)]
     _state = _State(devices)
-    sys.modules.update(build_modules(nccl))
+    sys.modules.update(build_modules(nccl, cudnn))
     backend._cupy_checked = False
     try:
         yield _state.transfers

@@ -429,7 +429,7 @@ import sys
 sys.path.insert(0, "benchmarks")
 from tests import strict_cupy
 import gpu_check
-with strict_cupy.installed(devices=1):
+with strict_cupy.installed(devices=1, cudnn=True):
     code = gpu_check.main(["--quick", "--mb", "0.25"])
 sys.exit(code)
 """
@@ -455,6 +455,9 @@ def test_gpu_check_runs_its_gpu_branches_and_skips_nccl_on_one_gpu():
     for case in ("fit_arrays", "metrics", "ps_worker", "train_step", "mirrored", "ring"):
         assert records[f"gpu/{case}"]["value"] == "pass", records[f"gpu/{case}"]
         assert records[f"cpu/{case}"]["value"] == "pass", records[f"cpu/{case}"]
+    conv = records["gpu/conv_cudnn"]
+    assert conv["value"] == "pass" and "skipped" not in conv, conv
+    assert conv["max_rel_err_vs_cpu"] < 1e-10 and conv["layer_ms_cudnn"] > 0, conv
     nccl = records["gpu/nccl"]
     assert (nccl["metric"], nccl["reason"]) == ("skipped", "fewer than 2 GPUs (1)")
     cross = records["gpu/nccl_cross_host"]

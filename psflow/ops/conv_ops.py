@@ -15,7 +15,7 @@ import numpy as np
 
 from psflow import errors
 from psflow.framework.tensor import Tensor
-from psflow.ops import conv_cpu, kernel_pool
+from psflow.ops import conv_cpu, conv_gpu, kernel_pool
 from psflow.ops._core import node, out, xp
 from psflow.ops.window_geometry import (
     Pads,
@@ -61,15 +61,29 @@ def _conv(
     kh, kw, cin, cout = k.shape
     extents = ((kh - 1) * dilations[0] + 1, (kw - 1) * dilations[1] + 1)
     oh, ow = out_sizes(a.shape[1:3], pads, extents, strides, op_name)
-    padded = pad_input(a, pads, 0.0)
     n = a.shape[0]
     wm = k.reshape(kh * kw * cin, cout)
     inputs: tuple[Any, ...] = (x, w) if bias is None else (x, w, bias)
     b = None if bias is None else bias._array()
     if xp(a) is np:
         return _conv_cpu(
-            x, padded, wm, k.shape, pads, strides, dilations, (oh, ow), b, relu, inputs
+            x,
+            pad_input(a, pads, 0.0),
+            wm,
+            k.shape,
+            pads,
+            strides,
+            dilations,
+            (oh, ow),
+            b,
+            relu,
+            inputs,
         )
+    cudnn = conv_gpu.cudnn_or_none(a.dtype)
+    if cudnn is not None:
+        z, backward = conv_gpu.conv2d(cudnn, a, k, b, pads, strides, dilations, relu)
+        return out(z, inputs, backward)
+    padded = pad_input(a, pads, 0.0)
     cols = patch_view(padded, (oh, ow), (kh, kw), strides, dilations).reshape(
         n * oh * ow, kh * kw * cin
     )
