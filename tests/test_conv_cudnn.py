@@ -143,6 +143,32 @@ def test_psflow_cudnn_0_keeps_the_im2col_path(gpu_with_cudnn, monkeypatch):
     assert strict_cudnn.CALLS["forward"] == 1
 
 
+def test_a_cudnn_that_fails_is_given_up_once_with_a_warning_and_the_result_is_right(
+    gpu_with_cudnn, monkeypatch, caplog
+):
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("CUDNN_STATUS_NOT_INITIALIZED")
+
+    import cupyx.cudnn
+
+    monkeypatch.setattr(cupyx.cudnn, "convolution_forward", broken)
+    x, w, b, u = _case((7, 6), (3, 3), 2, 4, 1, "SAME", 1, seed=6)
+    with caplog.at_level("WARNING", logger="psflow.ops.conv_gpu"):
+        got = _layer_and_grads(x, w, b, 1, "SAME", 1, True, u)
+        again = _layer_and_grads(x, w, b, 1, "SAME", 1, True, u)
+    assert len(calls) == 1  # given up after the first failure
+    warnings = [r for r in caplog.records if "CUDNN_STATUS_NOT_INITIALIZED" in r.getMessage()]
+    assert len(warnings) == 1
+    with pf.device("/cpu:0"):
+        want = _layer_and_grads(x, w, b, 1, "SAME", 1, True, u)
+    for g, a, r in zip(got, again, want):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(g, a)
+
+
 def test_an_integer_input_is_refused_with_a_typed_error_before_cudnn(gpu_with_cudnn):
     x = np.ones((1, 5, 5, 1), dtype=np.int32)
     w = np.ones((3, 3, 1, 2), dtype=np.float32)

@@ -18,15 +18,21 @@ OIHW filters and one symmetric padding per spatial dimension, so:
 
 Without ``cupyx.cudnn`` (a CuPy without cuDNN's libraries), with a dtype
 cuDNN does not take, or with ``PSFLOW_CUDNN=0`` (:mod:`psflow.settings`),
-:func:`cudnn_or_none` says None and the ops keep the im2col path.
+:func:`cudnn_or_none` says None and the ops keep the im2col path. A cuDNN that
+imports but fails its first convolution (a library of another version, say) is
+given up for the process with one warning naming the error (:func:`give_up`),
+and that convolution runs on the im2col path.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from psflow import backend, settings
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = ("float16", "float32", "float64")
 _lock = threading.Lock()
@@ -52,6 +58,22 @@ def cudnn_or_none(dtype: Any = None) -> Any:
                 cudnn = None
             _checked = checked = (cp, cudnn)
     return checked[1]
+
+
+def give_up(error: BaseException) -> None:
+    """Stops using cuDNN in this process (the im2col path from now on), saying why once."""
+    global _checked
+    cp = backend.cupy_or_none()
+    with _lock:
+        if _checked is not None and _checked[0] is cp and _checked[1] is None:
+            return
+        _checked = (cp, None)
+    logger.warning(
+        "cuDNN's convolution failed (%s: %s): convolutions on GPUs use the im2col path "
+        "from now on in this process",
+        type(error).__name__,
+        error,
+    )
 
 
 def conv2d(

@@ -81,8 +81,12 @@ def _conv(
         )
     cudnn = conv_gpu.cudnn_or_none(a.dtype)
     if cudnn is not None:
-        z, backward = conv_gpu.conv2d(cudnn, a, k, b, pads, strides, dilations, relu)
-        return out(z, inputs, backward)
+        try:
+            z, backward = conv_gpu.conv2d(cudnn, a, k, b, pads, strides, dilations, relu)
+        except Exception as e:  # a cuDNN that imports but cannot run: the im2col path below
+            conv_gpu.give_up(e)
+        else:
+            return out(z, inputs, backward)
     padded = pad_input(a, pads, 0.0)
     cols = patch_view(padded, (oh, ow), (kh, kw), strides, dilations).reshape(
         n * oh * ow, kh * kw * cin
