@@ -284,3 +284,31 @@ def test_heartbeats_between_blocking_receives_keep_a_slow_left_neighbour_alive()
     finally:
         for lk in links:
             lk.close()
+
+
+def test_a_link_left_unread_past_the_silence_bound_is_not_blamed_for_its_queued_heartbeats() -> (
+    None
+):
+    # a worker busy elsewhere (another link set, a long sum) reads its left link again
+    # after more than the silence bound; the heartbeats queued meanwhile prove the
+    # neighbour spoke, so the read goes on instead of blaming it at once
+    import time
+
+    links = ring_links(2)
+    try:
+        links[1].silence = 0.3
+        links[0].heartbeat = 0.05
+        links[0].begin()
+        time.sleep(1.1)  # the sender thread's first wait (1 s) is over: heartbeats flow
+        links[1].begin()
+        time.sleep(0.8)  # unread: more than the silence bound, heartbeats queue up
+        frame = np.arange(300_000, dtype=np.float32)
+        timer = threading.Timer(0.1, lambda: links[0].send([frame], time.monotonic() + 5))
+        timer.start()
+        dest = np.zeros_like(frame)
+        links[1].receive_into(memoryview(dest), time.monotonic() + 5)
+        timer.join()
+        assert np.array_equal(dest, frame)
+    finally:
+        for lk in links:
+            lk.close()

@@ -757,6 +757,7 @@ class PeerLinks:
         large = nbytes >= _ALONE_BYTES
         try:
             while True:
+                self._heard_if_queued(stream)
                 stream.deadline = min(deadline, self._heard + self.silence)
                 try:
                     # a large payload is read straight into dest, none through staging
@@ -801,6 +802,7 @@ class PeerLinks:
         head = self._head
         try:
             while True:
+                self._heard_if_queued(stream)
                 try:
                     quiet = self._heard + self.silence
                     self._fill(sock, head, _FIXED.size, deadline if deadline < quiet else quiet)
@@ -829,6 +831,22 @@ class PeerLinks:
             self.fail(self._left_error(e))
         finally:
             stream.deadline = None
+
+    def _heard_if_queued(self, stream: FrameStream) -> None:
+        """A link left unread past the silence bound (this worker was busy elsewhere: on
+        another link set, in a long sum) whose neighbour's bytes wait to be read: the
+        neighbour spoke meanwhile, so its silence counts from now, not from the last read.
+        (The bytes are its heartbeats or its frame; a neighbour that died after sending
+        them is then blamed one silence bound later.)"""
+        now = time.monotonic()
+        if now < self._heard + self.silence:
+            return  # the common case: one comparison
+        if stream.pending():
+            self._heard = now
+            return
+        with contextlib.suppress(OSError, ValueError):  # a closed socket: the read will say
+            if select.select([stream.sock], [], [], 0)[0]:
+                self._heard = now
 
     def _fill(self, sock: socket.socket, dest: Any, size: int, limit: float) -> None:
         """Fills ``dest`` (any writable buffer) from the blocking left socket by ``limit``.
