@@ -176,10 +176,15 @@ def _no_global_seed_left_behind():
         pf_random.set_seed(None)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_shared_memory_left_behind():
-    """Tests kill servers with SIGKILL; remove the shared-memory segments they leave."""
-    yield
+def pytest_sessionfinish(session):
+    """Tests kill servers with SIGKILL; remove the shared-memory segments they leave.
+
+    Only once every test has run: under pytest-xdist a worker that finishes early
+    would otherwise remove a dead process's segment that a test still running in
+    another worker is about to look at (``test_shm``'s stale-segment test).
+    """
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller cleans up
+        return
     from psflow.transport import shm
 
     shm.remove_stale()
