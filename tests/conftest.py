@@ -15,7 +15,9 @@ import dataclasses
 import functools
 import os
 import pathlib
+import random
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -176,10 +178,15 @@ def _no_global_seed_left_behind():
         pf_random.set_seed(None)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_shared_memory_left_behind():
-    """Tests kill servers with SIGKILL; remove the shared-memory segments they leave."""
-    yield
+def pytest_sessionfinish(session):
+    """Tests kill servers with SIGKILL; remove the shared-memory segments they leave.
+
+    Only once every test has run: under pytest-xdist a worker that finishes early
+    would otherwise remove a dead process's segment that a test still running in
+    another worker is about to look at (``test_shm``'s stale-segment test).
+    """
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller cleans up
+        return
     from psflow.transport import shm
 
     shm.remove_stale()
@@ -404,10 +411,46 @@ def wait_gone(pids, timeout: float = 15.0) -> list[int]:
     return alive
 
 
-def pick_free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    import socket
+def free_port_range(count: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``count`` consecutive ports free on ``host`` right now.
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    Picked below the system's ephemeral range (``chief.local.ephemeral_ports``),
+    where no port-0 server and no outgoing connection of a test running beside
+    this one (pytest-xdist) can take it before the test uses it; each xdist
+    worker picks from a share of its own, and never the same port twice.  Where
+    that range leaves no room, the system picks a port (as before).
+    """
+    from chief.local import _LOWEST_PICKED, ephemeral_ports, pick_ports
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    share = (ephemeral_ports()[0] - _LOWEST_PICKED) // workers
+    first = _LOWEST_PICKED + index * share
+    candidates = [p for p in range(first, first + share - count + 1) if p not in _GIVEN]
+    random.SystemRandom().shuffle(candidates)  # not a sequence a seeded test could replay
+    for base in candidates[:200]:  # bounded: most are free
+        try:
+            pick_ports(count, host, base)
+        except errors.UnavailableError:
+            continue
+        _GIVEN.update(range(base, base + count))
+        return base
+    for _ in range(20):  # no room below the ephemeral range: let the system pick
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        with contextlib.suppress(errors.UnavailableError):
+            if base + count <= 65535:
+                pick_ports(count, host, base)
+                return base
+    raise AssertionError(f"no {count} consecutive free ports on {host}")
+
+
+# the ports free_port_range gave in this process: tests ask for several before starting any
+_GIVEN: set[int] = set()
+
+
+def pick_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (see :func:`free_port_range`)."""
+    return free_port_range(1)

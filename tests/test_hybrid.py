@@ -478,10 +478,11 @@ def test_psflow_scale_resizes_a_running_hybrid_job_1_2_1_and_it_trains_as_one_pr
     tmp_path,
     elastic,
 ):
-    from tests.test_local_cluster import _env, _free_port_range
+    from tests.conftest import free_port_range
+    from tests.test_local_cluster import _env
 
     cdir = tmp_path / "control"
-    base = _free_port_range(4)  # worker:0, worker:1, ps:0, ps:1 (a reserved slot)
+    base = free_port_range(4)  # worker:0, worker:1, ps:0, ps:1 (a reserved slot)
     # elastic: worker 0's news rides the commit's barrier (before the step), not the push's
     env = {"PSFLOW_NUM_CPU_DEVICES": "1", "GATES": "2,5", "GATE_DIR": str(tmp_path)}
     env = _env({**env, "ELASTIC": elastic})

@@ -33,7 +33,7 @@ from chief.local import (
 )
 from chief.script import Target
 from psflow.errors import InvalidArgumentError, UnavailableError
-from tests.conftest import ROOT, child_env, pid_alive, wait_gone
+from tests.conftest import ROOT, child_env, free_port_range, pid_alive, wait_gone
 
 HELLO = str(ROOT / "examples" / "cluster_hello.py")
 READY = re.compile(r"^\[(?P<role>\S+)\] PSFLOW_READY (?P<type>\w+) port=(?P<port>\d+) "
@@ -162,22 +162,6 @@ def launch():
             launcher.reap()
 
 
-def _free_port_range(count: int, attempts: int = 20) -> int:
-    """A base port with ``count`` consecutive free ports on 127.0.0.1."""
-    for _ in range(attempts):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            pick_ports(count, "127.0.0.1", base)
-        except UnavailableError:
-            continue
-        return base
-    raise AssertionError(f"no {count} consecutive free ports in {attempts} attempts")
-
-
 # -- the whole thing ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_hello_runs_five_processes_with_their_tf_config_roles_and_leaves_none(tmp_path):
@@ -233,7 +217,7 @@ def test_hello_runs_five_processes_with_their_tf_config_roles_and_leaves_none(tm
 def test_chief_killed_with_sigkill_tears_the_cluster_down(launch, tmp_path):
     script = tmp_path / "chief.py"
     script.write_text(WAITING_CHIEF)
-    base = _free_port_range(3)
+    base = free_port_range(3)
     run = launch("--ps", "1", "--workers", "1", "--port-base", str(base), str(script),
                  str(tmp_path / "never"))  # fmt: skip
     up = run.wait_for(r"^\[chief\] CHIEF_UP (\{.*\})$")

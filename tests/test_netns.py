@@ -165,17 +165,21 @@ PUSHPULL_ARGS = ["--quick", "--sizes", "1", "--reps", "1", "--no-tf", "--netns",
 
 
 def test_pushpull_benchmark_runs_across_the_link_and_cleans_up():
-    before = set(
-        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    )
-    out = subprocess.run(
+    bench = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / "pushpull.py"), *PUSHPULL_ARGS],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
         env=child_env(),
         cwd=ROOT,
     )
+    try:
+        stdout, stderr = bench.communicate(timeout=180)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate(timeout=10)
+    out = subprocess.CompletedProcess(bench.args, bench.returncode, stdout, stderr)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     throughput = {d["case"]: d["value"] for d in lines if d["metric"] == "throughput"}
@@ -183,10 +187,10 @@ def test_pushpull_benchmark_runs_across_the_link_and_cleans_up():
         assert throughput[case] > 0, case
     assert all(d["path"] == "veth" for d in lines)
     assert not any(c.startswith("veth/shm-") for c in throughput)  # no shared memory across hosts
-    after = set(
-        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    )
-    assert not {n for n in after - before if n.startswith("psfw")}
+    # only the benchmark's own pairs (their names carry its pid): tests running beside this
+    # one (pytest-xdist) have pairs of their own up while it runs
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not [n for n in left if n.startswith(f"psfw{bench.pid}t")], left
 
 
 # The chief, in namespace "b" with its worker: async training whose every push crosses the link.
