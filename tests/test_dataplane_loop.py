@@ -25,6 +25,7 @@ from psflow.transport.dataplane import (
     Request,
     auth,
     frames,
+    loop,
 )
 
 TOKEN = "dataplane-loop-token-0123456789"
@@ -212,6 +213,55 @@ def test_slow_calls_get_no_extra_thread_but_blocked_ones_do(served):
             for t in threads:
                 t.join(20)
         assert [r[0] for r in results] == [b"released"] * 2
+
+
+class _Clocks:
+    """Per-thread CPU clocks a test moves by hand (clock id -> seconds)."""
+
+    def __init__(self, *ids: int) -> None:
+        self.seconds = dict.fromkeys(ids, 0.0)
+
+    def read(self, clock_id: int) -> float | None:
+        return self.seconds.get(clock_id)
+
+    def use(self, cpu: float) -> None:
+        for k in self.seconds:
+            self.seconds[k] += cpu
+
+
+def test_a_stall_is_blocked_threads_over_several_on_time_windows_not_a_descheduled_process():
+    stall = loop._STALL
+    clocks = _Clocks(1, 2)
+    judge = loop._StallJudge(clocks.read)
+    t = 100.0
+
+    def check(after: float, cpu: float = 0.0) -> bool:
+        nonlocal t
+        t += after
+        clocks.use(cpu)
+        return judge.blocked(t, [1, 2])
+
+    # threads waiting in their calls (no CPU), checks on time: a thread after the 3rd window
+    assert not check(stall)  # the first check only records the clocks
+    assert [check(stall) for _ in range(loop._STALL_WINDOWS)] == [False] * (
+        loop._STALL_WINDOWS - 1
+    ) + [True]
+    # computing threads are never blocked
+    judge.reset()
+    assert not any(check(stall, cpu=0.01) for _ in range(10))
+    # a process kept off the CPU: its threads show no CPU, but the check that sees it
+    # runs late, and the count starts again; computing again before the 3rd window
+    judge.reset()
+    check(stall, cpu=0.01)
+    assert not check(stall * 5)  # late: the whole process was descheduled
+    assert not check(stall)
+    assert not check(stall)
+    assert not check(stall, cpu=0.01)  # computing again: no thread
+    # a thread that ended meanwhile does not count
+    judge.reset()
+    check(stall)
+    del clocks.seconds[2]
+    assert [check(stall) for _ in range(loop._STALL_WINDOWS)][-1]
 
 
 def test_fragmented_and_back_to_back_frames_parse_as_one_stream(served):

@@ -54,6 +54,10 @@ _POLL = 0.25
 _STALL = 0.02
 # CPU seconds a thread may use over one stall check and still count as blocked
 _IDLE_CPU = 0.001
+# stall checks in a row that must find every thread idle before a thread is added, and how
+# late (in stall periods) a check may run before its window says the process was descheduled
+_STALL_WINDOWS = 3
+_LATE = 2.5
 # an authenticated connection idle this long may be closed to make room for a new one
 # (clients check a pooled connection idle over a second before they reuse it)
 _EVICTABLE_IDLE = 2.0
@@ -471,21 +475,60 @@ class EventLoop:
         keeps one thread doing all the work while calls are short: a spare one
         would take every other event and the two would contend for the GIL.
         """
-        clocks: dict[int, float] = {}  # CPU clock id -> its seconds at the last tick
+        judge = _StallJudge(_read_cpu_clock)
         while not self._stopping.wait(_STALL):
             with self._lock:
                 since = self._starved_since
                 started = len(self._threads)
                 clock_ids = list(self._clock_ids.values())
             if since is None or time.monotonic() - since < _STALL or started >= self.max_threads:
-                clocks.clear()
+                judge.reset()
                 continue
-            if not _all_idle(clock_ids, clocks):
+            if not judge.blocked(time.monotonic(), clock_ids):
                 continue
             with self._lock:
                 if self._starved_since == since:  # still the same stall
                     self._spawn()
-            clocks.clear()
+            judge.reset()
+
+
+class _StallJudge:
+    """Whether the loop's threads are blocked (waiting on a lock or a condition inside
+    a call), not computing nor descheduled by a busy host.
+
+    A thread that used under ``_IDLE_CPU`` of CPU over a check's window counts
+    as idle. One window is not enough on a loaded host: the scheduler can keep
+    the whole process off the CPU for longer than a window (seen as an extra
+    thread started for two computing calls, with four test processes on two
+    cores). So the threads must be idle over ``_STALL_WINDOWS`` windows in a
+    row, each of about its nominal length: a check that itself ran late (its
+    window over ``_LATE`` times ``_STALL``) says the process was descheduled,
+    and starts the count again.
+    """
+
+    def __init__(self, read_clock: Callable[[int], float | None]) -> None:
+        self._read = read_clock  # CPU clock id -> its seconds, or None for an ended thread
+        self._clocks: dict[int, float] = {}  # clock id -> its seconds at the last check
+        self._last: float | None = None  # time.monotonic() of the last check
+        self._idle_windows = 0
+
+    def reset(self) -> None:
+        """Forgets the windows seen (a stall ended, or a thread was started)."""
+        self._clocks.clear()
+        self._last = None
+        self._idle_windows = 0
+
+    def blocked(self, now: float, clock_ids: list[int | None]) -> bool:
+        """One check at ``now``: whether every thread was idle over the last windows."""
+        late = self._last is not None and now - self._last > _LATE * _STALL
+        first = self._last is None
+        self._last = now
+        idle = _all_idle(clock_ids, self._clocks, self._read)
+        if first or late or not idle:
+            self._idle_windows = 0
+            return False
+        self._idle_windows += 1
+        return self._idle_windows >= _STALL_WINDOWS
 
 
 def _own_cpu_clock() -> int | None:
@@ -497,18 +540,30 @@ def _own_cpu_clock() -> int | None:
         return None
 
 
-def _all_idle(clock_ids: list[int | None], clocks: dict[int, float]) -> bool:
+def _read_cpu_clock(clock_id: int) -> float | None:
+    """A thread's CPU seconds by its clock id; None once the thread ended."""
+    try:
+        return time.clock_gettime(clock_id)
+    except OSError:
+        return None
+
+
+def _all_idle(
+    clock_ids: list[int | None],
+    clocks: dict[int, float],
+    read: Callable[[int], float | None] = _read_cpu_clock,
+) -> bool:
     """Whether no thread (by CPU clock id) used the CPU since the last call,
-    which recorded their clocks in ``clocks``.  A thread descheduled by a busy
-    host or computing is not idle; one waiting on a lock or condition is.
+    which recorded their clocks in ``clocks`` (a thread first seen is not idle).
+    A computing thread is not idle; one waiting on a lock or condition is, and
+    so is one the host keeps off the CPU (:class:`_StallJudge` tells them apart).
     Without per-thread clocks every thread counts as idle (the timer decides)."""
     idle = True
     for clock_id in clock_ids:
         if clock_id is None:
             continue
-        try:
-            now = time.clock_gettime(clock_id)
-        except OSError:  # the thread ended
+        now = read(clock_id)
+        if now is None:  # the thread ended
             continue
         before = clocks.get(clock_id)
         clocks[clock_id] = now
