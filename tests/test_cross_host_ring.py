@@ -262,9 +262,10 @@ def test_a_left_neighbour_stopping_inside_a_frame_is_a_typed_error_naming_it_in_
             lk.close()
 
 
-def test_heartbeats_between_blocking_receives_keep_a_slow_left_neighbour_alive() -> None:
-    # the left neighbour sends its frame only after several of the receiver's ticks and
-    # more than its silence bound: its heartbeats keep it from being blamed meanwhile
+def _frame_after_heartbeats(unread: float, send_after: float) -> None:
+    """Worker 0 heartbeats (every 0.05 s) to worker 1 (silence bound 0.3 s), which leaves
+    its left link unread for ``unread`` s, then reads a frame worker 0 sends ``send_after``
+    s later: it must arrive, no one blamed."""
     import time
 
     links = ring_links(2)
@@ -274,8 +275,10 @@ def test_heartbeats_between_blocking_receives_keep_a_slow_left_neighbour_alive()
         links[0].begin()
         time.sleep(1.1)  # the sender thread's first wait (1 s) is over: heartbeats flow
         links[1].begin()
+        time.sleep(unread)
         frame = np.arange(300_000, dtype=np.float32)
-        timer = threading.Timer(0.8, lambda: links[0].send([frame], time.monotonic() + 5))
+        send = lambda: links[0].send([frame], time.monotonic() + 5)  # noqa: E731
+        timer = threading.Timer(send_after, send)
         timer.start()
         dest = np.zeros_like(frame)
         links[1].receive_into(memoryview(dest), time.monotonic() + 5)
@@ -284,6 +287,12 @@ def test_heartbeats_between_blocking_receives_keep_a_slow_left_neighbour_alive()
     finally:
         for lk in links:
             lk.close()
+
+
+def test_heartbeats_between_blocking_receives_keep_a_slow_left_neighbour_alive() -> None:
+    # the left neighbour sends its frame only after several of the receiver's ticks and
+    # more than its silence bound: its heartbeats keep it from being blamed meanwhile
+    _frame_after_heartbeats(unread=0.0, send_after=0.8)
 
 
 def test_a_link_left_unread_past_the_silence_bound_is_not_blamed_for_its_queued_heartbeats() -> (
@@ -292,23 +301,4 @@ def test_a_link_left_unread_past_the_silence_bound_is_not_blamed_for_its_queued_
     # a worker busy elsewhere (another link set, a long sum) reads its left link again
     # after more than the silence bound; the heartbeats queued meanwhile prove the
     # neighbour spoke, so the read goes on instead of blaming it at once
-    import time
-
-    links = ring_links(2)
-    try:
-        links[1].silence = 0.3
-        links[0].heartbeat = 0.05
-        links[0].begin()
-        time.sleep(1.1)  # the sender thread's first wait (1 s) is over: heartbeats flow
-        links[1].begin()
-        time.sleep(0.8)  # unread: more than the silence bound, heartbeats queue up
-        frame = np.arange(300_000, dtype=np.float32)
-        timer = threading.Timer(0.1, lambda: links[0].send([frame], time.monotonic() + 5))
-        timer.start()
-        dest = np.zeros_like(frame)
-        links[1].receive_into(memoryview(dest), time.monotonic() + 5)
-        timer.join()
-        assert np.array_equal(dest, frame)
-    finally:
-        for lk in links:
-            lk.close()
+    _frame_after_heartbeats(unread=0.8, send_after=0.1)
