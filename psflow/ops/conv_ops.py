@@ -132,7 +132,7 @@ def _conv_cpu(
     """:func:`_conv` on NumPy arrays (:mod:`psflow.ops.conv_cpu`): the bias rides in the GEMM;
     a batch of several chunks of images runs chunk by chunk."""
     kh, kw, cin, cout = kshape
-    n, k = padded.shape[0], kh * kw * cin
+    n = padded.shape[0]
     kmat = conv_cpu.kernel_matrix(wm, b)
     bounds = conv_cpu.image_chunks(
         n, out_hw[0] * out_hw[1], kmat.shape[0], cout, padded.dtype.itemsize
@@ -154,18 +154,13 @@ def _conv_cpu(
         g2 = g.reshape(n * out_hw[0] * out_hw[1], cout)
         if relu:
             g2 = conv_cpu.relu_mask(g2, z2)
-        dx = dw = db = None
+        dx = dwb = None
         if needs[0]:
             dcols = kernel_pool.matmul(g2, wm.T).reshape(n, *out_hw, kh, kw, cin)
             dx = col2im(dcols, padded_shape, pads, strides, dilations)
-        want_db = len(needs) == 3 and needs[2]
-        if needs[1] or want_db:
-            dwb = kernel_pool.matmul(
-                cols.T, g2
-            )  # with a bias: its gradient is the last row (the ones column)
-            dw = dwb[:k].reshape(kshape) if needs[1] else None
-            db = dwb[k].copy() if want_db else None
-        return (dx, dw, db) if len(needs) == 3 else (dx, dw)
+        if needs[1] or (len(needs) == 3 and needs[2]):
+            dwb = kernel_pool.matmul(cols.T, g2)
+        return _conv_grads(dx, dwb, kshape, needs)
 
     return out(z2.reshape(n, *out_hw, cout), inputs, backward)
 
@@ -177,20 +172,28 @@ def _conv_cpu_chunked(
     inputs: tuple[Any, ...],
 ) -> Tensor:
     """:func:`_conv_cpu` for a batch of several chunks of images (:class:`conv_cpu.ChunkedConv`)."""
-    n, (oh, ow), cout, k = conv.padded.shape[0], conv.out_hw, kshape[3], conv.k
+    n, (oh, ow), cout = conv.padded.shape[0], conv.out_hw, kshape[3]
     z2 = conv.forward()
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
-        want_db = len(needs) == 3 and needs[2]
-        dpadded, dwb = conv.backward(
-            g.reshape(n * oh * ow, cout), z2, needs[0], needs[1] or want_db
-        )
+        want_dwb = needs[1] or (len(needs) == 3 and needs[2])
+        dpadded, dwb = conv.backward(g.reshape(n * oh * ow, cout), z2, needs[0], want_dwb)
         dx = None if dpadded is None else crop_padding(dpadded, pads)
-        dw = dwb[:k].reshape(kshape) if needs[1] else None
-        db = dwb[k].copy() if want_db else None
-        return (dx, dw, db) if len(needs) == 3 else (dx, dw)
+        return _conv_grads(dx, dwb, kshape, needs)
 
     return out(z2.reshape(n, oh, ow, cout), inputs, backward)
+
+
+def _conv_grads(
+    dx: Any, dwb: Any, kshape: tuple[int, ...], needs: tuple[bool, ...]
+) -> tuple[Any, ...]:
+    """The VJP's tuple from the kernel matrix's gradient ``dwb``: the kernel's rows, then
+    (with a bias, whose column of ones rides in the block) the bias's row."""
+    k = kshape[0] * kshape[1] * kshape[2]
+    dw = dwb[:k].reshape(kshape) if needs[1] else None
+    if len(needs) == 3:
+        return dx, dw, dwb[k].copy() if needs[2] else None
+    return dx, dw
 
 
 def conv_layer(

@@ -551,7 +551,7 @@ def _read_cpu_clock(clock_id: int) -> float | None:
 def _all_idle(
     clock_ids: list[int | None],
     clocks: dict[int, float],
-    read: Callable[[int], float | None] = _read_cpu_clock,
+    read: Callable[[int], float | None],
 ) -> bool:
     """Whether no thread (by CPU clock id) used the CPU since the last call,
     which recorded their clocks in ``clocks`` (a thread first seen is not idle).
