@@ -162,9 +162,9 @@ def test_chunks_of_images_give_what_the_whole_batch_gives(monkeypatch, cin: int)
     whole = step()
     monkeypatch.setattr(conv_cpu, "IMAGE_CHUNK_BYTES", 1)
     chunked = step()
-    # the output: the same products row by row; the gradients: another order of the sums
-    np.testing.assert_array_equal(chunked[0], whole[0])
-    for got, want in zip(chunked[1:], whole[1:]):
+    # another split of the products' rows and of the kernel gradient's sum: a BLAS may
+    # pick another kernel for another row count, so agreement within the split tolerance
+    for got, want in zip(chunked, whole):
         assert_close_across_splits(got, want)
 
 

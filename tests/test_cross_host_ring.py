@@ -302,3 +302,31 @@ def test_a_link_left_unread_past_the_silence_bound_is_not_blamed_for_its_queued_
     # after more than the silence bound; the heartbeats queued meanwhile prove the
     # neighbour spoke, so the read goes on instead of blaming it at once
     _frame_after_heartbeats(unread=0.8, send_after=0.1)
+
+
+def test_a_neighbour_frozen_for_good_after_its_queued_heartbeats_is_blamed_one_bound_later() -> (
+    None
+):
+    # the unhappy side of the rule above: the queued heartbeats buy one silence bound,
+    # no more; a neighbour that stops for good is then named, well before the deadline
+    import time
+
+    links = ring_links(2)
+    try:
+        links[1].silence = 0.3
+        links[0].heartbeat = 0.05
+        links[0].begin()
+        time.sleep(1.1)  # heartbeats flow
+        links[1].begin()
+        time.sleep(0.8)  # unread: heartbeats queue up
+        links[0].end()  # then no more heartbeats, nor a frame: frozen, its socket open
+        dest = np.zeros(1000, np.float32)
+        start = time.monotonic()
+        with pytest.raises(pf.errors.DeadlineExceededError, match="sent nothing") as caught:
+            links[1].receive_into(memoryview(dest), start + 10)
+        took = time.monotonic() - start
+        assert caught.value.task == "worker:0"
+        assert took < 2.0, took  # one silence bound after the last queued heartbeat
+    finally:
+        for lk in links:
+            lk.close()
