@@ -34,7 +34,9 @@ Variables:
   talks TCP (``psflow.collective.shm_hier``); unset, the boot id, network namespace
   and ``/dev/shm`` say it;
 * ``PSFLOW_CUDNN`` — ``0`` keeps convolutions on CuPy arrays on the im2col path
-  where CuPy has cuDNN (``psflow.ops.conv_gpu``).
+  where CuPy has cuDNN (``psflow.ops.conv_gpu``);
+* ``PSFLOW_COMPILED_KERNELS`` — ``0`` keeps max pooling and the ReLU's gradient on
+  NumPy arrays on NumPy's calls where Numba is installed (``psflow.ops.compiled``).
 
 Example:
     >>> s = ProcessSettings.from_environment({"PSFLOW_NUM_CPU_DEVICES": "4", "PSFLOW_SHM": "off"})
@@ -54,6 +56,7 @@ from psflow.errors import InvalidArgumentError
 __all__ = [
     "ENV_CLOSURE_PLANE",
     "ENV_CLOSURE_TIMEOUT",
+    "ENV_COMPILED_KERNELS",
     "ENV_CUDNN",
     "ENV_DATA_PLANE",
     "ENV_DATA_PLANE_ROUTES",
@@ -80,6 +83,7 @@ ENV_PUSH_BEHIND = "PSFLOW_PUSH_BEHIND"
 ENV_CLOSURE_PLANE = "PSFLOW_CLOSURE_PLANE"
 ENV_HOST_ID = "PSFLOW_HOST_ID"
 ENV_CUDNN = "PSFLOW_CUDNN"
+ENV_COMPILED_KERNELS = "PSFLOW_COMPILED_KERNELS"
 _NAMES = (
     ENV_NUM_CPU_DEVICES,
     ENV_MALLOC_TUNING,
@@ -92,6 +96,7 @@ _NAMES = (
     ENV_CLOSURE_PLANE,
     ENV_HOST_ID,
     ENV_CUDNN,
+    ENV_COMPILED_KERNELS,
 )
 _OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
@@ -171,6 +176,7 @@ class ProcessSettings:
     closure_plane: bool = True
     host_id: str = ""
     cudnn: bool = True
+    compiled_kernels: bool = True
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -194,6 +200,7 @@ class ProcessSettings:
             closure_plane=_switch(env, ENV_CLOSURE_PLANE),
             host_id=env.get(ENV_HOST_ID, "").strip(),
             cudnn=_switch(env, ENV_CUDNN),
+            compiled_kernels=_switch(env, ENV_COMPILED_KERNELS),
         )
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from psflow.ops import compiled
 from psflow.ops.kernel_pool import chunk_bounds, run_chunks, run_gemm_chunks
 from psflow.ops.window_geometry import add_patches, window_slabs
 
@@ -106,8 +107,7 @@ def relu_mask(g2: np.ndarray, z2: np.ndarray) -> np.ndarray:
     masked = np.empty_like(g2)
 
     def chunk(lo: int, hi: int) -> None:
-        # an explicit dtype: NumPy's mixed float-by-bool loop is several times slower
-        np.multiply(g2[lo:hi], z2[lo:hi] > 0, out=masked[lo:hi], dtype=g2.dtype)
+        compiled.relu_grad(g2[lo:hi], z2[lo:hi], masked[lo:hi])
 
     run_chunks(chunk, chunk_bounds(g2.shape[0], 2 * g2.strides[0]))
     return masked
@@ -188,8 +188,8 @@ class ChunkedConv:
 
         def chunk(lo: int, hi: int) -> np.ndarray | None:
             part = g2[lo * rows : hi * rows]
-            if self.relu:  # an explicit dtype: NumPy's mixed float-by-bool loop is slower
-                part = np.multiply(part, z2[lo * rows : hi * rows] > 0, dtype=part.dtype)
+            if self.relu:
+                part = compiled.relu_grad(part, z2[lo * rows : hi * rows])
             if dx is not None:
                 dcols = np.matmul(part, wm_t).reshape(hi - lo, oh, ow, kh, kw, cin)
                 add_patches(dcols, dx[lo:hi], self.strides, self.dilations)

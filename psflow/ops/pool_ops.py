@@ -15,6 +15,7 @@ import numpy as np
 
 from psflow import errors
 from psflow.framework.tensor import Tensor
+from psflow.ops import compiled
 from psflow.ops._core import node, out, xp
 from psflow.ops.kernel_pool import chunk_bounds, run_chunks
 from psflow.ops.window_geometry import (
@@ -111,8 +112,16 @@ def _max_pool_disjoint_cpu(
     z = np.empty((a.shape[0], oh, ow, a.shape[3]), dtype=a.dtype)
     bounds = chunk_bounds(a.shape[0], padded[0].nbytes + z[0].nbytes, POOL_CHUNK_BYTES)
 
+    fast = compiled.kernels(a.dtype, padded.size)
+
     def forward_chunk(lo: int, hi: int) -> None:
         zc, pc = z[lo:hi], padded[lo:hi]
+        if fast is not None and k == (2, 2):
+            fast.max_pool_forward_2x2(pc, s[0], s[1], zc)
+            return
+        if fast is not None:
+            fast.max_pool_forward(pc, k[0], k[1], s[0], s[1], zc)
+            return
         np.copyto(zc, pc[:, windows[0][2], windows[0][3], :])
         for _, _, rows, cols in windows[1:]:
             np.maximum(zc, pc[:, rows, cols, :], out=zc)
@@ -123,9 +132,18 @@ def _max_pool_disjoint_cpu(
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
         dx = np.empty(padded.shape, dtype=g.dtype) if tiled else np.zeros(padded.shape, g.dtype)
+        factors = np.array([0, 1], dtype=g.dtype)
+
+        routes = fast if fast is not None and g.dtype == a.dtype else None
 
         def backward_chunk(lo: int, hi: int) -> None:
             gc, zc, pc, dc = g[lo:hi], z[lo:hi], padded[lo:hi], dx[lo:hi]
+            if routes is not None and k == (2, 2):
+                routes.max_pool_backward_2x2(pc, zc, gc, s[0], s[1], factors, dc)
+                return
+            if routes is not None:
+                routes.max_pool_backward(pc, zc, gc, k[0], k[1], s[0], s[1], factors, dc)
+                return
             taken = np.zeros(zc.shape, dtype=bool)  # windows whose maximum was routed already
             hit = np.empty(zc.shape, dtype=bool)
             last = len(windows) - 1

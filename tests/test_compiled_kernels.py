@@ -1,0 +1,234 @@
+"""The compiled CPU kernels (psflow/ops/compiled.py, Numba): the same bits as NumPy's calls.
+
+Reference: the NumPy path each kernel replaces, run in the same test with
+``PSFLOW_COMPILED_KERNELS=0``; the NumPy path itself is checked against its
+definitions in tests/test_conv_kernels.py (first-maximum routing) and
+tests/test_conv_ops.py. Bit equality holds on every CPU: a maximum, a
+comparison and a product by 0 or 1 are exact. The unhappy paths: Numba missing,
+a compile that fails, the switch off; values that are NaN, infinite, tied or
+negative zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import numpy as np
+import pytest
+
+import psflow as pf
+from psflow.ops import compiled
+
+pytest.importorskip("numba")
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint32 if a.dtype == np.float32 else np.uint64)
+
+
+@pytest.fixture
+def every_size(monkeypatch):
+    """Compiled kernels for arrays of any size (the tests' arrays are small)."""
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process that has not looked for Numba yet (what the test does is undone after)."""
+    monkeypatch.setattr(compiled, "_built", None)
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
+
+
+def _pool_both_ways(monkeypatch, x, make_g, k, s, padding):
+    """(forward, input gradient) of max pooling, compiled and on NumPy (one output gradient,
+    ``make_g(shape)``, for both)."""
+    results = []
+    grads: dict[tuple[int, ...], np.ndarray] = {}
+
+    def g(shape: tuple[int, ...]) -> np.ndarray:
+        return grads[shape] if shape in grads else grads.setdefault(shape, make_g(shape))
+
+    for switch in ("1", "0"):
+        monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", switch)
+        xv = pf.constant(x)
+        with pf.GradientTape() as tape:
+            tape.watch(xv)
+            y = pf.nn.max_pool2d(xv, k, s, padding)
+        grad = tape.gradient(y, xv, output_gradients=pf.constant(g(tuple(y.shape))))
+        results.append((y.numpy(), grad.numpy()))
+    return results
+
+
+def _special(rng, shape, dtype, negative_zeros=True):
+    """Normal values with ties (a coarse grid), NaN, infinities and zeros sprinkled in."""
+    a = np.round(rng.standard_normal(shape) * 2) / 2  # many equal values in a window
+    flat = a.reshape(-1)
+    picks = rng.choice(flat.size, size=max(5, flat.size // 50), replace=False)
+    for i, v in zip(picks, [np.nan, np.inf, -np.inf, -0.0, 0.0] * flat.size):
+        flat[i] = v
+    if not negative_zeros:
+        a[a == 0] = 0.0
+    return a.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("k", "s", "padding"),
+    [
+        (2, 2, "VALID"),  # Keras's default: the unrolled 2x2 kernels, windows tile the input
+        (2, 2, "SAME"),  # an odd size: a padded row and column of -inf
+        (3, 3, "VALID"),  # the general kernels
+        (2, 3, "VALID"),  # gaps between windows: positions in no window keep a zero gradient
+        ((1, 2), (1, 2), "VALID"),
+    ],
+)
+def test_max_pool_gives_numpys_bits_on_ties_nans_infinities_and_zeros(
+    every_size, monkeypatch, dtype, k, s, padding
+) -> None:
+    rng = np.random.default_rng(3)
+    # no -0.0 in the pooled input: which of +0 and -0 NumPy's maximum gives is the CPU's choice
+    x = _special(rng, (3, 9, 11, 5), dtype, negative_zeros=False)
+    with np.errstate(invalid="ignore"):  # NumPy's path multiplies infinities by 0
+        (yc, gc), (yn, gn) = _pool_both_ways(
+            monkeypatch, x, lambda shape: _special(rng, shape, dtype), k, s, padding
+        )
+    np.testing.assert_array_equal(_bits(yc), _bits(yn))
+    np.testing.assert_array_equal(_bits(gc), _bits(gn))
+    assert np.isnan(yc).any() and np.isnan(gc).any() and (np.signbit(gc) & (gc == 0)).any()
+
+
+def test_max_pool_in_chunks_over_the_kernel_threads_gives_the_same_bits(
+    monkeypatch,
+) -> None:
+    """A batch large enough to be compiled by default (no fixture), cut into chunks of one
+    image each, so the kernel threads run the compiled loops at once."""
+    from psflow.ops import pool_ops
+
+    monkeypatch.setattr(pool_ops, "POOL_CHUNK_BYTES", 1)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 26, 26, 32), dtype=np.float32)
+    assert x.size >= compiled.MIN_ELEMENTS
+    (yc, gc), (yn, gn) = _pool_both_ways(
+        monkeypatch, x, lambda shape: rng.standard_normal(shape, dtype=np.float32), 2, 2, "VALID"
+    )
+    np.testing.assert_array_equal(_bits(yc), _bits(yn))
+    np.testing.assert_array_equal(_bits(gc), _bits(gn))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (2, 3, 4)])
+def test_relu_grad_gives_numpys_bits(every_size, dtype, shape) -> None:
+    rng = np.random.default_rng(len(shape))
+    g, z = _special(rng, shape, dtype), _special(rng, shape, dtype)
+    got = compiled.relu_grad(g, z)
+    assert (np.signbit(g) & (g == 0)).any() and np.isnan(g).any()
+    assert compiled.kernels(dtype, g.size) is not None
+    with np.errstate(invalid="ignore"):
+        want = np.multiply(g, z > 0, dtype=dtype)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_relu_grad_of_strided_or_mixed_arrays_takes_numpys_path(every_size) -> None:
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal((6, 8))
+    z = rng.standard_normal((8, 6)).T  # not C-contiguous
+    np.testing.assert_array_equal(compiled.relu_grad(g, z), g * (z > 0))
+    z32 = z.astype(np.float32)  # another dtype than the gradient's
+    np.testing.assert_array_equal(compiled.relu_grad(g, z32), g * (z32 > 0))
+
+
+def test_a_small_array_never_imports_numba(fresh, monkeypatch) -> None:
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(compiled, "_build", lambda: pytest.fail("Numba built for a small array"))
+    g = np.ones((64, 512), dtype=np.float32)
+    np.testing.assert_array_equal(compiled.relu_grad(g, g), g)
+
+
+def test_the_switch_off_keeps_numpy(monkeypatch) -> None:
+    monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", "0")
+    assert compiled.kernels(np.float32, 1 << 20) is None
+    monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", "1")
+    assert compiled.kernels(np.float32, 1 << 20) is not None
+    assert compiled.kernels(np.int32, 1 << 20) is None  # a dtype the loops do not take
+
+
+def test_without_numba_numpy_runs_and_says_so_once(fresh, monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 6, 6, 3), dtype=np.float32)
+    with caplog.at_level(logging.INFO, logger=compiled.__name__):
+        y = pf.nn.max_pool2d(pf.constant(x), 2, 2, "VALID").numpy()
+        compiled.relu_grad(x, x)
+    np.testing.assert_array_equal(y, x.reshape(2, 3, 2, 3, 2, 3).max(axis=(2, 4)))
+    assert compiled.kernels(np.float32, x.size) is None
+    said = [r for r in caplog.records if "Numba is not installed" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_a_compile_that_fails_is_given_up_with_one_warning(fresh, monkeypatch, caplog) -> None:
+    import numba
+
+    def broken(**kwargs):
+        def decorate(fn):
+            raise RuntimeError("no usable LLVM here")
+
+        return decorate
+
+    monkeypatch.setattr(numba, "njit", broken)
+    g = np.arange(-3.0, 3.0).reshape(2, 3)
+    with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+        np.testing.assert_array_equal(compiled.relu_grad(g, g), g * (g > 0))
+        np.testing.assert_array_equal(compiled.relu_grad(g, -g), g * (g < 0))
+    warned = [r for r in caplog.records if "no usable LLVM here" in r.getMessage()]
+    assert len(warned) == 1 and compiled.kernels(np.float64, g.size) is None
+
+
+def test_without_a_writable_cache_the_kernels_compile_in_the_process(fresh, monkeypatch, caplog):
+    import numba
+
+    real = numba.njit
+
+    def no_cache(**kwargs):
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(**kwargs)
+
+    monkeypatch.setattr(numba, "njit", no_cache)
+    g = np.arange(-3.0, 3.0).reshape(2, 3)
+    with caplog.at_level(logging.INFO, logger=compiled.__name__):
+        np.testing.assert_array_equal(compiled.relu_grad(g, g), g * (g > 0))
+    assert compiled.kernels(np.float64, g.size) is not None
+    assert any("compiled per process" in r.getMessage() for r in caplog.records)
+
+
+def _cnn_weights(monkeypatch, switch: str) -> list[np.ndarray]:
+    monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", switch)
+    pf.random.set_seed(11)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((64, 12, 12, 1), dtype=np.float32)
+    y = rng.integers(0, 4, 64)
+    model = pf.keras.Sequential(
+        [
+            pf.keras.Input((12, 12, 1)),
+            pf.keras.layers.Conv2D(8, 3, activation="relu"),
+            pf.keras.layers.MaxPooling2D(),
+            pf.keras.layers.Flatten(),
+            pf.keras.layers.Dense(16, activation="relu"),
+            pf.keras.layers.Dense(4),
+        ]
+    )
+    model.compile(
+        optimizer=pf.keras.optimizers.SGD(0.1),
+        loss=pf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    return model.get_weights()
+
+
+def test_a_seeded_cnn_fit_ends_with_the_same_bits_compiled_or_not(every_size, monkeypatch):
+    compiled_run = _cnn_weights(monkeypatch, "1")
+    numpy_run = _cnn_weights(monkeypatch, "0")
+    for a, b in zip(compiled_run, numpy_run):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
