@@ -154,8 +154,16 @@ class ChunkedConv:
         self.k = kernel[0] * kernel[1] * padded.shape[3]
         self.ones = kmat.shape[0] == self.k + 1
         self.rows = out_hw[0] * out_hw[1]
+        # a chunk's im2col block, kept from the forward pass for the kernel's gradient where
+        # it is no larger than the chunk's output (few input channels: a grey image's block
+        # is 10 columns against 32 outputs), else built again there
+        self.keep = self.k + self.ones <= kmat.shape[1]
+        self.kept: dict[int, np.ndarray] = {}
 
     def _block(self, lo: int, hi: int) -> np.ndarray:
+        kept = self.kept.get(lo)
+        if kept is not None:
+            return kept
         return im2col(
             self.padded[lo:hi], self.kernel, self.strides, self.dilations, self.out_hw, self.ones
         )
@@ -167,7 +175,10 @@ class ChunkedConv:
 
         def chunk(lo: int, hi: int) -> None:
             part = z2[lo * rows : hi * rows]
-            np.matmul(self._block(lo, hi), self.kmat, out=part)
+            block = self._block(lo, hi)
+            if self.keep:
+                self.kept[lo] = block
+            np.matmul(block, self.kmat, out=part)
             if self.relu:
                 np.maximum(part, 0, out=part)
 
