@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from psflow.errors import InvalidArgumentError
+from psflow.ops import compiled
 
 __all__ = [
     "SGD",
@@ -448,10 +449,13 @@ class SGD(UpdateRule):
     def _update(self, var, grad, slots, step):
         lr = _scalar(self.learning_rate, var.dtype)
         if self.momentum == 0:
-            var -= grad * lr
+            if not compiled.sgd_update(var, grad, lr):
+                var -= grad * lr
             return
         mom = _scalar(self.momentum, var.dtype)
         m = slots["momentum"]
+        if compiled.sgd_update(var, grad, lr, m, mom, self.nesterov):
+            return
         m *= mom
         m -= grad * lr
         if self.nesterov:
@@ -501,13 +505,17 @@ class Adam(UpdateRule):
         beta_2_power = _scalar(self.beta_2, dt) ** t
         alpha = lr * np.sqrt(one - beta_2_power) / (one - beta_1_power)
         m, v = slots["momentum"], slots["velocity"]
-        m += (grad - m) * _scalar(1 - self.beta_1, dt)
-        v += (xp.square(grad) - v) * _scalar(1 - self.beta_2, dt)
+        b1c, b2c = _scalar(1 - self.beta_1, dt), _scalar(1 - self.beta_2, dt)
+        eps = _scalar(self.epsilon, dt)
+        if not self.amsgrad and compiled.adam_update(var, grad, m, v, alpha, b1c, b2c, eps):
+            return
+        m += (grad - m) * b1c
+        v += (xp.square(grad) - v) * b2c
         if self.amsgrad:
             v_hat = slots["velocity_hat"]
             xp.maximum(v_hat, v, out=v_hat)
             v = v_hat
-        var -= (m * alpha) / (xp.sqrt(v) + _scalar(self.epsilon, dt))
+        var -= (m * alpha) / (xp.sqrt(v) + eps)
 
 
 @_register

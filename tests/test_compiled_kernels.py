@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import psflow as pf
+from psflow import update_rules
 from psflow.ops import compiled
 
 pytest.importorskip("numba")
@@ -203,7 +204,49 @@ def test_without_a_writable_cache_the_kernels_compile_in_the_process(fresh, monk
     assert any("compiled per process" in r.getMessage() for r in caplog.records)
 
 
-def _cnn_weights(monkeypatch, switch: str) -> list[np.ndarray]:
+RULES = {
+    "sgd": update_rules.SGD(learning_rate=0.1),
+    "momentum": update_rules.SGD(learning_rate=0.1, momentum=0.9),
+    "nesterov": update_rules.SGD(learning_rate=0.1, momentum=0.9, nesterov=True),
+    "adam": update_rules.Adam(learning_rate=0.01),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_update_rules_give_numpys_bits_over_steps(every_size, monkeypatch, rule, dtype) -> None:
+    """Three steps of each rule on the same variable and gradients, compiled and on NumPy;
+    a value that changes every step (the gradient), slots carried between steps."""
+    rng = np.random.default_rng(9)
+    start = rng.standard_normal(1000).astype(dtype)
+    grads = [rng.standard_normal(1000).astype(dtype) for _ in range(3)]
+    grads[1][:5] = [0.0, -0.0, 1e-30, -1e30, 3.0]
+    ends = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", switch)
+        var = start.copy()
+        slots = {n: np.zeros_like(var) for n in RULES[rule].slot_names}
+        with np.errstate(over="ignore", invalid="ignore"):  # -1e30 squared: inf, then NaN
+            for step, g in enumerate(grads, start=1):
+                RULES[rule]._update(var, g, slots, step)
+        ends.append((var, slots))
+    (vc, sc), (vn, sn) = ends
+    np.testing.assert_array_equal(_bits(vc), _bits(vn))
+    for name in sc:
+        np.testing.assert_array_equal(_bits(sc[name]), _bits(sn[name]))
+
+
+def test_update_rules_on_views_or_mixed_dtypes_take_numpys_path(every_size) -> None:
+    rule = RULES["adam"]
+    var = np.ones((8, 6), dtype=np.float32)
+    column = var[:, 2]  # a strided view: updated in place all the same
+    slots = {n: np.zeros_like(column) for n in rule.slot_names}
+    rule._update(column, np.full(8, 0.5, dtype=np.float32), slots, 1)
+    assert (var[:, 2] < 1).all() and (var[:, [0, 1, 3, 4, 5]] == 1).all()
+    assert not compiled.sgd_update(var, var.astype(np.float64), np.float32(0.1))
+
+
+def _cnn_weights(monkeypatch, switch: str, optimizer: str) -> list[np.ndarray]:
     monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", switch)
     pf.random.set_seed(11)
     rng = np.random.default_rng(11)
@@ -220,15 +263,18 @@ def _cnn_weights(monkeypatch, switch: str) -> list[np.ndarray]:
         ]
     )
     model.compile(
-        optimizer=pf.keras.optimizers.SGD(0.1),
+        optimizer=pf.keras.optimizers.get({"class_name": optimizer, "config": {}}),
         loss=pf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     return model.get_weights()
 
 
-def test_a_seeded_cnn_fit_ends_with_the_same_bits_compiled_or_not(every_size, monkeypatch):
-    compiled_run = _cnn_weights(monkeypatch, "1")
-    numpy_run = _cnn_weights(monkeypatch, "0")
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_a_seeded_cnn_fit_ends_with_the_same_bits_compiled_or_not(
+    every_size, monkeypatch, optimizer
+):
+    compiled_run = _cnn_weights(monkeypatch, "1", optimizer)
+    numpy_run = _cnn_weights(monkeypatch, "0", optimizer)
     for a, b in zip(compiled_run, numpy_run):
         np.testing.assert_array_equal(_bits(a), _bits(b))

@@ -123,3 +123,34 @@ def relu_grad(g: Any, z: Any, w: Any, out: Any) -> None:
         gr, zr, o = g[r], z[r], out[r]
         for k in range(cols):
             o[k] = gr[k] * (one if zr[k] > 0 else zero)
+
+
+def sgd(var: Any, grad: Any, lr: Any) -> None:
+    """``var -= grad * lr`` over 1-D arrays (``SGD`` without momentum)."""
+    for i in range(var.size):
+        var[i] -= grad[i] * lr
+
+
+def sgd_momentum(var: Any, grad: Any, m: Any, lr: Any, mom: Any, nesterov: bool) -> None:
+    """``m = m * mom - grad * lr``, then ``var += m`` (or, Nesterov's,
+    ``var += m * mom - grad * lr``) over 1-D arrays, each step rounded as NumPy's."""
+    for i in range(var.size):
+        mi = m[i] * mom
+        mi = mi - grad[i] * lr
+        m[i] = mi
+        if nesterov:
+            var[i] += mi * mom - grad[i] * lr
+        else:
+            var[i] += mi
+
+
+def adam(var: Any, grad: Any, m: Any, v: Any, alpha: Any, b1c: Any, b2c: Any, eps: Any) -> None:
+    """Adam's step over 1-D arrays (``b1c = 1 - beta_1``, ``b2c = 1 - beta_2``, ``alpha`` the
+    bias-corrected rate), each operation rounded as NumPy's sequence of whole-array ones."""
+    for i in range(var.size):
+        g = grad[i]
+        mi = m[i] + (g - m[i]) * b1c
+        m[i] = mi
+        vi = v[i] + (g * g - v[i]) * b2c
+        v[i] = vi
+        var[i] -= (mi * alpha) / (np.sqrt(vi) + eps)

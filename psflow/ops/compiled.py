@@ -54,6 +54,9 @@ class Kernels:
     max_pool_forward_2x2: Callable[..., None]
     max_pool_backward_2x2: Callable[..., None]
     relu_grad: Callable[..., None]
+    sgd: Callable[..., None]
+    sgd_momentum: Callable[..., None]
+    adam: Callable[..., None]
 
     def factors(self, dtype: Any) -> np.ndarray:
         """``[0, 1]`` in ``dtype``: the ``w`` argument of the gradient loops."""
@@ -130,6 +133,10 @@ def _compile(k: Kernels) -> None:
         k.max_pool_backward_2x2(x, z, z, 2, 2, k.factors(dtype), np.empty_like(x))
         rows = x.reshape(-1, 3)
         k.relu_grad(rows, rows, k.factors(dtype), np.empty_like(rows))
+        flat, one = x.reshape(-1).copy(), dtype.type(1)
+        k.sgd(flat, flat, one)
+        k.sgd_momentum(flat, flat, flat.copy(), one, one, False)
+        k.adam(flat, flat, flat.copy(), np.abs(flat), one, one, one, one)
 
 
 def relu_grad(g: np.ndarray, z: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -151,3 +158,48 @@ def relu_grad(g: np.ndarray, z: np.ndarray, out: np.ndarray | None = None) -> np
     else:  # an explicit dtype: NumPy's mixed float-by-bool loop is several times slower
         np.multiply(g, z > 0, out=out, dtype=g.dtype)
     return out
+
+
+def _flat(arrays: tuple[Any, ...]) -> tuple[np.ndarray, ...] | None:
+    """The arrays as 1-D views, or None unless all are C-contiguous NumPy arrays of one dtype
+    and size (the first writable) that the compiled kernels take."""
+    first = arrays[0]
+    if not isinstance(first, np.ndarray) or not first.flags.writeable:
+        return None
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.dtype != first.dtype or a.size != first.size:
+            return None
+        if not a.flags.c_contiguous:
+            return None
+    return tuple(a.reshape(-1) for a in arrays)
+
+
+def sgd_update(
+    var: Any, grad: Any, lr: Any, m: Any = None, mom: Any = None, nesterov=False
+) -> bool:
+    """SGD's step (with momentum slot ``m`` and factor ``mom`` if given) in one compiled pass,
+    the bits of :class:`psflow.update_rules.SGD`'s NumPy operations; False, having changed
+    nothing, where the kernels do not apply (the caller's NumPy path)."""
+    flat = _flat((var, grad) if m is None else (var, grad, m))
+    fast = kernels(var.dtype, var.size) if flat is not None else None
+    if fast is None:
+        return False
+    if m is None:
+        fast.sgd(*flat, lr)
+    else:
+        fast.sgd_momentum(*flat, lr, mom, bool(nesterov))
+    return True
+
+
+def adam_update(
+    var: Any, grad: Any, m: Any, v: Any, alpha: Any, b1c: Any, b2c: Any, eps: Any
+) -> bool:
+    """Adam's step (no AMSGrad) in one compiled pass, the bits of
+    :class:`psflow.update_rules.Adam`'s NumPy operations; False, having changed nothing,
+    where the kernels do not apply."""
+    flat = _flat((var, grad, m, v))
+    fast = kernels(var.dtype, var.size) if flat is not None else None
+    if fast is None:
+        return False
+    fast.adam(*flat, alpha, b1c, b2c, eps)
+    return True
