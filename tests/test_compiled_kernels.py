@@ -28,6 +28,12 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint32 if a.dtype == np.float32 else np.uint64)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ready():
+    """The kernels compiled (or loaded) before the tests that compare them with NumPy."""
+    assert compiled.wait_ready(120) is not None
+
+
 @pytest.fixture
 def every_size(monkeypatch):
     """Compiled kernels for arrays of any size (the tests' arrays are small)."""
@@ -39,6 +45,7 @@ def fresh(monkeypatch):
     """A process that has not looked for Numba yet (what the test does is undone after)."""
     monkeypatch.setattr(compiled, "_built", None)
     monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setattr(compiled, "_building", None)
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
 
 
@@ -142,9 +149,25 @@ def test_relu_grad_of_strided_or_mixed_arrays_takes_numpys_path(every_size) -> N
 
 def test_a_small_array_never_imports_numba(fresh, monkeypatch) -> None:
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1 << 16)
-    monkeypatch.setattr(compiled, "_build", lambda: pytest.fail("Numba built for a small array"))
+    monkeypatch.setattr(compiled, "_start_build", lambda: pytest.fail("built for a small array"))
     g = np.ones((64, 512), dtype=np.float32)
     np.testing.assert_array_equal(compiled.relu_grad(g, g), g)
+
+
+def test_the_first_call_does_not_wait_for_the_compile(fresh, monkeypatch) -> None:
+    """The first large array starts the compile in the background and takes NumPy's path at
+    once (a PS's apply under its mirror's seqlock must not wait seconds for Numba)."""
+    import threading
+
+    gate = threading.Event()
+    real = compiled._build
+    monkeypatch.setattr(compiled, "_build", lambda: (gate.wait(60), real()))
+    g = np.arange(-3.0, 3.0, dtype=np.float32)
+    assert compiled.kernels(np.float32, g.size) is None  # compiling: NumPy meanwhile
+    np.testing.assert_array_equal(compiled.relu_grad(g, g), g * (g > 0))
+    gate.set()
+    assert compiled.wait_ready(120) is not None
+    assert compiled.kernels(np.float32, g.size) is not None
 
 
 def test_the_switch_off_keeps_numpy(monkeypatch) -> None:
@@ -161,6 +184,8 @@ def test_without_numba_numpy_runs_and_says_so_once(fresh, monkeypatch, caplog) -
     x = rng.standard_normal((2, 6, 6, 3), dtype=np.float32)
     with caplog.at_level(logging.INFO, logger=compiled.__name__):
         y = pf.nn.max_pool2d(pf.constant(x), 2, 2, "VALID").numpy()
+        compiled.relu_grad(x, x)
+        assert compiled.wait_ready(60) is None
         compiled.relu_grad(x, x)
     np.testing.assert_array_equal(y, x.reshape(2, 3, 2, 3, 2, 3).max(axis=(2, 4)))
     assert compiled.kernels(np.float32, x.size) is None
@@ -181,6 +206,7 @@ def test_a_compile_that_fails_is_given_up_with_one_warning(fresh, monkeypatch, c
     g = np.arange(-3.0, 3.0).reshape(2, 3)
     with caplog.at_level(logging.WARNING, logger=compiled.__name__):
         np.testing.assert_array_equal(compiled.relu_grad(g, g), g * (g > 0))
+        assert compiled.wait_ready(60) is None
         np.testing.assert_array_equal(compiled.relu_grad(g, -g), g * (g < 0))
     warned = [r for r in caplog.records if "no usable LLVM here" in r.getMessage()]
     assert len(warned) == 1 and compiled.kernels(np.float64, g.size) is None
@@ -200,6 +226,7 @@ def test_without_a_writable_cache_the_kernels_compile_in_the_process(fresh, monk
     g = np.arange(-3.0, 3.0).reshape(2, 3)
     with caplog.at_level(logging.INFO, logger=compiled.__name__):
         np.testing.assert_array_equal(compiled.relu_grad(g, g), g * (g > 0))
+        assert compiled.wait_ready(120) is not None
     assert compiled.kernels(np.float64, g.size) is not None
     assert any("compiled per process" in r.getMessage() for r in caplog.records)
 

@@ -2,12 +2,11 @@
 
 A 2x2 max pool's backward pass in NumPy is 16 calls a chunk over strided runs
 of a few dozen floats (compare, mask, route, multiply per window position);
-the ReLU's gradient is two passes (a mask, then a product). Compiled, each is
-one pass over the arrays that keeps the working set in registers: the tutorial
-CNN's pooling and ReLU gradient take a third to a quarter of NumPy's time.
-The loops live in :mod:`psflow.ops._loops`; they give the same bits as the
-NumPy calls they replace, so a run's results do not depend on whether Numba
-is installed.
+the ReLU's gradient is two passes (a mask, then a product); Adam's update
+eight passes over four arrays. Compiled, each is one pass over its arrays.
+The loops live in :mod:`psflow.ops._loops`; each rounds every operation as the
+NumPy calls it replaces, so a run's results do not depend on whether Numba is
+installed, or on when its compile ended.
 
 :func:`kernels` returns the compiled functions for a dtype (float32 and
 float64), or None, and the callers keep their NumPy path, where:
@@ -15,19 +14,24 @@ float64), or None, and the callers keep their NumPy path, where:
 - Numba is not installed (it is a dependency on the platforms it has wheels
   for; elsewhere this is said once in the log);
 - ``PSFLOW_COMPILED_KERNELS=0`` (:mod:`psflow.settings`);
+- the array is small (:data:`MIN_ELEMENTS`);
+- the kernels are still compiling: the first call starts the compile in a
+  background thread and never waits for it;
 - compiling failed (said once, with the error; NumPy from then on).
 
 Compiled code is cached on disk by Numba (``cache=True``: beside the module,
 or in Numba's user cache where the package is read-only), so a process pays
-the compile (a second or two) only when no earlier process left the cache.
-The functions release the GIL (``nogil=True``): the kernel threads run them
-on chunks of a batch at once (:mod:`psflow.ops.kernel_pool`).
+the compile (a few seconds of a background thread) only when no earlier
+process left the cache, and otherwise loads it (about half a second, Numba's
+import included). The functions release the GIL (``nogil=True``): the kernel
+threads run them on chunks of a batch at once (:mod:`psflow.ops.kernel_pool`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +47,7 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _lock = threading.Lock()
 _built: Kernels | None = None
 _failed = False  # Numba missing or its compile failed: NumPy for the process, said once
+_building: threading.Thread | None = None  # the compile's thread, once started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,46 +79,80 @@ MIN_ELEMENTS = 1 << 16
 
 def kernels(dtype: Any, size: int) -> Kernels | None:
     """The compiled kernels for ``size`` elements of ``dtype``, or None: the caller's NumPy
-    path (Numba missing or off, another dtype, or fewer than :data:`MIN_ELEMENTS`)."""
+    path (Numba missing or off, another dtype, fewer than :data:`MIN_ELEMENTS`, or the
+    kernels still compiling). Never waits: the first call starts the compile in a
+    background thread and the caller, like every caller until it ends, takes NumPy's
+    path, which gives the same bits (a PS applying a push under its mirror's seqlock,
+    a collective under its deadline, never stall for Numba)."""
     if size < MIN_ELEMENTS or _failed or np.dtype(dtype) not in _DTYPES:
         return None
     if not settings.current().compiled_kernels:
         return None
     built = _built
     if built is None:
-        built = _build()
+        _start_build()
     return built
 
 
-def _build() -> Kernels | None:
-    global _built, _failed
+def wait_ready(timeout: float) -> Kernels | None:
+    """Starts the compile if no call has, and waits up to ``timeout`` seconds for it: the
+    kernels, or None (Numba missing or failing, or not done in time)."""
+    _start_build()
+    thread = _building
+    if thread is not None:
+        thread.join(timeout)
+    return _built
+
+
+def _start_build() -> None:
+    global _building
     with _lock:
-        if _built is not None or _failed:
-            return _built
+        if _building is not None or _built is not None or _failed:
+            return
+        _building = threading.Thread(target=_build, name="psflow-compile", daemon=True)
+        _building.start()
+
+
+def _forget_build_in_child() -> None:
+    # a forked child has the flag but not the thread: it compiles (or loads) on its own
+    global _building
+    if _built is None:
+        _building = None
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_forget_build_in_child)
+
+
+def _build() -> None:
+    """The background thread's work: import Numba, compile (or load) the kernels, publish."""
+    global _built, _failed
+    try:
+        import numba
+    except ImportError:
+        _failed = True
+        logger.info(
+            "Numba is not installed: max pooling, the ReLU's gradient and the SGD and Adam "
+            "updates use NumPy's calls"
+        )
+        return
+    try:
         try:
-            import numba
-        except ImportError:
-            _failed = True
-            logger.info("Numba is not installed: max pooling and the ReLU's gradient use NumPy")
-            return None
-        try:
-            try:
-                built = _jit(numba, cache=True)
-            except RuntimeError as e:  # nowhere to keep a cache: a read-only package, no home
-                logger.info("Numba cannot cache psflow's CPU kernels (%s): compiled per process", e)
-                built = _jit(numba, cache=False)
-            _compile(built)
-        except Exception as e:  # an unusable LLVM, say: NumPy's calls give the same results
-            _failed = True
-            logger.warning(
-                "compiling psflow's CPU kernels with Numba failed (%s: %s): max pooling and "
-                "the ReLU's gradient use NumPy from now on in this process",
-                type(e).__name__,
-                e,
-            )
-            return None
-        _built = built
-        return built
+            built = _jit(numba, cache=True)
+        except RuntimeError as e:  # nowhere to keep a cache: a read-only package, no home
+            logger.info("Numba cannot cache psflow's CPU kernels (%s): compiled per process", e)
+            built = _jit(numba, cache=False)
+        _compile(built)
+    except Exception as e:  # an unusable LLVM, say: NumPy's calls give the same results
+        _failed = True
+        logger.warning(
+            "compiling psflow's CPU kernels with Numba failed (%s: %s): max pooling, the "
+            "ReLU's gradient and the SGD and Adam updates use NumPy from now on in this process",
+            type(e).__name__,
+            e,
+        )
+        return
+    _built = built
 
 
 def _jit(numba: Any, cache: bool) -> Kernels:
@@ -123,7 +162,7 @@ def _jit(numba: Any, cache: bool) -> Kernels:
 
 def _compile(k: Kernels) -> None:
     """Runs each kernel once on small arrays of each dtype: the compile happens here, in the
-    calling thread, where a failure is caught, not in a kernel thread mid-step."""
+    background thread, where a failure is caught, not in a kernel thread mid-step."""
     for dtype in _DTYPES:
         x = np.arange(2 * 4 * 4 * 3, dtype=dtype).reshape(2, 4, 4, 3)
         z = np.empty((2, 2, 2, 3), dtype=dtype)
