@@ -108,14 +108,16 @@ def test_ps_tutorial_keras_part_runs_on_a_local_cluster(tmp_path: pathlib.Path):
             "2",
             str(PS_TUTORIAL),
             "--epochs",
-            "2",
+            "3",
             "--workdir",
             str(tmp_path),
         ],
         _standalone_env(1),
         timeout=300,
     )
-    # the label is "yes" exactly when "avenger" is among the features: learnable in 20 steps
+    # the label is "yes" exactly when "avenger" is among the features: learnable in 20 steps,
+    # mostly (1.0 in 9 runs here, loaded or not); asynchronous, so on CI's loaded 2 cores once
+    # 0.87 after 2 epochs: 30 steps leave a margin
     assert _eval_accuracy(out) >= 0.9
     assert (tmp_path / "ckpt").exists()
     assert (tmp_path / "log").is_dir()
