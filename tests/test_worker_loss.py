@@ -178,7 +178,11 @@ def test_fit_with_several_steps_per_closure_trains_every_example_once_when_a_wor
 
 @pytest.mark.parametrize("workers, keeps", [(2, 0.5), (3, 0.6)])
 def test_a_frozen_worker_costs_only_its_own_steps(start_cluster, monkeypatch, workers, keeps):
-    """SIGSTOP the last worker for 6 s: the others keep ``keeps`` of their own step rate."""
+    """SIGSTOP the last worker for 10 s: the others keep ``keeps`` of their own step rate.
+
+    Until the worker is declared silent (the 2 s grace and a probe, ~3.5 s) the closures
+    sent to it hold the others back; over 6 s that left 0.58 of the rate once on CI's
+    loaded cores (threshold 0.6), so the window is 10 s, where the same stall leaves ~0.75."""
     monkeypatch.setenv("PSFLOW_HEALTH_GRACE", "2")
     monkeypatch.setenv("PSFLOW_STRAGGLER_MIN_SECONDS", "1")
     cluster = start_cluster(num_ps=1, num_workers=workers)
@@ -206,7 +210,7 @@ def test_a_frozen_worker_costs_only_its_own_steps(start_cluster, monkeypatch, wo
                 rate_mark("stop")
 
         def on_epoch_end(self, epoch, logs=None):
-            if "stop" in marks and "cont" not in marks and time.monotonic() - marks["stop"] > 6:
+            if "stop" in marks and "cont" not in marks and time.monotonic() - marks["stop"] > 10:
                 rate_mark("cont")
                 os.kill(frozen, signal.SIGCONT)
             if "cont" in marks:
@@ -219,7 +223,7 @@ def test_a_frozen_worker_costs_only_its_own_steps(start_cluster, monkeypatch, wo
 
     freeze = Freeze()
     try:
-        # far more epochs than 6 s can run (550 steps/s seen): the callback ends the fit
+        # far more epochs than 10 s can run (550 steps/s seen): the callback ends the fit
         model.fit(x, y, batch_size=BATCH, epochs=5000, verbose=0, callbacks=[Warm(), freeze])
     finally:
         os.kill(frozen, signal.SIGCONT)
