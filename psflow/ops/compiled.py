@@ -214,7 +214,7 @@ def _flat(arrays: tuple[Any, ...]) -> tuple[np.ndarray, ...] | None:
 
 
 def sgd_update(
-    var: Any, grad: Any, lr: Any, m: Any = None, mom: Any = None, nesterov=False
+    var: Any, grad: Any, lr: Any, m: Any = None, mom: Any = None, nesterov: bool = False
 ) -> bool:
     """SGD's step (with momentum slot ``m`` and factor ``mom`` if given) in one compiled pass,
     the bits of :class:`psflow.update_rules.SGD`'s NumPy operations; False, having changed
