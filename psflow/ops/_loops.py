@@ -115,14 +115,10 @@ def max_pool_backward_2x2(padded: Any, z: Any, g: Any, sh: int, sw: int, w: Any,
 
 
 def relu_grad(g: Any, z: Any, w: Any, out: Any) -> None:
-    """``out = g * (z > 0)`` over 2-D arrays of one shape: the ReLU's input gradient from
-    its output ``z``."""
+    """``out = g * (z > 0)`` over 1-D arrays: the ReLU's input gradient from its output ``z``."""
     zero, one = w[0], w[1]
-    rows, cols = g.shape
-    for r in range(rows):
-        gr, zr, o = g[r], z[r], out[r]
-        for k in range(cols):
-            o[k] = gr[k] * (one if zr[k] > 0 else zero)
+    for i in range(g.size):
+        out[i] = g[i] * (one if z[i] > 0 else zero)
 
 
 def sgd(var: Any, grad: Any, lr: Any) -> None:

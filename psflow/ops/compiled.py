@@ -67,6 +67,25 @@ class Kernels:
         """``[0, 1]`` in ``dtype``: the ``w`` argument of the gradient loops."""
         return np.array([0, 1], dtype=dtype)
 
+    def max_pool(self, padded: Any, k: tuple[int, int], s: tuple[int, int], z: Any) -> None:
+        """``z`` = the max pool of ``padded`` over windows ``k`` that do not overlap (strides
+        ``s``), the unrolled loop for 2x2 windows."""
+        if k == (2, 2):
+            self.max_pool_forward_2x2(padded, s[0], s[1], z)
+        else:
+            self.max_pool_forward(padded, k[0], k[1], s[0], s[1], z)
+
+    def max_pool_grad(
+        self, padded: Any, z: Any, g: Any, k: tuple[int, int], s: tuple[int, int], dx: Any
+    ) -> None:
+        """:meth:`max_pool`'s gradient ``g`` routed into ``dx`` (positions in no window are
+        left as they are), the unrolled loop for 2x2 windows."""
+        w = self.factors(g.dtype)
+        if k == (2, 2):
+            self.max_pool_backward_2x2(padded, z, g, s[0], s[1], w, dx)
+        else:
+            self.max_pool_backward(padded, z, g, k[0], k[1], s[0], s[1], w, dx)
+
 
 _FIELDS = dataclasses.fields(Kernels)
 
@@ -170,9 +189,8 @@ def _compile(k: Kernels) -> None:
         k.max_pool_backward(x, z, z, 2, 2, 2, 2, k.factors(dtype), np.empty_like(x))
         k.max_pool_forward_2x2(x, 2, 2, z)
         k.max_pool_backward_2x2(x, z, z, 2, 2, k.factors(dtype), np.empty_like(x))
-        rows = x.reshape(-1, 3)
-        k.relu_grad(rows, rows, k.factors(dtype), np.empty_like(rows))
         flat, one = x.reshape(-1).copy(), dtype.type(1)
+        k.relu_grad(flat, flat, k.factors(dtype), np.empty_like(flat))
         k.sgd(flat, flat, one)
         k.sgd_momentum(flat, flat, flat.copy(), one, one, False)
         k.adam(flat, flat, flat.copy(), np.abs(flat), one, one, one, one)
@@ -181,19 +199,13 @@ def _compile(k: Kernels) -> None:
 def relu_grad(g: np.ndarray, z: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``g * (z > 0)`` for NumPy arrays of one shape (the ReLU's input gradient from its
     output ``z``), into ``out`` (a new array by default): one compiled pass where Numba is
-    here and both are C-contiguous in one dtype, else NumPy's two passes (the same bits)."""
+    here and all three are C-contiguous in one dtype, else NumPy's two passes (the same bits)."""
     out = np.empty_like(g) if out is None else out
-    fast = None
-    if g.dtype == z.dtype and g.shape == z.shape and g.flags.c_contiguous and z.flags.c_contiguous:
-        fast = kernels(g.dtype, g.size) if out.flags.c_contiguous else None
+    flat = _flat((out, g, z)) if g.shape == z.shape else None
+    fast = kernels(g.dtype, g.size) if flat is not None else None
     if fast is not None:
-        width = g.shape[-1] if g.ndim else 1
-        fast.relu_grad(
-            g.reshape(-1, width),
-            z.reshape(-1, width),
-            fast.factors(g.dtype),
-            out.reshape(-1, width),
-        )
+        o, gf, zf = flat  # type: ignore[misc]
+        fast.relu_grad(gf, zf, fast.factors(g.dtype), o)
     else:  # an explicit dtype: NumPy's mixed float-by-bool loop is several times slower
         np.multiply(g, z > 0, out=out, dtype=g.dtype)
     return out

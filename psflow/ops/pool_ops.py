@@ -116,11 +116,8 @@ def _max_pool_disjoint_cpu(
 
     def forward_chunk(lo: int, hi: int) -> None:
         zc, pc = z[lo:hi], padded[lo:hi]
-        if fast is not None and k == (2, 2):
-            fast.max_pool_forward_2x2(pc, s[0], s[1], zc)
-            return
         if fast is not None:
-            fast.max_pool_forward(pc, k[0], k[1], s[0], s[1], zc)
+            fast.max_pool(pc, k, s, zc)
             return
         np.copyto(zc, pc[:, windows[0][2], windows[0][3], :])
         for _, _, rows, cols in windows[1:]:
@@ -132,17 +129,12 @@ def _max_pool_disjoint_cpu(
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
         dx = np.empty(padded.shape, dtype=g.dtype) if tiled else np.zeros(padded.shape, g.dtype)
-        factors = np.array([0, 1], dtype=g.dtype)
-
         routes = fast if fast is not None and g.dtype == a.dtype else None
 
         def backward_chunk(lo: int, hi: int) -> None:
             gc, zc, pc, dc = g[lo:hi], z[lo:hi], padded[lo:hi], dx[lo:hi]
-            if routes is not None and k == (2, 2):
-                routes.max_pool_backward_2x2(pc, zc, gc, s[0], s[1], factors, dc)
-                return
             if routes is not None:
-                routes.max_pool_backward(pc, zc, gc, k[0], k[1], s[0], s[1], factors, dc)
+                routes.max_pool_grad(pc, zc, gc, k, s, dc)
                 return
             taken = np.zeros(zc.shape, dtype=bool)  # windows whose maximum was routed already
             hit = np.empty(zc.shape, dtype=bool)
