@@ -279,6 +279,41 @@ def test_update_rules_on_views_or_mixed_dtypes_take_numpys_path(every_size) -> N
     assert not compiled.sgd_update(var, var.astype(np.float64), np.float32(0.1))
 
 
+def test_gpu_arrays_never_reach_the_compiled_loops(every_size) -> None:
+    """On a GPU worker (the strict CuPy double, which refuses host conversions) the ReLU's
+    gradient, max pooling and the SGD and Adam updates take CuPy's path and give the CPU's
+    results; only NumPy arrays go to Numba."""
+    from tests import strict_cupy
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 6, 6, 3)).astype(np.float32)
+    g = rng.standard_normal((2, 3, 3, 3)).astype(np.float32)
+    start, grad = rng.standard_normal(500).astype(np.float32), rng.standard_normal(500)
+    grad = grad.astype(np.float32)
+
+    def run(put, get):
+        xv = pf.constant(put(x))
+        with pf.GradientTape() as tape:
+            tape.watch(xv)
+            y = pf.nn.max_pool2d(pf.nn.relu(xv), 2, 2, "VALID")
+        dx = tape.gradient(y, xv, output_gradients=pf.constant(put(g)))
+        out = [get(y.numpy() if hasattr(y, "numpy") else y), get(dx.numpy())]
+        for rule in ("momentum", "adam"):
+            var = put(start.copy())
+            slots = {n: put(np.zeros_like(start)) for n in RULES[rule].slot_names}
+            RULES[rule]._update(var, put(grad), slots, 1)
+            out.append(get(var))
+        return out
+
+    cpu = run(lambda a: a, np.asarray)
+    with strict_cupy.installed(devices=1):
+        import cupy
+
+        on_gpu = run(cupy.asarray, cupy.asnumpy)
+    for a, b in zip(on_gpu, cpu):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _cnn_weights(monkeypatch, switch: str, optimizer: str) -> list[np.ndarray]:
     monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", switch)
     pf.random.set_seed(11)
