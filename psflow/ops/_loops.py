@@ -15,103 +15,119 @@ from typing import Any
 import numpy as np
 
 
-def max_pool_forward(padded: Any, kh: int, kw: int, sh: int, sw: int, z: Any) -> None:
-    """``z[b, i, j] =`` the maximum of ``padded``'s window ``(i, j)``, windows that do not
-    overlap (stride >= window); a NaN in a window gives NaN, as ``np.maximum`` does, and of
-    two equal values the later (the sign of a zero maximum is the later zero's, as x86's
-    ``np.maximum`` gives it; on other CPUs NumPy's may differ in that sign only)."""
-    n, oh, ow, c = z.shape
+def max_pool_argmax(
+    z: Any, kh: int, kw: int, sh: int, sw: int, relu: bool, pooled: Any, idx: Any
+) -> None:
+    """The max pool of ``relu(z)`` (or of ``z`` without ``relu``) over windows that do not
+    overlap (stride >= window) into ``pooled``, and in ``idx`` which position of each
+    window (``p * kw + q``, row-major) is the first equal to its maximum, or ``kh * kw``
+    where none is (a NaN maximum): where the gradient goes, so ``z`` need not be kept.
+
+    The maximum is ``np.maximum``'s, folded over the window in row-major order: a NaN in
+    the window gives NaN, and of two equal values the later (the sign of a zero maximum
+    is the later zero's, as x86's ``np.maximum`` gives it; other CPUs' NumPy may differ in
+    that sign only). The ReLU comes after the pool: the maximum of ``relu(z)`` is ``relu``
+    of the maximum of ``z``; where that maximum is zero no gradient passes the ReLU, so
+    which position ``idx`` names does not matter."""
+    n, oh, ow, c = pooled.shape
+    none = kh * kw
     for b in range(n):
         for i in range(oh):
             for j in range(ow):
-                zz = z[b, i, j]
-                first = padded[b, i * sh, j * sw]
+                zz, ii = pooled[b, i, j], idx[b, i, j]
+                first = z[b, i * sh, j * sw]
                 for ch in range(c):
                     zz[ch] = first[ch]
+                    ii[ch] = none
                 for p in range(kh):
                     for q in range(kw):
                         if p == 0 and q == 0:
                             continue
-                        src = padded[b, i * sh + p, j * sw + q]
+                        src = z[b, i * sh + p, j * sw + q]
                         for ch in range(c):
                             v = src[ch]
                             m = zz[ch]
                             zz[ch] = v if (v >= m or v != v) else m
+                for pos in range(none - 1, -1, -1):  # backwards: the first equal one writes last
+                    src = z[b, i * sh + pos // kw, j * sw + pos % kw]
+                    for ch in range(c):
+                        ii[ch] = pos if src[ch] == zz[ch] else ii[ch]
+                if relu:
+                    for ch in range(c):
+                        m = zz[ch]
+                        zz[ch] = m if (m > 0 or m != m) else 0
 
 
-def max_pool_backward(
-    padded: Any, z: Any, g: Any, kh: int, kw: int, sh: int, sw: int, w: Any, dx: Any
+def max_pool_argmax_2x2(z: Any, sh: int, sw: int, relu: bool, pooled: Any, idx: Any) -> None:
+    """:func:`max_pool_argmax` for 2x2 windows, the window unrolled."""
+    n, oh, ow, c = pooled.shape
+    for b in range(n):
+        for i in range(oh):
+            r = i * sh
+            for j in range(ow):
+                col = j * sw
+                zz, ii = pooled[b, i, j], idx[b, i, j]
+                a0, a1 = z[b, r, col], z[b, r, col + 1]
+                a2, a3 = z[b, r + 1, col], z[b, r + 1, col + 1]
+                for ch in range(c):
+                    v0, v1, v2, v3 = a0[ch], a1[ch], a2[ch], a3[ch]
+                    m = v1 if (v1 >= v0 or v1 != v1) else v0
+                    m = v2 if (v2 >= m or v2 != v2) else m
+                    m = v3 if (v3 >= m or v3 != v3) else m
+                    at = 4 if v3 != m else 3
+                    at = 2 if v2 == m else at
+                    at = 1 if v1 == m else at
+                    ii[ch] = 0 if v0 == m else at
+                    zz[ch] = m if (m > 0 or m != m or not relu) else 0
+
+
+def max_pool_argmax_grad(
+    g: Any, pooled: Any, idx: Any, kh: int, kw: int, sh: int, sw: int, relu: bool, w: Any, dz: Any
 ) -> None:
-    """Routes ``g[b, i, j]`` to the first position (row-major in the window) of window
-    ``(i, j)`` that equals its maximum ``z``, and ``g * 0`` to the window's other positions;
-    ``dx`` positions in no window are left as they are."""
-    n, oh, ow, c = z.shape
+    """The gradient, into ``dz``, of ``max_pool(relu(z))`` (or of ``max_pool(z)`` without
+    ``relu``) from :func:`max_pool_argmax`'s ``pooled`` and ``idx``: ``g`` at each window's
+    first maximum where (with ``relu``) that maximum is above zero, ``g * 0`` at the rest
+    of the window; positions in no window are left as they are. The bits of the pool's
+    routing (``g * 1`` or ``g * 0``) followed by :func:`relu_grad`: ``(g * a) * b`` is
+    ``g * (a * b)`` for factors of 0 and 1. One store per loop over the channels (the
+    loops vectorize)."""
+    n, oh, ow, c = pooled.shape
     zero, one = w[0], w[1]
-    taken = np.zeros(c, dtype=np.bool_)  # per channel: its window's maximum is routed
+    at = np.empty(c, dtype=np.uint8)
+    none = kh * kw
     for b in range(n):
         for i in range(oh):
             for j in range(ow):
-                zz = z[b, i, j]
-                gg = g[b, i, j]
+                gg, mm, ii = g[b, i, j], pooled[b, i, j], idx[b, i, j]
                 for ch in range(c):
-                    taken[ch] = False
+                    at[ch] = ii[ch] if (mm[ch] > 0 or not relu) else none
                 for p in range(kh):
                     for q in range(kw):
-                        src = padded[b, i * sh + p, j * sw + q]
-                        dst = dx[b, i * sh + p, j * sw + q]
+                        dst = dz[b, i * sh + p, j * sw + q]
+                        pos = p * kw + q
                         for ch in range(c):
-                            hit = src[ch] == zz[ch] and not taken[ch]
-                            dst[ch] = gg[ch] * (one if hit else zero)
-                            taken[ch] = taken[ch] or hit
+                            dst[ch] = gg[ch] * (one if at[ch] == pos else zero)
 
 
-def max_pool_forward_2x2(padded: Any, sh: int, sw: int, z: Any) -> None:
-    """:func:`max_pool_forward` for 2x2 windows (Keras's default), the window unrolled: the
-    channel loop then runs in vector registers."""
-    n, oh, ow, c = z.shape
-    for b in range(n):
-        for i in range(oh):
-            r = i * sh
-            for j in range(ow):
-                col = j * sw
-                zz = z[b, i, j]
-                a0, a1 = padded[b, r, col], padded[b, r, col + 1]
-                a2, a3 = padded[b, r + 1, col], padded[b, r + 1, col + 1]
-                for ch in range(c):
-                    m = a0[ch]
-                    v = a1[ch]
-                    m = v if (v >= m or v != v) else m
-                    v = a2[ch]
-                    m = v if (v >= m or v != v) else m
-                    v = a3[ch]
-                    zz[ch] = v if (v >= m or v != v) else m
-
-
-def max_pool_backward_2x2(padded: Any, z: Any, g: Any, sh: int, sw: int, w: Any, dx: Any) -> None:
-    """:func:`max_pool_backward` for 2x2 windows, the window unrolled."""
-    n, oh, ow, c = z.shape
+def max_pool_argmax_grad_2x2(
+    g: Any, pooled: Any, idx: Any, sh: int, sw: int, relu: bool, w: Any, dz: Any
+) -> None:
+    """:func:`max_pool_argmax_grad` for 2x2 windows, the window unrolled."""
+    n, oh, ow, c = pooled.shape
     zero, one = w[0], w[1]
+    at = np.empty(c, dtype=np.uint8)
     for b in range(n):
         for i in range(oh):
             r = i * sh
             for j in range(ow):
                 col = j * sw
-                zz, gg = z[b, i, j], g[b, i, j]
-                a0, a1 = padded[b, r, col], padded[b, r, col + 1]
-                a2, a3 = padded[b, r + 1, col], padded[b, r + 1, col + 1]
-                d0, d1 = dx[b, r, col], dx[b, r, col + 1]
-                d2, d3 = dx[b, r + 1, col], dx[b, r + 1, col + 1]
+                gg, mm, ii = g[b, i, j], pooled[b, i, j], idx[b, i, j]
                 for ch in range(c):
-                    m, gc = zz[ch], gg[ch]
-                    h0 = a0[ch] == m
-                    h1 = a1[ch] == m and not h0
-                    taken = h0 or h1
-                    h2 = a2[ch] == m and not taken
-                    h3 = a3[ch] == m and not (taken or h2)
-                    d0[ch] = gc * (one if h0 else zero)
-                    d1[ch] = gc * (one if h1 else zero)
-                    d2[ch] = gc * (one if h2 else zero)
-                    d3[ch] = gc * (one if h3 else zero)
+                    at[ch] = ii[ch] if (mm[ch] > 0 or not relu) else 4
+                for pos in range(4):
+                    dst = dz[b, r + pos // 2, col + pos % 2]
+                    for ch in range(c):
+                        dst[ch] = gg[ch] * (one if at[ch] == pos else zero)
 
 
 def relu_grad(g: Any, z: Any, w: Any, out: Any) -> None:

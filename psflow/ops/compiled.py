@@ -54,10 +54,10 @@ _building: threading.Thread | None = None  # the compile's thread, once started
 class Kernels:
     """The compiled loops of :mod:`psflow.ops._loops` (same names, same arguments)."""
 
-    max_pool_forward: Callable[..., None]
-    max_pool_backward: Callable[..., None]
-    max_pool_forward_2x2: Callable[..., None]
-    max_pool_backward_2x2: Callable[..., None]
+    max_pool_argmax: Callable[..., None]
+    max_pool_argmax_2x2: Callable[..., None]
+    max_pool_argmax_grad: Callable[..., None]
+    max_pool_argmax_grad_2x2: Callable[..., None]
     relu_grad: Callable[..., None]
     sgd: Callable[..., None]
     sgd_momentum: Callable[..., None]
@@ -67,24 +67,40 @@ class Kernels:
         """``[0, 1]`` in ``dtype``: the ``w`` argument of the gradient loops."""
         return np.array([0, 1], dtype=dtype)
 
-    def max_pool(self, padded: Any, k: tuple[int, int], s: tuple[int, int], z: Any) -> None:
-        """``z`` = the max pool of ``padded`` over windows ``k`` that do not overlap (strides
-        ``s``), the unrolled loop for 2x2 windows."""
+    def max_pool(
+        self,
+        z: Any,
+        k: tuple[int, int],
+        s: tuple[int, int],
+        relu: bool,
+        pooled: Any,
+        idx: Any,
+    ) -> None:
+        """``pooled`` = the max pool of ``relu?(z)`` over windows ``k`` that do not overlap
+        (strides ``s``); ``idx`` (uint8) = each window's first maximum, the position its
+        gradient goes to (:func:`_loops.max_pool_argmax`); the unrolled loop for 2x2."""
         if k == (2, 2):
-            self.max_pool_forward_2x2(padded, s[0], s[1], z)
+            self.max_pool_argmax_2x2(z, s[0], s[1], relu, pooled, idx)
         else:
-            self.max_pool_forward(padded, k[0], k[1], s[0], s[1], z)
+            self.max_pool_argmax(z, k[0], k[1], s[0], s[1], relu, pooled, idx)
 
     def max_pool_grad(
-        self, padded: Any, z: Any, g: Any, k: tuple[int, int], s: tuple[int, int], dx: Any
+        self,
+        g: Any,
+        pooled: Any,
+        idx: Any,
+        k: tuple[int, int],
+        s: tuple[int, int],
+        relu: bool,
+        dz: Any,
     ) -> None:
-        """:meth:`max_pool`'s gradient ``g`` routed into ``dx`` (positions in no window are
-        left as they are), the unrolled loop for 2x2 windows."""
+        """The gradient of ``max_pool(relu?(z))`` with respect to ``z``, into ``dz``, from
+        :meth:`max_pool`'s outputs (positions in no window are left as they are)."""
         w = self.factors(g.dtype)
         if k == (2, 2):
-            self.max_pool_backward_2x2(padded, z, g, s[0], s[1], w, dx)
+            self.max_pool_argmax_grad_2x2(g, pooled, idx, s[0], s[1], relu, w, dz)
         else:
-            self.max_pool_backward(padded, z, g, k[0], k[1], s[0], s[1], w, dx)
+            self.max_pool_argmax_grad(g, pooled, idx, k[0], k[1], s[0], s[1], relu, w, dz)
 
 
 _FIELDS = dataclasses.fields(Kernels)
@@ -185,10 +201,12 @@ def _compile(k: Kernels) -> None:
     for dtype in _DTYPES:
         x = np.arange(2 * 4 * 4 * 3, dtype=dtype).reshape(2, 4, 4, 3)
         z = np.empty((2, 2, 2, 3), dtype=dtype)
-        k.max_pool_forward(x, 2, 2, 2, 2, z)
-        k.max_pool_backward(x, z, z, 2, 2, 2, 2, k.factors(dtype), np.empty_like(x))
-        k.max_pool_forward_2x2(x, 2, 2, z)
-        k.max_pool_backward_2x2(x, z, z, 2, 2, k.factors(dtype), np.empty_like(x))
+        idx = np.empty(z.shape, dtype=np.uint8)
+        for relu in (True, False):
+            k.max_pool_argmax(x, 2, 2, 2, 2, relu, z, idx)
+            k.max_pool_argmax_2x2(x, 2, 2, relu, z, idx)
+            k.max_pool_argmax_grad(z, z, idx, 2, 2, 2, 2, relu, k.factors(dtype), np.empty_like(x))
+            k.max_pool_argmax_grad_2x2(z, z, idx, 2, 2, relu, k.factors(dtype), np.empty_like(x))
         flat, one = x.reshape(-1).copy(), dtype.type(1)
         k.relu_grad(flat, flat, k.factors(dtype), np.empty_like(flat))
         k.sgd(flat, flat, one)

