@@ -390,6 +390,10 @@ def main() -> int:
         for batch in steps:  # warm-up: build the models, fault the buffers in
             for side in SIDES:
                 _together(sides[side], batch, 5)
+        # an idle second: the trainers load psflow's compiled loops in a background thread
+        # after their first large update (~0.4 s, much of it holding the GIL); timed, it
+        # would slow the bound's first round and flatter every share measured against it
+        time.sleep(1.0)
         rates: dict[tuple[str, int], list[float]] = {}
         bound_cpu: dict[tuple[str, int], list[float]] = {}
         for r in range(rounds):
