@@ -379,6 +379,9 @@ def main() -> int:
             key = (shm, mode != "async-waiting")
             if key not in clusters:
                 clusters[key] = PSCluster(shm, key[1], ps_threads, compute_threads)
+                from pss_train import warm_up
+
+                warm_up(clusters[key].spec)
         if ps_cases:
             from psflow import thread_budget
 
