@@ -218,6 +218,10 @@ def _child_train(
         step = _make_step(tf, strategy, batch)
         for _ in range(warmup):
             step(next(dist))
+        # an idle second (every worker, so the steps stay in lockstep): psflow loads its
+        # compiled loops in a background thread after the first large arrays, ~0.4 s
+        # that would otherwise land in the timed steps
+        time.sleep(1.0)
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             loss = step(next(dist))
