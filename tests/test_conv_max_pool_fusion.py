@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import psflow as pf
-from psflow.keras.engine import sequential
+from psflow.keras.engine import functional, sequential
 from psflow.keras.layers.convolutional import conv_then_max_pool
 from psflow.ops import compiled, conv_cpu, conv_ops, pool_ops
 from tests.test_compiled_kernels import _cnn_weights
@@ -150,6 +150,42 @@ def test_a_seeded_sequential_cnn_fits_to_the_same_bits_fused_or_not(chunks, monk
     chunks.clear()
     monkeypatch.setattr(sequential, "conv_then_max_pool", lambda *args: None)
     apart = _cnn_weights(monkeypatch, "1", optimizer)
+    assert chunks == []
+    for a, b in zip(fused, apart):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def _functional_cnn(monkeypatch, fuse: bool, also_read: bool) -> list[np.ndarray]:
+    """A functional CNN's weights after a seeded fit; with ``also_read``, the convolution's
+    output is read by a second layer too (and so is never fused)."""
+    pair = conv_then_max_pool if fuse else (lambda *args: None)
+    monkeypatch.setattr(functional, "conv_then_max_pool", pair)
+    L = pf.keras.layers
+    pf.random.set_seed(13)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((64, 12, 12, 1), dtype=np.float32)
+    y = rng.integers(0, 4, 64)
+    inputs = pf.keras.Input((12, 12, 1))
+    z = L.Conv2D(8, 3, activation="relu")(inputs)
+    h = L.Flatten()(L.MaxPooling2D()(z))
+    if also_read:
+        h = L.Concatenate()([h, L.Flatten()(L.AveragePooling2D()(z))])
+    model = pf.keras.Model(inputs, L.Dense(4)(h))
+    model.compile(
+        optimizer="sgd", loss=pf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("also_read", [False, True])
+def test_a_functional_cnn_fits_to_the_same_bits_fused_or_not(chunks, monkeypatch, also_read):
+    """The pair fuses where the pool is the convolution's only reader, not where another
+    layer reads the convolution's output too."""
+    fused = _functional_cnn(monkeypatch, True, also_read)
+    assert bool(chunks) is not also_read
+    chunks.clear()
+    apart = _functional_cnn(monkeypatch, False, also_read)
     assert chunks == []
     for a, b in zip(fused, apart):
         np.testing.assert_array_equal(_bits(a), _bits(b))

@@ -20,6 +20,7 @@ from psflow.keras.engine import input_spec
 from psflow.keras.engine.keras_tensor import KerasTensor, Node, is_shape, map_shapes
 from psflow.keras.engine.training import Model
 from psflow.keras.layers.base import Layer
+from psflow.keras.layers.convolutional import conv_then_max_pool, pools_after
 from psflow.keras.layers.core import InputLayer
 from psflow.util import nest
 
@@ -122,6 +123,7 @@ class Functional(Model):
             if node.layer not in ordered:
                 ordered.append(node.layer)
         self._graph_layers = ordered
+        self._pooled_convs = _conv_pool_pairs(self._nodes, flat_out)
         for layer in ordered:
             if layer not in self._sublayers:
                 self._sublayers.append(layer)
@@ -208,7 +210,17 @@ class Functional(Model):
         def fill(x: Any) -> Any:
             return values[id(x)] if isinstance(x, KerasTensor) else x
 
+        done: set[int] = set()  # max pools already run with the convolution before them
         for node in self._nodes:
+            if id(node) in done:
+                continue
+            pool = self._pooled_convs.get(id(node))
+            if pool is not None:  # one op, the same bits (see _conv_pool_pairs)
+                pooled = conv_then_max_pool(node.layer, pool.layer, fill(node.args[0]))
+                if pooled is not None:
+                    values[id(pool.flat_outputs[0])] = pooled
+                    done.add(id(pool))
+                    continue
             args = nest.map_structure(fill, list(node.args))
             kwargs = nest.map_structure(fill, dict(node.kwargs))
             kwargs.setdefault("training", training)  # a call's own training= wins, as in Keras
@@ -285,3 +297,27 @@ def _shape_structure(x: Any, shapes: dict[int, Any]) -> Any:
     if isinstance(x, dict):
         return {k: _shape_structure(v, shapes) for k, v in x.items()}
     return [_shape_structure(v, shapes) for v in x]
+
+
+def _conv_pool_pairs(nodes: list[Node], outputs: list[KerasTensor]) -> dict[int, Node]:
+    """``{id(conv node): pool node}`` for each layer call on one tensor whose one output
+    only the call after it reads, itself a call on that tensor alone, and is no output of
+    the model: the pairs :func:`conv_then_max_pool` may run as one op (it checks the
+    layers' kinds at each call; the convolution's output is then never made)."""
+    readers: dict[int, list[Node]] = {}
+    for node in nodes:
+        for t in node.parents:
+            readers.setdefault(id(t), []).append(node)
+    kept = {id(t) for t in outputs}
+    pairs = {}
+    for node in nodes:
+        outs = node.flat_outputs
+        if len(outs) != 1 or len(node.args) != 1 or node.kwargs or id(outs[0]) in kept:
+            continue
+        after = readers.get(id(outs[0]), [])
+        if len(after) != 1 or not pools_after(node.layer, after[0].layer):
+            continue
+        pool = after[0]
+        if len(pool.args) == 1 and pool.args[0] is outs[0] and not pool.kwargs:
+            pairs[id(node)] = pool
+    return pairs

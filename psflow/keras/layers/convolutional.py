@@ -260,20 +260,26 @@ class Conv1D(_Conv):
         )
 
 
+def pools_after(conv: Layer, pool: Layer) -> bool:
+    """Whether ``conv`` is a ``Conv2D`` with a ReLU or no activation and ``pool`` a
+    ``MaxPooling2D``, neither a subclass: a pair :func:`conv_then_max_pool` runs as one op."""
+    from psflow.keras.layers.pooling import MaxPooling2D
+
+    if type(conv) is not Conv2D or type(pool) is not MaxPooling2D:
+        return False
+    return conv.activation is activations.relu or conv.activation is activations.linear
+
+
 def conv_then_max_pool(conv: Layer, pool: Layer, inputs: Any) -> Any:
     """``pool(conv(inputs))`` as one op (:func:`conv_ops.conv_layer_max_pool`: the same
     values and gradients, bit for bit) where ``conv`` is a ``Conv2D`` with a ReLU or no
     activation and ``pool`` a ``MaxPooling2D``, both built and neither a subclass, on
     tensors (not symbolic inputs); None for any other pair (the caller calls each layer)."""
     from psflow.keras.engine import keras_tensor
-    from psflow.keras.layers.pooling import MaxPooling2D
 
-    if type(conv) is not Conv2D or type(pool) is not MaxPooling2D:
+    if not pools_after(conv, pool) or not (conv.built and pool.built):
         return None
-    if not (conv.built and pool.built) or keras_tensor.is_symbolic(inputs):
-        return None
-    relu = conv.activation is activations.relu
-    if not relu and conv.activation is not activations.linear:
+    if keras_tensor.is_symbolic(inputs):
         return None
     return conv_ops.conv_layer_max_pool(
         conv._input(inputs),
@@ -282,7 +288,7 @@ def conv_then_max_pool(conv: Layer, pool: Layer, inputs: Any) -> Any:
         conv.strides,
         conv.padding,
         conv.dilation_rate,
-        relu,
+        conv.activation is activations.relu,
         pool.pool_size,
         pool.strides,
         pool.padding.upper(),
