@@ -15,10 +15,10 @@ in its own subprocess, which measures every batch size. The two frameworks
 alternate (A B, then B A) and each figure is the median over the repeats.
 
 Formulas: steps/s = timed steps / wall seconds of those steps (after warm-up
-steps, at least one second of them: a process's first second holds one-time
-costs, psflow loading its compiled loops and TensorFlow tracing its function);
-examples/s = steps/s * global batch; CPU ms/step = process CPU time
-(all threads) / timed steps.
+steps, then an idle second, so that one-time work the first steps start in the
+background, psflow loading its compiled loops, ends untimed); examples/s =
+steps/s * global batch; CPU ms/step = process CPU time (all threads) / timed
+steps.
 
 Usage::
 
@@ -47,8 +47,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = (784, 512, 512, 10)
 LEARNING_RATE = 0.1
 CHILD_TIMEOUT_S = 300.0
-WARMUP_SECONDS = 1.0
-"""Untimed warm-up of each run lasts at least this long (besides its steps)."""
+WARMUP_IDLE_S = 1.0
+"""Seconds of idle time after each run's warm-up steps, before the timed ones."""
 SIDES = ("psflow", "tensorflow")
 
 logger = logging.getLogger(BENCH)
@@ -116,14 +116,12 @@ def _child(
         distributed_step = _make_step(tf, strategy, batch)
 
         first_loss = float(distributed_step(next(dist)))
-        # warm-up: the steps asked for, and at least WARMUP_SECONDS, so one-time costs of a
-        # process's first second (psflow loading its compiled loops in a background thread,
-        # ~0.4 s holding the GIL much of it; TensorFlow's tracing) stay out of the timing
-        warm_until = time.perf_counter() + WARMUP_SECONDS
-        done = 1
-        while done < warmup or (time.perf_counter() < warm_until and done < 100 * warmup):
-            float(distributed_step(next(dist)))
-            done += 1
+        for _ in range(warmup - 1):
+            distributed_step(next(dist))
+        # then an idle second: one-time work a process's first steps start in the background
+        # (psflow loads its compiled loops in a thread, ~0.4 s holding the GIL much of it)
+        # ends outside the timing; the steps stay a fixed count, so the losses compare
+        time.sleep(WARMUP_IDLE_S)
         cpu_start = time.process_time()
         start = time.perf_counter()
         for _ in range(steps):
