@@ -1,6 +1,7 @@
 """Process fixtures: real servers on 127.0.0.1, every wait bounded, every child reaped.
 
-``start_ps(*args)`` starts ``python -m ps_server --port 0 *args`` and returns a
+``start_ps(*args)`` starts ``python -m ps_server --port P *args`` (``P`` free below
+the system's ephemeral range unless ``args`` name a port) and returns a
 :class:`ServerProcess` once its ``PSFLOW_READY`` line gave the port; every
 process a test started is killed and reaped when the test ends.  ``ps_server``
 is one shared PS process for the whole session (tests use unique variable
@@ -140,14 +141,23 @@ def _no_server_left_running(request):
         pytest.fail(f"{request.node.nodeid} left {len(leaked)} server(s) running: {names}")
 
 
+def _is_port_arg(args: tuple[str, ...], i: int) -> bool:
+    """Whether ``args[i]`` is ``--port`` or the value after it."""
+    return args[i] == "--port" or (i > 0 and args[i - 1] == "--port")
+
+
 @contextlib.contextmanager
 def _ps_factory(log_dir: pathlib.Path, outlives_test: bool = False):
     started: list[ServerProcess] = []
 
     def start(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None):
+        # a port below the ephemeral range (free_port_range), not port 0: a test that
+        # restarts a PS on its old port must find it free, not taken meanwhile by the
+        # local end of an outgoing connection of a test running beside it
+        port = args[args.index("--port") + 1] if "--port" in args else str(free_port_range(1))
         server = start_server(
             "ps_server",
-            ["--port", "0", *args],
+            ["--port", port, *(a for i, a in enumerate(args) if not _is_port_arg(args, i))],
             "PSFLOW_READY ps",
             log_dir=log_dir,
             timeout=timeout,
@@ -296,19 +306,25 @@ def start_cluster(tmp_path):
     """Factory: ``start_cluster(num_ps, num_workers, worker_env=None)`` -> a ready :class:`Cluster`.
 
     Workers get the PS addresses on their command line; every process is reaped
-    at the end of the test, and coordinators the test created are shut down.
+    at the end of the test, and coordinators the test created are shut down. Ports
+    come from :func:`free_port_range`, so ``cluster.restart(role, i)`` can bind the
+    slot's port again.
     """
     started: list[ServerProcess] = []
 
     def start(
         num_ps: int = 1, num_workers: int = 1, worker_env: dict[str, str] | None = None
     ) -> Cluster:
+        # ports below the ephemeral range, not port 0: a process restarted in its slot
+        # binds its old port again, which an outgoing connection of a test running beside
+        # this one could otherwise have been given meanwhile ("Address already in use")
+        base = free_port_range(num_ps + num_workers)
         ps = _start_together(
             [
                 functools.partial(
                     start_server,
                     "ps_server",
-                    ["--port", "0", "--task", f"ps:{i}"],
+                    ["--port", str(base + i), "--task", f"ps:{i}"],
                     "PSFLOW_READY ps",
                     log_dir=tmp_path,
                 )
@@ -324,7 +340,7 @@ def start_cluster(tmp_path):
                     "worker",
                     [
                         "--port",
-                        "0",
+                        str(base + num_ps + i),
                         "--task",
                         f"worker:{i}",
                         "--ps",
