@@ -141,11 +141,6 @@ def _no_server_left_running(request):
         pytest.fail(f"{request.node.nodeid} left {len(leaked)} server(s) running: {names}")
 
 
-def _is_port_arg(args: tuple[str, ...], i: int) -> bool:
-    """Whether ``args[i]`` is ``--port`` or the value after it."""
-    return args[i] == "--port" or (i > 0 and args[i - 1] == "--port")
-
-
 @contextlib.contextmanager
 def _ps_factory(log_dir: pathlib.Path, outlives_test: bool = False):
     started: list[ServerProcess] = []
@@ -154,10 +149,10 @@ def _ps_factory(log_dir: pathlib.Path, outlives_test: bool = False):
         # a port below the ephemeral range (free_port_range), not port 0: a test that
         # restarts a PS on its old port must find it free, not taken meanwhile by the
         # local end of an outgoing connection of a test running beside it
-        port = args[args.index("--port") + 1] if "--port" in args else str(free_port_range(1))
+        port = [] if "--port" in args else ["--port", str(free_port_range(1))]
         server = start_server(
             "ps_server",
-            ["--port", port, *(a for i, a in enumerate(args) if not _is_port_arg(args, i))],
+            [*port, *args],
             "PSFLOW_READY ps",
             log_dir=log_dir,
             timeout=timeout,

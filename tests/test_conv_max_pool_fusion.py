@@ -5,7 +5,9 @@ Reference: the two ops one after the other (``conv_layer``, then ``max_pool2d``)
 run in the same test on the same values; each is checked against its definition
 in tests/test_conv_ops.py and tests/test_conv_kernels.py. The fused op claims the
 same bits, values and gradients, on every CPU: a maximum, a comparison and a
-product by 0 or 1 are exact, and the products run on the same chunks of images.
+product by 0 or 1 are exact, and the products run on the same chunks of images (the one
+exception, a zero maximum's sign where a window holds -0.0 and nothing above it, is
+NumPy's ReLU's choice on non-x86 CPUs; the inputs here have no -0.0).
 The unhappy paths: NaN, infinities and ties in the input; windows that leave
 rows out; every case the op does not fuse (overlapping windows, a padded pool,
 one chunk, the compiled loops off, GPU arrays) runs the two ops.
@@ -54,8 +56,9 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def _grid(rng, shape, dtype, specials=True):
-    """Values on a coarse grid (ties within windows, exact sums), NaN and infinities."""
-    a = np.round(rng.standard_normal(shape) * 2) / 2
+    """Values on a coarse grid (ties within windows, exact sums), NaN and infinities; no
+    ``-0.0`` (the sign of a zero maximum is the CPU's choice in NumPy's ReLU, not here)."""
+    a = np.round(rng.standard_normal(shape) * 2) / 2 + 0.0  # -0.0 + 0.0 is +0.0
     if specials:
         flat = a.reshape(-1)
         picks = rng.choice(flat.size, size=3, replace=False)

@@ -333,10 +333,11 @@ def _conv_max_pool_cpu(
     kh, kw, cin, cout = k.shape
     n = a.shape[0]
     fast = compiled.kernels(a.dtype, n * out_hw[0] * out_hw[1] * cout)
-    kmat = conv_cpu.kernel_matrix(k.reshape(kh * kw * cin, cout), None if b is None else b._array())
-    bounds = conv_cpu.image_chunks(n, out_hw[0] * out_hw[1], kmat.shape[0], cout, a.dtype.itemsize)
+    width = kh * kw * cin + (b is not None)  # the kernel matrix's rows
+    bounds = conv_cpu.image_chunks(n, out_hw[0] * out_hw[1], width, cout, a.dtype.itemsize)
     if fast is None or len(bounds) < 2:
         return None
+    kmat = conv_cpu.kernel_matrix(k.reshape(kh * kw * cin, cout), None if b is None else b._array())
     padded = pad_input(a, pads, 0.0)
     conv = conv_cpu.ChunkedConv(padded, kmat, (kh, kw), strides, dilations, out_hw, relu, bounds)
     pooled, idx = conv.forward_max_pool(fast, (pk[0], pk[1]), (ps[0], ps[1]), pooled_hw)

@@ -263,9 +263,11 @@ class Conv1D(_Conv):
 def pools_after(conv: Layer, pool: Layer) -> bool:
     """Whether ``conv`` is a ``Conv2D`` with a ReLU or no activation and ``pool`` a
     ``MaxPooling2D``, neither a subclass: a pair :func:`conv_then_max_pool` runs as one op."""
-    from psflow.keras.layers.pooling import MaxPooling2D
+    if type(conv) is not Conv2D:  # first: Sequential asks of every pair of layers, every step
+        return False
+    from psflow.keras.layers.pooling import MaxPooling2D  # pooling imports this module
 
-    if type(conv) is not Conv2D or type(pool) is not MaxPooling2D:
+    if type(pool) is not MaxPooling2D:
         return False
     return conv.activation is activations.relu or conv.activation is activations.linear
 
