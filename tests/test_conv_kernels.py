@@ -322,6 +322,29 @@ def test_blas_held_to_one_nests_restores_and_keeps_the_products_bits(threads) ->
     assert replica_pool.blas_thread_count() == before
 
 
+def test_blas_held_to_one_sets_nothing_when_the_budget_is_one_thread(monkeypatch) -> None:
+    """A process budgeted one BLAS thread (every PS worker) pays no library call to narrow
+    and restore it around each product: only the count is read."""
+    from psflow.distribute import replica_pool
+
+    before = replica_pool.blas_thread_count()
+    if before is None:
+        pytest.skip("the loaded BLAS has no settable thread count")
+    replica_pool.set_blas_thread_count(1)
+    sets: list[int] = []
+    real = replica_pool.set_blas_thread_count
+    monkeypatch.setattr(replica_pool, "set_blas_thread_count", lambda n: sets.append(n) or real(n))
+    try:
+        a = np.ones((600, 300), np.float32)
+        with kernel_pool.blas_held_to_one() as held:
+            assert held
+            kernel_pool.matmul(a, a.T[:, :64].copy())
+        kernel_pool.matmul(a, a.T[:, :64].copy())
+        assert sets == [] and replica_pool.blas_thread_count() == 1
+    finally:
+        real(before)
+
+
 def test_fit_holds_the_blas_to_one_thread_per_step_and_puts_it_back() -> None:
     from psflow.distribute import replica_pool
 

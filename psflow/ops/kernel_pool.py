@@ -417,7 +417,8 @@ class _HeldToOne:
                 self._outer = None
                 return False
             _blas_narrowed += 1
-            set_blas_thread_count(1)
+            if _blas_before != 1:  # a budget of one thread (a PS worker's) has nothing to narrow
+                set_blas_thread_count(1)
         _held.depth = 1
         self._outer = True
         return True
@@ -435,7 +436,7 @@ class _HeldToOne:
         _held.depth = 0
         with _blas_state:
             _blas_narrowed -= 1
-            if _blas_narrowed == 0 and _blas_before is not None:
+            if _blas_narrowed == 0 and _blas_before not in (None, 1):
                 set_blas_thread_count(_blas_before)
 
 
