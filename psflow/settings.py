@@ -230,6 +230,9 @@ class PerEnvironment(Generic[T]):
 
 
 _current = PerEnvironment(_NAMES, ProcessSettings.from_environment)
+_compiled_kernels = PerEnvironment(
+    (ENV_COMPILED_KERNELS,), lambda env: _switch(env, ENV_COMPILED_KERNELS)
+)
 
 
 def current(environ: Mapping[str, str] | None = None) -> ProcessSettings:
@@ -239,3 +242,10 @@ def current(environ: Mapping[str, str] | None = None) -> ProcessSettings:
         InvalidArgumentError: see :meth:`ProcessSettings.from_environment`.
     """
     return _current(environ)
+
+
+def compiled_kernels(environ: Mapping[str, str] | None = None) -> bool:
+    """``current().compiled_kernels``, reading only its own variable: the kernels ask before
+    every large elementwise op (a dozen times a training step, and a PS's every apply), where
+    ``current`` reads all of psflow's variables each time."""
+    return _compiled_kernels(environ)

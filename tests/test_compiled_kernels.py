@@ -279,7 +279,7 @@ def test_update_rules_on_views_or_mixed_dtypes_take_numpys_path(every_size) -> N
     assert not compiled.sgd_update(var, var.astype(np.float64), np.float32(0.1))
 
 
-def test_gpu_arrays_never_reach_the_compiled_loops(every_size) -> None:
+def test_gpu_arrays_never_reach_the_compiled_loops(every_size, monkeypatch) -> None:
     """On a GPU worker (the strict CuPy double, which refuses host conversions) the ReLU's
     gradient, max pooling and the SGD and Adam updates take CuPy's path and give the CPU's
     results; only NumPy arrays go to Numba."""
@@ -306,10 +306,16 @@ def test_gpu_arrays_never_reach_the_compiled_loops(every_size) -> None:
         return out
 
     cpu = run(lambda a: a, np.asarray)
+    asked: list[int] = []  # a GPU's arrays never even ask (a GPU process never loads Numba)
+    real = compiled.kernels
+    monkeypatch.setattr(
+        compiled, "kernels", lambda dtype, size: asked.append(size) or real(dtype, size)
+    )
     with strict_cupy.installed(devices=1):
         import cupy
 
         on_gpu = run(cupy.asarray, cupy.asnumpy)
+    assert asked == []
     for a, b in zip(on_gpu, cpu):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 

@@ -45,3 +45,22 @@ def test_current_follows_a_changed_environment(monkeypatch):
     assert settings.current().num_cpu_devices == 3
     monkeypatch.setenv("PSFLOW_NUM_CPU_DEVICES", "5")
     assert settings.current().num_cpu_devices == 5
+
+
+@pytest.mark.parametrize("value", [None, "1", "0", "off", " No "])
+def test_compiled_kernels_reads_its_own_variable_as_current_does(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("PSFLOW_COMPILED_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("PSFLOW_COMPILED_KERNELS", value)
+    assert settings.compiled_kernels() is settings.current().compiled_kernels
+    env = {} if value is None else {"PSFLOW_COMPILED_KERNELS": value}
+    assert (
+        settings.compiled_kernels(env)
+        is settings.ProcessSettings.from_environment(env).compiled_kernels
+    )
+    # a bad value of another variable is that variable's business, not every kernel call's
+    monkeypatch.setenv("PSFLOW_NUM_CPU_DEVICES", "two")
+    with pytest.raises(errors.InvalidArgumentError):
+        settings.current()
+    assert settings.compiled_kernels() is (value is None or value.strip().lower() == "1")

@@ -121,7 +121,7 @@ def kernels(dtype: Any, size: int) -> Kernels | None:
     a collective under its deadline, never stall for Numba)."""
     if size < MIN_ELEMENTS or _failed or np.dtype(dtype) not in _DTYPES:
         return None
-    if not settings.current().compiled_kernels:
+    if not settings.compiled_kernels():
         return None
     built = _built
     if built is None:
@@ -219,10 +219,11 @@ def relu_grad(g: np.ndarray, z: np.ndarray, out: np.ndarray | None = None) -> np
     output ``z``), into ``out`` (a new array by default): one compiled pass where Numba is
     here and all three are C-contiguous in one dtype, else NumPy's two passes (the same bits)."""
     out = np.empty_like(g) if out is None else out
-    flat = _flat((out, g, z)) if g.shape == z.shape else None
-    fast = kernels(g.dtype, g.size) if flat is not None else None
-    if fast is not None:
-        o, gf, zf = flat  # type: ignore[misc]
+    # the size first: most calls are small, and their arrays need no checking
+    fast = kernels(g.dtype, g.size) if isinstance(g, np.ndarray) and g.shape == z.shape else None
+    flat = None if fast is None else _flat((out, g, z))
+    if fast is not None and flat is not None:
+        o, gf, zf = flat
         fast.relu_grad(gf, zf, fast.factors(g.dtype), o)
     else:  # an explicit dtype: NumPy's mixed float-by-bool loop is several times slower
         np.multiply(g, z > 0, out=out, dtype=g.dtype)
@@ -249,9 +250,10 @@ def sgd_update(
     """SGD's step (with momentum slot ``m`` and factor ``mom`` if given) in one compiled pass,
     the bits of :class:`psflow.update_rules.SGD`'s NumPy operations; False, having changed
     nothing, where the kernels do not apply (the caller's NumPy path)."""
-    flat = _flat((var, grad) if m is None else (var, grad, m))
-    fast = kernels(var.dtype, var.size) if flat is not None else None
-    if fast is None:
+    # the size first: a bias needs no checking (nor a GPU's array, which never starts Numba)
+    fast = kernels(var.dtype, var.size) if isinstance(var, np.ndarray) else None
+    flat = None if fast is None else _flat((var, grad) if m is None else (var, grad, m))
+    if fast is None or flat is None:
         return False
     if m is None:
         fast.sgd(*flat, lr)
@@ -266,9 +268,9 @@ def adam_update(
     """Adam's step (no AMSGrad) in one compiled pass, the bits of
     :class:`psflow.update_rules.Adam`'s NumPy operations; False, having changed nothing,
     where the kernels do not apply."""
-    flat = _flat((var, grad, m, v))
-    fast = kernels(var.dtype, var.size) if flat is not None else None
-    if fast is None:
+    fast = kernels(var.dtype, var.size) if isinstance(var, np.ndarray) else None
+    flat = None if fast is None else _flat((var, grad, m, v))
+    if fast is None or flat is None:
         return False
     fast.adam(*flat, alpha, b1c, b2c, eps)
     return True
