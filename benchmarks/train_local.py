@@ -19,6 +19,17 @@ first step to the end of the last (so per-call setup is excluded);
 ``examples/s = steps/s * batch``. The median of ``reps`` epochs is reported, with
 ``fit_s``, the median wall time of the whole ``fit`` call.
 
+For the MLP, the psflow worker also times, after each of its ``fit`` epochs, the
+step's matrix products alone (``products``): the step's GEMMs with its shapes and
+in its order (two forward products and the last layer's, the backward pairs, the
+first layer's kernel gradient), once through psflow's kernel threads as ``fit``
+runs them (``psflow kernels``) and once as plain NumPy products on the BLAS's own
+threads (``numpy blas``), the median ms per step of each. Next to tf.keras's step
+time from the same repetitions this gives the floor of any MLP step on this host:
+``budget 1.5x`` is tf.keras's ms per step / 1.5 (the step a 1.5x lead needs), and
+``share`` the faster products' ms over it. Above 1 (or near it) no amount of work
+outside the products gets psflow to 1.5x on this machine.
+
 stdout: JSON lines (BENCHMARKS.md); stderr: a table and progress.
 
     python benchmarks/train_local.py            # 5 alternating repetitions
@@ -153,6 +164,10 @@ def worker(side: str, threads: int | None) -> None:
     for line in sys.stdin:  # ends when the parent closes stdin
         request = json.loads(line)
         name, batch, steps = request["model"], int(request["batch"]), int(request["steps"])
+        if request.get("products"):
+            reply.write(json.dumps(_products(batch, steps)) + "\n")
+            reply.flush()
+            continue
         if (name, batch) not in models:
             models[name, batch] = make(name)
         model, callback_cls = models[name, batch]
@@ -175,6 +190,43 @@ def worker(side: str, threads: int | None) -> None:
         }
         reply.write(json.dumps(result) + "\n")
         reply.flush()
+
+
+def _products(batch: int, steps: int) -> dict[str, float]:
+    """Median ms per step of the MLP step's GEMMs alone: through psflow's kernel threads
+    (the calls ``fit`` makes) and as plain NumPy products on the BLAS's own threads."""
+    import numpy as np
+
+    from psflow.ops import kernel_pool as kp
+
+    rng = np.random.default_rng(SEED)
+    d = DIMS
+    x = rng.standard_normal((batch, d[0]), dtype=np.float32)
+    w = [rng.standard_normal((d[i], d[i + 1]), dtype=np.float32) for i in range(3)]
+    h = [rng.standard_normal((batch, d[i + 1]), dtype=np.float32) for i in range(3)]
+
+    def kernels() -> None:
+        kp.dense(x, w[0]), kp.dense(h[0], w[1]), kp.dense(h[1], w[2])
+        kp.matmuls([(h[2], w[2].T), (h[1].T, h[2])])
+        kp.matmuls([(h[1], w[1].T), (h[0].T, h[1])])
+        kp.matmul(x.T, h[0])
+
+    def blas() -> None:
+        x @ w[0], h[0] @ w[1], h[1] @ w[2]
+        h[2] @ w[2].T, h[1].T @ h[2], h[1] @ w[1].T, h[0].T @ h[1], x.T @ h[0]
+
+    out = {}
+    for key, step in (("kernels_ms", kernels), ("blas_ms", blas)):
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        out[key] = statistics.median(times) * 1e3
+        time.sleep(0.2)  # the BLAS's own threads stop spinning before the next side
+    return out
 
 
 # -- the parent ----------------------------------------------------------------------------------
@@ -222,10 +274,11 @@ class Worker:
             raise RuntimeError(f"{self.side} worker exited with status {self.proc.wait(10)}")
         return json.loads(line)
 
-    def run(self, model: str, batch: int, steps: int) -> dict[str, Any]:
-        """One timed ``fit`` epoch of ``model`` in the worker."""
+    def run(self, model: str, batch: int, steps: int, products: bool = False) -> dict[str, Any]:
+        """One timed ``fit`` epoch of ``model`` in the worker (``products``: the MLP step's
+        products alone, ``steps`` times)."""
         assert self.proc.stdin is not None
-        request = {"model": model, "batch": batch, "steps": steps}
+        request = {"model": model, "batch": batch, "steps": steps, "products": products}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._read()
@@ -307,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = _load()
     workers: dict[str, Worker] = {}
     results: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    floors: dict[int, list[dict[str, float]]] = {}  # the MLP step's products alone, per batch
     try:
         for side in sides:
             _log(f"starting the {side} worker...")
@@ -323,6 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for side in order:
                         r = workers[side].run(name, b, steps[b])
                         results.setdefault((name, side, b), []).append(r)
+                        if side == "psflow" and name == "mlp":
+                            p = workers[side].run(name, b, steps[b], products=True)
+                            floors.setdefault(b, []).append(p)
                         _log(
                             f"rep {rep + 1}/{reps} {name} batch {b:4d} {side:9s} "
                             f"{(r['steps'] - 1) / r['steady_s']:8.1f} steps/s"
@@ -381,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     }
                 )
 
+    floor_rows = _floor_records(floors, table)
     _log(
         f"\nmodel.fit, SGD {LEARNING_RATE}, {platform.processor() or 'cpu'}, "
         f"{os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
@@ -395,7 +453,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         ratio = f"{ex / tf_ex:10.2f}x" if tf_ex else " " * 11
         _log(f"{name:5} {b:5d} {side:9} {rate:9.1f} {ex:11.0f} {ratio}")
+    if floor_rows:
+        _log("\nthe MLP step's products alone, ms per step (median), against tf.keras's step / 1.5")
+        _log(f"{'batch':>5} {'kernels':>8} {'numpy':>8} {'tf step':>8} {'budget':>8} {'share':>6}")
+        for b, kernels_ms, blas_ms, tf_ms, budget, share in floor_rows:
+            _log(f"{b:5d} {kernels_ms:8.2f} {blas_ms:8.2f} {tf_ms:8.2f} {budget:8.2f} {share:6.2f}")
     return 0
+
+
+def _floor_records(
+    floors: dict[int, list[dict[str, float]]], table: list[tuple[str, int, str, float, float]]
+) -> list[tuple[int, float, float, float, float, float]]:
+    """Emits the products' records; the table's rows (with tf.keras's step where it ran)."""
+    rows = []
+    for b, runs in sorted(floors.items()):
+        kernels_ms = statistics.median(r["kernels_ms"] for r in runs)
+        blas_ms = statistics.median(r["blas_ms"] for r in runs)
+        case = f"products/{CASE['mlp']}/b{b}"
+        for side, ms in (("psflow kernels", kernels_ms), ("numpy blas", blas_ms)):
+            _emit({"case": case, "side": side, "metric": "ms_per_step", "value": ms,
+                   "unit": "ms", "n": len(runs)})  # fmt: skip
+        tf_rate = next(
+            (r for n, bb, s, r, _ in table if (n, bb, s) == ("mlp", b, "tf.keras")), None
+        )
+        if tf_rate:
+            tf_ms = 1e3 / tf_rate
+            budget = tf_ms / 1.5
+            share = min(kernels_ms, blas_ms) / budget
+            _emit({"case": case, "metric": "share_of_1.5x_budget", "value": share, "unit": "x",
+                   "numerator": "the faster products' ms per step",
+                   "baseline": "tf.keras ms per step / 1.5"})  # fmt: skip
+            rows.append((b, kernels_ms, blas_ms, tf_ms, budget, share))
+    return rows
 
 
 if __name__ == "__main__":
