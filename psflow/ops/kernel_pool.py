@@ -379,6 +379,18 @@ class _Held(threading.local):
 
 
 _held = _Held()
+_replica_pool: Any = None  # psflow.distribute.replica_pool, once a hold first needs it
+
+
+def _import_replica_pool() -> Any:
+    # imported on first use, not with this module (psflow.distribute imports the ops), and
+    # kept: an import statement costs ~1.7 us, twice per hold, each product a hold in a
+    # replica thread (its functions are looked up on the module, so a test can patch them)
+    global _replica_pool
+    from psflow.distribute import replica_pool
+
+    _replica_pool = replica_pool
+    return replica_pool
 
 
 def blas_held_to_one() -> _HeldToOne:
@@ -407,18 +419,17 @@ class _HeldToOne:
             _held.depth += 1
             self._outer = False
             return True
-        from psflow.distribute.replica_pool import blas_thread_count, set_blas_thread_count
-
+        pool = _replica_pool or _import_replica_pool()
         global _blas_narrowed, _blas_before
         with _blas_state:
             if _blas_narrowed == 0:
-                _blas_before = blas_thread_count()
+                _blas_before = pool.blas_thread_count()
             if _blas_before is None:  # no control over the BLAS's threads: do not fight them
                 self._outer = None
                 return False
             _blas_narrowed += 1
             if _blas_before != 1:  # a budget of one thread (a PS worker's) has nothing to narrow
-                set_blas_thread_count(1)
+                pool.set_blas_thread_count(1)
         _held.depth = 1
         self._outer = True
         return True
@@ -430,14 +441,12 @@ class _HeldToOne:
         if not outer:
             _held.depth -= 1
             return
-        from psflow.distribute.replica_pool import set_blas_thread_count
-
         global _blas_narrowed
         _held.depth = 0
         with _blas_state:
             _blas_narrowed -= 1
             if _blas_narrowed == 0 and _blas_before not in (None, 1):
-                set_blas_thread_count(_blas_before)
+                (_replica_pool or _import_replica_pool()).set_blas_thread_count(_blas_before)
 
 
 def run_gemm_chunks(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
