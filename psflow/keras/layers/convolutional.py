@@ -277,10 +277,10 @@ def conv_then_max_pool(conv: Layer, pool: Layer, inputs: Any) -> Any:
     values and gradients, bit for bit) where ``conv`` is a ``Conv2D`` with a ReLU or no
     activation and ``pool`` a ``MaxPooling2D``, both built and neither a subclass, on
     tensors (not symbolic inputs); None for any other pair (the caller calls each layer)."""
+    if not pools_after(conv, pool) or not (conv.built and pool.built):
+        return None  # every other pair of a Sequential, every step: before any import
     from psflow.keras.engine import keras_tensor
 
-    if not pools_after(conv, pool) or not (conv.built and pool.built):
-        return None
     if keras_tensor.is_symbolic(inputs):
         return None
     return conv_ops.conv_layer_max_pool(
