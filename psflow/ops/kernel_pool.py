@@ -382,15 +382,17 @@ _held = _Held()
 _replica_pool: Any = None  # psflow.distribute.replica_pool, once a hold first needs it
 
 
-def _import_replica_pool() -> Any:
-    # imported on first use, not with this module (psflow.distribute imports the ops), and
-    # kept: an import statement costs ~1.7 us, twice per hold, each product a hold in a
-    # replica thread (its functions are looked up on the module, so a test can patch them)
+def _blas_control() -> Any:
+    # psflow.distribute.replica_pool, imported on first use, not with this module
+    # (psflow.distribute imports the ops), and kept: an import statement costs ~1.7 us,
+    # twice per hold, each product a hold in a replica thread (its functions are looked up
+    # on the module, so a test can patch them)
     global _replica_pool
-    from psflow.distribute import replica_pool
+    if _replica_pool is None:
+        from psflow.distribute import replica_pool
 
-    _replica_pool = replica_pool
-    return replica_pool
+        _replica_pool = replica_pool
+    return _replica_pool
 
 
 def blas_held_to_one() -> _HeldToOne:
@@ -419,7 +421,7 @@ class _HeldToOne:
             _held.depth += 1
             self._outer = False
             return True
-        pool = _replica_pool or _import_replica_pool()
+        pool = _blas_control()
         global _blas_narrowed, _blas_before
         with _blas_state:
             if _blas_narrowed == 0:
@@ -446,7 +448,7 @@ class _HeldToOne:
         with _blas_state:
             _blas_narrowed -= 1
             if _blas_narrowed == 0 and _blas_before not in (None, 1):
-                (_replica_pool or _import_replica_pool()).set_blas_thread_count(_blas_before)
+                _blas_control().set_blas_thread_count(_blas_before)
 
 
 def run_gemm_chunks(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]]) -> list[T]:
