@@ -9,7 +9,10 @@ Backward functions have the signature ``backward(upstream, needs)``, where
 ``upstream`` is the gradient array of the op's output and ``needs`` a tuple of
 booleans saying which inputs want a gradient (so a matmul skips the product it
 does not need). They return one entry per input: an array, an
-:class:`IndexedSlices` for sparse row gradients, or ``None``.
+:class:`IndexedSlices` for sparse row gradients, or ``None`` (and, while
+:meth:`GradientTape._gradient_for_update` runs, a matrix weight's gradient may be
+a :class:`~psflow.framework.product_gradient.ProductGradient`: see
+:func:`products_deferred`).
 
 Example:
     >>> import psflow as pf
@@ -30,6 +33,7 @@ from typing import Any
 
 from psflow import backend, errors, memory
 from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.product_gradient import ProductGradient
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
 from psflow.util import nest
@@ -41,6 +45,7 @@ class _TapeStack(threading.local):
     def __init__(self) -> None:
         # made on a thread's first access, so an op never pays for a missing attribute
         self.tapes: list[GradientTape] = []
+        self.defer_products = False  # set by GradientTape._gradient_for_update
 
 
 _local = _TapeStack()
@@ -57,6 +62,20 @@ class UnconnectedGradients(enum.Enum):
 
 def _tapes() -> list[GradientTape]:
     return _local.tapes
+
+
+def products_deferred() -> bool:
+    """Whether a backward function running now may return a matrix weight's gradient as a
+    :class:`ProductGradient` (its two factors) instead of their product: only inside
+    :meth:`GradientTape._gradient_for_update`, whose caller's optimizer takes them."""
+    return _local.defer_products
+
+
+def _dense(g: Any) -> Any:
+    """A sparse or deferred gradient as a dense array (any other one as it is)."""
+    if isinstance(g, IndexedSlices) or type(g) is ProductGradient:
+        return g.dense_array()
+    return g
 
 
 def _is_float(node: Any) -> bool:
@@ -85,11 +104,7 @@ def _accumulate(a: Any, b: Any) -> Any:
             xp.concatenate([a._indices, b._indices]),
             a._dense_shape,
         )
-    if isinstance(a, IndexedSlices):
-        a = a.dense_array()
-    if isinstance(b, IndexedSlices):
-        b = b.dense_array()
-    return a + b
+    return _dense(a) + _dense(b)
 
 
 def _is_node(x: Any) -> bool:
@@ -312,7 +327,7 @@ class GradientTape:
                 g = grads.get(key) if key in keep else grads.pop(key, None)
                 if g is None:
                     continue
-                if type(g) is IndexedSlices:
+                if type(g) is IndexedSlices or type(g) is ProductGradient:
                     g = g.dense_array()
                 if len(in_ids) == 1:  # unrolled: most ops have one input
                     gx = backward(g, needs)[0]
@@ -335,8 +350,8 @@ class GradientTape:
                     results.append(Tensor._wrap(backend.xp_of(arr).zeros_like(arr)))
                 else:
                     results.append(None)
-            elif isinstance(g, IndexedSlices):
-                results.append(g)
+            elif isinstance(g, IndexedSlices) or type(g) is ProductGradient:
+                results.append(g)  # (a ProductGradient only for _gradient_for_update)
             else:
                 results.append(Tensor._wrap(g))
         if not self._persistent:
@@ -346,6 +361,17 @@ class GradientTape:
         if type(sources) is tuple:
             return tuple(results)
         return nest.pack_sequence_as(sources, results)
+
+    def _gradient_for_update(self, target: Any, sources: Any) -> list[Any]:
+        """:meth:`gradient` of ``target`` w.r.t. the list ``sources``, for an optimizer that takes
+        a :class:`ProductGradient`: a dense layer's (or a 2-D ``matmul``'s) weight gradient
+        may come back as its two factors, for the optimizer to multiply out as it updates
+        the weight (``Model.train_step`` calls this when its optimizer says it can)."""
+        _local.defer_products = True
+        try:
+            return self.gradient(target, sources)
+        finally:
+            _local.defer_products = False
 
     def jacobian(self, target: Any, sources: Any) -> Any:
         """Jacobian of every element of ``target`` w.r.t. ``sources`` (a slow, exact loop).

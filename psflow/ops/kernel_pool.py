@@ -257,6 +257,24 @@ def _compute_cut(m: int, k: int, n: int, share: int) -> tuple[str, tuple[tuple[i
     return kind, tuple((lo, min(lo + step, along)) for lo in range(0, along, step))
 
 
+def row_chunks(m: int, k: int, n: int) -> tuple[tuple[int, int], ...]:
+    """The rows of an ``(m, k) @ (k, n)`` product in chunks, for a caller that uses each
+    chunk of rows as soon as it is made (an optimizer updating a weight with its gradient's
+    rows while they are in cache): as many chunks as :func:`gemm_cut` would make alone,
+    always along the rows. A function of the shapes only.
+
+    Example:
+        >>> row_chunks(784, 64, 512)
+        ((0, 392), (392, 784))
+        >>> row_chunks(300, 64, 512)
+        ((0, 300),)
+    """
+    parts = min(GEMM_MAX_CHUNKS, 2 * m * k * n // GEMM_CHUNK_FLOPS, m // GEMM_MIN_SPAN)
+    parts = 1 << (parts.bit_length() - 1) if parts > 1 else 1
+    step = -(-m // parts)
+    return tuple((lo, min(lo + step, m)) for lo in range(0, m, step))
+
+
 def matmul(a: Any, b: Any) -> Any:
     """``a @ b`` for 2-D NumPy matrices, cut by shape into chunks run on the kernel threads.
 

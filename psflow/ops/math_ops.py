@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 
 from psflow import dtypes, errors
+from psflow.framework import tape as tape_lib
+from psflow.framework.product_gradient import ProductGradient
 from psflow.framework.tensor import Tensor
 from psflow.ops import kernel_pool
 from psflow.ops._core import (
@@ -550,12 +552,26 @@ def _matmul_2d(x: Any, y: Any, A: Any, B: Any) -> Tensor:
     z = mm(A, B)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, Any]:
-        if needs[0] and needs[1] and mm is kernel_pool.matmul:  # side by side, as Dense's
-            ga, gb = kernel_pool.matmuls([(g, B.T), (A.T, g)])
-            return ga, gb
-        return (mm(g, B.T) if needs[0] else None, mm(A.T, g) if needs[1] else None)
+        return matmul_grads(g, A, B, needs, mm)
 
     return out(z, (x, y), backward)
+
+
+def matmul_grads(g: Any, a: Any, w: Any, needs: tuple[bool, ...], mm: Any) -> tuple[Any, Any]:
+    """The gradients of ``a @ w`` from the output's ``g``: ``(g @ w.T, a.T @ g)``, each only
+    where ``needs`` asks (``mm`` multiplies: the kernel threads' for NumPy arrays).
+
+    On NumPy arrays the two products run side by side on the kernel threads. While the
+    tape defers products (:func:`psflow.framework.tape.products_deferred`: ``fit``'s step,
+    for an optimizer that multiplies the weight's gradient out as it updates the weight),
+    ``w``'s gradient is the :class:`ProductGradient` of ``a`` and ``g`` instead.
+    """
+    if needs[1] and mm is kernel_pool.matmul and tape_lib.products_deferred():
+        return (mm(g, w.T) if needs[0] else None, ProductGradient(a, g))
+    if needs[0] and needs[1] and mm is kernel_pool.matmul:
+        gx, gw = kernel_pool.matmuls([(g, w.T), (a.T, g)])
+        return gx, gw
+    return (mm(g, w.T) if needs[0] else None, mm(a.T, g) if needs[1] else None)
 
 
 def _product(a: Any, b: Any) -> Any:

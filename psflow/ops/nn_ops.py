@@ -73,7 +73,7 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, ...]:
         if relu:
             g = _relu_grad(g, z)
-        grads = _input_and_weight_grads(g, a, w, needs, mm)
+        grads = math_ops.matmul_grads(g, a, w, needs, mm)
         if len(needs) == 3:
             return (*grads, g.sum(axis=0) if needs[2] else None)
         return grads
@@ -83,16 +83,6 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
 
 def _product(a: Any, b: Any) -> Any:
     return a @ b
-
-
-def _input_and_weight_grads(
-    g: Any, a: Any, w: Any, needs: tuple[bool, ...], mm: Any
-) -> tuple[Any, Any]:
-    """``(g @ w.T, a.T @ g)``, each only where ``needs`` asks; NumPy's two side by side."""
-    if needs[0] and needs[1] and mm is kernel_pool.matmul:
-        gx, gw = kernel_pool.matmuls([(g, w.T), (a.T, g)])
-        return gx, gw
-    return (mm(g, w.T) if needs[0] else None, mm(a.T, g) if needs[1] else None)
 
 
 def relu6(features: Any, name: str | None = None) -> Tensor:

@@ -233,7 +233,12 @@ class Model(Layer):
             scale = self._loss_scale(batch_size)
             scaled = math_ops.multiply(loss, scale) if scale != 1.0 else loss
         variables = self.trainable_variables
-        grads = tape.gradient(scaled, variables)
+        if self.optimizer._takes_product_gradients():
+            # a dense weight's gradient as its two factors: the optimizer multiplies them out
+            # block by block of the weight, updating each block while it is in cache
+            grads = tape._gradient_for_update(scaled, variables)
+        else:
+            grads = tape.gradient(scaled, variables)
         self.optimizer.apply_gradients(zip(grads, variables))
         return self._update_metrics(loss, y, y_pred, sample_weight, batch_size)
 

@@ -18,6 +18,7 @@ from psflow import backend, errors, update_rules
 from psflow.distribute import distribute_lib
 from psflow.distribute.protocols import GroupUpdated, ReplicatedVariable
 from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.product_gradient import ProductGradient
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
 from psflow.keras.optimizers.learning_rate import LearningRate
@@ -275,16 +276,29 @@ class Optimizer(Trackable):
             InvalidArgumentError: a gradient whose shape differs from its variable's.
         """
         all_pairs = list(grads_and_vars)
+        deferred = False
         for g, v in all_pairs:
             if g is None:
                 continue
-            gshape = g._dense_shape if isinstance(g, IndexedSlices) else to_array(g).shape
+            deferred = deferred or type(g) is ProductGradient
+            gshape = (
+                g._dense_shape
+                if isinstance(g, IndexedSlices)
+                else g.shape
+                if type(g) is ProductGradient
+                else to_array(g).shape
+            )
             if tuple(gshape) != _shape_of(v):
                 raise errors.InvalidArgumentError(
                     f"Gradient of shape {list(gshape)} does not match variable {v.name} of shape "
                     f"{list(v.shape)}"
                 )
         ctx = distribute_lib.get_replica_context()
+        if deferred:  # only a plain variable's own update multiplies one out as it goes
+            take = self._takes_product_gradients()
+            all_pairs = [
+                (g if take and type(v) is Variable else _multiplied_out(g), v) for g, v in all_pairs
+            ]
         if not (ctx is not None and ctx.num_replicas_in_sync > 1 and distribute_lib.has_strategy()):
             pairs = [(g, v) for g, v in all_pairs if g is not None]
             if pairs:
@@ -325,6 +339,26 @@ class Optimizer(Trackable):
             self._iterations = step
         return self.iterations
 
+    def _takes_product_gradients(self) -> bool:
+        """Whether :meth:`apply_gradients` may be handed a :class:`ProductGradient` (a weight's
+        gradient as its two factors) and multiply it out as it updates the weight.
+
+        True for this class's own apply on one replica with no strategy, no clipping
+        (which needs the whole gradient) and an elementwise rule: ``Model.train_step``
+        then asks its tape for them (:meth:`GradientTape._gradient_for_update`). A
+        subclass that replaces ``apply_gradients`` or ``_apply_local`` gets arrays.
+        """
+        cls = type(self)
+        return (
+            cls.apply_gradients is Optimizer.apply_gradients
+            and cls._apply_local is Optimizer._apply_local
+            and self.clipnorm is None
+            and self.clipvalue is None
+            and self.global_clipnorm is None
+            and not distribute_lib.has_strategy()
+            and type(self.rule) in _ELEMENTWISE_RULES
+        )
+
     def _clip_present(self, grads: list[Any]) -> list[Any]:
         """Clips the gradients that are not ``None``, keeping the ``None`` ones in place."""
         present = [g for g in grads if g is not None]
@@ -340,6 +374,13 @@ class Optimizer(Trackable):
         arr = var._array() if array is None else array
         slots = self.slot_arrays(var, replica, arr)
         rule = self.rule
+        if type(grad) is ProductGradient:
+            batch = _collecting.batch
+            if batch is not None and batch.add_product(
+                rule, arr, grad, slots, step, var.constraint
+            ):
+                return  # multiplied out and applied chunk by chunk with the batch
+            grad = grad.dense_array()
         if isinstance(grad, IndexedSlices):
             values = grad._values
             if values.dtype != arr.dtype:
@@ -455,10 +496,14 @@ class _ChunkedUpdates:
     those of the rule on the whole array (elementwise rules only), and the
     variables are independent, so their order does not matter. The rule's checks run
     once per variable (:meth:`add`), its formula once per chunk.
+
+    A gradient kept as its two factors (:meth:`add_product`) is multiplied out chunk by
+    chunk of the weight's rows, each chunk's rows by the thread that then updates them.
     """
 
     def __init__(self) -> None:
-        self._tasks: list[tuple[Any, tuple[Any, ...], tuple[str, ...], int, int, int]] = []
+        # (rule, flat arrays, slot names, step, lo, hi, product rows or None)
+        self._tasks: list[tuple[Any, tuple[Any, ...], tuple[str, ...], int, int, int, Any]] = []
         self._constraints: list[tuple[Any, Any]] = []
         self._taken: set[int] = set()  # ids of the variables' arrays taken
 
@@ -500,7 +545,57 @@ class _ChunkedUpdates:
         names = tuple(slots)
         per_item = sum(a.itemsize for a in arrays)
         for lo, hi in kernel_pool.chunk_bounds(arr.size, per_item, CHUNKED_UPDATE_CHUNK_BYTES):
-            self._tasks.append((rule, flat, names, step, lo, hi))
+            self._tasks.append((rule, flat, names, step, lo, hi, None))
+        if constraint is not None:
+            self._constraints.append((constraint, arr))
+        return True
+
+    def add_product(
+        self,
+        rule: update_rules.UpdateRule,
+        arr: Any,
+        grad: ProductGradient,
+        slots: dict[str, Any],
+        step: int,
+        constraint: Any,
+    ) -> bool:
+        """Takes the update of ``arr`` by a gradient kept as its factors: each chunk of
+        ``arr``'s rows gets its rows of the product (one single-threaded BLAS call) and
+        the rule at once, while they are in cache. False where it does not apply (another
+        rule or array type, a small or non-contiguous variable, factors of another dtype):
+        the caller then multiplies the gradient out and applies it as any other.
+
+        Unlike :meth:`add`, one kernel thread is enough: the gain is the passes over
+        memory that the chunks save, not the threads."""
+        left, right = grad.left, grad.right
+        if (
+            type(rule) not in _ELEMENTWISE_RULES
+            or type(arr) is not np.ndarray
+            or arr.nbytes < CHUNKED_UPDATE_MIN_BYTES
+            or type(left) is not np.ndarray
+            or type(right) is not np.ndarray
+            or left.dtype != arr.dtype
+            or right.dtype != arr.dtype
+            or grad.shape != arr.shape
+        ):
+            return False
+        for a in (arr, *slots.values()):
+            if (
+                type(a) is not np.ndarray
+                or a.shape != arr.shape
+                or a.dtype != arr.dtype
+                or not a.flags.c_contiguous
+            ):
+                return False
+        rule._check_slots(arr, slots, step)
+        if id(arr) in self._taken:
+            self.run()
+        self._taken.add(id(arr))
+        flat = (arr.reshape(-1), None, *(a.reshape(-1) for a in slots.values()))
+        names = tuple(slots)
+        m, n = arr.shape
+        for lo, hi in kernel_pool.row_chunks(m, left.shape[0], n):
+            self._tasks.append((rule, flat, names, step, lo * n, hi * n, (grad, lo, hi)))
         if constraint is not None:
             self._constraints.append((constraint, arr))
         return True
@@ -514,13 +609,27 @@ class _ChunkedUpdates:
             return
 
         def chunk(i: int, _: int) -> None:
-            rule, flat, names, step, lo, hi = tasks[i]
+            rule, flat, names, step, lo, hi, rows = tasks[i]
             part = {n: f[lo:hi] for n, f in zip(names, flat[2:])}
-            rule._update(flat[0][lo:hi], flat[1][lo:hi], part, step)
+            if rows is None:
+                g = flat[1][lo:hi]
+            else:
+                product, r0, r1 = rows
+                g = product.rows(r0, r1).reshape(-1)
+            rule._update(flat[0][lo:hi], g, part, step)
 
-        kernel_pool.run_chunks(chunk, [(i, i + 1) for i in range(len(tasks))])
+        bounds = [(i, i + 1) for i in range(len(tasks))]
+        if any(t[6] is not None for t in tasks):  # BLAS calls: held to one thread meanwhile
+            kernel_pool.run_gemm_chunks(chunk, bounds)
+        else:
+            kernel_pool.run_chunks(chunk, bounds)
         for constraint, arr in constraints:
             _constrain(constraint, arr)
+
+
+def _multiplied_out(g: Any) -> Any:
+    """``g``, a :class:`ProductGradient` multiplied out (any other gradient as it is)."""
+    return g.dense_array() if type(g) is ProductGradient else g
 
 
 def _copy_slots(slots: dict[str, Any], saved: dict[str, np.ndarray]) -> None:
