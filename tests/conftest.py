@@ -412,6 +412,32 @@ def pid_alive(pid: int) -> bool:
     return state not in ([b"Z"], [b"X"])
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Sends ``proc`` SIGSTOP and waits (bounded) until every one of its threads has stopped.
+
+    The signal stops a thread when the kernel next handles its signals: a thread running
+    on another core right then (a PS answering the call before) may still read and answer
+    one more request. Where ``/proc`` is missing the signal alone is sent.
+    """
+    proc.send_signal(signal.SIGSTOP)
+    task_dir = f"/proc/{proc.pid}/task"
+    if not os.path.isdir(task_dir):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/stat", "rb") as f:
+                    states.append(f.read().rpartition(b")")[2].split()[:1])
+            except OSError:  # a thread that just ended
+                continue
+        if states and all(state in ([b"T"], [b"t"]) for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"pid {proc.pid} did not stop within {timeout} s of SIGSTOP")
+
+
 def wait_gone(pids, timeout: float = 15.0) -> list[int]:
     """Waits (bounded) until no pid in ``pids`` is alive; returns those still alive."""
     deadline = time.monotonic() + timeout

@@ -36,7 +36,7 @@ from psflow.security.config import SecurityConfig
 from psflow.transport import codec
 from psflow.transport.client import PSClient
 from psflow.transport.dataplane import DataPlaneClient, auth, frames
-from tests.conftest import pick_free_port
+from tests.conftest import pick_free_port, stop_process
 from tests.test_auth_tls import make_pki, tls
 
 pytestmark = pytest.mark.slow
@@ -215,7 +215,7 @@ def test_a_started_push_to_a_ps_killed_for_good_raises_unavailable(start_ps):
     with PSClient(server.address, timeout=5) as client:
         client.create_variable("w", np.zeros(1 << 20, np.float32), optimizer={"name": "sgd"})
         client.pull("w")
-        server.proc.send_signal(signal.SIGSTOP)  # sent while it is stopped, then it dies
+        stop_process(server.proc)  # sent while it is stopped, then it dies
         started = client.start_push({"w": np.ones(1 << 20, np.float32)})
         server.proc.kill()
         server.proc.wait(10)
@@ -342,7 +342,7 @@ def test_stalled_ps_gives_the_deadline_error_of_the_grpc_path(start_ps):
         for c in (plane, grpc_only):
             c.create_variable(f"w{id(c)}", np.zeros(1 << 20, np.float32), optimizer={"name": "sgd"})
             c.pull(f"w{id(c)}")
-        server.proc.send_signal(signal.SIGSTOP)
+        stop_process(server.proc)
         try:
             got = [_failure(c, f"w{id(c)}", 1.5) for c in (plane, grpc_only)]
         finally:
@@ -362,7 +362,7 @@ def test_ps_killed_mid_push_gives_the_error_of_the_grpc_path(start_ps):
             client.create_variable("w", np.zeros(1 << 22, np.float32), optimizer={"name": "sgd"})
             client.pull("w")
             assert (client.data_plane_address is not None) is use_plane
-            server.proc.send_signal(signal.SIGSTOP)  # the push is under way when it dies
+            stop_process(server.proc)  # the push is under way when it dies
             result = {}
             pusher = threading.Thread(
                 target=lambda c=client, r=result: r.update(r=_failure(c, "w", 4.0)), daemon=True
