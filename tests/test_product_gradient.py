@@ -266,3 +266,26 @@ def test_a_gpu_worker_never_makes_the_factors(monkeypatch) -> None:
     assert made == []
     for g, w in zip(on_gpu, on_cpu):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tape_asked_inside_a_deferring_backward_pass_gets_arrays() -> None:
+    """A backward function that asks a tape of its own (an op's gradient computed by
+    differentiation) runs while the outer tape defers: its answer is an array all the same."""
+    from psflow.ops._core import node, out
+
+    w = pf.Variable(np.ones((IN, HIDDEN), np.float32))
+    x = np.ones((BATCH, IN), np.float32)
+    inner: list[Any] = []
+
+    def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any]:
+        with pf.GradientTape() as tape:
+            y = pf.reduce_sum(pf.matmul(pf.constant(x), w))
+        inner.append(tape.gradient(y, w))
+        return (g,)
+
+    with pf.GradientTape() as tape:
+        source = node(w)
+        y = pf.reduce_sum(out(source._array() * 2, (source,), backward))
+    tape._gradient_for_update(y, [w])
+    assert len(inner) == 1 and type(inner[0]) is pf.Tensor
+    np.testing.assert_array_equal(inner[0].numpy(), np.full((IN, HIDDEN), BATCH, np.float32))

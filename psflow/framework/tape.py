@@ -45,7 +45,8 @@ class _TapeStack(threading.local):
     def __init__(self) -> None:
         # made on a thread's first access, so an op never pays for a missing attribute
         self.tapes: list[GradientTape] = []
-        self.defer_products = False  # set by GradientTape._gradient_for_update
+        # the tape whose GradientTape._gradient_for_update runs now, if any
+        self.deferring: GradientTape | None = None
 
 
 _local = _TapeStack()
@@ -68,7 +69,7 @@ def products_deferred() -> bool:
     """Whether a backward function running now may return a matrix weight's gradient as a
     :class:`ProductGradient` (its two factors) instead of their product: only inside
     :meth:`GradientTape._gradient_for_update`, whose caller's optimizer takes them."""
-    return _local.defer_products
+    return _local.deferring is not None
 
 
 def _dense(g: Any) -> Any:
@@ -350,8 +351,10 @@ class GradientTape:
                     results.append(Tensor._wrap(backend.xp_of(arr).zeros_like(arr)))
                 else:
                     results.append(None)
-            elif isinstance(g, IndexedSlices) or type(g) is ProductGradient:
-                results.append(g)  # (a ProductGradient only for _gradient_for_update)
+            elif isinstance(g, IndexedSlices):
+                results.append(g)
+            elif type(g) is ProductGradient:  # only _gradient_for_update's own call gets one
+                results.append(g if _local.deferring is self else Tensor._wrap(g.dense_array()))
             else:
                 results.append(Tensor._wrap(g))
         if not self._persistent:
@@ -367,11 +370,11 @@ class GradientTape:
         a :class:`ProductGradient`: a dense layer's (or a 2-D ``matmul``'s) weight gradient
         may come back as its two factors, for the optimizer to multiply out as it updates
         the weight (``Model.train_step`` calls this when its optimizer says it can)."""
-        _local.defer_products = True
+        before, _local.deferring = _local.deferring, self
         try:
             return self.gradient(target, sources)
         finally:
-            _local.defer_products = False
+            _local.deferring = before
 
     def jacobian(self, target: Any, sources: Any) -> Any:
         """Jacobian of every element of ``target`` w.r.t. ``sources`` (a slow, exact loop).
