@@ -135,3 +135,75 @@ def test_a_failing_update_fails_every_rank_without_hanging(threshold):
     _, errs = run_replicas(2, again)
     assert not errs, errs
     assert sum(seen) == 64
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_products_as_factors_are_summed_by_whole_rows_against_numpy(n, monkeypatch):
+    """A replica's gradient given as its factors (``left.T @ right``): each rank multiplies
+    out its rows of every replica's product; every copy gets the float64 sum, once, and
+    ranges never split a row (beside plain arrays, whose ranges are not rows)."""
+    from psflow.framework.product_gradient import ProductGradient
+
+    monkeypatch.setattr(reduce_update, "SUB_CHUNK_BYTES", 4 << 10)  # several rows per unit
+    rng = np.random.default_rng(n)
+    factors = [
+        (rng.standard_normal((5, 37), np.float32), rng.standard_normal((5, 24), np.float32))
+        for _ in range(n)
+    ]
+    plain = [rng.standard_normal(101).astype(np.float32) for _ in range(n)]
+    xs = [[plain[q], ProductGradient(*factors[q])] for q in range(n)]
+    comm = Communicator(n, RingAllReduce(replica_parallel_threshold_bytes=0))
+    copies = [[np.zeros(101, np.float32), np.zeros((37, 24), np.float32)] for _ in range(n)]
+    hits = [np.zeros(101, np.int64), np.zeros(37 * 24, np.int64)]
+    pieces: list[tuple[int, int]] = []
+
+    def body(rank):
+        def update(k, lo, hi, summed):
+            hits[k][lo:hi] += 1
+            if k == 1:
+                pieces.append((lo, hi))
+            for row in copies:
+                row[k].reshape(-1)[lo:hi] += summed
+
+        comm.reduce_and_update(rank, xs[rank], update)
+
+    _, errs = run_replicas(n, body)
+    assert not errs, errs
+    assert all((h == 1).all() for h in hits)
+    assert all(lo % 24 == 0 and hi % 24 == 0 for lo, hi in pieces)
+    want = sum(a.astype(np.float64).T @ b.astype(np.float64) for a, b in factors)
+    np.testing.assert_allclose(copies[0][1], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(copies[0][0], np.sum(plain, axis=0), rtol=1e-6, atol=1e-6)
+    for row in copies[1:]:
+        np.testing.assert_array_equal(row[1], copies[0][1])
+
+
+def test_a_product_beside_another_replicas_array_is_multiplied_out_first():
+    """A replica with no gradient for a weight passes zeros where the others pass factors:
+    the factors are multiplied out, and the sum is the others' product."""
+    from psflow.framework.product_gradient import ProductGradient
+
+    rng = np.random.default_rng(3)
+    left, right = rng.standard_normal((4, 6), np.float32), rng.standard_normal((4, 5), np.float32)
+    xs = [[ProductGradient(left, right)], [np.zeros((6, 5), np.float32)]]
+    comm = Communicator(2)
+    got = np.zeros(30, np.float32)
+
+    def body(rank):
+        def update(k, lo, hi, summed):
+            got[lo:hi] = summed
+
+        comm.reduce_and_update(rank, xs[rank], update)
+
+    _, errs = run_replicas(2, body)
+    assert not errs, errs
+    np.testing.assert_allclose(got.reshape(6, 5), left.T @ right, rtol=1e-6)
+
+
+def test_factors_that_are_not_numpy_or_disagree_in_dtype_are_refused():
+    from psflow.framework.product_gradient import ProductGradient
+
+    comm = Communicator(1)
+    bad = ProductGradient(np.ones((2, 3), np.float32), np.ones((2, 4), np.float64))
+    with pytest.raises(errors.InvalidArgumentError, match="NumPy arrays"):
+        comm.reduce_and_update(0, [bad], lambda *a: None)

@@ -45,7 +45,7 @@ def _fit(optimizer: Any, deferred: bool, monkeypatch: Any, layers: int = 1, **de
     """Weights after two epochs, with the factors handed on or (``deferred=False``) not."""
     with monkeypatch.context() as m:
         if not deferred:
-            m.setattr(optimizer_lib.Optimizer, "_takes_product_gradients", lambda self: False)
+            m.setattr(optimizer_lib.Optimizer, "_takes_product_gradients", lambda self, v: False)
         model = _model(optimizer, layers, **dense)
         x, y = _data()
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
@@ -133,7 +133,7 @@ def test_a_weight_used_twice_gets_its_products_summed_before_the_update(monkeypa
     def run(deferred: bool) -> list[np.ndarray]:
         with monkeypatch.context() as m:
             if not deferred:
-                m.setattr(optimizer_lib.Optimizer, "_takes_product_gradients", lambda s: False)
+                m.setattr(optimizer_lib.Optimizer, "_takes_product_gradients", lambda s, v: False)
             pf.random.set_seed(3)
             inputs = pf.keras.Input((HIDDEN,))
             shared = pf.keras.layers.Dense(HIDDEN, activation="relu")
@@ -188,8 +188,9 @@ def test_a_kernel_regularizer_and_a_constraint_still_apply(monkeypatch) -> None:
 
 def test_clipping_a_strategy_or_an_own_apply_never_sees_the_factors(monkeypatch) -> None:
     spy = _Spy(monkeypatch)
+    w = [pf.Variable(np.ones((2, 2), np.float32))]
     clipped = pf.keras.optimizers.SGD(0.05, clipnorm=1.0)
-    assert not clipped._takes_product_gradients()
+    assert not clipped._takes_product_gradients(w)
 
     class OwnApply(pf.keras.optimizers.SGD):
         def apply_gradients(self, grads_and_vars: Any, **kwargs: Any) -> Any:
@@ -198,13 +199,19 @@ def test_clipping_a_strategy_or_an_own_apply_never_sees_the_factors(monkeypatch)
             return super().apply_gradients(pairs, **kwargs)
 
     own = OwnApply(0.05)
-    assert not own._takes_product_gradients()
-    strategy = pf.distribute.MirroredStrategy(["/cpu:0"])
+    assert not own._takes_product_gradients(w)
+    strategy = pf.distribute.MirroredStrategy(["/cpu:0"])  # one replica: the plain update
     with strategy.scope():
-        assert not pf.keras.optimizers.SGD(0.05)._takes_product_gradients()
-    assert pf.keras.optimizers.SGD(0.05)._takes_product_gradients()
+        mirrored = [pf.Variable(np.ones((2, 2), np.float32))]
+        assert not pf.keras.optimizers.SGD(0.05)._takes_product_gradients(mirrored)
+    assert not pf.keras.optimizers.SGD(0.05)._takes_product_gradients(mirrored)
+    assert pf.keras.optimizers.SGD(0.05)._takes_product_gradients(w)
     for opt in (clipped, own):
         _fit(opt, True, monkeypatch)
+    with strategy.scope():  # fit under one mirrored replica: arrays
+        model = _model(pf.keras.optimizers.SGD(0.05))
+    x, y = _data(BATCH * 2)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
     assert spy.taken == [] and spy.made == []
 
 
@@ -289,3 +296,50 @@ def test_a_tape_asked_inside_a_deferring_backward_pass_gets_arrays() -> None:
     tape._gradient_for_update(y, [w])
     assert len(inner) == 1 and type(inner[0]) is pf.Tensor
     np.testing.assert_array_equal(inner[0].numpy(), np.full((IN, HIDDEN), BATCH, np.float32))
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: pf.keras.optimizers.SGD(0.05), lambda: pf.keras.optimizers.Adam(0.001)],
+    ids=["sgd", "adam"],
+)
+def test_mirrored_fit_sums_the_replicas_factors_in_its_fused_update(
+    replicas, make, monkeypatch
+) -> None:
+    """MirroredStrategy's fused reduce-and-update takes each replica's factors and multiplies
+    out its rows of them as it sums: the weights of the written-out path (each row of a
+    product made by another BLAS call: a float32 tolerance), on every copy alike."""
+    from psflow.collective import reduce_update
+    from tests.test_mirrored_training import logical_cpus
+
+    taken: list[tuple[int, ...]] = []
+    real = reduce_update._sum_product_rows
+    monkeypatch.setattr(
+        reduce_update,
+        "_sum_product_rows",
+        lambda products, *a: taken.append(products[0].shape) or real(products, *a),
+    )
+
+    def run(deferred: bool) -> tuple[list[np.ndarray], Any]:
+        with monkeypatch.context() as m:
+            if not deferred:
+                m.setattr(optimizer_lib.Optimizer, "_takes_product_gradients", lambda s, v: False)
+            with logical_cpus(replicas):
+                strategy = pf.distribute.MirroredStrategy()
+                with strategy.scope():
+                    model = _model(make(), layers=2)
+                x, y = _data(BATCH * replicas * 2)
+                model.fit(x, y, batch_size=BATCH * replicas, epochs=2, shuffle=False, verbose=0)
+                return model.get_weights(), model
+
+    got, model = run(True)
+    assert {(IN, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, OUT)} <= set(taken)
+    for v in model.trainable_variables:  # every replica's copy the same, bitwise
+        for copy in v.values[1:]:
+            np.testing.assert_array_equal(copy.numpy(), v.values[0].numpy())
+    taken.clear()
+    want, _ = run(False)
+    assert taken == []
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

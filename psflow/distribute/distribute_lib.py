@@ -262,6 +262,12 @@ class StrategyExtended:
         joined a running group gives it the group's step and slots first).
         """
 
+    def _takes_product_gradients(self, variables: Sequence[Any]) -> bool:
+        """Whether :meth:`apply_update` takes a matrix weight's gradient as its two factors
+        (:class:`~psflow.framework.product_gradient.ProductGradient`) for ``variables``
+        here: no, unless a strategy's update multiplies them out itself."""
+        return False
+
     def apply_update(
         self,
         optimizer: Any,

@@ -47,6 +47,7 @@ from psflow.distribute.values import (
 )
 from psflow.framework import variable as variable_lib
 from psflow.framework.indexed_slices import IndexedSlices
+from psflow.framework.product_gradient import ProductGradient, multiplied_out
 from psflow.framework.tensor import Tensor, to_array
 from psflow.util import nest
 
@@ -313,6 +314,13 @@ class MirroredReplicaContext(distribute_lib.ReplicaContext):
             if g is None:
                 arrays.append(np.zeros(v.values[0]._value.shape, dtype))
                 continue
+            if type(g) is ProductGradient:
+                # factors of this dtype go on (every replica decides alike): the reduce
+                # multiplies out each rank's rows of them while it sums
+                if g.left.dtype == dtype and g.right.dtype == dtype:
+                    arrays.append(g)
+                    continue
+                g = g.dense_array()
             a = g.dense_array() if isinstance(g, IndexedSlices) else to_array(g)
             arrays.append(np.asarray(backend.to_numpy(a), dtype=dtype))
         rule = optimizer.rule
@@ -448,6 +456,7 @@ class MirroredExtended(distribute_lib.StrategyExtended, UpdateGroup):
         path = self._update_path(variables, aggregate)
         if path is _UpdatePath.FUSED:
             return ctx._reduce_and_apply(optimizer, grads, variables, step) > 0
+        grads = [multiplied_out(g) for g in grads]  # only the fused path takes factors
         if path is _UpdatePath.IN_REPLICA:
             return ctx._all_reduce_and_apply(optimizer, grads, variables, step)
         if aggregate:
@@ -463,6 +472,19 @@ class MirroredExtended(distribute_lib.StrategyExtended, UpdateGroup):
             return strategy.extended.apply_update(optimizer, step, list(zip(per_var, vs)))
 
         return bool(ctx.merge_call(merged, args=(grads, variables)))
+
+    def _takes_product_gradients(self, variables: Sequence[Any]) -> bool:
+        """Yes in a replica of several whose update is the fused reduce-and-update: each
+        rank multiplies out its rows of every replica's product as it sums them
+        (:mod:`psflow.collective.reduce_update`)."""
+        ctx = distribute_lib.get_replica_context()
+        strategy = self._container_strategy()
+        return (
+            isinstance(ctx, MirroredReplicaContext)
+            and ctx.strategy is strategy
+            and strategy.num_replicas_in_sync > 1
+            and self._update_path(list(variables), True) is _UpdatePath.FUSED
+        )
 
     def _update_path(self, variables: list[Any], aggregate: bool) -> _UpdatePath:
         """How a replica's update of ``variables`` happens: see :meth:`apply_update`."""

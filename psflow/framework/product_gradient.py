@@ -12,7 +12,8 @@ product's own rows; the update is elementwise).
 
 Only ``Model.train_step`` asks for them, through
 :meth:`psflow.framework.tape.GradientTape._gradient_for_update`, and only for an
-optimizer that takes them; a user's ``tape.gradient`` always gets arrays.
+optimizer that takes them (a local update, or MirroredStrategy's fused
+reduce-and-update of CPU replicas); a user's ``tape.gradient`` always gets arrays.
 """
 
 from __future__ import annotations
@@ -59,3 +60,8 @@ class ProductGradient:
 
             return kernel_pool.matmul(self.left.T, self.right)
         return self.left.T @ self.right
+
+
+def multiplied_out(g: Any) -> Any:
+    """``g`` as an array where it is a :class:`ProductGradient`; any other gradient as it is."""
+    return g.dense_array() if type(g) is ProductGradient else g

@@ -233,7 +233,7 @@ class Model(Layer):
             scale = self._loss_scale(batch_size)
             scaled = math_ops.multiply(loss, scale) if scale != 1.0 else loss
         variables = self.trainable_variables
-        if self.optimizer._takes_product_gradients():
+        if self.optimizer._takes_product_gradients(variables):
             # a dense weight's gradient as its two factors: the optimizer multiplies them out
             # block by block of the weight, updating each block while it is in cache
             grads = tape._gradient_for_update(scaled, variables)

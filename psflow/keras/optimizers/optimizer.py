@@ -9,7 +9,7 @@ group, which applies the very same rule where the value lives.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ from psflow import backend, errors, update_rules
 from psflow.distribute import distribute_lib
 from psflow.distribute.protocols import GroupUpdated, ReplicatedVariable
 from psflow.framework.indexed_slices import IndexedSlices
-from psflow.framework.product_gradient import ProductGradient
+from psflow.framework.product_gradient import ProductGradient, multiplied_out
 from psflow.framework.tensor import Tensor, to_array
 from psflow.framework.variable import Variable
 from psflow.keras.optimizers.learning_rate import LearningRate
@@ -294,11 +294,8 @@ class Optimizer(Trackable):
                     f"{list(v.shape)}"
                 )
         ctx = distribute_lib.get_replica_context()
-        if deferred:  # only a plain variable's own update multiplies one out as it goes
-            take = self._takes_product_gradients()
-            all_pairs = [
-                (g if take and type(v) is Variable else _multiplied_out(g), v) for g, v in all_pairs
-            ]
+        if deferred and not self._takes_product_gradients([v for _, v in all_pairs]):
+            all_pairs = [(multiplied_out(g), v) for g, v in all_pairs]  # none goes further
         if not (ctx is not None and ctx.num_replicas_in_sync > 1 and distribute_lib.has_strategy()):
             pairs = [(g, v) for g, v in all_pairs if g is not None]
             if pairs:
@@ -339,25 +336,31 @@ class Optimizer(Trackable):
             self._iterations = step
         return self.iterations
 
-    def _takes_product_gradients(self) -> bool:
-        """Whether :meth:`apply_gradients` may be handed a :class:`ProductGradient` (a weight's
-        gradient as its two factors) and multiply it out as it updates the weight.
+    def _takes_product_gradients(self, variables: Sequence[Any]) -> bool:
+        """Whether :meth:`apply_gradients` may be handed :class:`ProductGradient` s (a weight's
+        gradient as its two factors) for ``variables``, to multiply out as it updates.
 
-        True for this class's own apply on one replica with no strategy, no clipping
-        (which needs the whole gradient) and an elementwise rule: ``Model.train_step``
-        then asks its tape for them (:meth:`GradientTape._gradient_for_update`). A
-        subclass that replaces ``apply_gradients`` or ``_apply_local`` gets arrays.
+        True for this class's own apply with no clipping (which needs whole gradients)
+        and an elementwise rule, where the update is local (no strategy, every variable
+        in this process) or the strategy's own update takes them
+        (``StrategyExtended._takes_product_gradients``: MirroredStrategy's fused
+        reduce-and-update). ``Model.train_step`` then asks its tape for them
+        (:meth:`GradientTape._gradient_for_update`). A subclass that replaces
+        ``apply_gradients`` or ``_apply_local`` gets arrays.
         """
         cls = type(self)
-        return (
+        if not (
             cls.apply_gradients is Optimizer.apply_gradients
             and cls._apply_local is Optimizer._apply_local
             and self.clipnorm is None
             and self.clipvalue is None
             and self.global_clipnorm is None
-            and not distribute_lib.has_strategy()
             and type(self.rule) in _ELEMENTWISE_RULES
-        )
+        ):
+            return False
+        if not distribute_lib.has_strategy():
+            return all(type(v) is Variable for v in variables)
+        return distribute_lib.get_strategy().extended._takes_product_gradients(variables)
 
     def _clip_present(self, grads: list[Any]) -> list[Any]:
         """Clips the gradients that are not ``None``, keeping the ``None`` ones in place."""
@@ -625,11 +628,6 @@ class _ChunkedUpdates:
             kernel_pool.run_chunks(chunk, bounds)
         for constraint, arr in constraints:
             _constrain(constraint, arr)
-
-
-def _multiplied_out(g: Any) -> Any:
-    """``g``, a :class:`ProductGradient` multiplied out (any other gradient as it is)."""
-    return g.dense_array() if type(g) is ProductGradient else g
 
 
 def _copy_slots(slots: dict[str, Any], saved: dict[str, np.ndarray]) -> None:
