@@ -343,3 +343,25 @@ def test_mirrored_fit_sums_the_replicas_factors_in_its_fused_update(
     assert taken == []
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_minimize_takes_the_factors_and_gives_the_written_out_bits(monkeypatch) -> None:
+    """``optimizer.minimize`` hands its gradients to nobody else: it takes the factors too."""
+    spy = _Spy(monkeypatch)
+    rng = np.random.default_rng(6)
+    x = pf.constant(rng.random((BATCH, IN), dtype=np.float32))
+    start = rng.standard_normal((IN, HIDDEN)).astype(np.float32)
+
+    def run(deferred: bool) -> np.ndarray:
+        with monkeypatch.context() as m:
+            if not deferred:
+                m.setattr(optimizer_lib.Optimizer, "_takes_product_gradients", lambda s, v: False)
+            w = pf.Variable(start.copy())
+            opt = pf.keras.optimizers.SGD(0.01, momentum=0.9)
+            for _ in range(3):
+                opt.minimize(lambda: pf.reduce_sum(pf.nn.relu(pf.matmul(x, w))), [w])
+            return w.numpy()
+
+    got = run(True)
+    assert spy.taken == [(IN, HIDDEN)] * 3
+    np.testing.assert_array_equal(got, run(False))  # the same row cut both ways

@@ -10,7 +10,7 @@ the weight where there were three (the product's write, then the update's reads
 of the weight and the gradient), and the same numbers (each block is the
 product's own rows; the update is elementwise).
 
-Only ``Model.train_step`` asks for them, through
+Only ``Model.train_step`` and ``Optimizer.minimize`` ask for them, through
 :meth:`psflow.framework.tape.GradientTape._gradient_for_update`, and only for an
 optimizer that takes them (a local update, or MirroredStrategy's fused
 reduce-and-update of CPU replicas); a user's ``tape.gradient`` always gets arrays.

@@ -430,7 +430,11 @@ class Optimizer(Trackable):
                 raise errors.InvalidArgumentError("minimize needs a tape when loss is a tensor")
             with GradientTape() as tape:
                 loss = loss()
-        grads = tape.gradient(loss, list(var_list))
+        var_list = list(var_list)
+        if self._takes_product_gradients(var_list):  # the gradients go nowhere but here
+            grads = tape._gradient_for_update(loss, var_list)
+        else:
+            grads = tape.gradient(loss, var_list)
         return self.apply_gradients(zip(grads, var_list))
 
     def __getstate__(self) -> dict[str, Any]:
