@@ -148,12 +148,11 @@ def _sum_product_rows(
     r0, r1 = lo // width, hi // width
     out = summed.reshape(r1 - r0, width)
     with kernel_pool.blas_held_to_one():
-        np.matmul(products[0].left[:, r0:r1].T, products[0].right, out=out)
+        products[0].rows(r0, r1, out=out)
         if len(products) > 1:
             other = spare[: hi - lo].reshape(r1 - r0, width)
             for p in products[1:]:
-                np.matmul(p.left[:, r0:r1].T, p.right, out=other)
-                out += other
+                out += p.rows(r0, r1, out=other)
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from psflow import backend
+
 
 class ProductGradient:
     """The gradient ``left.T @ right`` of a ``(left.shape[1], right.shape[1])`` weight.
@@ -45,10 +47,11 @@ class ProductGradient:
         """The product's dtype."""
         return self.right.dtype
 
-    def rows(self, lo: int, hi: int) -> Any:
-        """Rows ``[lo, hi)`` of the product (on a NumPy array, the caller holds the BLAS to
-        one thread): the product's own values there, bitwise."""
-        return self.left[:, lo:hi].T @ self.right
+    def rows(self, lo: int, hi: int, out: Any = None) -> Any:
+        """Rows ``[lo, hi)`` of the product, into ``out`` if given (on NumPy arrays the caller
+        holds the BLAS to one thread): the product's own values there, bitwise."""
+        xp = backend.xp_of(self.right)
+        return xp.matmul(self.left[:, lo:hi].T, self.right, out=out)
 
     def dense_array(self) -> Any:
         """The whole product, as the tape would have returned it: on NumPy arrays through

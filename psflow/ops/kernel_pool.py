@@ -244,17 +244,27 @@ def _compute_cut(m: int, k: int, n: int, share: int) -> tuple[str, tuple[tuple[i
     flops = 2 * m * n * k
     if k >= 8 * max(m, n):
         # the summation order: kept as it was (partial sums added in chunk order)
-        kind, along = "sum", k
-        parts = min(GEMM_MAX_CHUNKS, flops // GEMM_CHUNK_FLOPS, k // 8)
-    else:
-        kind, along = ("rows", m) if m >= n else ("columns", n)
-        parts = min(GEMM_MAX_CHUNKS, flops // GEMM_CHUNK_FLOPS, along // GEMM_MIN_SPAN)
-        parts //= max(1, share)
-        parts = 1 << (parts.bit_length() - 1) if parts > 1 else 1
+        return "sum", _even(k, min(GEMM_MAX_CHUNKS, flops // GEMM_CHUNK_FLOPS, k // 8))
+    kind, along = ("rows", m) if m >= n else ("columns", n)
+    return kind, _spans(along, flops, share)
+
+
+def _spans(along: int, flops: int, share: int = 1) -> tuple[tuple[int, int], ...]:
+    """``range(along)`` (rows or columns of a product of ``flops``) in a power of two of
+    even chunks, each of at least :data:`GEMM_MIN_SPAN` and :data:`GEMM_CHUNK_FLOPS`,
+    divided among ``share`` products run side by side."""
+    parts = min(GEMM_MAX_CHUNKS, flops // GEMM_CHUNK_FLOPS, along // GEMM_MIN_SPAN)
+    parts //= max(1, share)
+    parts = 1 << (parts.bit_length() - 1) if parts > 1 else 1
+    return _even(along, parts)
+
+
+def _even(along: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """``range(along)`` in ``parts`` chunks (one where ``parts`` is below 2), the last shorter."""
     if parts < 2:
-        return kind, ((0, along),)
+        return ((0, along),)
     step = -(-along // parts)
-    return kind, tuple((lo, min(lo + step, along)) for lo in range(0, along, step))
+    return tuple((lo, min(lo + step, along)) for lo in range(0, along, step))
 
 
 def row_chunks(m: int, k: int, n: int) -> tuple[tuple[int, int], ...]:
@@ -269,10 +279,7 @@ def row_chunks(m: int, k: int, n: int) -> tuple[tuple[int, int], ...]:
         >>> row_chunks(300, 64, 512)
         ((0, 300),)
     """
-    parts = min(GEMM_MAX_CHUNKS, 2 * m * k * n // GEMM_CHUNK_FLOPS, m // GEMM_MIN_SPAN)
-    parts = 1 << (parts.bit_length() - 1) if parts > 1 else 1
-    step = -(-m // parts)
-    return tuple((lo, min(lo + step, m)) for lo in range(0, m, step))
+    return _spans(m, 2 * m * k * n)
 
 
 def matmul(a: Any, b: Any) -> Any:

@@ -280,14 +280,12 @@ class Optimizer(Trackable):
         for g, v in all_pairs:
             if g is None:
                 continue
-            deferred = deferred or type(g) is ProductGradient
-            gshape = (
-                g._dense_shape
-                if isinstance(g, IndexedSlices)
-                else g.shape
-                if type(g) is ProductGradient
-                else to_array(g).shape
-            )
+            if isinstance(g, IndexedSlices):
+                gshape = g._dense_shape
+            elif type(g) is ProductGradient:
+                gshape, deferred = g.shape, True
+            else:
+                gshape = to_array(g).shape
             if tuple(gshape) != _shape_of(v):
                 raise errors.InvalidArgumentError(
                     f"Gradient of shape {list(gshape)} does not match variable {v.name} of shape "
@@ -526,35 +524,15 @@ class _ChunkedUpdates:
         """Takes the update of ``arr`` (then its constraint) into the batch; False where it
         does not apply (another rule or array type, a small or non-contiguous variable, one
         kernel thread): the caller then applies the rule to the whole array itself."""
-        if (
-            type(rule) not in _ELEMENTWISE_RULES
-            or type(arr) is not np.ndarray
-            or arr.nbytes < CHUNKED_UPDATE_MIN_BYTES
-            or kernel_pool.width() < 2
-        ):
-            return False
         arrays = (arr, grad, *slots.values())
-        for a in arrays:
-            if (
-                type(a) is not np.ndarray
-                or a.shape != arr.shape
-                or a.dtype != arr.dtype
-                or not a.flags.c_contiguous
-            ):
-                return False  # the whole-array path checks (and names) what is wrong
-        # checked once here, so that each chunk runs the rule's formula alone (the chunks
-        # are slices of arrays of one shape and dtype: nothing a chunk could find wrong)
-        rule._check_slots(arr, slots, step)
-        if id(arr) in self._taken:  # the same variable twice: its first update lands first
-            self.run()
-        self._taken.add(id(arr))
+        if kernel_pool.width() < 2 or not _chunkable(rule, arrays):
+            return False
+        self._take(rule, arr, slots, step, constraint)
         flat = tuple(a.reshape(-1) for a in arrays)  # views: contiguous arrays reshape in place
         names = tuple(slots)
         per_item = sum(a.itemsize for a in arrays)
         for lo, hi in kernel_pool.chunk_bounds(arr.size, per_item, CHUNKED_UPDATE_CHUNK_BYTES):
             self._tasks.append((rule, flat, names, step, lo, hi, None))
-        if constraint is not None:
-            self._constraints.append((constraint, arr))
         return True
 
     def add_product(
@@ -575,37 +553,39 @@ class _ChunkedUpdates:
         Unlike :meth:`add`, one kernel thread is enough: the gain is the passes over
         memory that the chunks save, not the threads."""
         left, right = grad.left, grad.right
-        if (
-            type(rule) not in _ELEMENTWISE_RULES
-            or type(arr) is not np.ndarray
-            or arr.nbytes < CHUNKED_UPDATE_MIN_BYTES
-            or type(left) is not np.ndarray
-            or type(right) is not np.ndarray
-            or left.dtype != arr.dtype
-            or right.dtype != arr.dtype
-            or grad.shape != arr.shape
+        if not (
+            _chunkable(rule, (arr, *slots.values()))
+            and type(left) is np.ndarray
+            and type(right) is np.ndarray
+            and left.dtype == arr.dtype == right.dtype
+            and grad.shape == arr.shape
         ):
             return False
-        for a in (arr, *slots.values()):
-            if (
-                type(a) is not np.ndarray
-                or a.shape != arr.shape
-                or a.dtype != arr.dtype
-                or not a.flags.c_contiguous
-            ):
-                return False
-        rule._check_slots(arr, slots, step)
-        if id(arr) in self._taken:
-            self.run()
-        self._taken.add(id(arr))
+        self._take(rule, arr, slots, step, constraint)
         flat = (arr.reshape(-1), None, *(a.reshape(-1) for a in slots.values()))
         names = tuple(slots)
         m, n = arr.shape
         for lo, hi in kernel_pool.row_chunks(m, left.shape[0], n):
             self._tasks.append((rule, flat, names, step, lo * n, hi * n, (grad, lo, hi)))
+        return True
+
+    def _take(
+        self,
+        rule: update_rules.UpdateRule,
+        arr: Any,
+        slots: dict[str, Any],
+        step: int,
+        constraint: Any,
+    ) -> None:
+        """Enters ``arr``'s update (and its constraint) into the batch, its checks done."""
+        # checked once here, so that each chunk runs the rule's formula alone (the chunks
+        # are slices of arrays of one shape and dtype: nothing a chunk could find wrong)
+        rule._check_slots(arr, slots, step)
+        if id(arr) in self._taken:  # the same variable twice: its first update lands first
+            self.run()
+        self._taken.add(id(arr))
         if constraint is not None:
             self._constraints.append((constraint, arr))
-        return True
 
     def run(self) -> None:
         """Applies every update taken, then their constraints (in the order taken); empties
@@ -632,6 +612,26 @@ class _ChunkedUpdates:
             kernel_pool.run_chunks(chunk, bounds)
         for constraint, arr in constraints:
             _constrain(constraint, arr)
+
+
+def _chunkable(rule: update_rules.UpdateRule, arrays: tuple[Any, ...]) -> bool:
+    """Whether an update of ``arrays[0]`` with the rest (its gradient, its slots) can run in
+    chunks: an elementwise rule, a large NumPy variable, and every array C-contiguous of its
+    shape and dtype (else the whole-array path checks, and names, what is wrong)."""
+    arr = arrays[0]
+    if (
+        type(rule) not in _ELEMENTWISE_RULES
+        or type(arr) is not np.ndarray
+        or arr.nbytes < CHUNKED_UPDATE_MIN_BYTES
+    ):
+        return False
+    return all(
+        type(a) is np.ndarray
+        and a.shape == arr.shape
+        and a.dtype == arr.dtype
+        and a.flags.c_contiguous
+        for a in arrays
+    )
 
 
 def _copy_slots(slots: dict[str, Any], saved: dict[str, np.ndarray]) -> None:
