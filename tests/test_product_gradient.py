@@ -365,3 +365,22 @@ def test_minimize_takes_the_factors_and_gives_the_written_out_bits(monkeypatch) 
     got = run(True)
     assert spy.taken == [(IN, HIDDEN)] * 3
     np.testing.assert_array_equal(got, run(False))  # the same row cut both ways
+
+
+def test_a_learning_rate_that_changes_every_step_gives_the_written_out_bits(monkeypatch) -> None:
+    """A schedule makes a new rule every step: each step's chunks use that step's rate."""
+    spy = _Spy(monkeypatch)
+
+    def make() -> Any:
+        schedule = pf.keras.optimizers.schedules.ExponentialDecay(
+            0.1, decay_steps=1, decay_rate=0.5
+        )
+        return pf.keras.optimizers.SGD(schedule, momentum=0.5)
+
+    got = _fit(make(), True, monkeypatch)
+    assert len(spy.taken) == 8  # 4 steps a epoch, 2 epochs
+    want = _fit(make(), False, monkeypatch)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    still = _fit(pf.keras.optimizers.SGD(0.1, momentum=0.5), True, monkeypatch)
+    assert not np.array_equal(got[0], still[0])  # the schedule did change the steps
