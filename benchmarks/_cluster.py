@@ -5,11 +5,16 @@ namespace "a" and the workers in "b", so every push and pull crosses the veth
 link as it would cross hosts; the caller (the chief) must then run in "b".
 
 Every process is started with a bounded wait for readiness and killed and
-reaped by :meth:`Processes.close` (also on errors, through ``with``).
+reaped by :meth:`Processes.close` (also on errors, through ``with``). A killed
+psflow process cannot remove its shared-memory segments (a PS's mirrors, a
+client's push buffers: megabytes of RAM each under ``/dev/shm``), so ``close``
+removes those of every psflow process that no longer runs, as a PS does when it
+starts; so does this process's exit, for children a benchmark killed itself.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -21,6 +26,7 @@ import sys
 import _netns
 
 from psflow import launch
+from psflow.transport import shm
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -124,7 +130,7 @@ class Processes:
         return ready
 
     def close(self) -> None:
-        """Kills and reaps every child."""
+        """Kills and reaps every child, then removes the shared-memory segments they left."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
@@ -134,6 +140,7 @@ class Processes:
             if proc.stdout:
                 proc.stdout.close()
         self.procs.clear()
+        shm.remove_stale()
 
 
 def psflow_cluster(
@@ -218,3 +225,7 @@ def tf_cluster(
                 timeout=180,
             )
     return spec
+
+
+# children a benchmark killed without Processes (its own PS or chief): their segments too
+atexit.register(shm.remove_stale)
