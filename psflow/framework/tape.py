@@ -328,8 +328,7 @@ class GradientTape:
                 g = grads.get(key) if key in keep else grads.pop(key, None)
                 if g is None:
                     continue
-                if type(g) is IndexedSlices or type(g) is ProductGradient:
-                    g = g.dense_array()
+                g = _dense(g)
                 if len(in_ids) == 1:  # unrolled: most ops have one input
                     gx = backward(g, needs)[0]
                     if gx is not None and needs[0]:

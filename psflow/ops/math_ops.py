@@ -548,7 +548,7 @@ def _matmul_2d(x: Any, y: Any, A: Any, B: Any) -> Tensor:
     """
     if A.dtype.kind != "f":
         return out(A @ B, (x, y))
-    mm = kernel_pool.matmul if xp(A) is np else _product
+    mm = multiplier(A)
     z = mm(A, B)
 
     def backward(g: Any, needs: tuple[bool, ...]) -> tuple[Any, Any]:
@@ -572,6 +572,12 @@ def matmul_grads(g: Any, a: Any, w: Any, needs: tuple[bool, ...], mm: Any) -> tu
         gx, gw = kernel_pool.matmuls([(g, w.T), (a.T, g)])
         return gx, gw
     return (mm(g, w.T) if needs[0] else None, mm(a.T, g) if needs[1] else None)
+
+
+def multiplier(a: Any) -> Any:
+    """The product function for matrices like ``a``: the kernel threads' for NumPy arrays
+    (cut by shape: the same bits on any thread count), ``@`` for others (CuPy's)."""
+    return kernel_pool.matmul if xp(a) is np else _product
 
 
 def _product(a: Any, b: Any) -> Any:

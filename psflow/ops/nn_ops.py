@@ -59,8 +59,7 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
         if b.dtype != a.dtype or b.shape != (w.shape[1],):
             return None
         inputs = (xn, kn, bn)
-    # NumPy products go through the kernel threads (cut by shape: the same bits on any count)
-    mm = kernel_pool.matmul if xp(a) is np else _product
+    mm = math_ops.multiplier(a)
     if mm is kernel_pool.matmul:  # the sum and ReLU on each chunk, by the thread that made it
         z = kernel_pool.dense(a, w, b if bias is not None else None, relu)
     else:
@@ -79,10 +78,6 @@ def dense(x: Any, kernel: Any, bias: Any = None, relu: bool = False) -> Tensor |
         return grads
 
     return out(z, inputs, backward)
-
-
-def _product(a: Any, b: Any) -> Any:
-    return a @ b
 
 
 def relu6(features: Any, name: str | None = None) -> Tensor:
